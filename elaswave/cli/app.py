@@ -1,0 +1,212 @@
+"""The ``elaswave`` command line: thin commands over library functions.
+
+Errors a user can cause print one line on stderr and exit non-zero; ``--json`` sits next to every
+table.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from elaswave.errors import ConfigError, ElasWaveError, FaultSpecError
+
+app = typer.Typer(
+    name="elaswave",
+    help="Elastic-native training: survive crashes in place, inspect, inject faults, report MTTR.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+out = Console()
+err = Console(stderr=True)
+
+
+def _fail(exc: ElasWaveError) -> typer.Exit:
+    err.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
+    return typer.Exit(exc.exit_code)
+
+
+@app.command()
+def launch(
+    config: Path | None = typer.Argument(None, help="Job config YAML (defaults apply without one)."),
+    nproc_per_node: int | None = typer.Option(None, "--nproc-per-node", help="Workers on this host."),
+    nnodes: str | None = typer.Option(None, "--nnodes", help="Hosts: N or MIN:MAX."),
+    etcd: str | None = typer.Option(None, "--etcd", help="host:port[,host:port]; default: embedded etcd."),
+    etcd_port: int | None = typer.Option(None, "--etcd-port", help="Client port of the embedded etcd."),
+    job_id: str | None = typer.Option(None, "--job-id"),
+    run_dir: Path | None = typer.Option(None, "--run-dir", help="Default runs/<job-id>."),
+    steps: int | None = typer.Option(None, "--steps"),
+    max_restarts: int | None = typer.Option(None, "--max-restarts", help="Respawns of crashed workers."),
+    fault: list[str] = typer.Option([], "--fault", help="e.g. kill,rank=1,at_step=15 (repeatable)."),
+    host_id: str | None = typer.Option(None, "--host-id"),
+    host_addr: str | None = typer.Option(None, "--host-addr", help="Address peers reach this host on."),
+    quiet: bool = typer.Option(False, "--quiet", help="No MTTR summary at the end."),
+) -> None:
+    """Run a job on this host in the foreground (one launch per host)."""
+    from elaswave.config import load_config
+    from elaswave.daemon.launch import launch as run_launch
+    from elaswave.faults import FaultSpec
+    from elaswave.report import build_report, render_markdown
+
+    try:
+        overrides: dict[str, Any] = {
+            "job_id": job_id,
+            "run_dir": str(run_dir) if run_dir else None,
+            "etcd": [e for e in etcd.split(",") if e.strip()] if etcd else None,
+            "etcd_port": etcd_port,
+            "host_id": host_id,
+            "elastic.nproc_per_node": nproc_per_node,
+            "elastic.nnodes": nnodes,
+            "elastic.max_restarts": max_restarts,
+            "train.steps": steps,
+        }
+        if fault:
+            try:
+                overrides["faults"] = [FaultSpec.parse(f) for f in fault]
+            except FaultSpecError as exc:
+                raise ConfigError(str(exc)) from None
+        cfg = load_config(config, overrides=overrides)
+        if cfg.etcd:
+            from elaswave.daemon.etcd import parse_endpoints
+
+            parse_endpoints(cfg.etcd)
+        start = time.time()
+        code = run_launch(cfg, host_addr=host_addr)
+    except ElasWaveError as exc:
+        raise _fail(exc) from None
+    if code == 0 and not quiet:
+        report = build_report(cfg.resolved_run_dir)
+        out.print(render_markdown(report), highlight=False)
+        out.print(f"run directory: {cfg.resolved_run_dir}  ({time.time() - start:.1f} s)")
+    raise typer.Exit(code)
+
+
+@app.command()
+def status(
+    job_id: str = typer.Option("elaswave", "--job-id"),
+    etcd: str | None = typer.Option(None, "--etcd", help="Default: the job's embedded etcd."),
+    as_json: bool = typer.Option(False, "--json"),
+    watch: bool = typer.Option(False, "--watch", help="Refresh every second until Ctrl-C."),
+) -> None:
+    """Membership, ranks, epoch, step, throughput and recent incidents of a running job."""
+    from elaswave.cli.jobs import job_status
+
+    while True:
+        try:
+            st = job_status(job_id, etcd)
+        except ElasWaveError as exc:
+            raise _fail(exc) from None
+        if as_json:
+            out.print_json(json.dumps(st))
+        else:
+            _print_status(st)
+        if not watch:
+            return
+        time.sleep(1.0)
+
+
+def _print_status(st: dict[str, Any]) -> None:
+    prog = st["progress"] or {}
+    head = (
+        f"job [bold]{st['job_id']}[/bold]  epoch {st['epoch']}  world {st['world_size']}  "
+        f"leader {st['leader']}  step {prog.get('step', 0)}/{prog.get('total_steps', '?')}  "
+        f"loss {prog.get('loss', float('nan')):.4f}  {prog.get('samples_per_s', 0.0):.1f} samples/s"
+    )
+    if st["done"]:
+        head += "  [green]done[/green]"
+    out.print(head)
+    table = Table("rank", "worker", "host", "pid", "micro-batches", "state")
+    for m in st["members"]:
+        table.add_row(
+            str(m["rank"]), m["worker"], m["host"], str(m["pid"] or "–"), str(m["microbatches"]),
+            "[green]alive[/green]" if m["alive"] else "[red]gone[/red]",
+        )
+    for wid in st["standby"]:
+        table.add_row("–", wid, "", "", "0", "standby")
+    out.print(table)
+    for inc in st["incidents"][-5:]:
+        out.print(f"  {time.strftime('%H:%M:%S', time.localtime(inc['t']))}  {inc['reason']}", highlight=False)
+
+
+@app.command("inject-fault")
+def inject_fault_cmd(
+    job_id: str = typer.Option("elaswave", "--job-id"),
+    kind: str = typer.Option(..., "--kind", help="kill"),
+    rank: int | None = typer.Option(None, "--rank"),
+    at_step: int | None = typer.Option(None, "--at-step", help="Fire while this step is in flight."),
+    etcd: str | None = typer.Option(None, "--etcd"),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Inject a fault through etcd; the daemon that owns the target carries it out."""
+    from elaswave.cli.jobs import inject_fault
+    from elaswave.faults import FaultSpec
+
+    try:
+        spec = FaultSpec.from_dict(
+            {k: v for k, v in {"kind": kind, "rank": rank, "at_step": at_step}.items() if v is not None},
+            source="fault",
+        )
+        result = inject_fault(job_id, etcd, spec)
+    except ElasWaveError as exc:
+        raise _fail(exc) from None
+    if as_json:
+        out.print_json(json.dumps(result))
+    else:
+        out.print(f"fault {spec.describe()} → {result['target']} (epoch {result['epoch']}) submitted")
+
+
+@app.command()
+def report(
+    job_id: str | None = typer.Option(None, "--job-id"),
+    run_dir: Path | None = typer.Option(None, "--run-dir"),
+    fmt: str = typer.Option("md", "--format", help="json | csv | md"),
+    out_file: Path | None = typer.Option(None, "--out"),
+) -> None:
+    """MTTR report of a run: one row per incident with its phases, plus run totals."""
+    from elaswave.report import build_report, render
+
+    try:
+        if fmt not in ("json", "csv", "md"):
+            raise ConfigError(f"unknown --format {fmt!r}: use json, csv or md")
+        directory = _report_dir(job_id, run_dir)
+        text = render(build_report(directory), fmt)
+    except ElasWaveError as exc:
+        raise _fail(exc) from None
+    if out_file:
+        out_file.write_text(text)
+    else:
+        sys.stdout.write(text)
+
+
+def _report_dir(job_id: str | None, run_dir: Path | None) -> Path:
+    from elaswave.daemon.launch import find_job
+    from elaswave.errors import JobNotFound
+
+    if run_dir is not None:
+        directory = run_dir
+    elif job_id is not None:
+        try:
+            directory = Path(find_job(job_id)["run_dir"])
+        except JobNotFound:
+            directory = Path("runs") / job_id
+    else:
+        raise ConfigError("give --run-dir DIR or --job-id ID")
+    if not (directory / "events.jsonl").exists():
+        raise ElasWaveError(f"no run found at {directory} (missing events.jsonl)")
+    return directory
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

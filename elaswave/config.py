@@ -1,0 +1,334 @@
+"""Typed job configuration and its one loader.
+
+Precedence, lowest to highest: dataclass defaults < YAML file < ``ELASWAVE_*`` environment <
+command-line flags. Environment names are ``ELASWAVE_<SECTION>__<FIELD>`` for section fields
+(``ELASWAVE_TRAIN__STEPS=40``) and ``ELASWAVE_<FIELD>`` for top-level ones (``ELASWAVE_JOB_ID``).
+This module is the only place that reads ``os.environ``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from elaswave.errors import ConfigError, FaultSpecError
+from elaswave.faults import FaultSpec
+
+ENV_PREFIX = "ELASWAVE_"
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """The GPT workload: an ordered list of layers (embedding, blocks, head)."""
+
+    vocab_size: int = 256
+    seq_len: int = 64
+    n_layer: int = 2
+    n_head: int = 4
+    d_model: int = 128
+    dropout: float = 0.1
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model"):
+            _positive(f"model.{name}", getattr(self, name))
+        if self.d_model % self.n_head:
+            raise ConfigError(
+                f"model.d_model ({self.d_model}) must be divisible by model.n_head ({self.n_head})"
+            )
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout}")
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    """Where samples come from. ``synthetic`` is seeded and needs no files."""
+
+    source: str = "synthetic"  # "synthetic" | "tokens"
+    path: str | None = None  # flat uint16/uint32 token file for source=tokens
+    dtype: str = "uint16"
+    num_samples: int = 8192  # synthetic data set size
+
+    def __post_init__(self) -> None:
+        if self.source not in ("synthetic", "tokens"):
+            raise ConfigError(f"data.source must be 'synthetic' or 'tokens', got {self.source!r}")
+        if self.source == "tokens" and not self.path:
+            raise ConfigError("data.source=tokens needs data.path (a flat .bin token file)")
+        if self.dtype not in ("uint16", "uint32"):
+            raise ConfigError(f"data.dtype must be 'uint16' or 'uint32', got {self.dtype!r}")
+        _positive("data.num_samples", self.num_samples)
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """The optimisation problem. ``global_batch`` is fixed whatever the membership does."""
+
+    steps: int = 40
+    global_batch: int = 32
+    micro_batch_size: int = 2
+    lr: float = 3e-3
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    seed: int = 1234
+    # Gradients are accumulated and reduced in this dtype. float64 makes the sum insensitive to
+    # how micro-batches are spread over ranks, so losses match the fault-free run.
+    reduce_dtype: str = "float64"
+    threads_per_worker: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "global_batch", "micro_batch_size", "threads_per_worker"):
+            _positive(f"train.{name}", getattr(self, name))
+        if self.global_batch % self.micro_batch_size:
+            raise ConfigError(
+                f"train.global_batch ({self.global_batch}) must be a multiple of "
+                f"train.micro_batch_size ({self.micro_batch_size})"
+            )
+        if self.reduce_dtype not in ("float32", "float64"):
+            raise ConfigError(f"train.reduce_dtype must be float32 or float64, got {self.reduce_dtype!r}")
+        if self.lr <= 0:
+            raise ConfigError(f"train.lr must be > 0, got {self.lr}")
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.global_batch // self.micro_batch_size
+
+
+@dataclass(kw_only=True)
+class ElasticConfig:
+    """Membership: how many workers, how many hosts, and the respawn policy."""
+
+    nproc_per_node: int = 4
+    nnodes: str = "1:1"  # MIN:MAX hosts; a single number means MIN=MAX
+    max_restarts: int = 0  # respawns of crashed workers per host (0 = continue without them)
+    min_workers: int = 1  # below this many live workers the job stops
+
+    def __post_init__(self) -> None:
+        _positive("elastic.nproc_per_node", self.nproc_per_node)
+        _positive("elastic.min_workers", self.min_workers)
+        if self.max_restarts < 0:
+            raise ConfigError(f"elastic.max_restarts must be >= 0, got {self.max_restarts}")
+        self.nnodes_range  # validates  # noqa: B018
+
+    @property
+    def nnodes_range(self) -> tuple[int, int]:
+        m = re.fullmatch(r"\s*(\d+)\s*(?::\s*(\d+)\s*)?", str(self.nnodes))
+        if not m:
+            raise ConfigError(f"elastic.nnodes must be N or MIN:MAX, got {self.nnodes!r}")
+        lo = int(m.group(1))
+        hi = int(m.group(2)) if m.group(2) else lo
+        if lo < 1 or hi < lo:
+            raise ConfigError(f"elastic.nnodes needs 1 <= MIN <= MAX, got {self.nnodes!r}")
+        return lo, hi
+
+
+@dataclass(kw_only=True)
+class Timeouts:
+    """Every blocking call's limit, in seconds. Tests shorten them; nothing waits forever."""
+
+    etcd_connect: float = 5.0
+    lease_ttl: int = 5  # host lease; a host silent this long is considered gone
+    rendezvous: float = 60.0  # initial membership and each process-group build
+    collective: float = 120.0  # one collective (a hang is caught earlier by the daemon)
+    plan_wait: float = 60.0  # a worker waiting for the plan that follows an error
+    shutdown_grace: float = 5.0  # SIGTERM -> SIGKILL
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            if getattr(self, f.name) <= 0:
+                raise ConfigError(f"timeouts.{f.name} must be > 0, got {getattr(self, f.name)}")
+
+
+@dataclass(kw_only=True)
+class JobConfig:
+    """Everything a job needs. Build it with :func:`load_config`."""
+
+    job_id: str = "elaswave"
+    run_dir: str | None = None  # default runs/<job_id>
+    etcd: list[str] = field(default_factory=list)  # empty: start an embedded etcd
+    etcd_port: int = 0  # embedded etcd client port (0 = any free port)
+    host_id: str | None = None  # default: hostname-pid
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    elastic: ElasticConfig = field(default_factory=ElasticConfig)
+    timeouts: Timeouts = field(default_factory=Timeouts)
+    faults: list[FaultSpec] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", self.job_id):
+            raise ConfigError(f"job_id must be 1-64 of [A-Za-z0-9_.-], got {self.job_id!r}")
+        if not 0 <= self.etcd_port < 65536:
+            raise ConfigError(f"etcd_port must be in 0..65535, got {self.etcd_port}")
+        _, max_nodes = self.elastic.nnodes_range
+        most = self.elastic.nproc_per_node * max_nodes
+        if most > self.train.num_microbatches:
+            raise ConfigError(
+                f"inconsistent sizes: up to {most} workers but only "
+                f"{self.train.num_microbatches} micro-batches (global_batch "
+                f"{self.train.global_batch} / micro_batch_size {self.train.micro_batch_size})"
+            )
+        for fault in self.faults:
+            if fault.at_step is not None and fault.at_step > self.train.steps:
+                raise ConfigError(
+                    f"fault '{fault.describe()}' is after the last step ({self.train.steps})"
+                )
+            if fault.rank is not None and fault.rank >= most:
+                raise ConfigError(
+                    f"fault '{fault.describe()}': rank out of range (job has ranks 0..{most - 1})"
+                )
+
+    @property
+    def resolved_run_dir(self) -> Path:
+        return Path(self.run_dir) if self.run_dir else Path("runs") / self.job_id
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["faults"] = [f.to_dict() for f in self.faults]
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> JobConfig:
+        """Build from a plain mapping (YAML/JSON); unknown keys are errors."""
+        return _build(cls, dict(data), "")
+
+
+def load_config(
+    path: str | os.PathLike[str] | None = None,
+    *,
+    overrides: Mapping[str, Any] | None = None,
+    env: Mapping[str, str] | None = None,
+) -> JobConfig:
+    """Defaults < YAML at ``path`` < ``ELASWAVE_*`` env < ``overrides`` (dotted keys: ``train.steps``)."""
+    merged: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p}")
+        try:
+            loaded = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{p}: not valid YAML ({_first_line(exc)})") from None
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{p}: top level must be a mapping")
+        merged = loaded
+    env = os.environ if env is None else env
+    for key, raw in sorted(env.items()):
+        if not key.startswith(ENV_PREFIX) or key in _NOT_CONFIG_ENV:
+            continue
+        dotted = key[len(ENV_PREFIX) :].lower().replace("__", ".")
+        _set_dotted(merged, dotted, yaml.safe_load(raw) if raw else raw)
+    for dotted, value in (overrides or {}).items():
+        if value is not None:
+            _set_dotted(merged, dotted, value)
+    return JobConfig.from_dict(merged)
+
+
+# Environment variables that are not config fields (read by :func:`state_dir`).
+_NOT_CONFIG_ENV = {"ELASWAVE_STATE_DIR", "ELASWAVE_ETCD_USER", "ELASWAVE_ETCD_PASSWORD"}
+
+
+def state_dir(env: Mapping[str, str] | None = None) -> Path:
+    """Per-user directory where running jobs leave their discovery files."""
+    env = os.environ if env is None else env
+    if env.get("ELASWAVE_STATE_DIR"):
+        return Path(env["ELASWAVE_STATE_DIR"])
+    base = env.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "elaswave"
+
+
+def _set_dotted(target: dict[str, Any], dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    node = target
+    for part in parents:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"config key {part!r} is not a section")
+        node = child
+    node[leaf] = value
+
+
+def _build(cls: type, data: dict[str, Any], where: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ConfigError(
+            f"unknown config key {where + unknown[0]!r} (known: {', '.join(sorted(names))})"
+        )
+    kwargs: dict[str, Any] = {}
+    for name, value in data.items():
+        kwargs[name] = _coerce(value, hints[name], where + name)
+    try:
+        return cls(**kwargs)
+    except FaultSpecError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None:
+            return None
+        return _coerce(value, args[0], key)
+    if tp is FaultSpec:
+        if isinstance(value, FaultSpec):
+            return value
+        try:
+            if isinstance(value, str):
+                return FaultSpec.parse(value)
+            if isinstance(value, dict):
+                return FaultSpec.from_dict(value, source=f"fault spec {key}")
+        except FaultSpecError as exc:
+            raise ConfigError(str(exc)) from None
+        raise ConfigError(f"config key {key!r} must be a fault spec")
+    if dataclasses.is_dataclass(tp) and isinstance(tp, type):
+        if not isinstance(value, dict):
+            raise ConfigError(f"config key {key!r} must be a section (mapping)")
+        return _build(tp, value, key + ".")
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        if isinstance(value, str):
+            sep = ";" if item_tp is FaultSpec else ","
+            value = [v for v in value.split(sep) if v.strip()]
+        if not isinstance(value, list):
+            raise ConfigError(f"config key {key!r} must be a list")
+        return [_coerce(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"config key {key!r} must be true or false, got {value!r}")
+    if tp in (int, float):
+        if isinstance(value, bool):
+            raise ConfigError(f"config key {key!r} must be a number, got {value!r}")
+        try:
+            number = tp(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"config key {key!r} must be a number, got {value!r}") from None
+        if tp is int and isinstance(value, float) and value != int(value):
+            raise ConfigError(f"config key {key!r} must be an integer, got {value!r}")
+        return number
+    if tp is str:
+        if isinstance(value, dict | list):
+            raise ConfigError(f"config key {key!r} must be a string")
+        return str(value)
+    return value
+
+
+def _positive(name: str, value: int) -> None:
+    if value <= 0:
+        raise ConfigError(f"{name} must be > 0, got {value}")
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

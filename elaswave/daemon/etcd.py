@@ -1,0 +1,177 @@
+"""A small asyncio etcd v3 client for what ElasWave needs: leases, CAS, prefix reads and watches.
+
+Wraps ``aetcd`` (the maintained asyncio fork of python-etcd3). Every call has a timeout; failing
+to reach etcd raises :class:`EtcdUnavailable` with a one-line message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # silence gRPC fork-handler chatter
+import aetcd  # noqa: E402
+
+from elaswave.errors import EtcdUnavailable
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class KV:
+    key: str
+    value: bytes
+    create_revision: int
+    mod_revision: int
+
+    def json(self) -> Any:
+        return json.loads(self.value)
+
+
+@dataclass(frozen=True)
+class WatchEvent:
+    kind: str  # "put" | "delete"
+    key: str
+    value: bytes
+    create_revision: int
+    mod_revision: int
+
+
+def parse_endpoints(text: str | list[str]) -> list[tuple[str, int]]:
+    """``"h1:2379,h2:2379"`` (or a list) → ``[(h1, 2379), (h2, 2379)]``; bad input is a one-line error."""
+    items = text if isinstance(text, list) else [t for t in text.split(",") if t.strip()]
+    out = []
+    for item in items:
+        item = item.strip().removeprefix("http://")
+        host, sep, port = item.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise EtcdUnavailable(f"bad etcd endpoint {item!r}: expected host:port")
+        out.append((host, int(port)))
+    if not out:
+        raise EtcdUnavailable("no etcd endpoint given")
+    return out
+
+
+class Etcd:
+    """One connection to an etcd cluster, to the first endpoint that answers."""
+
+    def __init__(self, client: aetcd.Client, endpoint: str, op_timeout: float) -> None:
+        self._client = client
+        self.endpoint = endpoint
+        self.op_timeout = op_timeout
+
+    @classmethod
+    async def connect(cls, endpoints: str | list[str], *, timeout: float = 5.0) -> Etcd:
+        errors = []
+        for host, port in parse_endpoints(endpoints):
+            client = aetcd.Client(host=host, port=port, timeout=max(1, int(timeout)))
+            try:
+                await asyncio.wait_for(client.get(b"/elaswave/ping"), timeout)
+                return cls(client, f"{host}:{port}", timeout)
+            except (asyncio.TimeoutError, aetcd.exceptions.ClientError, OSError) as exc:
+                errors.append(f"{host}:{port} ({type(exc).__name__})")
+                with contextlib.suppress(Exception):
+                    await client.close()
+        raise EtcdUnavailable(f"cannot reach etcd at {', '.join(errors)} within {timeout:g}s")
+
+    async def _call(self, coro: Any) -> Any:
+        try:
+            return await asyncio.wait_for(coro, self.op_timeout)
+        except asyncio.TimeoutError:
+            raise EtcdUnavailable(f"etcd at {self.endpoint} did not answer within {self.op_timeout:g}s") from None
+        except aetcd.exceptions.ConnectionFailedError:
+            raise EtcdUnavailable(f"lost the connection to etcd at {self.endpoint}") from None
+
+    async def get(self, key: str) -> KV | None:
+        r = await self._call(self._client.get(key.encode()))
+        if r is None:
+            return None
+        return KV(key, r.value, r.create_revision, r.mod_revision)
+
+    async def get_prefix(self, prefix: str) -> list[KV]:
+        r = await self._call(self._client.get_prefix(prefix.encode()))
+        return [KV(kv.key.decode(), kv.value, kv.create_revision, kv.mod_revision) for kv in r]
+
+    async def put(self, key: str, value: bytes | str, *, lease: Any = None) -> int:
+        data = value.encode() if isinstance(value, str) else value
+        r = await self._call(self._client.put(key.encode(), data, lease=lease))
+        return int(r.header.revision)
+
+    async def put_json(self, key: str, value: Any, *, lease: Any = None) -> int:
+        return await self.put(key, json.dumps(value, sort_keys=True), lease=lease)
+
+    async def delete(self, key: str) -> None:
+        await self._call(self._client.delete(key.encode()))
+
+    async def delete_prefix(self, prefix: str) -> None:
+        await self._call(self._client.delete_prefix(prefix.encode()))
+
+    async def create(self, key: str, value: bytes | str, *, lease: Any = None) -> bool:
+        """Put ``key`` only if it does not exist. True if this call created it."""
+        data = value.encode() if isinstance(value, str) else value
+        tx = self._client.transactions
+        ok, _ = await self._call(
+            self._client.transaction(
+                compare=[tx.create(key.encode()) == 0],
+                success=[tx.put(key.encode(), data, lease=lease)],
+                failure=[],
+            )
+        )
+        return bool(ok)
+
+    async def compare_and_put(self, key: str, value: bytes | str, *, mod_revision: int) -> bool:
+        """Put ``key`` only if its mod revision is still ``mod_revision`` (0: key absent)."""
+        data = value.encode() if isinstance(value, str) else value
+        tx = self._client.transactions
+        ok, _ = await self._call(
+            self._client.transaction(
+                compare=[tx.mod(key.encode()) == mod_revision],
+                success=[tx.put(key.encode(), data)],
+                failure=[],
+            )
+        )
+        return bool(ok)
+
+    async def lease(self, ttl: int) -> Any:
+        return await self._call(self._client.lease(ttl))
+
+    async def keep_alive(self, lease: Any, ttl: int, on_lost: Any = None) -> None:
+        """Refresh ``lease`` every ttl/3 seconds until cancelled; call ``on_lost`` if it expires."""
+        while True:
+            await asyncio.sleep(max(0.2, ttl / 3))
+            try:
+                r = await self._call(lease.refresh())
+                if getattr(r, "TTL", 1) <= 0 and on_lost is not None:
+                    on_lost()
+                    return
+            except EtcdUnavailable as exc:
+                log.warning("lease keep-alive failed: %s", exc)
+
+    async def watch_prefix(self, prefix: str, *, start_revision: int | None = None) -> AsyncIterator[WatchEvent]:
+        """Yield put/delete events under ``prefix`` (from ``start_revision`` if given)."""
+        watch = await self._call(
+            self._client.watch_prefix(prefix.encode(), start_revision=start_revision)
+        )
+        try:
+            async for ev in watch:
+                kind = "put" if str(ev.kind).upper().endswith("PUT") else "delete"
+                yield WatchEvent(
+                    kind, ev.kv.key.decode(), ev.kv.value, ev.kv.create_revision, ev.kv.mod_revision
+                )
+        finally:
+            with contextlib.suppress(Exception):
+                await watch.cancel()
+
+    async def revision(self) -> int:
+        r = await self._call(self._client.get_prefix(b"/elaswave/ping", keys_only=True))
+        return int(r.header.revision)
+
+    async def close(self) -> None:
+        with contextlib.suppress(Exception):
+            await self._client.close()

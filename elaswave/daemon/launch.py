@@ -1,0 +1,104 @@
+"""``elaswave launch``: embedded etcd (if needed) + this host's daemon, in the foreground.
+
+A discovery file ``<state dir>/jobs/<job_id>.json`` lets ``status``, ``inject-fault`` and ``report``
+find a job on this machine by its id alone; it is removed when the launch ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+from pathlib import Path
+
+from elaswave.config import JobConfig, state_dir
+from elaswave.daemon.etcd_server import EmbeddedEtcd, check_port_free
+from elaswave.daemon.supervisor import HostDaemon
+from elaswave.errors import ElasWaveError, JobNotFound
+
+log = logging.getLogger(__name__)
+
+
+def discovery_path(job_id: str) -> Path:
+    return state_dir() / "jobs" / f"{job_id}.json"
+
+
+def find_job(job_id: str) -> dict:
+    """The discovery record of a job launched on this machine, if its launcher is alive."""
+    path = discovery_path(job_id)
+    if not path.exists():
+        raise JobNotFound(f"no running job {job_id!r} on this machine (give --etcd to look elsewhere)")
+    record = json.loads(path.read_text())
+    try:
+        os.kill(int(record["pid"]), 0)
+    except (ProcessLookupError, ValueError):
+        path.unlink(missing_ok=True)
+        raise JobNotFound(f"job {job_id!r} is no longer running (stale record removed)") from None
+    except PermissionError:
+        pass
+    return record
+
+
+def launch(cfg: JobConfig, *, host_addr: str | None = None) -> int:
+    run_dir = cfg.resolved_run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    _log_to(run_dir / "daemon.log")
+    embedded: EmbeddedEtcd | None = None
+    endpoints = list(cfg.etcd)
+    disc = discovery_path(cfg.job_id)
+    if disc.exists():
+        try:
+            find_job(cfg.job_id)
+        except JobNotFound:
+            pass
+        else:
+            if not endpoints:
+                raise ElasWaveError(f"job {cfg.job_id!r} is already running on this machine")
+    try:
+        if not endpoints:
+            if cfg.etcd_port:
+                check_port_free(cfg.etcd_port)
+            embedded = EmbeddedEtcd(client_port=cfg.etcd_port).start()
+            endpoints = [embedded.endpoint]
+        daemon = HostDaemon(cfg, etcd_endpoints=endpoints, host_addr=host_addr)
+        owns_record = not disc.exists()
+        if owns_record:
+            disc.parent.mkdir(parents=True, exist_ok=True)
+            disc.write_text(
+                json.dumps(
+                    {
+                        "job_id": cfg.job_id,
+                        "etcd": endpoints,
+                        "run_dir": str(run_dir.resolve()),
+                        "pid": os.getpid(),
+                        "host_id": daemon.host_id,
+                    }
+                )
+            )
+        try:
+            return asyncio.run(_run(daemon))
+        finally:
+            if owns_record:
+                disc.unlink(missing_ok=True)
+    finally:
+        if embedded is not None:
+            embedded.stop()
+
+
+async def _run(daemon: HostDaemon) -> int:
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, daemon.request_stop, sig)
+    return await daemon.run()
+
+
+def _log_to(path: Path) -> None:
+    root = logging.getLogger("elaswave")
+    if any(isinstance(h, logging.FileHandler) and h.baseFilename == str(path.resolve()) for h in root.handlers):
+        return
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)

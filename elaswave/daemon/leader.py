@@ -1,0 +1,146 @@
+"""Leader election and plan publication.
+
+Every daemon campaigns by creating the leader key under its host lease; the winner computes plans
+(a pure function, :func:`elaswave.plan.next_plan`) on every membership change and publishes each
+with a compare-and-set on the plan key's revision, so two leaders can never publish two plans for
+one epoch. If the leader's host goes away its lease expires, the key vanishes, and the others
+campaign again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from elaswave.plan import Member, Plan, next_plan
+
+if TYPE_CHECKING:
+    from elaswave.daemon.supervisor import HostDaemon
+
+log = logging.getLogger(__name__)
+
+MAX_INCIDENTS = 20
+
+
+async def campaign(d: HostDaemon) -> None:
+    """Win the election (or wait for the current leader to go), then lead until stopped."""
+    while not d.stopping:
+        if await d.etcd.create(d.keys.leader, d.host_id, lease=d.lease):
+            d.is_leader = True
+            d.events.emit("leader_elected", host=d.host_id)
+            await Planner(d).run()
+            return
+        await _wait_for_key_gone(d, d.keys.leader)
+
+
+async def _wait_for_key_gone(d: HostDaemon, key: str) -> None:
+    rev = await d.etcd.revision()
+    if await d.etcd.get(key) is None:
+        return
+    async for ev in d.etcd.watch_prefix(key, start_revision=rev + 1):
+        if ev.key == key and ev.kind == "delete":
+            return
+
+
+class Planner:
+    def __init__(self, d: HostDaemon) -> None:
+        self.d = d
+        self.changed = asyncio.Event()
+        cfg = d.cfg
+        lo, hi = cfg.elastic.nnodes_range
+        self.expected = lo * cfg.elastic.nproc_per_node
+        self.max_workers = hi * cfg.elastic.nproc_per_node
+        self.num_microbatches = cfg.train.num_microbatches
+
+    async def run(self) -> None:
+        d = self.d
+        rev = await d.etcd.revision()
+        watcher = asyncio.create_task(self._watch(rev + 1))
+        try:
+            current, plan_rev = await self._read_plan()
+            if current is None:
+                await self._await_initial_members()
+            while not d.stopping:
+                self.changed.clear()
+                members, causes = await self._read_members()
+                plan = next_plan(
+                    current,
+                    members,
+                    num_microbatches=self.num_microbatches,
+                    max_workers=self.max_workers,
+                    store=d.store_address,
+                    now=time.time(),
+                    cause=causes,
+                )
+                if plan is not None:
+                    if await d.etcd.compare_and_put(d.keys.plan, plan.to_json(), mod_revision=plan_rev):
+                        d.events.emit(
+                            "plan_published",
+                            epoch=plan.epoch,
+                            world=plan.world_size,
+                            workers=list(plan.workers),
+                            microbatches=list(plan.microbatches),
+                            departed=list(plan.departed),
+                            reason=plan.reason,
+                        )
+                        await self._record_incident(plan, bool(causes))
+                        if current is None:
+                            await d.submit_config_faults()
+                    current, plan_rev = await self._read_plan()
+                    continue  # re-check: membership may have moved while we published
+                await self.changed.wait()
+        finally:
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await watcher
+
+    async def _watch(self, start_revision: int) -> None:
+        async for _ in self.d.etcd.watch_prefix(self.d.keys.workers, start_revision=start_revision):
+            self.changed.set()
+
+    async def _read_plan(self) -> tuple[Plan | None, int]:
+        kv = await self.d.etcd.get(self.d.keys.plan)
+        if kv is None:
+            return None, 0
+        return Plan.from_json(kv.value), kv.mod_revision
+
+    async def _read_members(self) -> tuple[list[Member], str]:
+        d = self.d
+        members = []
+        for kv in await d.etcd.get_prefix(d.keys.workers):
+            info = kv.json()
+            members.append(Member(worker_id=info["worker_id"], host=info["host"], order=kv.create_revision))
+        causes = []
+        for kv in await d.etcd.get_prefix(d.keys.prefix + "departures/"):
+            causes.append(kv.value.decode())
+            await d.etcd.delete(kv.key)
+        return members, "; ".join(causes)
+
+    async def _await_initial_members(self) -> None:
+        """Initial rendezvous: wait for MIN hosts' workers, or the rendezvous timeout."""
+        d = self.d
+        deadline = time.monotonic() + d.cfg.timeouts.rendezvous
+        while not d.stopping:
+            members, _ = await self._read_members()
+            if len(members) >= self.expected:
+                return
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                if len(members) >= d.cfg.elastic.min_workers:
+                    return
+                deadline = time.monotonic() + d.cfg.timeouts.rendezvous
+                continue
+            self.changed.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.changed.wait(), remaining)
+
+    async def _record_incident(self, plan: Plan, is_incident: bool) -> None:
+        d = self.d
+        kv = await d.etcd.get(d.keys.incidents)
+        incidents = json.loads(kv.value) if kv else []
+        incidents.append({"t": plan.created, "epoch": plan.epoch, "reason": plan.reason, "fault": is_incident})
+        await d.etcd.put_json(d.keys.incidents, incidents[-MAX_INCIDENTS:])

@@ -1,0 +1,358 @@
+"""The per-host supervisor daemon (asyncio).
+
+It registers its host under an etcd lease, campaigns for leadership, spawns and supervises one
+worker per device, relays plans and faults to them over the control channel, turns every worker
+exit into an event and a membership change within milliseconds, and writes the run directory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from elaswave.config import JobConfig
+from elaswave.daemon import leader
+from elaswave.daemon.control import ControlServer, WorkerConn
+from elaswave.daemon.etcd import Etcd
+from elaswave.daemon.workers import WorkerProc, spawn, stop_all
+from elaswave.errors import ElasWaveError, JobFailed
+from elaswave.events import EVENTS_FILE, METRICS_FILE, EventLog, JsonlWriter
+from elaswave.faults import FaultSpec
+from elaswave.keys import JobKeys
+from elaswave.plan import Plan
+
+log = logging.getLogger(__name__)
+
+
+def default_host_id() -> str:
+    return f"{socket.gethostname().split('.')[0]}-{os.getpid()}"
+
+
+def host_address_for(etcd_endpoint: str) -> str:
+    """The local address peers can reach us on: the one our traffic to etcd leaves from."""
+    host = etcd_endpoint.rpartition(":")[0]
+    if host in ("127.0.0.1", "localhost", "::1"):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host, 9))
+        return str(s.getsockname()[0])
+
+
+class HostDaemon:
+    def __init__(self, cfg: JobConfig, *, etcd_endpoints: list[str], host_addr: str | None = None):
+        self.cfg = cfg
+        self.endpoints = etcd_endpoints
+        self.host_id = cfg.host_id or default_host_id()
+        self.host_addr = host_addr or host_address_for(etcd_endpoints[0])
+        self.keys = JobKeys(cfg.job_id)
+        self.run_dir = cfg.resolved_run_dir
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.events = EventLog(self.run_dir / EVENTS_FILE)
+        self.metrics = JsonlWriter(self.run_dir / METRICS_FILE)
+        self.etcd: Etcd = None  # type: ignore[assignment]  # set in run()
+        self.lease: Any = None
+        self.store: Any = None
+        self.store_address = ""
+        self.control = ControlServer(self._on_message, self._on_disconnect)
+        self.workers: dict[str, WorkerProc] = {}
+        self.conns: dict[str, WorkerConn] = {}
+        self.plan: Plan | None = None
+        self.is_leader = False
+        self.stopping = False
+        self.restarts_used = 0
+        self.last_metric_step = 0
+        self.commit_times: list[tuple[float, int]] = []
+        self.final_step = 0
+        self._finished = asyncio.Event()
+        self._pending_faults: dict[str, FaultSpec] = {}
+        self._tasks: list[asyncio.Task[Any]] = []
+        self.signal_received: int | None = None
+
+    # ---- lifecycle --------------------------------------------------------------------------
+    async def run(self) -> int:
+        """Run until the job ends on this host; returns the process exit code."""
+        self.etcd = await Etcd.connect(self.endpoints, timeout=self.cfg.timeouts.etcd_connect)
+        try:
+            await self._join()
+            self._tasks = [
+                asyncio.create_task(self._keep_alive(), name="keep-alive"),
+                asyncio.create_task(leader.campaign(self), name="leader"),
+                asyncio.create_task(self._watch_plans(), name="plans"),
+                asyncio.create_task(self._watch_faults(), name="faults"),
+            ]
+            for slot in range(self.cfg.elastic.nproc_per_node):
+                await self._spawn(slot, 0)
+            waiter = asyncio.create_task(self._finished.wait())
+            done, _ = await asyncio.wait([waiter, *self._tasks], return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                if task is not waiter and task.exception() is not None:
+                    raise task.exception()  # type: ignore[misc]
+            return await self._finish()
+        finally:
+            await self._cleanup()
+
+    def request_stop(self, signum: int) -> None:
+        self.signal_received = signum
+        self.stopping = True
+        self.events.emit("shutdown_requested", host=self.host_id, signal=signal.Signals(signum).name)
+        self._finished.set()
+
+    async def _join(self) -> None:
+        import torch.distributed as dist  # heavy import: only the daemon's store needs it
+
+        live_hosts = await self.etcd.get_prefix(self.keys.hosts)
+        if not live_hosts:
+            # Nobody is running this job: whatever is left under its prefix is stale.
+            await self.etcd.delete_prefix(self.keys.prefix)
+        self.lease = await self.etcd.lease(self.cfg.timeouts.lease_ttl)
+        self.store = dist.TCPStore(self.host_addr, 0, is_master=True, wait_for_workers=False)
+        self.store_address = f"{self.host_addr}:{self.store.port}"
+        await self.control.start()
+        info = {
+            "host": self.host_id,
+            "addr": self.host_addr,
+            "pid": os.getpid(),
+            "nproc": self.cfg.elastic.nproc_per_node,
+            "run_dir": str(self.run_dir.resolve()),
+            "store": self.store_address,
+            "started": time.time(),
+        }
+        if not await self.etcd.create(self.keys.host(self.host_id), json.dumps(info), lease=self.lease):
+            raise ElasWaveError(f"host id {self.host_id!r} is already registered in job {self.cfg.job_id!r}")
+        self.events.emit("host_joined", host=self.host_id, addr=self.host_addr, job=self.cfg.job_id)
+
+    async def _keep_alive(self) -> None:
+        await self.etcd.keep_alive(self.lease, self.cfg.timeouts.lease_ttl)
+
+    async def _finish(self) -> int:
+        if self.signal_received is not None:
+            return 128 + self.signal_received
+        done = [w for w in self.workers.values() if w.done]
+        if done:
+            self.events.emit("job_done", host=self.host_id, step=self.final_step)
+            with contextlib.suppress(Exception):
+                await self.etcd.put_json(self.keys.done, {"step": self.final_step, "t": time.time()})
+            return 0
+        raise JobFailed(f"job {self.cfg.job_id!r} failed on host {self.host_id}: every worker was lost")
+
+    async def _cleanup(self) -> None:
+        self.stopping = True
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(BaseException):
+                await task
+        await stop_all(list(self.workers.values()), self.cfg.timeouts.shutdown_grace)
+        for w in self.workers.values():
+            if w.waiter is not None:
+                with contextlib.suppress(BaseException):
+                    await asyncio.wait_for(w.waiter, 1.0)
+        await self.control.stop()
+        if self.etcd is not None:
+            with contextlib.suppress(Exception):
+                if self.lease is not None:
+                    await self.lease.revoke()
+            with contextlib.suppress(Exception):
+                if not await self.etcd.get_prefix(self.keys.hosts):
+                    await self.etcd.delete_prefix(self.keys.prefix)  # last one out: no stale keys
+            await self.etcd.close()
+        self.events.close()
+        self.metrics.close()
+
+    # ---- workers ----------------------------------------------------------------------------
+    async def _spawn(self, slot: int, incarnation: int) -> WorkerProc:
+        w = await spawn(
+            host_id=self.host_id,
+            slot=slot,
+            incarnation=incarnation,
+            control_path=self.control.path,
+            log_dir=self.run_dir / "logs",
+        )
+        self.workers[w.worker_id] = w
+        w.waiter = asyncio.create_task(self._watch_exit(w))
+        self.events.emit("worker_spawned", host=self.host_id, worker=w.worker_id, pid=w.pid, incarnation=incarnation)
+        return w
+
+    async def _watch_exit(self, w: WorkerProc) -> None:
+        w.exit_code = await w.proc.wait()
+        if w.done or w.stopping or self.stopping:
+            self._check_finished()
+            return
+        rank = self.plan.rank_of(w.worker_id) if self.plan else None
+        reason = f"worker {w.worker_id} (rank {rank}) {w.describe_exit()}"
+        self.events.emit(
+            "worker_exit",
+            host=self.host_id,
+            worker=w.worker_id,
+            rank=rank,
+            pid=w.pid,
+            exit_code=w.exit_code,
+            reason=reason,
+        )
+        with contextlib.suppress(Exception):
+            await self.etcd.put(self.keys.prefix + "departures/" + w.worker_id, reason, lease=self.lease)
+            await self.etcd.delete(self.keys.worker(w.worker_id))
+        if self.restarts_used < self.cfg.elastic.max_restarts and not self.stopping:
+            self.restarts_used += 1
+            nw = await self._spawn(w.slot, w.incarnation + 1)
+            self.events.emit("worker_respawned", host=self.host_id, worker=nw.worker_id, replaces=w.worker_id)
+        self._check_finished()
+
+    def _check_finished(self) -> None:
+        if all(w.proc.returncode is not None for w in self.workers.values()):
+            self._finished.set()
+        elif any(w.done for w in self.workers.values()) and not any(
+            self.plan and self.plan.rank_of(w.worker_id) is not None and not w.done
+            for w in self.workers.values()
+            if w.proc.returncode is None
+        ):
+            # Every planned worker here finished; stop standbys that were never needed.
+            self._finished.set()
+
+    # ---- control channel --------------------------------------------------------------------
+    async def _on_message(self, conn: WorkerConn, msg: dict[str, Any]) -> None:
+        kind = msg["type"]
+        wid = conn.worker_id
+        w = self.workers.get(wid or "")
+        if kind == "hello":
+            if w is None:
+                conn.send({"type": "stop"})
+                return
+            self.conns[w.worker_id] = conn
+            conn.send({"type": "config", "config": self.cfg.to_dict(), "host_addr": self.host_addr})
+        elif w is None:
+            return
+        elif kind == "ready":
+            w.ready = True
+            info = {"worker_id": w.worker_id, "host": self.host_id, "pid": w.pid, "slot": w.slot}
+            await self.etcd.put_json(self.keys.worker(w.worker_id), info, lease=self.lease)
+            self.events.emit("worker_ready", host=self.host_id, worker=w.worker_id, pid=w.pid)
+            if self.plan is not None:
+                conn.send({"type": "plan", "plan": self.plan.to_json()})
+        elif kind == "event":
+            event = dict(msg.get("event") or {})
+            event.setdefault("worker", w.worker_id)
+            event["host"] = self.host_id
+            self.events.write(event)
+        elif kind == "commit":
+            await self._record_commit(msg)
+        elif kind == "done":
+            w.done = True
+            self.final_step = max(self.final_step, int(msg.get("step", 0)))
+
+    def _on_disconnect(self, conn: WorkerConn) -> None:
+        if conn.worker_id and self.conns.get(conn.worker_id) is conn:
+            del self.conns[conn.worker_id]
+
+    async def _record_commit(self, msg: dict[str, Any]) -> None:
+        step = int(msg["step"])
+        if step <= self.last_metric_step:
+            return  # a re-report after recovery: already recorded
+        self.last_metric_step = step
+        self.final_step = max(self.final_step, step)
+        record = {
+            "step": step,
+            "loss": msg["loss"],
+            "epoch": msg["epoch"],
+            "world_size": msg["world"],
+            "samples": msg["samples"],
+            "step_seconds": msg.get("step_seconds"),
+            "time": msg["t"],
+        }
+        self.metrics.write(record)
+        self.commit_times.append((float(msg["t"]), int(msg["samples"])))
+        self.commit_times = self.commit_times[-20:]
+        rate = 0.0
+        if len(self.commit_times) >= 2:
+            (t0, s0), (t1, s1) = self.commit_times[0], self.commit_times[-1]
+            rate = (s1 - s0) / max(t1 - t0, 1e-9)
+        progress = {**record, "samples_per_s": rate, "total_steps": self.cfg.train.steps}
+        with contextlib.suppress(Exception):
+            await self.etcd.put_json(self.keys.progress, progress)
+
+    # ---- plans and faults -------------------------------------------------------------------
+    async def _watch_plans(self) -> None:
+        rev = await self.etcd.revision()
+        kv = await self.etcd.get(self.keys.plan)
+        if kv is not None:
+            self._adopt(Plan.from_json(kv.value))
+        async for ev in self.etcd.watch_prefix(self.keys.plan, start_revision=rev + 1):
+            if ev.key == self.keys.plan and ev.kind == "put":
+                self._adopt(Plan.from_json(ev.value))
+
+    def _adopt(self, plan: Plan) -> None:
+        if self.plan is not None and plan.epoch <= self.plan.epoch:
+            return
+        self.plan = plan
+        msg = {"type": "plan", "plan": plan.to_json()}
+        for wid, conn in list(self.conns.items()):
+            if self.workers.get(wid) and self.workers[wid].ready:
+                conn.send(msg)
+        self._dispatch_faults()
+
+    async def _watch_faults(self) -> None:
+        rev = await self.etcd.revision()
+        for kv in await self.etcd.get_prefix(self.keys.faults):
+            self._queue_fault(kv.key, kv.value)
+        async for ev in self.etcd.watch_prefix(self.keys.faults, start_revision=rev + 1):
+            if ev.kind == "put":
+                self._queue_fault(ev.key, ev.value)
+
+    def _queue_fault(self, key: str, value: bytes) -> None:
+        try:
+            self._pending_faults[key] = FaultSpec.from_dict(json.loads(value))
+        except (ElasWaveError, ValueError) as exc:
+            self.events.emit("fault_rejected", key=key, reason=str(exc))
+            return
+        self._dispatch_faults()
+
+    def _dispatch_faults(self) -> None:
+        if self.plan is None:
+            return
+        for key, fault in list(self._pending_faults.items()):
+            assert fault.rank is not None
+            if fault.rank >= self.plan.world_size:
+                if self.is_leader:
+                    del self._pending_faults[key]
+                    self.events.emit("fault_rejected", fault=fault.to_dict(), reason="rank out of range")
+                    asyncio.create_task(self.etcd.delete(key))
+                continue
+            target = self.plan.workers[fault.rank]
+            w = self.workers.get(target)
+            if w is None:
+                del self._pending_faults[key]  # another host's worker: its daemon handles it
+                continue
+            del self._pending_faults[key]
+            asyncio.create_task(self.etcd.delete(key))
+            self.events.emit("fault_requested", fault=fault.to_dict(), worker=target, host=self.host_id)
+            if fault.at_step is None:
+                self.events.emit(
+                    "fault_injected", fault=fault.to_dict(), worker=target, rank=fault.rank, pid=w.pid
+                )
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(w.pid, signal.SIGKILL)
+            else:
+                conn = self.conns.get(target)
+                if conn is not None:
+                    conn.send({"type": "fault", "fault": fault.to_dict()})
+
+    async def submit_config_faults(self) -> None:
+        for fault in self.cfg.faults:
+            await submit_fault(self.etcd, self.keys, fault)
+
+
+async def submit_fault(etcd: Etcd, keys: JobKeys, fault: FaultSpec) -> str:
+    fault_id = f"{time.time_ns()}-{uuid.uuid4().hex[:8]}"
+    await etcd.put_json(keys.fault(fault_id), fault.to_dict())
+    return fault_id
+
+

@@ -1,0 +1,94 @@
+"""Worker processes as the daemon sees them: spawn, watch for exit, stop."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from elaswave.daemon import procs
+
+
+@dataclass
+class WorkerProc:
+    worker_id: str
+    slot: int  # local device index on this host
+    incarnation: int
+    proc: asyncio.subprocess.Process
+    log_path: Path
+    ready: bool = False
+    done: bool = False
+    stopping: bool = False
+    exit_code: int | None = None
+    waiter: asyncio.Task[None] | None = field(default=None, repr=False)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def describe_exit(self) -> str:
+        code = self.exit_code
+        if code is None:
+            return "running"
+        if code < 0:
+            try:
+                return f"killed by {signal.Signals(-code).name}"
+            except ValueError:
+                return f"killed by signal {-code}"
+        return f"exit code {code}"
+
+
+def worker_id(host_id: str, slot: int, incarnation: int) -> str:
+    base = f"{host_id}.w{slot}"
+    return base if incarnation == 0 else f"{base}.r{incarnation}"
+
+
+async def spawn(
+    *, host_id: str, slot: int, incarnation: int, control_path: str, log_dir: Path
+) -> WorkerProc:
+    wid = worker_id(host_id, slot, incarnation)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / f"{wid}.log"
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    with open(log_path, "ab") as logf:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "elaswave.runtime.worker",
+            "--control",
+            control_path,
+            "--worker-id",
+            wid,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=logf,
+            stderr=logf,
+            env=env,
+            preexec_fn=procs.die_with_parent,
+        )
+    return WorkerProc(worker_id=wid, slot=slot, incarnation=incarnation, proc=proc, log_path=log_path)
+
+
+async def stop_all(workers: list[WorkerProc], grace: float) -> None:
+    """SIGTERM everyone, wait up to ``grace``, SIGKILL the rest; tolerate the already dead."""
+    live = [w for w in workers if w.proc.returncode is None]
+    for w in live:
+        w.stopping = True
+        try:
+            w.proc.terminate()
+        except ProcessLookupError:
+            pass
+    if not live:
+        return
+    done, pending = await asyncio.wait([asyncio.ensure_future(w.proc.wait()) for w in live], timeout=grace)
+    for w in live:
+        if w.proc.returncode is None:
+            try:
+                w.proc.kill()
+            except ProcessLookupError:
+                pass
+    if pending:
+        await asyncio.wait(pending, timeout=grace)

@@ -1,0 +1,37 @@
+"""Errors shared by the CLI, the daemon and the runtime.
+
+Every error a user can cause derives from :class:`ElasWaveError`; the CLI turns it into a single
+line on stderr and a non-zero exit code. Anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+
+class ElasWaveError(Exception):
+    """A user-facing error: its message is one line that says what to fix."""
+
+    exit_code = 2
+
+
+class ConfigError(ElasWaveError):
+    """The job configuration (file, environment or flags) is invalid."""
+
+
+class FaultSpecError(ElasWaveError):
+    """A fault specification could not be parsed or does not fit the job."""
+
+
+class EtcdUnavailable(ElasWaveError):
+    """The membership store could not be reached within its timeout."""
+
+    exit_code = 3
+
+
+class JobNotFound(ElasWaveError):
+    """No job with the given id is known to this machine or to etcd."""
+
+
+class JobFailed(ElasWaveError):
+    """The job ended without committing all of its steps."""
+
+    exit_code = 1

@@ -1,0 +1,153 @@
+"""Plans: the layout every worker follows during one epoch, and the pure function that makes them.
+
+A plan is a pure function of (previous plan, live membership, config). The leader daemon computes
+it on every membership change, bumps the epoch and publishes it with a compare-and-set; workers
+apply it at a step boundary (or at once, after a collective error). Nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass(frozen=True, kw_only=True)
+class Member:
+    """A live worker as registered in etcd."""
+
+    worker_id: str
+    host: str
+    order: int  # etcd create revision of its registration: earlier joiners get lower ranks
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Member:
+        return cls(worker_id=data["worker_id"], host=data["host"], order=int(data["order"]))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """Who does what during one epoch.
+
+    ``workers[r]`` is the worker with rank ``r``; ``microbatches[r]`` how many of the step's
+    micro-batches it computes (contiguous ids, in rank order). The sum is always the configured
+    number of micro-batches, so the global batch never changes.
+    """
+
+    epoch: int
+    workers: tuple[str, ...]
+    hosts: tuple[str, ...]
+    microbatches: tuple[int, ...]
+    store: str  # host:port of the rendezvous store for this epoch's process groups
+    reason: str = ""
+    created: float = 0.0
+    departed: tuple[str, ...] = field(default=())  # workers of the previous plan not in this one
+
+    @property
+    def world_size(self) -> int:
+        return len(self.workers)
+
+    def rank_of(self, worker_id: str) -> int | None:
+        try:
+            return self.workers.index(worker_id)
+        except ValueError:
+            return None
+
+    def microbatch_range(self, rank: int) -> range:
+        start = sum(self.microbatches[:rank])
+        return range(start, start + self.microbatches[rank])
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Plan:
+        d = json.loads(text)
+        return cls(
+            epoch=int(d["epoch"]),
+            workers=tuple(d["workers"]),
+            hosts=tuple(d["hosts"]),
+            microbatches=tuple(int(x) for x in d["microbatches"]),
+            store=d["store"],
+            reason=d.get("reason", ""),
+            created=float(d.get("created", 0.0)),
+            departed=tuple(d.get("departed", ())),
+        )
+
+
+def assign_microbatches(total: int, weights: Sequence[float]) -> tuple[int, ...]:
+    """Split ``total`` micro-batches over ranks proportionally to ``weights`` (largest remainder).
+
+    Deterministic: ties go to the lower rank. Every rank with a positive weight gets at least one
+    micro-batch when ``total`` allows it.
+    """
+    if not weights:
+        raise ValueError("no ranks to assign micro-batches to")
+    if any(w < 0 for w in weights) or sum(weights) <= 0:
+        raise ValueError(f"weights must be >= 0 with a positive sum, got {list(weights)}")
+    scale = sum(weights)
+    exact = [total * w / scale for w in weights]
+    counts = [int(x) for x in exact]
+    by_remainder = sorted(range(len(weights)), key=lambda r: (-(exact[r] - counts[r]), r))
+    for r in by_remainder[: total - sum(counts)]:
+        counts[r] += 1
+    # Guarantee a share to every positive-weight rank, taking from the largest (stable).
+    for r, w in enumerate(weights):
+        if w > 0 and counts[r] == 0:
+            donor = max(range(len(counts)), key=lambda i: (counts[i], -i))
+            if counts[donor] > 1:
+                counts[donor] -= 1
+                counts[r] += 1
+    return tuple(counts)
+
+
+def order_members(prev: Plan | None, members: Sequence[Member]) -> list[Member]:
+    """Rank order: survivors keep their relative order, newcomers follow in join order."""
+    live = {m.worker_id: m for m in members}
+    kept = [live[w] for w in (prev.workers if prev else ()) if w in live]
+    kept_ids = {m.worker_id for m in kept}
+    newcomers = sorted((m for m in members if m.worker_id not in kept_ids), key=lambda m: m.order)
+    return kept + newcomers
+
+
+def next_plan(
+    prev: Plan | None,
+    members: Sequence[Member],
+    *,
+    num_microbatches: int,
+    max_workers: int,
+    store: str,
+    now: float,
+    cause: str = "",
+) -> Plan | None:
+    """The plan that follows ``prev`` for this membership, or ``None`` if nothing changes.
+
+    At most ``max_workers`` are admitted (extra workers wait as standbys). The reason string says
+    what changed and why, for ``status`` and the report.
+    """
+    ordered = order_members(prev, members)[: min(max_workers, num_microbatches)]
+    if not ordered:
+        return None
+    workers = tuple(m.worker_id for m in ordered)
+    if prev is not None and workers == prev.workers:
+        return None
+    counts = assign_microbatches(num_microbatches, [1.0] * len(workers))
+    departed = tuple(w for w in (prev.workers if prev else ()) if w not in workers)
+    epoch = (prev.epoch if prev else 0) + 1
+    if prev is None:
+        change = f"start: dp {len(workers)}"
+    else:
+        change = f"dp {prev.world_size}→{len(workers)}"
+    reason = f"epoch {epoch}: {change}, micro-batches {num_microbatches} → {list(counts)}"
+    if cause:
+        reason = f"{cause} → {reason}"
+    return Plan(
+        epoch=epoch,
+        workers=workers,
+        hosts=tuple(m.host for m in ordered),
+        microbatches=counts,
+        store=store,
+        reason=reason,
+        created=now,
+        departed=departed,
+    )

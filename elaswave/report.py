@@ -1,0 +1,172 @@
+"""The MTTR report, computed by replaying a run directory's ``events.jsonl`` and ``metrics.jsonl``.
+
+An incident starts at the fault (``fault_injected``; for an unplanned crash, its detection) and
+ends at the first step committed under the plan that answered it. Its phases:
+
+detection  fault → the daemon saw the worker exit
+plan       detection → the leader published the next epoch
+comm       plan → the last rank rebuilt its process groups
+state      comm → the last rank agreed on the resume step and received any missing state
+redo       state → the first committed step after the change (the redone in-flight step)
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import statistics
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from elaswave.events import EVENTS_FILE, METRICS_FILE, read_jsonl
+
+PHASES = ("detection_s", "plan_s", "comm_s", "state_s", "redo_s")
+
+
+def build_report(run_dir: str | Path) -> dict[str, Any]:
+    run_dir = Path(run_dir)
+    events = sorted(read_jsonl(run_dir / EVENTS_FILE), key=lambda e: e.get("t", 0.0))
+    metrics = list(read_jsonl(run_dir / METRICS_FILE))
+    plans = [e for e in events if e["kind"] == "plan_published"]
+    incidents = []
+    used_exits: set[int] = set()
+    for i, ev in enumerate(events):
+        if ev["kind"] == "fault_injected":
+            exit_ev = _first(events[i:], lambda e: e["kind"] == "worker_exit" and e.get("worker") == ev.get("worker"))
+            if exit_ev is not None:
+                used_exits.add(id(exit_ev))
+            incidents.append(_incident(ev, exit_ev, ev.get("worker"), events, plans, metrics))
+    for ev in events:
+        if ev["kind"] == "worker_exit" and id(ev) not in used_exits:
+            incidents.append(_incident(None, ev, ev.get("worker"), events, plans, metrics))
+    incidents.sort(key=lambda x: x["fault_t"])
+    for n, inc in enumerate(incidents, 1):
+        inc["id"] = n
+    return {"run_dir": str(run_dir), "incidents": incidents, "totals": _totals(events, metrics, incidents)}
+
+
+def _first(items: list[dict[str, Any]], pred: Any) -> dict[str, Any] | None:
+    return next((e for e in items if pred(e)), None)
+
+
+def _incident(
+    fault: dict[str, Any] | None,
+    exit_ev: dict[str, Any] | None,
+    worker: str | None,
+    events: list[dict[str, Any]],
+    plans: list[dict[str, Any]],
+    metrics: list[dict[str, Any]],
+) -> dict[str, Any]:
+    start = fault or exit_ev
+    assert start is not None
+    t0 = start["t"]
+    detected = exit_ev["t"] if exit_ev else None
+    plan = _first(plans, lambda p: p["t"] >= t0 and worker in p.get("departed", []))
+    inc: dict[str, Any] = {
+        "kind": (fault or {}).get("fault", {}).get("kind", "crash"),
+        "worker": worker,
+        "rank": start.get("rank"),
+        "fault_step": start.get("step"),
+        "fault_t": t0,
+        "reason": plan["reason"] if plan else (exit_ev or {}).get("reason", ""),
+        "epoch": plan["epoch"] if plan else None,
+        "world_after": plan["world"] if plan else None,
+    }
+    phases: dict[str, float | None] = dict.fromkeys(PHASES)
+    commit = None
+    if plan is not None:
+        epoch = plan["epoch"]
+        comm = [e for e in events if e["kind"] == "comm_rebuilt" and e.get("epoch") == epoch]
+        state = [e for e in events if e["kind"] == "state_synced" and e.get("epoch") == epoch]
+        commit = _first(metrics, lambda m: m.get("epoch", 0) >= epoch and m["time"] >= plan["t"])
+        t_comm = max((e["t"] for e in comm), default=None)
+        t_state = max((e["t"] for e in state), default=None)
+        marks = [t0, detected, plan["t"], t_comm, t_state, commit["time"] if commit else None]
+        for name, a, b in zip(PHASES, marks, marks[1:]):
+            phases[name] = round(b - a, 6) if a is not None and b is not None else None
+        inc["comm_rebuild_max_s"] = max((e.get("seconds", 0.0) for e in comm), default=None)
+        inc["state_bytes"] = sum(e.get("bytes", 0) for e in state)
+        inc["state_resume_step"] = state[0].get("resume_step") if state else None
+    inc.update(phases)
+    inc["first_commit_step"] = commit["step"] if commit else None
+    inc["mttr_s"] = round(commit["time"] - t0, 6) if commit else None
+    return inc
+
+
+def _totals(events: list[dict[str, Any]], metrics: list[dict[str, Any]], incidents: list[dict[str, Any]]) -> dict[str, Any]:
+    steps = [m["step"] for m in metrics]
+    counts = Counter(steps)
+    last = max(steps, default=0)
+    mttrs = [i["mttr_s"] for i in incidents if i["mttr_s"] is not None]
+    wall = (metrics[-1]["time"] - metrics[0]["time"]) if len(metrics) >= 2 else 0.0
+    return {
+        "committed_steps": len(counts),
+        "last_step": last,
+        "duplicate_steps": sorted(s for s, c in counts.items() if c > 1),
+        "missing_steps": sorted(set(range(1, last + 1)) - set(counts)),
+        "final_loss": metrics[-1]["loss"] if metrics else None,
+        "final_world_size": metrics[-1]["world_size"] if metrics else None,
+        "wall_s": round(wall, 3),
+        "incidents": len(incidents),
+        "plans": sum(1 for e in events if e["kind"] == "plan_published"),
+        "mttr_median_s": round(statistics.median(mttrs), 6) if mttrs else None,
+        "mttr_max_s": round(max(mttrs), 6) if mttrs else None,
+    }
+
+
+CSV_FIELDS = [
+    "id", "kind", "worker", "rank", "fault_step", "epoch", "world_after", *PHASES,
+    "mttr_s", "first_commit_step", "state_bytes", "reason",
+]  # fmt: skip
+
+
+def render(report: dict[str, Any], fmt: str) -> str:
+    if fmt == "json":
+        return json.dumps(report, indent=2, sort_keys=True)
+    if fmt == "csv":
+        out = io.StringIO()
+        writer = csv.DictWriter(out, fieldnames=CSV_FIELDS, extrasaction="ignore")
+        writer.writeheader()
+        for inc in report["incidents"]:
+            writer.writerow(inc)
+        return out.getvalue()
+    if fmt == "md":
+        return render_markdown(report)
+    raise ValueError(f"unknown format {fmt!r} (json, csv, md)")
+
+
+def _ms(value: float | None) -> str:
+    return "–" if value is None else f"{value * 1000:.0f} ms"
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    lines = ["# ElasWave MTTR report", ""]
+    incidents = report["incidents"]
+    if incidents:
+        lines += [
+            "| # | fault | step | detection | plan | comm | state | redo | **MTTR** | after |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for inc in incidents:
+            who = f"{inc['kind']} rank {inc['rank']}" if inc["rank"] is not None else inc["kind"]
+            lines.append(
+                f"| {inc['id']} | {who} | {inc['fault_step'] or '–'} | "
+                + " | ".join(_ms(inc[p]) for p in PHASES)
+                + f" | **{_ms(inc['mttr_s'])}** | {inc['world_after'] or '–'} workers |"
+            )
+        lines.append("")
+        for inc in incidents:
+            lines.append(f"- incident {inc['id']}: {inc['reason']}")
+        lines.append("")
+    else:
+        lines += ["No incidents.", ""]
+    t = report["totals"]
+    lines += [
+        f"Committed steps: {t['committed_steps']} (last {t['last_step']}; "
+        f"duplicates {t['duplicate_steps'] or 'none'}; missing {t['missing_steps'] or 'none'}); "
+        f"final loss {t['final_loss']}; wall {t['wall_s']} s; "
+        f"median MTTR {_ms(t['mttr_median_s'])}.",
+    ]
+    return "\n".join(lines) + "\n"

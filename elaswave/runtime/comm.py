@@ -1,0 +1,228 @@
+"""Process groups that are edited, not recreated: one gloo group per named member set.
+
+Each plan names its groups (``{"dp": (w0, w1, w2)}``). :meth:`Communicator.configure` keeps a
+group whose member tuple is unchanged and healthy, and builds only the others, over the epoch's
+rendezvous store. Every collective is interruptible: it returns when its work completes, or raises
+:class:`Interrupted` as soon as the control channel says a member of the group is gone, instead of
+waiting for a transport timeout. Abandoned groups are parked (never destroyed while a gloo thread
+may still block in them).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+
+class CommError(RuntimeError):
+    """A collective failed (a peer died or the transport broke) or timed out."""
+
+
+class Interrupted(RuntimeError):
+    """A newer plan made the blocked operation pointless; go and apply it."""
+
+
+@dataclass
+class GroupStats:
+    rebuilt: list[str] = field(default_factory=list)
+    kept: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+@dataclass
+class _Group:
+    members: tuple[str, ...]
+    rank: int
+    pg: dist.ProcessGroupGloo
+    healthy: bool = True
+
+
+# (wake event registration, abort predicate): supplied by the engine from its control channel.
+Waker = Callable[[threading.Event], Callable[[], None]]
+
+
+class Communicator:
+    def __init__(
+        self,
+        *,
+        me: str,
+        host_addr: str,
+        rendezvous_timeout: float,
+        collective_timeout: float,
+        waker: Waker,
+    ) -> None:
+        self.me = me
+        self.host_addr = host_addr
+        self.rendezvous_timeout = rendezvous_timeout
+        self.collective_timeout = collective_timeout
+        self._waker = waker
+        self._groups: dict[str, _Group] = {}
+        self._stores: dict[str, dist.TCPStore] = {}
+        self._graveyard: list[object] = []  # abandoned groups/threads, kept alive on purpose
+        self._device = dist.ProcessGroupGloo.create_device(hostname=host_addr)
+
+    # ---- groups -----------------------------------------------------------------------------
+    def configure(
+        self,
+        groups: dict[str, tuple[str, ...]],
+        *,
+        store: str,
+        epoch: int,
+        abort: Callable[[], bool],
+    ) -> GroupStats:
+        """Make the named groups match ``groups``; rebuild only what changed or broke."""
+        stats = GroupStats()
+        start = time.perf_counter()
+        for name in list(self._groups):
+            if name not in groups:
+                self._bury(name)
+        for name, members in groups.items():
+            current = self._groups.get(name)
+            if current is not None and current.healthy and current.members == members:
+                stats.kept.append(name)
+                continue
+            if current is not None:
+                self._bury(name)
+            if self.me not in members:
+                continue
+            rank = members.index(self.me)
+            pg = self._build(name, members, rank, store=store, epoch=epoch, abort=abort)
+            self._groups[name] = _Group(members, rank, pg)
+            stats.rebuilt.append(name)
+        stats.seconds = time.perf_counter() - start
+        return stats
+
+    def _build(
+        self,
+        name: str,
+        members: tuple[str, ...],
+        rank: int,
+        *,
+        store: str,
+        epoch: int,
+        abort: Callable[[], bool],
+    ) -> dist.ProcessGroupGloo:
+        prefix = dist.PrefixStore(f"epoch{epoch}/{name}", self._store(store))
+        opts = dist.ProcessGroupGloo._Options()
+        opts._devices = [self._device]
+        opts._timeout = datetime.timedelta(seconds=self.collective_timeout)
+        result: dict[str, object] = {}
+        done, wake = threading.Event(), threading.Event()
+
+        def connect() -> None:
+            try:
+                result["pg"] = dist.ProcessGroupGloo(prefix, rank, len(members), opts)
+            except Exception as exc:  # reported to the waiting thread below
+                result["error"] = exc
+            finally:
+                done.set()
+                wake.set()
+
+        thread = threading.Thread(target=connect, name=f"rendezvous-{name}", daemon=True)
+        thread.start()
+        self._wait(done, wake, abort, self.rendezvous_timeout, f"rendezvous of group {name!r}")
+        if "error" in result:
+            raise CommError(f"rendezvous of group {name!r} failed: {_one_line(result['error'])}")
+        return result["pg"]  # type: ignore[return-value]
+
+    def _store(self, address: str) -> dist.TCPStore:
+        if address not in self._stores:
+            host, _, port = address.rpartition(":")
+            self._stores[address] = dist.TCPStore(
+                host,
+                int(port),
+                is_master=False,
+                timeout=datetime.timedelta(seconds=self.rendezvous_timeout),
+                wait_for_workers=False,
+            )
+        return self._stores[address]
+
+    def _bury(self, name: str) -> None:
+        group = self._groups.pop(name)
+        self._graveyard.append(group)
+
+    def mark_broken(self) -> None:
+        """After an error or interrupt every current group is suspect: rebuild on next configure."""
+        for group in self._groups.values():
+            group.healthy = False
+
+    def rank(self, name: str) -> int:
+        return self._groups[name].rank
+
+    def size(self, name: str) -> int:
+        return len(self._groups[name].members)
+
+    # ---- collectives ------------------------------------------------------------------------
+    def allreduce(self, name: str, tensor: torch.Tensor, abort: Callable[[], bool]) -> None:
+        work = self._groups[name].pg.allreduce([tensor])
+        self._finish(work, abort, f"allreduce on {name!r}")
+
+    def allgather(
+        self, name: str, tensor: torch.Tensor, abort: Callable[[], bool]
+    ) -> list[torch.Tensor]:
+        group = self._groups[name]
+        out = [torch.empty_like(tensor) for _ in group.members]
+        work = group.pg.allgather([out], [tensor])
+        self._finish(work, abort, f"allgather on {name!r}")
+        return out
+
+    def broadcast(self, name: str, tensor: torch.Tensor, root: int, abort: Callable[[], bool]) -> None:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = root
+        work = self._groups[name].pg.broadcast([tensor], opts)
+        self._finish(work, abort, f"broadcast on {name!r}")
+
+    def _finish(self, work: dist.Work, abort: Callable[[], bool], what: str) -> None:
+        done, wake = threading.Event(), threading.Event()
+
+        def finished(_: object) -> None:
+            done.set()
+            wake.set()
+
+        work.get_future().add_done_callback(finished)
+        self._wait(done, wake, abort, self.collective_timeout, what)
+        try:
+            work.wait()
+        except RuntimeError as exc:
+            self.mark_broken()
+            raise CommError(f"{what} failed: {_one_line(exc)}") from None
+
+    def _wait(
+        self,
+        done: threading.Event,
+        wake: threading.Event,
+        abort: Callable[[], bool],
+        timeout: float,
+        what: str,
+    ) -> None:
+        """Wait for ``done``. ``wake`` is set by completion and by every control message, so that
+        ``abort()`` is re-checked the moment a new plan arrives."""
+        unregister = self._waker(wake)
+        deadline = time.monotonic() + timeout
+        try:
+            while not done.is_set():
+                if abort():
+                    self.mark_broken()
+                    raise Interrupted(f"{what} interrupted by a newer plan")
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    self.mark_broken()
+                    raise CommError(f"{what} timed out after {timeout:g}s")
+                wake.wait(remaining)
+                wake.clear()
+        finally:
+            unregister()
+
+
+def _one_line(exc: object) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0][:300] if text else type(exc).__name__

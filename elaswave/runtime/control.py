@@ -1,0 +1,115 @@
+"""The worker's end of the control channel: plans and faults in, events and commits out.
+
+A reader thread keeps the latest plan and wakes whatever the engine is blocked on (a collective, a
+rendezvous) so that a fault seen by the daemon cuts a blocked collective short instead of waiting
+for its timeout. If the daemon goes away the worker exits: it never outlives its supervisor.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from elaswave import wire
+from elaswave.faults import FaultSpec
+from elaswave.plan import Plan
+
+log = logging.getLogger(__name__)
+
+
+class ControlClient:
+    def __init__(self, path: str, worker_id: str) -> None:
+        self.worker_id = worker_id
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.connect(path)
+        self._send_lock = threading.Lock()
+        self._cond = threading.Condition()
+        self._wakers: set[threading.Event] = set()
+        self.latest_plan: Plan | None = None
+        self.config: dict[str, Any] | None = None
+        self.faults: list[FaultSpec] = []
+        self.stop_requested = False
+        self._reader = threading.Thread(target=self._read_loop, name="control-reader", daemon=True)
+        self._reader.start()
+        self.send({"type": "hello", "worker_id": worker_id, "pid": os.getpid()})
+
+    # ---- outgoing ---------------------------------------------------------------------------
+    def send(self, msg: dict[str, Any]) -> None:
+        data = wire.encode(msg)
+        with self._send_lock:
+            self._sock.sendall(data)
+
+    def event(self, kind: str, **fields: Any) -> None:
+        self.send({"type": "event", "event": {"t": time.time(), "kind": kind, **fields}})
+
+    # ---- incoming ---------------------------------------------------------------------------
+    def _read_loop(self) -> None:
+        buf = b""
+        while True:
+            try:
+                chunk = self._sock.recv(65536)
+            except OSError:
+                chunk = b""
+            if not chunk:
+                log.error("control channel closed by the daemon; exiting")
+                os._exit(17)
+            buf += chunk
+            while b"\n" in buf:
+                line, buf = buf.split(b"\n", 1)
+                msg = wire.decode(line)
+                if msg is not None:
+                    self._dispatch(msg)
+
+    def _dispatch(self, msg: dict[str, Any]) -> None:
+        with self._cond:
+            kind = msg["type"]
+            if kind == "config":
+                self.config = msg
+            elif kind == "plan":
+                plan = Plan.from_json(msg["plan"])
+                if self.latest_plan is None or plan.epoch > self.latest_plan.epoch:
+                    self.latest_plan = plan
+            elif kind == "fault":
+                self.faults.append(FaultSpec.from_dict(msg["fault"]))
+            elif kind == "stop":
+                self.stop_requested = True
+            self._cond.notify_all()
+            for ev in self._wakers:
+                ev.set()
+
+    # ---- waiting ----------------------------------------------------------------------------
+    def wait_for(self, predicate: Callable[[], bool], timeout: float) -> bool:
+        """Block until ``predicate()`` holds (re-checked on every message) or ``timeout``."""
+        with self._cond:
+            return self._cond.wait_for(predicate, timeout)
+
+    def wake_on_message(self, ev: threading.Event) -> Callable[[], None]:
+        """Set ``ev`` whenever a message arrives; returns the function that unregisters it."""
+        with self._cond:
+            self._wakers.add(ev)
+
+        def unregister() -> None:
+            with self._cond:
+                self._wakers.discard(ev)
+
+        return unregister
+
+    @property
+    def latest_epoch(self) -> int:
+        return self.latest_plan.epoch if self.latest_plan else 0
+
+    def removes_any(self, members: tuple[str, ...]) -> bool:
+        """True if a newer plan has dropped any of ``members`` (their group is broken)."""
+        plan = self.latest_plan
+        return plan is not None and any(m not in plan.workers for m in members)
+
+    def close(self) -> None:
+        try:
+            self._sock.close()
+        except OSError:
+            pass

@@ -1,0 +1,308 @@
+"""The in-worker training engine: step loop, step commit, and in-place recovery.
+
+One step, on every rank of the plan's data-parallel group:
+
+1. ``begin_step`` — if a newer plan is pending, apply it first (step boundary).
+2. Forward/backward over this rank's micro-batches (global ids from the plan), each with RNG keyed by
+   (seed, step, micro-batch), loss scaled by 1/B; gradients accumulated in ``reduce_dtype``.
+3. One SUM all-reduce of [gradients | loss sum | newest epoch seen]. It is interruptible: if the
+   daemon publishes a plan without one of our peers, we stop waiting at once.
+4. ``commit_step`` — optimizer update; rank 0 reports the commit; if any rank had seen a newer plan
+   (the epoch sum says so, identically on every rank) everyone switches at this boundary.
+
+A collective error or interrupt *latches*: the step's partial work is dropped, the worker waits
+for the next plan, rebuilds only the groups it must, agrees with its peers on the resume step
+(ranks behind — a newcomer, or a rank whose reduction failed — receive the state from the most
+advanced one) and redoes the step. Survivors are never restarted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import os
+import signal
+import time
+from dataclasses import dataclass
+
+import torch
+
+from elaswave.config import JobConfig
+from elaswave.faults import FaultKind
+from elaswave.plan import Plan
+from elaswave.runtime.comm import CommError, Communicator, Interrupted
+from elaswave.runtime.control import ControlClient
+from elaswave.runtime.data import SyntheticTokens, TokenDataset, TokenFile, batch, microbatches
+from elaswave.runtime.model import GPT, GPTConfig
+from elaswave.runtime.optim import AdamWHyper, FlatAdamW, FlatParams
+from elaswave.runtime.rng import MicrobatchRng
+
+log = logging.getLogger(__name__)
+
+DP = "dp"
+EXIT_OK = 0
+EXIT_NO_PLAN = 4  # waited plan_wait seconds for a plan after an error; the daemon will see us go
+
+
+class NoPlan(RuntimeError):
+    pass
+
+
+@dataclass
+class StepResult:
+    step: int
+    loss: float
+    seconds: float
+
+
+def make_dataset(cfg: JobConfig) -> TokenDataset:
+    if cfg.data.source == "tokens":
+        assert cfg.data.path is not None
+        return TokenFile(cfg.data.path, seq_len=cfg.model.seq_len, dtype=cfg.data.dtype)
+    return SyntheticTokens(
+        seed=cfg.train.seed,
+        vocab_size=cfg.model.vocab_size,
+        seq_len=cfg.model.seq_len,
+        num_samples=cfg.data.num_samples,
+    )
+
+
+def build_model(cfg: JobConfig) -> GPT:
+    m = cfg.model
+    gpt = GPTConfig(
+        vocab_size=m.vocab_size,
+        seq_len=m.seq_len,
+        n_layer=m.n_layer,
+        n_head=m.n_head,
+        d_model=m.d_model,
+        dropout=m.dropout,
+    )
+    return GPT(gpt, init_seed=cfg.train.seed)
+
+
+class Engine:
+    def __init__(self, cfg: JobConfig, control: ControlClient, *, worker_id: str, host_addr: str):
+        self.cfg = cfg
+        self.control = control
+        self.me = worker_id
+        t = cfg.train
+        torch.set_num_threads(t.threads_per_worker)
+        self.model = build_model(cfg)
+        self.model.train()
+        self.flat = FlatParams(self.model)
+        self.opt = FlatAdamW(
+            self.flat.numel,
+            AdamWHyper(lr=t.lr, beta1=t.beta1, beta2=t.beta2, eps=t.eps, weight_decay=t.weight_decay),
+        )
+        self.dataset = make_dataset(cfg)
+        self.num_samples = len(self.dataset)
+        dtype = torch.float64 if t.reduce_dtype == "float64" else torch.float32
+        self.buffer = torch.zeros(self.flat.numel + 2, dtype=dtype)
+        self.comm = Communicator(
+            me=worker_id,
+            host_addr=host_addr,
+            rendezvous_timeout=cfg.timeouts.rendezvous,
+            collective_timeout=cfg.timeouts.collective,
+            waker=control.wake_on_message,
+        )
+        self.step = 0  # last step whose update this rank has applied
+        self.last_loss = math.nan
+        self.plan: Plan | None = None
+        self.replan = True  # apply a (newer) plan before the next step
+
+    # ---- main loop --------------------------------------------------------------------------
+    def run(self) -> int:
+        total = self.cfg.train.steps
+        while self.step < total:
+            if self.control.stop_requested:
+                return EXIT_OK
+            try:
+                self.begin_step()
+                result = self.train_step(self.step + 1)
+                self.commit_step(result)
+            except (CommError, Interrupted) as exc:
+                self.control.event(
+                    "step_aborted", worker=self.me, step=self.step + 1, reason=str(exc)[:300]
+                )
+                self.replan = True
+            except NoPlan as exc:
+                log.error("%s", exc)
+                return EXIT_NO_PLAN
+        self._farewell()
+        return EXIT_OK
+
+    def begin_step(self) -> None:
+        if self.replan:
+            self._recover()
+
+    def commit_step(self, result: StepResult) -> None:
+        assert self.plan is not None
+        if self.comm.rank(DP) == 0:
+            self.control.send(
+                {
+                    "type": "commit",
+                    "step": result.step,
+                    "loss": result.loss,
+                    "epoch": self.plan.epoch,
+                    "world": self.plan.world_size,
+                    "samples": result.step * self.cfg.train.global_batch,
+                    "step_seconds": result.seconds,
+                    "t": time.time(),
+                }
+            )
+
+    # ---- one step ---------------------------------------------------------------------------
+    def train_step(self, step: int) -> StepResult:
+        assert self.plan is not None
+        start = time.perf_counter()
+        t = self.cfg.train
+        plan, rank = self.plan, self.comm.rank(DP)
+        n = self.flat.numel
+        buf = self.buffer
+        buf.zero_()
+        every = microbatches(t.seed, step, t.global_batch, t.micro_batch_size, self.num_samples)
+        for mb in (every[i] for i in plan.microbatch_range(rank)):
+            tokens, targets = batch(self.dataset, mb.sample_ids)
+            loss = self.model.loss_sum(tokens, targets, MicrobatchRng(t.seed, step, mb.id))
+            (loss / t.global_batch).backward()
+            grad = self.flat.collect_grads()
+            buf[:n].add_(grad)
+            buf[n] += loss.item()
+            grad.zero_()
+        buf[n + 1] = self.control.latest_epoch
+        self._fire_faults(step)
+        self.comm.allreduce(DP, buf, self._group_broken)
+        # -- the reduction succeeded: every rank now holds the identical full-batch gradient.
+        grad = buf[:n] if buf.dtype == torch.float32 else buf[:n].to(torch.float32)
+        self.opt.step(self.flat.data, grad)
+        self.step = step
+        self.last_loss = float(buf[n]) / t.global_batch
+        if int(round(float(buf[n + 1]))) != plan.world_size * plan.epoch:
+            self.replan = True  # some rank has seen a newer plan: switch at this boundary
+        return StepResult(step, self.last_loss, time.perf_counter() - start)
+
+    def _group_broken(self) -> bool:
+        return self.plan is not None and self.control.removes_any(self.plan.workers)
+
+    def _fire_faults(self, step: int) -> None:
+        for fault in list(self.control.faults):
+            if fault.kind is FaultKind.KILL and (fault.at_step is None or fault.at_step <= step):
+                self.control.event(
+                    "fault_injected",
+                    fault=fault.to_dict(),
+                    worker=self.me,
+                    rank=self.comm.rank(DP),
+                    step=step,
+                    pid=os.getpid(),
+                )
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    # ---- recovery ---------------------------------------------------------------------------
+    def _recover(self) -> None:
+        """Apply the newest plan that includes us; retry while newer plans supersede it."""
+        while True:
+            plan = self._await_plan()
+            try:
+                self._apply(plan)
+                self.replan = False
+                return
+            except (CommError, Interrupted) as exc:
+                self.control.event("recovery_retry", worker=self.me, epoch=plan.epoch, reason=str(exc)[:300])
+                self.comm.mark_broken()
+
+    def _await_plan(self) -> Plan:
+        """The newest plan that contains us and is newer than the one we run (if any)."""
+        current = self.plan.epoch if self.plan else 0
+
+        def ready() -> bool:
+            p = self.control.latest_plan
+            return p is not None and p.epoch > current and self.me in p.workers
+
+        if self.plan is not None and self.control.latest_epoch <= current:
+            # Error with no newer plan yet: the daemon is about to publish one.
+            pass
+        timeout = self.cfg.timeouts.plan_wait if self.plan else self.cfg.timeouts.rendezvous * 10
+        if not self.control.wait_for(ready, timeout):
+            raise NoPlan(f"no plan newer than epoch {current} within {timeout:g}s")
+        plan = self.control.latest_plan
+        assert plan is not None
+        return plan
+
+    def _apply(self, plan: Plan) -> None:
+        newer = lambda: self.control.latest_epoch > plan.epoch  # noqa: E731
+        stats = self.comm.configure(
+            {DP: plan.workers}, store=plan.store, epoch=plan.epoch, abort=newer
+        )
+        rank = self.comm.rank(DP)
+        self.control.event(
+            "comm_rebuilt",
+            worker=self.me,
+            rank=rank,
+            epoch=plan.epoch,
+            rebuilt=stats.rebuilt,
+            kept=stats.kept,
+            seconds=round(stats.seconds, 6),
+        )
+        broken = lambda: self.control.removes_any(plan.workers)  # noqa: E731
+        start = time.perf_counter()
+        mine = torch.tensor([float(self.step)], dtype=torch.float64)
+        steps = [int(x.item()) for x in self.comm.allgather(DP, mine, broken)]
+        target = max(steps)
+        moved = 0
+        source = steps.index(target)
+        if min(steps) != target:
+            state = torch.cat([self.flat.data, self.opt.exp_avg, self.opt.exp_avg_sq])
+            meta = torch.tensor(
+                [float(self.step), float(self.opt.step_count), self.last_loss], dtype=torch.float64
+            )
+            self.comm.broadcast(DP, meta, source, broken)
+            self.comm.broadcast(DP, state, source, broken)
+            if self.step != target:
+                n = self.flat.numel
+                self.flat.data.copy_(state[:n])
+                self.opt.exp_avg.copy_(state[n : 2 * n])
+                self.opt.exp_avg_sq.copy_(state[2 * n :])
+                self.step = int(meta[0].item())
+                self.opt.step_count = int(meta[1].item())
+                self.last_loss = float(meta[2].item())
+            moved = state.numel() * state.element_size() + meta.numel() * meta.element_size()
+        self.control.event(
+            "state_synced",
+            worker=self.me,
+            rank=rank,
+            epoch=plan.epoch,
+            resume_step=target,
+            source_rank=source,
+            steps=steps,
+            bytes=moved if rank != source else 0,
+            seconds=round(time.perf_counter() - start, 6),
+        )
+        self.plan = plan
+        if rank == 0 and self.step > 0:
+            # Re-report the resume step: if the previous rank 0 died before reporting it, this is
+            # its only record (the daemon drops duplicates).
+            self.commit_step(StepResult(self.step, self.last_loss, 0.0))
+
+    def _farewell(self) -> None:
+        """Final best-effort barrier so no rank exits while a peer still reads its last bytes."""
+        if self.plan is None:
+            return
+        try:
+            token = torch.zeros(1)
+            self.comm.allreduce(DP, token, self._group_broken)
+        except (CommError, Interrupted):
+            pass
+        digest = hashlib.sha256(self.flat.data.numpy().tobytes())
+        digest.update(self.opt.exp_avg.numpy().tobytes())
+        digest.update(self.opt.exp_avg_sq.numpy().tobytes())
+        self.control.event(
+            "final_state",
+            worker=self.me,
+            rank=self.comm.rank(DP),
+            step=self.step,
+            pid=os.getpid(),
+            params_sha256=hashlib.sha256(self.flat.data.numpy().tobytes()).hexdigest(),
+            state_sha256=digest.hexdigest(),
+        )
+        self.control.send({"type": "done", "step": self.step, "worker_id": self.me})

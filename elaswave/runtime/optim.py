@@ -1,0 +1,80 @@
+"""Parameters and optimizer state as flat buffers.
+
+Keeping every parameter, gradient and Adam moment in one contiguous tensor makes a whole rank's
+state one buffer to snapshot, checksum, broadcast to a joining peer, or shard (ZeRO). The AdamW
+update is element-wise, so its result does not depend on how the buffer is laid out or split.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+class FlatParams:
+    """Re-points a module's parameters (and their grads) at views of two flat float32 buffers."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.numel = sum(p.numel() for p in self.params)
+        self.data = torch.empty(self.numel, dtype=torch.float32)
+        self.grad = torch.zeros(self.numel, dtype=torch.float32)
+        offset = 0
+        for p in self.params:
+            n = p.numel()
+            self.data[offset : offset + n].copy_(p.detach().reshape(-1))
+            p.data = self.data[offset : offset + n].view_as(p)
+            p.grad = self.grad[offset : offset + n].view_as(p)
+            offset += n
+
+    def grads_in_place(self) -> bool:
+        """True while every ``p.grad`` still views ``self.grad`` (autograd accumulated in place)."""
+        base = self.grad.data_ptr()
+        end = base + self.grad.numel() * self.grad.element_size()
+        return all(p.grad is not None and base <= p.grad.data_ptr() < end for p in self.params)
+
+    def collect_grads(self) -> torch.Tensor:
+        """The flat gradient; re-points grads at the flat buffer if autograd replaced them."""
+        if not self.grads_in_place():
+            offset = 0
+            for p in self.params:
+                n = p.numel()
+                g = p.grad if p.grad is not None else torch.zeros_like(p)
+                self.grad[offset : offset + n].copy_(g.reshape(-1))
+                p.grad = self.grad[offset : offset + n].view_as(p)
+                offset += n
+        return self.grad
+
+
+@dataclass
+class AdamWHyper:
+    lr: float
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+
+
+class FlatAdamW:
+    """AdamW over a flat parameter buffer (or any slice of one: ZeRO shards reuse it)."""
+
+    def __init__(self, numel: int, hyper: AdamWHyper) -> None:
+        self.hyper = hyper
+        self.exp_avg = torch.zeros(numel, dtype=torch.float32)
+        self.exp_avg_sq = torch.zeros(numel, dtype=torch.float32)
+        self.step_count = 0
+
+    def step(self, param: torch.Tensor, grad: torch.Tensor) -> None:
+        h = self.hyper
+        self.step_count += 1
+        self.exp_avg.mul_(h.beta1).add_(grad, alpha=1 - h.beta1)
+        self.exp_avg_sq.mul_(h.beta2).addcmul_(grad, grad, value=1 - h.beta2)
+        bias1 = 1 - h.beta1**self.step_count
+        bias2 = 1 - h.beta2**self.step_count
+        if h.weight_decay:
+            param.mul_(1 - h.lr * h.weight_decay)
+        denom = (self.exp_avg_sq.sqrt() / math.sqrt(bias2)).add_(h.eps)
+        param.addcdiv_(self.exp_avg, denom, value=-h.lr / bias1)

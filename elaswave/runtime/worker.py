@@ -1,0 +1,40 @@
+"""Worker process entry point: ``python -m elaswave.runtime.worker --control SOCK --worker-id ID``.
+
+Started by the host daemon; receives its configuration over the control channel, builds the model,
+reports ``ready`` and runs the engine until the job's last step is committed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from elaswave.config import JobConfig
+from elaswave.runtime.control import ControlClient
+from elaswave.runtime.engine import Engine
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="elaswave-worker")
+    parser.add_argument("--control", required=True, help="daemon control socket path")
+    parser.add_argument("--worker-id", required=True)
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"%(asctime)s {args.worker_id} %(name)s %(levelname)s %(message)s",
+        stream=sys.stderr,
+    )
+    control = ControlClient(args.control, args.worker_id)
+    if not control.wait_for(lambda: control.config is not None, timeout=60):
+        logging.getLogger(__name__).error("no configuration from the daemon within 60s")
+        return 3
+    assert control.config is not None
+    cfg = JobConfig.from_dict(control.config["config"])
+    engine = Engine(cfg, control, worker_id=args.worker_id, host_addr=control.config["host_addr"])
+    control.send({"type": "ready", "worker_id": args.worker_id})
+    return engine.run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
