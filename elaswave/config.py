@@ -95,7 +95,7 @@ class TrainConfig:
             )
         if self.reduce_dtype not in ("float32", "float64"):
             raise ConfigError(f"train.reduce_dtype must be float32 or float64, got {self.reduce_dtype!r}")
-        if self.lr <= 0:
+        if not self.lr > 0:  # also rejects NaN
             raise ConfigError(f"train.lr must be > 0, got {self.lr}")
 
     @property
@@ -144,7 +144,7 @@ class Timeouts:
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
-            if getattr(self, f.name) <= 0:
+            if not getattr(self, f.name) > 0:  # also rejects NaN
                 raise ConfigError(f"timeouts.{f.name} must be > 0, got {getattr(self, f.name)}")
 
 
@@ -215,7 +215,7 @@ def load_config(
         if not p.is_file():
             raise ConfigError(f"config file not found: {p}")
         try:
-            loaded = yaml.safe_load(p.read_text()) or {}
+            loaded = yaml.load(p.read_text(), Loader=_YamlLoader) or {}
         except yaml.YAMLError as exc:
             raise ConfigError(f"{p}: not valid YAML ({_first_line(exc)})") from None
         if not isinstance(loaded, dict):
@@ -226,11 +226,21 @@ def load_config(
         if not key.startswith(ENV_PREFIX) or key in _NOT_CONFIG_ENV:
             continue
         dotted = key[len(ENV_PREFIX) :].lower().replace("__", ".")
-        _set_dotted(merged, dotted, yaml.safe_load(raw) if raw else raw)
+        _set_dotted(merged, dotted, yaml.load(raw, Loader=_YamlLoader) if raw else raw)
     for dotted, value in (overrides or {}).items():
         if value is not None:
             _set_dotted(merged, dotted, value)
     return JobConfig.from_dict(merged)
+
+
+class _YamlLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` without YAML 1.1 base-60 numbers, so ``nnodes: 1:2`` stays ``"1:2"``."""
+
+    def resolve(self, kind: Any, value: Any, implicit: Any) -> str:
+        tag = super().resolve(kind, value, implicit)
+        if kind is yaml.ScalarNode and ":" in str(value) and tag.endswith((":int", ":float")):
+            return "tag:yaml.org,2002:str"
+        return tag
 
 
 # Environment variables that are not config fields (read by :func:`state_dir`).
@@ -313,7 +323,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             raise ConfigError(f"config key {key!r} must be a number, got {value!r}")
         try:
             number = tp(value)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):
             raise ConfigError(f"config key {key!r} must be a number, got {value!r}") from None
         if tp is int and isinstance(value, float) and value != int(value):
             raise ConfigError(f"config key {key!r} must be an integer, got {value!r}")

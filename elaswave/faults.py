@@ -102,6 +102,8 @@ def _kind(value: Any) -> FaultKind:
 def _int(value: Any, name: str, source: str) -> int | None:
     if value is None:
         return None
+    if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+        raise FaultSpecError(f"malformed {source}: {name} must be an integer, got {value!r}")
     try:
         return int(value)
     except (TypeError, ValueError):

@@ -75,6 +75,9 @@ def _incident(
         "world_after": plan["world"] if plan else None,
     }
     phases: dict[str, float | None] = dict.fromkeys(PHASES)
+    if detected is not None:  # known even if no plan ever answered the fault
+        phases["detection_s"] = round(detected - t0, 6)
+    inc.update(comm_rebuild_max_s=None, state_bytes=None, state_resume_step=None)
     commit = None
     if plan is not None:
         epoch = plan["epoch"]

@@ -14,6 +14,7 @@ from typing import Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from elaswave.errors import ConfigError, ElasWaveError, FaultSpecError
@@ -30,7 +31,7 @@ err = Console(stderr=True)
 
 
 def _fail(exc: ElasWaveError) -> typer.Exit:
-    err.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
+    err.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False, soft_wrap=True)
     return typer.Exit(exc.exit_code)
 
 

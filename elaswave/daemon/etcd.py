@@ -15,7 +15,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # silence gRPC fork-handler chatter
+# The daemon forks worker processes while gRPC threads run; gRPC's fork handlers are not safe
+# there (and only print noise), so they are turned off before grpc is imported.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 import aetcd  # noqa: E402
 
 from elaswave.errors import EtcdUnavailable

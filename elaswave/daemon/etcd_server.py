@@ -20,6 +20,7 @@ from pathlib import Path
 
 from elaswave.daemon import procs
 from elaswave.errors import ElasWaveError
+from elaswave.procutil import die_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +99,7 @@ class EmbeddedEtcd:
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
-            preexec_fn=procs.die_with_parent,
+            preexec_fn=die_with_parent,  # started before any thread exists: safe
         )
         try:
             self._wait_healthy(client_url, timeout)

@@ -62,7 +62,12 @@ def launch(cfg: JobConfig, *, host_addr: str | None = None) -> int:
                 check_port_free(cfg.etcd_port)
             embedded = EmbeddedEtcd(client_port=cfg.etcd_port).start()
             endpoints = [embedded.endpoint]
-        daemon = HostDaemon(cfg, etcd_endpoints=endpoints, host_addr=host_addr)
+        daemon = HostDaemon(
+            cfg,
+            etcd_endpoints=endpoints,
+            host_addr=host_addr,
+            embedded_etcd_pid=embedded.proc.pid if embedded and embedded.proc else None,
+        )
         owns_record = not disc.exists()
         if owns_record:
             disc.parent.mkdir(parents=True, exist_ok=True)

@@ -2,24 +2,11 @@
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import time
 
 import psutil
-
-_PR_SET_PDEATHSIG = 1
-
-
-def die_with_parent() -> None:
-    """``preexec_fn``: ask the kernel to SIGKILL this child when its parent dies (Linux)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except OSError:
-        pass
-
 
 def terminate_then_kill(pid: int, *, grace: float, sig: int = signal.SIGTERM) -> bool:
     """Send ``sig``, wait up to ``grace`` seconds, then SIGKILL. True if the process is gone.

@@ -48,7 +48,14 @@ def host_address_for(etcd_endpoint: str) -> str:
 
 
 class HostDaemon:
-    def __init__(self, cfg: JobConfig, *, etcd_endpoints: list[str], host_addr: str | None = None):
+    def __init__(
+        self,
+        cfg: JobConfig,
+        *,
+        etcd_endpoints: list[str],
+        host_addr: str | None = None,
+        embedded_etcd_pid: int | None = None,
+    ) -> None:
         self.cfg = cfg
         self.endpoints = etcd_endpoints
         self.host_id = cfg.host_id or default_host_id()
@@ -76,6 +83,7 @@ class HostDaemon:
         self._pending_faults: dict[str, FaultSpec] = {}
         self._tasks: list[asyncio.Task[Any]] = []
         self.signal_received: int | None = None
+        self.embedded_etcd_pid = embedded_etcd_pid
 
     # ---- lifecycle --------------------------------------------------------------------------
     async def run(self) -> int:
@@ -128,7 +136,14 @@ class HostDaemon:
         }
         if not await self.etcd.create(self.keys.host(self.host_id), json.dumps(info), lease=self.lease):
             raise ElasWaveError(f"host id {self.host_id!r} is already registered in job {self.cfg.job_id!r}")
-        self.events.emit("host_joined", host=self.host_id, addr=self.host_addr, job=self.cfg.job_id)
+        self.events.emit(
+            "host_joined",
+            host=self.host_id,
+            addr=self.host_addr,
+            job=self.cfg.job_id,
+            pid=os.getpid(),
+            embedded_etcd_pid=self.embedded_etcd_pid,
+        )
 
     async def _keep_alive(self) -> None:
         await self.etcd.keep_alive(self.lease, self.cfg.timeouts.lease_ttl)

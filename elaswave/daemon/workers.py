@@ -9,7 +9,6 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from elaswave.daemon import procs
 
 
 @dataclass
@@ -67,7 +66,6 @@ async def spawn(
             stdout=logf,
             stderr=logf,
             env=env,
-            preexec_fn=procs.die_with_parent,
         )
     return WorkerProc(worker_id=wid, slot=slot, incarnation=incarnation, proc=proc, log_path=log_path)
 

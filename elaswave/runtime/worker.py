@@ -11,6 +11,7 @@ import logging
 import sys
 
 from elaswave.config import JobConfig
+from elaswave.procutil import die_with_parent
 from elaswave.runtime.control import ControlClient
 from elaswave.runtime.engine import Engine
 
@@ -20,6 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--control", required=True, help="daemon control socket path")
     parser.add_argument("--worker-id", required=True)
     args = parser.parse_args(argv)
+    die_with_parent()  # never outlive the daemon, even if it is SIGKILLed
     logging.basicConfig(
         level=logging.INFO,
         format=f"%(asctime)s {args.worker_id} %(name)s %(levelname)s %(message)s",

@@ -1,0 +1,13 @@
+"""ElasWave benchmarks: ``python -m bench --list`` shows the scenarios.
+
+Every scenario is one module exposing ``DESCRIPTION``, ``DEFAULT_REPEAT``,
+``run(repeat, config) -> dict`` (the JSON-ready result) and ``show(result)`` (rich tables).
+"""
+
+from __future__ import annotations
+
+from bench import mttr, overhead
+
+SCENARIOS = {"mttr": mttr, "overhead": overhead}
+
+__all__ = ["SCENARIOS"]

@@ -1,0 +1,54 @@
+"""``python -m bench <scenario> [--repeat N] [--json OUT]`` and ``python -m bench --list``."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+from bench import SCENARIOS
+from bench.common import DEFAULT_CONFIG, RESULTS_DIR, BenchError, console, machine_info, write_json
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    parser.add_argument("scenario", nargs="?", choices=sorted(SCENARIOS))
+    parser.add_argument("--list", action="store_true", help="list the scenarios and exit")
+    parser.add_argument("--repeat", type=int, default=None, help="runs / rounds (scenario default)")
+    parser.add_argument("--json", type=Path, default=None, metavar="OUT",
+                        help="result file (default bench/results/<scenario>.json)")  # fmt: skip
+    parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.list:
+        for name, module in sorted(SCENARIOS.items()):
+            console.print(f"[bold]{name:<10}[/bold] {module.DESCRIPTION} "
+                          f"(default --repeat {module.DEFAULT_REPEAT})")  # fmt: skip
+        return 0
+    if args.scenario is None:
+        parser.error("give a scenario (or --list)")
+    module = SCENARIOS[args.scenario]
+    repeat = module.DEFAULT_REPEAT if args.repeat is None else args.repeat
+    if repeat < 1:
+        parser.error("--repeat must be >= 1")
+    before = machine_info()
+    start = time.time()
+    try:
+        result = module.run(repeat, args.config.resolve())
+    except BenchError as exc:
+        console.print(f"[red]benchmark failed:[/red] {exc}", highlight=False)
+        return 1
+    result["started"] = time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(start))
+    result["duration_s"] = round(time.time() - start, 1)
+    result["machine"] = before
+    result["machine"]["loadavg_after"] = list(os.getloadavg())
+    out = args.json or RESULTS_DIR / f"{args.scenario}.json"
+    write_json(out, result)
+    module.show(result)
+    console.print(f"result: {out}  ({result['duration_s']:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

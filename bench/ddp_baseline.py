@@ -1,0 +1,103 @@
+"""Plain PyTorch DDP doing exactly ElasWave's work per step: the overhead baseline.
+
+Same model (``build_model``), data (``make_dataset`` + ``microbatches`` + ``batch``), keyed
+dropout RNG, global batch and micro-batch size, ``torch.set_num_threads(1)``, and AdamW with the
+config's hyper-parameters. Each of the W processes runs its contiguous share of the step's
+micro-batches with ``no_sync()`` for all but the last, so there is one gradient all-reduce per
+step (DDP's bucketed float32 all-reduce, overlapped with the last backward).
+
+Loss scaling: ElasWave backpropagates ``loss_sum / global_batch`` and SUMs gradients; DDP
+*averages* them over W ranks, so the loss is multiplied by W to yield the same gradient.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def run_ddp(config: Path, *, steps: int, world: int, out_dir: Path) -> dict[str, Any]:
+    """Spawn ``world`` gloo workers on 127.0.0.1; returns rank 0's timings and per-step losses."""
+    from bench.common import free_port
+
+    out = out_dir / "ddp.json"
+    mp.spawn(_worker, args=(world, free_port(), str(config), steps, str(out)), nprocs=world)
+    return json.loads(out.read_text())
+
+
+def _worker(rank: int, world: int, port: int, config: str, steps: int, out: str) -> None:
+    from elaswave.config import load_config
+    from elaswave.runtime.data import batch, microbatches
+    from elaswave.runtime.engine import build_model, make_dataset
+    from elaswave.runtime.rng import MicrobatchRng
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback, like ElasWave's local groups
+    cfg = load_config(config, env={})
+    t = cfg.train
+    torch.set_num_threads(t.threads_per_worker)
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0,
+                          timeout=datetime.timedelta(seconds=60))  # fmt: skip
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    try:
+        model = build_model(cfg)
+        model.train()
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.AdamW(
+            ddp.parameters(), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
+            weight_decay=t.weight_decay,
+        )  # fmt: skip
+        dataset = make_dataset(cfg)
+        per_rank = t.num_microbatches // world
+        assert per_rank * world == t.num_microbatches, "micro-batches must divide evenly"
+        mine = range(rank * per_rank, (rank + 1) * per_rank)
+        scale = world / t.global_batch  # DDP averages over ranks; see the module docstring
+        ends, inner, local_loss = [], [], []
+        dist.barrier()
+        ends.append(time.perf_counter())  # "step 0" end: all ranks leave the barrier together
+        for step in range(1, steps + 1):
+            start = time.perf_counter()
+            every = microbatches(t.seed, step, t.global_batch, t.micro_batch_size, len(dataset))
+            loss_sum = 0.0
+            for k, i in enumerate(mine):
+                mb = every[i]
+                tokens, targets = batch(dataset, mb.sample_ids)
+                last = k == len(mine) - 1
+                with contextlib.nullcontext() if last else ddp.no_sync():
+                    logits = ddp(tokens, MicrobatchRng(t.seed, step, mb.id))
+                    loss = _loss_sum(logits, targets)
+                    (loss * scale).backward()
+                loss_sum += loss.item()
+            opt.step()
+            opt.zero_grad()
+            ends.append(time.perf_counter())
+            inner.append(ends[-1] - start)
+            local_loss.append(loss_sum)
+        # Off the clock: global per-step losses, to check that both systems did the same work.
+        losses = torch.tensor(local_loss, dtype=torch.float64)
+        dist.all_reduce(losses)
+        if rank == 0:
+            result = {
+                "step_ends": ends,
+                "step_seconds": inner,
+                "loss": (losses / t.global_batch).tolist(),
+                "world": world,
+                "reducer": "DDP float32 bucketed all-reduce (average)",
+            }
+            Path(out).write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+def _loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    from elaswave.runtime.model import per_sample_loss
+
+    return per_sample_loss(logits, targets).sum()  # == GPT.loss_sum, through DDP's forward

@@ -1,0 +1,114 @@
+"""Helpers for end-to-end tests: real `elaswave launch` processes, a real etcd, real signals."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from elaswave.events import read_jsonl
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = ROOT / "configs" / "gpt-tiny.yaml"
+REL_TOL = 1e-6
+
+
+def elaswave_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "elaswave.cli.app", *args]
+
+
+@pytest.fixture
+def state_env(tmp_path: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env["ELASWAVE_STATE_DIR"] = str(tmp_path / "state")
+    env.pop("ELASWAVE_FAULTS", None)
+    return env
+
+
+def launch(run_dir: Path, *args: str, env: dict[str, str], timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    cmd = elaswave_cmd("launch", str(CONFIG), "--run-dir", str(run_dir), "--quiet", *args)
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+class Run:
+    """A finished run directory, parsed."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.dir = run_dir
+        self.metrics = list(read_jsonl(run_dir / "metrics.jsonl"))
+        self.events = list(read_jsonl(run_dir / "events.jsonl"))
+
+    def of(self, kind: str) -> list[dict[str, Any]]:
+        return [e for e in self.events if e["kind"] == kind]
+
+    @property
+    def losses(self) -> dict[int, float]:
+        return {m["step"]: m["loss"] for m in self.metrics}
+
+    def spawned_pids(self) -> dict[str, int]:
+        return {e["worker"]: e["pid"] for e in self.of("worker_spawned")}
+
+
+def assert_clean_run(run: Run, steps: int, reference: Run) -> None:
+    """The properties every run with faults must keep."""
+    committed = [m["step"] for m in run.metrics]
+    assert committed == list(range(1, steps + 1)), f"steps lost or duplicated: {committed}"
+    ref = reference.losses
+    for step, loss in run.losses.items():
+        assert abs(loss - ref[step]) <= REL_TOL * abs(ref[step]), (
+            f"step {step}: loss {loss!r} deviates from fault-free {ref[step]!r}"
+        )
+    finals = run.of("final_state")
+    assert finals, "no worker reported its final state"
+    assert len({f["params_sha256"] for f in finals}) == 1, "replicas disagree on parameters"
+    assert len({f["state_sha256"] for f in finals}) == 1, "replicas disagree on optimizer state"
+    assert all(f["step"] == steps for f in finals)
+    spawned = run.spawned_pids()
+    for f in finals:  # a survivor is the very process that was spawned for it
+        assert spawned[f["worker"]] == f["pid"]
+    assert_no_orphans(run)
+
+
+def assert_no_orphans(run: Run) -> None:
+    pids = [e["pid"] for e in run.of("worker_spawned")]
+    pids += [e["embedded_etcd_pid"] for e in run.of("host_joined") if e.get("embedded_etcd_pid")]
+    alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert not alive, f"worker processes left running: {alive}"
+
+
+def wait_for(predicate: Any, timeout: float, interval: float = 0.2) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"condition not met within {timeout}s")
+
+
+def status_json(job_id: str, env: dict[str, str], *extra: str) -> dict[str, Any] | None:
+    r = subprocess.run(
+        elaswave_cmd("status", "--job-id", job_id, "--json", *extra), env=env, capture_output=True, text=True, timeout=30
+    )
+    if r.returncode != 0:
+        return None
+    return json.loads(r.stdout)
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    """The fault-free run of gpt-tiny (40 steps, 4 workers) every fault run is compared with."""
+    base = tmp_path_factory.mktemp("reference")
+    env = dict(os.environ, ELASWAVE_STATE_DIR=str(base / "state"))
+    r = launch(base / "run", "--job-id", "reference", env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    run = Run(base / "run")
+    assert [m["step"] for m in run.metrics] == list(range(1, 41))
+    return run

@@ -1,0 +1,86 @@
+"""Crashes survived in place: gpt-tiny, 4 gloo workers, real etcd, real SIGKILL."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from conftest import Run, assert_clean_run, launch
+from elaswave.report import build_report
+
+pytestmark = pytest.mark.e2e
+
+
+def test_fault_free_reference_is_consistent(reference: Run) -> None:
+    finals = reference.of("final_state")
+    assert len(finals) == 4
+    assert len({f["params_sha256"] for f in finals}) == 1
+    losses = reference.losses
+    assert losses[40] < 0.8 * losses[1], "the synthetic task should visibly learn"
+
+
+def test_kill_one_worker_at_step_15(tmp_path: Path, state_env: dict[str, str], reference: Run) -> None:
+    r = launch(tmp_path / "run", "--job-id", "kill15", "--fault", "kill,rank=1,at_step=15", env=state_env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    run = Run(tmp_path / "run")
+    assert_clean_run(run, 40, reference)
+
+    (fault,) = run.of("fault_injected")
+    assert fault["step"] == 15 and fault["rank"] == 1
+    (exit_ev,) = run.of("worker_exit")
+    assert exit_ev["worker"] == fault["worker"] and exit_ev["exit_code"] == -9
+    plans = run.of("plan_published")
+    assert [p["epoch"] for p in plans] == [1, 2]
+    assert plans[1]["departed"] == [fault["worker"]] and plans[1]["world"] == 3
+    assert sum(plans[1]["microbatches"]) == 16, "global batch must not change"
+    assert {e["rank"] for e in run.of("comm_rebuilt") if e["epoch"] == 2} == {0, 1, 2}
+    synced = [e for e in run.of("state_synced") if e["epoch"] == 2]
+    assert {e["resume_step"] for e in synced} == {14}, "only the in-flight step is redone"
+    assert [m["world_size"] for m in run.metrics] == [4] * 14 + [3] * 26
+    assert all(m["samples"] == 32 * m["step"] for m in run.metrics)
+
+    report = build_report(run.dir)
+    (inc,) = report["incidents"]
+    assert inc["rank"] == 1 and inc["fault_step"] == 15 and inc["first_commit_step"] == 15
+    for phase in ("detection_s", "plan_s", "comm_s", "state_s", "redo_s", "mttr_s"):
+        assert inc[phase] is not None, phase
+    assert 0 < inc["mttr_s"] < 30
+    assert report["totals"]["duplicate_steps"] == [] and report["totals"]["missing_steps"] == []
+
+
+def test_two_crashes(tmp_path: Path, state_env: dict[str, str], reference: Run) -> None:
+    r = launch(
+        tmp_path / "run",
+        "--job-id", "two-crashes",
+        "--fault", "kill,rank=1,at_step=10",
+        "--fault", "kill,rank=2,at_step=25",
+        env=state_env,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    run = Run(tmp_path / "run")
+    assert_clean_run(run, 40, reference)
+    assert len(run.of("worker_exit")) == 2
+    assert [p["world"] for p in run.of("plan_published")] == [4, 3, 2]
+    assert len(build_report(run.dir)["incidents"]) == 2
+    assert len(run.of("final_state")) == 2
+
+
+def test_crash_then_replacement_grows_back(tmp_path: Path, state_env: dict[str, str], reference: Run) -> None:
+    r = launch(
+        tmp_path / "run",
+        "--job-id", "regrow",
+        "--max-restarts", "1",
+        "--fault", "kill,rank=1,at_step=8",
+        env=state_env,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    run = Run(tmp_path / "run")
+    assert_clean_run(run, 40, reference)
+    (respawn,) = run.of("worker_respawned")
+    worlds = [p["world"] for p in run.of("plan_published")]
+    assert worlds == [4, 3, 4], worlds
+    assert run.metrics[-1]["world_size"] == 4
+    joined = [e for e in run.of("state_synced") if e["worker"] == respawn["worker"]]
+    assert joined and joined[-1]["bytes"] > 0, "the newcomer must receive the state from a peer"
+    assert len(run.of("final_state")) == 4

@@ -1,0 +1,142 @@
+"""FaultSpec: the text form, the dict form, and their one-line errors."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from elaswave.errors import FaultSpecError
+from elaswave.faults import FaultKind, FaultSpec
+
+
+@pytest.mark.parametrize(
+    ("text", "rank", "at_step"),
+    [
+        ("kill,rank=1,at_step=15", 1, 15),
+        ("kill,rank=0", 0, None),
+        ("kind=kill,rank=2", 2, None),
+        ("kind=kill,rank=2,at_step=1", 2, 1),
+        ("kill,rank=3,at-step=7", 3, 7),
+        ("kill,at_step=4,rank=5", 5, 4),  # any field order
+        ("  kill , rank = 1 , at_step = 2  ", 1, 2),  # whitespace around parts
+        ("KILL,rank=1", 1, None),  # kinds are case-insensitive
+        ("kill,rank=1,", 1, None),  # a trailing comma is harmless
+    ],
+)
+def test_parse_valid(text: str, rank: int, at_step: int | None) -> None:
+    spec = FaultSpec.parse(text)
+    assert spec == FaultSpec(kind=FaultKind.KILL, rank=rank, at_step=at_step)
+    assert spec.kind is FaultKind.KILL
+    assert isinstance(spec.rank, int)
+
+
+@pytest.mark.parametrize(
+    ("text", "fragment"),
+    [
+        ("", "empty fault spec"),
+        ("   ", "empty fault spec"),
+        (",,", "empty fault spec"),
+        ("boom", "unknown fault kind"),
+        ("boom,rank=1", "unknown fault kind"),
+        ("kind=boom,rank=1", "unknown fault kind"),
+        ("kill", "needs a target"),
+        ("kill,at_step=3", "needs a target"),
+        ("rank=1", "missing the fault kind"),
+        ("kill,rank=one", "rank must be an integer"),
+        ("kill,rank=1.5", "rank must be an integer"),
+        ("kill,rank=", "rank must be an integer"),
+        ("kill,rank=1,at_step=soon", "at_step must be an integer"),
+        ("kill,rank=1,when=now", "unknown field 'when'"),
+        ("kill,rank=1,extra", "expected key=value"),
+        ("kill,rank=-1", "rank must be >= 0"),
+        ("kill,rank=1,at_step=0", "at_step must be >= 1"),
+        ("kill,rank=1,at_step=-3", "at_step must be >= 1"),
+        ("kill,rank=1\nat_step=2", "rank must be an integer"),  # newline in input, one-line message
+    ],
+)
+def test_parse_malformed(text: str, fragment: str) -> None:
+    with pytest.raises(FaultSpecError) as info:
+        FaultSpec.parse(text)
+    message = str(info.value)
+    assert fragment in message
+    assert message.strip() and "\n" not in message
+
+
+@pytest.mark.parametrize(
+    ("data", "fragment"),
+    [
+        ({}, "missing the fault kind"),
+        ({"kind": "kill"}, "needs a target"),
+        ({"kind": "kill", "rank": 1.5}, "rank must be an integer"),
+        ({"kind": "kill", "rank": True}, "rank must be an integer"),
+        ({"kind": "kill", "rank": float("inf")}, "rank must be an integer"),
+        ({"kind": "kill", "rank": [1]}, "rank must be an integer"),
+        ({"kind": "kill", "rank": 1, "at_step": 2.5}, "at_step must be an integer"),
+        ({"kind": "kill", "rank": 1, "target": "w1"}, "unknown field 'target'"),
+        ({"kind": None, "rank": 1}, "unknown fault kind"),
+    ],
+)
+def test_from_dict_malformed(data: dict[str, Any], fragment: str) -> None:
+    with pytest.raises(FaultSpecError) as info:
+        FaultSpec.from_dict(data, source="fault spec faults[0]")
+    message = str(info.value)
+    assert fragment in message and "\n" not in message
+
+
+def test_from_dict_names_its_source() -> None:
+    with pytest.raises(FaultSpecError, match=r"fault spec faults\[2\]"):
+        FaultSpec.from_dict({"kind": "kill", "rank": 1, "x": 1}, source="fault spec faults[2]")
+
+
+@pytest.mark.parametrize(
+    ("data", "expected"),
+    [
+        ({"kind": "kill", "rank": 1}, FaultSpec(kind=FaultKind.KILL, rank=1)),
+        ({"kind": "kill", "rank": "2", "at_step": "3"}, FaultSpec(kind="kill", rank=2, at_step=3)),
+        ({"kind": "kill", "rank": 4.0}, FaultSpec(kind="kill", rank=4)),  # integral float
+        ({"kind": "kill", "rank": 0, "at_step": None}, FaultSpec(kind="kill", rank=0)),
+    ],
+)
+def test_from_dict_valid(data: dict[str, Any], expected: FaultSpec) -> None:
+    assert FaultSpec.from_dict(data) == expected
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        FaultSpec(kind=FaultKind.KILL, rank=0),
+        FaultSpec(kind=FaultKind.KILL, rank=3, at_step=15),
+        FaultSpec(kind="kill", rank=1, at_step=1),
+    ],
+)
+def test_to_dict_from_dict_and_text_round_trip(spec: FaultSpec) -> None:
+    data = spec.to_dict()
+    assert data["kind"] == "kill" and isinstance(data["kind"], str)
+    assert None not in data.values()  # unset fields are left out
+    assert FaultSpec.from_dict(data) == spec
+    text = ",".join(f"{k}={v}" for k, v in data.items())
+    assert FaultSpec.parse(text) == spec
+
+
+def test_kind_given_as_string_is_normalised_to_enum() -> None:
+    assert FaultSpec(kind="KILL", rank=0).kind is FaultKind.KILL
+
+
+def test_spec_is_hashable_and_immutable() -> None:
+    spec = FaultSpec(kind="kill", rank=1)
+    assert len({spec, FaultSpec(kind=FaultKind.KILL, rank=1)}) == 1
+    with pytest.raises(AttributeError):
+        spec.rank = 2  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("spec", "text"),
+    [
+        (FaultSpec(kind="kill", rank=1, at_step=15), "kill rank 1 at step 15"),
+        (FaultSpec(kind="kill", rank=2), "kill rank 2"),
+        (FaultSpec(kind="kill", rank=0, at_step=1), "kill rank 0 at step 1"),
+    ],
+)
+def test_describe(spec: FaultSpec, text: str) -> None:
+    assert spec.describe() == text

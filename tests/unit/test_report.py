@@ -1,0 +1,335 @@
+"""The MTTR report, replayed from synthetic ``events.jsonl`` / ``metrics.jsonl`` run directories."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from elaswave.events import EVENTS_FILE, METRICS_FILE, EventLog, JsonlWriter, read_jsonl
+from elaswave.report import CSV_FIELDS, PHASES, build_report, render
+
+CRASH_REASON = "worker w1 (rank 1) killed by SIGKILL"
+PLAN2_REASON = f"{CRASH_REASON} → epoch 2: dp 4→3, micro-batches 16 → [6, 5, 5]"
+
+
+def start_events() -> list[dict[str, Any]]:
+    """A 4-worker job starting: epoch 1 and its (ignored) recovery-phase events."""
+    events: list[dict[str, Any]] = [
+        {"t": 90.0, "kind": "host_joined", "host": "h0"},
+        {"t": 90.5, "kind": "plan_published", "epoch": 1, "world": 4, "departed": [],
+         "workers": ["w0", "w1", "w2", "w3"], "reason": "epoch 1: start: dp 4"},
+    ]  # fmt: skip
+    for r in range(4):
+        events.append({"t": 90.6, "kind": "comm_rebuilt", "worker": f"w{r}", "rank": r,
+                       "epoch": 1, "seconds": 0.5})  # fmt: skip
+        events.append({"t": 90.7, "kind": "state_synced", "worker": f"w{r}", "rank": r,
+                       "epoch": 1, "bytes": 0, "resume_step": 0})  # fmt: skip
+    return events
+
+
+def kill_events() -> list[dict[str, Any]]:
+    """Rank 1 (w1) killed while step 15 was in flight, and the recovery to epoch 2."""
+    return [
+        {"t": 100.0, "kind": "fault_injected", "worker": "w1", "rank": 1, "step": 15,
+         "fault": {"kind": "kill", "rank": 1, "at_step": 15}},
+        {"t": 100.02, "kind": "worker_exit", "worker": "w1", "rank": 1, "exit_code": -9,
+         "reason": CRASH_REASON},
+        {"t": 100.03, "kind": "plan_published", "epoch": 2, "world": 3, "departed": ["w1"],
+         "workers": ["w0", "w2", "w3"], "reason": PLAN2_REASON},
+        {"t": 100.035, "kind": "comm_rebuilt", "worker": "w0", "rank": 0, "epoch": 2,
+         "seconds": 0.004},
+        {"t": 100.04, "kind": "comm_rebuilt", "worker": "w2", "rank": 1, "epoch": 2,
+         "seconds": 0.01},
+        {"t": 100.038, "kind": "comm_rebuilt", "worker": "w3", "rank": 2, "epoch": 2,
+         "seconds": 0.007},
+        {"t": 100.043, "kind": "state_synced", "worker": "w0", "rank": 0, "epoch": 2,
+         "bytes": 0, "resume_step": 14},
+        {"t": 100.045, "kind": "state_synced", "worker": "w2", "rank": 1, "epoch": 2,
+         "bytes": 1000, "resume_step": 14},
+        {"t": 100.044, "kind": "state_synced", "worker": "w3", "rank": 2, "epoch": 2,
+         "bytes": 1500, "resume_step": 14},
+    ]  # fmt: skip
+
+
+def metrics(steps: list[int] | None = None) -> list[dict[str, Any]]:
+    """Steps 1..40: epoch 1 (4 workers) up to step 14, then epoch 2 (3 workers) from 100.1 s."""
+    out = []
+    for s in steps if steps is not None else list(range(1, 41)):
+        early = s <= 14
+        out.append({
+            "step": s,
+            "loss": round(5.0 - 0.01 * s, 4),
+            "epoch": 1 if early else 2,
+            "world_size": 4 if early else 3,
+            "samples": 32 * s,
+            "step_seconds": 0.05,
+            "time": 90.0 + 0.5 * s if early else round(100.1 + 0.1 * (s - 15), 6),
+        })  # fmt: skip
+    return out
+
+
+def write_run(
+    run_dir: Path, events: list[dict[str, Any]], metric_rows: list[dict[str, Any]]
+) -> Path:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    log = EventLog(run_dir / EVENTS_FILE)
+    for ev in events:
+        fields = {k: v for k, v in ev.items() if k not in ("t", "kind")}
+        log.emit(ev["kind"], t=ev["t"], **fields)
+    log.close()
+    writer = JsonlWriter(run_dir / METRICS_FILE)
+    for row in metric_rows:
+        writer.write(row)
+    writer.close()
+    return run_dir
+
+
+@pytest.fixture
+def kill_run(tmp_path: Path) -> Path:
+    return write_run(tmp_path / "kill", start_events() + kill_events(), metrics())
+
+
+# ---- one planned kill ------------------------------------------------------------------------
+
+EXPECTED_PHASES = {
+    "detection_s": 0.02,
+    "plan_s": 0.01,
+    "comm_s": 0.01,
+    "state_s": 0.005,
+    "redo_s": 0.055,
+}
+
+
+def test_kill_incident_phases(kill_run: Path) -> None:
+    report = build_report(kill_run)
+    assert report["run_dir"] == str(kill_run)
+    assert len(report["incidents"]) == 1
+    inc = report["incidents"][0]
+    for name, expected in EXPECTED_PHASES.items():
+        assert inc[name] == pytest.approx(expected, abs=1e-6), name
+    assert inc["mttr_s"] == pytest.approx(0.1, abs=1e-6)
+    assert sum(inc[p] for p in PHASES) == pytest.approx(inc["mttr_s"], abs=1e-5)
+    assert inc["first_commit_step"] == 15
+
+
+def test_kill_incident_fields(kill_run: Path) -> None:
+    inc = build_report(kill_run)["incidents"][0]
+    assert inc["id"] == 1
+    assert inc["kind"] == "kill"
+    assert (inc["worker"], inc["rank"], inc["fault_step"]) == ("w1", 1, 15)
+    assert inc["fault_t"] == 100.0
+    assert (inc["epoch"], inc["world_after"]) == (2, 3)
+    assert inc["reason"] == PLAN2_REASON
+    # Only epoch 2's recovery events count, not epoch 1's start-up.
+    assert inc["comm_rebuild_max_s"] == pytest.approx(0.01)
+    assert inc["state_bytes"] == 2500
+    assert inc["state_resume_step"] == 14
+
+
+def test_kill_totals(kill_run: Path) -> None:
+    totals = build_report(kill_run)["totals"]
+    assert totals["committed_steps"] == 40
+    assert totals["last_step"] == 40
+    assert totals["duplicate_steps"] == []
+    assert totals["missing_steps"] == []
+    assert totals["final_loss"] == pytest.approx(4.6)
+    assert totals["final_world_size"] == 3
+    assert totals["incidents"] == 1  # the kill's worker_exit is not a second incident
+    assert totals["plans"] == 2
+    assert totals["mttr_median_s"] == pytest.approx(0.1, abs=1e-6)
+    assert totals["mttr_max_s"] == pytest.approx(0.1, abs=1e-6)
+    assert totals["wall_s"] == pytest.approx(102.6 - 90.5, abs=1e-3)
+
+
+def test_event_order_in_file_does_not_matter(tmp_path: Path, kill_run: Path) -> None:
+    events = start_events() + kill_events()
+    random.Random(7).shuffle(events)
+    shuffled = build_report(write_run(tmp_path / "shuffled", events, metrics()))
+    expected = build_report(kill_run)
+    assert shuffled["incidents"] == expected["incidents"]
+    assert shuffled["totals"] == expected["totals"]
+
+
+def test_commit_must_be_in_the_new_epoch(tmp_path: Path) -> None:
+    # A late epoch-1 commit recorded after the plan does not end the incident.
+    rows = metrics()
+    late = {**rows[13], "step": 14, "time": 100.05}  # epoch 1 row, after the plan
+    rows = rows[:13] + [late] + rows[14:]
+    inc = build_report(write_run(tmp_path / "late", start_events() + kill_events(), rows))[
+        "incidents"
+    ][0]
+    assert inc["first_commit_step"] == 15
+    assert inc["mttr_s"] == pytest.approx(0.1, abs=1e-6)
+
+
+# ---- step accounting -------------------------------------------------------------------------
+
+
+def test_duplicate_and_missing_steps_are_reported(tmp_path: Path) -> None:
+    steps = [s for s in range(1, 41) if s != 30]
+    steps.insert(steps.index(21), 20)  # step 20 committed twice
+    run = write_run(tmp_path / "dup", start_events() + kill_events(), metrics(steps))
+    totals = build_report(run)["totals"]
+    assert totals["duplicate_steps"] == [20]
+    assert totals["missing_steps"] == [30]
+    assert totals["committed_steps"] == 39
+    assert totals["last_step"] == 40
+
+
+# ---- unplanned crash -------------------------------------------------------------------------
+
+
+def crash_events(t0: float = 200.0) -> list[dict[str, Any]]:
+    """w2 (rank 2) dies on its own: no fault_injected, only the daemon's worker_exit."""
+    return [
+        {"t": t0, "kind": "worker_exit", "worker": "w2", "rank": 2, "exit_code": 1,
+         "reason": "worker w2 (rank 2) exited with code 1"},
+        {"t": t0 + 0.05, "kind": "plan_published", "epoch": 3, "world": 2, "departed": ["w2"],
+         "workers": ["w0", "w3"], "reason": "w2 exited → epoch 3: dp 3→2"},
+        {"t": t0 + 0.07, "kind": "comm_rebuilt", "worker": "w0", "rank": 0, "epoch": 3},
+        {"t": t0 + 0.08, "kind": "comm_rebuilt", "worker": "w3", "rank": 1, "epoch": 3},
+        {"t": t0 + 0.1, "kind": "state_synced", "worker": "w0", "rank": 0, "epoch": 3,
+         "bytes": 0, "resume_step": 40},
+        {"t": t0 + 0.1, "kind": "state_synced", "worker": "w3", "rank": 1, "epoch": 3,
+         "bytes": 0, "resume_step": 40},
+    ]  # fmt: skip
+
+
+def crash_metrics(t0: float = 200.0) -> list[dict[str, Any]]:
+    return [
+        {"step": s, "loss": 4.5, "epoch": 3, "world_size": 2, "samples": 32 * s,
+         "time": round(t0 + 0.3 + 0.1 * (s - 41), 6)}
+        for s in range(41, 46)
+    ]  # fmt: skip
+
+
+def test_unplanned_crash_starts_at_its_detection(tmp_path: Path) -> None:
+    run = write_run(tmp_path / "crash", start_events() + crash_events(), crash_metrics())
+    report = build_report(run)
+    assert len(report["incidents"]) == 1
+    inc = report["incidents"][0]
+    assert inc["kind"] == "crash"
+    assert (inc["worker"], inc["rank"], inc["fault_step"]) == ("w2", 2, None)
+    assert inc["fault_t"] == 200.0
+    assert inc["detection_s"] == 0.0
+    assert inc["plan_s"] == pytest.approx(0.05, abs=1e-6)
+    assert inc["comm_s"] == pytest.approx(0.03, abs=1e-6)
+    assert inc["state_s"] == pytest.approx(0.02, abs=1e-6)
+    assert inc["redo_s"] == pytest.approx(0.2, abs=1e-6)
+    assert inc["mttr_s"] == pytest.approx(0.3, abs=1e-6)
+    assert inc["first_commit_step"] == 41
+    assert inc["epoch"] == 3 and inc["world_after"] == 2
+
+
+def test_kill_then_crash_are_two_incidents_in_time_order(tmp_path: Path) -> None:
+    events = crash_events() + kill_events() + start_events()  # file order is irrelevant
+    run = write_run(tmp_path / "both", events, metrics() + crash_metrics())
+    report = build_report(run)
+    incidents = report["incidents"]
+    assert [(i["id"], i["kind"], i["worker"]) for i in incidents] == [
+        (1, "kill", "w1"),
+        (2, "crash", "w2"),
+    ]
+    assert [i["mttr_s"] for i in incidents] == pytest.approx([0.1, 0.3], abs=1e-6)
+    totals = report["totals"]
+    assert totals["incidents"] == 2 and totals["plans"] == 3
+    assert totals["mttr_median_s"] == pytest.approx(0.2, abs=1e-6)
+    assert totals["mttr_max_s"] == pytest.approx(0.3, abs=1e-6)
+    assert totals["committed_steps"] == 45 and totals["missing_steps"] == []
+
+
+def test_fault_without_recovery_has_no_mttr(tmp_path: Path) -> None:
+    events = start_events() + kill_events()[:2]  # killed and detected, no new plan
+    report = build_report(write_run(tmp_path / "stuck", events, metrics(list(range(1, 15)))))
+    inc = report["incidents"][0]
+    assert inc["detection_s"] == pytest.approx(0.02, abs=1e-6)
+    assert all(inc[p] is None for p in PHASES if p != "detection_s")
+    assert inc["mttr_s"] is None and inc["first_commit_step"] is None
+    assert inc["epoch"] is None and inc["reason"] == CRASH_REASON
+    assert report["totals"]["mttr_median_s"] is None
+    # Same keys as a recovered incident, so JSON consumers need no special case.
+    recovered_run = write_run(tmp_path / "ok", start_events() + kill_events(), metrics())
+    recovered = build_report(recovered_run)["incidents"][0]
+    assert set(inc) == set(recovered)
+
+
+# ---- torn lines ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("filename", [EVENTS_FILE, METRICS_FILE])
+def test_torn_last_line_is_skipped(tmp_path: Path, kill_run: Path, filename: str) -> None:
+    expected = build_report(kill_run)
+    with open(kill_run / filename, "a", encoding="utf-8") as f:
+        f.write('{"t": 100.5, "kind": "worker_ex')  # writer killed mid-line: no newline
+    torn = build_report(kill_run)
+    assert torn["incidents"] == expected["incidents"]
+    assert torn["totals"] == expected["totals"]
+
+
+def test_read_jsonl_skips_torn_and_blank_lines(tmp_path: Path) -> None:
+    path = tmp_path / "x.jsonl"
+    path.write_text('{"a": 1}\n\n{"a": 2}\n{"a": 3, "b"')
+    assert list(read_jsonl(path)) == [{"a": 1}, {"a": 2}]
+    assert list(read_jsonl(tmp_path / "absent.jsonl")) == []
+
+
+def test_empty_run_dir_has_no_incidents(tmp_path: Path) -> None:
+    report = build_report(tmp_path)
+    assert report["incidents"] == []
+    assert report["totals"]["committed_steps"] == 0
+    assert report["totals"]["final_loss"] is None
+    assert "No incidents." in render(report, "md")
+
+
+# ---- render ----------------------------------------------------------------------------------
+
+
+def test_render_json_parses_back(kill_run: Path) -> None:
+    report = build_report(kill_run)
+    assert json.loads(render(report, "json")) == report
+
+
+def test_render_csv_has_header_and_one_row_per_incident(tmp_path: Path) -> None:
+    run = write_run(
+        tmp_path / "both",
+        start_events() + kill_events() + crash_events(),
+        metrics() + crash_metrics(),
+    )
+    report = build_report(run)
+    text = render(report, "csv")
+    rows = list(csv.reader(io.StringIO(text)))
+    assert rows[0] == CSV_FIELDS
+    assert len(rows) == 1 + len(report["incidents"]) == 3
+    parsed = list(csv.DictReader(io.StringIO(text)))
+    assert [r["id"] for r in parsed] == ["1", "2"]
+    assert parsed[0]["reason"] == PLAN2_REASON  # commas in the reason survive quoting
+    assert float(parsed[0]["mttr_s"]) == pytest.approx(0.1, abs=1e-6)
+    assert parsed[1]["kind"] == "crash"
+
+
+def test_render_csv_without_incidents_is_just_the_header(tmp_path: Path) -> None:
+    rows = list(csv.reader(io.StringIO(render(build_report(tmp_path), "csv"))))
+    assert rows == [CSV_FIELDS]
+
+
+def test_render_markdown(kill_run: Path) -> None:
+    text = render(build_report(kill_run), "md")
+    assert "MTTR" in text
+    assert "| 1 | kill rank 1 | 15 |" in text
+    assert "**100 ms**" in text
+    assert "20 ms" in text  # detection
+    assert f"incident 1: {PLAN2_REASON}" in text
+    assert "Committed steps: 40" in text
+    assert text.endswith("\n")
+
+
+@pytest.mark.parametrize("fmt", ["xml", "", "JSON", "markdown"])
+def test_render_unknown_format(kill_run: Path, fmt: str) -> None:
+    with pytest.raises(ValueError, match="unknown format"):
+        render(build_report(kill_run), fmt)
