@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MAX_INCIDENTS = 20
+JOIN_SETTLE_S = 0.5  # how long a grow waits for further joiners before it is planned
 
 
 async def campaign(d: HostDaemon) -> None:
@@ -66,7 +67,13 @@ class Planner:
                 await self._await_initial_members()
             while not d.stopping:
                 self.changed.clear()
+                if await d.etcd.get(d.keys.done) is not None:
+                    return  # the last step is committed: leaving workers change nothing
                 members, causes = await self._read_members()
+                if current is not None and not causes and self._only_joins(current, members):
+                    # Newcomers arrive one by one; admit those that come together in one plan.
+                    await asyncio.sleep(JOIN_SETTLE_S)
+                    members, causes = await self._read_members()
                 plan = next_plan(
                     current,
                     members,
@@ -97,6 +104,11 @@ class Planner:
             watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await watcher
+
+    @staticmethod
+    def _only_joins(current: Plan, members: list[Member]) -> bool:
+        live = {m.worker_id for m in members}
+        return set(current.workers) <= live and bool(live - set(current.workers))
 
     async def _watch(self, start_revision: int) -> None:
         async for _ in self.d.etcd.watch_prefix(self.d.keys.workers, start_revision=start_revision):

@@ -284,6 +284,9 @@ class HostDaemon:
             "time": msg["t"],
         }
         self.metrics.write(record)
+        if step >= self.cfg.train.steps:
+            with contextlib.suppress(Exception):
+                await self.etcd.put_json(self.keys.done, {"step": step, "t": time.time()})
         self.commit_times.append((float(msg["t"]), int(msg["samples"])))
         self.commit_times = self.commit_times[-20:]
         rate = 0.0

@@ -1,0 +1,153 @@
+"""The CLI against live jobs in other processes: status, inject-fault, signals, bad input."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import CONFIG, Run, assert_no_orphans, elaswave_cmd, launch, status_json, wait_for
+from elaswave.daemon.etcd_server import EmbeddedEtcd
+from elaswave.report import build_report
+
+pytestmark = pytest.mark.e2e
+
+
+def start(run_dir: Path, env: dict[str, str], *args: str) -> subprocess.Popen[str]:
+    cmd = elaswave_cmd("launch", str(CONFIG), "--run-dir", str(run_dir), "--quiet", *args)
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def step_of(job_id: str, env: dict[str, str], *extra: str) -> int:
+    st = status_json(job_id, env, *extra)
+    return int(((st or {}).get("progress") or {}).get("step", 0))
+
+
+def test_status_and_inject_fault_through_etcd(tmp_path: Path, state_env: dict[str, str]) -> None:
+    proc = start(tmp_path / "run", state_env, "--job-id", "live", "--steps", "400")
+    try:
+        wait_for(lambda: step_of("live", state_env) >= 3, timeout=90)
+        st = status_json("live", state_env)
+        assert st is not None and st["world_size"] == 4 and st["epoch"] == 1
+        assert [m["rank"] for m in st["members"]] == [0, 1, 2, 3]
+        assert all(m["alive"] and m["pid"] for m in st["members"])
+        victim = st["members"][2]
+
+        bad = subprocess.run(
+            elaswave_cmd("inject-fault", "--job-id", "live", "--kind", "kill", "--rank", "9"),
+            env=state_env, capture_output=True, text=True, timeout=30,
+        )  # fmt: skip
+        assert bad.returncode != 0
+        assert "out of range" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+
+        ok = subprocess.run(
+            elaswave_cmd("inject-fault", "--job-id", "live", "--kind", "kill", "--rank", "2", "--json"),
+            env=state_env, capture_output=True, text=True, timeout=30,
+        )  # fmt: skip
+        assert ok.returncode == 0, ok.stderr
+        assert json.loads(ok.stdout)["target"] == victim["worker"]
+
+        after = wait_for(
+            lambda: (s := status_json("live", state_env)) and s["epoch"] == 2 and s, timeout=60
+        )
+        assert after["world_size"] == 3
+        assert victim["worker"] not in [m["worker"] for m in after["members"]]
+        assert any("SIGKILL" in inc["reason"] for inc in after["incidents"])
+        text = subprocess.run(
+            elaswave_cmd("status", "--job-id", "live"), env=state_env, capture_output=True, text=True, timeout=30
+        )
+        assert text.returncode == 0 and "epoch 2" in text.stdout
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+    assert proc.returncode == 128 + signal.SIGINT
+    run = Run(tmp_path / "run")
+    (inc,) = build_report(run.dir)["incidents"]
+    assert inc["worker"] == victim["worker"] and inc["mttr_s"] is not None
+    assert_no_orphans(run)
+    assert not (Path(state_env["ELASWAVE_STATE_DIR"]) / "jobs" / "live.json").exists()
+    # The job is gone: the CLI says so in one line.
+    gone = subprocess.run(
+        elaswave_cmd("status", "--job-id", "live"), env=state_env, capture_output=True, text=True, timeout=30
+    )
+    assert gone.returncode != 0 and len(gone.stderr.strip().splitlines()) == 1
+
+
+def test_sigterm_leaves_no_stale_keys_on_an_external_etcd(tmp_path: Path, state_env: dict[str, str]) -> None:
+    with EmbeddedEtcd() as etcd:
+        proc = start(tmp_path / "a", state_env, "--job-id", "again", "--etcd", etcd.endpoint, "--steps", "400")
+        try:
+            wait_for(lambda: step_of("again", state_env, "--etcd", etcd.endpoint) >= 2, timeout=90)
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=60)
+        assert proc.returncode == 128 + signal.SIGTERM
+        assert_no_orphans(Run(tmp_path / "a"))
+        # Same job id, same etcd: a fresh run must start from epoch 1 and finish.
+        r = launch(tmp_path / "b", "--job-id", "again", "--etcd", etcd.endpoint, "--steps", "5", env=state_env)
+        assert r.returncode == 0, r.stderr[-2000:]
+        run = Run(tmp_path / "b")
+        assert [m["step"] for m in run.metrics] == [1, 2, 3, 4, 5]
+        assert [p["epoch"] for p in run.of("plan_published")] == [1]
+
+
+def test_unreachable_etcd_is_a_one_line_error(tmp_path: Path, state_env: dict[str, str]) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = s.getsockname()[1]  # bound, never listening: connections are refused
+        started = time.monotonic()
+        r = launch(tmp_path / "run", "--job-id", "noetcd", "--etcd", f"127.0.0.1:{dead}", env=state_env)
+    assert r.returncode != 0
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "cannot reach etcd" in lines[0], r.stderr
+    assert time.monotonic() - started < 30
+    assert not list((tmp_path / "run" / "logs").glob("*.log")), "no worker may start without etcd"
+
+
+def test_busy_etcd_port_is_a_one_line_error(tmp_path: Path, state_env: dict[str, str]) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        r = launch(tmp_path / "run", "--job-id", "busy", "--etcd-port", str(port), env=state_env)
+    assert r.returncode != 0
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "already in use" in lines[0], r.stderr
+
+
+def test_second_host_joins_and_the_plan_grows(tmp_path: Path, state_env: dict[str, str], reference: Run) -> None:
+    """Two launches on one machine act as two hosts; the second joins mid-run (--nnodes 1:2)."""
+    first = start(
+        tmp_path / "h1", state_env,
+        "--job-id", "grow", "--nproc-per-node", "2", "--nnodes", "1:2", "--host-id", "h1",
+    )  # fmt: skip
+    try:
+        wait_for(lambda: step_of("grow", state_env) >= 5, timeout=90)
+        record = json.loads((Path(state_env["ELASWAVE_STATE_DIR"]) / "jobs" / "grow.json").read_text())
+        second = launch(
+            tmp_path / "h2",
+            "--job-id", "grow", "--nproc-per-node", "2", "--nnodes", "1:2", "--host-id", "h2",
+            "--etcd", ",".join(record["etcd"]),
+            env=state_env,
+        )  # fmt: skip
+        assert second.returncode == 0, second.stderr[-2000:]
+        assert first.wait(timeout=120) == 0, first.stderr.read() if first.stderr else ""
+    finally:
+        if first.poll() is None:
+            first.kill()
+    h1 = Run(tmp_path / "h1")
+    worlds = [p["world"] for p in h1.of("plan_published")]
+    assert worlds[0] == 2 and worlds[-1] == 4, worlds
+    committed = [m["step"] for m in h1.metrics]
+    assert committed == list(range(1, 41))
+    assert h1.metrics[-1]["world_size"] == 4
+    ref = reference.losses
+    for step, loss in h1.losses.items():
+        assert abs(loss - ref[step]) <= 1e-6 * abs(ref[step]), step
+    finals = h1.of("final_state") + Run(tmp_path / "h2").of("final_state")
+    assert len(finals) == 4 and len({f["params_sha256"] for f in finals}) == 1
