@@ -94,7 +94,9 @@ class TrainConfig:
                 f"train.micro_batch_size ({self.micro_batch_size})"
             )
         if self.reduce_dtype not in ("float32", "float64"):
-            raise ConfigError(f"train.reduce_dtype must be float32 or float64, got {self.reduce_dtype!r}")
+            raise ConfigError(
+                f"train.reduce_dtype must be float32 or float64, got {self.reduce_dtype!r}"
+            )
         if not self.lr > 0:  # also rejects NaN
             raise ConfigError(f"train.lr must be > 0, got {self.lr}")
 
@@ -208,7 +210,7 @@ def load_config(
     overrides: Mapping[str, Any] | None = None,
     env: Mapping[str, str] | None = None,
 ) -> JobConfig:
-    """Defaults < YAML at ``path`` < ``ELASWAVE_*`` env < ``overrides`` (dotted keys: ``train.steps``)."""
+    """Defaults < YAML at ``path`` < ``ELASWAVE_*`` env < ``overrides`` (``train.steps``)."""
     merged: dict[str, Any] = {}
     if path is not None:
         p = Path(path)

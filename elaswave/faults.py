@@ -60,7 +60,9 @@ class FaultSpec:
                 if i == 0:
                     fields["kind"] = part
                     continue
-                raise FaultSpecError(f"malformed fault spec {text!r}: expected key=value, got {part!r}")
+                raise FaultSpecError(
+                    f"malformed fault spec {text!r}: expected key=value, got {part!r}"
+                )
             key, _, value = part.partition("=")
             fields[key.strip().replace("-", "_")] = value.strip()
         return cls.from_dict(fields, source=repr(text))
@@ -71,7 +73,8 @@ class FaultSpec:
         unknown = sorted(set(data) - known)
         if unknown:
             raise FaultSpecError(
-                f"malformed {source}: unknown field {unknown[0]!r} (known: {', '.join(sorted(known))})"
+                f"malformed {source}: unknown field {unknown[0]!r} "
+                f"(known: {', '.join(sorted(known))})"
             )
         if "kind" not in data:
             raise FaultSpecError(f"malformed {source}: missing the fault kind")
@@ -107,4 +110,6 @@ def _int(value: Any, name: str, source: str) -> int | None:
     try:
         return int(value)
     except (TypeError, ValueError):
-        raise FaultSpecError(f"malformed {source}: {name} must be an integer, got {value!r}") from None
+        raise FaultSpecError(
+            f"malformed {source}: {name} must be an integer, got {value!r}"
+        ) from None

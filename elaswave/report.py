@@ -34,7 +34,10 @@ def build_report(run_dir: str | Path) -> dict[str, Any]:
     used_exits: set[int] = set()
     for i, ev in enumerate(events):
         if ev["kind"] == "fault_injected":
-            exit_ev = _first(events[i:], lambda e: e["kind"] == "worker_exit" and e.get("worker") == ev.get("worker"))
+            victim = ev.get("worker")
+            exit_ev = _first(
+                events[i:], lambda e, w=victim: e["kind"] == "worker_exit" and e.get("worker") == w
+            )
             if exit_ev is not None:
                 used_exits.add(id(exit_ev))
             incidents.append(_incident(ev, exit_ev, ev.get("worker"), events, plans, metrics))
@@ -44,7 +47,11 @@ def build_report(run_dir: str | Path) -> dict[str, Any]:
     incidents.sort(key=lambda x: x["fault_t"])
     for n, inc in enumerate(incidents, 1):
         inc["id"] = n
-    return {"run_dir": str(run_dir), "incidents": incidents, "totals": _totals(events, metrics, incidents)}
+    return {
+        "run_dir": str(run_dir),
+        "incidents": incidents,
+        "totals": _totals(events, metrics, incidents),
+    }
 
 
 def _first(items: list[dict[str, Any]], pred: Any) -> dict[str, Any] | None:
@@ -87,7 +94,7 @@ def _incident(
         t_comm = max((e["t"] for e in comm), default=None)
         t_state = max((e["t"] for e in state), default=None)
         marks = [t0, detected, plan["t"], t_comm, t_state, commit["time"] if commit else None]
-        for name, a, b in zip(PHASES, marks, marks[1:]):
+        for name, a, b in zip(PHASES, marks, marks[1:], strict=False):
             phases[name] = round(b - a, 6) if a is not None and b is not None else None
         inc["comm_rebuild_max_s"] = max((e.get("seconds", 0.0) for e in comm), default=None)
         inc["state_bytes"] = sum(e.get("bytes", 0) for e in state)
@@ -98,7 +105,9 @@ def _incident(
     return inc
 
 
-def _totals(events: list[dict[str, Any]], metrics: list[dict[str, Any]], incidents: list[dict[str, Any]]) -> dict[str, Any]:
+def _totals(
+    events: list[dict[str, Any]], metrics: list[dict[str, Any]], incidents: list[dict[str, Any]]
+) -> dict[str, Any]:
     steps = [m["step"] for m in metrics]
     counts = Counter(steps)
     last = max(steps, default=0)

@@ -4,7 +4,7 @@ Nothing received is unpickled; a malformed line is dropped. Message types:
 
 worker → daemon: ``hello`` {worker_id, pid}, ``ready``, ``event`` {event}, ``commit`` {step, loss,
 epoch, world, samples, t}, ``done`` {step}
-daemon → worker: ``config`` {config, host_addr, run_dir}, ``plan`` {plan}, ``fault`` {fault}, ``stop``
+daemon → worker: ``config`` {config, host_addr}, ``plan`` {plan}, ``fault`` {fault}, ``stop``
 """
 
 from __future__ import annotations

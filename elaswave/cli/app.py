@@ -37,18 +37,32 @@ def _fail(exc: ElasWaveError) -> typer.Exit:
 
 @app.command()
 def launch(
-    config: Path | None = typer.Argument(None, help="Job config YAML (defaults apply without one)."),
-    nproc_per_node: int | None = typer.Option(None, "--nproc-per-node", help="Workers on this host."),
+    config: Path | None = typer.Argument(
+        None, help="Job config YAML (defaults apply without one)."
+    ),
+    nproc_per_node: int | None = typer.Option(
+        None, "--nproc-per-node", help="Workers on this host."
+    ),
     nnodes: str | None = typer.Option(None, "--nnodes", help="Hosts: N or MIN:MAX."),
-    etcd: str | None = typer.Option(None, "--etcd", help="host:port[,host:port]; default: embedded etcd."),
-    etcd_port: int | None = typer.Option(None, "--etcd-port", help="Client port of the embedded etcd."),
+    etcd: str | None = typer.Option(
+        None, "--etcd", help="host:port[,host:port]; default: embedded etcd."
+    ),
+    etcd_port: int | None = typer.Option(
+        None, "--etcd-port", help="Client port of the embedded etcd."
+    ),
     job_id: str | None = typer.Option(None, "--job-id"),
     run_dir: Path | None = typer.Option(None, "--run-dir", help="Default runs/<job-id>."),
     steps: int | None = typer.Option(None, "--steps"),
-    max_restarts: int | None = typer.Option(None, "--max-restarts", help="Respawns of crashed workers."),
-    fault: list[str] = typer.Option([], "--fault", help="e.g. kill,rank=1,at_step=15 (repeatable)."),
+    max_restarts: int | None = typer.Option(
+        None, "--max-restarts", help="Respawns of crashed workers."
+    ),
+    fault: list[str] = typer.Option(
+        [], "--fault", help="e.g. kill,rank=1,at_step=15 (repeatable)."
+    ),
     host_id: str | None = typer.Option(None, "--host-id"),
-    host_addr: str | None = typer.Option(None, "--host-addr", help="Address peers reach this host on."),
+    host_addr: str | None = typer.Option(
+        None, "--host-addr", help="Address peers reach this host on."
+    ),
     quiet: bool = typer.Option(False, "--quiet", help="No MTTR summary at the end."),
 ) -> None:
     """Run a job on this host in the foreground (one launch per host)."""
@@ -127,14 +141,21 @@ def _print_status(st: dict[str, Any]) -> None:
     table = Table("rank", "worker", "host", "pid", "micro-batches", "state")
     for m in st["members"]:
         table.add_row(
-            str(m["rank"]), m["worker"], m["host"], str(m["pid"] or "–"), str(m["microbatches"]),
+            str(m["rank"]),
+            m["worker"],
+            m["host"],
+            str(m["pid"] or "–"),
+            str(m["microbatches"]),
             "[green]alive[/green]" if m["alive"] else "[red]gone[/red]",
         )
     for wid in st["standby"]:
         table.add_row("–", wid, "", "", "0", "standby")
     out.print(table)
     for inc in st["incidents"][-5:]:
-        out.print(f"  {time.strftime('%H:%M:%S', time.localtime(inc['t']))}  {inc['reason']}", highlight=False)
+        out.print(
+            f"  {time.strftime('%H:%M:%S', time.localtime(inc['t']))}  {inc['reason']}",
+            highlight=False,
+        )
 
 
 @app.command("inject-fault")
@@ -142,7 +163,9 @@ def inject_fault_cmd(
     job_id: str = typer.Option("elaswave", "--job-id"),
     kind: str = typer.Option(..., "--kind", help="kill"),
     rank: int | None = typer.Option(None, "--rank"),
-    at_step: int | None = typer.Option(None, "--at-step", help="Fire while this step is in flight."),
+    at_step: int | None = typer.Option(
+        None, "--at-step", help="Fire while this step is in flight."
+    ),
     etcd: str | None = typer.Option(None, "--etcd"),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
@@ -152,7 +175,11 @@ def inject_fault_cmd(
 
     try:
         spec = FaultSpec.from_dict(
-            {k: v for k, v in {"kind": kind, "rank": rank, "at_step": at_step}.items() if v is not None},
+            {
+                k: v
+                for k, v in {"kind": kind, "rank": rank, "at_step": at_step}.items()
+                if v is not None
+            },
             source="fault",
         )
         result = inject_fault(job_id, etcd, spec)
@@ -161,7 +188,9 @@ def inject_fault_cmd(
     if as_json:
         out.print_json(json.dumps(result))
     else:
-        out.print(f"fault {spec.describe()} → {result['target']} (epoch {result['epoch']}) submitted")
+        out.print(
+            f"fault {spec.describe()} → {result['target']} (epoch {result['epoch']}) submitted"
+        )
 
 
 @app.command()

@@ -70,7 +70,9 @@ def job_status(job_id: str, etcd: str | None, timeout: float = 5.0) -> dict[str,
     return asyncio.run(_status(job_id, resolve_etcd(job_id, etcd), timeout))
 
 
-async def _inject(job_id: str, endpoints: list[str], fault: FaultSpec, timeout: float) -> dict[str, Any]:
+async def _inject(
+    job_id: str, endpoints: list[str], fault: FaultSpec, timeout: float
+) -> dict[str, Any]:
     db = await Etcd.connect(endpoints, timeout=timeout)
     keys = JobKeys(job_id)
     try:
@@ -88,8 +90,15 @@ async def _inject(job_id: str, endpoints: list[str], fault: FaultSpec, timeout: 
         fault_id = await submit_fault(db, keys, fault)
     finally:
         await db.close()
-    return {"fault_id": fault_id, "fault": fault.to_dict(), "target": plan.workers[fault.rank], "epoch": plan.epoch}
+    return {
+        "fault_id": fault_id,
+        "fault": fault.to_dict(),
+        "target": plan.workers[fault.rank],
+        "epoch": plan.epoch,
+    }
 
 
-def inject_fault(job_id: str, etcd: str | None, fault: FaultSpec, timeout: float = 5.0) -> dict[str, Any]:
+def inject_fault(
+    job_id: str, etcd: str | None, fault: FaultSpec, timeout: float = 5.0
+) -> dict[str, Any]:
     return asyncio.run(_inject(job_id, resolve_etcd(job_id, etcd), fault, timeout))

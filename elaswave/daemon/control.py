@@ -53,7 +53,9 @@ class ControlServer:
     async def start(self) -> None:
         old_umask = os.umask(0o177)
         try:
-            self._server = await asyncio.start_unix_server(self._serve, path=self.path, limit=wire.MAX_LINE)
+            self._server = await asyncio.start_unix_server(
+                self._serve, path=self.path, limit=wire.MAX_LINE
+            )
         finally:
             os.umask(old_umask)
         os.chmod(self.path, 0o600)

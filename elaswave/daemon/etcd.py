@@ -7,10 +7,10 @@ to reach etcd raises :class:`EtcdUnavailable` with a one-line message.
 from __future__ import annotations
 
 import asyncio
-import os
 import contextlib
 import json
 import logging
+import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -47,7 +47,7 @@ class WatchEvent:
 
 
 def parse_endpoints(text: str | list[str]) -> list[tuple[str, int]]:
-    """``"h1:2379,h2:2379"`` (or a list) → ``[(h1, 2379), (h2, 2379)]``; bad input is a one-line error."""
+    """``"h1:2379,h2:2379"`` (or a list) → ``[(h1, 2379), (h2, 2379)]``."""
     items = text if isinstance(text, list) else [t for t in text.split(",") if t.strip()]
     out = []
     for item in items:
@@ -87,7 +87,9 @@ class Etcd:
         try:
             return await asyncio.wait_for(coro, self.op_timeout)
         except asyncio.TimeoutError:
-            raise EtcdUnavailable(f"etcd at {self.endpoint} did not answer within {self.op_timeout:g}s") from None
+            raise EtcdUnavailable(
+                f"etcd at {self.endpoint} did not answer within {self.op_timeout:g}s"
+            ) from None
         except aetcd.exceptions.ConnectionFailedError:
             raise EtcdUnavailable(f"lost the connection to etcd at {self.endpoint}") from None
 
@@ -156,7 +158,9 @@ class Etcd:
             except EtcdUnavailable as exc:
                 log.warning("lease keep-alive failed: %s", exc)
 
-    async def watch_prefix(self, prefix: str, *, start_revision: int | None = None) -> AsyncIterator[WatchEvent]:
+    async def watch_prefix(
+        self, prefix: str, *, start_revision: int | None = None
+    ) -> AsyncIterator[WatchEvent]:
         """Yield put/delete events under ``prefix`` (from ``start_revision`` if given)."""
         watch = await self._call(
             self._client.watch_prefix(prefix.encode(), start_revision=start_revision)

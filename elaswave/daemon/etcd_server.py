@@ -114,10 +114,16 @@ class EmbeddedEtcd:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                err = (self.proc.stderr.read() if self.proc.stderr else b"").decode(errors="replace")
-                last = err.strip().splitlines()[-1] if err.strip() else f"exit {self.proc.returncode}"
+                err = (self.proc.stderr.read() if self.proc.stderr else b"").decode(
+                    errors="replace"
+                )
+                last = (
+                    err.strip().splitlines()[-1] if err.strip() else f"exit {self.proc.returncode}"
+                )
                 if "address already in use" in err:
-                    raise ElasWaveError(f"embedded etcd could not start: port {self.client_port} is busy")
+                    raise ElasWaveError(
+                        f"embedded etcd could not start: port {self.client_port} is busy"
+                    )
                 raise ElasWaveError(f"embedded etcd exited at start-up: {last[:200]}")
             try:
                 with urllib.request.urlopen(client_url + "/health", timeout=1.0) as resp:

@@ -29,7 +29,9 @@ def find_job(job_id: str) -> dict:
     """The discovery record of a job launched on this machine, if its launcher is alive."""
     path = discovery_path(job_id)
     if not path.exists():
-        raise JobNotFound(f"no running job {job_id!r} on this machine (give --etcd to look elsewhere)")
+        raise JobNotFound(
+            f"no running job {job_id!r} on this machine (give --etcd to look elsewhere)"
+        )
     record = json.loads(path.read_text())
     try:
         os.kill(int(record["pid"]), 0)
@@ -101,7 +103,10 @@ async def _run(daemon: HostDaemon) -> int:
 
 def _log_to(path: Path) -> None:
     root = logging.getLogger("elaswave")
-    if any(isinstance(h, logging.FileHandler) and h.baseFilename == str(path.resolve()) for h in root.handlers):
+    if any(
+        isinstance(h, logging.FileHandler) and h.baseFilename == str(path.resolve())
+        for h in root.handlers
+    ):
         return
     handler = logging.FileHandler(path)
     handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))

@@ -84,7 +84,9 @@ class Planner:
                     cause=causes,
                 )
                 if plan is not None:
-                    if await d.etcd.compare_and_put(d.keys.plan, plan.to_json(), mod_revision=plan_rev):
+                    if await d.etcd.compare_and_put(
+                        d.keys.plan, plan.to_json(), mod_revision=plan_rev
+                    ):
                         d.events.emit(
                             "plan_published",
                             epoch=plan.epoch,
@@ -125,7 +127,9 @@ class Planner:
         members = []
         for kv in await d.etcd.get_prefix(d.keys.workers):
             info = kv.json()
-            members.append(Member(worker_id=info["worker_id"], host=info["host"], order=kv.create_revision))
+            members.append(
+                Member(worker_id=info["worker_id"], host=info["host"], order=kv.create_revision)
+            )
         causes = []
         for kv in await d.etcd.get_prefix(d.keys.prefix + "departures/"):
             causes.append(kv.value.decode())
@@ -154,5 +158,7 @@ class Planner:
         d = self.d
         kv = await d.etcd.get(d.keys.incidents)
         incidents = json.loads(kv.value) if kv else []
-        incidents.append({"t": plan.created, "epoch": plan.epoch, "reason": plan.reason, "fault": is_incident})
+        incidents.append(
+            {"t": plan.created, "epoch": plan.epoch, "reason": plan.reason, "fault": is_incident}
+        )
         await d.etcd.put_json(d.keys.incidents, incidents[-MAX_INCIDENTS:])

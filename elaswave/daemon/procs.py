@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import time
 
 import psutil
+
 
 def terminate_then_kill(pid: int, *, grace: float, sig: int = signal.SIGTERM) -> bool:
     """Send ``sig``, wait up to ``grace`` seconds, then SIGKILL. True if the process is gone.

@@ -16,7 +16,6 @@ import signal
 import socket
 import time
 import uuid
-from pathlib import Path
 from typing import Any
 
 from elaswave.config import JobConfig
@@ -100,7 +99,9 @@ class HostDaemon:
             for slot in range(self.cfg.elastic.nproc_per_node):
                 await self._spawn(slot, 0)
             waiter = asyncio.create_task(self._finished.wait())
-            done, _ = await asyncio.wait([waiter, *self._tasks], return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(
+                [waiter, *self._tasks], return_when=asyncio.FIRST_COMPLETED
+            )
             for task in done:
                 if task is not waiter and task.exception() is not None:
                     raise task.exception()  # type: ignore[misc]
@@ -111,7 +112,9 @@ class HostDaemon:
     def request_stop(self, signum: int) -> None:
         self.signal_received = signum
         self.stopping = True
-        self.events.emit("shutdown_requested", host=self.host_id, signal=signal.Signals(signum).name)
+        self.events.emit(
+            "shutdown_requested", host=self.host_id, signal=signal.Signals(signum).name
+        )
         self._finished.set()
 
     async def _join(self) -> None:
@@ -134,8 +137,12 @@ class HostDaemon:
             "store": self.store_address,
             "started": time.time(),
         }
-        if not await self.etcd.create(self.keys.host(self.host_id), json.dumps(info), lease=self.lease):
-            raise ElasWaveError(f"host id {self.host_id!r} is already registered in job {self.cfg.job_id!r}")
+        if not await self.etcd.create(
+            self.keys.host(self.host_id), json.dumps(info), lease=self.lease
+        ):
+            raise ElasWaveError(
+                f"host id {self.host_id!r} is already registered in job {self.cfg.job_id!r}"
+            )
         self.events.emit(
             "host_joined",
             host=self.host_id,
@@ -155,9 +162,13 @@ class HostDaemon:
         if done:
             self.events.emit("job_done", host=self.host_id, step=self.final_step)
             with contextlib.suppress(Exception):
-                await self.etcd.put_json(self.keys.done, {"step": self.final_step, "t": time.time()})
+                await self.etcd.put_json(
+                    self.keys.done, {"step": self.final_step, "t": time.time()}
+                )
             return 0
-        raise JobFailed(f"job {self.cfg.job_id!r} failed on host {self.host_id}: every worker was lost")
+        raise JobFailed(
+            f"job {self.cfg.job_id!r} failed on host {self.host_id}: every worker was lost"
+        )
 
     async def _cleanup(self) -> None:
         self.stopping = True
@@ -194,7 +205,13 @@ class HostDaemon:
         )
         self.workers[w.worker_id] = w
         w.waiter = asyncio.create_task(self._watch_exit(w))
-        self.events.emit("worker_spawned", host=self.host_id, worker=w.worker_id, pid=w.pid, incarnation=incarnation)
+        self.events.emit(
+            "worker_spawned",
+            host=self.host_id,
+            worker=w.worker_id,
+            pid=w.pid,
+            incarnation=incarnation,
+        )
         return w
 
     async def _watch_exit(self, w: WorkerProc) -> None:
@@ -214,12 +231,16 @@ class HostDaemon:
             reason=reason,
         )
         with contextlib.suppress(Exception):
-            await self.etcd.put(self.keys.prefix + "departures/" + w.worker_id, reason, lease=self.lease)
+            await self.etcd.put(
+                self.keys.prefix + "departures/" + w.worker_id, reason, lease=self.lease
+            )
             await self.etcd.delete(self.keys.worker(w.worker_id))
         if self.restarts_used < self.cfg.elastic.max_restarts and not self.stopping:
             self.restarts_used += 1
             nw = await self._spawn(w.slot, w.incarnation + 1)
-            self.events.emit("worker_respawned", host=self.host_id, worker=nw.worker_id, replaces=w.worker_id)
+            self.events.emit(
+                "worker_respawned", host=self.host_id, worker=nw.worker_id, replaces=w.worker_id
+            )
         self._check_finished()
 
     def _check_finished(self) -> None:
@@ -341,7 +362,9 @@ class HostDaemon:
             if fault.rank >= self.plan.world_size:
                 if self.is_leader:
                     del self._pending_faults[key]
-                    self.events.emit("fault_rejected", fault=fault.to_dict(), reason="rank out of range")
+                    self.events.emit(
+                        "fault_rejected", fault=fault.to_dict(), reason="rank out of range"
+                    )
                     asyncio.create_task(self.etcd.delete(key))
                 continue
             target = self.plan.workers[fault.rank]
@@ -351,10 +374,16 @@ class HostDaemon:
                 continue
             del self._pending_faults[key]
             asyncio.create_task(self.etcd.delete(key))
-            self.events.emit("fault_requested", fault=fault.to_dict(), worker=target, host=self.host_id)
+            self.events.emit(
+                "fault_requested", fault=fault.to_dict(), worker=target, host=self.host_id
+            )
             if fault.at_step is None:
                 self.events.emit(
-                    "fault_injected", fault=fault.to_dict(), worker=target, rank=fault.rank, pid=w.pid
+                    "fault_injected",
+                    fault=fault.to_dict(),
+                    worker=target,
+                    rank=fault.rank,
+                    pid=w.pid,
                 )
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(w.pid, signal.SIGKILL)
@@ -372,5 +401,3 @@ async def submit_fault(etcd: Etcd, keys: JobKeys, fault: FaultSpec) -> str:
     fault_id = f"{time.time_ns()}-{uuid.uuid4().hex[:8]}"
     await etcd.put_json(keys.fault(fault_id), fault.to_dict())
     return fault_id
-
-

@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 
-
 @dataclass
 class WorkerProc:
     worker_id: str
@@ -67,7 +66,9 @@ async def spawn(
             stderr=logf,
             env=env,
         )
-    return WorkerProc(worker_id=wid, slot=slot, incarnation=incarnation, proc=proc, log_path=log_path)
+    return WorkerProc(
+        worker_id=wid, slot=slot, incarnation=incarnation, proc=proc, log_path=log_path
+    )
 
 
 async def stop_all(workers: list[WorkerProc], grace: float) -> None:
@@ -81,7 +82,9 @@ async def stop_all(workers: list[WorkerProc], grace: float) -> None:
             pass
     if not live:
         return
-    done, pending = await asyncio.wait([asyncio.ensure_future(w.proc.wait()) for w in live], timeout=grace)
+    done, pending = await asyncio.wait(
+        [asyncio.ensure_future(w.proc.wait()) for w in live], timeout=grace
+    )
     for w in live:
         if w.proc.returncode is None:
             try:

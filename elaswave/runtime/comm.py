@@ -175,7 +175,9 @@ class Communicator:
         self._finish(work, abort, f"allgather on {name!r}")
         return out
 
-    def broadcast(self, name: str, tensor: torch.Tensor, root: int, abort: Callable[[], bool]) -> None:
+    def broadcast(
+        self, name: str, tensor: torch.Tensor, root: int, abort: Callable[[], bool]
+    ) -> None:
         opts = dist.BroadcastOptions()
         opts.rootRank = root
         work = self._groups[name].pg.broadcast([tensor], opts)

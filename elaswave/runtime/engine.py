@@ -3,8 +3,8 @@
 One step, on every rank of the plan's data-parallel group:
 
 1. ``begin_step`` — if a newer plan is pending, apply it first (step boundary).
-2. Forward/backward over this rank's micro-batches (global ids from the plan), each with RNG keyed by
-   (seed, step, micro-batch), loss scaled by 1/B; gradients accumulated in ``reduce_dtype``.
+2. Forward/backward over this rank's micro-batches (global ids from the plan), each with RNG
+   keyed by (seed, step, micro-batch), loss scaled by 1/B; gradients summed in ``reduce_dtype``.
 3. One SUM all-reduce of [gradients | loss sum | newest epoch seen]. It is interruptible: if the
    daemon publishes a plan without one of our peers, we stop waiting at once.
 4. ``commit_step`` — optimizer update; rank 0 reports the commit; if any rank had seen a newer plan
@@ -93,7 +93,9 @@ class Engine:
         self.flat = FlatParams(self.model)
         self.opt = FlatAdamW(
             self.flat.numel,
-            AdamWHyper(lr=t.lr, beta1=t.beta1, beta2=t.beta2, eps=t.eps, weight_decay=t.weight_decay),
+            AdamWHyper(
+                lr=t.lr, beta1=t.beta1, beta2=t.beta2, eps=t.eps, weight_decay=t.weight_decay
+            ),
         )
         self.dataset = make_dataset(cfg)
         self.num_samples = len(self.dataset)
@@ -208,7 +210,9 @@ class Engine:
                 self.replan = False
                 return
             except (CommError, Interrupted) as exc:
-                self.control.event("recovery_retry", worker=self.me, epoch=plan.epoch, reason=str(exc)[:300])
+                self.control.event(
+                    "recovery_retry", worker=self.me, epoch=plan.epoch, reason=str(exc)[:300]
+                )
                 self.comm.mark_broken()
 
     def _await_plan(self) -> Plan:

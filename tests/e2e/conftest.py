@@ -32,7 +32,9 @@ def state_env(tmp_path: Path) -> dict[str, str]:
     return env
 
 
-def launch(run_dir: Path, *args: str, env: dict[str, str], timeout: float = 180) -> subprocess.CompletedProcess[str]:
+def launch(
+    run_dir: Path, *args: str, env: dict[str, str], timeout: float = 180
+) -> subprocess.CompletedProcess[str]:
     cmd = elaswave_cmd("launch", str(CONFIG), "--run-dir", str(run_dir), "--quiet", *args)
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
 
@@ -79,7 +81,11 @@ def assert_clean_run(run: Run, steps: int, reference: Run) -> None:
 def assert_no_orphans(run: Run) -> None:
     pids = [e["pid"] for e in run.of("worker_spawned")]
     pids += [e["embedded_etcd_pid"] for e in run.of("host_joined") if e.get("embedded_etcd_pid")]
-    alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    alive = [
+        p
+        for p in pids
+        if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+    ]
     assert not alive, f"worker processes left running: {alive}"
 
 
@@ -95,7 +101,11 @@ def wait_for(predicate: Any, timeout: float, interval: float = 0.2) -> Any:
 
 def status_json(job_id: str, env: dict[str, str], *extra: str) -> dict[str, Any] | None:
     r = subprocess.run(
-        elaswave_cmd("status", "--job-id", job_id, "--json", *extra), env=env, capture_output=True, text=True, timeout=30
+        elaswave_cmd("status", "--job-id", job_id, "--json", *extra),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
     )
     if r.returncode != 0:
         return None

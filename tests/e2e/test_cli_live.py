@@ -10,8 +10,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import CONFIG, Run, assert_no_orphans, elaswave_cmd, launch, status_json, wait_for
+
 from elaswave.daemon.etcd_server import EmbeddedEtcd
 from elaswave.report import build_report
 
@@ -45,10 +45,10 @@ def test_status_and_inject_fault_through_etcd(tmp_path: Path, state_env: dict[st
         assert bad.returncode != 0
         assert "out of range" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
 
-        ok = subprocess.run(
-            elaswave_cmd("inject-fault", "--job-id", "live", "--kind", "kill", "--rank", "2", "--json"),
-            env=state_env, capture_output=True, text=True, timeout=30,
-        )  # fmt: skip
+        cmd = elaswave_cmd(
+            "inject-fault", "--job-id", "live", "--kind", "kill", "--rank", "2", "--json"
+        )
+        ok = subprocess.run(cmd, env=state_env, capture_output=True, text=True, timeout=30)
         assert ok.returncode == 0, ok.stderr
         assert json.loads(ok.stdout)["target"] == victim["worker"]
 
@@ -59,7 +59,11 @@ def test_status_and_inject_fault_through_etcd(tmp_path: Path, state_env: dict[st
         assert victim["worker"] not in [m["worker"] for m in after["members"]]
         assert any("SIGKILL" in inc["reason"] for inc in after["incidents"])
         text = subprocess.run(
-            elaswave_cmd("status", "--job-id", "live"), env=state_env, capture_output=True, text=True, timeout=30
+            elaswave_cmd("status", "--job-id", "live"),
+            env=state_env,
+            capture_output=True,
+            text=True,
+            timeout=30,
         )
         assert text.returncode == 0 and "epoch 2" in text.stdout
     finally:
@@ -73,14 +77,29 @@ def test_status_and_inject_fault_through_etcd(tmp_path: Path, state_env: dict[st
     assert not (Path(state_env["ELASWAVE_STATE_DIR"]) / "jobs" / "live.json").exists()
     # The job is gone: the CLI says so in one line.
     gone = subprocess.run(
-        elaswave_cmd("status", "--job-id", "live"), env=state_env, capture_output=True, text=True, timeout=30
+        elaswave_cmd("status", "--job-id", "live"),
+        env=state_env,
+        capture_output=True,
+        text=True,
+        timeout=30,
     )
     assert gone.returncode != 0 and len(gone.stderr.strip().splitlines()) == 1
 
 
-def test_sigterm_leaves_no_stale_keys_on_an_external_etcd(tmp_path: Path, state_env: dict[str, str]) -> None:
+def test_sigterm_leaves_no_stale_keys_on_an_external_etcd(
+    tmp_path: Path, state_env: dict[str, str]
+) -> None:
     with EmbeddedEtcd() as etcd:
-        proc = start(tmp_path / "a", state_env, "--job-id", "again", "--etcd", etcd.endpoint, "--steps", "400")
+        proc = start(
+            tmp_path / "a",
+            state_env,
+            "--job-id",
+            "again",
+            "--etcd",
+            etcd.endpoint,
+            "--steps",
+            "400",
+        )
         try:
             wait_for(lambda: step_of("again", state_env, "--etcd", etcd.endpoint) >= 2, timeout=90)
         finally:
@@ -89,7 +108,16 @@ def test_sigterm_leaves_no_stale_keys_on_an_external_etcd(tmp_path: Path, state_
         assert proc.returncode == 128 + signal.SIGTERM
         assert_no_orphans(Run(tmp_path / "a"))
         # Same job id, same etcd: a fresh run must start from epoch 1 and finish.
-        r = launch(tmp_path / "b", "--job-id", "again", "--etcd", etcd.endpoint, "--steps", "5", env=state_env)
+        r = launch(
+            tmp_path / "b",
+            "--job-id",
+            "again",
+            "--etcd",
+            etcd.endpoint,
+            "--steps",
+            "5",
+            env=state_env,
+        )
         assert r.returncode == 0, r.stderr[-2000:]
         run = Run(tmp_path / "b")
         assert [m["step"] for m in run.metrics] == [1, 2, 3, 4, 5]
@@ -101,7 +129,9 @@ def test_unreachable_etcd_is_a_one_line_error(tmp_path: Path, state_env: dict[st
         s.bind(("127.0.0.1", 0))
         dead = s.getsockname()[1]  # bound, never listening: connections are refused
         started = time.monotonic()
-        r = launch(tmp_path / "run", "--job-id", "noetcd", "--etcd", f"127.0.0.1:{dead}", env=state_env)
+        r = launch(
+            tmp_path / "run", "--job-id", "noetcd", "--etcd", f"127.0.0.1:{dead}", env=state_env
+        )
     assert r.returncode != 0
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "cannot reach etcd" in lines[0], r.stderr
@@ -120,7 +150,9 @@ def test_busy_etcd_port_is_a_one_line_error(tmp_path: Path, state_env: dict[str,
     assert len(lines) == 1 and "already in use" in lines[0], r.stderr
 
 
-def test_second_host_joins_and_the_plan_grows(tmp_path: Path, state_env: dict[str, str], reference: Run) -> None:
+def test_second_host_joins_and_the_plan_grows(
+    tmp_path: Path, state_env: dict[str, str], reference: Run
+) -> None:
     """Two launches on one machine act as two hosts; the second joins mid-run (--nnodes 1:2)."""
     first = start(
         tmp_path / "h1", state_env,
@@ -128,7 +160,9 @@ def test_second_host_joins_and_the_plan_grows(tmp_path: Path, state_env: dict[st
     )  # fmt: skip
     try:
         wait_for(lambda: step_of("grow", state_env) >= 5, timeout=90)
-        record = json.loads((Path(state_env["ELASWAVE_STATE_DIR"]) / "jobs" / "grow.json").read_text())
+        record = json.loads(
+            (Path(state_env["ELASWAVE_STATE_DIR"]) / "jobs" / "grow.json").read_text()
+        )
         second = launch(
             tmp_path / "h2",
             "--job-id", "grow", "--nproc-per-node", "2", "--nnodes", "1:2", "--host-id", "h2",

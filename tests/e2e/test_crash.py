@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from conftest import Run, assert_clean_run, launch
+
 from elaswave.report import build_report
 
 pytestmark = pytest.mark.e2e
@@ -20,8 +20,12 @@ def test_fault_free_reference_is_consistent(reference: Run) -> None:
     assert losses[40] < 0.8 * losses[1], "the synthetic task should visibly learn"
 
 
-def test_kill_one_worker_at_step_15(tmp_path: Path, state_env: dict[str, str], reference: Run) -> None:
-    r = launch(tmp_path / "run", "--job-id", "kill15", "--fault", "kill,rank=1,at_step=15", env=state_env)
+def test_kill_one_worker_at_step_15(
+    tmp_path: Path, state_env: dict[str, str], reference: Run
+) -> None:
+    r = launch(
+        tmp_path / "run", "--job-id", "kill15", "--fault", "kill,rank=1,at_step=15", env=state_env
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     run = Run(tmp_path / "run")
     assert_clean_run(run, 40, reference)
@@ -66,7 +70,9 @@ def test_two_crashes(tmp_path: Path, state_env: dict[str, str], reference: Run) 
     assert len(run.of("final_state")) == 2
 
 
-def test_crash_then_replacement_grows_back(tmp_path: Path, state_env: dict[str, str], reference: Run) -> None:
+def test_crash_then_replacement_grows_back(
+    tmp_path: Path, state_env: dict[str, str], reference: Run
+) -> None:
     r = launch(
         tmp_path / "run",
         "--job-id", "regrow",
