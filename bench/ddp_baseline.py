@@ -30,7 +30,16 @@ def run_ddp(config: Path, *, steps: int, world: int, out_dir: Path) -> dict[str,
     from bench.common import free_port
 
     out = out_dir / "ddp.json"
-    mp.spawn(_worker, args=(world, free_port(), str(config), steps, str(out)), nprocs=world)
+    # Children inherit the environment: one OpenMP thread, as ElasWave's daemon gives its workers.
+    saved = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        mp.spawn(_worker, args=(world, free_port(), str(config), steps, str(out)), nprocs=world)
+    finally:
+        if saved is None:
+            del os.environ["OMP_NUM_THREADS"]
+        else:
+            os.environ["OMP_NUM_THREADS"] = saved
     return json.loads(out.read_text())
 
 
