@@ -99,14 +99,15 @@ def wait_for(predicate: Any, timeout: float, interval: float = 0.2) -> Any:
     raise AssertionError(f"condition not met within {timeout}s")
 
 
-def status_json(job_id: str, env: dict[str, str], *extra: str) -> dict[str, Any] | None:
-    r = subprocess.run(
-        elaswave_cmd("status", "--job-id", job_id, "--json", *extra),
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=30,
+def cli(*args: str, env: dict[str, str], timeout: float = 30) -> subprocess.CompletedProcess[str]:
+    """Run one ``elaswave`` command to completion."""
+    return subprocess.run(
+        elaswave_cmd(*args), env=env, capture_output=True, text=True, timeout=timeout
     )
+
+
+def status_json(job_id: str, env: dict[str, str], *extra: str) -> dict[str, Any] | None:
+    r = cli("status", "--job-id", job_id, "--json", *extra, env=env)
     if r.returncode != 0:
         return None
     return json.loads(r.stdout)

@@ -10,7 +10,16 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import CONFIG, Run, assert_no_orphans, elaswave_cmd, launch, status_json, wait_for
+from conftest import (
+    CONFIG,
+    Run,
+    assert_no_orphans,
+    cli,
+    elaswave_cmd,
+    launch,
+    status_json,
+    wait_for,
+)
 
 from elaswave.daemon.etcd_server import EmbeddedEtcd
 from elaswave.report import build_report
@@ -38,17 +47,14 @@ def test_status_and_inject_fault_through_etcd(tmp_path: Path, state_env: dict[st
         assert all(m["alive"] and m["pid"] for m in st["members"])
         victim = st["members"][2]
 
-        bad = subprocess.run(
-            elaswave_cmd("inject-fault", "--job-id", "live", "--kind", "kill", "--rank", "9"),
-            env=state_env, capture_output=True, text=True, timeout=30,
-        )  # fmt: skip
+        bad = cli(
+            "inject-fault", "--job-id", "live", "--kind", "kill", "--rank", "9", env=state_env
+        )
         assert bad.returncode != 0
         assert "out of range" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
 
-        cmd = elaswave_cmd(
-            "inject-fault", "--job-id", "live", "--kind", "kill", "--rank", "2", "--json"
-        )
-        ok = subprocess.run(cmd, env=state_env, capture_output=True, text=True, timeout=30)
+        inject = ("inject-fault", "--job-id", "live", "--kind", "kill", "--rank", "2", "--json")
+        ok = cli(*inject, env=state_env)
         assert ok.returncode == 0, ok.stderr
         assert json.loads(ok.stdout)["target"] == victim["worker"]
 
@@ -58,13 +64,7 @@ def test_status_and_inject_fault_through_etcd(tmp_path: Path, state_env: dict[st
         assert after["world_size"] == 3
         assert victim["worker"] not in [m["worker"] for m in after["members"]]
         assert any("SIGKILL" in inc["reason"] for inc in after["incidents"])
-        text = subprocess.run(
-            elaswave_cmd("status", "--job-id", "live"),
-            env=state_env,
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
+        text = cli("status", "--job-id", "live", env=state_env)
         assert text.returncode == 0 and "epoch 2" in text.stdout
     finally:
         proc.send_signal(signal.SIGINT)
@@ -76,13 +76,7 @@ def test_status_and_inject_fault_through_etcd(tmp_path: Path, state_env: dict[st
     assert_no_orphans(run)
     assert not (Path(state_env["ELASWAVE_STATE_DIR"]) / "jobs" / "live.json").exists()
     # The job is gone: the CLI says so in one line.
-    gone = subprocess.run(
-        elaswave_cmd("status", "--job-id", "live"),
-        env=state_env,
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
+    gone = cli("status", "--job-id", "live", env=state_env)
     assert gone.returncode != 0 and len(gone.stderr.strip().splitlines()) == 1
 
 
