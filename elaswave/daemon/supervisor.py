@@ -274,6 +274,7 @@ class HostDaemon:
             self.events.emit("worker_ready", host=self.host_id, worker=w.worker_id, pid=w.pid)
             if self.plan is not None:
                 conn.send({"type": "plan", "plan": self.plan.to_json()})
+            self._dispatch_faults()
         elif kind == "event":
             event = dict(msg.get("event") or {})
             event.setdefault("worker", w.worker_id)
@@ -372,6 +373,9 @@ class HostDaemon:
             if w is None:
                 del self._pending_faults[key]  # another host's worker: its daemon handles it
                 continue
+            conn = self.conns.get(target)
+            if fault.at_step is not None and conn is None:
+                continue  # not connected yet: dispatched again on the next plan or ready
             del self._pending_faults[key]
             asyncio.create_task(self.etcd.delete(key))
             self.events.emit(
@@ -387,10 +391,8 @@ class HostDaemon:
                 )
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(w.pid, signal.SIGKILL)
-            else:
-                conn = self.conns.get(target)
-                if conn is not None:
-                    conn.send({"type": "fault", "fault": fault.to_dict()})
+            elif conn is not None:
+                conn.send({"type": "fault", "fault": fault.to_dict()})
 
     async def submit_config_faults(self) -> None:
         for fault in self.cfg.faults:
