@@ -66,20 +66,20 @@ def elaswave_launch(
     env: Mapping[str, str],
     extra_args: Sequence[str] = (),
     timeout: float = 600.0,
-) -> float:
-    """Run ``elaswave launch`` to completion in a subprocess; returns its wall time in seconds."""
+) -> tuple[float, float]:
+    """Run ``elaswave launch`` to completion in a subprocess; returns (start, end) wall clock."""
     cmd = [
         sys.executable, "-m", "elaswave.cli.app", "launch", str(config),
         "--run-dir", str(run_dir), "--job-id", job_id, *extra_args, "--quiet",
     ]  # fmt: skip
-    start = time.perf_counter()
+    start = time.time()
     proc = subprocess.run(
         cmd, cwd=REPO_ROOT, env=dict(env), capture_output=True, text=True, timeout=timeout
     )
     if proc.returncode != 0:
         tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-20:])
         raise BenchError(f"{' '.join(cmd)} exited {proc.returncode} (run dir kept):\n{tail}")
-    return time.perf_counter() - start
+    return start, time.time()
 
 
 def launch_command(config: Path, extra_args: Sequence[str] = ()) -> str:

@@ -103,7 +103,16 @@ def _worker(rank: int, world: int, port: int, config: str, steps: int, out: str)
             }
             Path(out).write_text(json.dumps(result))
     finally:
-        dist.destroy_process_group()
+        _shutdown(store, rank, world)
+
+
+def _shutdown(store: dist.TCPStore, rank: int, world: int) -> None:
+    """Tear down in order: rank 0 hosts the store, so it leaves only after every rank is done."""
+    dist.destroy_process_group()
+    store.add("exited", 1)
+    deadline = time.monotonic() + 30.0
+    while rank == 0 and store.add("exited", 0) < world and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def _loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -44,7 +44,8 @@ def run(repeat: int, config: Path) -> dict[str, Any]:
     for i in range(1, repeat + 1):
         run_dir = tmp / f"run{i}"
         job_id = f"bench-mttr-{os.getpid()}-{i}"
-        wall = elaswave_launch(config, run_dir, job_id, env=env, extra_args=extra)
+        began, ended = elaswave_launch(config, run_dir, job_id, env=env, extra_args=extra)
+        wall = ended - began
         runs.append(_check(run_dir, steps, wall))
         inc = runs[-1]
         console.print(

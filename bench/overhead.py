@@ -114,21 +114,24 @@ def _run_variant(name: str, config: Path, out: Path, job: str) -> dict[str, Any]
     dtype = "float32" if name == "elaswave_fp32" else "float64"
     env = bench_env(out.parent / "state", {"ELASWAVE_TRAIN__REDUCE_DTYPE": dtype})
     job_id = f"bench-ovh-{os.getpid()}-{job.replace('_', '-')}"
-    elaswave_launch(config, out / "run", job_id, env=env, extra_args=["--steps", str(STEPS)])
-    return _measure_elaswave(out / "run")
+    began, ended = elaswave_launch(
+        config, out / "run", job_id, env=env, extra_args=["--steps", str(STEPS)]
+    )
+    result = _measure_elaswave(out / "run")
+    # Not part of the comparison; recorded because launch time varies a lot on a busy machine.
+    result["launch_s"] = round(ended - began, 3)
+    result["launch_to_first_commit_s"] = round(result.pop("first_end") - began, 3)
+    result["last_commit_to_exit_s"] = round(ended - result.pop("last_end"), 3)
+    return result
 
 
 def _measure_elaswave(run_dir: Path) -> dict[str, Any]:
     metrics = sorted(read_jsonl(run_dir / "metrics.jsonl"), key=lambda m: m["step"])
     assert [m["step"] for m in metrics] == list(range(1, STEPS + 1)), f"{run_dir}: steps missing"
-    return _measure(
-        {
-            "step_ends": [m["time"] for m in metrics],
-            "step_seconds": [m["step_seconds"] for m in metrics],
-            "loss": [m["loss"] for m in metrics],
-        },
-        first_end_is_step=1,
-    )
+    ends = [m["time"] for m in metrics]
+    raw = {"step_ends": ends, "step_seconds": [m["step_seconds"] for m in metrics]}
+    raw["loss"] = [m["loss"] for m in metrics]
+    return {**_measure(raw, first_end_is_step=1), "first_end": ends[0], "last_end": ends[-1]}
 
 
 def _measure(raw: dict[str, Any], first_end_is_step: int = 0) -> dict[str, Any]:

@@ -13,12 +13,14 @@ class JobKeys:
         self.prefix = f"{ROOT}{job_id}/"
         self.hosts = self.prefix + "hosts/"  # hosts/<host_id>: daemon info, under the host lease
         self.workers = self.prefix + "workers/"  # workers/<worker_id>: a ready worker, host lease
+        self.departures = self.prefix + "departures/"  # departures/<worker_id>: why it left
         self.leader = self.prefix + "leader"  # host_id of the elected leader, under its lease
         self.plan = self.prefix + "plan"  # the current Plan; written by the leader with a CAS
         self.faults = self.prefix + "faults/"  # faults/<id>: fault requests from inject-fault
         self.progress = self.prefix + "progress"  # last committed step, throughput
         self.incidents = self.prefix + "incidents"  # recent incidents (a bounded JSON list)
         self.done = self.prefix + "done"  # set once the job has committed its last step
+        self.config = self.prefix + "config"  # what every host must train
 
     def host(self, host_id: str) -> str:
         return self.hosts + host_id

@@ -143,6 +143,23 @@ class Etcd:
         )
         return bool(ok)
 
+    async def put_and_delete(
+        self, put_key: str, value: bytes | str, delete_key: str, *, lease: Any = None
+    ) -> None:
+        """Put one key and delete another in one transaction (watchers see both at once)."""
+        data = value.encode() if isinstance(value, str) else value
+        tx = self._client.transactions
+        await self._call(
+            self._client.transaction(
+                compare=[],
+                success=[
+                    tx.put(put_key.encode(), data, lease=lease),
+                    tx.delete(delete_key.encode()),
+                ],
+                failure=[],
+            )
+        )
+
     async def lease(self, ttl: int) -> Any:
         return await self._call(self._client.lease(ttl))
 

@@ -56,6 +56,7 @@ class Planner:
         self.expected = lo * cfg.elastic.nproc_per_node
         self.max_workers = hi * cfg.elastic.nproc_per_node
         self.num_microbatches = cfg.train.num_microbatches
+        self.early_causes: list[str] = []
 
     async def run(self) -> None:
         d = self.d
@@ -70,10 +71,15 @@ class Planner:
                 if await d.etcd.get(d.keys.done) is not None:
                     return  # the last step is committed: leaving workers change nothing
                 members, causes = await self._read_members()
+                if current is None:
+                    causes = self.early_causes + causes
                 if current is not None and not causes and self._only_joins(current, members):
                     # Newcomers arrive one by one; admit those that come together in one plan.
                     await asyncio.sleep(JOIN_SETTLE_S)
-                    members, causes = await self._read_members()
+                    members, more = await self._read_members()
+                    causes += more
+                    if await d.etcd.get(d.keys.done) is not None:
+                        return
                 plan = next_plan(
                     current,
                     members,
@@ -81,7 +87,7 @@ class Planner:
                     max_workers=self.max_workers,
                     store=d.store_address,
                     now=time.time(),
-                    cause=causes,
+                    cause="; ".join(causes),
                 )
                 if plan is not None:
                     if await d.etcd.compare_and_put(
@@ -89,6 +95,7 @@ class Planner:
                     ):
                         d.events.emit(
                             "plan_published",
+                            t=plan.created,  # decided then; workers may see it before CAS returns
                             epoch=plan.epoch,
                             world=plan.world_size,
                             workers=list(plan.workers),
@@ -113,8 +120,13 @@ class Planner:
         return set(current.workers) <= live and bool(live - set(current.workers))
 
     async def _watch(self, start_revision: int) -> None:
-        async for _ in self.d.etcd.watch_prefix(self.d.keys.workers, start_revision=start_revision):
-            self.changed.set()
+        # Worker keys change on ready/exit; departures also cover workers that died before ready.
+        keys = self.d.keys
+        async for ev in self.d.etcd.watch_prefix(keys.prefix, start_revision=start_revision):
+            if ev.key.startswith(keys.workers) or (
+                ev.key.startswith(keys.departures) and ev.kind == "put"
+            ):
+                self.changed.set()
 
     async def _read_plan(self) -> tuple[Plan | None, int]:
         kv = await self.d.etcd.get(self.d.keys.plan)
@@ -122,7 +134,7 @@ class Planner:
             return None, 0
         return Plan.from_json(kv.value), kv.mod_revision
 
-    async def _read_members(self) -> tuple[list[Member], str]:
+    async def _read_members(self) -> tuple[list[Member], list[str]]:
         d = self.d
         members = []
         for kv in await d.etcd.get_prefix(d.keys.workers):
@@ -131,18 +143,20 @@ class Planner:
                 Member(worker_id=info["worker_id"], host=info["host"], order=kv.create_revision)
             )
         causes = []
-        for kv in await d.etcd.get_prefix(d.keys.prefix + "departures/"):
+        for kv in await d.etcd.get_prefix(d.keys.departures):
             causes.append(kv.value.decode())
             await d.etcd.delete(kv.key)
-        return members, "; ".join(causes)
+        return members, causes
 
     async def _await_initial_members(self) -> None:
         """Initial rendezvous: wait for MIN hosts' workers, or the rendezvous timeout."""
         d = self.d
         deadline = time.monotonic() + d.cfg.timeouts.rendezvous
         while not d.stopping:
-            members, _ = await self._read_members()
-            if len(members) >= self.expected:
+            self.changed.clear()  # before reading: a change after the read must wake us
+            members, causes = await self._read_members()
+            self.early_causes += causes  # workers that died before ready: do not wait for them
+            if len(members) + len(self.early_causes) >= self.expected and members:
                 return
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -150,7 +164,6 @@ class Planner:
                     return
                 deadline = time.monotonic() + d.cfg.timeouts.rendezvous
                 continue
-            self.changed.clear()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.changed.wait(), remaining)
 

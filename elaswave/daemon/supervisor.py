@@ -95,16 +95,17 @@ class HostDaemon:
                 asyncio.create_task(leader.campaign(self), name="leader"),
                 asyncio.create_task(self._watch_plans(), name="plans"),
                 asyncio.create_task(self._watch_faults(), name="faults"),
+                asyncio.create_task(self._watch_done(), name="done"),
             ]
             for slot in range(self.cfg.elastic.nproc_per_node):
                 await self._spawn(slot, 0)
             waiter = asyncio.create_task(self._finished.wait())
-            done, _ = await asyncio.wait(
-                [waiter, *self._tasks], return_when=asyncio.FIRST_COMPLETED
-            )
-            for task in done:
-                if task is not waiter and task.exception() is not None:
-                    raise task.exception()  # type: ignore[misc]
+            pending: set[asyncio.Task[Any]] = {waiter, *self._tasks}
+            while waiter in pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    if task is not waiter and task.exception() is not None:
+                        raise task.exception()  # type: ignore[misc]
             return await self._finish()
         finally:
             await self._cleanup()
@@ -124,6 +125,7 @@ class HostDaemon:
         if not live_hosts:
             # Nobody is running this job: whatever is left under its prefix is stale.
             await self.etcd.delete_prefix(self.keys.prefix)
+        await self._agree_on_config()
         self.lease = await self.etcd.lease(self.cfg.timeouts.lease_ttl)
         self.store = dist.TCPStore(self.host_addr, 0, is_master=True, wait_for_workers=False)
         self.store_address = f"{self.host_addr}:{self.store.port}"
@@ -152,6 +154,17 @@ class HostDaemon:
             embedded_etcd_pid=self.embedded_etcd_pid,
         )
 
+    async def _agree_on_config(self) -> None:
+        """Every host must train the same thing: the first publishes it, the others compare."""
+        mine = training_config(self.cfg)
+        if await self.etcd.create(self.keys.config, json.dumps(mine, sort_keys=True)):
+            return
+        kv = await self.etcd.get(self.keys.config)
+        theirs = kv.json() if kv else mine
+        diff = config_difference(theirs, mine)
+        if diff:
+            raise ElasWaveError(f"this host's config differs from job {self.cfg.job_id!r}: {diff}")
+
     async def _keep_alive(self) -> None:
         await self.etcd.keep_alive(self.lease, self.cfg.timeouts.lease_ttl)
 
@@ -166,6 +179,9 @@ class HostDaemon:
                     self.keys.done, {"step": self.final_step, "t": time.time()}
                 )
             return 0
+        if await self.etcd.get(self.keys.done) is not None:
+            self.events.emit("job_done_elsewhere", host=self.host_id)
+            return 0  # the job completed on other hosts before this one was needed
         raise JobFailed(
             f"job {self.cfg.job_id!r} failed on host {self.host_id}: every worker was lost"
         )
@@ -231,10 +247,12 @@ class HostDaemon:
             reason=reason,
         )
         with contextlib.suppress(Exception):
-            await self.etcd.put(
-                self.keys.prefix + "departures/" + w.worker_id, reason, lease=self.lease
+            await self.etcd.put_and_delete(
+                self.keys.departures + w.worker_id,
+                reason,
+                self.keys.worker(w.worker_id),
+                lease=self.lease,
             )
-            await self.etcd.delete(self.keys.worker(w.worker_id))
         if self.restarts_used < self.cfg.elastic.max_restarts and not self.stopping:
             self.restarts_used += 1
             nw = await self._spawn(w.slot, w.incarnation + 1)
@@ -318,6 +336,24 @@ class HostDaemon:
         progress = {**record, "samples_per_s": rate, "total_steps": self.cfg.train.steps}
         with contextlib.suppress(Exception):
             await self.etcd.put_json(self.keys.progress, progress)
+
+    async def _watch_done(self) -> None:
+        """A host whose workers are all standbys finishes when the job does."""
+        rev = await self.etcd.revision()
+        if await self.etcd.get(self.keys.done) is None:
+            async for ev in self.etcd.watch_prefix(self.keys.done, start_revision=rev + 1):
+                if ev.key == self.keys.done and ev.kind == "put":
+                    break
+        # Whoever has not finished by now (a standby, a late joiner) has nothing left to do.
+        for w in self.workers.values():
+            if w.proc.returncode is None and not w.done:
+                w.stopping = True
+                conn = self.conns.get(w.worker_id)
+                if conn is not None:
+                    conn.send({"type": "stop"})
+                else:
+                    w.proc.terminate()
+        self._check_finished()
 
     # ---- plans and faults -------------------------------------------------------------------
     async def _watch_plans(self) -> None:
@@ -403,3 +439,25 @@ async def submit_fault(etcd: Etcd, keys: JobKeys, fault: FaultSpec) -> str:
     fault_id = f"{time.time_ns()}-{uuid.uuid4().hex[:8]}"
     await etcd.put_json(keys.fault(fault_id), fault.to_dict())
     return fault_id
+
+
+def training_config(cfg: JobConfig) -> dict[str, Any]:
+    """The sections every host of a job must agree on."""
+    full = cfg.to_dict()
+    return {k: full[k] for k in ("model", "data", "train")} | {
+        "nproc_per_node": cfg.elastic.nproc_per_node,
+        "nnodes": cfg.elastic.nnodes,
+    }
+
+
+def config_difference(theirs: dict[str, Any], mine: dict[str, Any], prefix: str = "") -> str:
+    """The first differing key as ``key: job has X, this host Y`` ('' when equal)."""
+    for key in sorted(set(theirs) | set(mine)):
+        a, b = theirs.get(key), mine.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            found = config_difference(a, b, f"{prefix}{key}.")
+            if found:
+                return found
+        elif a != b:
+            return f"{prefix}{key}: job has {a!r}, this host {b!r}"
+    return ""

@@ -49,6 +49,10 @@ class NoPlan(RuntimeError):
     pass
 
 
+class Stopped(RuntimeError):
+    """The daemon asked us to stop (the job is over, or it is shutting down)."""
+
+
 @dataclass
 class StepResult:
     step: int
@@ -131,6 +135,8 @@ class Engine:
             except NoPlan as exc:
                 log.error("%s", exc)
                 return EXIT_NO_PLAN
+            except Stopped:
+                return EXIT_OK
         self._farewell()
         return EXIT_OK
 
@@ -223,18 +229,19 @@ class Engine:
             p = self.control.latest_plan
             return p is not None and p.epoch > current and self.me in p.workers
 
-        if self.plan is not None and self.control.latest_epoch <= current:
-            # Error with no newer plan yet: the daemon is about to publish one.
-            pass
         timeout = self.cfg.timeouts.plan_wait if self.plan else self.cfg.timeouts.rendezvous * 10
-        if not self.control.wait_for(ready, timeout):
+        if not self.control.wait_for(lambda: ready() or self.control.stop_requested, timeout):
             raise NoPlan(f"no plan newer than epoch {current} within {timeout:g}s")
+        if self.control.stop_requested:
+            raise Stopped("stop requested by the daemon")
         plan = self.control.latest_plan
         assert plan is not None
         return plan
 
     def _apply(self, plan: Plan) -> None:
-        newer = lambda: self.control.latest_epoch > plan.epoch  # noqa: E731
+        def newer() -> bool:
+            return self.control.latest_epoch > plan.epoch or self.control.stop_requested
+
         stats = self.comm.configure(
             {DP: plan.workers}, store=plan.store, epoch=plan.epoch, abort=newer
         )

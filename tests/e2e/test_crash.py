@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
-from conftest import Run, assert_clean_run, launch
+from conftest import CONFIG, Run, assert_clean_run, elaswave_cmd, launch, wait_for
 
+from elaswave.events import read_jsonl
 from elaswave.report import build_report
 
 pytestmark = pytest.mark.e2e
@@ -76,13 +81,14 @@ def test_crash_then_replacement_grows_back(
     r = launch(
         tmp_path / "run",
         "--job-id", "regrow",
+        "--steps", "80",
         "--max-restarts", "1",
         "--fault", "kill,rank=1,at_step=8",
         env=state_env,
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     run = Run(tmp_path / "run")
-    assert_clean_run(run, 40, reference)
+    assert_clean_run(run, 80, reference)
     (respawn,) = run.of("worker_respawned")
     worlds = [p["world"] for p in run.of("plan_published")]
     assert worlds == [4, 3, 4], worlds
@@ -90,3 +96,39 @@ def test_crash_then_replacement_grows_back(
     joined = [e for e in run.of("state_synced") if e["worker"] == respawn["worker"]]
     assert joined and joined[-1]["bytes"] > 0, "the newcomer must receive the state from a peer"
     assert len(run.of("final_state")) == 4
+
+
+def test_worker_lost_before_ready_does_not_stall_the_start(
+    tmp_path: Path, state_env: dict[str, str], reference: Run
+) -> None:
+    """A worker SIGKILLed while still importing torch: the job starts on the others at once."""
+    run_dir = tmp_path / "run"
+    env = dict(state_env, ELASWAVE_TIMEOUTS__RENDEZVOUS="60")
+    started = time.monotonic()
+    proc = subprocess.Popen(
+        elaswave_cmd("launch", str(CONFIG), "--run-dir", str(run_dir), "--quiet",
+                     "--job-id", "early", "--steps", "10"),
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        victim = wait_for(lambda: _spawned(run_dir, "w3"), timeout=60, interval=0.01)
+        os.kill(victim, signal.SIGKILL)
+        assert proc.wait(timeout=120) == 0, proc.stderr.read() if proc.stderr else ""
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert time.monotonic() - started < 45, "the leader waited for a worker that was already gone"
+    run = Run(run_dir)
+    first = run.of("plan_published")[0]
+    assert first["epoch"] == 1 and first["world"] == 3
+    assert "SIGKILL" in first["reason"]
+    assert [m["step"] for m in run.metrics] == list(range(1, 11))
+    for step, loss in run.losses.items():
+        assert abs(loss - reference.losses[step]) <= 1e-6 * abs(reference.losses[step])
+
+
+def _spawned(run_dir: Path, slot: str) -> int | None:
+    for e in read_jsonl(run_dir / "events.jsonl"):
+        if e["kind"] == "worker_spawned" and e["worker"].endswith("." + slot):
+            return int(e["pid"])
+    return None
