@@ -80,9 +80,11 @@ class TrainConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     seed: int = 1234
-    # Gradients are accumulated and reduced in this dtype. float64 makes the sum insensitive to
-    # how micro-batches are spread over ranks, so losses match the fault-free run.
-    reduce_dtype: str = "float64"
+    # Gradients are accumulated and reduced in this dtype. float32 (default) keeps losses within
+    # ~1e-7 of the fault-free run after a resize; float64 is the deterministic mode: the sum no
+    # longer depends on how micro-batches are spread over ranks, so losses and parameters are
+    # bit-identical to the fault-free run, at ~10% step time on CPU (twice the reduced bytes).
+    reduce_dtype: str = "float32"
     threads_per_worker: int = 1
 
     def __post_init__(self) -> None:

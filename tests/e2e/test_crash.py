@@ -132,3 +132,20 @@ def _spawned(run_dir: Path, slot: str) -> int | None:
         if e["kind"] == "worker_spawned" and e["worker"].endswith("." + slot):
             return int(e["pid"])
     return None
+
+
+def test_deterministic_mode_is_bit_identical_to_the_fault_free_run(
+    tmp_path: Path, state_env: dict[str, str]
+) -> None:
+    """float64 reduction: a crash changes nothing, to the last bit of every loss and parameter."""
+    env = dict(state_env, ELASWAVE_TRAIN__REDUCE_DTYPE="float64")
+    clean = launch(tmp_path / "clean", "--job-id", "det-clean", "--steps", "25", env=env)
+    faulty = launch(tmp_path / "faulty", "--job-id", "det-fault", "--steps", "25",
+                    "--fault", "kill,rank=2,at_step=9", env=env)  # fmt: skip
+    assert clean.returncode == 0 and faulty.returncode == 0, faulty.stderr[-2000:]
+    a, b = Run(tmp_path / "clean"), Run(tmp_path / "faulty")
+    assert b.metrics[-1]["world_size"] == 3
+    assert a.losses == b.losses
+    assert {f["params_sha256"] for f in a.of("final_state")} == {
+        f["params_sha256"] for f in b.of("final_state")
+    }
