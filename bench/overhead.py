@@ -1,7 +1,7 @@
 """Steady-state overhead: wall time per step of ElasWave vs plain DDP on the same job.
 
-Per round, in this order: ElasWave (default float64 gradient reduction), DDP, ElasWave with
-``ELASWAVE_TRAIN__REDUCE_DTYPE=float32``. Interleaving rounds lets slow drift on a shared machine
+Per round, in this order: ElasWave (default float32 gradient reduction), DDP, ElasWave in its
+deterministic mode ``ELASWAVE_TRAIN__REDUCE_DTYPE=float64``. Interleaving rounds lets slow drift on a shared machine
 hit every variant alike. Each run trains ``STEPS`` fault-free steps on 4 workers; the metric is the
 median of the per-step wall intervals after ``WARMUP`` steps:
 
@@ -35,16 +35,16 @@ from bench.common import (
 )
 from bench.ddp_baseline import run_ddp
 
-DESCRIPTION = "steady-state step time: ElasWave (float64/float32 reduce) vs plain DDP, interleaved"
+DESCRIPTION = "steady-state step time: ElasWave (float32 / deterministic float64) vs plain DDP, interleaved"
 DEFAULT_REPEAT = 3
 STEPS = 40
 WARMUP = 5  # steps whose intervals are skipped (first-touch allocations, DDP bucket rebuild)
 WORLD = 4
 GOAL_RATIO = 1.05
 VARIANTS = {
-    "elaswave": "ElasWave, float64 reduce (default)",
+    "elaswave": "ElasWave, float32 reduce (default)",
     "ddp": "PyTorch DDP, float32 reduce",
-    "elaswave_fp32": "ElasWave, float32 reduce",
+    "elaswave_fp64": "ElasWave, float64 reduce (deterministic)",
 }
 
 
@@ -70,11 +70,11 @@ def run(repeat: int, config: Path) -> dict[str, Any]:
     summary = {name: _summary(rounds, name) for name in VARIANTS}
     ddp = summary["ddp"]["step_s"]["median"]
     ratios = {
-        name: summary[name]["step_s"]["median"] / ddp for name in ("elaswave", "elaswave_fp32")
+        name: summary[name]["step_s"]["median"] / ddp for name in ("elaswave", "elaswave_fp64")
     }
     per_round = [
         {name: row[name]["step_median_s"] / row["ddp"]["step_median_s"]
-         for name in ("elaswave", "elaswave_fp32")}
+         for name in ("elaswave", "elaswave_fp64")}
         for row in rounds
     ]  # fmt: skip
     ref = rounds[0]["elaswave"]["loss"]
@@ -88,7 +88,7 @@ def run(repeat: int, config: Path) -> dict[str, Any]:
         "scenario": "overhead",
         "commands": {
             "elaswave": launch_command(config, ["--steps", str(STEPS)]),
-            "elaswave_fp32": "ELASWAVE_TRAIN__REDUCE_DTYPE=float32 "
+            "elaswave_fp64": "ELASWAVE_TRAIN__REDUCE_DTYPE=float64 "
             + launch_command(config, ["--steps", str(STEPS)]),
             "ddp": "bench.ddp_baseline.run_ddp (torch.multiprocessing.spawn, 4 gloo ranks)",
         },
@@ -111,7 +111,7 @@ def _run_variant(name: str, config: Path, out: Path, job: str) -> dict[str, Any]
     out.mkdir()
     if name == "ddp":
         return _measure(run_ddp(config, steps=STEPS, world=WORLD, out_dir=out))
-    dtype = "float32" if name == "elaswave_fp32" else "float64"
+    dtype = "float64" if name == "elaswave_fp64" else "float32"
     env = bench_env(out.parent / "state", {"ELASWAVE_TRAIN__REDUCE_DTYPE": dtype})
     job_id = f"bench-ovh-{os.getpid()}-{job.replace('_', '-')}"
     began, ended = elaswave_launch(
