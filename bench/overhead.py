@@ -1,8 +1,8 @@
 """Steady-state overhead: wall time per step of ElasWave vs plain DDP on the same job.
 
 Per round, in this order: ElasWave (default float32 gradient reduction), DDP, ElasWave in its
-deterministic mode ``ELASWAVE_TRAIN__REDUCE_DTYPE=float64``. Interleaving rounds lets slow drift on a shared machine
-hit every variant alike. Each run trains ``STEPS`` fault-free steps on 4 workers; the metric is the
+deterministic mode ``ELASWAVE_TRAIN__REDUCE_DTYPE=float64``. Interleaving rounds lets slow drift
+on a shared machine hit every variant alike. Each run trains ``STEPS`` fault-free steps on 4 workers; the metric is the
 median of the per-step wall intervals after ``WARMUP`` steps:
 
 * ElasWave: differences of consecutive ``time`` fields in ``metrics.jsonl`` (rank 0's wall clock
@@ -35,7 +35,9 @@ from bench.common import (
 )
 from bench.ddp_baseline import run_ddp
 
-DESCRIPTION = "steady-state step time: ElasWave (float32 / deterministic float64) vs plain DDP, interleaved"
+DESCRIPTION = (
+    "steady-state step time: ElasWave (float32 / deterministic float64) vs plain DDP, interleaved"
+)
 DEFAULT_REPEAT = 3
 STEPS = 40
 WARMUP = 5  # steps whose intervals are skipped (first-touch allocations, DDP bucket rebuild)
