@@ -2,8 +2,8 @@
 
 Per round, in this order: ElasWave (default float32 gradient reduction), DDP, ElasWave in its
 deterministic mode ``ELASWAVE_TRAIN__REDUCE_DTYPE=float64``. Interleaving rounds lets slow drift
-on a shared machine hit every variant alike. Each run trains ``STEPS`` fault-free steps on 4 workers; the metric is the
-median of the per-step wall intervals after ``WARMUP`` steps:
+on a shared machine hit every variant alike. Each run trains ``STEPS`` fault-free steps on 4
+workers; the metric is the median of the per-step wall intervals after ``WARMUP`` steps:
 
 * ElasWave: differences of consecutive ``time`` fields in ``metrics.jsonl`` (rank 0's wall clock
   when it reports the commit, so the commit report and plan check are included);
