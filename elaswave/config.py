@@ -145,11 +145,18 @@ class Timeouts:
     collective: float = 120.0  # one collective (a hang is caught earlier by the daemon)
     plan_wait: float = 60.0  # a worker waiting for the plan that follows an error
     shutdown_grace: float = 5.0  # SIGTERM -> SIGKILL
+    heartbeat: float = 0.2  # worker → daemon heartbeat interval
+    hang: float = 10.0  # no heartbeat, or one compute phase, for this long = hung: killed
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             if not getattr(self, f.name) > 0:  # also rejects NaN
                 raise ConfigError(f"timeouts.{f.name} must be > 0, got {getattr(self, f.name)}")
+        if self.hang < 2 * self.heartbeat:
+            raise ConfigError(
+                f"timeouts.hang ({self.hang:g}) must be at least twice timeouts.heartbeat "
+                f"({self.heartbeat:g})"
+            )
 
 
 @dataclass(kw_only=True)

@@ -14,6 +14,7 @@ YAML form (``faults:`` in a config)::
 from __future__ import annotations
 
 import enum
+import signal
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -24,6 +25,12 @@ class FaultKind(str, enum.Enum):
     """What the injected fault does to its target."""
 
     KILL = "kill"  # SIGKILL the worker process: a crash with no goodbye
+    HANG = "hang"  # SIGSTOP the worker process: alive but silent, its peers block on it
+
+    @property
+    def signal(self) -> signal.Signals:
+        """The real signal that carries the fault out."""
+        return {FaultKind.KILL: signal.SIGKILL, FaultKind.HANG: signal.SIGSTOP}[self]
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -63,6 +63,9 @@ def launch(
     host_addr: str | None = typer.Option(
         None, "--host-addr", help="Address peers reach this host on."
     ),
+    hang_timeout: float | None = typer.Option(
+        None, "--hang-timeout", help="Seconds without progress before a worker counts as hung."
+    ),
     quiet: bool = typer.Option(False, "--quiet", help="No MTTR summary at the end."),
 ) -> None:
     """Run a job on this host in the foreground (one launch per host)."""
@@ -82,6 +85,7 @@ def launch(
             "elastic.nnodes": nnodes,
             "elastic.max_restarts": max_restarts,
             "train.steps": steps,
+            "timeouts.hang": hang_timeout,
         }
         if fault:
             try:
@@ -161,7 +165,7 @@ def _print_status(st: dict[str, Any]) -> None:
 @app.command("inject-fault")
 def inject_fault_cmd(
     job_id: str = typer.Option("elaswave", "--job-id"),
-    kind: str = typer.Option(..., "--kind", help="kill"),
+    kind: str = typer.Option(..., "--kind", help="kill (SIGKILL) | hang (SIGSTOP)"),
     rank: int | None = typer.Option(None, "--rank"),
     at_step: int | None = typer.Option(
         None, "--at-step", help="Fire while this step is in flight."

@@ -96,6 +96,7 @@ class HostDaemon:
                 asyncio.create_task(self._watch_plans(), name="plans"),
                 asyncio.create_task(self._watch_faults(), name="faults"),
                 asyncio.create_task(self._watch_done(), name="done"),
+                asyncio.create_task(self._detect_hangs(), name="hangs"),
             ]
             for slot in range(self.cfg.elastic.nproc_per_node):
                 await self._spawn(slot, 0)
@@ -261,6 +262,31 @@ class HostDaemon:
             )
         self._check_finished()
 
+    async def _detect_hangs(self) -> None:
+        """Kill a worker whose heartbeats stop or whose compute phase outlasts the hang timeout.
+
+        Killing it turns a hang into a crash: its peers' collectives fail at once instead of
+        waiting for a transport timeout, and the usual in-place recovery follows.
+        """
+        limit = self.cfg.timeouts.hang
+        while True:
+            await asyncio.sleep(self.cfg.timeouts.heartbeat / 2)
+            now = time.monotonic()
+            for w in list(self.workers.values()):
+                if w.last_beat is None or w.proc.returncode is not None or w.stopping or w.done:
+                    continue
+                reason = hang_verdict(now - w.last_beat, w.phase, w.phase_age, limit)
+                if reason is None:
+                    continue
+                w.kill_reason = reason
+                rank = self.plan.rank_of(w.worker_id) if self.plan else None
+                self.events.emit(
+                    "hang_detected", host=self.host_id, worker=w.worker_id, rank=rank, reason=reason
+                )
+                with contextlib.suppress(ProcessLookupError):
+                    w.proc.kill()
+                w.last_beat = None
+
     def _check_finished(self) -> None:
         if all(w.proc.returncode is not None for w in self.workers.values()):
             self._finished.set()
@@ -298,6 +324,10 @@ class HostDaemon:
             event.setdefault("worker", w.worker_id)
             event["host"] = self.host_id
             self.events.write(event)
+        elif kind == "hb":
+            w.last_beat = time.monotonic()
+            w.phase = str(msg.get("phase", "idle"))
+            w.phase_age = float(msg.get("phase_age", 0.0))
         elif kind == "commit":
             await self._record_commit(msg)
         elif kind == "done":
@@ -426,7 +456,7 @@ class HostDaemon:
                     pid=w.pid,
                 )
                 with contextlib.suppress(ProcessLookupError):
-                    os.kill(w.pid, signal.SIGKILL)
+                    os.kill(w.pid, fault.kind.signal)
             elif conn is not None:
                 conn.send({"type": "fault", "fault": fault.to_dict()})
 
@@ -461,3 +491,16 @@ def config_difference(theirs: dict[str, Any], mine: dict[str, Any], prefix: str 
         elif a != b:
             return f"{prefix}{key}: job has {a!r}, this host {b!r}"
     return ""
+
+
+def hang_verdict(silent_s: float, phase: str, phase_age_s: float, limit_s: float) -> str | None:
+    """Why a worker counts as hung, or ``None``. Pure: the hang detector's whole decision.
+
+    A worker waiting in a collective is not hung (a peer may be); one that is silent, or has
+    been computing the same phase past the limit, is.
+    """
+    if silent_s > limit_s:
+        return f"no heartbeat for {silent_s:.1f} s"
+    if phase == "compute" and phase_age_s + silent_s > limit_s:
+        return f"stuck computing for {phase_age_s + silent_s:.1f} s"
+    return None

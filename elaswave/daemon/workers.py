@@ -21,6 +21,10 @@ class WorkerProc:
     done: bool = False
     stopping: bool = False
     exit_code: int | None = None
+    last_beat: float | None = None  # daemon's monotonic clock at the last heartbeat
+    phase: str = "idle"
+    phase_age: float = 0.0  # how long the worker had been in ``phase`` at that heartbeat
+    kill_reason: str | None = None  # set when the daemon kills it (hang)
     waiter: asyncio.Task[None] | None = field(default=None, repr=False)
 
     @property
@@ -28,6 +32,8 @@ class WorkerProc:
         return self.proc.pid
 
     def describe_exit(self) -> str:
+        if self.kill_reason:
+            return f"hung ({self.kill_reason}), killed"
         code = self.exit_code
         if code is None:
             return "running"

@@ -44,6 +44,23 @@ class ControlClient:
         with self._send_lock:
             self._sock.sendall(data)
 
+    def start_heartbeat(self, interval: float, probe: Callable[[], dict[str, Any]]) -> None:
+        """Send ``{"type": "hb", **probe()}`` every ``interval`` seconds from a daemon thread.
+
+        The daemon declares the worker hung when beats stop (the process is frozen) or when the
+        probe reports one compute phase lasting longer than the hang timeout.
+        """
+
+        def beat() -> None:
+            while True:
+                try:
+                    self.send({"type": "hb", **probe()})
+                except OSError:
+                    return
+                time.sleep(interval)
+
+        threading.Thread(target=beat, name="heartbeat", daemon=True).start()
+
     def event(self, kind: str, **fields: Any) -> None:
         self.send({"type": "event", "event": {"t": time.time(), "kind": kind, **fields}})
 

@@ -22,14 +22,12 @@ import hashlib
 import logging
 import math
 import os
-import signal
 import time
 from dataclasses import dataclass
 
 import torch
 
 from elaswave.config import JobConfig
-from elaswave.faults import FaultKind
 from elaswave.plan import Plan
 from elaswave.runtime.comm import CommError, Communicator, Interrupted
 from elaswave.runtime.control import ControlClient
@@ -116,6 +114,19 @@ class Engine:
         self.last_loss = math.nan
         self.plan: Plan | None = None
         self.replan = True  # apply a (newer) plan before the next step
+        self.phase, self.phase_since = "idle", time.monotonic()
+        control.start_heartbeat(cfg.timeouts.heartbeat, self._heartbeat)
+
+    def _enter(self, phase: str) -> None:
+        """compute | collective | idle: what the daemon's hang detector sees."""
+        self.phase, self.phase_since = phase, time.monotonic()
+
+    def _heartbeat(self) -> dict[str, object]:
+        return {
+            "step": self.step,
+            "phase": self.phase,
+            "phase_age": round(time.monotonic() - self.phase_since, 3),
+        }
 
     # ---- main loop --------------------------------------------------------------------------
     def run(self) -> int:
@@ -169,6 +180,7 @@ class Engine:
         n = self.flat.numel
         buf = self.buffer
         buf.zero_()
+        self._enter("compute")
         every = microbatches(t.seed, step, t.global_batch, t.micro_batch_size, self.num_samples)
         for mb in (every[i] for i in plan.microbatch_range(rank)):
             tokens, targets = batch(self.dataset, mb.sample_ids)
@@ -180,12 +192,15 @@ class Engine:
             grad.zero_()
         buf[n + 1] = self.control.latest_epoch
         self._fire_faults(step)
+        self._enter("collective")
         self.comm.allreduce(DP, buf, self._group_broken)
+        self._enter("compute")
         # -- the reduction succeeded: every rank now holds the identical full-batch gradient.
         grad = buf[:n] if buf.dtype == torch.float32 else buf[:n].to(torch.float32)
         self.opt.step(self.flat.data, grad)
         self.step = step
         self.last_loss = float(buf[n]) / t.global_batch
+        self._enter("idle")
         if int(round(float(buf[n + 1]))) != plan.world_size * plan.epoch:
             self.replan = True  # some rank has seen a newer plan: switch at this boundary
         return StepResult(step, self.last_loss, time.perf_counter() - start)
@@ -195,24 +210,29 @@ class Engine:
 
     def _fire_faults(self, step: int) -> None:
         for fault in list(self.control.faults):
-            if fault.kind is FaultKind.KILL and (fault.at_step is None or fault.at_step <= step):
-                self.control.event(
-                    "fault_injected",
-                    fault=fault.to_dict(),
-                    worker=self.me,
-                    rank=self.comm.rank(DP),
-                    step=step,
-                    pid=os.getpid(),
-                )
-                os.kill(os.getpid(), signal.SIGKILL)
+            if fault.at_step is not None and fault.at_step > step:
+                continue
+            self.control.faults.remove(fault)
+            self.control.event(
+                "fault_injected",
+                fault=fault.to_dict(),
+                worker=self.me,
+                rank=self.comm.rank(DP),
+                step=step,
+                pid=os.getpid(),
+            )
+            os.kill(os.getpid(), fault.kind.signal)
 
     # ---- recovery ---------------------------------------------------------------------------
     def _recover(self) -> None:
         """Apply the newest plan that includes us; retry while newer plans supersede it."""
         while True:
+            self._enter("idle")
             plan = self._await_plan()
+            self._enter("collective")
             try:
                 self._apply(plan)
+                self._enter("idle")
                 self.replan = False
                 return
             except (CommError, Interrupted) as exc:

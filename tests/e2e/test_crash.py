@@ -149,3 +149,22 @@ def test_deterministic_mode_is_bit_identical_to_the_fault_free_run(
     assert {f["params_sha256"] for f in a.of("final_state")} == {
         f["params_sha256"] for f in b.of("final_state")
     }
+
+
+def test_hang_is_detected_and_recovered_within_the_timeout(
+    tmp_path: Path, state_env: dict[str, str], reference: Run
+) -> None:
+    """SIGSTOP one worker mid-step: peers block on it until the daemon's heartbeat check kills
+    it; then the ordinary in-place recovery runs. Bound: hang timeout + 1 s."""
+    timeout = 1.5
+    r = launch(tmp_path / "run", "--job-id", "hang", "--hang-timeout", str(timeout),
+               "--fault", "hang,rank=1,at_step=12", env=state_env)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    run = Run(tmp_path / "run")
+    assert_clean_run(run, 40, reference)
+    (detected,) = run.of("hang_detected")
+    (fault,) = run.of("fault_injected")
+    assert detected["worker"] == fault["worker"] and "heartbeat" in detected["reason"]
+    (inc,) = build_report(run.dir)["incidents"]
+    assert inc["kind"] == "hang" and "hung" in inc["reason"]
+    assert inc["mttr_s"] <= timeout + 1.0, inc
