@@ -20,6 +20,8 @@ from typing import Any
 
 from elaswave.errors import FaultSpecError
 
+PHASES = ("reduce", "optimizer")
+
 
 class FaultKind(str, enum.Enum):
     """What the injected fault does to its target."""
@@ -44,6 +46,7 @@ class FaultSpec:
     kind: FaultKind
     rank: int | None = None
     at_step: int | None = None
+    phase: str = "reduce"  # "reduce": before the gradient reduction; "optimizer": ZeRO's update
 
     def __post_init__(self) -> None:
         if not isinstance(self.kind, FaultKind):
@@ -54,6 +57,10 @@ class FaultSpec:
             raise FaultSpecError(f"fault rank must be >= 0, got {self.rank}")
         if self.at_step is not None and self.at_step < 1:
             raise FaultSpecError(f"fault at_step must be >= 1, got {self.at_step}")
+        if self.phase not in PHASES:
+            raise FaultSpecError(
+                f"fault phase must be one of {', '.join(PHASES)}, got {self.phase!r}"
+            )
 
     @classmethod
     def parse(cls, text: str) -> FaultSpec:
@@ -76,7 +83,7 @@ class FaultSpec:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, source: str = "fault spec") -> FaultSpec:
-        known = {"kind", "rank", "at_step"}
+        known = {"kind", "rank", "at_step", "phase"}
         unknown = sorted(set(data) - known)
         if unknown:
             raise FaultSpecError(
@@ -89,11 +96,14 @@ class FaultSpec:
             kind=_kind(data["kind"]),
             rank=_int(data.get("rank"), "rank", source),
             at_step=_int(data.get("at_step"), "at_step", source),
+            phase=str(data.get("phase", "reduce")),
         )
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["kind"] = self.kind.value
+        if out["phase"] == "reduce":
+            del out["phase"]
         return {k: v for k, v in out.items() if v is not None}
 
     def describe(self) -> str:

@@ -63,6 +63,7 @@ def launch(
     host_addr: str | None = typer.Option(
         None, "--host-addr", help="Address peers reach this host on."
     ),
+    zero: int | None = typer.Option(None, "--zero", help="1: ZeRO-1 sharded optimizer state."),
     hang_timeout: float | None = typer.Option(
         None, "--hang-timeout", help="Seconds without progress before a worker counts as hung."
     ),
@@ -86,6 +87,7 @@ def launch(
             "elastic.max_restarts": max_restarts,
             "train.steps": steps,
             "timeouts.hang": hang_timeout,
+            "zero": zero,
         }
         if fault:
             try:

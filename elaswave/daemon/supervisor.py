@@ -83,6 +83,7 @@ class HostDaemon:
         self._tasks: list[asyncio.Task[Any]] = []
         self.signal_received: int | None = None
         self.embedded_etcd_pid = embedded_etcd_pid
+        self.unrecoverable: str | None = None  # why workers gave up (e.g. a lost ZeRO shard)
 
     # ---- lifecycle --------------------------------------------------------------------------
     async def run(self) -> int:
@@ -183,6 +184,8 @@ class HostDaemon:
         if await self.etcd.get(self.keys.done) is not None:
             self.events.emit("job_done_elsewhere", host=self.host_id)
             return 0  # the job completed on other hosts before this one was needed
+        if self.unrecoverable:
+            raise JobFailed(f"job {self.cfg.job_id!r} cannot recover: {self.unrecoverable}")
         raise JobFailed(
             f"job {self.cfg.job_id!r} failed on host {self.host_id}: every worker was lost"
         )
@@ -324,6 +327,8 @@ class HostDaemon:
             event.setdefault("worker", w.worker_id)
             event["host"] = self.host_id
             self.events.write(event)
+            if event.get("kind") == "shard_lost":
+                self.unrecoverable = str(event.get("reason"))
         elif kind == "hb":
             w.last_beat = time.monotonic()
             w.phase = str(msg.get("phase", "idle"))

@@ -183,6 +183,37 @@ class Communicator:
         work = self._groups[name].pg.broadcast([tensor], opts)
         self._finish(work, abort, f"broadcast on {name!r}")
 
+    def reduce_scatter(
+        self, name: str, parts: list[torch.Tensor], out: torch.Tensor, abort: Callable[[], bool]
+    ) -> None:
+        """SUM-reduce ``parts[r]`` across the group into rank ``r``'s ``out``."""
+        work = self._groups[name].pg.reduce_scatter([out], [parts])
+        self._finish(work, abort, f"reduce_scatter on {name!r}")
+
+    def allgather_into(
+        self, name: str, out: torch.Tensor, part: torch.Tensor, abort: Callable[[], bool]
+    ) -> None:
+        """Concatenate every rank's equally sized ``part`` into ``out`` (rank order)."""
+        work = self._groups[name].pg._allgather_base(out, part)
+        self._finish(work, abort, f"allgather on {name!r}")
+
+    def exchange(
+        self,
+        name: str,
+        sends: list[tuple[int, torch.Tensor]],
+        recvs: list[tuple[int, torch.Tensor]],
+        abort: Callable[[], bool],
+        tag: int = 0,
+    ) -> None:
+        """Point-to-point: post every send and receive (peer ranks in group ``name``), wait all."""
+        pg = self._groups[name].pg
+        # Gloo matches by (peer, tag): the k-th message between two ranks carries tag + k, so
+        # both sides must list a pair's messages in the same order.
+        works = [pg.send([t], peer, tag + k) for peer, t, k in _numbered(sends)]
+        works += [pg.recv([t], peer, tag + k) for peer, t, k in _numbered(recvs)]
+        for work in works:
+            self._finish(work, abort, f"send/recv on {name!r}")
+
     def _finish(self, work: dist.Work, abort: Callable[[], bool], what: str) -> None:
         done, wake = threading.Event(), threading.Event()
 
@@ -190,13 +221,44 @@ class Communicator:
             done.set()
             wake.set()
 
-        work.get_future().add_done_callback(finished)
+        try:
+            future = work.get_future()
+        except RuntimeError:  # point-to-point work has no future in gloo
+            self._wait_in_thread(work, abort, what)
+            return
+        future.add_done_callback(finished)
         self._wait(done, wake, abort, self.collective_timeout, what)
         try:
             work.wait()
         except RuntimeError as exc:
             self.mark_broken()
             raise CommError(f"{what} failed: {_one_line(exc)}") from None
+
+    def _wait_in_thread(self, work: dist.Work, abort: Callable[[], bool], what: str) -> None:
+        """Gloo point-to-point work progresses only inside ``wait()``: run that in a helper
+        thread and keep this one interruptible."""
+        done, wake = threading.Event(), threading.Event()
+        errors: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                work.wait()
+            except BaseException as exc:  # handed to the waiting thread
+                errors.append(exc)
+            finally:
+                done.set()
+                wake.set()
+
+        thread = threading.Thread(target=run, name="p2p-wait", daemon=True)
+        thread.start()
+        try:
+            self._wait(done, wake, abort, self.collective_timeout, what)
+        except (Interrupted, CommError):
+            self._graveyard.append(thread)
+            raise
+        if errors:
+            self.mark_broken()
+            raise CommError(f"{what} failed: {_one_line(errors[0])}")
 
     def _wait(
         self,
@@ -223,6 +285,16 @@ class Communicator:
                 wake.clear()
         finally:
             unregister()
+
+
+def _numbered(items: list[tuple[int, torch.Tensor]]) -> list[tuple[int, torch.Tensor, int]]:
+    """Number each message by how many went to (or came from) the same peer before it."""
+    seen: dict[int, int] = {}
+    out = []
+    for peer, tensor in items:
+        out.append((peer, tensor, seen.get(peer, 0)))
+        seen[peer] = seen.get(peer, 0) + 1
+    return out
 
 
 def _one_line(exc: object) -> str:

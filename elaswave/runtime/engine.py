@@ -19,11 +19,14 @@ advanced one) and redoes the step. Survivors are never restarted.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -35,12 +38,14 @@ from elaswave.runtime.data import SyntheticTokens, TokenDataset, TokenFile, batc
 from elaswave.runtime.model import GPT, GPTConfig
 from elaswave.runtime.optim import AdamWHyper, FlatAdamW, FlatParams
 from elaswave.runtime.rng import MicrobatchRng
+from elaswave.runtime.zero import ShardLost, ZeroState
 
 log = logging.getLogger(__name__)
 
 DP = "dp"
 EXIT_OK = 0
-EXIT_NO_PLAN = 4  # waited plan_wait seconds for a plan after an error; the daemon will see us go
+EXIT_NO_PLAN = 4
+EXIT_SHARD_LOST = 5  # both copies of a ZeRO shard are gone (no durable checkpoint to fall back on)
 
 
 class NoPlan(RuntimeError):
@@ -70,6 +75,16 @@ def make_dataset(cfg: JobConfig) -> TokenDataset:
     )
 
 
+def layer_segments(model: GPT) -> tuple[tuple[int, int], ...]:
+    """(offset, length) of each layer's parameters in the flat buffer (layers are contiguous)."""
+    out, offset = [], 0
+    for layer in model.layers:
+        n = sum(p.numel() for p in layer.parameters() if p.requires_grad)
+        out.append((offset, n))
+        offset += n
+    return tuple(out)
+
+
 def build_model(cfg: JobConfig) -> GPT:
     m = cfg.model
     gpt = GPTConfig(
@@ -93,12 +108,15 @@ class Engine:
         self.model = build_model(cfg)
         self.model.train()
         self.flat = FlatParams(self.model)
-        self.opt = FlatAdamW(
-            self.flat.numel,
-            AdamWHyper(
-                lr=t.lr, beta1=t.beta1, beta2=t.beta2, eps=t.eps, weight_decay=t.weight_decay
-            ),
+        hyper = AdamWHyper(
+            lr=t.lr, beta1=t.beta1, beta2=t.beta2, eps=t.eps, weight_decay=t.weight_decay
         )
+        self.zero: ZeroState | None = None
+        if cfg.zero:
+            self.zero = ZeroState(self.flat, hyper, layer_segments(self.model))
+            self.opt = FlatAdamW(0, hyper)  # the shards live in ``self.zero``
+        else:
+            self.opt = FlatAdamW(self.flat.numel, hyper)
         self.dataset = make_dataset(cfg)
         self.num_samples = len(self.dataset)
         dtype = torch.float64 if t.reduce_dtype == "float64" else torch.float32
@@ -148,6 +166,10 @@ class Engine:
                 return EXIT_NO_PLAN
             except Stopped:
                 return EXIT_OK
+            except ShardLost as exc:
+                self.control.event("shard_lost", worker=self.me, reason=str(exc))
+                log.error("unrecoverable: %s", exc)
+                return EXIT_SHARD_LOST
         self._farewell()
         return EXIT_OK
 
@@ -191,8 +213,10 @@ class Engine:
             buf[n] += loss.item()
             grad.zero_()
         buf[n + 1] = self.control.latest_epoch
-        self._fire_faults(step)
+        self._fire_faults(step, "reduce")
         self._enter("collective")
+        if self.zero is not None:
+            return self._finish_zero_step(step, buf, start)
         self.comm.allreduce(DP, buf, self._group_broken)
         self._enter("compute")
         # -- the reduction succeeded: every rank now holds the identical full-batch gradient.
@@ -205,13 +229,40 @@ class Engine:
             self.replan = True  # some rank has seen a newer plan: switch at this boundary
         return StepResult(step, self.last_loss, time.perf_counter() - start)
 
+    def _finish_zero_step(self, step: int, buf: torch.Tensor, start: float) -> StepResult:
+        """ZeRO-1: stage the shard update, replicate it, then the commit barrier."""
+        z = self.zero
+        assert z is not None
+        t, n = self.cfg.train, self.flat.numel
+        z.stage(
+            self.comm,
+            buf[:n],
+            step,
+            self._group_broken,
+            before_update=lambda: self._fire_faults(step, "optimizer"),
+        )
+        assert z.staged is not None
+        z.staged.reached_barrier = True
+        tail = buf[n:].to(torch.float64)
+        self.comm.allreduce(DP, tail, self._group_broken)
+        z.commit()  # every rank staged and replicated this step: it is committed
+        self.step = step
+        self.last_loss = float(tail[0]) / t.global_batch
+        assert self.plan is not None
+        if int(round(float(tail[1]))) != self.plan.world_size * self.plan.epoch:
+            self.replan = True
+        self._enter("idle")
+        return StepResult(step, self.last_loss, time.perf_counter() - start)
+
     def _group_broken(self) -> bool:
         return self.plan is not None and self.control.removes_any(self.plan.workers)
 
-    def _fire_faults(self, step: int) -> None:
+    def _fire_faults(self, step: int, phase: str) -> None:
         for fault in list(self.control.faults):
             if fault.at_step is not None and fault.at_step > step:
                 continue
+            if fault.phase != phase and not (phase == "reduce" and self.zero is None):
+                continue  # without ZeRO there is no separate optimizer phase to aim at
             self.control.faults.remove(fault)
             self.control.event(
                 "fault_injected",
@@ -219,6 +270,7 @@ class Engine:
                 worker=self.me,
                 rank=self.comm.rank(DP),
                 step=step,
+                phase=phase,
                 pid=os.getpid(),
             )
             os.kill(os.getpid(), fault.kind.signal)
@@ -277,6 +329,28 @@ class Engine:
         )
         broken = lambda: self.control.removes_any(plan.workers)  # noqa: E731
         start = time.perf_counter()
+        if self.zero is None:
+            sync = self._sync_replicated(broken)
+        else:
+            sync = self._sync_zero(plan, broken)
+        self.control.event(
+            "state_synced",
+            worker=self.me,
+            rank=rank,
+            epoch=plan.epoch,
+            seconds=round(time.perf_counter() - start, 6),
+            **sync,
+        )
+        self.plan = plan
+        if rank == 0 and self.step > 0:
+            # Re-report the resume step: if the previous rank 0 died before reporting it, this is
+            # its only record (the daemon drops duplicates).
+            self.commit_step(StepResult(self.step, self.last_loss, 0.0))
+
+    def _sync_replicated(self, broken: Callable[[], bool]) -> dict[str, Any]:
+        """Replicated state: ranks behind (a newcomer, a failed reduction) copy the most
+        advanced one."""
+        rank = self.comm.rank(DP)
         mine = torch.tensor([float(self.step)], dtype=torch.float64)
         steps = [int(x.item()) for x in self.comm.allgather(DP, mine, broken)]
         target = max(steps)
@@ -298,35 +372,71 @@ class Engine:
                 self.opt.step_count = int(meta[1].item())
                 self.last_loss = float(meta[2].item())
             moved = state.numel() * state.element_size() + meta.numel() * meta.element_size()
-        self.control.event(
-            "state_synced",
-            worker=self.me,
-            rank=rank,
-            epoch=plan.epoch,
-            resume_step=target,
-            source_rank=source,
-            steps=steps,
-            bytes=moved if rank != source else 0,
-            seconds=round(time.perf_counter() - start, 6),
+        return {
+            "resume_step": target,
+            "source_rank": source,
+            "steps": steps,
+            "bytes": moved if rank != source else 0,
+        }
+
+    def _sync_zero(self, plan: Plan, broken: Callable[[], bool]) -> dict[str, Any]:
+        """ZeRO: agree on the resume step, settle staged state, move shards to the new layout."""
+        z = self.zero
+        assert z is not None
+        rank = self.comm.rank(DP)
+        committed, staged = z.info()
+        mine = torch.tensor(
+            [committed, staged, float(z.layout_epoch), self.last_loss], dtype=torch.float64
         )
-        self.plan = plan
-        if rank == 0 and self.step > 0:
-            # Re-report the resume step: if the previous rank 0 died before reporting it, this is
-            # its only record (the daemon drops duplicates).
-            self.commit_step(StepResult(self.step, self.last_loss, 0.0))
+        rows = [r.tolist() for r in self.comm.allgather(DP, mine, broken)]
+        with_state = [i for i, r in enumerate(rows) if r[0] >= 0]
+        if not with_state:  # a fresh start: nobody holds optimizer state yet
+            stats = z.reshard(self.comm, (), plan.workers, rank, 0, plan.epoch, broken)
+            return {"resume_step": 0, "source_rank": 0, "steps": [0] * len(rows), **stats}
+        resume = int(max(rows[i][0] for i in with_state))
+        if len({int(rows[i][2]) for i in with_state}) > 1:
+            raise ShardLost("ranks hold shards of different layouts (a fault during resharding)")
+        source = next(i for i in with_state if int(rows[i][0]) == resume)
+        z.settle(resume)
+        old_workers = self._broadcast_names(z.workers, source, broken)
+        if len(with_state) < len(rows):  # newcomers: full parameters from the source
+            self.comm.broadcast(DP, self.flat.data, source, broken)
+        stats = z.reshard(self.comm, old_workers, plan.workers, rank, resume, plan.epoch, broken)
+        self.step, self.last_loss = resume, float(rows[source][3])
+        return {
+            "resume_step": resume,
+            "source_rank": source,
+            "steps": [int(r[0]) for r in rows],
+            **stats,
+        }
+
+    def _broadcast_names(
+        self, names: tuple[str, ...], source: int, broken: Callable[[], bool]
+    ) -> tuple[str, ...]:
+        data = json.dumps(list(names)).encode() if self.comm.rank(DP) == source else b""
+        size = torch.tensor([len(data)], dtype=torch.int64)
+        self.comm.broadcast(DP, size, source, broken)
+        buf = torch.zeros(int(size.item()), dtype=torch.uint8)
+        if data:
+            buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        self.comm.broadcast(DP, buf, source, broken)
+        return tuple(json.loads(bytes(buf.tolist()).decode()))
 
     def _farewell(self) -> None:
         """Final best-effort barrier so no rank exits while a peer still reads its last bytes."""
         if self.plan is None:
             return
+        exp_avg, exp_avg_sq = self.opt.exp_avg, self.opt.exp_avg_sq
         try:
+            if self.zero is not None:  # gather the sharded moments, to compare whole states
+                exp_avg, exp_avg_sq = self.zero.full_state(self.comm, self._group_broken)
             token = torch.zeros(1)
             self.comm.allreduce(DP, token, self._group_broken)
         except (CommError, Interrupted):
             pass
         digest = hashlib.sha256(self.flat.data.numpy().tobytes())
-        digest.update(self.opt.exp_avg.numpy().tobytes())
-        digest.update(self.opt.exp_avg_sq.numpy().tobytes())
+        digest.update(exp_avg.numpy().tobytes())
+        digest.update(exp_avg_sq.numpy().tobytes())
         self.control.event(
             "final_state",
             worker=self.me,

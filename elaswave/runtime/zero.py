@@ -1,0 +1,335 @@
+"""ZeRO-1 over the data-parallel group, with a two-phase step commit and buddy replicas.
+
+Each rank owns an interleaved shard of the optimizer state (see :mod:`elaswave.runtime.shards`):
+Adam's two moments for its chunk of every layer. Parameters stay replicated. One step:
+
+1. reduce-scatter the gradients: each rank receives the full-batch gradient of its shard;
+2. *stage* the AdamW update of its shard (live state untouched) and all-gather the staged
+   parameter chunks into a staged full parameter buffer;
+3. send the staged shard with its checksum to the buddy rank (the next one) and receive the
+   previous rank's: after this, every shard of step ``s`` exists twice, on different ranks;
+4. commit barrier: a tiny all-reduce (it also carries the loss and the newest epoch seen). A rank
+   that returns from it knows every rank staged and replicated step ``s``; it applies the staged
+   state. A rank whose barrier failed keeps the staged state aside: recovery decides.
+
+Recovery: the survivors agree on the resume step (the newest that any of them committed: every
+rank that reached the barrier holds it staged), rebuild each lost shard from its buddy's replica
+after checking its checksum, and move every range to its owner in the new layout through
+disjoint point-to-point transfers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from elaswave.runtime.comm import Communicator
+from elaswave.runtime.optim import AdamWHyper, FlatAdamW, FlatParams
+from elaswave.runtime.shards import ShardLayout, Transfer, buddy, plan_transfers, transfer_stats
+
+DP = "dp"
+
+
+class ShardLost(RuntimeError):
+    """Both copies of a shard are gone (an owner and its buddy died together)."""
+
+
+def digest(*tensors: torch.Tensor) -> int:
+    """A 63-bit checksum of tensors' bytes (blake2b)."""
+    h = hashlib.blake2b(digest_size=8)
+    for t in tensors:
+        h.update(t.detach().contiguous().numpy().tobytes())
+    return int.from_bytes(h.digest(), "little") >> 1
+
+
+@dataclass
+class Shard:
+    """Adam moments of one rank's shard at one step, with the checksum taken when made."""
+
+    step: int
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    checksum: int
+
+    @classmethod
+    def of(cls, step: int, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> Shard:
+        return cls(step, exp_avg, exp_avg_sq, digest(exp_avg, exp_avg_sq))
+
+    def verify(self) -> bool:
+        return digest(self.exp_avg, self.exp_avg_sq) == self.checksum
+
+
+@dataclass
+class Staged:
+    step: int
+    params: torch.Tensor  # full flat parameters after the step
+    own: Shard
+    replica: Shard | None
+    reached_barrier: bool = False
+
+
+@dataclass
+class ZeroState:
+    """One rank's ZeRO-1 state: its shard, its buddy's replica, and what a step has staged."""
+
+    flat: FlatParams
+    hyper: AdamWHyper
+    segments: tuple[tuple[int, int], ...]
+    layout: ShardLayout | None = None
+    workers: tuple[str, ...] = ()  # rank order of ``layout``
+    rank: int = -1
+    layout_epoch: int = -1  # plan epoch under which ``layout`` was adopted (-1: none yet)
+    own: Shard | None = None
+    replica: Shard | None = None  # the shard of rank (rank - 1) % world, kept for recovery
+    staged: Staged | None = None
+    index: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
+
+    # ---- layout -----------------------------------------------------------------------------
+    def adopt_layout(self, workers: tuple[str, ...], rank: int, epoch: int) -> None:
+        self.layout = ShardLayout(self.segments, len(workers))
+        self.workers, self.rank, self.layout_epoch = workers, rank, epoch
+        self.index = self.layout.gather_index()
+
+    @property
+    def size(self) -> int:
+        assert self.layout is not None
+        return self.layout.padded_size
+
+    def _my_index(self) -> torch.Tensor:
+        return self.index.view(len(self.workers), self.size)[self.rank]
+
+    def _ext(self, flat: torch.Tensor) -> torch.Tensor:
+        return torch.cat([flat, flat.new_zeros(1)])
+
+    # ---- one step ---------------------------------------------------------------------------
+    def stage(
+        self,
+        comm: Communicator,
+        grads: torch.Tensor,
+        step: int,
+        abort: Callable[[], bool],
+        before_update: Callable[[], None],
+    ) -> None:
+        """Steps 1–3 of the docstring: reduce-scatter, staged update, all-gather, replicate."""
+        assert self.layout is not None and self.own is not None
+        world, size = len(self.workers), self.size
+        rank_major = self._ext(grads)[self.index].view(world, size)
+        mine = torch.empty(size, dtype=grads.dtype)
+        comm.reduce_scatter(DP, list(rank_major.unbind(0)), mine, abort)
+        grad = mine.to(torch.float32) if mine.dtype != torch.float32 else mine
+        before_update()
+        param = self._ext(self.flat.data)[self._my_index()].clone()
+        opt = FlatAdamW(size, self.hyper)
+        opt.exp_avg.copy_(self.own.exp_avg)
+        opt.exp_avg_sq.copy_(self.own.exp_avg_sq)
+        opt.step_count = step - 1
+        opt.step(param, grad)
+        gathered = torch.empty(world * size, dtype=torch.float32)
+        comm.allgather_into(DP, gathered, param, abort)
+        params = self._ext(self.flat.data.clone())
+        params.index_copy_(0, self.index, gathered)
+        own = Shard.of(step, opt.exp_avg, opt.exp_avg_sq)
+        self.staged = Staged(step, params[:-1], own, None)
+        self.staged.replica = self._replicate(comm, own, abort)
+
+    def commit(self) -> None:
+        """Step 4, after the barrier returned: the staged state becomes the live state."""
+        staged = self.staged
+        assert staged is not None
+        self.flat.data.copy_(staged.params)
+        self.own, self.replica, self.staged = staged.own, staged.replica, None
+
+    def _replicate(
+        self, comm: Communicator, shard: Shard, abort: Callable[[], bool]
+    ) -> Shard | None:
+        world = len(self.workers)
+        if world == 1:
+            return None
+        size = self.size
+        payload = torch.cat([shard.exp_avg, shard.exp_avg_sq])
+        meta = torch.tensor([shard.step, shard.checksum], dtype=torch.int64)
+        got, got_meta = torch.empty(2 * size), torch.empty(2, dtype=torch.int64)
+        prev = (self.rank - 1) % world
+        comm.exchange(
+            DP,
+            sends=[(buddy(self.rank, world), payload), (buddy(self.rank, world), meta)],
+            recvs=[(prev, got), (prev, got_meta)],
+            abort=abort,
+            tag=1000,
+        )
+        return Shard(int(got_meta[0]), got[:size].clone(), got[size:].clone(), int(got_meta[1]))
+
+    def full_state(
+        self, comm: Communicator, abort: Callable[[], bool]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Both Adam moments for the whole model, in flat order (all-gathered from the shards)."""
+        assert self.own is not None and self.layout is not None
+        out = []
+        for part in (self.own.exp_avg, self.own.exp_avg_sq):
+            gathered = torch.empty(len(self.workers) * self.size)
+            comm.allgather_into(DP, gathered, part, abort)
+            flat = torch.zeros(self.layout.numel + 1)
+            flat.index_copy_(0, self.index, gathered)
+            out.append(flat[:-1])
+        return out[0], out[1]
+
+    # ---- recovery ---------------------------------------------------------------------------
+    def info(self) -> list[float]:
+        """What this rank tells its peers before a reshard."""
+        committed = self.own.step if self.own else -1
+        staged = self.staged.step if self.staged and self.staged.reached_barrier else -1
+        return [float(committed), float(staged)]
+
+    def settle(self, resume_step: int) -> None:
+        """Make the live state the resume step's: apply a staged step everyone may have
+        committed, or drop one nobody did."""
+        if self.staged is not None and self.staged.step == resume_step:
+            self.commit()
+        self.staged = None
+
+    def reshard(
+        self,
+        comm: Communicator,
+        old_workers: tuple[str, ...],
+        new_workers: tuple[str, ...],
+        new_rank: int,
+        resume_step: int,
+        epoch: int,
+        abort: Callable[[], bool],
+    ) -> dict[str, float]:
+        """Move shards from ``old_workers``' layout (owners or buddies) to ``new_workers``'.
+
+        ``old_workers`` empty means a fresh start: every shard begins at zero."""
+        start = time.perf_counter()
+        me = new_workers[new_rank]
+        new_layout = ShardLayout(self.segments, len(new_workers))
+        if not old_workers:
+            self.adopt_layout(new_workers, new_rank, epoch)
+            zeros = torch.zeros(self.size)
+            self.own = Shard.of(resume_step, zeros.clone(), zeros.clone())
+            self.replica = self._replicate(comm, self.own, abort)
+            return {"bytes": 0, "pairs": 0, "max_over_mean": 1.0, "transfers": 0}
+        old_layout = ShardLayout(self.segments, len(old_workers))
+        holders, sources = self._holders(old_workers, set(new_workers), me, resume_step)
+        moves = plan_transfers(old_layout, old_workers, holders, new_layout, new_workers)
+        new_pieces = new_layout.pieces(new_rank)
+        new_size = new_layout.padded_size
+        m, v = torch.zeros(new_size), torch.zeros(new_size)
+        # What I already hold and keep: copy locally.
+        for o, holder in holders.items():
+            if holder != me:
+                continue
+            shard = sources[o]
+            for lo, n in old_layout.pieces(o):
+                for dst_lo, dst_n, dst_pos in _overlaps(new_pieces, lo, n):
+                    src_pos = _position(old_layout.pieces(o), dst_lo)
+                    m[dst_pos : dst_pos + dst_n] = shard.exp_avg[src_pos : src_pos + dst_n]
+                    v[dst_pos : dst_pos + dst_n] = shard.exp_avg_sq[src_pos : src_pos + dst_n]
+        sends, recvs, unpack = self._pack(moves, me, new_workers, holders, sources, old_layout)
+        recv_buffers = {peer: torch.empty(total) for peer, total in recvs.items()}
+        comm.exchange(
+            DP,
+            sends=[(new_workers.index(dst), buf) for dst, buf in sends.items()],
+            recvs=[(new_workers.index(src), recv_buffers[src]) for src in recvs],
+            abort=abort,
+            tag=2000,
+        )
+        for src, ranges in unpack.items():
+            buf, cursor = recv_buffers[src], 0
+            for lo, n in ranges:
+                pos = _position(new_pieces, lo)
+                m[pos : pos + n] = buf[cursor : cursor + n]
+                v[pos : pos + n] = buf[cursor + n : cursor + 2 * n]
+                cursor += 2 * n
+        self.adopt_layout(new_workers, new_rank, epoch)
+        self.own = Shard.of(resume_step, m, v)
+        self.replica = self._replicate(comm, self.own, abort)
+        stats = transfer_stats(moves, element_bytes=8)  # two float32 moments per element
+        return {**stats, "transfers": len(moves), "transfer_s": time.perf_counter() - start}
+
+    def _holders(
+        self, old_workers: tuple[str, ...], alive: set[str], me: str, resume_step: int
+    ) -> tuple[dict[int, str], dict[int, Shard]]:
+        """Who holds each old rank's shard, and (for this rank) the verified data itself."""
+        world = len(old_workers)
+        holders: dict[int, str] = {}
+        sources: dict[int, Shard] = {}
+        for o, worker in enumerate(old_workers):
+            if worker in alive:
+                holders[o] = worker
+            elif old_workers[buddy(o, world)] in alive and world > 1:
+                holders[o] = old_workers[buddy(o, world)]
+            else:
+                raise ShardLost(f"the shard of old rank {o} ({worker}) and its replica are gone")
+        for o, worker in holders.items():
+            if worker != me:
+                continue
+            shard = self.own if old_workers[o] == me else self.replica
+            if shard is None or shard.step != resume_step or not shard.verify():
+                raise ShardLost(
+                    f"the copy of old rank {o}'s shard held by {worker} is missing, stale or "
+                    "fails its checksum"
+                )
+            sources[o] = shard
+        return holders, sources
+
+    def _pack(
+        self,
+        moves: list[Transfer],
+        me: str,
+        new_workers: tuple[str, ...],
+        holders: dict[int, str],
+        sources: dict[int, Shard],
+        old_layout: ShardLayout,
+    ) -> tuple[dict[str, torch.Tensor], dict[str, int], dict[str, list[tuple[int, int]]]]:
+        del new_workers
+        outgoing: dict[str, list[torch.Tensor]] = defaultdict(list)
+        recv_sizes: dict[str, int] = defaultdict(int)
+        unpack: dict[str, list[tuple[int, int]]] = defaultdict(list)
+        for mv in moves:
+            if mv.src == me:
+                o = _owner(old_layout, mv.offset)
+                assert holders[o] == me
+                pos = _position(old_layout.pieces(o), mv.offset)
+                shard = sources[o]
+                outgoing[mv.dst].append(shard.exp_avg[pos : pos + mv.length])
+                outgoing[mv.dst].append(shard.exp_avg_sq[pos : pos + mv.length])
+            if mv.dst == me:
+                recv_sizes[mv.src] += 2 * mv.length
+                unpack[mv.src].append((mv.offset, mv.length))
+        sends = {dst: torch.cat(parts) for dst, parts in outgoing.items()}
+        return sends, dict(recv_sizes), dict(unpack)
+
+
+def _position(pieces: list[tuple[int, int]], flat_offset: int) -> int:
+    """Index in a shard buffer of ``flat_offset`` (which lies inside one of ``pieces``)."""
+    cursor = 0
+    for lo, n in pieces:
+        if lo <= flat_offset < lo + n:
+            return cursor + flat_offset - lo
+        cursor += n
+    raise ValueError(f"offset {flat_offset} is not in this shard")
+
+
+def _overlaps(pieces: list[tuple[int, int]], lo: int, n: int) -> list[tuple[int, int, int]]:
+    """Parts of ``[lo, lo+n)`` inside ``pieces``: (flat_lo, length, shard position)."""
+    out, cursor = [], 0
+    for plo, pn in pieces:
+        a, b = max(plo, lo), min(plo + pn, lo + n)
+        if b > a:
+            out.append((a, b - a, cursor + a - plo))
+        cursor += pn
+    return out
+
+
+def _owner(layout: ShardLayout, flat_offset: int) -> int:
+    for r in range(layout.world):
+        for lo, n in layout.pieces(r):
+            if lo <= flat_offset < lo + n:
+                return r
+    raise ValueError(f"offset {flat_offset} is outside the layout")
