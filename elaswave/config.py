@@ -168,6 +168,7 @@ class JobConfig:
     etcd: list[str] = field(default_factory=list)  # empty: start an embedded etcd
     etcd_port: int = 0  # embedded etcd client port (0 = any free port)
     zero: int = 0  # 1: ZeRO-1, optimizer state sharded over the data-parallel ranks
+    verify_every: int = 10  # compare replicas' checksums every K committed steps (0: never)
     host_id: str | None = None  # default: hostname-pid
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -179,6 +180,8 @@ class JobConfig:
     def __post_init__(self) -> None:
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", self.job_id):
             raise ConfigError(f"job_id must be 1-64 of [A-Za-z0-9_.-], got {self.job_id!r}")
+        if self.verify_every < 0:
+            raise ConfigError(f"verify_every must be >= 0, got {self.verify_every}")
         if self.zero not in (0, 1):
             raise ConfigError(f"zero must be 0 or 1, got {self.zero}")
         if not 0 <= self.etcd_port < 65536:

@@ -21,6 +21,7 @@ from typing import Any
 from elaswave.errors import FaultSpecError
 
 PHASES = ("reduce", "optimizer")
+TARGETS = ("params", "snapshot")
 
 
 class FaultKind(str, enum.Enum):
@@ -28,11 +29,12 @@ class FaultKind(str, enum.Enum):
 
     KILL = "kill"  # SIGKILL the worker process: a crash with no goodbye
     HANG = "hang"  # SIGSTOP the worker process: alive but silent, its peers block on it
+    CORRUPT = "corrupt"  # flip a bit in the worker's parameters or snapshot (silent corruption)
 
     @property
-    def signal(self) -> signal.Signals:
-        """The real signal that carries the fault out."""
-        return {FaultKind.KILL: signal.SIGKILL, FaultKind.HANG: signal.SIGSTOP}[self]
+    def signal(self) -> signal.Signals | None:
+        """The real signal that carries the fault out (``None``: done inside the worker)."""
+        return {FaultKind.KILL: signal.SIGKILL, FaultKind.HANG: signal.SIGSTOP}.get(self)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,6 +49,7 @@ class FaultSpec:
     rank: int | None = None
     at_step: int | None = None
     phase: str = "reduce"  # "reduce": before the gradient reduction; "optimizer": ZeRO's update
+    target: str = "params"  # corrupt: "params" or "snapshot" (ZeRO: the buddy replica it keeps)
 
     def __post_init__(self) -> None:
         if not isinstance(self.kind, FaultKind):
@@ -57,6 +60,10 @@ class FaultSpec:
             raise FaultSpecError(f"fault rank must be >= 0, got {self.rank}")
         if self.at_step is not None and self.at_step < 1:
             raise FaultSpecError(f"fault at_step must be >= 1, got {self.at_step}")
+        if self.target not in TARGETS:
+            raise FaultSpecError(
+                f"fault target must be one of {', '.join(TARGETS)}, got {self.target!r}"
+            )
         if self.phase not in PHASES:
             raise FaultSpecError(
                 f"fault phase must be one of {', '.join(PHASES)}, got {self.phase!r}"
@@ -83,7 +90,7 @@ class FaultSpec:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, source: str = "fault spec") -> FaultSpec:
-        known = {"kind", "rank", "at_step", "phase"}
+        known = {"kind", "rank", "at_step", "phase", "target"}
         unknown = sorted(set(data) - known)
         if unknown:
             raise FaultSpecError(
@@ -97,6 +104,7 @@ class FaultSpec:
             rank=_int(data.get("rank"), "rank", source),
             at_step=_int(data.get("at_step"), "at_step", source),
             phase=str(data.get("phase", "reduce")),
+            target=str(data.get("target", "params")),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -104,6 +112,8 @@ class FaultSpec:
         out["kind"] = self.kind.value
         if out["phase"] == "reduce":
             del out["phase"]
+        if out["target"] == "params":
+            del out["target"]
         return {k: v for k, v in out.items() if v is not None}
 
     def describe(self) -> str:

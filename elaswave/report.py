@@ -33,7 +33,9 @@ def build_report(run_dir: str | Path) -> dict[str, Any]:
     incidents = []
     used_exits: set[int] = set()
     for i, ev in enumerate(events):
-        if ev["kind"] == "fault_injected":
+        if ev["kind"] == "fault_injected" and ev.get("fault", {}).get("kind") == "corrupt":
+            incidents.append(_corruption(ev, events[i:]))
+        elif ev["kind"] == "fault_injected":
             victim = ev.get("worker")
             exit_ev = _first(
                 events[i:], lambda e, w=victim: e["kind"] == "worker_exit" and e.get("worker") == w
@@ -56,6 +58,36 @@ def build_report(run_dir: str | Path) -> dict[str, Any]:
 
 def _first(items: list[dict[str, Any]], pred: Any) -> dict[str, Any] | None:
     return next((e for e in items if pred(e)), None)
+
+
+def _corruption(fault: dict[str, Any], events: list[dict[str, Any]]) -> dict[str, Any]:
+    """A silent-corruption incident: injected → detected by verification → repaired."""
+    t0 = fault["t"]
+    detected = _first(events, lambda e: e["kind"] == "sdc_detected" and e["t"] >= t0)
+    after = (detected or fault)["t"]
+    repaired = _first(events, lambda e: e["kind"] == "sdc_repaired" and e["t"] >= after)
+    inc: dict[str, Any] = dict.fromkeys(PHASES)
+    inc.update(
+        kind="corrupt",
+        worker=fault.get("worker"),
+        rank=fault.get("rank"),
+        fault_step=fault.get("step"),
+        fault_t=t0,
+        reason=f"corrupted {fault.get('corrupted')}",
+        epoch=None,
+        world_after=None,
+        first_commit_step=None,
+        detected_step=detected.get("step") if detected else None,
+        mttr_s=None,
+    )
+    if detected:
+        inc["detection_s"] = round(detected["t"] - t0, 6)
+        inc["reason"] += f"; detected at step {detected.get('step')} ({detected.get('what')})"
+    if detected and repaired:
+        inc["state_s"] = round(repaired["t"] - detected["t"], 6)
+        inc["mttr_s"] = round(repaired["t"] - t0, 6)
+        inc["reason"] += " → repaired from a good copy"
+    return inc
 
 
 def _incident(

@@ -64,6 +64,9 @@ def launch(
         None, "--host-addr", help="Address peers reach this host on."
     ),
     zero: int | None = typer.Option(None, "--zero", help="1: ZeRO-1 sharded optimizer state."),
+    verify_every: int | None = typer.Option(
+        None, "--verify-every", help="Compare replicas' checksums every K steps (0: never)."
+    ),
     hang_timeout: float | None = typer.Option(
         None, "--hang-timeout", help="Seconds without progress before a worker counts as hung."
     ),
@@ -88,6 +91,7 @@ def launch(
             "train.steps": steps,
             "timeouts.hang": hang_timeout,
             "zero": zero,
+            "verify_every": verify_every,
         }
         if fault:
             try:
@@ -167,7 +171,10 @@ def _print_status(st: dict[str, Any]) -> None:
 @app.command("inject-fault")
 def inject_fault_cmd(
     job_id: str = typer.Option("elaswave", "--job-id"),
-    kind: str = typer.Option(..., "--kind", help="kill (SIGKILL) | hang (SIGSTOP)"),
+    kind: str = typer.Option(
+        ..., "--kind", help="kill (SIGKILL) | hang (SIGSTOP) | corrupt (bit flip)"
+    ),
+    target: str | None = typer.Option(None, "--target", help="corrupt: params | snapshot"),
     rank: int | None = typer.Option(None, "--rank"),
     at_step: int | None = typer.Option(
         None, "--at-step", help="Fire while this step is in flight."
@@ -183,7 +190,12 @@ def inject_fault_cmd(
         spec = FaultSpec.from_dict(
             {
                 k: v
-                for k, v in {"kind": kind, "rank": rank, "at_step": at_step}.items()
+                for k, v in {
+                    "kind": kind,
+                    "rank": rank,
+                    "at_step": at_step,
+                    "target": target,
+                }.items()
                 if v is not None
             },
             source="fault",

@@ -327,8 +327,8 @@ class HostDaemon:
             event.setdefault("worker", w.worker_id)
             event["host"] = self.host_id
             self.events.write(event)
-            if event.get("kind") == "shard_lost":
-                self.unrecoverable = str(event.get("reason"))
+            if event.get("kind") == "shard_lost" and self.unrecoverable is None:
+                self.unrecoverable = str(event.get("reason"))  # the first cause, not echoes
         elif kind == "hb":
             w.last_beat = time.monotonic()
             w.phase = str(msg.get("phase", "idle"))
@@ -445,14 +445,15 @@ class HostDaemon:
                 del self._pending_faults[key]  # another host's worker: its daemon handles it
                 continue
             conn = self.conns.get(target)
-            if fault.at_step is not None and conn is None:
+            needs_worker = fault.at_step is not None or fault.kind.signal is None
+            if needs_worker and conn is None:
                 continue  # not connected yet: dispatched again on the next plan or ready
             del self._pending_faults[key]
             asyncio.create_task(self.etcd.delete(key))
             self.events.emit(
                 "fault_requested", fault=fault.to_dict(), worker=target, host=self.host_id
             )
-            if fault.at_step is None:
+            if not needs_worker:
                 self.events.emit(
                     "fault_injected",
                     fault=fault.to_dict(),

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from elaswave.config import JobConfig
+from elaswave.faults import FaultKind
 from elaswave.plan import Plan
 from elaswave.runtime.comm import CommError, Communicator, Interrupted
 from elaswave.runtime.control import ControlClient
@@ -38,7 +39,8 @@ from elaswave.runtime.data import SyntheticTokens, TokenDataset, TokenFile, batc
 from elaswave.runtime.model import GPT, GPTConfig
 from elaswave.runtime.optim import AdamWHyper, FlatAdamW, FlatParams
 from elaswave.runtime.rng import MicrobatchRng
-from elaswave.runtime.zero import ShardLost, ZeroState
+from elaswave.runtime.verify import flip_bit, judge
+from elaswave.runtime.zero import ShardLost, ZeroState, digest
 
 log = logging.getLogger(__name__)
 
@@ -156,6 +158,7 @@ class Engine:
                 self.begin_step()
                 result = self.train_step(self.step + 1)
                 self.commit_step(result)
+                self._after_commit(result.step)
             except (CommError, Interrupted) as exc:
                 self.control.event(
                     "step_aborted", worker=self.me, step=self.step + 1, reason=str(exc)[:300]
@@ -257,10 +260,81 @@ class Engine:
     def _group_broken(self) -> bool:
         return self.plan is not None and self.control.removes_any(self.plan.workers)
 
+    def _after_commit(self, step: int) -> None:
+        """Silent-corruption faults land on committed state; verification looks for them."""
+        for fault in list(self.control.faults):
+            if fault.kind is FaultKind.CORRUPT and (fault.at_step or 0) <= step:
+                self.control.faults.remove(fault)
+                what = self._corrupt(fault.target, step)
+                self.control.event(
+                    "fault_injected",
+                    fault=fault.to_dict(),
+                    worker=self.me,
+                    rank=self.comm.rank(DP),
+                    step=step,
+                    corrupted=what,
+                    pid=os.getpid(),
+                )
+        every = self.cfg.verify_every
+        if every and step % every == 0:
+            self._enter("collective")
+            self._verify(step)
+            self._enter("idle")
+
+    def _corrupt(self, target: str, step: int) -> str:
+        if target == "snapshot" and self.zero is not None and self.zero.replica is not None:
+            tensor, name = self.zero.replica.exp_avg, "zero replica (exp_avg)"
+        elif target == "snapshot":
+            tensor, name = self.opt.exp_avg, "optimizer state (exp_avg)"
+        else:
+            tensor, name = self.flat.data, "parameters"
+        index = (step * 7919) % tensor.numel()
+        flip_bit(tensor, index)
+        return f"{name}[{index}]"
+
+    def _verify(self, step: int) -> None:
+        """Compare checksums of replicated data across ranks; repair any disagreeing copy."""
+        broken = self._group_broken
+        z = self.zero
+        parts = [self.flat.data] if z else [self.flat.data, self.opt.exp_avg, self.opt.exp_avg_sq]
+        own_ok = z is None or (z.own is not None and z.own.verify())
+        replica_ok = z is None or z.replica is None or z.replica.verify()
+        mine = torch.tensor([digest(*parts), int(own_ok), int(replica_ok)], dtype=torch.int64)
+        rows = [r.tolist() for r in self.comm.allgather(DP, mine, broken)]
+        verdict = judge([r[0] for r in rows])
+        workers = self.plan.workers if self.plan else ()
+        say = self.control.event if self.comm.rank(DP) == 0 else (lambda *a, **k: None)
+        if verdict.bad:
+            say(
+                "sdc_detected",
+                step=step,
+                what="replicated state",
+                ranks=list(verdict.bad),
+                workers=[workers[r] for r in verdict.bad],
+                source_rank=verdict.source,
+                tie=verdict.unanimous_loss,
+            )
+            for part in parts:
+                self.comm.broadcast(DP, part, verdict.source, broken)
+            say("sdc_repaired", step=step, what="replicated state")
+        if z is not None:
+            bad_own = [r for r, row in enumerate(rows) if not row[1]]
+            bad_replica = [r for r, row in enumerate(rows) if not row[2]]
+            if bad_own or bad_replica:
+                names = [workers[r] for r in bad_own + bad_replica]
+                say(
+                    "sdc_detected", step=step, what="zero shard copy",
+                    ranks=bad_own + bad_replica, workers=names,
+                )  # fmt: skip
+                z.repair(self.comm, bad_own, bad_replica, broken)
+                say("sdc_repaired", step=step, what="zero shard copy")
+
     def _fire_faults(self, step: int, phase: str) -> None:
         for fault in list(self.control.faults):
             if fault.at_step is not None and fault.at_step > step:
                 continue
+            if fault.kind.signal is None:
+                continue  # corruption lands after the commit (see _after_commit)
             if fault.phase != phase and not (phase == "reduce" and self.zero is None):
                 continue  # without ZeRO there is no separate optimizer phase to aim at
             self.control.faults.remove(fault)
@@ -273,7 +347,7 @@ class Engine:
                 phase=phase,
                 pid=os.getpid(),
             )
-            os.kill(os.getpid(), fault.kind.signal)
+            os.kill(os.getpid(), fault.kind.signal)  # type: ignore[arg-type]
 
     # ---- recovery ---------------------------------------------------------------------------
     def _recover(self) -> None:

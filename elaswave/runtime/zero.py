@@ -178,6 +178,50 @@ class ZeroState:
             out.append(flat[:-1])
         return out[0], out[1]
 
+    def repair(
+        self,
+        comm: Communicator,
+        bad_own: list[int],
+        bad_replica: list[int],
+        abort: Callable[[], bool],
+    ) -> None:
+        """Replace corrupt copies from the good one: an owner's shard from its buddy's replica,
+        a replica from its owner. Every rank computes the same exchange from the same lists."""
+        world = len(self.workers)
+        sends: list[tuple[int, torch.Tensor]] = []
+        recvs: list[tuple[int, torch.Tensor]] = []
+        incoming: list[tuple[str, torch.Tensor]] = []
+        for o in bad_own:  # the buddy of o sends its replica of o's shard
+            if buddy(o, world) == self.rank:
+                assert self.replica is not None
+                sends.append((o, torch.cat([self.replica.exp_avg, self.replica.exp_avg_sq])))
+            if o == self.rank:
+                buf = torch.empty(2 * self.size)
+                recvs.append((buddy(o, world), buf))
+                incoming.append(("own", buf))
+        for b in bad_replica:  # the owner of b's replica re-sends its shard
+            owner = (b - 1) % world
+            if owner == self.rank:
+                assert self.own is not None
+                sends.append((b, torch.cat([self.own.exp_avg, self.own.exp_avg_sq])))
+            if b == self.rank:
+                buf = torch.empty(2 * self.size)
+                recvs.append((owner, buf))
+                incoming.append(("replica", buf))
+        comm.exchange(DP, sends, recvs, abort, tag=3000)
+        for which, buf in incoming:
+            old = self.own if which == "own" else self.replica
+            assert old is not None
+            fixed = Shard(
+                old.step, buf[: self.size].clone(), buf[self.size :].clone(), old.checksum
+            )
+            if not fixed.verify():
+                raise ShardLost(f"both copies of a shard fail their checksum ({which} repair)")
+            if which == "own":
+                self.own = fixed
+            else:
+                self.replica = fixed
+
     # ---- recovery ---------------------------------------------------------------------------
     def info(self) -> list[float]:
         """What this rank tells its peers before a reshard."""
@@ -215,7 +259,21 @@ class ZeroState:
             self.replica = self._replicate(comm, self.own, abort)
             return {"bytes": 0, "pairs": 0, "max_over_mean": 1.0, "transfers": 0}
         old_layout = ShardLayout(self.segments, len(old_workers))
-        holders, sources = self._holders(old_workers, set(new_workers), me, resume_step)
+        problem = ""
+        try:
+            holders, sources = self._holders(old_workers, set(new_workers), me, resume_step)
+        except ShardLost as exc:
+            problem = str(exc)
+        # Decide together: every rank stops, with the same verdict, if any copy is unusable.
+        flags = torch.zeros(len(new_workers), dtype=torch.int64)
+        comm.allgather_into(DP, flags, torch.tensor([0 if problem else 1]), abort)
+        if not bool(flags.all()):
+            first = int((flags == 0).nonzero()[0])
+            raise ShardLost(
+                problem
+                or f"a shard copy held by {new_workers[first]} is missing, stale or fails its "
+                "checksum"
+            )
         moves = plan_transfers(old_layout, old_workers, holders, new_layout, new_workers)
         new_pieces = new_layout.pieces(new_rank)
         new_size = new_layout.padded_size

@@ -1,0 +1,40 @@
+"""Majority vote over replica checksums, and the bit flip used to fake silent corruption."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from elaswave.runtime.verify import flip_bit, judge
+from elaswave.runtime.zero import Shard, digest
+
+
+@pytest.mark.parametrize(
+    ("sums", "bad", "source", "tie"),
+    [
+        ([7, 7, 7, 7], (), None, False),
+        ([7, 7, 9, 7], (2,), 0, False),
+        ([9, 7, 7, 7], (0,), 1, False),
+        ([7, 9, 9, 7], (1, 2), 0, True),  # no majority: the lowest rank's copy wins, flagged
+        ([1, 2, 3], (1, 2), 0, True),
+        ([5], (), None, False),
+    ],
+)
+def test_judge(sums: list[int], bad: tuple[int, ...], source: int | None, tie: bool) -> None:
+    verdict = judge(sums)
+    assert verdict.bad == bad and verdict.source == source and verdict.unanimous_loss == tie
+
+
+def test_flip_bit_changes_one_value_and_the_checksum() -> None:
+    t = torch.linspace(-1, 1, 100)
+    before = t.clone()
+    flip_bit(t, 42)
+    assert (t != before).sum() == 1 and t[42] != before[42]
+    assert digest(t) != digest(before)
+
+
+def test_shard_checksum_catches_a_flip() -> None:
+    shard = Shard.of(3, torch.ones(10), torch.ones(10))
+    assert shard.verify()
+    flip_bit(shard.exp_avg_sq, 4)
+    assert not shard.verify()
