@@ -73,7 +73,8 @@ def test_parse_malformed(text: str, fragment: str) -> None:
         ({"kind": "kill", "rank": float("inf")}, "rank must be an integer"),
         ({"kind": "kill", "rank": [1]}, "rank must be an integer"),
         ({"kind": "kill", "rank": 1, "at_step": 2.5}, "at_step must be an integer"),
-        ({"kind": "kill", "rank": 1, "target": "w1"}, "unknown field 'target'"),
+        ({"kind": "kill", "rank": 1, "host": "h1"}, "unknown field 'host'"),
+        ({"kind": "corrupt", "rank": 1, "target": "w1"}, "fault target must be one of"),
         ({"kind": None, "rank": 1}, "unknown fault kind"),
     ],
 )
