@@ -169,6 +169,9 @@ class JobConfig:
     etcd_port: int = 0  # embedded etcd client port (0 = any free port)
     zero: int = 0  # 1: ZeRO-1, optimizer state sharded over the data-parallel ranks
     verify_every: int = 10  # compare replicas' checksums every K committed steps (0: never)
+    durable_every: int = 0  # torch.distributed.checkpoint every N committed steps (0: never)
+    durable_dir: str | None = None  # default <run_dir>/checkpoints (shared storage across hosts)
+    resume: str | None = None  # start from the newest durable checkpoint in this directory
     host_id: str | None = None  # default: hostname-pid
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -180,6 +183,8 @@ class JobConfig:
     def __post_init__(self) -> None:
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", self.job_id):
             raise ConfigError(f"job_id must be 1-64 of [A-Za-z0-9_.-], got {self.job_id!r}")
+        if self.durable_every < 0:
+            raise ConfigError(f"durable_every must be >= 0, got {self.durable_every}")
         if self.verify_every < 0:
             raise ConfigError(f"verify_every must be >= 0, got {self.verify_every}")
         if self.zero not in (0, 1):
@@ -207,6 +212,10 @@ class JobConfig:
     @property
     def resolved_run_dir(self) -> Path:
         return Path(self.run_dir) if self.run_dir else Path("runs") / self.job_id
+
+    @property
+    def resolved_durable_dir(self) -> Path:
+        return Path(self.durable_dir) if self.durable_dir else self.resolved_run_dir / "checkpoints"
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)

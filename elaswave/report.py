@@ -47,6 +47,14 @@ def build_report(run_dir: str | Path) -> dict[str, Any]:
         if ev["kind"] == "worker_exit" and id(ev) not in used_exits:
             incidents.append(_incident(None, ev, ev.get("worker"), events, plans, metrics))
     incidents.sort(key=lambda x: x["fault_t"])
+    claimed: set[float] = set()
+    for inc in incidents:  # one restore answers one incident (the first it follows)
+        t = inc.pop("_restored_t", None)
+        if t is not None and t in claimed:
+            inc["recomputed_steps"] = 0
+            inc["reason"] = inc["reason"].split("; in-memory copies lost")[0]
+        elif t is not None:
+            claimed.add(t)
     for n, inc in enumerate(incidents, 1):
         inc["id"] = n
     return {
@@ -132,6 +140,17 @@ def _incident(
         inc["state_bytes"] = sum(e.get("bytes", 0) for e in state)
         inc["state_resume_step"] = state[0].get("resume_step") if state else None
     inc.update(phases)
+    restored = _first(
+        events,
+        lambda e: e["kind"] == "durable_restored" and e["t"] >= t0 and e.get("reason") != "resume",
+    )
+    inc["recomputed_steps"] = restored["recomputed_steps"] if restored else 0
+    if restored:
+        inc["_restored_t"] = restored["t"]
+        inc["reason"] += (
+            f"; in-memory copies lost, restored checkpoint step {restored['step']}, "
+            f"{restored['recomputed_steps']} step(s) recomputed"
+        )
     inc["first_commit_step"] = commit["step"] if commit else None
     inc["mttr_s"] = round(commit["time"] - t0, 6) if commit else None
     return inc
@@ -162,7 +181,7 @@ def _totals(
 
 CSV_FIELDS = [
     "id", "kind", "worker", "rank", "fault_step", "epoch", "world_after", *PHASES,
-    "mttr_s", "first_commit_step", "state_bytes", "reason",
+    "mttr_s", "first_commit_step", "state_bytes", "recomputed_steps", "reason",
 ]  # fmt: skip
 
 

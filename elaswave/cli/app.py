@@ -64,6 +64,15 @@ def launch(
         None, "--host-addr", help="Address peers reach this host on."
     ),
     zero: int | None = typer.Option(None, "--zero", help="1: ZeRO-1 sharded optimizer state."),
+    durable_every: int | None = typer.Option(
+        None, "--durable-every", help="Durable checkpoint every N steps (0: never)."
+    ),
+    durable_dir: Path | None = typer.Option(
+        None, "--durable-dir", help="Default RUN_DIR/checkpoints."
+    ),
+    resume: Path | None = typer.Option(
+        None, "--resume", help="Start from the newest durable checkpoint in this directory."
+    ),
     verify_every: int | None = typer.Option(
         None, "--verify-every", help="Compare replicas' checksums every K steps (0: never)."
     ),
@@ -92,6 +101,9 @@ def launch(
             "timeouts.hang": hang_timeout,
             "zero": zero,
             "verify_every": verify_every,
+            "durable_every": durable_every,
+            "durable_dir": str(durable_dir) if durable_dir else None,
+            "resume": str(resume) if resume else None,
         }
         if fault:
             try:

@@ -44,6 +44,12 @@ def find_job(job_id: str) -> dict:
 
 
 def launch(cfg: JobConfig, *, host_addr: str | None = None) -> int:
+    if cfg.resume:
+        from elaswave.runtime.durable import latest
+
+        if latest(cfg.resume) is None:
+            raise ElasWaveError(f"--resume: no complete durable checkpoint in {cfg.resume}")
+        cfg.resume = str(Path(cfg.resume).resolve())
     run_dir = cfg.resolved_run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     _log_to(run_dir / "daemon.log")

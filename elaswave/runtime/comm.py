@@ -66,7 +66,6 @@ class Communicator:
         self.collective_timeout = collective_timeout
         self._waker = waker
         self._groups: dict[str, _Group] = {}
-        self._stores: dict[str, dist.TCPStore] = {}
         self._graveyard: list[object] = []  # abandoned groups/threads, kept alive on purpose
         self._device = dist.ProcessGroupGloo.create_device(hostname=host_addr)
 
@@ -111,7 +110,9 @@ class Communicator:
         epoch: int,
         abort: Callable[[], bool],
     ) -> dist.ProcessGroupGloo:
-        prefix = dist.PrefixStore(f"epoch{epoch}/{name}", self._store(store))
+        # A fresh store connection per build: an abandoned rendezvous may still block in its
+        # own connection, and must not hold up the next one (TCPStore clients serialise calls).
+        prefix = dist.PrefixStore(f"epoch{epoch}/{name}", self._connect_store(store))
         opts = dist.ProcessGroupGloo._Options()
         opts._devices = [self._device]
         opts._timeout = datetime.timedelta(seconds=self.collective_timeout)
@@ -134,17 +135,17 @@ class Communicator:
             raise CommError(f"rendezvous of group {name!r} failed: {_one_line(result['error'])}")
         return result["pg"]  # type: ignore[return-value]
 
-    def _store(self, address: str) -> dist.TCPStore:
-        if address not in self._stores:
-            host, _, port = address.rpartition(":")
-            self._stores[address] = dist.TCPStore(
-                host,
-                int(port),
-                is_master=False,
-                timeout=datetime.timedelta(seconds=self.rendezvous_timeout),
-                wait_for_workers=False,
-            )
-        return self._stores[address]
+    def _connect_store(self, address: str) -> dist.TCPStore:
+        host, _, port = address.rpartition(":")
+        store = dist.TCPStore(
+            host,
+            int(port),
+            is_master=False,
+            timeout=datetime.timedelta(seconds=self.rendezvous_timeout),
+            wait_for_workers=False,
+        )
+        self._graveyard.append(store)  # kept alive with the groups built on it
+        return store
 
     def _bury(self, name: str) -> None:
         group = self._groups.pop(name)

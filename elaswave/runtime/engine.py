@@ -26,6 +26,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,6 +34,7 @@ import torch
 from elaswave.config import JobConfig
 from elaswave.faults import FaultKind
 from elaswave.plan import Plan
+from elaswave.runtime import durable
 from elaswave.runtime.comm import CommError, Communicator, Interrupted
 from elaswave.runtime.control import ControlClient
 from elaswave.runtime.data import SyntheticTokens, TokenDataset, TokenFile, batch, microbatches
@@ -119,6 +121,9 @@ class Engine:
             self.opt = FlatAdamW(0, hyper)  # the shards live in ``self.zero``
         else:
             self.opt = FlatAdamW(self.flat.numel, hyper)
+        self.durable = (
+            durable.DurableCheckpoints(cfg.resolved_durable_dir) if cfg.durable_every else None
+        )
         self.dataset = make_dataset(cfg)
         self.num_samples = len(self.dataset)
         dtype = torch.float64 if t.reduce_dtype == "float64" else torch.float32
@@ -280,6 +285,53 @@ class Engine:
             self._enter("collective")
             self._verify(step)
             self._enter("idle")
+        if self.durable is not None and step % self.cfg.durable_every == 0:
+            self._enter("collective")
+            self._save_durable(step)
+            self._enter("idle")
+
+    def _save_durable(self, step: int) -> None:
+        """Rank 0 writes the full state in the background (ZeRO gathers the moments first)."""
+        assert self.durable is not None
+        if self.zero is not None:
+            exp_avg, exp_avg_sq = self.zero.full_state(self.comm, self._group_broken)
+        else:
+            exp_avg, exp_avg_sq = self.opt.exp_avg, self.opt.exp_avg_sq
+        if self.comm.rank(DP) != 0:
+            return
+
+        def saved(path: Path, seconds: float) -> None:
+            self.control.event(
+                "durable_saved", step=step, path=str(path), seconds=round(seconds, 4)
+            )
+
+        self.durable.save_async(step, self.last_loss, self.flat.data, exp_avg, exp_avg_sq, saved)
+
+    def _restore(
+        self, path: Path, plan: Plan, broken: Callable[[], bool], lost_from: int, reason: str
+    ) -> dict[str, Any]:
+        """Load a durable checkpoint into this rank (any world size) and report it."""
+        state = durable.load(path, self.flat.numel)
+        self.flat.data.copy_(state.params)
+        if self.zero is not None:
+            self.zero.restore_full(
+                self.comm, plan.workers, self.comm.rank(DP), state.step,
+                state.exp_avg, state.exp_avg_sq, plan.epoch, broken,
+            )  # fmt: skip
+        else:
+            self.opt.exp_avg.copy_(state.exp_avg)
+            self.opt.exp_avg_sq.copy_(state.exp_avg_sq)
+            self.opt.step_count = state.step
+        self.step, self.last_loss = state.step, state.loss
+        if self.comm.rank(DP) == 0:
+            self.control.event(
+                "durable_restored",
+                path=str(path),
+                step=state.step,
+                recomputed_steps=max(0, lost_from - state.step),
+                reason=reason,
+            )
+        return {"resume_step": state.step, "source_rank": -1, "bytes": 0, "durable": str(path)}
 
     def _corrupt(self, target: str, step: int) -> str:
         if target == "snapshot" and self.zero is not None and self.zero.replica is not None:
@@ -404,7 +456,7 @@ class Engine:
         broken = lambda: self.control.removes_any(plan.workers)  # noqa: E731
         start = time.perf_counter()
         if self.zero is None:
-            sync = self._sync_replicated(broken)
+            sync = self._sync_replicated(plan, broken)
         else:
             sync = self._sync_zero(plan, broken)
         self.control.event(
@@ -416,17 +468,20 @@ class Engine:
             **sync,
         )
         self.plan = plan
-        if rank == 0 and self.step > 0:
+        if rank == 0 and self.step > 0 and "durable" not in sync:
             # Re-report the resume step: if the previous rank 0 died before reporting it, this is
-            # its only record (the daemon drops duplicates).
+            # its only record (the daemon drops duplicates). A step restored from a durable
+            # checkpoint was committed by an earlier run or is about to be recomputed: not here.
             self.commit_step(StepResult(self.step, self.last_loss, 0.0))
 
-    def _sync_replicated(self, broken: Callable[[], bool]) -> dict[str, Any]:
+    def _sync_replicated(self, plan: Plan, broken: Callable[[], bool]) -> dict[str, Any]:
         """Replicated state: ranks behind (a newcomer, a failed reduction) copy the most
         advanced one."""
         rank = self.comm.rank(DP)
         mine = torch.tensor([float(self.step)], dtype=torch.float64)
         steps = [int(x.item()) for x in self.comm.allgather(DP, mine, broken)]
+        if max(steps) == 0 and self.cfg.resume:
+            return {"steps": steps, **self._restore(self._resume_path(), plan, broken, 0, "resume")}
         target = max(steps)
         moved = 0
         source = steps.index(target)
@@ -465,17 +520,27 @@ class Engine:
         rows = [r.tolist() for r in self.comm.allgather(DP, mine, broken)]
         with_state = [i for i, r in enumerate(rows) if r[0] >= 0]
         if not with_state:  # a fresh start: nobody holds optimizer state yet
+            if self.cfg.resume:
+                return self._restore(self._resume_path(), plan, broken, 0, "resume")
             stats = z.reshard(self.comm, (), plan.workers, rank, 0, plan.epoch, broken)
             return {"resume_step": 0, "source_rank": 0, "steps": [0] * len(rows), **stats}
         resume = int(max(rows[i][0] for i in with_state))
-        if len({int(rows[i][2]) for i in with_state}) > 1:
-            raise ShardLost("ranks hold shards of different layouts (a fault during resharding)")
-        source = next(i for i in with_state if int(rows[i][0]) == resume)
-        z.settle(resume)
-        old_workers = self._broadcast_names(z.workers, source, broken)
-        if len(with_state) < len(rows):  # newcomers: full parameters from the source
-            self.comm.broadcast(DP, self.flat.data, source, broken)
-        stats = z.reshard(self.comm, old_workers, plan.workers, rank, resume, plan.epoch, broken)
+        try:
+            if len({int(rows[i][2]) for i in with_state}) > 1:
+                raise ShardLost("ranks hold shards of different layouts (a fault while resharding)")
+            source = next(i for i in with_state if int(rows[i][0]) == resume)
+            z.settle(resume)
+            old_workers = self._broadcast_names(z.workers, source, broken)
+            if len(with_state) < len(rows):  # newcomers: full parameters from the source
+                self.comm.broadcast(DP, self.flat.data, source, broken)
+            stats = z.reshard(
+                self.comm, old_workers, plan.workers, rank, resume, plan.epoch, broken
+            )
+        except ShardLost as exc:  # both in-memory copies gone: the durable checkpoint, if any
+            path = durable.latest(self.cfg.resolved_durable_dir) if self.durable else None
+            if path is None:
+                raise
+            return self._restore(path, plan, broken, resume, str(exc))
         self.step, self.last_loss = resume, float(rows[source][3])
         return {
             "resume_step": resume,
@@ -483,6 +548,13 @@ class Engine:
             "steps": [int(r[0]) for r in rows],
             **stats,
         }
+
+    def _resume_path(self) -> Path:
+        assert self.cfg.resume is not None
+        path = durable.latest(self.cfg.resume)
+        if path is None:
+            raise ShardLost(f"no durable checkpoint to resume from in {self.cfg.resume}")
+        return path
 
     def _broadcast_names(
         self, names: tuple[str, ...], source: int, broken: Callable[[], bool]
@@ -508,6 +580,8 @@ class Engine:
             self.comm.allreduce(DP, token, self._group_broken)
         except (CommError, Interrupted):
             pass
+        if self.durable is not None:
+            self.durable.flush()  # the last checkpoint must be on disk before we report done
         digest = hashlib.sha256(self.flat.data.numpy().tobytes())
         digest.update(exp_avg.numpy().tobytes())
         digest.update(exp_avg_sq.numpy().tobytes())

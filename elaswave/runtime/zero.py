@@ -164,6 +164,26 @@ class ZeroState:
         )
         return Shard(int(got_meta[0]), got[:size].clone(), got[size:].clone(), int(got_meta[1]))
 
+    def restore_full(
+        self,
+        comm: Communicator,
+        workers: tuple[str, ...],
+        rank: int,
+        step: int,
+        exp_avg: torch.Tensor,
+        exp_avg_sq: torch.Tensor,
+        epoch: int,
+        abort: Callable[[], bool],
+    ) -> None:
+        """Take this rank's shard of whole moments (from a durable checkpoint) in a new layout."""
+        self.adopt_layout(workers, rank, epoch)
+        mine = self._my_index()
+        self.own = Shard.of(
+            step, self._ext(exp_avg)[mine].clone(), self._ext(exp_avg_sq)[mine].clone()
+        )
+        self.staged = None
+        self.replica = self._replicate(comm, self.own, abort)
+
     def full_state(
         self, comm: Communicator, abort: Callable[[], bool]
     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,57 @@
+"""Durable checkpoints: the fallback when both in-memory copies die, and resume on another size."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from conftest import REL_TOL, Run, assert_clean_run, launch
+
+from elaswave.report import build_report
+
+pytestmark = pytest.mark.e2e
+
+
+def test_rank_and_buddy_lost_together_fall_back_to_the_durable_checkpoint(
+    tmp_path: Path, state_env: dict[str, str], reference: Run
+) -> None:
+    r = launch(tmp_path / "run", "--job-id", "fallback", "--zero", "1", "--durable-every", "5",
+               "--fault", "kill,rank=1,at_step=12", "--fault", "kill,rank=2,at_step=12",
+               env=state_env)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    run = Run(tmp_path / "run")
+    assert_clean_run(run, 40, reference)
+    (restored,) = run.of("durable_restored")
+    assert restored["step"] == 10 and restored["recomputed_steps"] == 1
+    assert "replica are gone" in restored["reason"]
+    incidents = build_report(run.dir)["incidents"]
+    assert sum(i["recomputed_steps"] for i in incidents) == 1
+    assert any("restored checkpoint step 10" in i["reason"] for i in incidents)
+
+
+def test_resume_from_a_durable_checkpoint_on_three_workers(
+    tmp_path: Path, state_env: dict[str, str], reference: Run
+) -> None:
+    first = launch(tmp_path / "a", "--job-id", "resume-a", "--zero", "1", "--steps", "20",
+                   "--durable-every", "10", env=state_env)  # fmt: skip
+    assert first.returncode == 0, first.stderr[-2000:]
+    second = launch(tmp_path / "b", "--job-id", "resume-b", "--zero", "1", "--steps", "40",
+                    "--nproc-per-node", "3", "--resume", str(tmp_path / "a" / "checkpoints"),
+                    env=state_env)  # fmt: skip
+    assert second.returncode == 0, second.stderr[-2000:]
+    run = Run(tmp_path / "b")
+    assert [m["step"] for m in run.metrics] == list(range(21, 41))
+    assert {m["world_size"] for m in run.metrics} == {3}
+    for step, loss in run.losses.items():
+        ref = reference.losses[step]
+        assert abs(loss - ref) <= REL_TOL * abs(ref), f"step {step}: {loss} vs {ref}"
+    assert len({f["params_sha256"] for f in run.of("final_state")}) == 1
+
+
+def test_resume_without_a_checkpoint_is_a_one_line_error(
+    tmp_path: Path, state_env: dict[str, str]
+) -> None:
+    r = launch(tmp_path / "run", "--job-id", "noresume", "--resume", str(tmp_path), env=state_env)
+    assert r.returncode != 0
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "no complete durable checkpoint" in lines[0]
