@@ -6,8 +6,8 @@ Every scenario is one module exposing ``DESCRIPTION``, ``DEFAULT_REPEAT``,
 
 from __future__ import annotations
 
-from bench import mttr, overhead
+from bench import comm, crash, hang, mttr, overhead
 
-SCENARIOS = {"mttr": mttr, "overhead": overhead}
+SCENARIOS = {"comm": comm, "crash": crash, "hang": hang, "mttr": mttr, "overhead": overhead}
 
 __all__ = ["SCENARIOS"]
