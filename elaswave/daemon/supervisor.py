@@ -278,7 +278,9 @@ class HostDaemon:
             for w in list(self.workers.values()):
                 if w.last_beat is None or w.proc.returncode is not None or w.stopping or w.done:
                     continue
-                reason = hang_verdict(now - w.last_beat, w.phase, w.phase_age, limit)
+                reason = hang_verdict(
+                    now - w.last_beat, w.phase, w.phase_age, limit, self.cfg.timeouts.heartbeat
+                )
                 if reason is None:
                     continue
                 w.kill_reason = reason
@@ -499,14 +501,18 @@ def config_difference(theirs: dict[str, Any], mine: dict[str, Any], prefix: str 
     return ""
 
 
-def hang_verdict(silent_s: float, phase: str, phase_age_s: float, limit_s: float) -> str | None:
+def hang_verdict(
+    silent_s: float, phase: str, phase_age_s: float, limit_s: float, beat_s: float
+) -> str | None:
     """Why a worker counts as hung, or ``None``. Pure: the hang detector's whole decision.
 
-    A worker waiting in a collective is not hung (a peer may be); one that is silent, or has
-    been computing the same phase past the limit, is.
+    Two disjoint cases, each needing the full ``limit_s``: the process is frozen (no heartbeat
+    for longer than the limit), or it is alive (beats still arrive) but its main thread has been
+    in one compute phase for longer than the limit. A worker waiting in a collective or for a
+    plan is never hung on its own account: a peer may be.
     """
     if silent_s > limit_s:
         return f"no heartbeat for {silent_s:.1f} s"
-    if phase == "compute" and phase_age_s + silent_s > limit_s:
-        return f"stuck computing for {phase_age_s + silent_s:.1f} s"
+    if phase == "compute" and silent_s <= 2 * beat_s and phase_age_s > limit_s:
+        return f"stuck computing for {phase_age_s:.1f} s"
     return None

@@ -6,24 +6,29 @@ import pytest
 
 from elaswave.daemon.supervisor import hang_verdict
 
+BEAT = 0.2
+
 
 @pytest.mark.parametrize(
-    ("silent", "phase", "phase_age", "limit", "hung"),
+    ("silent", "phase", "phase_age", "limit", "verdict"),
     [
-        (0.1, "compute", 0.5, 2.0, False),  # healthy, mid-step
-        (2.5, "compute", 0.0, 2.0, True),  # frozen (SIGSTOP): beats stopped
-        (2.5, "collective", 0.0, 2.0, True),  # frozen while waiting is still frozen
-        (0.1, "collective", 30.0, 2.0, False),  # blocked on a hung peer: not its fault
-        (0.1, "idle", 30.0, 2.0, False),  # waiting for a plan
-        (0.1, "compute", 1.95, 2.0, True),  # computing one phase past the limit
-        (1.0, "compute", 0.9, 2.0, False),  # just under the limit, all told
-        (2.0, "compute", 0.0, 2.0, False),  # exactly at the limit is not past it
+        (0.1, "compute", 0.5, 2.0, None),  # healthy, mid-step
+        (2.5, "compute", 0.0, 2.0, "heartbeat"),  # frozen (SIGSTOP): beats stopped
+        (2.5, "collective", 0.0, 2.0, "heartbeat"),  # frozen while waiting is still frozen
+        (1.9, "compute", 1.0, 2.0, None),  # frozen for less than the limit: not yet
+        (0.1, "collective", 30.0, 2.0, None),  # blocked on a hung peer: not its fault
+        (0.1, "idle", 30.0, 2.0, None),  # waiting for a plan
+        (0.1, "compute", 2.5, 2.0, "computing"),  # alive, one compute phase past the limit
+        (0.1, "compute", 1.95, 2.0, None),  # just under the limit
+        (1.0, "compute", 1.5, 2.0, None),  # beats late but compute time alone is under it
+        (2.0, "compute", 0.0, 2.0, None),  # exactly at the limit is not past it
     ],
 )
 def test_hang_verdict(
-    silent: float, phase: str, phase_age: float, limit: float, hung: bool
+    silent: float, phase: str, phase_age: float, limit: float, verdict: str | None
 ) -> None:
-    reason = hang_verdict(silent, phase, phase_age, limit)
-    assert (reason is not None) == hung
-    if reason is not None:
-        assert "heartbeat" in reason or "computing" in reason
+    reason = hang_verdict(silent, phase, phase_age, limit, BEAT)
+    if verdict is None:
+        assert reason is None
+    else:
+        assert reason is not None and verdict in reason
