@@ -73,6 +73,9 @@ def launch(
     resume: Path | None = typer.Option(
         None, "--resume", help="Start from the newest durable checkpoint in this directory."
     ),
+    snapshot_every: int | None = typer.Option(
+        None, "--snapshot-every", help="ZeRO buddy replicas: 1 every step, 0 none."
+    ),
     verify_every: int | None = typer.Option(
         None, "--verify-every", help="Compare replicas' checksums every K steps (0: never)."
     ),
@@ -101,6 +104,7 @@ def launch(
             "timeouts.hang": hang_timeout,
             "zero": zero,
             "verify_every": verify_every,
+            "snapshot_every": snapshot_every,
             "durable_every": durable_every,
             "durable_dir": str(durable_dir) if durable_dir else None,
             "resume": str(resume) if resume else None,

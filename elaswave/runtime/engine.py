@@ -118,6 +118,7 @@ class Engine:
         self.zero: ZeroState | None = None
         if cfg.zero:
             self.zero = ZeroState(self.flat, hyper, layer_segments(self.model))
+            self.zero.replicate = cfg.snapshot_every > 0
             self.opt = FlatAdamW(0, hyper)  # the shards live in ``self.zero``
         else:
             self.opt = FlatAdamW(self.flat.numel, hyper)
