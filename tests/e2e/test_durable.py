@@ -55,3 +55,16 @@ def test_resume_without_a_checkpoint_is_a_one_line_error(
     assert r.returncode != 0
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "no complete durable checkpoint" in lines[0]
+
+
+def test_without_snapshots_a_lost_shard_comes_from_the_durable_checkpoint(
+    tmp_path: Path, state_env: dict[str, str], reference: Run
+) -> None:
+    r = launch(tmp_path / "run", "--job-id", "nosnap", "--zero", "1", "--snapshot-every", "0",
+               "--durable-every", "5", "--fault", "kill,rank=1,at_step=12", env=state_env)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    run = Run(tmp_path / "run")
+    assert_clean_run(run, 40, reference)
+    (restored,) = run.of("durable_restored")
+    assert restored["step"] == 10 and restored["recomputed_steps"] == 1
+    assert "missing" in restored["reason"]
