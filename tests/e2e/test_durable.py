@@ -61,7 +61,8 @@ def test_without_snapshots_a_lost_shard_comes_from_the_durable_checkpoint(
     tmp_path: Path, state_env: dict[str, str], reference: Run
 ) -> None:
     r = launch(tmp_path / "run", "--job-id", "nosnap", "--zero", "1", "--snapshot-every", "0",
-               "--durable-every", "5", "--fault", "kill,rank=1,at_step=12", env=state_env)  # fmt: skip
+               "--durable-every", "5", "--fault", "kill,rank=1,at_step=12",
+               env=state_env)  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     run = Run(tmp_path / "run")
     assert_clean_run(run, 40, reference)
