@@ -188,6 +188,8 @@ class Etcd:
                 yield WatchEvent(
                     kind, ev.kv.key.decode(), ev.kv.value, ev.kv.create_revision, ev.kv.mod_revision
                 )
+        except aetcd.exceptions.ClientError as exc:
+            raise EtcdUnavailable(f"lost the watch on etcd at {self.endpoint} ({exc})") from None
         finally:
             with contextlib.suppress(Exception):
                 await watch.cancel()

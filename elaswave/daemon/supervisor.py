@@ -23,7 +23,7 @@ from elaswave.daemon import leader
 from elaswave.daemon.control import ControlServer, WorkerConn
 from elaswave.daemon.etcd import Etcd
 from elaswave.daemon.workers import WorkerProc, spawn, stop_all
-from elaswave.errors import ElasWaveError, JobFailed
+from elaswave.errors import ElasWaveError, EtcdUnavailable, JobFailed
 from elaswave.events import EVENTS_FILE, METRICS_FILE, EventLog, JsonlWriter
 from elaswave.faults import FaultSpec
 from elaswave.keys import JobKeys
@@ -106,11 +106,20 @@ class HostDaemon:
             while waiter in pending:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
-                    if task is not waiter and task.exception() is not None:
-                        raise task.exception()  # type: ignore[misc]
+                    exc = task.exception() if task is not waiter else None
+                    if exc is None:
+                        continue
+                    if isinstance(exc, EtcdUnavailable) and self._work_is_over():
+                        continue  # etcd went away after our last step: nothing left to lose
+                    raise exc
             return await self._finish()
         finally:
             await self._cleanup()
+
+    def _work_is_over(self) -> bool:
+        return bool(self.workers) and all(
+            w.done or w.proc.returncode is not None for w in self.workers.values()
+        )
 
     def request_stop(self, signum: int) -> None:
         self.signal_received = signum
@@ -167,6 +176,18 @@ class HostDaemon:
         if diff:
             raise ElasWaveError(f"this host's config differs from job {self.cfg.job_id!r}: {diff}")
 
+    async def _wait_for_other_hosts(self) -> None:
+        deadline = (
+            time.monotonic() + 2 * self.cfg.timeouts.shutdown_grace + self.cfg.timeouts.lease_ttl
+        )
+        while time.monotonic() < deadline:
+            try:
+                if not await self.etcd.get_prefix(self.keys.hosts):
+                    return
+            except EtcdUnavailable:
+                return
+            await asyncio.sleep(0.2)
+
     async def _keep_alive(self) -> None:
         await self.etcd.keep_alive(self.lease, self.cfg.timeouts.lease_ttl)
 
@@ -207,6 +228,8 @@ class HostDaemon:
             with contextlib.suppress(Exception):
                 if self.lease is not None:
                     await self.lease.revoke()
+            if self.embedded_etcd_pid is not None and self.signal_received is None:
+                await self._wait_for_other_hosts()  # they still need the etcd we host
             with contextlib.suppress(Exception):
                 if not await self.etcd.get_prefix(self.keys.hosts):
                     await self.etcd.delete_prefix(self.keys.prefix)  # last one out: no stale keys

@@ -317,7 +317,7 @@ class Engine:
         if self.zero is not None:
             self.zero.restore_full(
                 self.comm, plan.workers, self.comm.rank(DP), state.step,
-                state.exp_avg, state.exp_avg_sq, plan.epoch, broken,
+                state.exp_avg, state.exp_avg_sq, plan.epoch, broken, plan.hosts,
             )  # fmt: skip
         else:
             self.opt.exp_avg.copy_(state.exp_avg)
@@ -523,20 +523,29 @@ class Engine:
         if not with_state:  # a fresh start: nobody holds optimizer state yet
             if self.cfg.resume:
                 return self._restore(self._resume_path(), plan, broken, 0, "resume")
-            stats = z.reshard(self.comm, (), plan.workers, rank, 0, plan.epoch, broken)
-            return {"resume_step": 0, "source_rank": 0, "steps": [0] * len(rows), **stats}
+            stats = z.reshard(
+                self.comm, (), plan.workers, rank, 0, plan.epoch, broken, new_hosts=plan.hosts
+            )
+            return {
+                "resume_step": 0,
+                "source_rank": 0,
+                "steps": [0] * len(rows),
+                "buddy_shift": z.shift,
+                **stats,
+            }
         resume = int(max(rows[i][0] for i in with_state))
         try:
             if len({int(rows[i][2]) for i in with_state}) > 1:
                 raise ShardLost("ranks hold shards of different layouts (a fault while resharding)")
             source = next(i for i in with_state if int(rows[i][0]) == resume)
             z.settle(resume)
-            old_workers = self._broadcast_names(z.workers, source, broken)
+            old = self._broadcast_json({"workers": z.workers, "shift": z.shift}, source, broken)
             if len(with_state) < len(rows):  # newcomers: full parameters from the source
                 self.comm.broadcast(DP, self.flat.data, source, broken)
             stats = z.reshard(
-                self.comm, old_workers, plan.workers, rank, resume, plan.epoch, broken
-            )
+                self.comm, tuple(old["workers"]), plan.workers, rank, resume, plan.epoch, broken,
+                old_shift=int(old["shift"]), new_hosts=plan.hosts,
+            )  # fmt: skip
         except ShardLost as exc:  # both in-memory copies gone: the durable checkpoint, if any
             path = durable.latest(self.cfg.resolved_durable_dir) if self.durable else None
             if path is None:
@@ -544,6 +553,7 @@ class Engine:
             return self._restore(path, plan, broken, resume, str(exc))
         self.step, self.last_loss = resume, float(rows[source][3])
         return {
+            "buddy_shift": z.shift,
             "resume_step": resume,
             "source_rank": source,
             "steps": [int(r[0]) for r in rows],
@@ -557,17 +567,16 @@ class Engine:
             raise ShardLost(f"no durable checkpoint to resume from in {self.cfg.resume}")
         return path
 
-    def _broadcast_names(
-        self, names: tuple[str, ...], source: int, broken: Callable[[], bool]
-    ) -> tuple[str, ...]:
-        data = json.dumps(list(names)).encode() if self.comm.rank(DP) == source else b""
+    def _broadcast_json(self, obj: Any, source: int, broken: Callable[[], bool]) -> Any:
+        """Send a small JSON document from ``source`` to every rank (length, then bytes)."""
+        data = json.dumps(obj).encode() if self.comm.rank(DP) == source else b""
         size = torch.tensor([len(data)], dtype=torch.int64)
         self.comm.broadcast(DP, size, source, broken)
         buf = torch.zeros(int(size.item()), dtype=torch.uint8)
         if data:
             buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
         self.comm.broadcast(DP, buf, source, broken)
-        return tuple(json.loads(bytes(buf.tolist()).decode()))
+        return json.loads(bytes(buf.tolist()).decode())
 
     def _farewell(self) -> None:
         """Final best-effort barrier so no rank exits while a peer still reads its last bytes."""

@@ -108,9 +108,19 @@ def plan_transfers(
     return moves
 
 
-def buddy(rank: int, world: int) -> int:
-    """The rank that keeps a replica of ``rank``'s shard: the next one, cyclically."""
-    return (rank + 1) % world
+def buddy(rank: int, world: int, shift: int = 1) -> int:
+    """The rank that keeps a replica of ``rank``'s shard: ``shift`` ranks on, cyclically."""
+    return (rank + shift) % world
+
+
+def buddy_shift(hosts: Sequence[str]) -> int:
+    """The smallest cyclic shift that puts every rank's buddy on another host, if one exists
+    (else 1). A shift keeps "who holds whose replica" a permutation: one replica per rank."""
+    world = len(hosts)
+    for shift in range(1, world):
+        if all(hosts[r] != hosts[(r + shift) % world] for r in range(world)):
+            return shift
+    return 1
 
 
 def transfer_stats(moves: Sequence[Transfer], element_bytes: int) -> dict[str, float]:

@@ -30,7 +30,14 @@ import torch
 
 from elaswave.runtime.comm import Communicator
 from elaswave.runtime.optim import AdamWHyper, FlatAdamW, FlatParams
-from elaswave.runtime.shards import ShardLayout, Transfer, buddy, plan_transfers, transfer_stats
+from elaswave.runtime.shards import (
+    ShardLayout,
+    Transfer,
+    buddy,
+    buddy_shift,
+    plan_transfers,
+    transfer_stats,
+)
 
 DP = "dp"
 
@@ -100,6 +107,7 @@ class ZeroState:
     workers: tuple[str, ...] = ()  # rank order of ``layout``
     rank: int = -1
     layout_epoch: int = -1  # plan epoch under which ``layout`` was adopted (-1: none yet)
+    shift: int = 1  # buddy of rank r is r + shift: chosen so it lives on another host
     own: Shard | None = None
     replica: Shard | None = None  # the shard of rank (rank - 1) % world, kept for recovery
     staged: Staged | None = None
@@ -111,9 +119,12 @@ class ZeroState:
     replicate: bool = True  # keep a buddy replica of every shard (``snapshot_every``)
 
     # ---- layout -----------------------------------------------------------------------------
-    def adopt_layout(self, workers: tuple[str, ...], rank: int, epoch: int) -> None:
+    def adopt_layout(
+        self, workers: tuple[str, ...], rank: int, epoch: int, hosts: tuple[str, ...] = ()
+    ) -> None:
         self.layout = ShardLayout(self.segments, len(workers))
         self.workers, self.rank, self.layout_epoch = workers, rank, epoch
+        self.shift = buddy_shift(hosts) if len(hosts) == len(workers) else 1
         self.index = self.layout.gather_index()
 
     @property
@@ -182,10 +193,10 @@ class ZeroState:
             [shard.exp_avg.view(torch.int32), shard.exp_avg_sq.view(torch.int32), meta]
         )
         got = torch.empty_like(payload)
-        prev = (self.rank - 1) % world
+        prev = (self.rank - self.shift) % world
         comm.exchange(
             DP,
-            sends=[(buddy(self.rank, world), payload)],
+            sends=[(buddy(self.rank, world, self.shift), payload)],
             recvs=[(prev, got)],
             abort=abort,
             tag=1000,
@@ -205,9 +216,10 @@ class ZeroState:
         exp_avg_sq: torch.Tensor,
         epoch: int,
         abort: Callable[[], bool],
+        hosts: tuple[str, ...] = (),
     ) -> None:
         """Take this rank's shard of whole moments (from a durable checkpoint) in a new layout."""
-        self.adopt_layout(workers, rank, epoch)
+        self.adopt_layout(workers, rank, epoch, hosts)
         mine = self._my_index()
         self.own = Shard.of(
             step, self._ext(exp_avg)[mine].clone(), self._ext(exp_avg_sq)[mine].clone()
@@ -243,15 +255,15 @@ class ZeroState:
         recvs: list[tuple[int, torch.Tensor]] = []
         incoming: list[tuple[str, torch.Tensor]] = []
         for o in bad_own:  # the buddy of o sends its replica of o's shard
-            if buddy(o, world) == self.rank:
+            if buddy(o, world, self.shift) == self.rank:
                 assert self.replica is not None
                 sends.append((o, torch.cat([self.replica.exp_avg, self.replica.exp_avg_sq])))
             if o == self.rank:
                 buf = torch.empty(2 * self.size)
-                recvs.append((buddy(o, world), buf))
+                recvs.append((buddy(o, world, self.shift), buf))
                 incoming.append(("own", buf))
         for b in bad_replica:  # the owner of b's replica re-sends its shard
-            owner = (b - 1) % world
+            owner = (b - self.shift) % world
             if owner == self.rank:
                 assert self.own is not None
                 sends.append((b, torch.cat([self.own.exp_avg, self.own.exp_avg_sq])))
@@ -296,6 +308,9 @@ class ZeroState:
         resume_step: int,
         epoch: int,
         abort: Callable[[], bool],
+        *,
+        old_shift: int = 1,
+        new_hosts: tuple[str, ...] = (),
     ) -> dict[str, float]:
         """Move shards from ``old_workers``' layout (owners or buddies) to ``new_workers``'.
 
@@ -304,7 +319,7 @@ class ZeroState:
         me = new_workers[new_rank]
         new_layout = ShardLayout(self.segments, len(new_workers))
         if not old_workers:
-            self.adopt_layout(new_workers, new_rank, epoch)
+            self.adopt_layout(new_workers, new_rank, epoch, new_hosts)
             zeros = torch.zeros(self.size)
             self.own = Shard.of(resume_step, zeros.clone(), zeros.clone())
             self.replica = self._replicate(comm, self.own, abort)
@@ -312,7 +327,9 @@ class ZeroState:
         old_layout = ShardLayout(self.segments, len(old_workers))
         problem = ""
         try:
-            holders, sources = self._holders(old_workers, set(new_workers), me, resume_step)
+            holders, sources = self._holders(
+                old_workers, set(new_workers), me, resume_step, old_shift
+            )
         except ShardLost as exc:
             problem = str(exc)
         # Decide together: every rank stops, with the same verdict, if any copy is unusable.
@@ -355,14 +372,19 @@ class ZeroState:
                 m[pos : pos + n] = buf[cursor : cursor + n]
                 v[pos : pos + n] = buf[cursor + n : cursor + 2 * n]
                 cursor += 2 * n
-        self.adopt_layout(new_workers, new_rank, epoch)
+        self.adopt_layout(new_workers, new_rank, epoch, new_hosts)
         self.own = Shard.of(resume_step, m, v)
         self.replica = self._replicate(comm, self.own, abort)
         stats = transfer_stats(moves, element_bytes=8)  # two float32 moments per element
         return {**stats, "transfers": len(moves), "transfer_s": time.perf_counter() - start}
 
     def _holders(
-        self, old_workers: tuple[str, ...], alive: set[str], me: str, resume_step: int
+        self,
+        old_workers: tuple[str, ...],
+        alive: set[str],
+        me: str,
+        resume_step: int,
+        old_shift: int,
     ) -> tuple[dict[int, str], dict[int, Shard]]:
         """Who holds each old rank's shard, and (for this rank) the verified data itself."""
         world = len(old_workers)
@@ -371,8 +393,8 @@ class ZeroState:
         for o, worker in enumerate(old_workers):
             if worker in alive:
                 holders[o] = worker
-            elif old_workers[buddy(o, world)] in alive and world > 1:
-                holders[o] = old_workers[buddy(o, world)]
+            elif old_workers[buddy(o, world, old_shift)] in alive and world > 1:
+                holders[o] = old_workers[buddy(o, world, old_shift)]
             else:
                 raise ShardLost(f"the shard of old rank {o} ({worker}) and its replica are gone")
         for o, worker in holders.items():

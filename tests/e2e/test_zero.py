@@ -62,3 +62,48 @@ def test_losing_a_rank_and_its_buddy_is_a_clear_failure(
     run = Run(tmp_path / "run")
     assert run.of("shard_lost")
     assert max(m["step"] for m in run.metrics) < 10
+
+
+def test_two_hosts_keep_every_replica_on_the_other_host(
+    tmp_path: Path, state_env: dict[str, str], reference: Run
+) -> None:
+    """Two launches on one etcd act as two hosts of two workers each."""
+    import json
+    import subprocess
+    import time
+
+    from conftest import CONFIG, elaswave_cmd, wait_for
+
+    common = ("--zero", "1", "--job-id", "zero2h", "--nproc-per-node", "2", "--nnodes", "2:2",
+              "--quiet", str(CONFIG))  # fmt: skip
+    first = subprocess.Popen(
+        elaswave_cmd("launch", *common, "--run-dir", str(tmp_path / "h1"), "--host-id", "h1",
+                     "--fault", "kill,rank=0,at_step=10"),
+        env=state_env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        record = Path(state_env["ELASWAVE_STATE_DIR"]) / "jobs" / "zero2h.json"
+        wait_for(record.exists, timeout=60)
+        time.sleep(0.2)
+        etcd = ",".join(json.loads(record.read_text())["etcd"])
+        second = launch(tmp_path / "h2", *common[:-2], "--host-id", "h2", "--etcd", etcd,
+                        env=state_env)  # fmt: skip
+        assert second.returncode == 0, second.stderr[-2000:]
+        assert first.wait(timeout=120) == 0
+    finally:
+        if first.poll() is None:
+            first.kill()
+    runs = [Run(tmp_path / "h1"), Run(tmp_path / "h2")]
+    plans = runs[0].of("plan_published") + runs[1].of("plan_published")
+    first_plan = next(p for p in plans if p["epoch"] == 1)
+    hosts = [w.split(".")[0] for w in first_plan["workers"]]
+    synced = [e for r in runs for e in r.of("state_synced") if e["epoch"] == 1]
+    (shift,) = {e["buddy_shift"] for e in synced}
+    assert all(hosts[r] != hosts[(r + shift) % 4] for r in range(4)), (hosts, shift)
+    metrics = runs[0].metrics + runs[1].metrics
+    assert sorted({m["step"] for m in metrics}) == list(range(1, 41))
+    for m in metrics:
+        ref = reference.losses[m["step"]]
+        assert abs(m["loss"] - ref) <= 1e-6 * abs(ref)
+    finals = runs[0].of("final_state") + runs[1].of("final_state")
+    assert len(finals) == 3 and len({f["params_sha256"] for f in finals}) == 1

@@ -95,3 +95,23 @@ def test_stats_balance() -> None:
     stats = transfer_stats(moves, 4)
     assert stats["bytes"] == 4 * sum(m.length for m in moves) > 0
     assert stats["pairs"] >= 2 and stats["max_over_mean"] >= 1.0
+
+
+@pytest.mark.parametrize(
+    ("hosts", "shift"),
+    [
+        (["a", "a", "a", "a"], 1),  # one host: the next rank
+        (["a", "a", "b", "b"], 2),  # two hosts of two: across
+        (["a", "b", "a", "b"], 1),  # interleaved already
+        (["a", "a", "a", "b", "b", "b"], 3),
+        (["a", "a", "b"], 1),  # no shift works for everyone: fall back to the next rank
+        (["h1", "h1", "h2", "h2", "h3", "h3"], 2),
+    ],
+)
+def test_buddy_shift_crosses_hosts_when_it_can(hosts: list[str], shift: int) -> None:
+    from elaswave.runtime.shards import buddy_shift
+
+    assert buddy_shift(hosts) == shift
+    world = len(hosts)
+    holders = sorted(buddy(r, world, shift) for r in range(world))
+    assert holders == list(range(world)), "every rank keeps exactly one replica"
