@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import signal
-import time
 
 import psutil
 
@@ -38,14 +37,3 @@ def _is_zombie(pid: int) -> bool:
         return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return True
-
-
-def wait_gone(pids: list[int], timeout: float) -> list[int]:
-    """Wait until all ``pids`` are gone; return the ones still alive."""
-    deadline = time.monotonic() + timeout
-    alive = list(pids)
-    while alive and time.monotonic() < deadline:
-        alive = [p for p in alive if psutil.pid_exists(p) and not _is_zombie(p)]
-        if alive:
-            time.sleep(0.05)
-    return alive
