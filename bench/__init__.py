@@ -6,8 +6,15 @@ Every scenario is one module exposing ``DESCRIPTION``, ``DEFAULT_REPEAT``,
 
 from __future__ import annotations
 
-from bench import comm, crash, hang, mttr, overhead
+from bench import comm, crash, hang, mttr, overhead, zero
 
-SCENARIOS = {"comm": comm, "crash": crash, "hang": hang, "mttr": mttr, "overhead": overhead}
+SCENARIOS = {
+    "comm": comm,
+    "crash": crash,
+    "hang": hang,
+    "mttr": mttr,
+    "overhead": overhead,
+    "zero": zero,
+}
 
 __all__ = ["SCENARIOS"]

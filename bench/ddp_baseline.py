@@ -104,6 +104,9 @@ def _worker(rank: int, world: int, port: int, config: str, steps: int, out: str)
             Path(out).write_text(json.dumps(result))
     finally:
         _shutdown(store, rank, world)
+    # Leave without running destructors: gloo's process-group teardown under DDP can deadlock on
+    # the GIL at interpreter exit (seen here several times); the results are already written.
+    os._exit(0)
 
 
 def _shutdown(store: dist.TCPStore, rank: int, world: int) -> None:

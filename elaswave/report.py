@@ -137,7 +137,12 @@ def _incident(
         for name, a, b in zip(PHASES, marks, marks[1:], strict=False):
             phases[name] = round(b - a, 6) if a is not None and b is not None else None
         inc["comm_rebuild_max_s"] = max((e.get("seconds", 0.0) for e in comm), default=None)
-        inc["state_bytes"] = sum(e.get("bytes", 0) for e in state)
+        # ZeRO ranks each report the whole plan's transfer totals; replicated sync reports
+        # what each receiving rank got.
+        planned = [e["bytes"] for e in state if "transfers" in e]
+        inc["state_bytes"] = max(planned) if planned else sum(e.get("bytes", 0) for e in state)
+        inc["state_pairs"] = max((e.get("pairs", 0) for e in state), default=0)
+        inc["state_max_over_mean"] = max((e.get("max_over_mean", 1.0) for e in state), default=None)
         inc["state_resume_step"] = state[0].get("resume_step") if state else None
     inc.update(phases)
     restored = _first(
