@@ -124,7 +124,13 @@ def _incident(
     phases: dict[str, float | None] = dict.fromkeys(PHASES)
     if detected is not None:  # known even if no plan ever answered the fault
         phases["detection_s"] = round(detected - t0, 6)
-    inc.update(comm_rebuild_max_s=None, state_bytes=None, state_resume_step=None)
+    inc.update(
+        comm_rebuild_max_s=None,
+        state_bytes=None,
+        state_resume_step=None,
+        state_pairs=None,
+        state_max_over_mean=None,
+    )
     commit = None
     if plan is not None:
         epoch = plan["epoch"]
