@@ -191,8 +191,10 @@ class Etcd:
         except aetcd.exceptions.ClientError as exc:
             raise EtcdUnavailable(f"lost the watch on etcd at {self.endpoint} ({exc})") from None
         finally:
-            with contextlib.suppress(Exception):
-                await watch.cancel()
+            # Bounded: this runs while the owning task is being cancelled, and an unanswered
+            # cancel request must not keep the daemon from shutting down.
+            with contextlib.suppress(Exception, asyncio.TimeoutError):
+                await asyncio.wait_for(watch.cancel(), 1.0)
 
     async def revision(self) -> int:
         r = await self._call(self._client.get_prefix(b"/elaswave/ping", keys_only=True))

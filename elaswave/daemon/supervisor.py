@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import socket
+import threading
 import time
 import uuid
 from typing import Any
@@ -213,11 +214,13 @@ class HostDaemon:
 
     async def _cleanup(self) -> None:
         self.stopping = True
+        watchdog = threading.Timer(4 * self.cfg.timeouts.shutdown_grace + 30, _stuck_shutdown)
+        watchdog.daemon = True
+        watchdog.start()
         for task in self._tasks:
             task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(BaseException):
-                await task
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=5.0)
         await stop_all(list(self.workers.values()), self.cfg.timeouts.shutdown_grace)
         for w in self.workers.values():
             if w.waiter is not None:
@@ -522,6 +525,12 @@ def config_difference(theirs: dict[str, Any], mine: dict[str, Any], prefix: str 
         elif a != b:
             return f"{prefix}{key}: job has {a!r}, this host {b!r}"
     return ""
+
+
+def _stuck_shutdown() -> None:
+    """Last resort: a shutdown that outlives every bounded wait must not leave us running."""
+    log.error("shutdown did not finish in time; exiting")
+    os._exit(70)
 
 
 def hang_verdict(
