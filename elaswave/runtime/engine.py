@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from elaswave.config import JobConfig
-from elaswave.faults import FaultKind
+from elaswave.faults import FaultKind, FaultSpec
 from elaswave.plan import Plan
 from elaswave.runtime import durable
 from elaswave.runtime.comm import CommError, Communicator, Interrupted
@@ -271,16 +271,7 @@ class Engine:
         for fault in list(self.control.faults):
             if fault.kind is FaultKind.CORRUPT and (fault.at_step or 0) <= step:
                 self.control.faults.remove(fault)
-                what = self._corrupt(fault.target, step)
-                self.control.event(
-                    "fault_injected",
-                    fault=fault.to_dict(),
-                    worker=self.me,
-                    rank=self.comm.rank(DP),
-                    step=step,
-                    corrupted=what,
-                    pid=os.getpid(),
-                )
+                self._fault_injected(fault, step, corrupted=self._corrupt(fault.target, step))
         every = self.cfg.verify_every
         if every and step % every == 0:
             self._enter("collective")
@@ -391,16 +382,20 @@ class Engine:
             if fault.phase != phase and not (phase == "reduce" and self.zero is None):
                 continue  # without ZeRO there is no separate optimizer phase to aim at
             self.control.faults.remove(fault)
-            self.control.event(
-                "fault_injected",
-                fault=fault.to_dict(),
-                worker=self.me,
-                rank=self.comm.rank(DP),
-                step=step,
-                phase=phase,
-                pid=os.getpid(),
-            )
+            self._fault_injected(fault, step, phase=phase)
             os.kill(os.getpid(), fault.kind.signal)  # type: ignore[arg-type]
+
+    def _fault_injected(self, fault: FaultSpec, step: int, **detail: object) -> None:
+        """The event the MTTR report starts an incident from (sent before the fault lands)."""
+        self.control.event(
+            "fault_injected",
+            fault=fault.to_dict(),
+            worker=self.me,
+            rank=self.comm.rank(DP),
+            step=step,
+            pid=os.getpid(),
+            **detail,
+        )
 
     # ---- recovery ---------------------------------------------------------------------------
     def _recover(self) -> None:
