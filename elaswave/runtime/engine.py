@@ -542,10 +542,14 @@ class Engine:
                 old_shift=int(old["shift"]), new_hosts=plan.hosts,
             )  # fmt: skip
         except ShardLost as exc:  # both in-memory copies gone: the durable checkpoint, if any
-            path = durable.latest(self.cfg.resolved_durable_dir) if self.durable else None
-            if path is None:
+            if self.durable is None:
                 raise
-            return self._restore(path, plan, broken, resume, str(exc))
+            self.durable.flush()  # a write still in flight is the newest checkpoint
+            newest = durable.latest(self.cfg.resolved_durable_dir) if rank == 0 else None
+            chosen = self._broadcast_json(str(newest) if newest else "", 0, broken)
+            if not chosen:  # every rank sees the same choice, so all raise together
+                raise
+            return self._restore(Path(chosen), plan, broken, resume, str(exc))
         self.step, self.last_loss = resume, float(rows[source][3])
         return {
             "buddy_shift": z.shift,
