@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import time
 import warnings
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -72,8 +73,6 @@ class DurableCheckpoints:
         state: dict[str, torch.Tensor],
         on_done: Callable[[Path, float], None] | None,
     ) -> Path:
-        import time
-
         start = time.perf_counter()
         self.dir.mkdir(parents=True, exist_ok=True)
         final = self.dir / f"step-{step:08d}"

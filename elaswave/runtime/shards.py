@@ -75,7 +75,6 @@ class Transfer:
 
 def plan_transfers(
     old: ShardLayout,
-    old_workers: Sequence[str],
     holders: Mapping[int, str],
     new: ShardLayout,
     new_workers: Sequence[str],
@@ -83,7 +82,6 @@ def plan_transfers(
     """Moves that turn the old layout into the new one. ``holders[r]`` is the live worker that
     holds old rank ``r``'s shard (itself, or its buddy). Ranges already at their new owner are
     skipped. Raises ``KeyError`` naming an old rank whose shard nobody holds."""
-    del old_workers  # holders already maps old ranks to live workers
     owner_at: list[tuple[int, int, str]] = []  # (lo, hi, new owner)
     for r, worker in enumerate(new_workers):
         for lo, length in new.pieces(r):

@@ -342,7 +342,7 @@ class ZeroState:
                 or f"a shard copy held by {new_workers[first]} is missing, stale or fails its "
                 "checksum"
             )
-        moves = plan_transfers(old_layout, old_workers, holders, new_layout, new_workers)
+        moves = plan_transfers(old_layout, holders, new_layout, new_workers)
         new_pieces = new_layout.pieces(new_rank)
         new_size = new_layout.padded_size
         m, v = torch.zeros(new_size), torch.zeros(new_size)
@@ -356,7 +356,7 @@ class ZeroState:
                     src_pos = _position(old_layout.pieces(o), dst_lo)
                     m[dst_pos : dst_pos + dst_n] = shard.exp_avg[src_pos : src_pos + dst_n]
                     v[dst_pos : dst_pos + dst_n] = shard.exp_avg_sq[src_pos : src_pos + dst_n]
-        sends, recvs, unpack = self._pack(moves, me, new_workers, holders, sources, old_layout)
+        sends, recvs, unpack = self._pack(moves, me, holders, sources, old_layout)
         recv_buffers = {peer: torch.empty(total) for peer, total in recvs.items()}
         comm.exchange(
             DP,
@@ -413,12 +413,10 @@ class ZeroState:
         self,
         moves: list[Transfer],
         me: str,
-        new_workers: tuple[str, ...],
         holders: dict[int, str],
         sources: dict[int, Shard],
         old_layout: ShardLayout,
     ) -> tuple[dict[str, torch.Tensor], dict[str, int], dict[str, list[tuple[int, int]]]]:
-        del new_workers
         outgoing: dict[str, list[torch.Tensor]] = defaultdict(list)
         recv_sizes: dict[str, int] = defaultdict(int)
         unpack: dict[str, list[tuple[int, int]]] = defaultdict(list)

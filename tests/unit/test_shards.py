@@ -66,7 +66,7 @@ def test_transfers_cover_the_new_layout_disjointly(
         f"n{i}" for i in range(joiners)
     ]
     old, new = ShardLayout(SEGMENTS, old_world), ShardLayout(SEGMENTS, len(new_workers))
-    moves = plan_transfers(old, old_workers, holders, new, new_workers)
+    moves = plan_transfers(old, holders, new, new_workers)
     have = _apply(moves, old, old_workers, holders, new, new_workers)
     for r, w in enumerate(new_workers):
         for lo, n in new.pieces(r):
@@ -80,18 +80,15 @@ def test_losing_both_copies_is_reported() -> None:
     old, new = ShardLayout(SEGMENTS, 4), ShardLayout(SEGMENTS, 2)
     holders = {0: "w0", 2: "w2"}  # ranks 1 and its buddy 2... rank 1's copy is gone
     with pytest.raises(KeyError, match="old rank 1"):
-        plan_transfers(old, ["w0", "w1", "w2", "w3"], holders, new, ["w0", "w2"])
+        plan_transfers(old, holders, new, ["w0", "w2"])
 
 
 def test_stats_balance() -> None:
     rng = random.Random(0)
     segs = tuple((sum(range(i)), rng.randint(50, 90)) for i in range(1, 6))
     segs = tuple((sum(n for _, n in segs[:i]), n) for i, (_, n) in enumerate(segs))
-    old_workers = ["a", "b", "c", "d"]
     holders = {0: "a", 1: "c", 2: "c", 3: "d"}  # b died, its buddy c holds its shard
-    moves = plan_transfers(
-        ShardLayout(segs, 4), old_workers, holders, ShardLayout(segs, 3), ["a", "c", "d"]
-    )
+    moves = plan_transfers(ShardLayout(segs, 4), holders, ShardLayout(segs, 3), ["a", "c", "d"])
     stats = transfer_stats(moves, 4)
     assert stats["bytes"] == 4 * sum(m.length for m in moves) > 0
     assert stats["pairs"] >= 2 and stats["max_over_mean"] >= 1.0
