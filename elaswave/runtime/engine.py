@@ -285,10 +285,7 @@ class Engine:
     def _save_durable(self, step: int) -> None:
         """Rank 0 writes the full state in the background (ZeRO gathers the moments first)."""
         assert self.durable is not None
-        if self.zero is not None:
-            exp_avg, exp_avg_sq = self.zero.full_state(self.comm, self._group_broken)
-        else:
-            exp_avg, exp_avg_sq = self.opt.exp_avg, self.opt.exp_avg_sq
+        exp_avg, exp_avg_sq = self._whole_moments()
         if self.comm.rank(DP) != 0:
             return
 
@@ -298,6 +295,12 @@ class Engine:
             )
 
         self.durable.save_async(step, self.last_loss, self.flat.data, exp_avg, exp_avg_sq, saved)
+
+    def _whole_moments(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Adam's moments for the whole model: replicated, or all-gathered from the shards."""
+        if self.zero is not None:
+            return self.zero.full_state(self.comm, self._group_broken)
+        return self.opt.exp_avg, self.opt.exp_avg_sq
 
     def _restore(
         self, path: Path, plan: Plan, broken: Callable[[], bool], lost_from: int, reason: str
@@ -326,8 +329,11 @@ class Engine:
         return {"resume_step": state.step, "source_rank": -1, "bytes": 0, "durable": str(path)}
 
     def _corrupt(self, target: str, step: int) -> str:
-        if target == "snapshot" and self.zero is not None and self.zero.replica is not None:
-            tensor, name = self.zero.replica.exp_avg, "zero replica (exp_avg)"
+        z = self.zero
+        if target == "snapshot" and z is not None and z.replica is not None:
+            tensor, name = z.replica.exp_avg, "zero replica (exp_avg)"
+        elif target == "snapshot" and z is not None and z.own is not None:
+            tensor, name = z.own.exp_avg, "zero shard (exp_avg)"  # no replica kept: the owner's
         elif target == "snapshot":
             tensor, name = self.opt.exp_avg, "optimizer state (exp_avg)"
         else:
@@ -379,8 +385,11 @@ class Engine:
                 continue
             if fault.kind.signal is None:
                 continue  # corruption lands after the commit (see _after_commit)
-            if fault.phase != phase and not (phase == "reduce" and self.zero is None):
-                continue  # without ZeRO there is no separate optimizer phase to aim at
+            # Without ZeRO there is no separate optimizer phase: every fault lands before the
+            # gradient reduction.
+            aimed_at = fault.phase if self.zero is not None else "reduce"
+            if aimed_at != phase:
+                continue
             self.control.faults.remove(fault)
             self._fault_injected(fault, step, phase=phase)
             os.kill(os.getpid(), fault.kind.signal)  # type: ignore[arg-type]
@@ -583,8 +592,7 @@ class Engine:
             return
         exp_avg, exp_avg_sq = self.opt.exp_avg, self.opt.exp_avg_sq
         try:
-            if self.zero is not None:  # gather the sharded moments, to compare whole states
-                exp_avg, exp_avg_sq = self.zero.full_state(self.comm, self._group_broken)
+            exp_avg, exp_avg_sq = self._whole_moments()  # whole states compare across ranks
             token = torch.zeros(1)
             self.comm.allreduce(DP, token, self._group_broken)
         except (CommError, Interrupted):

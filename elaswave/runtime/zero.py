@@ -160,9 +160,8 @@ class ZeroState:
         grad = mine.to(torch.float32) if mine.dtype != torch.float32 else mine
         before_update()
         param = self._ext(self.flat.data)[self._my_index()].clone()
-        opt = FlatAdamW(size, self.hyper)
-        opt.exp_avg.copy_(self.own.exp_avg)
-        opt.exp_avg_sq.copy_(self.own.exp_avg_sq)
+        opt = FlatAdamW(0, self.hyper)  # update copies of the moments; the live ones stay put
+        opt.exp_avg, opt.exp_avg_sq = self.own.exp_avg.clone(), self.own.exp_avg_sq.clone()
         opt.step_count = step - 1
         opt.step(param, grad)
         gathered = torch.empty(world * size, dtype=torch.float32)
