@@ -319,14 +319,9 @@ class HostDaemon:
                 w.last_beat = None
 
     def _check_finished(self) -> None:
+        """This host is finished once every worker process has exited (standbys are told to stop
+        by ``_watch_done`` when the job commits its last step)."""
         if all(w.proc.returncode is not None for w in self.workers.values()):
-            self._finished.set()
-        elif any(w.done for w in self.workers.values()) and not any(
-            self.plan and self.plan.rank_of(w.worker_id) is not None and not w.done
-            for w in self.workers.values()
-            if w.proc.returncode is None
-        ):
-            # Every planned worker here finished; stop standbys that were never needed.
             self._finished.set()
 
     # ---- control channel --------------------------------------------------------------------
