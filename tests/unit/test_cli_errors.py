@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import typer.testing
 import yaml
-from click.testing import Result
+from typer.testing import Result  # typer may vendor click: never import click itself
 
 from elaswave.cli.app import app
 
