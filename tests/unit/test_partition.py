@@ -1,0 +1,268 @@
+"""Layer partitioning: hand tables, errors, the takeover helper, and a brute-force cross-check."""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Sequence
+
+import pytest
+
+from elaswave.errors import ElasWaveError
+from elaswave.partition import (
+    Partition,
+    PartitionError,
+    moved_layers,
+    partition_layers,
+    takeover,
+)
+
+# ---- partition_layers: hand cases ----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("costs", "speeds", "current", "slack", "bounds", "moved"),
+    [
+        # uniform layers, uniform stages
+        ([1] * 8, [1] * 4, None, 0.02, (0, 2, 4, 6, 8), 0),
+        ([1] * 8, [1] * 3, None, 0.02, (0, 2, 5, 8), 0),  # tie on 3: smallest boundaries
+        # skewed costs
+        ([8, 1, 1, 1, 1, 1, 1, 1, 1], [1, 1], None, 0.0, (0, 1, 9), 0),
+        ([1, 1, 1, 1, 4], [1, 1], None, 0.0, (0, 4, 5), 0),
+        ([5, 1, 1, 1, 1, 1, 5], [1, 1, 1], None, 0.0, (0, 1, 6, 7), 0),
+        # heterogeneous speeds: a twice-as-fast stage takes twice the layers
+        ([1] * 6, [1, 2], None, 0.02, (0, 2, 6), 0),
+        ([1] * 9, [2, 1], None, 0.02, (0, 6, 9), 0),
+        ([1] * 8, [1, 1, 2], None, 0.0, (0, 2, 4, 8), 0),
+        # one stage left takes every layer
+        ([1, 2, 3], [0.5], None, 0.02, (0, 3), 0),
+        ([1, 2, 3], [0.5], [0, 0, 0], 0.02, (0, 3), 0),
+        # as many stages as layers
+        ([3, 1, 2], [1, 1, 1], None, 0.02, (0, 1, 2, 3), 0),
+        ([3, 1, 2], [1, 1, 1], [0, 0, 1], 0.02, (0, 1, 2, 3), 2),
+        # the current placement is optimal: nothing moves
+        ([1] * 8, [1] * 4, [0, 0, 1, 1, 2, 2, 3, 3], 0.02, (0, 2, 4, 6, 8), 0),
+        ([1] * 8, [1] * 3, [0, 0, 0, 1, 1, 1, 2, 2], 0.02, (0, 3, 6, 8), 0),  # not the smallest
+        # within the slack the current placement wins; outside it the optimum does
+        ([1] * 10, [1, 1], [0] * 6 + [1] * 4, 0.25, (0, 6, 10), 0),
+        ([1] * 10, [1, 1], [0] * 6 + [1] * 4, 0.02, (0, 5, 10), 1),
+        # zero costs are allowed
+        ([0, 0, 0], [1, 1], None, 0.0, (0, 1, 3), 0),
+        # unknown current stages (-1, or past the last stage) always count as moved
+        ([1] * 4, [1, 1], [-1, -1, 1, 5], 0.02, (0, 2, 4), 3),
+    ],
+)
+def test_partition_table(
+    costs: list[float],
+    speeds: list[float],
+    current: list[int] | None,
+    slack: float,
+    bounds: tuple[int, ...],
+    moved: int,
+) -> None:
+    p = partition_layers(costs, speeds, current=current, slack=slack)
+    assert p.bounds == bounds
+    assert p.moved == moved
+    assert p.stage_times == tuple(
+        sum(costs[a:b]) / v for a, b, v in zip(bounds, bounds[1:], speeds, strict=False)
+    )
+    assert p.bottleneck == max(p.stage_times)
+    assert p.optimum <= p.bottleneck <= p.optimum * (1 + slack)
+
+
+@pytest.mark.parametrize(
+    ("costs", "speeds", "current", "slack", "message"),
+    [
+        ([1, 1], [], None, 0.02, "no pipeline stages"),
+        ([1, 1], [1, 1, 1], None, 0.02, "cannot cut 2 layers into 3 non-empty stages"),
+        ([], [1], None, 0.02, "cannot cut 0 layers into 1"),
+        ([1, 1], [1, 0], None, 0.02, "stage 1 has 0"),
+        ([1, 1], [-1, 1], None, 0.02, "stage 0 has -1"),
+        ([1, 1], [float("nan"), 1], None, 0.02, "stage speed must be"),
+        ([1, -1], [1], None, 0.02, "layer 1 has -1"),
+        ([1, float("inf")], [1], None, 0.02, "layer cost must be"),
+        ([1, 1, 1], [1, 1], [0, 1], 0.02, "current placement names 2 layers, the model has 3"),
+        ([1, 1], [1], None, -0.1, "slack must be"),
+    ],
+)
+def test_partition_errors(
+    costs: list[float],
+    speeds: list[float],
+    current: list[int] | None,
+    slack: float,
+    message: str,
+) -> None:
+    with pytest.raises(PartitionError, match=message) as info:
+        partition_layers(costs, speeds, current=current, slack=slack)
+    assert "\n" not in str(info.value)
+    assert isinstance(info.value, ValueError) and isinstance(info.value, ElasWaveError)
+
+
+def test_partition_helpers() -> None:
+    p = partition_layers([1] * 7, [1, 1, 1])
+    assert p.bounds == (0, 1, 4, 7)  # bottleneck 3; the smallest boundaries among ties
+    assert p.num_stages == 3 and p.num_layers == 7
+    assert [list(p.layers(s)) for s in range(3)] == [
+        list(range(a, b)) for a, b in zip(p.bounds, p.bounds[1:], strict=False)
+    ]
+    assert p.assignment() == [p.stage_of(i) for i in range(7)]
+    assert sorted(p.assignment()) == p.assignment()
+    for bad in (-1, 7):
+        with pytest.raises(PartitionError, match="layer"):
+            p.stage_of(bad)
+    with pytest.raises(PartitionError, match="stage 3 out of range"):
+        p.layers(3)
+    assert p.describe().startswith("layers [0,")
+    assert "moved" in p.describe()
+
+
+# ---- moved_layers and takeover -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "expected"),
+    [
+        ([0, 0, 1, 1], [0, 0, 1, 1], []),
+        ([0, 0, 1, 1], [0, 1, 1, 1], [1]),
+        ([0, 0, 1, 1, 2, 2], [0, 0, 0, 1, 1, 1], [2, 4, 5]),
+        ([], [], []),
+    ],
+)
+def test_moved_layers(old: list[int], new: list[int], expected: list[int]) -> None:
+    assert moved_layers(old, new) == expected
+
+
+def test_moved_layers_rejects_length_mismatch() -> None:
+    with pytest.raises(PartitionError, match="differ in length"):
+        moved_layers([0, 0], [0])
+
+
+@pytest.mark.parametrize(
+    ("assignment", "lost", "speeds", "bounds", "moved"),
+    [
+        # lose the last of 4 stages: its 2 layers must move, one more shifts to balance 3/3/2
+        ([0, 0, 1, 1, 2, 2, 3, 3], 3, [1, 1, 1], (0, 2, 5, 8), 3),
+        # lose a middle stage: survivors keep everything they had except what balance needs
+        ([0, 0, 1, 1, 2, 2, 3, 3], 1, [1, 1, 1], (0, 3, 6, 8), 2),
+        # lose the first stage
+        ([0, 0, 1, 1, 2, 2, 3, 3], 0, [1, 1, 1], (0, 3, 6, 8), 3),
+        # two stages → one: all layers on the survivor
+        ([0, 0, 0, 1, 1], 0, [1], (0, 5), 3),
+        ([0, 0, 0, 1, 1], 1, [1], (0, 5), 2),
+        # a faster survivor takes more of the lost stage's layers
+        ([0, 0, 1, 1, 2, 2], 1, [1, 2], (0, 2, 6), 2),
+    ],
+)
+def test_takeover_table(
+    assignment: list[int], lost: int, speeds: list[float], bounds: tuple[int, ...], moved: int
+) -> None:
+    costs = [1.0] * len(assignment)
+    p = takeover(assignment, lost, costs, speeds)
+    assert p.bounds == bounds
+    assert p.moved == moved
+    renumbered = [-1 if s == lost else s - (s > lost) for s in assignment]
+    assert len(moved_layers(renumbered, p.assignment())) == moved
+    # every layer of the lost stage moved; nothing else moved beyond what the count says
+    assert all(
+        i in moved_layers(renumbered, p.assignment()) for i, s in enumerate(assignment) if s == lost
+    )
+
+
+@pytest.mark.parametrize(
+    ("assignment", "lost", "costs", "speeds", "message"),
+    [
+        ([0, 1], 2, [1, 1], [1], "lost stage 2 is not one of the 2 stages"),
+        ([0, 1], -1, [1, 1], [1], "lost stage -1"),
+        ([0, 0], 0, [1, 1], [], "no stage survives"),
+        ([0, 1, 1], 0, [1, 1], [1], "assignment names 3 layers, layer_costs 2"),
+        ([1, 0], 0, [1, 1], [1], "non-decreasing"),
+        ([0, 2], 0, [1, 1], [1], "non-decreasing stage indices in 0..1"),
+        ([0, 1, 2], 0, [1, 1, 1], [1, 1], None),  # fine: a baseline for the table
+    ],
+)
+def test_takeover_errors(
+    assignment: list[int],
+    lost: int,
+    costs: list[float],
+    speeds: list[float],
+    message: str | None,
+) -> None:
+    if message is None:
+        assert takeover(assignment, lost, costs, speeds).num_stages == len(speeds)
+        return
+    with pytest.raises(PartitionError, match=message):
+        takeover(assignment, lost, costs, speeds)
+
+
+# ---- brute force ---------------------------------------------------------------------------
+
+
+def _span(costs: Sequence[float], a: int, e: int) -> float:
+    acc = 0.0  # left to right, as the planner sums (sum() may compensate on newer Pythons)
+    for c in costs[a:e]:
+        acc += c
+    return acc
+
+
+def _all_cuts(n_layers: int, n_stages: int) -> list[tuple[int, ...]]:
+    return [
+        (0, *inner, n_layers) for inner in itertools.combinations(range(1, n_layers), n_stages - 1)
+    ]
+
+
+def _random_instance(rng: random.Random) -> tuple[list[float], list[float], list[int], float]:
+    n_layers = rng.randint(1, 9)
+    n_stages = rng.randint(1, min(4, n_layers))
+    if rng.random() < 0.5:
+        costs = [float(rng.randint(0, 6)) for _ in range(n_layers)]
+        speeds = [rng.choice([0.5, 1.0, 2.0, 4.0]) for _ in range(n_stages)]
+    else:
+        costs = [rng.uniform(0.1, 5.0) for _ in range(n_layers)]
+        speeds = [rng.uniform(0.3, 3.0) for _ in range(n_stages)]
+    style = rng.choice(["contiguous", "random", "lost"])
+    if style == "contiguous":  # a real earlier placement, possibly of a different stage count
+        old = rng.randint(1, min(5, n_layers))
+        current = [i * old // n_layers for i in range(n_layers)]
+    elif style == "random":
+        current = [rng.randint(0, n_stages - 1) for _ in range(n_layers)]
+    else:
+        current = [rng.choice([-1, *range(n_stages)]) for _ in range(n_layers)]
+    slack = rng.choice([0.0, 0.02, 0.1, 0.3])
+    return costs, speeds, current, slack
+
+
+INSTANCES = [_random_instance(random.Random(7000 + i)) for i in range(300)]
+
+
+def test_partition_matches_brute_force() -> None:
+    for costs, speeds, current, slack in INSTANCES:
+        where = f"costs={costs} speeds={speeds} current={current} slack={slack}"
+        plans = []
+        for bounds in _all_cuts(len(costs), len(speeds)):
+            times = [
+                _span(costs, a, e) / v for a, e, v in zip(bounds, bounds[1:], speeds, strict=False)
+            ]
+            assignment = [s for s in range(len(speeds)) for _ in range(bounds[s], bounds[s + 1])]
+            plans.append((len(moved_layers(current, assignment)), max(times), bounds))
+        optimum = min(bn for _, bn, _ in plans)
+        within = [p for p in plans if p[1] <= optimum * (1 + slack)]
+        fewest, lowest, bounds = min(within)
+
+        got = partition_layers(costs, speeds, current=current, slack=slack)
+        assert got.optimum == optimum, where
+        assert got.bottleneck <= optimum * (1 + slack), where
+        assert got.moved == fewest, where  # minimal among the plans within the slack
+        assert (got.moved, got.bottleneck, got.bounds) == (fewest, lowest, bounds), where
+        assert got.moved == len(moved_layers(current, got.assignment())), where
+
+        plain = partition_layers(costs, speeds, slack=slack)  # no current: lowest bottleneck
+        assert plain.bottleneck == optimum and plain.moved == 0, where
+        assert plain.bounds == min(b for _, bn, b in plans if bn == optimum), where
+
+
+def test_partition_is_deterministic_and_typed() -> None:
+    costs, speeds, current, slack = INSTANCES[0]
+    a = partition_layers(costs, speeds, current=current, slack=slack)
+    b = partition_layers(list(costs), tuple(speeds), current=tuple(current), slack=slack)
+    assert a == b and isinstance(a, Partition)
+    assert all(isinstance(x, int) for x in a.bounds) and isinstance(a.moved, int)
