@@ -168,6 +168,11 @@ class JobConfig:
     etcd: list[str] = field(default_factory=list)  # empty: start an embedded etcd
     etcd_port: int = 0  # embedded etcd client port (0 = any free port)
     zero: int = 0  # 1: ZeRO-1, optimizer state sharded over the data-parallel ranks
+    pp: int = 1  # pipeline stages per replica (1: pure data parallelism)
+    dp: int = 0  # data-parallel replicas (0: world / pp); dp × pp must be the starting world
+    migration: str = "async"  # pipelines: layers of a lost stage move "async" or "blocking"
+    stage_loss: str = "reshard"  # pipelines: "reshard" the replica, or "drop" it (TorchFT-like)
+    dvfs: str = "off"  # pipelines: frequency actuator off | sim | nvml | npu
     verify_every: int = 10  # compare replicas' checksums every K committed steps (0: never)
     snapshot_every: int = 1  # ZeRO: buddy replica of each shard every step (0: none; then a
     #                          lost shard can only come back from a durable checkpoint)
@@ -195,6 +200,7 @@ class JobConfig:
             raise ConfigError(f"verify_every must be >= 0, got {self.verify_every}")
         if self.zero not in (0, 1):
             raise ConfigError(f"zero must be 0 or 1, got {self.zero}")
+        self._check_pipeline()
         if not 0 <= self.etcd_port < 65536:
             raise ConfigError(f"etcd_port must be in 0..65535, got {self.etcd_port}")
         _, max_nodes = self.elastic.nnodes_range
@@ -214,6 +220,36 @@ class JobConfig:
                 raise ConfigError(
                     f"fault '{fault.describe()}': rank out of range (job has ranks 0..{most - 1})"
                 )
+
+    def _check_pipeline(self) -> None:
+        choices = {"migration": ("async", "blocking"), "stage_loss": ("reshard", "drop"),
+                   "dvfs": ("off", "sim", "nvml", "npu")}  # fmt: skip
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ConfigError(
+                    f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}"
+                )
+        if self.pp < 1 or self.dp < 0:
+            raise ConfigError(f"pp must be >= 1 and dp >= 0, got pp={self.pp} dp={self.dp}")
+        layers = self.model.n_layer + 2  # embedding, blocks, head
+        if self.pp > layers:
+            raise ConfigError(
+                f"pp={self.pp} stages but the model has only {layers} layers "
+                f"(embedding + {self.model.n_layer} blocks + head)"
+            )
+        start = self.elastic.nproc_per_node * self.elastic.nnodes_range[0]
+        if self.pp > 1 and start % self.pp:
+            raise ConfigError(f"{start} starting workers cannot be cut into pp={self.pp} stages")
+        if self.dp and self.dp * self.pp != start:
+            raise ConfigError(
+                f"dp × pp = {self.dp} × {self.pp} = {self.dp * self.pp}, "
+                f"but the job starts with {start} workers"
+            )
+        if self.pp > 1 and (self.zero or self.durable_every or self.resume):
+            raise ConfigError(
+                "pp > 1 does not combine with zero, durable_every or resume yet "
+                "(pipelines keep replicated optimizer state per stage)"
+            )
 
     @property
     def resolved_run_dir(self) -> Path:

@@ -42,6 +42,12 @@ class Plan:
     reason: str = ""
     created: float = 0.0
     departed: tuple[str, ...] = field(default=())  # workers of the previous plan not in this one
+    # Pipeline parallelism (empty for pure data parallelism): ``replicas[d]`` lists the ranks of
+    # replica d's stages in stage order, ``bounds[d]`` its layer boundaries (stage s of replica d
+    # owns layers ``bounds[d][s]:bounds[d][s+1]``) and ``shares[d]`` its micro-batches per step.
+    replicas: tuple[tuple[int, ...], ...] = field(default=())
+    bounds: tuple[tuple[int, ...], ...] = field(default=())
+    shares: tuple[int, ...] = field(default=())
 
     @property
     def world_size(self) -> int:
@@ -53,7 +59,29 @@ class Plan:
         except ValueError:
             return None
 
+    @property
+    def is_pipeline(self) -> bool:
+        return bool(self.replicas)
+
+    def position(self, rank: int) -> tuple[int, int]:
+        """(replica, stage) of a rank; pure data parallelism is one stage per replica."""
+        for d, ranks in enumerate(self.replicas):
+            if rank in ranks:
+                return d, ranks.index(rank)
+        if self.replicas:
+            raise ValueError(f"rank {rank} is in no pipeline replica of epoch {self.epoch}")
+        return rank, 0
+
+    def stage_layers(self, rank: int) -> range:
+        """The layers a pipeline rank owns."""
+        d, s = self.position(rank)
+        return range(self.bounds[d][s], self.bounds[d][s + 1])
+
     def microbatch_range(self, rank: int) -> range:
+        if self.replicas:  # every stage of a replica runs the replica's micro-batches
+            d, _ = self.position(rank)
+            start = sum(self.shares[:d])
+            return range(start, start + self.shares[d])
         start = sum(self.microbatches[:rank])
         return range(start, start + self.microbatches[rank])
 
@@ -72,6 +100,9 @@ class Plan:
             reason=d.get("reason", ""),
             created=float(d.get("created", 0.0)),
             departed=tuple(d.get("departed", ())),
+            replicas=tuple(tuple(int(r) for r in rep) for rep in d.get("replicas", ())),
+            bounds=tuple(tuple(int(b) for b in bs) for bs in d.get("bounds", ())),
+            shares=tuple(int(x) for x in d.get("shares", ())),
         )
 
 

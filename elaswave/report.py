@@ -150,6 +150,15 @@ def _incident(
         inc["state_pairs"] = max((e.get("pairs", 0) for e in state), default=0)
         inc["state_max_over_mean"] = max((e.get("max_over_mean", 1.0) for e in state), default=None)
         inc["state_resume_step"] = state[0].get("resume_step") if state else None
+        modes = {e["migration"] for e in state if "migration" in e}
+        if modes:  # pipelines: layers of a lost stage moved (async: while training went on)
+            inc["migration"] = modes.pop()
+            done = _first(events, lambda e: e["kind"] == "migration_done" and e["epoch"] == epoch)
+            inc["migration_s"] = (
+                done["seconds"]
+                if done
+                else max((e.get("migration_seconds", 0.0) for e in state), default=None)
+            )
     inc.update(phases)
     restored = _first(
         events,

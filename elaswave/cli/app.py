@@ -64,6 +64,17 @@ def launch(
         None, "--host-addr", help="Address peers reach this host on."
     ),
     zero: int | None = typer.Option(None, "--zero", help="1: ZeRO-1 sharded optimizer state."),
+    pp: int | None = typer.Option(None, "--pp", help="Pipeline stages per replica."),
+    dp: int | None = typer.Option(None, "--dp", help="Data-parallel replicas (default world/pp)."),
+    migration: str | None = typer.Option(
+        None, "--migration", help="Pipelines: move a lost stage's layers async | blocking."
+    ),
+    stage_loss: str | None = typer.Option(
+        None, "--stage-loss", help="Pipelines: reshard the replica | drop it (baseline)."
+    ),
+    dvfs: str | None = typer.Option(
+        None, "--dvfs", help="Pipelines: frequency actuator off | sim | nvml | npu."
+    ),
     durable_every: int | None = typer.Option(
         None, "--durable-every", help="Durable checkpoint every N steps (0: never)."
     ),
@@ -103,6 +114,11 @@ def launch(
             "train.steps": steps,
             "timeouts.hang": hang_timeout,
             "zero": zero,
+            "pp": pp,
+            "dp": dp,
+            "migration": migration,
+            "stage_loss": stage_loss,
+            "dvfs": dvfs,
             "verify_every": verify_every,
             "snapshot_every": snapshot_every,
             "durable_every": durable_every,

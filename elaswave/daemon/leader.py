@@ -16,6 +16,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+from elaswave.pipeplan import layer_costs, next_pipeline_plan
 from elaswave.plan import Member, Plan, next_plan
 
 if TYPE_CHECKING:
@@ -80,15 +81,7 @@ class Planner:
                     causes += more
                     if await d.etcd.get(d.keys.done) is not None:
                         return
-                plan = next_plan(
-                    current,
-                    members,
-                    num_microbatches=self.num_microbatches,
-                    max_workers=self.max_workers,
-                    store=d.store_address,
-                    now=time.time(),
-                    cause="; ".join(causes),
-                )
+                plan = self._next(current, members, "; ".join(causes))
                 if plan is not None:
                     if await d.etcd.compare_and_put(
                         d.keys.plan, plan.to_json(), mod_revision=plan_rev
@@ -102,6 +95,11 @@ class Planner:
                             microbatches=list(plan.microbatches),
                             departed=list(plan.departed),
                             reason=plan.reason,
+                            **(
+                                {"replicas": plan.replicas, "bounds": plan.bounds}
+                                if plan.is_pipeline
+                                else {}
+                            ),
                         )
                         await self._record_incident(plan, bool(causes))
                         if current is None:
@@ -113,6 +111,34 @@ class Planner:
             watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await watcher
+
+    def _next(self, current: Plan | None, members: list[Member], cause: str) -> Plan | None:
+        cfg = self.d.cfg
+        if cfg.pp > 1:
+            m = cfg.model
+            return next_pipeline_plan(
+                current,
+                members,
+                pp=cfg.pp,
+                costs=layer_costs(
+                    vocab_size=m.vocab_size, seq_len=m.seq_len, d_model=m.d_model, n_layer=m.n_layer
+                ),
+                num_microbatches=self.num_microbatches,
+                max_workers=self.max_workers,
+                store=self.d.store_address,
+                now=time.time(),
+                cause=cause,
+                policy=cfg.stage_loss,
+            )
+        return next_plan(
+            current,
+            members,
+            num_microbatches=self.num_microbatches,
+            max_workers=self.max_workers,
+            store=self.d.store_address,
+            now=time.time(),
+            cause=cause,
+        )
 
     @staticmethod
     def _only_joins(current: Plan, members: list[Member]) -> bool:

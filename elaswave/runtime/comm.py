@@ -215,6 +215,28 @@ class Communicator:
         for work in works:
             self._finish(work, abort, f"send/recv on {name!r}")
 
+    def post(
+        self,
+        name: str,
+        sends: list[tuple[int, torch.Tensor, int]],
+        recvs: list[tuple[int, torch.Tensor, int]],
+    ) -> list[dist.Work]:
+        """Post point-to-point ``(peer, tensor, tag)`` sends and receives; the caller waits."""
+        pg = self._groups[name].pg
+        works = [pg.send([t], peer, tag) for peer, t, tag in sends]
+        return works + [pg.recv([t], peer, tag) for peer, t, tag in recvs]
+
+    def p2p(
+        self,
+        name: str,
+        sends: list[tuple[int, torch.Tensor, int]],
+        recvs: list[tuple[int, torch.Tensor, int]],
+        abort: Callable[[], bool],
+    ) -> None:
+        """Post sends and receives together, then wait for all of them (interruptibly)."""
+        for work in self.post(name, sends, recvs):
+            self._finish(work, abort, f"send/recv on {name!r}")
+
     def _finish(self, work: dist.Work, abort: Callable[[], bool], what: str) -> None:
         done, wake = threading.Event(), threading.Event()
 

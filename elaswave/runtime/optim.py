@@ -68,13 +68,25 @@ class FlatAdamW:
         self.step_count = 0
 
     def step(self, param: torch.Tensor, grad: torch.Tensor) -> None:
-        h = self.hyper
         self.step_count += 1
-        self.exp_avg.mul_(h.beta1).add_(grad, alpha=1 - h.beta1)
-        self.exp_avg_sq.mul_(h.beta2).addcmul_(grad, grad, value=1 - h.beta2)
-        bias1 = 1 - h.beta1**self.step_count
-        bias2 = 1 - h.beta2**self.step_count
-        if h.weight_decay:
-            param.mul_(1 - h.lr * h.weight_decay)
-        denom = (self.exp_avg_sq.sqrt() / math.sqrt(bias2)).add_(h.eps)
-        param.addcdiv_(self.exp_avg, denom, value=-h.lr / bias1)
+        adamw_(param, grad, self.exp_avg, self.exp_avg_sq, self.step_count, self.hyper)
+
+
+def adamw_(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    step: int,
+    h: AdamWHyper,
+) -> None:
+    """One AdamW update in place (``step`` counts from 1). Element-wise: applying it to a slice
+    gives the same values as applying it to the whole buffer."""
+    exp_avg.mul_(h.beta1).add_(grad, alpha=1 - h.beta1)
+    exp_avg_sq.mul_(h.beta2).addcmul_(grad, grad, value=1 - h.beta2)
+    bias1 = 1 - h.beta1**step
+    bias2 = 1 - h.beta2**step
+    if h.weight_decay:
+        param.mul_(1 - h.lr * h.weight_decay)
+    denom = (exp_avg_sq.sqrt() / math.sqrt(bias2)).add_(h.eps)
+    param.addcdiv_(exp_avg, denom, value=-h.lr / bias1)

@@ -1,0 +1,558 @@
+"""Pipeline parallelism inside a worker: the 1F1B schedule, one step of a stage, and the moves of
+layer state that a new layout needs.
+
+Layout. Every rank of a pipeline plan belongs to one replica and runs one stage of it: a
+contiguous range of the layer list. It *holds* (keeps current) the parameters and Adam moments
+of those layers only; the rest of its flat buffers is stale. Gradients are reduced with one SUM
+all-reduce over all ranks of a buffer the size of the whole model, in which each rank fills its
+own layers: every layer's gradient is then summed over the replicas that ran it, whatever their
+partitions are (replicas may be cut differently after a loss).
+
+Commit and rollback. Before a rank updates its layers it keeps a copy of them (the local
+snapshot). If the step fails on some rank after others updated, every rank that updated rolls
+back to that copy, so all ranks resume from the same step and redo the in-flight one.
+
+New layouts. After a membership change a rank may have to own layers it does not hold. They come
+from ranks that hold them (data-parallel peers in other replicas), planned as disjoint transfers
+(`plan_layer_transfers`). *Blocking* migration moves them before training resumes.
+*Asynchronous* migration takes the replicas that need layers out of service, lets the others run
+the whole global batch, and copies a snapshot of the layers in the background; a receiver then
+replays the gradients of the steps it missed (it gets every layer's gradient from the all-reduce)
+and raises a flag in the all-reduce; when every receiver has, all ranks switch to the new layout
+at the same step boundary.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from elaswave.pipeplan import serving_shares
+from elaswave.plan import Plan
+from elaswave.runtime.data import MicroBatch, batch
+from elaswave.runtime.model import per_sample_loss
+from elaswave.runtime.optim import adamw_
+from elaswave.runtime.rng import MicrobatchRng
+from elaswave.runtime.zero import digest
+
+if TYPE_CHECKING:
+    from elaswave.runtime.engine import Engine
+
+MIG = "mig"  # the process group asynchronous migrations run on, beside the training group
+TAG_ACT, TAG_GRAD, TAG_STATE = 1, 2, 3
+
+
+class LayersLost(RuntimeError):
+    """Every rank that held some layers is gone."""
+
+
+# ---- the schedule (pure) ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Compute:
+    kind: str  # "F" (forward) or "B" (backward)
+    mb: int  # index into the replica's micro-batches
+
+
+@dataclass(frozen=True)
+class Comm:
+    """Messages posted together and waited for together (a send and a receive may pair up)."""
+
+    sends: tuple[tuple[str, int], ...] = ()  # ("act", i) to the next stage, ("grad", i) to prev
+    recvs: tuple[tuple[str, int], ...] = ()  # ("act", i) from the previous, ("grad", i) from next
+
+
+def schedule_1f1b(stage: int, stages: int, microbatches: int) -> list[Compute | Comm]:
+    """The non-interleaved 1F1B order of one stage: warm-up forwards, one-forward-one-backward,
+    cool-down backwards. Messages to stages that do not exist are left out."""
+    if not 0 <= stage < stages:
+        raise ValueError(f"stage {stage} out of range for {stages} stages")
+    first, last = stage == 0, stage == stages - 1
+    out: list[Compute | Comm] = []
+
+    def comm(sends: Sequence[tuple[str, int]] = (), recvs: Sequence[tuple[str, int]] = ()) -> None:
+        sends = tuple(m for m in sends if not (m[0] == "act" and last or m[0] == "grad" and first))
+        recvs = tuple(m for m in recvs if not (m[0] == "act" and first or m[0] == "grad" and last))
+        if sends or recvs:
+            out.append(Comm(sends, recvs))
+
+    warm = min(stages - stage - 1, microbatches)
+    steady = microbatches - warm
+    for i in range(warm):
+        comm(recvs=[("act", i)])
+        out.append(Compute("F", i))
+        comm(sends=[("act", i)])
+    if steady:
+        comm(recvs=[("act", warm)])
+    for j in range(steady):
+        f = warm + j
+        out.append(Compute("F", f))
+        comm(sends=[("act", f)], recvs=[("grad", j)])
+        out.append(Compute("B", j))
+        if j == steady - 1:
+            comm(sends=[("grad", j)])
+        else:
+            comm(sends=[("grad", j)], recvs=[("act", f + 1)])
+    for k in range(warm):
+        b = steady + k
+        comm(recvs=[("grad", b)])
+        out.append(Compute("B", b))
+        comm(sends=[("grad", b)])
+    return out
+
+
+# ---- transfers of layer state (pure) -----------------------------------------------------------
+@dataclass(frozen=True)
+class LayerTransfer:
+    src: int
+    dst: int
+    start: int  # layers start:stop
+    stop: int
+
+    def to_dict(self) -> dict[str, int]:
+        return {"src": self.src, "dst": self.dst, "start": self.start, "stop": self.stop}
+
+
+def plan_layer_transfers(
+    held: Sequence[range | None], targets: Sequence[range], sizes: Sequence[int]
+) -> list[LayerTransfer]:
+    """Who sends which layers to whom so that rank r ends up holding ``targets[r]``.
+
+    ``held[r]`` is what rank r holds now (``None``: nothing, a newcomer). Each missing layer comes
+    from exactly one holder; among holders the one with the least bytes to send so far is chosen
+    (ties: lowest rank), which spreads the load over the peers. Adjacent layers with the same
+    source and destination travel as one message. Raises :class:`LayersLost` for a layer that
+    nobody holds.
+    """
+    load = [0] * len(held)
+    pieces: list[LayerTransfer] = []
+    for dst, want in enumerate(targets):
+        mine = held[dst] or range(0)
+        for layer in want:
+            if layer in mine:
+                continue
+            holders = [r for r, h in enumerate(held) if h is not None and layer in h]
+            if not holders:
+                raise LayersLost(f"layer {layer} is held by no surviving rank")
+            src = min(holders, key=lambda r: (load[r], r))
+            load[src] += sizes[layer]
+            last = pieces[-1] if pieces else None
+            if last and (last.src, last.dst, last.stop) == (src, dst, layer):
+                pieces[-1] = LayerTransfer(src, dst, last.start, layer + 1)
+            else:
+                pieces.append(LayerTransfer(src, dst, layer, layer + 1))
+    return pieces
+
+
+def transfer_stats(transfers: Sequence[LayerTransfer], sizes: Sequence[int]) -> dict[str, Any]:
+    """Totals for the report: bytes, transfers, rank pairs, and the busiest rank's volume (sent +
+    received) over the mean of the ranks that take part (1.0: perfectly balanced)."""
+    volume: dict[int, int] = {}
+    total = 0
+    for t in transfers:
+        n = sum(sizes[t.start : t.stop])
+        total += n
+        volume[t.src] = volume.get(t.src, 0) + n
+        volume[t.dst] = volume.get(t.dst, 0) + n
+    mean = sum(volume.values()) / len(volume) if volume else 0.0
+    return {
+        "bytes": total,
+        "transfers": len(transfers),
+        "pairs": len({(t.src, t.dst) for t in transfers}),
+        "max_over_mean": round(max(volume.values()) / mean, 3) if volume else 1.0,
+    }
+
+
+# ---- the stage runner ----------------------------------------------------------------------------
+@dataclass
+class _Migration:
+    """An asynchronous migration in progress on this rank."""
+
+    transfers: list[LayerTransfer]
+    incoming: list[slice]  # flat regions this rank receives
+    receivers: int  # ranks that receive something (every rank knows the same number)
+    from_step: int  # the snapshot's step
+    started: float = field(default_factory=time.perf_counter)
+    done: threading.Event = field(default_factory=threading.Event)
+    error: list[BaseException] = field(default_factory=list)
+    pending: list[tuple[int, list[torch.Tensor]]] = field(default_factory=list)  # (step, grads)
+    landed: list[tuple[slice, torch.Tensor]] = field(default_factory=list)
+    caught_up: bool = False
+    nbytes: int = 0
+
+    @property
+    def ready(self) -> bool:
+        return not self.incoming or self.caught_up
+
+
+@dataclass
+class _Undo:
+    """The local snapshot taken before an update: what rolling the step back restores."""
+
+    step: int
+    loss: float
+    held: range | None
+    regions: list[tuple[slice, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]
+
+
+class Pipeline:
+    """One rank's stage: runs the 1F1B step, keeps its layers, moves them on a new layout."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.e = engine
+        self.num_layers = len(engine.model.layers)
+        offsets = []
+        for off, length in engine.segments:
+            offsets.append((off, off + length))
+        self.offsets = offsets
+        self.sizes = [(hi - lo) * 3 * 4 for lo, hi in offsets]  # params + 2 moments, float32
+        self.held: range | None = range(self.num_layers)  # at step 0 everyone holds the init
+        self.fresh = True  # no plan applied yet: a newcomer's step-0 state is not the job's
+        self.target: range = range(0)
+        self.serving: list[bool] = []
+        self.shares: tuple[int, ...] = ()
+        self.undo: _Undo | None = None
+        self.migration: _Migration | None = None
+
+    def span(self, layers: range) -> slice:
+        if not layers:
+            return slice(0, 0)
+        return slice(self.offsets[layers.start][0], self.offsets[layers.stop - 1][1])
+
+    # ---- one step --------------------------------------------------------------------------
+    def run_step(
+        self, step: int, buf: torch.Tensor, everyone: list[MicroBatch], broken: Callable[[], bool]
+    ) -> None:
+        """Forward/backward of this rank's stage over its replica's micro-batches; the layer
+        gradients (scaled by 1/B) and the loss sum (last stage) land in ``buf``."""
+        e = self.e
+        plan = e.plan
+        assert plan is not None
+        rank = e.comm.rank("dp")
+        d, s = plan.position(rank)
+        if not self.serving[d]:
+            return  # out of service while its layers migrate: only reduce and update
+        ranks = plan.replicas[d]
+        stages = len(ranks)
+        layers = plan.stage_layers(rank)
+        start = sum(self.shares[:d])
+        mbs = everyone[start : start + self.shares[d]]
+        cfg, t = e.cfg, e.cfg.train
+        prev_rank = ranks[s - 1] if s > 0 else None
+        next_rank = ranks[s + 1] if s + 1 < stages else None
+        last = layers.stop == self.num_layers
+        region = self.span(layers)
+        n = e.flat.numel
+        shape = (t.micro_batch_size, cfg.model.seq_len, cfg.model.d_model)
+        inputs: dict[int, torch.Tensor] = {}
+        outputs: dict[int, torch.Tensor] = {}
+        grads_in: dict[int, torch.Tensor] = {}
+        loss_sum = 0.0
+
+        def forward(i: int) -> None:
+            nonlocal loss_sum
+            mb = mbs[i]
+            rng = MicrobatchRng(t.seed, step, mb.id)
+            tokens, targets = batch(e.dataset, mb.sample_ids)
+            h = tokens if layers.start == 0 else inputs[i]
+            for index in layers:
+                h = e.model.layers[index](h, rng)
+            if last:
+                loss = per_sample_loss(h, targets).sum()
+                loss_sum += loss.item()
+                outputs[i] = loss / t.global_batch
+            else:
+                outputs[i] = h
+
+        def backward(i: int) -> None:
+            out = outputs.pop(i)
+            if last:
+                out.backward()
+            else:
+                out.backward(grads_in.pop(i))
+            grad = e.flat.collect_grads()
+            buf[region].add_(grad[region])
+            grad[region].zero_()
+
+        def message(kind: str, i: int, sending: bool) -> tuple[int, torch.Tensor, int]:
+            if kind == "act":
+                peer = next_rank if sending else prev_rank
+                if sending:
+                    tensor = outputs[i].detach()
+                else:
+                    tensor = inputs[i] = torch.empty(shape)
+                return peer, tensor, TAG_ACT  # type: ignore[return-value]
+            peer = prev_rank if sending else next_rank
+            if sending:
+                tensor = inputs.pop(i).grad
+                assert tensor is not None
+            else:
+                tensor = grads_in[i] = torch.empty(shape)
+            return peer, tensor, TAG_GRAD  # type: ignore[return-value]
+
+        for item in schedule_1f1b(s, stages, len(mbs)):
+            if isinstance(item, Compute):
+                e._enter("compute")
+                if item.kind == "F":
+                    forward(item.mb)
+                else:
+                    backward(item.mb)
+                continue
+            sends = [message(k, i, True) for k, i in item.sends]
+            recvs = [message(k, i, False) for k, i in item.recvs]
+            e._enter("collective")
+            e.comm.p2p("dp", sends, recvs, broken)
+            for kind, i in item.recvs:
+                if kind == "act":
+                    inputs[i].requires_grad_(True)
+        if last:
+            buf[n] += loss_sum
+
+    def update(self, step: int, grad: torch.Tensor) -> None:
+        """Apply step ``step``'s summed gradient to the held layers (and to layers being taken
+        over once caught up); keep the undo copy; queue gradients a migration still needs."""
+        e = self.e
+        regions = [self.span(self.held)] if self.held else []
+        m = self.migration
+        if m is not None and m.caught_up:
+            regions += m.incoming
+        self.undo = _Undo(
+            step=e.step,
+            loss=e.last_loss,
+            held=self.held,
+            regions=[
+                (r, _copies(e.flat.data, e.opt.exp_avg, e.opt.exp_avg_sq, region=r))
+                for r in regions
+            ],
+        )
+        for r in regions:
+            adamw_(
+                e.flat.data[r], grad[r], e.opt.exp_avg[r], e.opt.exp_avg_sq[r], step, e.opt.hyper
+            )
+        if m is not None and not m.caught_up and m.incoming:
+            m.pending.append((step, [grad[r].clone() for r in m.incoming]))
+
+    def after_step(self, step: int, ready_sum: float) -> dict[str, Any] | None:
+        """At the step boundary: finish a landed migration, switch when every receiver is ready.
+        Returns the switch's details (the same on every rank) when the layout changed."""
+        m = self.migration
+        if m is None:
+            return None
+        if not m.caught_up and m.incoming and m.done.is_set() and not m.error:
+            self._catch_up(m)
+        if int(round(ready_sum)) < m.receivers:
+            return None
+        # Every receiver holds its new layers at this step: switch, everyone at this boundary.
+        self.held = self.target
+        self.migration = None
+        self.serving = [True] * len(self.serving)
+        plan = self.e.plan
+        assert plan is not None
+        self.shares = plan.shares
+        return {
+            "step": step,
+            "seconds": round(time.perf_counter() - m.started, 6),
+            "layer_transfers": [x.to_dict() for x in m.transfers],
+            "bytes_received": m.nbytes,
+        }
+
+    @property
+    def ready_flag(self) -> float:
+        return (
+            1.0
+            if self.migration is not None and self.migration.incoming and self.migration.ready
+            else 0.0
+        )
+
+    def _catch_up(self, m: _Migration) -> None:
+        e = self.e
+        for region, payload in m.landed:
+            k = region.stop - region.start
+            e.flat.data[region].copy_(payload[:k])
+            e.opt.exp_avg[region].copy_(payload[k : 2 * k])
+            e.opt.exp_avg_sq[region].copy_(payload[2 * k :])
+        for step, grads in m.pending:  # replay the steps the snapshot missed, in order
+            for region, g in zip(m.incoming, grads, strict=True):
+                adamw_(
+                    e.flat.data[region], g, e.opt.exp_avg[region], e.opt.exp_avg_sq[region],
+                    step, e.opt.hyper,
+                )  # fmt: skip
+        m.pending.clear()
+        m.landed.clear()
+        m.caught_up = True
+
+    def assemble(self, broken: Callable[[], bool]) -> tuple[torch.Tensor, bool]:
+        """The whole model's [params | exp_avg | exp_avg_sq] on every rank (each layer from its
+        lowest-rank holder), and whether all holders of every layer agree bit for bit."""
+        e = self.e
+        n = e.flat.numel
+        rank = e.comm.rank("dp")
+        sums = torch.full((self.num_layers,), -1, dtype=torch.int64)
+        for layer in self.held or ():
+            r = self.span(range(layer, layer + 1))
+            sums[layer] = digest(e.flat.data[r], e.opt.exp_avg[r], e.opt.exp_avg_sq[r])
+        rows = [x.tolist() for x in e.comm.allgather("dp", sums, broken)]
+        agree = all(
+            len({row[layer] for row in rows if row[layer] >= 0}) == 1
+            for layer in range(self.num_layers)
+        )
+        whole = torch.zeros(3 * n, dtype=torch.float32)
+        for layer in range(self.num_layers):
+            first = next((i for i, row in enumerate(rows) if row[layer] >= 0), None)
+            if first == rank:
+                r = self.span(range(layer, layer + 1))
+                whole[r.start : r.stop] = e.flat.data[r]
+                whole[n + r.start : n + r.stop] = e.opt.exp_avg[r]
+                whole[2 * n + r.start : 2 * n + r.stop] = e.opt.exp_avg_sq[r]
+        e.comm.allreduce("dp", whole, broken)
+        return whole, agree
+
+    # ---- recovery ----------------------------------------------------------------------------
+    def sync(self, plan: Plan, broken: Callable[[], bool], asynchronous: bool) -> dict[str, Any]:
+        """Agree on the resume step, roll back ranks that updated the failed step, and start (or
+        do) the transfers the new layout needs."""
+        e = self.e
+        rank = e.comm.rank("dp")
+        self.migration = None  # a migration cut short by this change is void
+        undo_held = self.undo.held if self.undo else None
+        mine = torch.tensor(
+            [float(e.step), float(self.fresh), *_bounds_of(self.held), *_bounds_of(undo_held)],
+            dtype=torch.float64,
+        )
+        rows = [r.tolist() for r in e.comm.allgather("dp", mine, broken)]
+        veterans = [int(r[0]) for r in rows if not r[1]]
+        resume = min(veterans) if veterans else 0  # everyone fresh: the job starts
+        holdings: list[range | None] = []
+        rolled_back = []
+        for i, r in enumerate(rows):
+            step = int(r[0])
+            if r[1] and resume > 0:
+                holdings.append(None)  # a newcomer: its initial state is not the job's
+            elif step > resume:  # it updated the failed step: back to its undo copy
+                rolled_back.append(i)
+                holdings.append(_range_of(r[4], r[5]))
+            else:
+                holdings.append(_range_of(r[2], r[3]))
+        if rank in rolled_back:
+            self._roll_back(resume)
+        targets = [plan.stage_layers(r) for r in range(plan.world_size)]
+        transfers = plan_layer_transfers(holdings, targets, self.sizes)
+        receivers = sorted({x.dst for x in transfers})
+        serving = [all(r not in receivers for r in ranks) for ranks in plan.replicas]
+        self.target = targets[rank]
+        self.fresh = False
+        e.step = resume
+        info: dict[str, Any] = {
+            "resume_step": resume,
+            "rolled_back": rolled_back,
+            "layers": [self.target.start, self.target.stop],
+            "layer_transfers": [x.to_dict() for x in transfers],
+            **transfer_stats(transfers, self.sizes),
+        }
+        if not transfers:
+            self.held = self.target
+            self.serving, self.shares = [True] * len(plan.replicas), plan.shares
+            return info
+        if asynchronous and any(serving):
+            self.held = holdings[rank]
+            self.serving = serving
+            self.shares = serving_shares(plan, serving)
+            self._start_migration(transfers, len(receivers), resume)
+            info.update(migration="async", serving=serving, shares=list(self.shares))
+            return info
+        start = time.perf_counter()
+        nbytes = self._move_now(transfers, broken)
+        self.held = self.target
+        self.serving, self.shares = [True] * len(plan.replicas), plan.shares
+        info.update(
+            migration="blocking",
+            migration_seconds=round(time.perf_counter() - start, 6),
+            bytes_received=nbytes,
+        )
+        return info
+
+    def _roll_back(self, resume: int) -> None:
+        undo = self.undo
+        assert undo is not None and undo.step == resume, "no undo copy for the failed step"
+        e = self.e
+        for r, (p, m, v) in undo.regions:
+            e.flat.data[r].copy_(p)
+            e.opt.exp_avg[r].copy_(m)
+            e.opt.exp_avg_sq[r].copy_(v)
+        self.held = undo.held
+        self.undo = None
+        e.step, e.last_loss = resume, undo.loss
+
+    def _payload(self, t: LayerTransfer) -> torch.Tensor:
+        e = self.e
+        r = self.span(range(t.start, t.stop))
+        return torch.cat([e.flat.data[r], e.opt.exp_avg[r], e.opt.exp_avg_sq[r]])
+
+    def _move_now(self, transfers: list[LayerTransfer], broken: Callable[[], bool]) -> int:
+        e = self.e
+        rank = e.comm.rank("dp")
+        sends = [(t.dst, self._payload(t), TAG_STATE) for t in transfers if t.src == rank]
+        mine = [t for t in transfers if t.dst == rank]
+        recvs = [(t.src, torch.empty(3 * self._numel(t)), TAG_STATE) for t in mine]
+        e.comm.p2p("dp", sends, recvs, broken)
+        for t, (_, payload, _) in zip(mine, recvs, strict=True):
+            self._land(self.span(range(t.start, t.stop)), payload)
+        return sum(p.numel() * 4 for _, p, _ in recvs)
+
+    def _numel(self, t: LayerTransfer) -> int:
+        r = self.span(range(t.start, t.stop))
+        return r.stop - r.start
+
+    def _land(self, region: slice, payload: torch.Tensor) -> None:
+        e = self.e
+        k = region.stop - region.start
+        e.flat.data[region].copy_(payload[:k])
+        e.opt.exp_avg[region].copy_(payload[k : 2 * k])
+        e.opt.exp_avg_sq[region].copy_(payload[2 * k :])
+
+    def _start_migration(self, transfers: list[LayerTransfer], receivers: int, step: int) -> None:
+        e = self.e
+        rank = e.comm.rank("dp")
+        mine = [t for t in transfers if t.dst == rank]
+        m = _Migration(
+            transfers=transfers,
+            incoming=[self.span(range(t.start, t.stop)) for t in mine],
+            receivers=receivers,
+            from_step=step,
+        )
+        sends = [(t.dst, self._payload(t), TAG_STATE) for t in transfers if t.src == rank]
+        recvs = [(t.src, torch.empty(3 * self._numel(t)), TAG_STATE) for t in mine]
+        m.nbytes = sum(p.numel() * 4 for _, p, _ in recvs)
+        works = e.comm.post(MIG, sends, recvs)
+
+        def wait() -> None:  # gloo progresses point-to-point work only inside wait()
+            try:
+                for w in works:
+                    w.wait()
+                m.landed.extend(
+                    (region, payload)
+                    for region, (_, payload, _) in zip(m.incoming, recvs, strict=True)
+                )
+            except BaseException as exc:  # a fault: the next plan voids this migration
+                m.error.append(exc)
+            finally:
+                m.done.set()
+
+        threading.Thread(target=wait, name="migration", daemon=True).start()
+        self.migration = m
+
+
+def _copies(*tensors: torch.Tensor, region: slice) -> tuple[torch.Tensor, ...]:
+    return tuple(t[region].clone() for t in tensors)
+
+
+def _bounds_of(layers: range | None) -> tuple[float, float]:
+    return (float(layers.start), float(layers.stop)) if layers is not None else (-1.0, -1.0)
+
+
+def _range_of(start: float, stop: float) -> range | None:
+    return range(int(start), int(stop)) if start >= 0 else None

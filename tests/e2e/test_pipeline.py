@@ -1,0 +1,80 @@
+"""Data × pipeline parallelism: a lost stage is taken over by its replica's surviving stages.
+
+Real etcd, real worker processes, real SIGKILL, gloo point-to-point between stages. Every run is
+compared with the fault-free data-parallel run of the same model (the ``reference`` fixture):
+pipelining changes who computes what, never the global batch or the per-sample randomness.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tests.e2e.conftest import Run, assert_clean_run, launch
+
+STEPS = 16
+
+
+def _pipeline_plans(run: Run) -> list[dict]:
+    return [e for e in run.of("plan_published") if "bounds" in e]
+
+
+def _check_layout(plan: dict, layers: int) -> None:
+    """Every replica's stages own contiguous, non-empty layer ranges covering every layer once."""
+    assert len(plan["replicas"]) == len(plan["bounds"])
+    for ranks, cut in zip(plan["replicas"], plan["bounds"], strict=True):
+        assert len(cut) == len(ranks) + 1
+        assert cut[0] == 0 and cut[-1] == layers
+        assert all(a < b for a, b in zip(cut, cut[1:], strict=False)), cut
+
+
+def test_stage_loss_async_then_second_fault(
+    tmp_path: Path, state_env: dict, reference: Run
+) -> None:
+    """dp=2 × pp=2: kill replica 0's stage 1, later replica 1's stage 0. Both replicas stay in
+    service; the first takeover's layers migrate in the background."""
+    r = launch(
+        tmp_path / "run", "--job-id", "pp-async", "--pp", "2", "--steps", str(STEPS),
+        "--migration", "async",
+        "--fault", "kill,rank=1,at_step=5", "--fault", "kill,rank=2,at_step=11",
+        env=state_env,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    run = Run(tmp_path / "run")
+    assert_clean_run(run, STEPS, reference)
+    plans = _pipeline_plans(run)
+    assert [p["world"] for p in plans] == [4, 3, 2]
+    for p in plans:
+        _check_layout(p, layers=4)
+    # After the first loss the survivor of replica 0 holds every layer; replica 1 is untouched.
+    assert plans[1]["bounds"] == [[0, 4], [0, 2, 4]]
+    assert len(plans[1]["replicas"]) == 2, "the damaged replica must stay in service"
+    synced = [e for e in run.of("state_synced") if e["epoch"] == plans[1]["epoch"]]
+    assert {e["migration"] for e in synced} == {"async"}
+    assert all(e["serving"] == [False, True] for e in synced)  # out of service while migrating
+    done = [e for e in run.of("migration_done") if e["epoch"] == plans[1]["epoch"]]
+    assert len(done) == 1 and done[0]["step"] < 11
+    assert all(f["holders_agree"] for f in run.of("final_state"))
+    # The world shrank but the global batch did not: every step covered every micro-batch.
+    assert {m["samples"] for m in run.metrics if m["step"] == STEPS} == {STEPS * 32}
+
+
+def test_middle_stage_loss_blocking(tmp_path: Path, state_env: dict, reference: Run) -> None:
+    """dp=2 × pp=3: the middle stage of replica 0 dies; its layers are split over the two
+    surviving stages with a blocking migration."""
+    r = launch(
+        tmp_path / "run", "--job-id", "pp-mid", "--pp", "3", "--nproc-per-node", "6",
+        "--steps", "10", "--migration", "blocking", "--fault", "kill,rank=1,at_step=4",
+        env=state_env,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    run = Run(tmp_path / "run")
+    assert_clean_run(run, 10, reference)
+    plans = _pipeline_plans(run)
+    assert [p["world"] for p in plans] == [6, 5]
+    for p in plans:
+        _check_layout(p, layers=4)
+    assert [len(r) for r in plans[1]["replicas"]] == [2, 3]
+    synced = [e for e in run.of("state_synced") if e["epoch"] == plans[1]["epoch"]]
+    assert {e["migration"] for e in synced} == {"blocking"}
+    moved = synced[0]["layer_transfers"]
+    assert moved and all(t["dst"] in (0, 1) for t in moved)  # replica 0's survivors receive
