@@ -1,0 +1,266 @@
+"""Pure parts of pipeline parallelism: the plan maker, the 1F1B schedule, layer transfers."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from elaswave.config import ConfigError, JobConfig
+from elaswave.pipeplan import layer_costs, next_pipeline_plan, serving_shares
+from elaswave.plan import Member
+from elaswave.runtime.pipeline import (
+    Comm,
+    Compute,
+    LayersLost,
+    LayerTransfer,
+    plan_layer_transfers,
+    schedule_1f1b,
+    transfer_stats,
+)
+
+COSTS = layer_costs(vocab_size=256, seq_len=64, d_model=128, n_layer=2)  # 4 layers
+UNIFORM = (1.0,) * 6
+
+
+def members(*ids: str) -> list[Member]:
+    return [Member(worker_id=w, host=f"h{i % 2}", order=i) for i, w in enumerate(ids)]
+
+
+def plan(prev, ids, *, pp=2, costs=COSTS, policy="reshard", max_workers=8):
+    return next_pipeline_plan(
+        prev, members(*ids), pp=pp, costs=costs, num_microbatches=16,
+        max_workers=max_workers, store="s:1", now=0.0, policy=policy,
+    )  # fmt: skip
+
+
+# ---- plans ----------------------------------------------------------------------------------
+def test_start_cuts_full_replicas_and_leaves_standbys() -> None:
+    p = plan(None, ["a", "b", "c", "d", "e"])
+    assert p.workers == ("a", "b", "c", "d")  # "e" cannot fill a replica: standby
+    assert p.replicas == ((0, 1), (2, 3))
+    assert p.bounds == ((0, 2, 4), (0, 2, 4))
+    assert p.shares == (8, 8) and p.microbatches == (8, 8, 8, 8)
+    assert [p.microbatch_range(r) for r in range(4)] == [range(0, 8)] * 2 + [range(8, 16)] * 2
+    assert [p.stage_layers(r) for r in range(4)] == [range(0, 2), range(2, 4)] * 2
+
+
+@pytest.mark.parametrize(
+    ("lost", "replicas", "bounds", "shares"),
+    [
+        # replica 0 loses its last stage: its first stage takes every layer, runs fewer samples
+        ("b", ((0,), (1, 2)), ((0, 4), (0, 2, 4)), (6, 10)),
+        ("a", ((0,), (1, 2)), ((0, 4), (0, 2, 4)), (6, 10)),
+        ("d", ((0, 1), (2,)), ((0, 2, 4), (0, 4)), (10, 6)),
+    ],
+)
+def test_stage_loss_keeps_replica_in_service(lost, replicas, bounds, shares) -> None:
+    ids = ["a", "b", "c", "d"]
+    p1 = plan(None, ids)
+    p2 = plan(p1, [w for w in ids if w != lost])
+    assert p2.epoch == 2 and lost not in p2.workers
+    assert (p2.replicas, p2.bounds, p2.shares) == (replicas, bounds, shares)
+    assert sum(p2.shares) == 16  # the global batch never changes
+    assert p2.departed == (lost,)
+
+
+def test_drop_policy_takes_the_replica_out() -> None:
+    p1 = plan(None, ["a", "b", "c", "d"])
+    p2 = plan(p1, ["a", "c", "d"], policy="drop")
+    assert p2.workers == ("c", "d") and p2.shares == (16,)
+    assert "replica 0 dropped" in p2.reason
+
+
+def test_whole_replica_gone_and_nothing_changed() -> None:
+    p1 = plan(None, ["a", "b", "c", "d"])
+    assert plan(p1, ["a", "b", "c", "d"]) is None
+    p2 = plan(p1, ["c", "d"])
+    assert p2.replicas == ((0, 1),) and p2.shares == (16,) and "replica 0 gone" in p2.reason
+
+
+def test_newcomer_refills_a_short_replica() -> None:
+    p1 = plan(None, ["a", "b", "c", "d"])
+    p2 = plan(p1, ["a", "c", "d"])
+    p3 = plan(p2, ["a", "c", "d", "e"])
+    assert p3.workers == ("a", "e", "c", "d")
+    assert p3.replicas == ((0, 1), (2, 3)) and p3.bounds == ((0, 2, 4), (0, 2, 4))
+    assert p3.shares == (8, 8)
+
+
+def test_middle_stage_loss_splits_layers_over_both_neighbours() -> None:
+    p1 = plan(None, ["a", "b", "c", "d", "e", "f"], pp=3, costs=UNIFORM)
+    assert p1.bounds == ((0, 2, 4, 6), (0, 2, 4, 6))
+    p2 = plan(p1, ["a", "c", "d", "e", "f"], pp=3, costs=UNIFORM)
+    assert p2.bounds[0] == (0, 3, 6)  # survivors keep theirs, the middle splits in two
+    assert p2.shares == (6, 10)  # bottleneck 3 vs 2 layers per micro-batch
+
+
+def test_serving_shares_spread_the_batch_over_replicas_in_service() -> None:
+    p2 = plan(plan(None, ["a", "b", "c", "d"]), ["a", "c", "d"])
+    assert serving_shares(p2, [False, True]) == (0, 16)
+    assert serving_shares(p2, [True, True]) == p2.shares
+    with pytest.raises(ValueError, match="no replica"):
+        serving_shares(p2, [False, False])
+
+
+def test_unknown_policy_is_an_error() -> None:
+    with pytest.raises(ValueError, match="stage-loss policy"):
+        plan(None, ["a", "b"], policy="retry")
+
+
+# ---- the 1F1B schedule -----------------------------------------------------------------------
+def _simulate(stages: int, microbatches: int) -> None:
+    """Run every stage's schedule against the others with rendezvous semantics (a message
+    completes only when both sides have posted it); fail on deadlock or a broken order."""
+    scheds = [schedule_1f1b(s, stages, microbatches) for s in range(stages)]
+    pos = [0] * stages
+    done_msgs: set[tuple[int, str, int, str]] = set()  # (stage, dir, mb, kind) completed
+    forward_done: list[set[int]] = [set() for _ in range(stages)]
+    backward_done: list[set[int]] = [set() for _ in range(stages)]
+
+    def peer_msgs(s: int, item: Comm) -> list[tuple[int, tuple[str, int], str]]:
+        out = []
+        for kind, i in item.sends:
+            out.append((s + 1 if kind == "act" else s - 1, (kind, i), "send"))
+        for kind, i in item.recvs:
+            out.append((s - 1 if kind == "act" else s + 1, (kind, i), "recv"))
+        return out
+
+    for _ in range(10_000):
+        if all(pos[s] == len(scheds[s]) for s in range(stages)):
+            break
+        progressed = False
+        for s in range(stages):
+            if pos[s] == len(scheds[s]):
+                continue
+            item = scheds[s][pos[s]]
+            if isinstance(item, Compute):
+                if item.kind == "F":
+                    if s > 0:
+                        assert (s, "recv", item.mb, "act") in done_msgs
+                    forward_done[s].add(item.mb)
+                else:
+                    assert item.mb in forward_done[s]
+                    if s < stages - 1:
+                        assert (s, "recv", item.mb, "grad") in done_msgs
+                    backward_done[s].add(item.mb)
+                pos[s] += 1
+                progressed = True
+                continue
+            ok = True
+            for peer, (kind, i), way in peer_msgs(s, item):
+                other = scheds[peer][pos[peer]] if pos[peer] < len(scheds[peer]) else None
+                mirror = "recvs" if way == "send" else "sends"
+                posted = isinstance(other, Comm) and (kind, i) in getattr(other, mirror)
+                if (
+                    not posted
+                    and (peer, "recv" if way == "send" else "send", i, kind) not in done_msgs
+                ):
+                    ok = False
+            if ok:
+                for _peer, (kind, i), way in peer_msgs(s, item):
+                    done_msgs.add((s, way, i, kind))
+                pos[s] += 1
+                progressed = True
+        assert progressed, f"deadlock at positions {pos}"
+    for s in range(stages):
+        assert forward_done[s] == backward_done[s] == set(range(microbatches))
+
+
+@pytest.mark.parametrize(("stages", "microbatches"), itertools.product([1, 2, 3, 4], [1, 2, 3, 8]))
+def test_1f1b_completes_without_deadlock(stages: int, microbatches: int) -> None:
+    _simulate(stages, microbatches)
+
+
+def test_1f1b_keeps_in_flight_activations_bounded() -> None:
+    sched = schedule_1f1b(0, 4, 8)
+    live = peak = 0
+    for item in sched:
+        if isinstance(item, Compute):
+            live += 1 if item.kind == "F" else -1
+            peak = max(peak, live)
+    assert peak == 4  # warm-up depth = stages, not micro-batches (GPipe would hold 8)
+
+
+def test_schedule_rejects_a_stage_out_of_range() -> None:
+    with pytest.raises(ValueError, match="out of range"):
+        schedule_1f1b(3, 3, 4)
+
+
+# ---- layer transfers -------------------------------------------------------------------------
+SIZES = [10, 10, 10, 10]
+
+
+@pytest.mark.parametrize(
+    ("held", "targets", "expected"),
+    [
+        # replica 0's stage 1 died: its stage 0 takes layers 2-3 from replica 1's stage 1
+        ([range(0, 2), range(0, 2), range(2, 4)], [range(0, 4), range(0, 2), range(2, 4)],
+         [LayerTransfer(2, 0, 2, 4)]),
+        # a newcomer needs everything; two holders share the work layer by layer
+        ([range(0, 4), range(0, 4), None], [range(0, 4), range(0, 4), range(0, 4)],
+         [LayerTransfer(0, 2, 0, 1), LayerTransfer(1, 2, 1, 2), LayerTransfer(0, 2, 2, 3),
+          LayerTransfer(1, 2, 3, 4)]),
+        # nothing to move
+        ([range(0, 2), range(2, 4)], [range(0, 2), range(2, 4)], []),
+    ],
+)  # fmt: skip
+def test_layer_transfers(held, targets, expected) -> None:
+    assert plan_layer_transfers(held, targets, SIZES) == expected
+
+
+def test_layer_transfers_cover_every_missing_layer_once() -> None:
+    rnd = random.Random(7)
+    for _ in range(200):
+        layers = rnd.randint(1, 8)
+        ranks = rnd.randint(2, 6)
+        held = []
+        for _ in range(ranks):
+            a = rnd.randint(0, layers - 1)
+            held.append(range(a, rnd.randint(a + 1, layers)) if rnd.random() < 0.8 else None)
+        held[0] = range(0, layers)  # someone holds everything
+        targets = []
+        for _ in range(ranks):
+            a = rnd.randint(0, layers - 1)
+            targets.append(range(a, rnd.randint(a + 1, layers)))
+        got = plan_layer_transfers(held, targets, [1] * layers)
+        received = [(t.dst, layer) for t in got for layer in range(t.start, t.stop)]
+        assert len(received) == len(set(received))
+        need = {(r, x) for r, want in enumerate(targets) for x in want if x not in (held[r] or ())}
+        assert set(received) == need
+        assert all(held[t.src] is not None and t.start in held[t.src] for t in got)
+
+
+def test_layer_held_by_nobody_is_lost() -> None:
+    with pytest.raises(LayersLost, match="layer 3"):
+        plan_layer_transfers([range(0, 3), None], [range(0, 2), range(2, 4)], SIZES)
+
+
+def test_transfer_stats() -> None:
+    stats = transfer_stats([LayerTransfer(2, 0, 2, 4), LayerTransfer(1, 3, 0, 1)], SIZES)
+    assert stats == {"bytes": 30, "transfers": 2, "pairs": 2, "max_over_mean": 1.333}
+
+
+# ---- configuration ---------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ({"pp": 7}, "only 4 layers"),
+        ({"pp": 3}, "cannot be cut into pp=3"),
+        ({"pp": 2, "dp": 3}, "dp × pp = 3 × 2 = 6"),
+        ({"pp": 2, "zero": 1}, "does not combine"),
+        ({"pp": 2, "migration": "lazy"}, "migration must be one of"),
+        ({"pp": 2, "dvfs": "turbo"}, "dvfs must be one of"),
+        ({"pp": 2, "stage_loss": "pray"}, "stage_loss must be one of"),
+    ],
+)
+def test_pipeline_config_errors(data: dict, message: str) -> None:
+    base = {"model": {"n_layer": 2}, "elastic": {"nproc_per_node": 4}}
+    with pytest.raises(ConfigError, match=message):
+        JobConfig.from_dict({**base, **data})
+
+
+def test_pipeline_config_ok() -> None:
+    cfg = JobConfig.from_dict({"model": {"n_layer": 2}, "elastic": {"nproc_per_node": 4}, "pp": 2})
+    assert (cfg.pp, cfg.dp, cfg.migration, cfg.dvfs) == (2, 0, "async", "off")
