@@ -9,6 +9,7 @@ This module is the only place that reads ``os.environ``.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
 import re
 import types
@@ -86,6 +87,10 @@ class TrainConfig:
     # bit-identical to the fault-free run, at ~10% step time on CPU (twice the reduced bytes).
     reduce_dtype: str = "float32"
     threads_per_worker: int = 1
+    # Emulated accelerator seconds per micro-batch (forward + backward through the whole model):
+    # each worker sleeps its share, so that N workers on fewer cores behave like N devices.
+    # For benchmarks of post-change throughput on small machines; 0 (default) = off.
+    device_time: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("steps", "global_batch", "micro_batch_size", "threads_per_worker"):
@@ -99,6 +104,8 @@ class TrainConfig:
             raise ConfigError(
                 f"train.reduce_dtype must be float32 or float64, got {self.reduce_dtype!r}"
             )
+        if not self.device_time >= 0:
+            raise ConfigError(f"train.device_time must be >= 0, got {self.device_time}")
         if not self.lr > 0:  # also rejects NaN
             raise ConfigError(f"train.lr must be > 0, got {self.lr}")
 
@@ -229,6 +236,9 @@ class JobConfig:
                 raise ConfigError(
                     f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}"
                 )
+        needs = {"nvml": "pynvml", "npu": "torch_npu"}
+        if self.dvfs in needs and importlib.util.find_spec(needs[self.dvfs]) is None:
+            raise ConfigError(f"dvfs={self.dvfs} needs the {needs[self.dvfs]} package")
         if self.pp < 1 or self.dp < 0:
             raise ConfigError(f"pp must be >= 1 and dp >= 0, got pp={self.pp} dp={self.dp}")
         layers = self.model.n_layer + 2  # embedding, blocks, head

@@ -223,6 +223,8 @@ class Engine:
             tokens, targets = batch(self.dataset, mb.sample_ids)
             loss = self.model.loss_sum(tokens, targets, MicrobatchRng(t.seed, step, mb.id))
             (loss / t.global_batch).backward()
+            if t.device_time:
+                time.sleep(t.device_time)  # emulated accelerator time (benchmarks)
             grad = self.flat.collect_grads()
             buf[:n].add_(grad)
             buf[n] += loss.item()
@@ -260,12 +262,20 @@ class Engine:
         self.step = step
         self.last_loss = float(buf[n]) / t.global_batch
         switched = pipe.after_step(step, float(buf[n + 2]))
-        if switched is not None and self.comm.rank(DP) == 0:
-            self.control.event("migration_done", epoch=self.plan.epoch, **switched)
+        if switched is not None:
+            if self.comm.rank(DP) == 0:
+                self.control.event("migration_done", epoch=self.plan.epoch, **switched)
+            self._set_clocks()
         self._enter("idle")
         if int(round(float(buf[n + 1]))) != self.plan.world_size * self.plan.epoch:
             self.replan = True
         return StepResult(step, self.last_loss, time.perf_counter() - start)
+
+    def _set_clocks(self) -> None:
+        assert self.pipe is not None and self.plan is not None
+        clocks = self.pipe.set_clocks()
+        if clocks is not None:
+            self.control.event("dvfs_applied", epoch=self.plan.epoch, worker=self.me, **clocks)
 
     def _finish_zero_step(self, step: int, buf: torch.Tensor, start: float) -> StepResult:
         """ZeRO-1: stage the shard update, replicate it, then the commit barrier."""
@@ -505,6 +515,8 @@ class Engine:
             **sync,
         )
         self.plan = plan
+        if self.pipe is not None:
+            self._set_clocks()
         if rank == 0 and self.step > 0 and "durable" not in sync:
             # Re-report the resume step: if the previous rank 0 died before reporting it, this is
             # its only record (the daemon drops duplicates). A step restored from a durable

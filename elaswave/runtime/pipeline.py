@@ -32,7 +32,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from elaswave.pipeplan import serving_shares
+from elaswave.dvfs import DvfsError, SimActuator, frequency_plan, make_actuator
+from elaswave.pipeplan import layer_costs, serving_shares
 from elaswave.plan import Plan
 from elaswave.runtime.data import MicroBatch, batch
 from elaswave.runtime.model import per_sample_loss
@@ -217,6 +218,62 @@ class Pipeline:
         self.shares: tuple[int, ...] = ()
         self.undo: _Undo | None = None
         self.migration: _Migration | None = None
+        m = engine.cfg.model
+        self.costs = layer_costs(
+            vocab_size=m.vocab_size, seq_len=m.seq_len, d_model=m.d_model, n_layer=m.n_layer
+        )
+        self.actuator = make_actuator(engine.cfg.dvfs, **_actuator_options(engine.cfg.dvfs))
+        self.clocks = _clock_range(self.actuator)
+        self.stage_key = 0  # what the actuator clocks: this worker's device
+
+    def cost_share(self, layers: range) -> float:
+        return sum(self.costs[i] for i in layers) / sum(self.costs)
+
+    def device_pause(self, layers: range, backward: bool) -> None:
+        """Emulated accelerator time (``train.device_time``): a forward is a third of a
+        micro-batch's forward + backward, a backward two thirds; a simulated clock stretches it."""
+        seconds = self.e.cfg.train.device_time
+        if seconds <= 0:
+            return
+        part = (2.0 if backward else 1.0) / 3.0
+        scale = (
+            self.actuator.time_scale(self.stage_key)
+            if isinstance(self.actuator, SimActuator)
+            else 1.0
+        )
+        time.sleep(seconds * self.cost_share(layers) * part * scale)
+
+    def set_clocks(self) -> dict[str, Any] | None:
+        """After a layout change: the frequency plan of this rank's replica (pure policy), applied
+        to this rank's device. Returns the plan's summary (for the replica's first stage)."""
+        e = self.e
+        plan = e.plan
+        if e.cfg.dvfs == "off" or plan is None:
+            return None
+        d, s = plan.position(e.comm.rank("dp"))
+        if not self.serving[d]:
+            return None
+        cut = plan.bounds[d]
+        times = [self.cost_share(range(cut[i], cut[i + 1])) for i in range(len(cut) - 1)]
+        f_min, f_nominal, f_max = self.clocks
+        fp = frequency_plan(
+            times,
+            microbatches=max(1, self.shares[d]),
+            f_nominal=f_nominal,
+            f_min=f_min,
+            f_max=f_max,
+        )
+        self.actuator.apply({self.stage_key: fp.targets[s]})
+        if s != 0:
+            return None
+        return {
+            "replica": d,
+            "targets": list(fp.targets),
+            "step_time_before": fp.step_time_before,
+            "step_time_after": fp.step_time_after,
+            "energy_ratio": round(fp.energy_ratio, 4),
+            "summary": fp.describe(),
+        }
 
     def span(self, layers: range) -> slice:
         if not layers:
@@ -261,6 +318,7 @@ class Pipeline:
             h = tokens if layers.start == 0 else inputs[i]
             for index in layers:
                 h = e.model.layers[index](h, rng)
+            self.device_pause(layers, backward=False)
             if last:
                 loss = per_sample_loss(h, targets).sum()
                 loss_sum += loss.item()
@@ -274,6 +332,7 @@ class Pipeline:
                 out.backward()
             else:
                 out.backward(grads_in.pop(i))
+            self.device_pause(layers, backward=True)
             grad = e.flat.collect_grads()
             buf[region].add_(grad[region])
             grad[region].zero_()
@@ -544,6 +603,22 @@ class Pipeline:
 
         threading.Thread(target=wait, name="migration", daemon=True).start()
         self.migration = m
+
+
+SIM_CLOCKS = (0.6, 1.0, 1.3)  # relative min / nominal / max clocks of the simulated actuator
+
+
+def _actuator_options(kind: str) -> dict[str, Any]:
+    return {"f_nominal": SIM_CLOCKS[1]} if kind == "sim" else {}
+
+
+def _clock_range(actuator: Any) -> tuple[float, float, float]:
+    """(min, nominal, max) clocks in the actuator's unit."""
+    if hasattr(actuator, "clock_range"):  # NVML: the device's own range, in MHz
+        return tuple(actuator.clock_range(0))  # type: ignore[return-value]
+    if hasattr(actuator, "time_scale") or not hasattr(actuator, "f_nominal"):
+        return SIM_CLOCKS
+    raise DvfsError("this DVFS actuator has no clock range the engine can plan with")
 
 
 def _copies(*tensors: torch.Tensor, region: slice) -> tuple[torch.Tensor, ...]:
