@@ -180,10 +180,14 @@ def _print_status(st: dict[str, Any]) -> None:
     if st["done"]:
         head += "  [green]done[/green]"
     out.print(head)
-    table = Table("rank", "worker", "host", "pid", "micro-batches", "state")
+    grid = any("replica" in m for m in st["members"])
+    columns = ["rank", "worker", "host", "pid", "micro-batches", "state"]
+    table = Table(*(columns[:1] + ["replica·stage", "layers"] + columns[1:] if grid else columns))
     for m in st["members"]:
+        place = [f"{m['replica']}·{m['stage']}", "[{}, {})".format(*m["layers"])] if grid else []
         table.add_row(
             str(m["rank"]),
+            *place,
             m["worker"],
             m["host"],
             str(m["pid"] or "–"),

@@ -49,6 +49,7 @@ async def _status(job_id: str, endpoints: list[str], timeout: float) -> dict[str
                     "pid": info.get("pid"),
                     "alive": wid in workers,
                     "microbatches": plan.microbatches[rank],
+                    **_stage(plan, rank),
                 }
             )
     standby = [w for w in workers if plan is None or w not in plan.workers]
@@ -64,6 +65,15 @@ async def _status(job_id: str, endpoints: list[str], timeout: float) -> dict[str
         "incidents": json.loads(incidents_kv.value) if incidents_kv else [],
         "done": json.loads(done_kv.value) if done_kv else None,
     }
+
+
+def _stage(plan: Plan, rank: int) -> dict[str, Any]:
+    """Pipelines: the rank's place in the data × pipeline grid and the layers it owns."""
+    if not plan.is_pipeline:
+        return {}
+    replica, stage = plan.position(rank)
+    layers = plan.stage_layers(rank)
+    return {"replica": replica, "stage": stage, "layers": [layers.start, layers.stop]}
 
 
 def job_status(job_id: str, etcd: str | None, timeout: float = 5.0) -> dict[str, Any]:

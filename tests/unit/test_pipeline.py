@@ -65,6 +65,17 @@ def test_stage_loss_keeps_replica_in_service(lost, replicas, bounds, shares) -> 
     assert p2.departed == (lost,)
 
 
+def test_status_shows_the_grid() -> None:
+    from elaswave.cli.jobs import _stage
+
+    p2 = plan(plan(None, ["a", "b", "c", "d"]), ["a", "c", "d"])
+    assert [_stage(p2, r) for r in range(3)] == [
+        {"replica": 0, "stage": 0, "layers": [0, 4]},
+        {"replica": 1, "stage": 0, "layers": [0, 2]},
+        {"replica": 1, "stage": 1, "layers": [2, 4]},
+    ]
+
+
 def test_drop_policy_takes_the_replica_out() -> None:
     p1 = plan(None, ["a", "b", "c", "d"])
     p2 = plan(p1, ["a", "c", "d"], policy="drop")
