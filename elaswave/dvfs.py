@@ -80,7 +80,7 @@ class FrequencyPlan:
     def describe(self) -> str:
         """One line for events and reports."""
         if not self.changed:
-            return "stages balanced: nominal clocks"
+            return "nominal clocks on every stage (balanced, or no room to change)"
         clocks = ", ".join(f"{f:.4g}" for f in self.targets)
         return (
             f"clocks [{clocks}]: step {self.step_time_before:.4g} → {self.step_time_after:.4g} "

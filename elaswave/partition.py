@@ -123,9 +123,10 @@ def partition_layers(
     ``(1 + slack)`` times the optimum, the result moves the fewest layers, then has the lowest
     bottleneck, then the lexicographically smallest ``bounds``.
 
-    Three dynamic programs over (stage, boundary), each O(L^2 * S): the optimum, the fewest moves
-    (and then the lowest bottleneck) under the slack, and a suffix table that lets the smallest
-    boundaries be picked front to back.
+    Three dynamic programs over (stage, boundary), each O(L^2 * S) at worst and about
+    O(L^2) in practice (a scan stops at the first stage that is too slow): the optimum, the
+    fewest moves (and then the lowest bottleneck) under the slack, and a suffix table that lets
+    the smallest boundaries be picked front to back.
     """
     _check_inputs(layer_costs, stage_speeds, current, slack)
     costs = [float(c) for c in layer_costs]
@@ -159,8 +160,11 @@ def partition_layers(
     def ends(s: int) -> range:  # where stage s may end, leaving a layer for every later stage
         return range(s + 1, n_layers - (n_stages - 1 - s) + 1)
 
-    def starts(s: int, e: int) -> range:  # where stage s may start if it ends at e
-        return range(s, e)
+    def starts(s: int, e: int) -> range:  # where stage s may start if it ends at e, latest first
+        return range(e - 1, s - 1, -1)
+
+    # Costs are >= 0, so a stage's time only grows as its start moves left or its end right
+    # (float rounding is monotone too): each scan below stops at the first segment too slow.
 
     # 1. Minimax: best[e] = lowest bottleneck of stages 0..s covering layers [0, e).
     best = [_INF] * (n_layers + 1)
@@ -169,7 +173,11 @@ def partition_layers(
     for s in range(1, n_stages):
         nxt = [_INF] * (n_layers + 1)
         for e in ends(s):
-            nxt[e] = min(max(best[a], time(s, a, e)) for a in starts(s, e))
+            for a in starts(s, e):
+                t = time(s, a, e)
+                if t >= nxt[e]:
+                    break
+                nxt[e] = min(nxt[e], max(best[a], t))
         best = nxt
     optimum = best[n_layers]
     limit = optimum * (1.0 + slack)
@@ -185,10 +193,11 @@ def partition_layers(
         for e in ends(s):
             for a in starts(s, e):
                 t = time(s, a, e)
-                if prefix[a][0] == _INF or t > limit:
-                    continue
-                cand = (prefix[a][0] + moves(s, a, e), max(prefix[a][1], t))
-                nxt_p[e] = min(nxt_p[e], cand)
+                if t > limit:
+                    break
+                if prefix[a][0] != _INF:
+                    cand = (prefix[a][0] + moves(s, a, e), max(prefix[a][1], t))
+                    nxt_p[e] = min(nxt_p[e], cand)
         prefix = nxt_p
     fewest, lowest = prefix[n_layers]
     fewest = int(fewest)
@@ -198,17 +207,22 @@ def partition_layers(
     rest = [[_INF] * (n_layers + 1) for _ in range(n_stages + 1)]
     rest[n_stages][n_layers] = 0
     for s in range(n_stages - 1, -1, -1):
-        for a in range(s, n_layers - (n_stages - 1 - s)):
-            for e in range(a + 1, n_layers - (n_stages - 1 - s) + 1):
-                if rest[s + 1][e] != _INF and time(s, a, e) <= lowest:
+        last = n_layers - (n_stages - 1 - s)
+        for a in range(s, last):
+            for e in range(a + 1, last + 1):
+                if time(s, a, e) > lowest:
+                    break
+                if rest[s + 1][e] != _INF:
                     rest[s][a] = min(rest[s][a], moves(s, a, e) + rest[s + 1][e])
     bounds = [0]
     used = 0
     for s in range(n_stages):
         a = bounds[-1]
         for e in range(a + 1, n_layers + 1):
+            if time(s, a, e) > lowest:
+                break
             step = moves(s, a, e)
-            if time(s, a, e) <= lowest and used + step + rest[s + 1][e] == fewest:
+            if used + step + rest[s + 1][e] == fewest:
                 bounds.append(e)
                 used += step
                 break
