@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from elaswave.partition import partition_layers, takeover
-from elaswave.plan import Member, Plan, assign_microbatches
+from elaswave.plan import Member, Plan
 
 POLICIES = ("reshard", "drop")
 
@@ -51,8 +51,8 @@ def next_pipeline_plan(
       (``policy="drop"``, the replica-dropping baseline); a replica with no survivor is gone;
     - newcomers first refill replicas short of ``pp`` stages (appended as the last stage), then
       form new full replicas;
-    - shares of the global batch are proportional to each replica's predicted speed (the inverse
-      of its slowest stage's time per micro-batch).
+    - shares of the global batch balance the replicas' predicted 1F1B step times
+      (:func:`balanced_shares`).
     """
     if policy not in POLICIES:
         raise ValueError(f"unknown stage-loss policy {policy!r} (expected one of {POLICIES})")
@@ -111,8 +111,8 @@ def next_pipeline_plan(
     for g in groups:
         replicas.append(tuple(range(start, start + len(g))))
         start += len(g)
-    speed = [1.0 / _bottleneck(costs, b) for b in bounds]
-    shares = assign_microbatches(num_microbatches, speed)
+    shares = balanced_shares(num_microbatches, [_bottleneck(costs, b) for b in bounds],
+                             [len(b) - 1 for b in bounds])  # fmt: skip
     plan_bounds = tuple(bounds)
     if prev is not None and workers == prev.workers and plan_bounds == prev.bounds:
         return None
@@ -139,13 +139,37 @@ def next_pipeline_plan(
     )
 
 
-def serving_shares(plan: Plan, serving: Sequence[bool]) -> tuple[int, ...]:
+def balanced_shares(
+    total: int, bottlenecks: Sequence[float], stages: Sequence[int]
+) -> tuple[int, ...]:
+    """Micro-batches per replica that minimise the predicted step time (the slowest replica).
+
+    A 1F1B replica with ``S`` stages whose slowest stage takes ``b`` per micro-batch runs ``m``
+    micro-batches in ``(m + S - 1) · b``. Handing out micro-batches one at a time, each to the
+    replica that would finish it soonest, minimises the maximum of these increasing functions.
+    Ties go to the lower replica index; a replica of infinite bottleneck gets nothing.
+    """
+    if not bottlenecks or len(bottlenecks) != len(stages):
+        raise ValueError("need one bottleneck and one stage count per replica")
+    counts = [0] * len(bottlenecks)
+    for _ in range(total):
+        finish = [(counts[d] + stages[d]) * bottlenecks[d] for d in range(len(counts))]
+        best = min(range(len(counts)), key=lambda d: (finish[d], d))
+        if finish[best] == float("inf"):
+            raise ValueError("no replica can run micro-batches")
+        counts[best] += 1
+    return tuple(counts)
+
+
+def serving_shares(plan: Plan, serving: Sequence[bool], costs: Sequence[float]) -> tuple[int, ...]:
     """Shares while some replicas are out of service (migrating): the global batch is spread
-    over the serving replicas in proportion to their planned shares."""
+    over the serving replicas only, balanced the same way."""
     if not any(serving):
         raise ValueError("no replica left in service")
-    weights = [float(plan.shares[d]) if serving[d] else 0.0 for d in range(len(plan.replicas))]
-    return assign_microbatches(sum(plan.shares), weights)
+    bottlenecks = [
+        _bottleneck(costs, b) if serving[d] else float("inf") for d, b in enumerate(plan.bounds)
+    ]
+    return balanced_shares(sum(plan.shares), bottlenecks, [len(b) - 1 for b in plan.bounds])
 
 
 def _assignment(bounds: Sequence[int]) -> list[int]:

@@ -519,7 +519,7 @@ class Pipeline:
         if asynchronous and any(serving):
             self.held = holdings[rank]
             self.serving = serving
-            self.shares = serving_shares(plan, serving)
+            self.shares = serving_shares(plan, serving, self.costs)
             self._start_migration(transfers, len(receivers), resume)
             info.update(migration="async", serving=serving, shares=list(self.shares))
             return info

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from elaswave.config import ConfigError, JobConfig
-from elaswave.pipeplan import layer_costs, next_pipeline_plan, serving_shares
+from elaswave.pipeplan import balanced_shares, layer_costs, next_pipeline_plan, serving_shares
 from elaswave.plan import Member
 from elaswave.runtime.pipeline import (
     Comm,
@@ -104,15 +104,48 @@ def test_middle_stage_loss_splits_layers_over_both_neighbours() -> None:
     assert p1.bounds == ((0, 2, 4, 6), (0, 2, 4, 6))
     p2 = plan(p1, ["a", "c", "d", "e", "f"], pp=3, costs=UNIFORM)
     assert p2.bounds[0] == (0, 3, 6)  # survivors keep theirs, the middle splits in two
-    assert p2.shares == (6, 10)  # bottleneck 3 vs 2 layers per micro-batch
+    assert p2.shares == (7, 9)  # (7 + 1) · 3 layers vs (9 + 2) · 2: both replicas ≈ 24
 
 
 def test_serving_shares_spread_the_batch_over_replicas_in_service() -> None:
     p2 = plan(plan(None, ["a", "b", "c", "d"]), ["a", "c", "d"])
-    assert serving_shares(p2, [False, True]) == (0, 16)
-    assert serving_shares(p2, [True, True]) == p2.shares
+    assert serving_shares(p2, [False, True], COSTS) == (0, 16)
+    assert serving_shares(p2, [True, True], COSTS) == p2.shares
     with pytest.raises(ValueError, match="no replica"):
-        serving_shares(p2, [False, False])
+        serving_shares(p2, [False, False], COSTS)
+
+
+@pytest.mark.parametrize(
+    ("total", "bottlenecks", "stages", "expected"),
+    [
+        (16, [1.0, 1.0], [2, 2], (8, 8)),  # identical replicas split evenly
+        (16, [1.0, 0.5], [1, 2], (6, 10)),  # a one-stage replica of twice the bottleneck
+        (16, [1.0, 0.5], [4, 2], (4, 12)),  # deeper pipelines pay more fill
+        (3, [1.0, 1.0, 1.0], [1, 1, 1], (1, 1, 1)),
+        (4, [1.0, float("inf")], [1, 1], (4, 0)),  # a replica out of service
+    ],
+)
+def test_balanced_shares(total, bottlenecks, stages, expected) -> None:
+    assert balanced_shares(total, bottlenecks, stages) == expected
+
+
+def test_balanced_shares_minimise_the_slowest_replica() -> None:
+    rnd = random.Random(3)
+    for _ in range(200):
+        n = rnd.randint(1, 4)
+        b = [rnd.uniform(0.1, 2.0) for _ in range(n)]
+        s = [rnd.randint(1, 4) for _ in range(n)]
+        total = rnd.randint(1, 9)
+
+        def span(counts, b=b, s=s):
+            return max((c + s[d] - 1) * b[d] if c else 0.0 for d, c in enumerate(counts))
+
+        got = balanced_shares(total, b, s)
+        assert sum(got) == total
+        best = min(
+            span(c) for c in itertools.product(range(total + 1), repeat=n) if sum(c) == total
+        )
+        assert span(got) <= best + 1e-12
 
 
 def test_unknown_policy_is_an_error() -> None:
