@@ -176,7 +176,6 @@ class _Migration:
     transfers: list[LayerTransfer]
     incoming: list[slice]  # flat regions this rank receives
     receivers: int  # ranks that receive something (every rank knows the same number)
-    from_step: int  # the snapshot's step
     started: float = field(default_factory=time.perf_counter)
     done: threading.Event = field(default_factory=threading.Event)
     error: list[BaseException] = field(default_factory=list)
@@ -206,11 +205,8 @@ class Pipeline:
     def __init__(self, engine: Engine) -> None:
         self.e = engine
         self.num_layers = len(engine.model.layers)
-        offsets = []
-        for off, length in engine.segments:
-            offsets.append((off, off + length))
-        self.offsets = offsets
-        self.sizes = [(hi - lo) * 3 * 4 for lo, hi in offsets]  # params + 2 moments, float32
+        self.offsets = [(off, off + length) for off, length in engine.segments]
+        self.sizes = [length * 3 * 4 for _, length in engine.segments]  # params + 2 moments, f32
         self.held: range | None = range(self.num_layers)  # at step 0 everyone holds the init
         self.fresh = True  # no plan applied yet: a newcomer's step-0 state is not the job's
         self.target: range = range(0)
@@ -401,8 +397,12 @@ class Pipeline:
         m = self.migration
         if m is None:
             return None
-        if not m.caught_up and m.incoming and m.done.is_set() and not m.error:
-            self._catch_up(m)
+        if not m.caught_up and m.incoming and m.done.is_set():
+            if m.error:  # the replica stays out of service; the next plan retries from scratch
+                self.e.control.event("migration_failed", step=step, reason=str(m.error[0])[:300])
+                m.incoming = []  # its flag never rises, so nobody switches
+            else:
+                self._catch_up(m)
         if int(round(ready_sum)) < m.receivers:
             return None
         # Every receiver holds its new layers at this step: switch, everyone at this boundary.
@@ -520,7 +520,7 @@ class Pipeline:
             self.held = holdings[rank]
             self.serving = serving
             self.shares = serving_shares(plan, serving, self.costs)
-            self._start_migration(transfers, len(receivers), resume)
+            self._start_migration(transfers, len(receivers))
             info.update(migration="async", serving=serving, shares=list(self.shares))
             return info
         start = time.perf_counter()
@@ -573,7 +573,7 @@ class Pipeline:
         e.opt.exp_avg[region].copy_(payload[k : 2 * k])
         e.opt.exp_avg_sq[region].copy_(payload[2 * k :])
 
-    def _start_migration(self, transfers: list[LayerTransfer], receivers: int, step: int) -> None:
+    def _start_migration(self, transfers: list[LayerTransfer], receivers: int) -> None:
         e = self.e
         rank = e.comm.rank("dp")
         mine = [t for t in transfers if t.dst == rank]
@@ -581,7 +581,6 @@ class Pipeline:
             transfers=transfers,
             incoming=[self.span(range(t.start, t.stop)) for t in mine],
             receivers=receivers,
-            from_step=step,
         )
         sends = [(t.dst, self._payload(t), TAG_STATE) for t in transfers if t.src == rank]
         recvs = [(t.src, torch.empty(3 * self._numel(t)), TAG_STATE) for t in mine]
