@@ -180,6 +180,8 @@ class JobConfig:
     migration: str = "async"  # pipelines: layers of a lost stage move "async" or "blocking"
     stage_loss: str = "reshard"  # pipelines: "reshard" the replica, or "drop" it (TorchFT-like)
     dvfs: str = "off"  # pipelines: frequency actuator off | sim | nvml | npu
+    layer_costs: str = "estimate"  # pipelines: partition by a FLOP "estimate" or a start-up
+    #                                "profile" of each layer's time (measured by every worker)
     verify_every: int = 10  # compare replicas' checksums every K committed steps (0: never)
     snapshot_every: int = 1  # ZeRO: buddy replica of each shard every step (0: none; then a
     #                          lost shard can only come back from a durable checkpoint)
@@ -230,7 +232,8 @@ class JobConfig:
 
     def _check_pipeline(self) -> None:
         choices = {"migration": ("async", "blocking"), "stage_loss": ("reshard", "drop"),
-                   "dvfs": ("off", "sim", "nvml", "npu")}  # fmt: skip
+                   "dvfs": ("off", "sim", "nvml", "npu"),
+                   "layer_costs": ("estimate", "profile")}  # fmt: skip
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ConfigError(

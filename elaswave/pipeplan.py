@@ -9,6 +9,7 @@ share of the global batch follows its predicted speed. The global batch never ch
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Sequence
 
 from elaswave.partition import partition_layers, takeover
@@ -27,6 +28,18 @@ def layer_costs(*, vocab_size: int, seq_len: int, d_model: int, n_layer: int) ->
     t, d, v = seq_len, d_model, vocab_size
     block = 24.0 * t * d * d + 4.0 * t * t * d
     return (2.0 * t * d, *([block] * n_layer), 2.0 * t * d * v)
+
+
+def measured_costs(
+    profiles: Sequence[Sequence[float]], *, fallback: Sequence[float]
+) -> tuple[float, ...]:
+    """Per-layer costs from workers' start-up profiles: the median over workers of each layer's
+    seconds (robust to one slow or busy worker). Profiles of the wrong length are ignored; with
+    none left, ``fallback`` (the FLOP estimate)."""
+    usable = [p for p in profiles if len(p) == len(fallback) and all(x > 0 for x in p)]
+    if not usable:
+        return tuple(fallback)
+    return tuple(statistics.median(p[i] for p in usable) for i in range(len(fallback)))
 
 
 def next_pipeline_plan(

@@ -16,7 +16,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from elaswave.pipeplan import layer_costs, next_pipeline_plan
+from elaswave.pipeplan import layer_costs, measured_costs, next_pipeline_plan
 from elaswave.plan import Member, Plan, next_plan
 
 if TYPE_CHECKING:
@@ -58,6 +58,8 @@ class Planner:
         self.max_workers = hi * cfg.elastic.nproc_per_node
         self.num_microbatches = cfg.train.num_microbatches
         self.early_causes: list[str] = []
+        self.profiles: list[list[float]] = []  # pipelines: workers' measured seconds per layer
+        self.costs: tuple[float, ...] = ()  # pipelines: the layer costs the last plan used
 
     async def run(self) -> None:
         d = self.d
@@ -96,7 +98,11 @@ class Planner:
                             departed=list(plan.departed),
                             reason=plan.reason,
                             **(
-                                {"replicas": plan.replicas, "bounds": plan.bounds}
+                                {
+                                    "replicas": plan.replicas,
+                                    "bounds": plan.bounds,
+                                    "layer_costs": self.costs,
+                                }
                                 if plan.is_pipeline
                                 else {}
                             ),
@@ -116,13 +122,17 @@ class Planner:
         cfg = self.d.cfg
         if cfg.pp > 1:
             m = cfg.model
+            costs = layer_costs(
+                vocab_size=m.vocab_size, seq_len=m.seq_len, d_model=m.d_model, n_layer=m.n_layer
+            )
+            if cfg.layer_costs == "profile":
+                costs = measured_costs(self.profiles, fallback=costs)
+            self.costs = costs
             return next_pipeline_plan(
                 current,
                 members,
                 pp=cfg.pp,
-                costs=layer_costs(
-                    vocab_size=m.vocab_size, seq_len=m.seq_len, d_model=m.d_model, n_layer=m.n_layer
-                ),
+                costs=costs,
                 num_microbatches=self.num_microbatches,
                 max_workers=self.max_workers,
                 store=self.d.store_address,
@@ -163,8 +173,11 @@ class Planner:
     async def _read_members(self) -> tuple[list[Member], list[str]]:
         d = self.d
         members = []
+        self.profiles = []
         for kv in await d.etcd.get_prefix(d.keys.workers):
             info = kv.json()
+            if info.get("layer_seconds"):
+                self.profiles.append(info["layer_seconds"])
             members.append(
                 Member(worker_id=info["worker_id"], host=info["host"], order=kv.create_revision)
             )

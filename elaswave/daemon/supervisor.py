@@ -340,6 +340,8 @@ class HostDaemon:
         elif kind == "ready":
             w.ready = True
             info = {"worker_id": w.worker_id, "host": self.host_id, "pid": w.pid, "slot": w.slot}
+            if isinstance(msg.get("layer_seconds"), list):  # pipelines: a start-up profile
+                info["layer_seconds"] = [float(x) for x in msg["layer_seconds"]]
             await self.etcd.put_json(self.keys.worker(w.worker_id), info, lease=self.lease)
             self.events.emit("worker_ready", host=self.host_id, worker=w.worker_id, pid=w.pid)
             if self.plan is not None:

@@ -222,6 +222,27 @@ class Pipeline:
         self.clocks = _clock_range(self.actuator)
         self.stage_key = 0  # what the actuator clocks: this worker's device
 
+    def profile_layers(self, repeats: int = 3) -> list[float]:
+        """Seconds of forward + backward per layer for one micro-batch (median of ``repeats``).
+
+        Runs before the first plan on a throw-away micro-batch; gradients are discarded and no
+        parameter changes, so training is unaffected."""
+        e, t = self.e, self.e.cfg.train
+        tokens, _ = batch(e.dataset, tuple(range(t.micro_batch_size)))
+        runs: list[list[float]] = []
+        for _ in range(repeats + 1):  # the first run warms up kernels and allocator; dropped
+            h: torch.Tensor = tokens
+            times = []
+            for layer in e.model.layers:
+                x = h.detach().requires_grad_(h.is_floating_point())
+                start = time.perf_counter()
+                h = layer(x, MicrobatchRng(t.seed, 0, 0))
+                h.float().sum().backward()
+                times.append(time.perf_counter() - start)
+            runs.append(times)
+        e.flat.grad.zero_()
+        return [sorted(col)[len(col) // 2] for col in zip(*runs[1:], strict=True)]
+
     def cost_share(self, layers: range) -> float:
         return sum(self.costs[i] for i in layers) / sum(self.costs)
 

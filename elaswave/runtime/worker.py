@@ -34,7 +34,10 @@ def main(argv: list[str] | None = None) -> int:
     assert control.config is not None
     cfg = JobConfig.from_dict(control.config["config"])
     engine = Engine(cfg, control, worker_id=args.worker_id, host_addr=control.config["host_addr"])
-    control.send({"type": "ready", "worker_id": args.worker_id})
+    ready: dict[str, object] = {"type": "ready", "worker_id": args.worker_id}
+    if engine.pipe is not None and cfg.layer_costs == "profile":
+        ready["layer_seconds"] = engine.pipe.profile_layers()  # the leader partitions with it
+    control.send(ready)
     return engine.run()
 
 

@@ -308,3 +308,12 @@ def test_pipeline_config_errors(data: dict, message: str) -> None:
 def test_pipeline_config_ok() -> None:
     cfg = JobConfig.from_dict({"model": {"n_layer": 2}, "elastic": {"nproc_per_node": 4}, "pp": 2})
     assert (cfg.pp, cfg.dp, cfg.migration, cfg.dvfs) == (2, 0, "async", "off")
+
+
+def test_measured_costs_take_the_median_and_ignore_bad_profiles() -> None:
+    from elaswave.pipeplan import measured_costs
+
+    fallback = (1.0, 1.0, 1.0)
+    profiles = [[1.0, 4.0, 2.0], [3.0, 2.0, 2.0], [2.0, 3.0, 9.0], [1.0, 1.0], [0.0, 1.0, 1.0]]
+    assert measured_costs(profiles, fallback=fallback) == (2.0, 3.0, 2.0)
+    assert measured_costs([], fallback=fallback) == fallback
