@@ -176,6 +176,18 @@ def explain(exc: BaseException) -> str:
     return text[:200]
 
 
+def _denied(endpoint: str, prefix: str) -> EtcdAccessDenied:
+    return EtcdAccessDenied(
+        f"etcd at {endpoint} denied access to {prefix}: this user has no readwrite role on "
+        "the job's prefix (see `elaswave etcd-access`)"
+    )
+
+
+async def _close_quietly(client: aetcd.Client) -> None:
+    with contextlib.suppress(Exception):
+        await client.close()
+
+
 def parse_endpoints(text: str | list[str]) -> list[tuple[str, int]]:
     """``"h1:2379,h2:2379"`` (or a list) → ``[(h1, 2379), (h2, 2379)]``."""
     items = text if isinstance(text, list) else [t for t in text.split(",") if t.strip()]
@@ -241,8 +253,10 @@ class Etcd:
                 errors.append(f"{host}:{port} (no answer within {timeout:g}s)")
             except (aetcd.exceptions.ClientError, OSError) as exc:
                 errors.append(f"{host}:{port} ({explain(exc)})")
-            with contextlib.suppress(Exception):
-                await client.close()
+                if explain(exc) == "permission denied":
+                    await _close_quietly(client)
+                    raise _denied(f"{host}:{port}", prefix) from None
+            await _close_quietly(client)
         raise EtcdUnavailable(f"cannot reach etcd at {', '.join(errors)}")
 
     def _own(self, key: str) -> bytes:
@@ -260,12 +274,8 @@ class Etcd:
         except aetcd.exceptions.ConnectionFailedError:
             raise EtcdUnavailable(f"lost the connection to etcd at {self.endpoint}") from None
         except aetcd.exceptions.ClientError as exc:
-            reason = explain(exc)
-            if reason == "permission denied":
-                raise EtcdAccessDenied(
-                    f"etcd at {self.endpoint} denied access under {self.prefix}: the user lacks "
-                    "a readwrite role on this job's prefix"
-                ) from None
+            if explain(exc) == "permission denied":
+                raise _denied(self.endpoint, self.prefix) from None
             raise
 
     async def get(self, key: str) -> KV | None:
@@ -325,13 +335,14 @@ class Etcd:
     ) -> None:
         """Put one key and delete another in one transaction (watchers see both at once)."""
         data = value.encode() if isinstance(value, str) else value
+        pk, dk = self._own(put_key), self._own(delete_key)
         tx = self._client.transactions
         await self._call(
             self._client.transaction(
                 compare=[],
                 success=[
-                    tx.put(self._own(put_key), data, lease=lease),
-                    tx.delete(self._own(delete_key)),
+                    tx.put(pk, data, lease=lease),
+                    tx.delete(dk),
                 ],
                 failure=[],
             )
