@@ -20,7 +20,7 @@ from pathlib import Path
 import aetcd
 import pytest
 from certs import CA, Pair
-from conftest import CONFIG, Run, assert_clean_run, cli, elaswave_cmd, wait_for
+from conftest import CONFIG, Run, assert_clean_run, cli, elaswave_cmd, status_json, wait_for
 
 from elaswave.config import EtcdTLSConfig
 from elaswave.daemon.etcd import Etcd, EtcdSecurity
@@ -279,3 +279,37 @@ def test_a_job_runs_on_a_secured_etcd_while_strangers_are_refused(
     assert all("refused this client's certificate" in r for r in refusals), set(refusals)
     # Nothing of the job is left behind in etcd.
     assert not secure_etcd.ctl("get", "--prefix", "--keys-only", "/elaswave/job-a/").stdout.strip()
+
+
+def test_a_single_host_job_with_its_embedded_etcd_on_tls(
+    tmp_path: Path, state_env: dict[str, str], reference: Run
+) -> None:
+    # No external etcd: launch starts its own with TLS + client-cert auth; status and
+    # inject-fault find it, and its TLS files, through the discovery record.
+    ca = CA(tmp_path / "pki")
+    server, host = ca.issue("etcd-server", server=True), ca.issue("job-host")
+    steps = 6
+    run_dir = tmp_path / "run"
+    cmd = elaswave_cmd(
+        "launch", str(CONFIG), "--run-dir", str(run_dir), "--quiet", "--job-id", "solo",
+        "--steps", str(steps), "--etcd-cacert", str(ca.cert),
+        "--etcd-cert", str(host.cert), "--etcd-key", str(host.key),
+        "--etcd-server-cert", str(server.cert), "--etcd-server-key", str(server.key),
+    )  # fmt: skip
+    env = env_as(state_env, None, None)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        st = wait_for(lambda: status_json("solo", env), timeout=90)
+        record = json.loads((Path(env["ELASWAVE_STATE_DIR"]) / "jobs" / "solo.json").read_text())
+        ca_only = ["--etcd", record["etcd"][0], "--etcd-cacert", str(ca.cert)]
+        refused = one_line_error(cli("status", "--job-id", "solo", *ca_only, env=env))
+        out, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err[-2000:]
+    assert st["job_id"] == "solo"
+    assert "password" not in json.dumps(record) and record["etcd_tls"]["cacert"] == str(ca.cert)
+    assert "certificate" in refused
+    assert_clean_run(Run(run_dir), steps, reference)
