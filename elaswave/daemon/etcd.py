@@ -163,6 +163,8 @@ def explain(exc: BaseException) -> str:
         return "etcd requires authentication: set ELASWAVE_ETCD_USER and ELASWAVE_ETCD_PASSWORD"
     if "permission denied" in low:
         return "permission denied"
+    if "not in peer certificate" in low:
+        return "TLS: etcd's certificate does not name the address given in --etcd (check its SAN)"
     if "certificate_verify_failed" in low or "unable to get local issuer" in low:
         return "TLS: etcd's server certificate is not signed by --etcd-cacert"
     if "bad_certificate" in low or "certificate_required" in low or "unknown_ca" in low:

@@ -200,6 +200,7 @@ def test_security_reads_pem_files_and_never_shows_secrets(tmp_path: Path) -> Non
             "not signed by --etcd-cacert",
         ),
         ("failed to connect to all addresses; ipv4:127.0.0.1:1: Socket closed", "--etcd-cacert"),
+        ("Peer name 10.0.0.5 is not in peer certificate", "check its SAN"),
     ],
 )
 def test_refusals_are_explained_in_one_line(detail: str, fragment: str) -> None:
