@@ -168,11 +168,11 @@ def explain(exc: BaseException) -> str:
     if "certificate_verify_failed" in low or "unable to get local issuer" in low:
         return "TLS: etcd's server certificate is not signed by --etcd-cacert"
     if "bad_certificate" in low or "certificate_required" in low or "unknown_ca" in low:
-        return "TLS: etcd refused this client's certificate (missing, or signed by another CA)"
+        return "TLS: etcd refused this client's certificate: missing, or signed by another CA"
     if "handshake" in low or "wrong_version_number" in low:
         return f"TLS handshake failed ({text[-160:]})"
     if "socket closed" in low:
-        return "connection closed by etcd (does it require TLS? give --etcd-cacert)"
+        return "connection closed by etcd: if it requires TLS, give --etcd-cacert"
     if "connection refused" in low:
         return "connection refused"
     return text[:200]

@@ -131,13 +131,34 @@ def test_clients_without_a_good_certificate_are_refused(
 
 
 def test_wrong_password_is_refused_and_the_right_one_works(
-    secure_etcd: SecureEtcd, state_env: dict[str, str]
+    secure_etcd: SecureEtcd, state_env: dict[str, str], tmp_path: Path
 ) -> None:
     args = ["status", "--job-id", "job-a", "--etcd", secure_etcd.endpoint, *secure_etcd.tls_flags()]
     wrong = cli(*args, env=env_as(state_env, "job-a", "not-the-password"))
     assert "authentication failed" in one_line_error(wrong)
     half = dict(env_as(state_env, None, None), ELASWAVE_ETCD_USER="job-a")
     assert "ELASWAVE_ETCD_PASSWORD" in one_line_error(cli(*args, env=half))
+    run_dir = tmp_path / "run"
+    refused = subprocess.run(
+        elaswave_cmd(
+            "launch",
+            str(CONFIG),
+            "--run-dir",
+            str(run_dir),
+            "--quiet",
+            "--job-id",
+            "job-a",
+            "--etcd",
+            secure_etcd.endpoint,
+            *secure_etcd.tls_flags(),
+        ),
+        env=env_as(state_env, "job-a", "not-the-password"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert "authentication failed" in one_line_error(refused)
+    assert not list(run_dir.glob("logs/*.log")), "no worker may start without etcd access"
     right = cli(*args, env=env_as(state_env, "job-a", JOB_A_PASSWORD))
     # Authenticated and allowed: etcd answers, and there is simply no job running yet.
     assert "no job 'job-a'" in one_line_error(right)
@@ -291,11 +312,26 @@ def test_a_single_host_job_with_its_embedded_etcd_on_tls(
     steps = 6
     run_dir = tmp_path / "run"
     cmd = elaswave_cmd(
-        "launch", str(CONFIG), "--run-dir", str(run_dir), "--quiet", "--job-id", "solo",
-        "--steps", str(steps), "--etcd-cacert", str(ca.cert),
-        "--etcd-cert", str(host.cert), "--etcd-key", str(host.key),
-        "--etcd-server-cert", str(server.cert), "--etcd-server-key", str(server.key),
-    )  # fmt: skip
+        "launch",
+        str(CONFIG),
+        "--run-dir",
+        str(run_dir),
+        "--quiet",
+        "--job-id",
+        "solo",
+        "--steps",
+        str(steps),
+        "--etcd-cacert",
+        str(ca.cert),
+        "--etcd-cert",
+        str(host.cert),
+        "--etcd-key",
+        str(host.key),
+        "--etcd-server-cert",
+        str(server.cert),
+        "--etcd-server-key",
+        str(server.key),
+    )
     env = env_as(state_env, None, None)
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
