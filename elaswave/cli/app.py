@@ -10,7 +10,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 from rich.console import Console
@@ -18,6 +18,9 @@ from rich.markup import escape
 from rich.table import Table
 
 from elaswave.errors import ConfigError, ElasWaveError, FaultSpecError
+
+if TYPE_CHECKING:
+    from elaswave.config import EtcdTLSConfig
 
 app = typer.Typer(
     name="elaswave",
@@ -315,7 +318,7 @@ def _path(p: Path | None) -> str | None:
     return str(p) if p else None
 
 
-def _client_tls(cacert: Path | None, cert: Path | None, key: Path | None) -> Any:
+def _client_tls(cacert: Path | None, cert: Path | None, key: Path | None) -> EtcdTLSConfig:
     """The TLS flags of ``status`` / ``inject-fault`` as a validated config section."""
     from elaswave.config import EtcdTLSConfig
 
