@@ -6,7 +6,7 @@ Every scenario is one module exposing ``DESCRIPTION``, ``DEFAULT_REPEAT``,
 
 from __future__ import annotations
 
-from bench import comm, crash, hang, mttr, overhead, partition, pipeline, zero
+from bench import comm, crash, hang, mttr, overhead, partition, pipeline, security, zero
 
 SCENARIOS = {
     "comm": comm,
@@ -16,6 +16,7 @@ SCENARIOS = {
     "overhead": overhead,
     "partition": partition,
     "pipeline": pipeline,
+    "security": security,
     "zero": zero,
 }
 

@@ -167,6 +167,37 @@ class Timeouts:
 
 
 @dataclass(kw_only=True)
+class EtcdTLSConfig:
+    """TLS towards etcd: PEM file paths. User and password never live here: they come only from
+    ``ELASWAVE_ETCD_USER`` / ``ELASWAVE_ETCD_PASSWORD`` (see :func:`etcd_credentials`)."""
+
+    cacert: str | None = None  # CA that signed etcd's server certificate; set = TLS on
+    cert: str | None = None  # client certificate (etcd --client-cert-auth), with ``key``
+    key: str | None = None
+    server_cert: str | None = None  # embedded etcd only: serve TLS with this certificate, with
+    server_key: str | None = None  # ``server_key``; clients then need a cert signed by ``cacert``
+
+    def __post_init__(self) -> None:
+        if bool(self.cert) != bool(self.key):
+            raise ConfigError(
+                "etcd_tls: give the client cert and key together (--etcd-cert and --etcd-key)"
+            )
+        if bool(self.server_cert) != bool(self.server_key):
+            raise ConfigError("etcd_tls: give server_cert and server_key together")
+        if (self.cert or self.server_cert) and not self.cacert:
+            raise ConfigError("etcd_tls: a certificate needs the CA too (--etcd-cacert)")
+        if self.server_cert and not self.cert:
+            raise ConfigError(
+                "etcd_tls: an embedded etcd with TLS admits only client certificates; "
+                "give --etcd-cert/--etcd-key for this host's daemon"
+            )
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.cacert)
+
+
+@dataclass(kw_only=True)
 class JobConfig:
     """Everything a job needs. Build it with :func:`load_config`."""
 
@@ -174,6 +205,7 @@ class JobConfig:
     run_dir: str | None = None  # default runs/<job_id>
     etcd: list[str] = field(default_factory=list)  # empty: start an embedded etcd
     etcd_port: int = 0  # embedded etcd client port (0 = any free port)
+    etcd_tls: EtcdTLSConfig = field(default_factory=EtcdTLSConfig)
     zero: int = 0  # 1: ZeRO-1, optimizer state sharded over the data-parallel ranks
     pp: int = 1  # pipeline stages per replica (1: pure data parallelism)
     dp: int = 0  # data-parallel replicas (0: world / pp); dp × pp must be the starting world
@@ -212,6 +244,11 @@ class JobConfig:
         self._check_pipeline()
         if not 0 <= self.etcd_port < 65536:
             raise ConfigError(f"etcd_port must be in 0..65535, got {self.etcd_port}")
+        if self.etcd_tls.server_cert and self.etcd:
+            raise ConfigError(
+                "etcd_tls.server_cert is for the embedded etcd; with --etcd, TLS is the "
+                "external cluster's own setting"
+            )
         _, max_nodes = self.elastic.nnodes_range
         most = self.elastic.nproc_per_node * max_nodes
         if most > self.train.num_microbatches:
@@ -324,8 +361,26 @@ class _YamlLoader(yaml.SafeLoader):
         return tag
 
 
-# Environment variables that are not config fields (read by :func:`state_dir`).
+# Environment variables that are not config fields (read by :func:`state_dir` and
+# :func:`etcd_credentials`).
 _NOT_CONFIG_ENV = {"ELASWAVE_STATE_DIR", "ELASWAVE_ETCD_USER", "ELASWAVE_ETCD_PASSWORD"}
+
+
+def etcd_credentials(env: Mapping[str, str] | None = None) -> tuple[str, str] | None:
+    """etcd user and password from ``ELASWAVE_ETCD_USER`` / ``ELASWAVE_ETCD_PASSWORD``.
+
+    Credentials come from the environment only, never from flags or YAML, so that they do not
+    show up in ``ps``, shell history or a config file checked into a repository.
+    """
+    env = os.environ if env is None else env
+    user = env.get("ELASWAVE_ETCD_USER") or None
+    password = env.get("ELASWAVE_ETCD_PASSWORD") or None
+    if user is None and password is None:
+        return None
+    if user is None or password is None:
+        missing = "ELASWAVE_ETCD_USER" if user is None else "ELASWAVE_ETCD_PASSWORD"
+        raise ConfigError(f"etcd credentials: {missing} is not set (set both or neither)")
+    return user, password
 
 
 def state_dir(env: Mapping[str, str] | None = None) -> Path:

@@ -35,3 +35,9 @@ class JobFailed(ElasWaveError):
     """The job ended without committing all of its steps."""
 
     exit_code = 1
+
+
+class EtcdAccessDenied(ElasWaveError):
+    """etcd refused an operation: the user has no role on the job's key prefix."""
+
+    exit_code = 3

@@ -14,12 +14,14 @@ YAML form (``faults:`` in a config)::
 from __future__ import annotations
 
 import enum
+import json
 import signal
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from elaswave.errors import FaultSpecError
 
+MAX_REQUEST_BYTES = 4096  # a fault request is a few dozen bytes of JSON
 PHASES = ("reduce", "optimizer")
 TARGETS = ("params", "snapshot")
 
@@ -119,6 +121,23 @@ class FaultSpec:
     def describe(self) -> str:
         when = f" at step {self.at_step}" if self.at_step is not None else ""
         return f"{self.kind.value} rank {self.rank}{when}"
+
+
+def decode_request(value: bytes) -> FaultSpec:
+    """A fault request as read from etcd (``faults/<id>``): JSON only, validated, never trusted.
+
+    Anything else (oversized, not UTF-8, not JSON, not an object, unknown fields, bad values)
+    raises a one-line :class:`FaultSpecError`; the daemon logs it and carries on.
+    """
+    if len(value) > MAX_REQUEST_BYTES:
+        raise FaultSpecError(f"fault request of {len(value)} bytes (limit {MAX_REQUEST_BYTES})")
+    try:
+        data = json.loads(value)
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise FaultSpecError("fault request is not JSON") from None
+    if not isinstance(data, dict):
+        raise FaultSpecError(f"fault request must be a JSON object, got {type(data).__name__}")
+    return FaultSpec.from_dict(data, source="fault request")
 
 
 def _kind(value: Any) -> FaultKind:

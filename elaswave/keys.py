@@ -1,4 +1,8 @@
-"""The etcd key layout of a job. Everything of a job lives under ``/elaswave/<job_id>/``."""
+"""The etcd key layout of a job. Everything of a job lives under ``/elaswave/<job_id>/``.
+
+That single prefix is what confines a job when etcd has auth on: a role with ``readwrite`` on the
+prefix and nothing else, bound to the job's user (:func:`confinement_commands`).
+"""
 
 from __future__ import annotations
 
@@ -30,3 +34,23 @@ class JobKeys:
 
     def fault(self, fault_id: str) -> str:
         return self.faults + fault_id
+
+
+def role_name(job_id: str) -> str:
+    return f"elaswave-{job_id}"
+
+
+def confinement_commands(job_id: str, user: str) -> list[list[str]]:
+    """The ``etcdctl`` commands (run as etcd's root) that confine ``user`` to ``job_id``'s keys.
+
+    The role gets ``readwrite`` on the job's prefix only; ``user add`` asks for the password
+    (a user whose client certificate has CN=user needs none when etcd runs --client-cert-auth).
+    """
+    prefix = JobKeys(job_id).prefix
+    role = role_name(job_id)
+    return [
+        ["etcdctl", "role", "add", role],
+        ["etcdctl", "role", "grant-permission", role, "--prefix=true", "readwrite", prefix],
+        ["etcdctl", "user", "add", user],
+        ["etcdctl", "user", "grant-role", user, role],
+    ]

@@ -10,7 +10,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 from rich.console import Console
@@ -18,6 +18,9 @@ from rich.markup import escape
 from rich.table import Table
 
 from elaswave.errors import ConfigError, ElasWaveError, FaultSpecError
+
+if TYPE_CHECKING:
+    from elaswave.config import EtcdTLSConfig
 
 app = typer.Typer(
     name="elaswave",
@@ -49,6 +52,19 @@ def launch(
     ),
     etcd_port: int | None = typer.Option(
         None, "--etcd-port", help="Client port of the embedded etcd."
+    ),
+    etcd_cacert: Path | None = typer.Option(
+        None, "--etcd-cacert", help="CA of etcd's server certificate (turns TLS on)."
+    ),
+    etcd_cert: Path | None = typer.Option(
+        None, "--etcd-cert", help="Client certificate for etcd (with --etcd-key)."
+    ),
+    etcd_key: Path | None = typer.Option(None, "--etcd-key", help="Client key for etcd."),
+    etcd_server_cert: Path | None = typer.Option(
+        None, "--etcd-server-cert", help="Embedded etcd: serve TLS with this certificate."
+    ),
+    etcd_server_key: Path | None = typer.Option(
+        None, "--etcd-server-key", help="Embedded etcd: key of --etcd-server-cert."
     ),
     job_id: str | None = typer.Option(None, "--job-id"),
     run_dir: Path | None = typer.Option(None, "--run-dir", help="Default runs/<job-id>."),
@@ -95,8 +111,13 @@ def launch(
     ),
     quiet: bool = typer.Option(False, "--quiet", help="No MTTR summary at the end."),
 ) -> None:
-    """Run a job on this host in the foreground (one launch per host)."""
+    """Run a job on this host in the foreground (one launch per host).
+
+    etcd user and password, when etcd has auth on, come from ELASWAVE_ETCD_USER and
+    ELASWAVE_ETCD_PASSWORD only.
+    """
     from elaswave.config import load_config
+    from elaswave.daemon.etcd import EtcdSecurity
     from elaswave.daemon.launch import launch as run_launch
     from elaswave.faults import FaultSpec
     from elaswave.report import build_report, render_markdown
@@ -107,6 +128,11 @@ def launch(
             "run_dir": str(run_dir) if run_dir else None,
             "etcd": [e for e in etcd.split(",") if e.strip()] if etcd else None,
             "etcd_port": etcd_port,
+            "etcd_tls.cacert": _path(etcd_cacert),
+            "etcd_tls.cert": _path(etcd_cert),
+            "etcd_tls.key": _path(etcd_key),
+            "etcd_tls.server_cert": _path(etcd_server_cert),
+            "etcd_tls.server_key": _path(etcd_server_key),
             "host_id": host_id,
             "elastic.nproc_per_node": nproc_per_node,
             "elastic.nnodes": nnodes,
@@ -135,8 +161,9 @@ def launch(
             from elaswave.daemon.etcd import parse_endpoints
 
             parse_endpoints(cfg.etcd)
+        security = EtcdSecurity.load(cfg.etcd_tls)  # bad files / credentials: fail before start
         start = time.time()
-        code = run_launch(cfg, host_addr=host_addr)
+        code = run_launch(cfg, host_addr=host_addr, security=security)
     except ElasWaveError as exc:
         raise _fail(exc) from None
     if code == 0 and not quiet:
@@ -150,6 +177,13 @@ def launch(
 def status(
     job_id: str = typer.Option("elaswave", "--job-id"),
     etcd: str | None = typer.Option(None, "--etcd", help="Default: the job's embedded etcd."),
+    etcd_cacert: Path | None = typer.Option(
+        None, "--etcd-cacert", help="CA of etcd's server certificate (turns TLS on)."
+    ),
+    etcd_cert: Path | None = typer.Option(
+        None, "--etcd-cert", help="Client certificate for etcd (with --etcd-key)."
+    ),
+    etcd_key: Path | None = typer.Option(None, "--etcd-key", help="Client key for etcd."),
     as_json: bool = typer.Option(False, "--json"),
     watch: bool = typer.Option(False, "--watch", help="Refresh every second until Ctrl-C."),
 ) -> None:
@@ -158,7 +192,8 @@ def status(
 
     while True:
         try:
-            st = job_status(job_id, etcd)
+            tls = _client_tls(etcd_cacert, etcd_cert, etcd_key)
+            st = job_status(job_id, etcd, tls=tls)
         except ElasWaveError as exc:
             raise _fail(exc) from None
         if as_json:
@@ -216,6 +251,13 @@ def inject_fault_cmd(
         None, "--at-step", help="Fire while this step is in flight."
     ),
     etcd: str | None = typer.Option(None, "--etcd"),
+    etcd_cacert: Path | None = typer.Option(
+        None, "--etcd-cacert", help="CA of etcd's server certificate (turns TLS on)."
+    ),
+    etcd_cert: Path | None = typer.Option(
+        None, "--etcd-cert", help="Client certificate for etcd (with --etcd-key)."
+    ),
+    etcd_key: Path | None = typer.Option(None, "--etcd-key", help="Client key for etcd."),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Inject a fault through etcd; the daemon that owns the target carries it out."""
@@ -236,7 +278,8 @@ def inject_fault_cmd(
             },
             source="fault",
         )
-        result = inject_fault(job_id, etcd, spec)
+        tls = _client_tls(etcd_cacert, etcd_cert, etcd_key)
+        result = inject_fault(job_id, etcd, spec, tls=tls)
     except ElasWaveError as exc:
         raise _fail(exc) from None
     if as_json:
@@ -245,6 +288,27 @@ def inject_fault_cmd(
         out.print(
             f"fault {spec.describe()} → {result['target']} (epoch {result['epoch']}) submitted"
         )
+
+
+@app.command("etcd-access")
+def etcd_access(
+    job_id: str = typer.Option("elaswave", "--job-id"),
+    user: str | None = typer.Option(None, "--user", help="Default: the job id."),
+) -> None:
+    """Print the etcdctl commands that confine a user to one job's keys (run them as root)."""
+    import shlex
+
+    from elaswave.config import JobConfig
+    from elaswave.keys import confinement_commands
+
+    try:
+        JobConfig(job_id=job_id)  # the same job id rules as launch
+        if user is not None and not user.strip():
+            raise ConfigError("--user must not be empty")
+    except ElasWaveError as exc:
+        raise _fail(exc) from None
+    for cmd in confinement_commands(job_id, user or job_id):
+        out.print(shlex.join(cmd), highlight=False, soft_wrap=True)
 
 
 @app.command()
@@ -268,6 +332,17 @@ def report(
         out_file.write_text(text)
     else:
         sys.stdout.write(text)
+
+
+def _path(p: Path | None) -> str | None:
+    return str(p) if p else None
+
+
+def _client_tls(cacert: Path | None, cert: Path | None, key: Path | None) -> EtcdTLSConfig:
+    """The TLS flags of ``status`` / ``inject-fault`` as a validated config section."""
+    from elaswave.config import EtcdTLSConfig
+
+    return EtcdTLSConfig(cacert=_path(cacert), cert=_path(cert), key=_path(key))
 
 
 def _report_dir(job_id: str | None, run_dir: Path | None) -> Path:

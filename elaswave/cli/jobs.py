@@ -6,7 +6,8 @@ import asyncio
 import json
 from typing import Any
 
-from elaswave.daemon.etcd import Etcd
+from elaswave.config import EtcdTLSConfig
+from elaswave.daemon.etcd import Etcd, EtcdSecurity
 from elaswave.daemon.launch import find_job
 from elaswave.daemon.supervisor import submit_fault
 from elaswave.errors import FaultSpecError, JobNotFound
@@ -15,15 +16,29 @@ from elaswave.keys import JobKeys
 from elaswave.plan import Plan
 
 
-def resolve_etcd(job_id: str, etcd: str | None) -> list[str]:
+def resolve_etcd(
+    job_id: str, etcd: str | None, tls: EtcdTLSConfig | None = None
+) -> tuple[list[str], EtcdSecurity]:
+    """Endpoints and credentials for a job: from the flags, else from its discovery record.
+
+    TLS files given on the command line win; without any, a job found through its discovery
+    record is reached with the files its launch used. User and password come from the
+    environment only.
+    """
+    tls = tls or EtcdTLSConfig()
     if etcd:
-        return [e for e in etcd.split(",") if e.strip()]
-    return list(find_job(job_id)["etcd"])
+        return [e for e in etcd.split(",") if e.strip()], EtcdSecurity.load(tls)
+    record = find_job(job_id)
+    if not tls.enabled and not tls.cert and record.get("etcd_tls"):
+        tls = EtcdTLSConfig(**record["etcd_tls"])
+    return list(record["etcd"]), EtcdSecurity.load(tls)
 
 
-async def _status(job_id: str, endpoints: list[str], timeout: float) -> dict[str, Any]:
-    db = await Etcd.connect(endpoints, timeout=timeout)
+async def _status(
+    job_id: str, endpoints: list[str], security: EtcdSecurity, timeout: float
+) -> dict[str, Any]:
     keys = JobKeys(job_id)
+    db = await Etcd.connect(endpoints, prefix=keys.prefix, timeout=timeout, security=security)
     try:
         hosts = [kv.json() for kv in await db.get_prefix(keys.hosts)]
         workers = {kv.json()["worker_id"]: kv.json() for kv in await db.get_prefix(keys.workers)}
@@ -76,15 +91,39 @@ def _stage(plan: Plan, rank: int) -> dict[str, Any]:
     return {"replica": replica, "stage": stage, "layers": [layers.start, layers.stop]}
 
 
-def job_status(job_id: str, etcd: str | None, timeout: float = 5.0) -> dict[str, Any]:
-    return asyncio.run(_status(job_id, resolve_etcd(job_id, etcd), timeout))
+def job_status(
+    job_id: str, etcd: str | None, timeout: float = 5.0, tls: EtcdTLSConfig | None = None
+) -> dict[str, Any]:
+    endpoints, security = resolve_etcd(job_id, etcd, tls)
+    return asyncio.run(_status(job_id, endpoints, security, timeout))
+
+
+def fault_target_error(
+    job_id: str, fault: FaultSpec, plan: Plan, live_workers: set[str], done: bool
+) -> str | None:
+    """Why ``fault`` cannot be aimed at the job as it is now, or ``None``. Pure."""
+    assert fault.rank is not None
+    if done:
+        return f"job {job_id!r} has already finished; nothing to inject into"
+    if fault.rank >= plan.world_size:
+        return (
+            f"rank {fault.rank} out of range: job {job_id!r} has ranks 0..{plan.world_size - 1} "
+            f"in its current plan (epoch {plan.epoch})"
+        )
+    target = plan.workers[fault.rank]
+    if target not in live_workers:
+        return (
+            f"rank {fault.rank} (worker {target}) of job {job_id!r} is gone; the job is "
+            "recovering, retry once `elaswave status` shows the new plan"
+        )
+    return None
 
 
 async def _inject(
-    job_id: str, endpoints: list[str], fault: FaultSpec, timeout: float
+    job_id: str, endpoints: list[str], security: EtcdSecurity, fault: FaultSpec, timeout: float
 ) -> dict[str, Any]:
-    db = await Etcd.connect(endpoints, timeout=timeout)
     keys = JobKeys(job_id)
+    db = await Etcd.connect(endpoints, prefix=keys.prefix, timeout=timeout, security=security)
     try:
         if not await db.get_prefix(keys.hosts):
             raise JobNotFound(f"no running job {job_id!r} in etcd at {', '.join(endpoints)}")
@@ -92,11 +131,12 @@ async def _inject(
         if plan_kv is None:
             raise FaultSpecError(f"job {job_id!r} has no plan yet; retry once it has started")
         plan = Plan.from_json(plan_kv.value)
+        live = {kv.key.removeprefix(keys.workers) for kv in await db.get_prefix(keys.workers)}
+        done = await db.get(keys.done) is not None
+        problem = fault_target_error(job_id, fault, plan, live, done)
+        if problem:
+            raise FaultSpecError(problem)
         assert fault.rank is not None
-        if fault.rank >= plan.world_size:
-            raise FaultSpecError(
-                f"rank {fault.rank} out of range: job {job_id!r} has ranks 0..{plan.world_size - 1}"
-            )
         fault_id = await submit_fault(db, keys, fault)
     finally:
         await db.close()
@@ -109,6 +149,11 @@ async def _inject(
 
 
 def inject_fault(
-    job_id: str, etcd: str | None, fault: FaultSpec, timeout: float = 5.0
+    job_id: str,
+    etcd: str | None,
+    fault: FaultSpec,
+    timeout: float = 5.0,
+    tls: EtcdTLSConfig | None = None,
 ) -> dict[str, Any]:
-    return asyncio.run(_inject(job_id, resolve_etcd(job_id, etcd), fault, timeout))
+    endpoints, security = resolve_etcd(job_id, etcd, tls)
+    return asyncio.run(_inject(job_id, endpoints, security, fault, timeout))

@@ -2,6 +2,11 @@
 
 Wraps ``aetcd`` (the maintained asyncio fork of python-etcd3). Every call has a timeout; failing
 to reach etcd raises :class:`EtcdUnavailable` with a one-line message.
+
+Security: aetcd 1.0 speaks user/password auth but only plaintext gRPC, so :class:`_Client` opens
+the channel itself, with TLS (and a client certificate) when :class:`EtcdSecurity` asks for it.
+A connection is bound to one job's key prefix: any key outside it is refused here, before it
+reaches etcd, and with etcd auth a job's user holds a role on that prefix only (docs: Security).
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import logging
 import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 # The daemon forks worker processes while gRPC threads run; gRPC's fork handlers are not safe
@@ -20,10 +26,15 @@ from typing import Any
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 import aetcd  # noqa: E402
+import grpc  # noqa: E402
+from aetcd.client import _handle_errors  # noqa: E402
 
-from elaswave.errors import EtcdUnavailable
+from elaswave.config import EtcdTLSConfig, etcd_credentials  # noqa: E402
+from elaswave.errors import ConfigError, EtcdAccessDenied, EtcdUnavailable  # noqa: E402
 
 log = logging.getLogger(__name__)
+
+PROBE = "probe/"  # read (never written) under a job's prefix to test access and get the revision
 
 
 @dataclass(frozen=True)
@@ -46,12 +57,145 @@ class WatchEvent:
     mod_revision: int
 
 
+@dataclass(frozen=True, repr=False)
+class EtcdSecurity:
+    """How to authenticate to etcd: TLS material (PEM bytes, read once) and user/password."""
+
+    cacert: bytes | None = None
+    cert: bytes | None = None
+    key: bytes | None = None
+    user: str | None = None
+    password: str | None = None
+
+    @property
+    def tls(self) -> bool:
+        return self.cacert is not None
+
+    def __repr__(self) -> str:  # never print key material or the password
+        return (
+            f"EtcdSecurity(tls={self.tls}, client_cert={self.cert is not None}, user={self.user})"
+        )
+
+    @classmethod
+    def load(cls, tls: EtcdTLSConfig, env: Any = None) -> EtcdSecurity:
+        """Read the PEM files of ``tls`` and the credentials from the environment.
+
+        A missing or unreadable file, or one that is not PEM, is a one-line :class:`ConfigError`.
+        """
+        creds = etcd_credentials(env)
+        return cls(
+            cacert=_read_pem(tls.cacert, "--etcd-cacert", "CERTIFICATE"),
+            cert=_read_pem(tls.cert, "--etcd-cert", "CERTIFICATE"),
+            key=_read_pem(tls.key, "--etcd-key", "PRIVATE KEY"),
+            user=creds[0] if creds else None,
+            password=creds[1] if creds else None,
+        )
+
+
+def _read_pem(path: str | None, flag: str, kind: str) -> bytes | None:
+    if not path:
+        return None
+    try:
+        data = Path(path).read_bytes()
+    except FileNotFoundError:
+        raise ConfigError(f"{flag}: file not found: {path}") from None
+    except OSError as exc:
+        raise ConfigError(f"{flag}: cannot read {path} ({exc.strerror})") from None
+    if f"-----BEGIN {kind}".encode() not in data and not (
+        kind == "PRIVATE KEY" and b"PRIVATE KEY-----" in data
+    ):
+        raise ConfigError(f"{flag}: {path} is not a PEM {kind.lower()}")
+    return data
+
+
+class _Client(aetcd.Client):
+    """``aetcd.Client`` whose gRPC channel can be TLS (aetcd 1.0 only opens plaintext ones).
+
+    ``connect`` mirrors aetcd 1.0's own, with the channel constructor swapped.
+    """
+
+    def __init__(self, *, credentials: grpc.ChannelCredentials | None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._credentials = credentials
+
+    @_handle_errors
+    async def connect(self) -> None:
+        if self._credentials is None:
+            await super().connect()
+            return
+        if self._connected.is_set():
+            return
+        if self._is_connecting:
+            await asyncio.wait_for(self._connected.wait(), self._connect_wait_timeout)
+            return
+        try:
+            self._is_connecting = True
+            target = f"{self._host}:{self._port}"
+            self.channel = grpc.aio.secure_channel(
+                target, self._credentials, options=list(self._options.items())
+            )
+            if self._username is not None and self._password is not None:
+                self.auth_stub = aetcd.rpc.AuthStub(self.channel)
+                resp = await self.auth_stub.Authenticate(
+                    aetcd.rpc.AuthenticateRequest(name=self._username, password=self._password),
+                    timeout=self._timeout,
+                )
+                self.metadata = (("token", resp.token),)
+            self.kvstub = aetcd.rpc.KVStub(self.channel)
+            self.clusterstub = aetcd.rpc.ClusterStub(self.channel)
+            self.leasestub = aetcd.rpc.LeaseStub(self.channel)
+            self.maintenancestub = aetcd.rpc.MaintenanceStub(self.channel)
+            self._watcher = aetcd.watcher.Watcher(
+                aetcd.rpc.WatchStub(self.channel), timeout=self._timeout, metadata=self.metadata
+            )
+            self._connected.set()
+        finally:
+            self._is_connecting = False
+
+
+def explain(exc: BaseException) -> str:
+    """A short, actionable reason for a failed connection or call (one line)."""
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    low = text.lower()
+    if "authentication failed" in low:
+        return "authentication failed: wrong ELASWAVE_ETCD_USER / ELASWAVE_ETCD_PASSWORD"
+    if "user name is empty" in low or "invalid auth token" in low:
+        return "etcd requires authentication: set ELASWAVE_ETCD_USER and ELASWAVE_ETCD_PASSWORD"
+    if "permission denied" in low:
+        return "permission denied"
+    if "not in peer certificate" in low:
+        return "TLS: etcd's certificate does not name the address given in --etcd (check its SAN)"
+    if "certificate_verify_failed" in low or "unable to get local issuer" in low:
+        return "TLS: etcd's server certificate is not signed by --etcd-cacert"
+    if "bad_certificate" in low or "certificate_required" in low or "unknown_ca" in low:
+        return "TLS: etcd refused this client's certificate: missing, or signed by another CA"
+    if "handshake" in low or "wrong_version_number" in low:
+        return f"TLS handshake failed ({text[-160:]})"
+    if "socket closed" in low:
+        return "connection closed by etcd: if it requires TLS, give --etcd-cacert"
+    if "connection refused" in low:
+        return "connection refused"
+    return text[:200]
+
+
+def _denied(endpoint: str, prefix: str) -> EtcdAccessDenied:
+    return EtcdAccessDenied(
+        f"etcd at {endpoint} denied access to {prefix}: this user has no readwrite role on "
+        "the job's prefix (see `elaswave etcd-access`)"
+    )
+
+
+async def _close_quietly(client: aetcd.Client) -> None:
+    with contextlib.suppress(Exception):
+        await client.close()
+
+
 def parse_endpoints(text: str | list[str]) -> list[tuple[str, int]]:
     """``"h1:2379,h2:2379"`` (or a list) → ``[(h1, 2379), (h2, 2379)]``."""
     items = text if isinstance(text, list) else [t for t in text.split(",") if t.strip()]
     out = []
     for item in items:
-        item = item.strip().removeprefix("http://")
+        item = item.strip().removeprefix("http://").removeprefix("https://")
         host, sep, port = item.rpartition(":")
         if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise EtcdUnavailable(f"bad etcd endpoint {item!r}: expected host:port")
@@ -62,26 +206,65 @@ def parse_endpoints(text: str | list[str]) -> list[tuple[str, int]]:
 
 
 class Etcd:
-    """One connection to an etcd cluster, to the first endpoint that answers."""
+    """One connection to an etcd cluster, to the first endpoint that answers, bound to one prefix.
 
-    def __init__(self, client: aetcd.Client, endpoint: str, op_timeout: float) -> None:
+    Every key this connection reads, writes, deletes or watches must lie under ``prefix`` (a
+    job's :class:`~elaswave.keys.JobKeys` prefix); anything else is a bug and raises at once.
+    """
+
+    def __init__(self, client: aetcd.Client, endpoint: str, op_timeout: float, prefix: str) -> None:
         self._client = client
         self.endpoint = endpoint
         self.op_timeout = op_timeout
+        self.prefix = prefix
 
     @classmethod
-    async def connect(cls, endpoints: str | list[str], *, timeout: float = 5.0) -> Etcd:
+    async def connect(
+        cls,
+        endpoints: str | list[str],
+        *,
+        prefix: str,
+        timeout: float = 5.0,
+        security: EtcdSecurity | None = None,
+    ) -> Etcd:
+        security = security or EtcdSecurity()
+        credentials = None
+        if security.tls:
+            credentials = grpc.ssl_channel_credentials(
+                root_certificates=security.cacert,
+                private_key=security.key,
+                certificate_chain=security.cert,
+            )
+        if not prefix.startswith("/") or not prefix.endswith("/"):
+            raise ValueError(f"etcd key prefix must look like /a/b/, got {prefix!r}")
         errors = []
         for host, port in parse_endpoints(endpoints):
-            client = aetcd.Client(host=host, port=port, timeout=max(1, int(timeout)))
+            client = _Client(
+                credentials=credentials,
+                host=host,
+                port=port,
+                username=security.user,
+                password=security.password,
+                timeout=max(1, int(timeout)),
+            )
             try:
-                await asyncio.wait_for(client.get(b"/elaswave/ping"), timeout)
-                return cls(client, f"{host}:{port}", timeout)
-            except (asyncio.TimeoutError, aetcd.exceptions.ClientError, OSError) as exc:
-                errors.append(f"{host}:{port} ({type(exc).__name__})")
-                with contextlib.suppress(Exception):
-                    await client.close()
-        raise EtcdUnavailable(f"cannot reach etcd at {', '.join(errors)} within {timeout:g}s")
+                # A read under the prefix: all that a user confined to the prefix may do.
+                await asyncio.wait_for(client.get((prefix + PROBE).encode()), timeout)
+                return cls(client, f"{host}:{port}", timeout, prefix)
+            except asyncio.TimeoutError:
+                errors.append(f"{host}:{port} (no answer within {timeout:g}s)")
+            except (aetcd.exceptions.ClientError, OSError) as exc:
+                errors.append(f"{host}:{port} ({explain(exc)})")
+                if explain(exc) == "permission denied":
+                    await _close_quietly(client)
+                    raise _denied(f"{host}:{port}", prefix) from None
+            await _close_quietly(client)
+        raise EtcdUnavailable(f"cannot reach etcd at {', '.join(errors)}")
+
+    def _own(self, key: str) -> bytes:
+        if not key.startswith(self.prefix):
+            raise ValueError(f"etcd key {key!r} is outside this connection's prefix {self.prefix}")
+        return key.encode()
 
     async def _call(self, coro: Any) -> Any:
         try:
@@ -92,39 +275,44 @@ class Etcd:
             ) from None
         except aetcd.exceptions.ConnectionFailedError:
             raise EtcdUnavailable(f"lost the connection to etcd at {self.endpoint}") from None
+        except aetcd.exceptions.ClientError as exc:
+            if explain(exc) == "permission denied":
+                raise _denied(self.endpoint, self.prefix) from None
+            raise
 
     async def get(self, key: str) -> KV | None:
-        r = await self._call(self._client.get(key.encode()))
+        r = await self._call(self._client.get(self._own(key)))
         if r is None:
             return None
         return KV(key, r.value, r.create_revision, r.mod_revision)
 
     async def get_prefix(self, prefix: str) -> list[KV]:
-        r = await self._call(self._client.get_prefix(prefix.encode()))
+        r = await self._call(self._client.get_prefix(self._own(prefix)))
         return [KV(kv.key.decode(), kv.value, kv.create_revision, kv.mod_revision) for kv in r]
 
     async def put(self, key: str, value: bytes | str, *, lease: Any = None) -> int:
         data = value.encode() if isinstance(value, str) else value
-        r = await self._call(self._client.put(key.encode(), data, lease=lease))
+        r = await self._call(self._client.put(self._own(key), data, lease=lease))
         return int(r.header.revision)
 
     async def put_json(self, key: str, value: Any, *, lease: Any = None) -> int:
         return await self.put(key, json.dumps(value, sort_keys=True), lease=lease)
 
     async def delete(self, key: str) -> None:
-        await self._call(self._client.delete(key.encode()))
+        await self._call(self._client.delete(self._own(key)))
 
     async def delete_prefix(self, prefix: str) -> None:
-        await self._call(self._client.delete_prefix(prefix.encode()))
+        await self._call(self._client.delete_prefix(self._own(prefix)))
 
     async def create(self, key: str, value: bytes | str, *, lease: Any = None) -> bool:
         """Put ``key`` only if it does not exist. True if this call created it."""
         data = value.encode() if isinstance(value, str) else value
         tx = self._client.transactions
+        k = self._own(key)
         ok, _ = await self._call(
             self._client.transaction(
-                compare=[tx.create(key.encode()) == 0],
-                success=[tx.put(key.encode(), data, lease=lease)],
+                compare=[tx.create(k) == 0],
+                success=[tx.put(k, data, lease=lease)],
                 failure=[],
             )
         )
@@ -134,10 +322,11 @@ class Etcd:
         """Put ``key`` only if its mod revision is still ``mod_revision`` (0: key absent)."""
         data = value.encode() if isinstance(value, str) else value
         tx = self._client.transactions
+        k = self._own(key)
         ok, _ = await self._call(
             self._client.transaction(
-                compare=[tx.mod(key.encode()) == mod_revision],
-                success=[tx.put(key.encode(), data)],
+                compare=[tx.mod(k) == mod_revision],
+                success=[tx.put(k, data)],
                 failure=[],
             )
         )
@@ -148,13 +337,14 @@ class Etcd:
     ) -> None:
         """Put one key and delete another in one transaction (watchers see both at once)."""
         data = value.encode() if isinstance(value, str) else value
+        pk, dk = self._own(put_key), self._own(delete_key)
         tx = self._client.transactions
         await self._call(
             self._client.transaction(
                 compare=[],
                 success=[
-                    tx.put(put_key.encode(), data, lease=lease),
-                    tx.delete(delete_key.encode()),
+                    tx.put(pk, data, lease=lease),
+                    tx.delete(dk),
                 ],
                 failure=[],
             )
@@ -180,7 +370,7 @@ class Etcd:
     ) -> AsyncIterator[WatchEvent]:
         """Yield put/delete events under ``prefix`` (from ``start_revision`` if given)."""
         watch = await self._call(
-            self._client.watch_prefix(prefix.encode(), start_revision=start_revision)
+            self._client.watch_prefix(self._own(prefix), start_revision=start_revision)
         )
         try:
             async for ev in watch:
@@ -197,7 +387,10 @@ class Etcd:
                 await asyncio.wait_for(watch.cancel(), 1.0)
 
     async def revision(self) -> int:
-        r = await self._call(self._client.get_prefix(b"/elaswave/ping", keys_only=True))
+        # A range that holds no key: its answer's header carries the store's revision.
+        r = await self._call(
+            self._client.get_prefix(self._own(self.prefix + PROBE), keys_only=True)
+        )
         return int(r.header.revision)
 
     async def close(self) -> None:

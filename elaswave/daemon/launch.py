@@ -14,7 +14,8 @@ import signal
 from pathlib import Path
 
 from elaswave.config import JobConfig, state_dir
-from elaswave.daemon.etcd_server import EmbeddedEtcd, check_port_free
+from elaswave.daemon.etcd import EtcdSecurity
+from elaswave.daemon.etcd_server import EmbeddedEtcd, ServerTLS, check_port_free
 from elaswave.daemon.supervisor import HostDaemon
 from elaswave.errors import ElasWaveError, JobNotFound
 
@@ -43,7 +44,12 @@ def find_job(job_id: str) -> dict:
     return record
 
 
-def launch(cfg: JobConfig, *, host_addr: str | None = None) -> int:
+def launch(
+    cfg: JobConfig, *, host_addr: str | None = None, security: EtcdSecurity | None = None
+) -> int:
+    """Run this host's part of the job; ``security`` defaults to ``cfg.etcd_tls`` + environment."""
+    if security is None:
+        security = EtcdSecurity.load(cfg.etcd_tls)
     if cfg.resume:
         from elaswave.runtime.durable import latest
 
@@ -68,13 +74,18 @@ def launch(cfg: JobConfig, *, host_addr: str | None = None) -> int:
         if not endpoints:
             if cfg.etcd_port:
                 check_port_free(cfg.etcd_port)
-            embedded = EmbeddedEtcd(client_port=cfg.etcd_port).start()
+            tls = cfg.etcd_tls
+            server_tls = None
+            if tls.server_cert and tls.server_key and tls.cacert:
+                server_tls = ServerTLS(cert=tls.server_cert, key=tls.server_key, ca=tls.cacert)
+            embedded = EmbeddedEtcd(client_port=cfg.etcd_port, tls=server_tls).start()
             endpoints = [embedded.endpoint]
         daemon = HostDaemon(
             cfg,
             etcd_endpoints=endpoints,
             host_addr=host_addr,
             embedded_etcd_pid=embedded.proc.pid if embedded and embedded.proc else None,
+            security=security,
         )
         owns_record = not disc.exists()
         if owns_record:
@@ -87,6 +98,8 @@ def launch(cfg: JobConfig, *, host_addr: str | None = None) -> int:
                         "run_dir": str(run_dir.resolve()),
                         "pid": os.getpid(),
                         "host_id": daemon.host_id,
+                        # paths only (never credentials): status/inject-fault reuse them
+                        "etcd_tls": tls_paths(cfg),
                     }
                 )
             )
@@ -98,6 +111,13 @@ def launch(cfg: JobConfig, *, host_addr: str | None = None) -> int:
     finally:
         if embedded is not None:
             embedded.stop()
+
+
+def tls_paths(cfg: JobConfig) -> dict[str, str]:
+    """The client TLS files of a job as absolute paths (for its discovery record)."""
+    tls = cfg.etcd_tls
+    named = {"cacert": tls.cacert, "cert": tls.cert, "key": tls.key}
+    return {k: str(Path(v).resolve()) for k, v in named.items() if v}
 
 
 async def _run(daemon: HostDaemon) -> int:

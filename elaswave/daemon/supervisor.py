@@ -22,11 +22,11 @@ from typing import Any
 from elaswave.config import JobConfig
 from elaswave.daemon import leader
 from elaswave.daemon.control import ControlServer, WorkerConn
-from elaswave.daemon.etcd import Etcd
+from elaswave.daemon.etcd import Etcd, EtcdSecurity
 from elaswave.daemon.workers import WorkerProc, spawn, stop_all
 from elaswave.errors import ElasWaveError, EtcdUnavailable, JobFailed
 from elaswave.events import EVENTS_FILE, METRICS_FILE, EventLog, JsonlWriter
-from elaswave.faults import FaultSpec
+from elaswave.faults import FaultSpec, decode_request
 from elaswave.keys import JobKeys
 from elaswave.plan import Plan
 
@@ -55,9 +55,11 @@ class HostDaemon:
         etcd_endpoints: list[str],
         host_addr: str | None = None,
         embedded_etcd_pid: int | None = None,
+        security: EtcdSecurity | None = None,
     ) -> None:
         self.cfg = cfg
         self.endpoints = etcd_endpoints
+        self.security = security
         self.host_id = cfg.host_id or default_host_id()
         self.host_addr = host_addr or host_address_for(etcd_endpoints[0])
         self.keys = JobKeys(cfg.job_id)
@@ -89,7 +91,12 @@ class HostDaemon:
     # ---- lifecycle --------------------------------------------------------------------------
     async def run(self) -> int:
         """Run until the job ends on this host; returns the process exit code."""
-        self.etcd = await Etcd.connect(self.endpoints, timeout=self.cfg.timeouts.etcd_connect)
+        self.etcd = await Etcd.connect(
+            self.endpoints,
+            prefix=self.keys.prefix,
+            timeout=self.cfg.timeouts.etcd_connect,
+            security=self.security,
+        )
         try:
             await self._join()
             self._tasks = [
@@ -420,10 +427,19 @@ class HostDaemon:
         rev = await self.etcd.revision()
         kv = await self.etcd.get(self.keys.plan)
         if kv is not None:
-            self._adopt(Plan.from_json(kv.value))
+            self._adopt_json(kv.value)
         async for ev in self.etcd.watch_prefix(self.keys.plan, start_revision=rev + 1):
             if ev.key == self.keys.plan and ev.kind == "put":
-                self._adopt(Plan.from_json(ev.value))
+                self._adopt_json(ev.value)
+
+    def _adopt_json(self, value: bytes) -> None:
+        try:
+            plan = Plan.from_json(value)
+        except (ValueError, KeyError, TypeError) as exc:  # JSON only; a bad value is ignored
+            log.warning("ignoring a malformed plan in etcd: %s", exc)
+            self.events.emit("plan_rejected", reason=f"malformed plan ({type(exc).__name__})")
+            return
+        self._adopt(plan)
 
     def _adopt(self, plan: Plan) -> None:
         if self.plan is not None and plan.epoch <= self.plan.epoch:
@@ -444,12 +460,21 @@ class HostDaemon:
                 self._queue_fault(ev.key, ev.value)
 
     def _queue_fault(self, key: str, value: bytes) -> None:
+        """Accept a fault request from etcd only if it is well-formed; anything else is logged,
+        removed and ignored (the daemon never trusts what it reads there)."""
         try:
-            self._pending_faults[key] = FaultSpec.from_dict(json.loads(value))
-        except (ElasWaveError, ValueError) as exc:
+            self._pending_faults[key] = decode_request(value)
+        except ElasWaveError as exc:
+            log.warning("ignoring fault request %s: %s", key, exc)
             self.events.emit("fault_rejected", key=key, reason=str(exc))
+            if self.is_leader:
+                asyncio.create_task(self._delete_quietly(key))
             return
         self._dispatch_faults()
+
+    async def _delete_quietly(self, key: str) -> None:
+        with contextlib.suppress(ElasWaveError):
+            await self.etcd.delete(key)
 
     def _dispatch_faults(self) -> None:
         if self.plan is None:
@@ -459,10 +484,15 @@ class HostDaemon:
             if fault.rank >= self.plan.world_size:
                 if self.is_leader:
                     del self._pending_faults[key]
-                    self.events.emit(
-                        "fault_rejected", fault=fault.to_dict(), reason="rank out of range"
+                    reason = (
+                        f"rank {fault.rank} is not in the plan (epoch {self.plan.epoch}: "
+                        f"ranks 0..{self.plan.world_size - 1})"
                     )
-                    asyncio.create_task(self.etcd.delete(key))
+                    log.warning("ignoring fault request %s: %s", key, reason)
+                    self.events.emit(
+                        "fault_rejected", key=key, fault=fault.to_dict(), reason=reason
+                    )
+                    asyncio.create_task(self._delete_quietly(key))
                 continue
             target = self.plan.workers[fault.rank]
             w = self.workers.get(target)

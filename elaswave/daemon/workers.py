@@ -58,6 +58,8 @@ async def spawn(
     log_path = log_dir / f"{wid}.log"
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
+    for secret in ("ELASWAVE_ETCD_USER", "ELASWAVE_ETCD_PASSWORD"):
+        env.pop(secret, None)  # workers never talk to etcd: keep its credentials in the daemon
     with open(log_path, "ab") as logf:
         proc = await asyncio.create_subprocess_exec(
             sys.executable,
