@@ -564,7 +564,8 @@ class Engine:
             chosen = self._broadcast_json(str(newest) if newest else "", 0, broken)
             if not chosen:  # every rank sees the same choice, so all raise together
                 raise
-            return self._restore(Path(chosen), plan, broken, resume, str(exc))
+            newest = int(max(rows[i][4] for i in with_state))  # committed, incl. rolled back
+            return self._restore(Path(chosen), plan, broken, newest, str(exc))
         self.step, self.last_loss = resume, float(rows[source][3])
         z.snap_loss = self.last_loss
         return {
