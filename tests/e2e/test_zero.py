@@ -133,3 +133,22 @@ def test_snapshots_every_three_steps_roll_back_and_redo(
     assert all(e["bytes"] == 0 and e["promoted_bytes"] > 0 for e in synced)
     (inc,) = build_report(run.dir)["incidents"]
     assert inc["recomputed_steps"] == 1 and "rolled back to snapshot step 9" in inc["reason"]
+
+
+def test_a_respawned_worker_takes_an_even_share_by_disjoint_transfers(
+    tmp_path: Path, state_env: dict[str, str], reference: Run
+) -> None:
+    """Shrink then grow with snapshots every 2 steps: the loss moves nothing over the network;
+    the joiner receives its share (and the snapshot's parameter chunks it now owns) from the
+    survivors, and every rank ends with the same parameters and optimizer state."""
+    r = launch(tmp_path / "run", "--job-id", "zero-regrow", "--zero", "1", "--steps", "80",
+               "--snapshot-every", "2", "--max-restarts", "1",
+               "--fault", "kill,rank=1,at_step=8", env=state_env)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    run = Run(tmp_path / "run")
+    assert_clean_run(run, 80, reference)
+    assert [p["world"] for p in run.of("plan_published")] == [4, 3, 4]
+    shrink, grow = _synced(run, 2), _synced(run, 3)
+    assert all(e["bytes"] == 0 and e["promoted_bytes"] > 0 for e in shrink)
+    assert len(grow) == 4 and all(e["bytes"] > 0 and e["promoted_bytes"] == 0 for e in grow)
+    assert {e["resume_step"] % 2 for e in shrink + grow} == {0}, "rolled back to snapshots"
