@@ -6,9 +6,10 @@ Every scenario is one module exposing ``DESCRIPTION``, ``DEFAULT_REPEAT``,
 
 from __future__ import annotations
 
-from bench import comm, crash, hang, mttr, overhead, partition, pipeline, security, zero
+from bench import checksum, comm, crash, hang, mttr, overhead, partition, pipeline, security, zero
 
 SCENARIOS = {
+    "checksum": checksum,
     "comm": comm,
     "crash": crash,
     "hang": hang,

@@ -1,13 +1,16 @@
-"""ZeRO-1: what the buddy snapshots and verification cost per step, and what a shard recovery moves.
+"""ZeRO-1: what the spread snapshots and verification cost per step, and what a shard recovery
+moves.
 
 **Overhead** (fault-free, ``STEPS`` steps, 4 workers; per round in this order): replicated DP
-(``--zero 0``), ZeRO-1 without snapshots, with a buddy snapshot every step, with snapshots +
-checksum verification every 10 steps (the ``--zero 1`` defaults), and plain DDP. Metric as in
-:mod:`bench.overhead`: median wall interval per step after ``WARMUP`` steps; the mean too, as a
-median skips verification (1 step in 10). **Shard recovery** (per round, W in ``WORLDS``): rank 1
-SIGKILLed at step 10. From the ``state_synced`` events of the epoch that answered the fault (each
-rank reports the plan's totals): bytes moved, pairs, transfers, ``max_over_mean`` (largest
-per-rank volume over the mean; 1.0 = balanced), the slowest rank's ``transfer_s``; and MTTR.
+(``--zero 0``), ZeRO-1 without snapshots, with a snapshot every step, every 4 steps, with
+snapshots + checksum verification every 10 steps (the ``--zero 1`` defaults), and plain DDP.
+Metric as in :mod:`bench.overhead`: median wall interval per step after ``WARMUP`` steps; the
+mean too, as a median skips verification (1 step in 10). **Shard recovery** (per round, W in
+``WORLDS``): rank 1 SIGKILLed at step 10. From the ``state_synced`` events of the epoch that
+answered the fault (each rank reports the plan's totals): bytes moved over the network, bytes
+promoted locally (replica pieces that become owned), pairs, transfers, ``max_over_mean``
+(largest per-rank recovery volume — sent + received + promoted — over the mean; 1.0 =
+balanced), the slowest rank's ``transfer_s``; and MTTR.
 """
 
 from __future__ import annotations
@@ -53,13 +56,16 @@ VARIANTS: dict[str, tuple[str, list[str] | None]] = {
              ["--zero", "1", "--snapshot-every", "0", "--verify-every", "0"]),
     "zero_snap": ("ZeRO-1 + snapshots", ["--zero", "1", "--snapshot-every", "1",
                                          "--verify-every", "0"]),
+    "zero_snap4": ("ZeRO-1 + snapshots every 4 steps", ["--zero", "1", "--snapshot-every", "4",
+                                                        "--verify-every", "0"]),
     "zero_snap_verify": ("ZeRO-1 + snapshots + verify/10 (defaults)", ["--zero", "1"]),
     "ddp": ("PyTorch DDP", None),
 }  # fmt: skip
-PAIRS = (("zero_snap_verify", "zero"), ("zero_snap", "zero"), ("zero_snap_verify", "ddp"),
-         ("zero", "replicated"))  # same-round ratios  # fmt: skip
-RECOVERY_FIELDS = ("bytes", "lost_shard_bytes", "pairs", "transfers", "max_over_mean",
-                   "transfer_max_s", "sync_max_s", "state_s", "mttr_s")  # fmt: skip
+PAIRS = (("zero_snap_verify", "zero"), ("zero_snap", "zero"), ("zero_snap4", "zero"),
+         ("zero_snap_verify", "ddp"), ("zero", "replicated"))  # same-round ratios  # fmt: skip
+RECOVERY_FIELDS = ("bytes", "promoted_bytes", "lost_shard_bytes", "pairs", "transfers",
+                   "max_over_mean", "transfer_max_s", "sync_max_s", "state_s",
+                   "mttr_s")  # fmt: skip
 
 
 def run(repeat: int, config: Path) -> dict[str, Any]:
@@ -92,7 +98,8 @@ def run(repeat: int, config: Path) -> dict[str, Any]:
             recoveries[str(world)].append(rec)
             console.print(
                 f"recovery round {r}/{repeat} W={world}: {rec['bytes']} B in "
-                f"{rec['transfers']} transfers, max/mean {rec['max_over_mean']:.3f}, "
+                f"{rec['transfers']} transfers, {rec['promoted_bytes']} B promoted, "
+                f"max/mean {rec['max_over_mean']:.3f}, "
                 f"MTTR {ms(rec['mttr_s'])} ms"
             )
     shutil.rmtree(tmp, ignore_errors=True)  # kept (for inspection) when a run failed
@@ -228,6 +235,7 @@ def _recovery(config: Path, world: int, out: Path, env: dict[str, str], r: int) 
     first = synced[0]
     return {
         "bytes": first["bytes"],
+        "promoted_bytes": first["promoted_bytes"],
         "lost_shard_bytes": _lost_shard_bytes(config, world),
         "pairs": first["pairs"],
         "transfers": first["transfers"],
@@ -248,7 +256,7 @@ def _lost_shard_bytes(config: Path, world: int) -> int:
     from elaswave.runtime.shards import ShardLayout
 
     segments = layer_segments(build_model(load_config(config, env={})))
-    return ShardLayout(segments, world).shard_size(1) * 8
+    return ShardLayout.even(segments, world).shard_size(1) * 8
 
 
 def show(result: dict[str, Any]) -> None:
@@ -284,6 +292,7 @@ def show(result: dict[str, Any]) -> None:
         mttr = s["mttr_s"]
         rows.append(
             (f"{world}→{world - 1}", f"{s['bytes']['median'] / 1e6:.2f}",
+             f"{s['promoted_bytes']['median'] / 1e6:.2f}",
              f"{s['lost_shard_bytes']['median'] / 1e6:.2f}", f"{s['pairs']['median']:g}",
              f"{s['transfers']['median']:g}", f"{s['max_over_mean']['median']:.3f}",
              ms(s["transfer_max_s"]["median"]), ms(mttr["median"]),
@@ -292,7 +301,7 @@ def show(result: dict[str, Any]) -> None:
     print_table(
         f"ZeRO-1 shard recovery ({rec['fault']}, {rec['steps']} steps), medians over "
         f"{result['repeat']} runs",
-        ("W", "moved\nMB", "lost\nMB", "pairs", "xfers", "max/\nmean", "xfer\nms", "MTTR\nms",
-         "spread"),
+        ("W", "moved\nMB", "promoted\nMB", "lost\nMB", "pairs", "xfers", "max/\nmean",
+         "xfer\nms", "MTTR\nms", "spread"),
         rows,
     )  # fmt: skip

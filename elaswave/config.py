@@ -215,8 +215,9 @@ class JobConfig:
     layer_costs: str = "estimate"  # pipelines: partition by a FLOP "estimate" or a start-up
     #                                "profile" of each layer's time (measured by every worker)
     verify_every: int = 10  # compare replicas' checksums every K committed steps (0: never)
-    snapshot_every: int = 1  # ZeRO: buddy replica of each shard every step (0: none; then a
-    #                          lost shard can only come back from a durable checkpoint)
+    snapshot_every: int = 1  # ZeRO: replicate each shard (spread over the peers) every K
+    #                          committed steps; a fault rolls back to the last snapshot step
+    #                          (0: none; then a lost shard only comes back from a checkpoint)
     durable_every: int = 0  # torch.distributed.checkpoint every N committed steps (0: never)
     durable_dir: str | None = None  # default <run_dir>/checkpoints (shared storage across hosts)
     resume: str | None = None  # start from the newest durable checkpoint in this directory
@@ -231,10 +232,8 @@ class JobConfig:
     def __post_init__(self) -> None:
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", self.job_id):
             raise ConfigError(f"job_id must be 1-64 of [A-Za-z0-9_.-], got {self.job_id!r}")
-        if self.snapshot_every not in (0, 1):
-            raise ConfigError(
-                f"snapshot_every must be 0 or 1 (every step), got {self.snapshot_every}"
-            )
+        if self.snapshot_every < 0:
+            raise ConfigError(f"snapshot_every must be >= 0, got {self.snapshot_every}")
         if self.durable_every < 0:
             raise ConfigError(f"durable_every must be >= 0, got {self.durable_every}")
         if self.verify_every < 0:

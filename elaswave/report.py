@@ -130,8 +130,10 @@ def _incident(
         state_resume_step=None,
         state_pairs=None,
         state_max_over_mean=None,
+        state_promoted_bytes=None,
     )
     commit = None
+    redone = 0  # committed steps rolled back to a snapshot (``--snapshot-every K > 1``)
     if plan is not None:
         epoch = plan["epoch"]
         comm = [e for e in events if e["kind"] == "comm_rebuilt" and e.get("epoch") == epoch]
@@ -159,12 +161,19 @@ def _incident(
                 if done
                 else max((e.get("migration_seconds", 0.0) for e in state), default=None)
             )
+        promoted = [e["promoted_bytes"] for e in state if "promoted_bytes" in e]  # ZeRO only
+        inc["state_promoted_bytes"] = max(promoted) if promoted else None
+        redone = max((e.get("redone_steps", 0) for e in state), default=0)
     inc.update(phases)
     restored = _first(
         events,
         lambda e: e["kind"] == "durable_restored" and e["t"] >= t0 and e.get("reason") != "resume",
     )
-    inc["recomputed_steps"] = restored["recomputed_steps"] if restored else 0
+    inc["recomputed_steps"] = restored["recomputed_steps"] if restored else redone
+    if redone and not restored:
+        inc["reason"] += (
+            f"; rolled back to snapshot step {inc['state_resume_step']}, {redone} step(s) redone"
+        )
     if restored:
         inc["_restored_t"] = restored["t"]
         inc["reason"] += (
@@ -201,7 +210,8 @@ def _totals(
 
 CSV_FIELDS = [
     "id", "kind", "worker", "rank", "fault_step", "epoch", "world_after", *PHASES,
-    "mttr_s", "first_commit_step", "state_bytes", "recomputed_steps", "reason",
+    "mttr_s", "first_commit_step", "state_bytes", "state_promoted_bytes", "state_max_over_mean",
+    "recomputed_steps", "reason",
 ]  # fmt: skip
 
 
@@ -241,7 +251,14 @@ def render_markdown(report: dict[str, Any]) -> str:
             )
         lines.append("")
         for inc in incidents:
-            lines.append(f"- incident {inc['id']}: {inc['reason']}")
+            state = ""
+            if inc.get("state_promoted_bytes") is not None and inc.get("state_bytes") is not None:
+                state = (
+                    f" (state: {inc['state_bytes']} B over the network, "
+                    f"{inc['state_promoted_bytes']} B promoted locally, per-rank max/mean "
+                    f"{inc['state_max_over_mean']:.3f})"
+                )
+            lines.append(f"- incident {inc['id']}: {inc['reason']}{state}")
         lines.append("")
     else:
         lines += ["No incidents.", ""]

@@ -101,7 +101,7 @@ def launch(
         None, "--resume", help="Start from the newest durable checkpoint in this directory."
     ),
     snapshot_every: int | None = typer.Option(
-        None, "--snapshot-every", help="ZeRO buddy replicas: 1 every step, 0 none."
+        None, "--snapshot-every", help="ZeRO replicas every K steps (1: every step, 0: none)."
     ),
     verify_every: int | None = typer.Option(
         None, "--verify-every", help="Compare replicas' checksums every K steps (0: never)."

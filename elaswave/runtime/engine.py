@@ -42,6 +42,7 @@ from elaswave.runtime.model import GPT, GPTConfig
 from elaswave.runtime.optim import AdamWHyper, FlatAdamW, FlatParams
 from elaswave.runtime.pipeline import MIG, LayersLost, Pipeline
 from elaswave.runtime.rng import MicrobatchRng
+from elaswave.runtime.shards import ShardLayout
 from elaswave.runtime.verify import flip_bit, judge
 from elaswave.runtime.zero import ShardLost, ZeroState, digest
 
@@ -120,7 +121,7 @@ class Engine:
         self.zero: ZeroState | None = None
         if cfg.zero:
             self.zero = ZeroState(self.flat, hyper, self.segments)
-            self.zero.replicate = cfg.snapshot_every > 0
+            self.zero.snapshot_every = cfg.snapshot_every
             self.opt = FlatAdamW(0, hyper)  # the shards live in ``self.zero``
         else:
             self.opt = FlatAdamW(self.flat.numel, hyper)
@@ -293,9 +294,9 @@ class Engine:
         z.staged.reached_barrier = True
         tail = buf[n:].to(torch.float64)
         self.comm.allreduce(DP, tail, self._group_broken)
-        z.commit()  # every rank staged and replicated this step: it is committed
-        self.step = step
         self.last_loss = float(tail[0]) / t.global_batch
+        z.commit(self.last_loss)  # every rank staged (and replicated) this step: committed
+        self.step = step
         assert self.plan is not None
         if int(round(float(tail[1]))) != self.plan.world_size * self.plan.epoch:
             self.replan = True
@@ -350,7 +351,7 @@ class Engine:
         if self.zero is not None:
             self.zero.restore_full(
                 self.comm, plan.workers, self.comm.rank(DP), state.step,
-                state.exp_avg, state.exp_avg_sq, plan.epoch, broken, plan.hosts,
+                state.exp_avg, state.exp_avg_sq, plan.epoch, broken, plan.hosts, state.loss,
             )  # fmt: skip
         else:
             self.opt.exp_avg.copy_(state.exp_avg)
@@ -369,10 +370,8 @@ class Engine:
 
     def _corrupt(self, target: str, step: int) -> str:
         z = self.zero
-        if target == "snapshot" and z is not None and z.replica is not None:
-            tensor, name = z.replica.exp_avg, "zero replica (exp_avg)"
-        elif target == "snapshot" and z is not None and z.own is not None:
-            tensor, name = z.own.exp_avg, "zero shard (exp_avg)"  # no replica kept: the owner's
+        if target == "snapshot" and z is not None and z.own is not None:
+            tensor, name = z.corrupt_target()
         elif target == "snapshot":
             tensor, name = self.opt.exp_avg, "optimizer state (exp_avg)"
         else:
@@ -386,8 +385,8 @@ class Engine:
         broken = self._group_broken
         z = self.zero
         parts = [self.flat.data] if z else [self.flat.data, self.opt.exp_avg, self.opt.exp_avg_sq]
-        own_ok = z is None or (z.own is not None and z.own.verify())
-        replica_ok = z is None or z.replica is None or z.replica.verify()
+        own_ok = z is None or z.verify_own()
+        replica_ok = z is None or z.verify_replicas()
         mine = torch.tensor([digest(*parts), int(own_ok), int(replica_ok)], dtype=torch.int64)
         rows = [r.tolist() for r in self.comm.allgather(DP, mine, broken)]
         verdict = judge([r[0] for r in rows])
@@ -563,8 +562,9 @@ class Engine:
         assert z is not None
         rank = self.comm.rank(DP)
         committed, staged = z.info()
+        loss = z.snap_loss if z.keeps_params else self.last_loss  # K > 1: the snapshot's
         mine = torch.tensor(
-            [committed, staged, float(z.layout_epoch), self.last_loss], dtype=torch.float64
+            [committed, staged, float(z.layout_epoch), loss, float(self.step)], dtype=torch.float64
         )
         rows = [r.tolist() for r in self.comm.allgather(DP, mine, broken)]
         with_state = [i for i, r in enumerate(rows) if r[0] >= 0]
@@ -572,13 +572,14 @@ class Engine:
             if self.cfg.resume:
                 return self._restore(self._resume_path(), plan, broken, 0, "resume")
             stats = z.reshard(
-                self.comm, (), plan.workers, rank, 0, plan.epoch, broken, new_hosts=plan.hosts
-            )
+                self.comm, (), None, plan.workers, rank, 0, plan.epoch, broken,
+                new_hosts=plan.hosts,
+            )  # fmt: skip
             return {
                 "resume_step": 0,
                 "source_rank": 0,
                 "steps": [0] * len(rows),
-                "buddy_shift": z.shift,
+                "replica_holders": _holders_of(z),
                 **stats,
             }
         resume = int(max(rows[i][0] for i in with_state))
@@ -587,12 +588,17 @@ class Engine:
                 raise ShardLost("ranks hold shards of different layouts (a fault while resharding)")
             source = next(i for i in with_state if int(rows[i][0]) == resume)
             z.settle(resume)
-            old = self._broadcast_json({"workers": z.workers, "shift": z.shift}, source, broken)
-            if len(with_state) < len(rows):  # newcomers: full parameters from the source
+            layout = z.layout.to_json() if z.layout is not None else []
+            old = self._broadcast_json(
+                {"workers": z.workers, "ranges": layout, "hosts": z.hosts}, source, broken
+            )
+            if len(with_state) < len(rows) and not z.keeps_params:
+                # newcomers: full parameters from the source (K > 1 rebuilds them from chunks)
                 self.comm.broadcast(DP, self.flat.data, source, broken)
             stats = z.reshard(
-                self.comm, tuple(old["workers"]), plan.workers, rank, resume, plan.epoch, broken,
-                old_shift=int(old["shift"]), new_hosts=plan.hosts,
+                self.comm, tuple(old["workers"]), ShardLayout.from_json(z.segments, old["ranges"]),
+                plan.workers, rank, resume, plan.epoch, broken,
+                old_hosts=tuple(old["hosts"]), new_hosts=plan.hosts,
             )  # fmt: skip
         except ShardLost as exc:  # both in-memory copies gone: the durable checkpoint, if any
             if self.durable is None:
@@ -602,11 +608,15 @@ class Engine:
             chosen = self._broadcast_json(str(newest) if newest else "", 0, broken)
             if not chosen:  # every rank sees the same choice, so all raise together
                 raise
-            return self._restore(Path(chosen), plan, broken, resume, str(exc))
+            newest = int(max(rows[i][4] for i in with_state))  # committed, incl. rolled back
+            return self._restore(Path(chosen), plan, broken, newest, str(exc))
         self.step, self.last_loss = resume, float(rows[source][3])
+        z.snap_loss = self.last_loss
         return {
-            "buddy_shift": z.shift,
+            "replica_holders": _holders_of(z),
             "resume_step": resume,
+            # committed steps rolled back to the snapshot (K > 1), to be redone
+            "redone_steps": int(max(rows[i][4] for i in with_state)) - resume,
             "source_rank": source,
             "steps": [int(r[0]) for r in rows],
             **stats,
@@ -662,3 +672,11 @@ class Engine:
             **agree,
         )
         self.control.send({"type": "done", "step": self.step, "worker_id": self.me})
+
+
+def _holders_of(z: ZeroState) -> dict[str, list[int]]:
+    """Owner rank -> ranks that keep pieces of its replica (for events and tests)."""
+    out: dict[str, set[int]] = {}
+    for p in z.placement:
+        out.setdefault(str(p.owner), set()).add(p.holder)
+    return {owner: sorted(holders) for owner, holders in out.items()}

@@ -3,8 +3,8 @@
 Every ``verify_every`` committed steps each rank checksums what is replicated (the parameters,
 and without ZeRO the optimizer moments too), the checksums are all-gathered, and a rank that
 disagrees with the majority has silent data corruption: it is reported and repaired from a rank
-that agrees. With ZeRO, each shard and its buddy replica also carry the checksum taken when they
-were made; a copy that no longer matches its own checksum is replaced from the other copy.
+that agrees. With ZeRO, each shard and the replica pieces of it also carry the checksum taken when
+they were made; a copy that no longer matches its own checksum is replaced from the other copy.
 """
 
 from __future__ import annotations

@@ -1,29 +1,64 @@
-"""Shard layout and transfer plans: every element owned once, transfers disjoint and complete."""
+"""Shard layouts, spread replicas and transfer plans: every element owned exactly once, replica
+pieces cover each shard exactly once off its owner (and off its host), inheritance equals the
+replica placement, transfers disjoint and complete."""
 
 from __future__ import annotations
-
-import random
 
 import pytest
 import torch
 
-from elaswave.runtime.shards import ShardLayout, buddy, plan_transfers, transfer_stats
+from elaswave.runtime.shards import (
+    ShardLayout,
+    holdings,
+    next_layout,
+    place_replicas,
+    plan_transfers,
+    promoted,
+    recovery_stats,
+)
 
 SEGMENTS = ((0, 10), (10, 7), (17, 1), (18, 33))
+BIG = tuple((i * 1000, 1000 + 7 * i) for i in range(6))  # layers of a few thousand elements
+BIG = tuple((sum(n for _, n in BIG[:i]), n) for i, (_, n) in enumerate(BIG))
+
+
+def _elements(ranges) -> list[int]:  # noqa: ANN001
+    return [i for lo, n in ranges for i in range(lo, lo + n)]
+
+
+def _assert_tiles(layout: ShardLayout) -> None:
+    owned = [i for r in range(layout.world) for i in _elements(layout.pieces(r))]
+    assert sorted(owned) == list(range(layout.numel)), "every element owned exactly once"
+
+
+def _workers(n: int, prefix: str = "w") -> list[str]:
+    return [f"{prefix}{i}" for i in range(n)]
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
 def test_every_element_is_owned_exactly_once(world: int) -> None:
-    layout = ShardLayout(SEGMENTS, world)
-    owned = [i for r in range(world) for lo, n in layout.pieces(r) for i in range(lo, lo + n)]
-    assert sorted(owned) == list(range(layout.numel))
+    layout = ShardLayout.even(SEGMENTS, world)
+    _assert_tiles(layout)
     sizes = [layout.shard_size(r) for r in range(world)]
     assert max(sizes) - min(sizes) <= len(SEGMENTS), "shards are balanced per layer"
 
 
+@pytest.mark.parametrize(
+    ("ranges", "error"),
+    [
+        ((((0, 10), (10, 7)), ((17, 1), (18, 32))), "cover 50 of 51"),
+        ((((0, 10), (10, 7)), ((16, 2), (18, 33))), "exactly at offset 17"),
+        ((((0, 10), (10, 7)), ((17, 1), (18, 33)), ((40, 2),)), "exactly at offset 51"),
+    ],
+)
+def test_a_layout_that_does_not_tile_the_buffer_is_rejected(ranges, error: str) -> None:  # noqa: ANN001
+    with pytest.raises(ValueError, match=error):
+        ShardLayout(SEGMENTS, ranges)
+
+
 @pytest.mark.parametrize("world", [1, 3, 4])
 def test_gather_index_round_trips(world: int) -> None:
-    layout = ShardLayout(SEGMENTS, world)
+    layout = ShardLayout.even(SEGMENTS, world)
     flat = torch.arange(layout.numel, dtype=torch.float32) + 1
     ext = torch.cat([flat, torch.zeros(1)])
     index = layout.gather_index()
@@ -37,12 +72,88 @@ def test_gather_index_round_trips(world: int) -> None:
     assert torch.equal(back[: layout.numel], flat)
 
 
-def _apply(moves, old, old_workers, holders, new, new_workers):  # noqa: ANN001, ANN202
-    """Simulate: start from what each live worker holds, apply moves, return new ownership."""
-    have: dict[str, set[int]] = {w: set() for w in set(old_workers) | set(new_workers)}
-    for r, w in holders.items():
-        for lo, n in old.pieces(r):
-            have[w] |= set(range(lo, lo + n))
+def _after_losses(world: int, deaths: list[int]) -> tuple[ShardLayout, list[str]]:
+    """The layout after losing ``deaths`` one at a time (indices into the then-current ranks)."""
+    workers = _workers(world)
+    layout = ShardLayout.even(BIG, world)
+    for d in deaths:
+        new = [w for i, w in enumerate(workers) if i != d]
+        found = holdings(layout, workers, place_replicas(layout), set(new))
+        layout, workers = next_layout(layout, workers, found, new), new
+    return layout, workers
+
+
+HOSTS = [
+    (),
+    ("a", "a", "b", "b"),
+    ("a", "b", "a", "b"),
+    ("a", "a", "a", "b", "b", "b"),
+    ("a", "a", "b"),
+    ("h1", "h1", "h2", "h2", "h3", "h3", "h4", "h4"),
+]
+
+
+@pytest.mark.parametrize("hosts", HOSTS)
+@pytest.mark.parametrize("deaths", [[], [1], [0, 2]])
+def test_replica_pieces_cover_each_shard_once_off_its_owner_and_host(
+    hosts: tuple[str, ...], deaths: list[int]
+) -> None:
+    world = len(hosts) or 5
+    layout, _ = (
+        _after_losses(world + len(deaths), deaths) if not hosts else _after_losses(world, [])
+    )
+    hosts = hosts[: layout.world]
+    placement = place_replicas(layout, hosts)
+    for owner in range(layout.world):
+        mine = [p for p in placement if p.owner == owner]
+        assert sorted(_elements((p.offset, p.length) for p in mine)) == sorted(
+            _elements(layout.pieces(owner))
+        ), "the pieces cover the shard exactly once"
+        assert all(p.holder != owner for p in mine)
+        if hosts and len(set(hosts)) > 1:
+            assert all(hosts[p.holder] != hosts[owner] for p in mine), "replica off the host"
+        per_holder: dict[int, int] = {}
+        for p in mine:
+            per_holder[p.holder] = per_holder.get(p.holder, 0) + p.length
+        assert max(per_holder.values()) - min(per_holder.values()) <= 1, "even to one element"
+
+
+@pytest.mark.parametrize(
+    ("world", "dead", "hosts"),
+    [(2, 1, ()), (4, 1, ()), (4, 3, ()), (8, 5, ()), (4, 0, ("a", "a", "b", "b")),
+     (6, 4, ("a", "a", "a", "b", "b", "b"))],
+)  # fmt: skip
+def test_a_lost_shard_is_inherited_by_its_replica_holders_without_transfers(
+    world: int, dead: int, hosts: tuple[str, ...]
+) -> None:
+    workers = _workers(world)
+    layout = ShardLayout.even(BIG, world)
+    placement = place_replicas(layout, hosts)
+    new = [w for i, w in enumerate(workers) if i != dead]
+    found = holdings(layout, workers, placement, set(new))
+    after = next_layout(layout, workers, found, new)
+    _assert_tiles(after)
+    for r, w in enumerate(new):
+        old = workers.index(w)
+        kept = set(_elements(layout.pieces(old)))
+        inherited = {i for p in placement if p.owner == dead and p.holder == old
+                     for i in range(p.offset, p.offset + p.length)}  # fmt: skip
+        assert set(_elements(after.pieces(r))) == kept | inherited, "inheritance = placement"
+    assert plan_transfers(found, after, new) == [], "a single loss moves nothing"
+    local = promoted(found, after, new)
+    assert sum(local.values()) == layout.shard_size(dead)
+    stats = recovery_stats([], local, element_bytes=8)
+    assert stats["bytes"] == 0 and stats["promoted_bytes"] == 8 * layout.shard_size(dead)
+    if not hosts:  # every survivor promotes the same share, to within one element
+        assert len(local) == world - 1 and max(local.values()) - min(local.values()) <= 1
+        assert 1.0 <= stats["max_over_mean"] <= 1.0 + 1 / min(local.values())
+
+
+def _apply(moves, found, new_workers):  # noqa: ANN001, ANN202
+    """Simulate: start from what each live worker holds, apply moves, return what each holds."""
+    have: dict[str, set[int]] = {w: set() for w in new_workers}
+    for h in found:
+        have[h.worker] |= set(range(h.offset, h.offset + h.length))
     for m in moves:
         span = set(range(m.offset, m.offset + m.length))
         assert span <= have[m.src], "a transfer sends data its source does not hold"
@@ -52,63 +163,66 @@ def _apply(moves, old, old_workers, holders, new, new_workers):  # noqa: ANN001,
 
 @pytest.mark.parametrize(
     ("old_world", "dead", "joiners"),
-    [(4, [1], 0), (4, [3], 0), (4, [0, 2], 0), (3, [], 1), (4, [2], 1), (8, [5], 0), (2, [1], 0)],
+    [(4, [1], 1), (3, [], 1), (4, [], 2), (8, [5], 2), (2, [1], 1), (1, [], 3)],
 )
-def test_transfers_cover_the_new_layout_disjointly(
+def test_growth_transfers_cover_the_new_layout_disjointly_and_balance_it(
     old_world: int, dead: list[int], joiners: int
 ) -> None:
-    old_workers = [f"w{i}" for i in range(old_world)]
-    holders = {}
-    for r in range(old_world):
-        b = buddy(r, old_world)
-        holders[r] = old_workers[r] if r not in dead else old_workers[b]
-    new_workers = [w for i, w in enumerate(old_workers) if i not in dead] + [
-        f"n{i}" for i in range(joiners)
-    ]
-    old, new = ShardLayout(SEGMENTS, old_world), ShardLayout(SEGMENTS, len(new_workers))
-    moves = plan_transfers(old, holders, new, new_workers)
-    have = _apply(moves, old, old_workers, holders, new, new_workers)
+    old_workers = _workers(old_world)
+    layout = ShardLayout.even(BIG, old_world)
+    new_workers = [w for i, w in enumerate(old_workers) if i not in dead] + _workers(joiners, "n")
+    found = holdings(layout, old_workers, place_replicas(layout), set(new_workers))
+    after = next_layout(layout, old_workers, found, new_workers)
+    _assert_tiles(after)
+    sizes = [after.shard_size(r) for r in range(after.world)]
+    assert max(sizes) - min(sizes) <= 2 * len(new_workers), sizes  # rounding only
+    moves = plan_transfers(found, after, new_workers)
+    have = _apply(moves, found, new_workers)
     for r, w in enumerate(new_workers):
-        for lo, n in new.pieces(r):
-            assert set(range(lo, lo + n)) <= have[w], f"{w} misses part of its new shard"
+        assert set(_elements(after.pieces(r))) <= have[w], f"{w} misses part of its new shard"
     received = [(m.dst, i) for m in moves for i in range(m.offset, m.offset + m.length)]
     assert len(received) == len(set(received)), "an element was sent twice to the same rank"
-    assert all(m.src in holders.values() for m in moves)
+    assert all(m.dst.startswith("n") for m in moves), "only joiners receive"
+    survivors = [w for w in new_workers if w.startswith("w")]
+    for w in survivors:  # a survivor keeps (a part of) everything it held
+        r = new_workers.index(w)
+        assert set(_elements(after.pieces(r))) <= set(
+            i for h in found if h.worker == w for i in range(h.offset, h.offset + h.length)
+        )
 
 
-def test_losing_both_copies_is_reported() -> None:
-    old, new = ShardLayout(SEGMENTS, 4), ShardLayout(SEGMENTS, 2)
-    holders = {0: "w0", 2: "w2"}  # ranks 1 and its buddy 2... rank 1's copy is gone
-    with pytest.raises(KeyError, match="old rank 1"):
-        plan_transfers(old, holders, new, ["w0", "w2"])
+@pytest.mark.parametrize("pair", [(1, 2), (0, 3), (1, 3)])
+def test_losing_a_rank_and_a_holder_of_its_replica_is_reported(pair: tuple[int, int]) -> None:
+    workers = _workers(4)
+    layout = ShardLayout.even(SEGMENTS, 4)
+    alive = {w for i, w in enumerate(workers) if i not in pair}
+    with pytest.raises(KeyError, match="replica are gone"):
+        holdings(layout, workers, place_replicas(layout), alive)
 
 
-def test_stats_balance() -> None:
-    rng = random.Random(0)
-    segs = tuple((sum(range(i)), rng.randint(50, 90)) for i in range(1, 6))
-    segs = tuple((sum(n for _, n in segs[:i]), n) for i, (_, n) in enumerate(segs))
-    holders = {0: "a", 1: "c", 2: "c", 3: "d"}  # b died, its buddy c holds its shard
-    moves = plan_transfers(ShardLayout(segs, 4), holders, ShardLayout(segs, 3), ["a", "c", "d"])
-    stats = transfer_stats(moves, 4)
-    assert stats["bytes"] == 4 * sum(m.length for m in moves) > 0
-    assert stats["pairs"] >= 2 and stats["max_over_mean"] >= 1.0
+def test_two_hosts_survive_losing_two_ranks_of_one_host() -> None:
+    """With replicas on the other host only, both ranks of one host may die together."""
+    workers, hosts = _workers(4), ("a", "a", "b", "b")
+    layout = ShardLayout.even(BIG, 4)
+    found = holdings(layout, workers, place_replicas(layout, hosts), {"w2", "w3"})
+    after = next_layout(layout, workers, found, ["w2", "w3"])
+    _assert_tiles(after)
+    assert plan_transfers(found, after, ["w2", "w3"]) == []
 
 
-@pytest.mark.parametrize(
-    ("hosts", "shift"),
-    [
-        (["a", "a", "a", "a"], 1),  # one host: the next rank
-        (["a", "a", "b", "b"], 2),  # two hosts of two: across
-        (["a", "b", "a", "b"], 1),  # interleaved already
-        (["a", "a", "a", "b", "b", "b"], 3),
-        (["a", "a", "b"], 1),  # no shift works for everyone: fall back to the next rank
-        (["h1", "h1", "h2", "h2", "h3", "h3"], 2),
-    ],
-)
-def test_buddy_shift_crosses_hosts_when_it_can(hosts: list[str], shift: int) -> None:
-    from elaswave.runtime.shards import buddy_shift
+def test_a_shard_without_replicas_is_reported() -> None:
+    layout = ShardLayout.even(SEGMENTS, 1)
+    with pytest.raises(KeyError, match="has no replica"):
+        holdings(layout, ["w0"], place_replicas(layout), {"n0"})
 
-    assert buddy_shift(hosts) == shift
-    world = len(hosts)
-    holders = sorted(buddy(r, world, shift) for r in range(world))
-    assert holders == list(range(world)), "every rank keeps exactly one replica"
+
+def test_repeated_losses_stay_balanced() -> None:
+    layout, _ = _after_losses(8, [3, 0, 4])
+    _assert_tiles(layout)
+    sizes = [layout.shard_size(r) for r in range(layout.world)]
+    assert max(sizes) - min(sizes) <= 3, sizes
+
+
+def test_layout_json_round_trips() -> None:
+    layout, _ = _after_losses(5, [2])
+    assert ShardLayout.from_json(BIG, layout.to_json()) == layout
