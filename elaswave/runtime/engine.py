@@ -181,6 +181,9 @@ class Engine:
                 self.control.event(
                     "step_aborted", worker=self.me, step=self.step + 1, reason=str(exc)[:300]
                 )
+                # The abandoned reduction may still complete in gloo's background (a member
+                # removed alive can join it late): let it write into a buffer nobody reads.
+                self.buffer = torch.zeros_like(self.buffer)
                 self.replan = True
             except NoPlan as exc:
                 log.error("%s", exc)
