@@ -158,8 +158,8 @@ def test_reshared_plan_rejects_shares_that_change_the_batch(
 
 
 def test_hysteresis_key_ignores_one_micro_batch_of_noise() -> None:
-    """Two evaluations that name the same straggler count as the same verdict, even when noise
-    moves a remainder micro-batch between healthy ranks."""
+    """Two evaluations that name the same straggler count as the same verdict, even when noisy
+    speed estimates make their exact shares differ."""
     a = straggler_verdict(times(0.02, 0.02, 0.02, 0.05), workers=W, current=EVEN, threshold=3)
     b = straggler_verdict(times(0.02, 0.02, 0.02, 0.03), workers=W, current=EVEN, threshold=3)
     assert a.acts and b.acts and a.microbatches != b.microbatches
