@@ -6,7 +6,7 @@ Every scenario is one module exposing ``DESCRIPTION``, ``DEFAULT_REPEAT``,
 
 from __future__ import annotations
 
-from bench import comm, crash, hang, mttr, overhead, zero
+from bench import comm, crash, hang, mttr, overhead, straggler, zero
 
 SCENARIOS = {
     "comm": comm,
@@ -14,6 +14,7 @@ SCENARIOS = {
     "hang": hang,
     "mttr": mttr,
     "overhead": overhead,
+    "straggler": straggler,
     "zero": zero,
 }
 
