@@ -6,7 +6,19 @@ Every scenario is one module exposing ``DESCRIPTION``, ``DEFAULT_REPEAT``,
 
 from __future__ import annotations
 
-from bench import checksum, comm, crash, hang, mttr, overhead, partition, pipeline, security, zero
+from bench import (
+    checksum,
+    comm,
+    crash,
+    hang,
+    mttr,
+    overhead,
+    partition,
+    pipeline,
+    security,
+    straggler,
+    zero,
+)
 
 SCENARIOS = {
     "checksum": checksum,
@@ -18,6 +30,7 @@ SCENARIOS = {
     "partition": partition,
     "pipeline": pipeline,
     "security": security,
+    "straggler": straggler,
     "zero": zero,
 }
 

@@ -122,12 +122,25 @@ class ElasticConfig:
     nnodes: str = "1:1"  # MIN:MAX hosts; a single number means MIN=MAX
     max_restarts: int = 0  # respawns of crashed workers per host (0 = continue without them)
     min_workers: int = 1  # below this many live workers the job stops
+    # A rank whose compute time per micro-batch exceeds this multiple of the median rank's is
+    # evicted (0: never evict; slower ranks still get fewer micro-batches).
+    straggler_threshold: float = 3.0
+    # Stop the whole job after this many worker failures in a row without a new committed step
+    # (0: never).
+    loop_breaker: int = 5
 
     def __post_init__(self) -> None:
         _positive("elastic.nproc_per_node", self.nproc_per_node)
         _positive("elastic.min_workers", self.min_workers)
         if self.max_restarts < 0:
             raise ConfigError(f"elastic.max_restarts must be >= 0, got {self.max_restarts}")
+        if not (self.straggler_threshold == 0 or 1 < self.straggler_threshold < float("inf")):
+            raise ConfigError(
+                "elastic.straggler_threshold must be 0 (off) or a finite number > 1, "
+                f"got {self.straggler_threshold}"
+            )
+        if self.loop_breaker < 0:
+            raise ConfigError(f"elastic.loop_breaker must be >= 0, got {self.loop_breaker}")
         self.nnodes_range  # validates  # noqa: B018
 
     @property

@@ -31,6 +31,12 @@ class JobNotFound(ElasWaveError):
     """No job with the given id is known to this machine or to etcd."""
 
 
+class JobStopped(ElasWaveError):
+    """The leader stopped the whole job on purpose (e.g. a restart loop); the reason says why."""
+
+    exit_code = 4
+
+
 class JobFailed(ElasWaveError):
     """The job ended without committing all of its steps."""
 

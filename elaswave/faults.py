@@ -4,6 +4,9 @@ Text form (``launch --fault`` and ``ELASWAVE_FAULTS``)::
 
     kill,rank=1,at_step=15          # first bare word is the kind
     kind=kill,rank=2                # or spelled out; "at-step" is accepted for "at_step"
+    slow,rank=3,at_step=5,delay=0.2  # from step 5 on, rank 3 is 0.2 s per step slower
+    kill,rank=2,at_step=9,phase=recovery  # dies as it starts applying the plan after step 9
+    kill,rank=1,at_step=3,repeat    # whoever holds rank 1 dies at step 3, every time
 
 YAML form (``faults:`` in a config)::
 
@@ -22,7 +25,7 @@ from typing import Any
 from elaswave.errors import FaultSpecError
 
 MAX_REQUEST_BYTES = 4096  # a fault request is a few dozen bytes of JSON
-PHASES = ("reduce", "optimizer")
+PHASES = ("reduce", "optimizer", "recovery")
 TARGETS = ("params", "snapshot")
 
 
@@ -32,6 +35,7 @@ class FaultKind(str, enum.Enum):
     KILL = "kill"  # SIGKILL the worker process: a crash with no goodbye
     HANG = "hang"  # SIGSTOP the worker process: alive but silent, its peers block on it
     CORRUPT = "corrupt"  # flip a bit in the worker's parameters or snapshot (silent corruption)
+    SLOW = "slow"  # the worker computes ``delay`` seconds per step slower: a straggler
 
     @property
     def signal(self) -> signal.Signals | None:
@@ -45,6 +49,12 @@ class FaultSpec:
 
     ``at_step`` means "while step ``at_step`` is in flight" (after its forward/backward, before its
     gradient reduction), so the step is genuinely interrupted. Without it the fault fires at once.
+    ``phase=recovery`` fires instead when the worker starts applying a new plan while step
+    ``at_step`` (or a later one) is next: a fault during recovery. ``repeat`` re-arms the fault on
+    every worker that holds ``rank`` in a later plan (a respawned incarnation, a survivor that
+    moved up), each firing once: a fault storm. ``delay`` (``slow`` only): extra seconds of
+    compute per step at an even share of micro-batches, spread over the worker's micro-batches
+    so that it scales with its work like a slower device would.
     """
 
     kind: FaultKind
@@ -52,6 +62,8 @@ class FaultSpec:
     at_step: int | None = None
     phase: str = "reduce"  # "reduce": before the gradient reduction; "optimizer": ZeRO's update
     target: str = "params"  # corrupt: "params" or "snapshot" (ZeRO: the buddy replica it keeps)
+    delay: float | None = None  # slow: extra compute seconds per step (even share)
+    repeat: bool = False  # re-arm on whichever worker holds ``rank`` in later plans
 
     def __post_init__(self) -> None:
         if not isinstance(self.kind, FaultKind):
@@ -70,6 +82,13 @@ class FaultSpec:
             raise FaultSpecError(
                 f"fault phase must be one of {', '.join(PHASES)}, got {self.phase!r}"
             )
+        if self.kind is FaultKind.SLOW:
+            if self.delay is None:
+                raise FaultSpecError("fault 'slow' needs delay=S (extra seconds per step)")
+            if not self.delay >= 0 or self.delay == float("inf"):  # also rejects NaN
+                raise FaultSpecError(f"fault delay must be a finite number >= 0, got {self.delay}")
+        elif self.delay is not None:
+            raise FaultSpecError(f"delay applies to 'slow' faults only, not '{self.kind.value}'")
 
     @classmethod
     def parse(cls, text: str) -> FaultSpec:
@@ -83,6 +102,9 @@ class FaultSpec:
                 if i == 0:
                     fields["kind"] = part
                     continue
+                if part == "repeat":
+                    fields["repeat"] = True
+                    continue
                 raise FaultSpecError(
                     f"malformed fault spec {text!r}: expected key=value, got {part!r}"
                 )
@@ -92,7 +114,7 @@ class FaultSpec:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, source: str = "fault spec") -> FaultSpec:
-        known = {"kind", "rank", "at_step", "phase", "target"}
+        known = {"kind", "rank", "at_step", "phase", "target", "delay", "repeat"}
         unknown = sorted(set(data) - known)
         if unknown:
             raise FaultSpecError(
@@ -107,6 +129,8 @@ class FaultSpec:
             at_step=_int(data.get("at_step"), "at_step", source),
             phase=str(data.get("phase", "reduce")),
             target=str(data.get("target", "params")),
+            delay=_float(data.get("delay"), "delay", source),
+            repeat=_bool(data.get("repeat", False), "repeat", source),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -116,11 +140,18 @@ class FaultSpec:
             del out["phase"]
         if out["target"] == "params":
             del out["target"]
+        if not out["repeat"]:
+            del out["repeat"]
         return {k: v for k, v in out.items() if v is not None}
 
     def describe(self) -> str:
         when = f" at step {self.at_step}" if self.at_step is not None else ""
-        return f"{self.kind.value} rank {self.rank}{when}"
+        extra = f" (+{self.delay:g} s/step)" if self.delay is not None else ""
+        if self.phase == "recovery":
+            extra += " during recovery"
+        if self.repeat:
+            extra += ", repeated"
+        return f"{self.kind.value} rank {self.rank}{when}{extra}"
 
 
 def decode_request(value: bytes) -> FaultSpec:
@@ -159,3 +190,27 @@ def _int(value: Any, name: str, source: str) -> int | None:
         raise FaultSpecError(
             f"malformed {source}: {name} must be an integer, got {value!r}"
         ) from None
+
+
+def _float(value: Any, name: str, source: str) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise FaultSpecError(f"malformed {source}: {name} must be a number, got {value!r}")
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise FaultSpecError(
+            f"malformed {source}: {name} must be a number, got {value!r}"
+        ) from None
+
+
+def _bool(value: Any, name: str, source: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes"):
+        return True
+    if text in ("0", "false", "no"):
+        return False
+    raise FaultSpecError(f"malformed {source}: {name} must be true or false, got {value!r}")

@@ -25,6 +25,8 @@ class JobKeys:
         self.incidents = self.prefix + "incidents"  # recent incidents (a bounded JSON list)
         self.done = self.prefix + "done"  # set once the job has committed its last step
         self.config = self.prefix + "config"  # what every host must train
+        self.speed = self.prefix + "speed/"  # speed/<host_id>: its workers' compute times, lease
+        self.stop = self.prefix + "stop"  # the leader's verdict that ends the job (a reason)
 
     def host(self, host_id: str) -> str:
         return self.hosts + host_id

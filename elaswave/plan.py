@@ -48,6 +48,7 @@ class Plan:
     replicas: tuple[tuple[int, ...], ...] = field(default=())
     bounds: tuple[tuple[int, ...], ...] = field(default=())
     shares: tuple[int, ...] = field(default=())
+    evicted: tuple[str, ...] = field(default=())  # departed because too slow: stop, do not respawn
 
     @property
     def world_size(self) -> int:
@@ -103,6 +104,7 @@ class Plan:
             replicas=tuple(tuple(int(r) for r in rep) for rep in d.get("replicas", ())),
             bounds=tuple(tuple(int(b) for b in bs) for bs in d.get("bounds", ())),
             shares=tuple(int(x) for x in d.get("shares", ())),
+            evicted=tuple(d.get("evicted", ())),
         )
 
 
@@ -181,4 +183,49 @@ def next_plan(
         reason=reason,
         created=now,
         departed=departed,
+    )
+
+
+def reshared_plan(
+    prev: Plan,
+    microbatches: Sequence[int],
+    *,
+    evict: Sequence[str] = (),
+    store: str,
+    now: float,
+    cause: str = "",
+) -> Plan:
+    """The plan that follows ``prev`` with new micro-batch shares and without ``evict``.
+
+    Same ranks (in the same order) otherwise: a straggler decision changes the dataflow, not the
+    membership. ``microbatches`` are the shares of the remaining ranks; their sum must stay the
+    configured number of micro-batches.
+    """
+    workers = tuple(w for w in prev.workers if w not in evict)
+    if len(microbatches) != len(workers) or sum(microbatches) != sum(prev.microbatches):
+        raise ValueError(
+            f"shares {list(microbatches)} do not fit {len(workers)} ranks and "
+            f"{sum(prev.microbatches)} micro-batches"
+        )
+    if not workers:
+        raise ValueError("cannot evict every worker")
+    hosts = tuple(h for w, h in zip(prev.workers, prev.hosts, strict=True) if w not in evict)
+    epoch = prev.epoch + 1
+    change = f"dp {prev.world_size}→{len(workers)}" if evict else f"dp {len(workers)}"
+    reason = (
+        f"epoch {epoch}: {change}, micro-batches {list(prev.microbatches)} → {list(microbatches)}"
+    )
+    if cause:
+        reason = f"{cause} → {reason}"
+    departed = tuple(w for w in prev.workers if w in evict)
+    return Plan(
+        epoch=epoch,
+        workers=workers,
+        hosts=hosts,
+        microbatches=tuple(microbatches),
+        store=store,
+        reason=reason,
+        created=now,
+        departed=departed,
+        evicted=departed,
     )

@@ -111,6 +111,19 @@ def _incident(
     t0 = start["t"]
     detected = exit_ev["t"] if exit_ev else None
     plan = _first(plans, lambda p: p["t"] >= t0 and worker in p.get("departed", []))
+    if (fault or {}).get("fault", {}).get("kind") == "slow":
+        # A straggler is detected by the leader's verdict, answered by a re-share or an eviction.
+        verdict = _first(
+            events,
+            lambda e: (
+                e["kind"] == "straggler_detected"
+                and e["t"] >= t0
+                and worker in e.get("stragglers", []) + e.get("evict", [])
+            ),
+        )
+        detected = verdict["t"] if verdict else None
+        answer = verdict["plan_reason"] if verdict else None
+        plan = _first(plans, lambda p: p["t"] >= t0 and p.get("reason") == answer)
     inc: dict[str, Any] = {
         "kind": (fault or {}).get("fault", {}).get("kind", "crash"),
         "worker": worker,
@@ -205,6 +218,8 @@ def _totals(
         "plans": sum(1 for e in events if e["kind"] == "plan_published"),
         "mttr_median_s": round(statistics.median(mttrs), 6) if mttrs else None,
         "mttr_max_s": round(max(mttrs), 6) if mttrs else None,
+        "stopped": next((e["reason"] for e in events if e["kind"] == "loop_breaker"), None),
+        "evicted": [w for e in events if e["kind"] == "worker_evicted" for w in [e["worker"]]],
     }
 
 
@@ -269,4 +284,8 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"final loss {t['final_loss']}; wall {t['wall_s']} s; "
         f"median MTTR {_ms(t['mttr_median_s'])}.",
     ]
+    if t.get("evicted"):
+        lines.append(f"Evicted as stragglers: {', '.join(t['evicted'])}.")
+    if t.get("stopped"):
+        lines.append(f"Job stopped: {t['stopped']}.")
     return "\n".join(lines) + "\n"

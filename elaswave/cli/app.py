@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from elaswave.errors import ConfigError, ElasWaveError, FaultSpecError
+from elaswave.errors import ConfigError, ElasWaveError, FaultSpecError, JobStopped
 
 if TYPE_CHECKING:
     from elaswave.config import EtcdTLSConfig
@@ -34,6 +34,9 @@ err = Console(stderr=True)
 
 
 def _fail(exc: ElasWaveError) -> typer.Exit:
+    if isinstance(exc, JobStopped):  # a verdict, not a usage error: "elaswave: job stopped: …"
+        err.print(f"elaswave: {escape(str(exc))}", highlight=False, soft_wrap=True)
+        return typer.Exit(exc.exit_code)
     err.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False, soft_wrap=True)
     return typer.Exit(exc.exit_code)
 
@@ -109,6 +112,16 @@ def launch(
     hang_timeout: float | None = typer.Option(
         None, "--hang-timeout", help="Seconds without progress before a worker counts as hung."
     ),
+    straggler_threshold: float | None = typer.Option(
+        None,
+        "--straggler-threshold",
+        help="Evict a rank this many times slower than the median (0: never evict).",
+    ),
+    loop_breaker: int | None = typer.Option(
+        None,
+        "--loop-breaker",
+        help="Stop the job after N failures without a committed step (0: never).",
+    ),
     quiet: bool = typer.Option(False, "--quiet", help="No MTTR summary at the end."),
 ) -> None:
     """Run a job on this host in the foreground (one launch per host).
@@ -137,6 +150,8 @@ def launch(
             "elastic.nproc_per_node": nproc_per_node,
             "elastic.nnodes": nnodes,
             "elastic.max_restarts": max_restarts,
+            "elastic.straggler_threshold": straggler_threshold,
+            "elastic.loop_breaker": loop_breaker,
             "train.steps": steps,
             "timeouts.hang": hang_timeout,
             "zero": zero,
@@ -243,7 +258,10 @@ def _print_status(st: dict[str, Any]) -> None:
 def inject_fault_cmd(
     job_id: str = typer.Option("elaswave", "--job-id"),
     kind: str = typer.Option(
-        ..., "--kind", help="kill (SIGKILL) | hang (SIGSTOP) | corrupt (bit flip)"
+        ..., "--kind", help="kill (SIGKILL) | hang (SIGSTOP) | corrupt (bit flip) | slow"
+    ),
+    delay: float | None = typer.Option(
+        None, "--delay", help="slow: extra compute seconds per step."
     ),
     target: str | None = typer.Option(None, "--target", help="corrupt: params | snapshot"),
     rank: int | None = typer.Option(None, "--rank"),
@@ -273,6 +291,7 @@ def inject_fault_cmd(
                     "rank": rank,
                     "at_step": at_step,
                     "target": target,
+                    "delay": delay,
                 }.items()
                 if v is not None
             },

@@ -16,8 +16,9 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+from elaswave.daemon.policy import Hysteresis, loop_verdict, straggler_verdict
 from elaswave.pipeplan import layer_costs, measured_costs, next_pipeline_plan
-from elaswave.plan import Member, Plan, next_plan
+from elaswave.plan import Member, Plan, next_plan, reshared_plan
 
 if TYPE_CHECKING:
     from elaswave.daemon.supervisor import HostDaemon
@@ -60,6 +61,10 @@ class Planner:
         self.early_causes: list[str] = []
         self.profiles: list[list[float]] = []  # pipelines: workers' measured seconds per layer
         self.costs: tuple[float, ...] = ()  # pipelines: the layer costs the last plan used
+        self.evicted: set[str] = set()  # never re-admitted, even if their key lingers
+        self.speeds: dict[str, dict[str, dict]] = {}  # host -> worker -> {epoch, per_mb}
+        self.hysteresis = Hysteresis()
+        self.failure_steps: list[int] = []  # last committed step at each worker failure
 
     async def run(self) -> None:
         d = self.d
@@ -69,6 +74,8 @@ class Planner:
             current, plan_rev = await self._read_plan()
             if current is None:
                 await self._await_initial_members()
+            if current is not None:
+                self.evicted.update(current.evicted)
             while not d.stopping:
                 self.changed.clear()
                 if await d.etcd.get(d.keys.done) is not None:
@@ -83,34 +90,21 @@ class Planner:
                     causes += more
                     if await d.etcd.get(d.keys.done) is not None:
                         return
+                if current is not None and causes and await self._loop_breaker(len(causes)):
+                    return
                 plan = self._next(current, members, "; ".join(causes))
+                if plan is None and current is not None and not current.is_pipeline:
+                    plan = self._straggler_plan(current)  # pipelines: not yet (a known gap)
                 if plan is not None:
                     if await d.etcd.compare_and_put(
                         d.keys.plan, plan.to_json(), mod_revision=plan_rev
                     ):
-                        d.events.emit(
-                            "plan_published",
-                            t=plan.created,  # decided then; workers may see it before CAS returns
-                            epoch=plan.epoch,
-                            world=plan.world_size,
-                            workers=list(plan.workers),
-                            microbatches=list(plan.microbatches),
-                            departed=list(plan.departed),
-                            reason=plan.reason,
-                            **(
-                                {
-                                    "replicas": plan.replicas,
-                                    "bounds": plan.bounds,
-                                    "layer_costs": self.costs,
-                                }
-                                if plan.is_pipeline
-                                else {}
-                            ),
-                        )
-                        await self._record_incident(plan, bool(causes))
+                        self._published(plan)
+                        await self._record_incident(plan, bool(causes) or bool(plan.evicted))
                         if current is None:
                             await d.submit_config_faults()
                     current, plan_rev = await self._read_plan()
+                    self.hysteresis.reset()
                     continue  # re-check: membership may have moved while we published
                 await self.changed.wait()
         finally:
@@ -150,6 +144,74 @@ class Planner:
             cause=cause,
         )
 
+    def _published(self, plan: Plan) -> None:
+        self.d.events.emit(
+            "plan_published",
+            t=plan.created,  # decided then; workers may see it before CAS returns
+            epoch=plan.epoch,
+            world=plan.world_size,
+            workers=list(plan.workers),
+            microbatches=list(plan.microbatches),
+            departed=list(plan.departed),
+            evicted=list(plan.evicted),
+            reason=plan.reason,
+            **(
+                {"replicas": plan.replicas, "bounds": plan.bounds, "layer_costs": self.costs}
+                if plan.is_pipeline
+                else {}
+            ),
+        )
+
+    def _straggler_plan(self, current: Plan) -> Plan | None:
+        """Re-share micro-batches by speed, or evict a straggler, once the verdict is stable."""
+        samples: dict[str, list[float]] = {}
+        for per_host in self.speeds.values():
+            for wid, info in per_host.items():
+                if int(info.get("epoch", 0)) == current.epoch:
+                    samples[wid] = [float(x) for x in info.get("per_mb", [])]
+        verdict = straggler_verdict(
+            samples,
+            workers=current.workers,
+            current=current.microbatches,
+            threshold=self.d.cfg.elastic.straggler_threshold,
+        )
+        if not self.hysteresis.observe(verdict.key):
+            return None
+        assert verdict.microbatches is not None
+        self.evicted.update(verdict.evict)
+        plan = reshared_plan(
+            current,
+            verdict.microbatches,
+            evict=verdict.evict,
+            store=self.d.store_address,
+            now=time.time(),
+            cause=verdict.reason,
+        )
+        self.d.events.emit(
+            "straggler_detected",
+            epoch=current.epoch,
+            stragglers=list(verdict.stragglers),
+            evict=list(verdict.evict),
+            microbatches=list(verdict.microbatches),
+            slowdown={w: round(x, 3) for w, x in verdict.slowdown.items()},
+            reason=verdict.reason,
+            plan_reason=plan.reason,
+        )
+        return plan
+
+    async def _loop_breaker(self, failures: int) -> bool:
+        """Count failures against committed progress; stop the whole job in a restart loop."""
+        d = self.d
+        kv = await d.etcd.get(d.keys.progress)
+        committed = int(kv.json()["step"]) if kv else 0
+        self.failure_steps += [committed] * failures
+        reason = loop_verdict(self.failure_steps, committed, d.cfg.elastic.loop_breaker)
+        if reason is None:
+            return False
+        d.events.emit("loop_breaker", reason=reason, committed=committed)
+        await d.etcd.put_json(d.keys.stop, {"reason": reason, "t": time.time()})
+        return True
+
     @staticmethod
     def _only_joins(current: Plan, members: list[Member]) -> bool:
         live = {m.worker_id for m in members}
@@ -163,6 +225,13 @@ class Planner:
                 ev.key.startswith(keys.departures) and ev.kind == "put"
             ):
                 self.changed.set()
+            elif ev.key.startswith(keys.speed):
+                host = ev.key[len(keys.speed) :]
+                if ev.kind == "put":
+                    self.speeds[host] = json.loads(ev.value)
+                    self.changed.set()
+                else:
+                    self.speeds.pop(host, None)
 
     async def _read_plan(self) -> tuple[Plan | None, int]:
         kv = await self.d.etcd.get(self.d.keys.plan)
@@ -176,6 +245,8 @@ class Planner:
         self.profiles = []
         for kv in await d.etcd.get_prefix(d.keys.workers):
             info = kv.json()
+            if info["worker_id"] in self.evicted:
+                continue  # its daemon is stopping it
             if info.get("layer_seconds"):
                 self.profiles.append(info["layer_seconds"])
             members.append(

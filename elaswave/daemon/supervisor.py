@@ -23,14 +23,17 @@ from elaswave.config import JobConfig
 from elaswave.daemon import leader
 from elaswave.daemon.control import ControlServer, WorkerConn
 from elaswave.daemon.etcd import Etcd, EtcdSecurity
+from elaswave.daemon.policy import WINDOW
 from elaswave.daemon.workers import WorkerProc, spawn, stop_all
-from elaswave.errors import ElasWaveError, EtcdUnavailable, JobFailed
+from elaswave.errors import ElasWaveError, EtcdUnavailable, JobFailed, JobStopped
 from elaswave.events import EVENTS_FILE, METRICS_FILE, EventLog, JsonlWriter
 from elaswave.faults import FaultSpec, decode_request
 from elaswave.keys import JobKeys
 from elaswave.plan import Plan
 
 log = logging.getLogger(__name__)
+
+COMPUTE_PUBLISH_S = 0.5  # how often a host shares its workers' compute times with the leader
 
 
 def default_host_id() -> str:
@@ -87,6 +90,11 @@ class HostDaemon:
         self.signal_received: int | None = None
         self.embedded_etcd_pid = embedded_etcd_pid
         self.unrecoverable: str | None = None  # why workers gave up (e.g. a lost ZeRO shard)
+        self.stopped: str | None = None  # the leader's verdict that ended the job
+        # worker -> (plan epoch, its newest compute seconds per micro-batch under that epoch)
+        self.compute: dict[str, tuple[int, list[float]]] = {}
+        self._compute_dirty = False
+        self._repeat_sent: dict[str, set[str]] = {}  # repeat fault key -> workers it went to
 
     # ---- lifecycle --------------------------------------------------------------------------
     async def run(self) -> int:
@@ -106,6 +114,8 @@ class HostDaemon:
                 asyncio.create_task(self._watch_faults(), name="faults"),
                 asyncio.create_task(self._watch_done(), name="done"),
                 asyncio.create_task(self._detect_hangs(), name="hangs"),
+                asyncio.create_task(self._publish_compute(), name="compute"),
+                asyncio.create_task(self._watch_stop(), name="stop"),
             ]
             for slot in range(self.cfg.elastic.nproc_per_node):
                 await self._spawn(slot, 0)
@@ -202,6 +212,8 @@ class HostDaemon:
     async def _finish(self) -> int:
         if self.signal_received is not None:
             return 128 + self.signal_received
+        if self.stopped is not None:
+            raise JobStopped(f"job stopped: {self.stopped}")
         done = [w for w in self.workers.values() if w.done]
         if done:
             self.events.emit("job_done", host=self.host_id, step=self.final_step)
@@ -367,6 +379,13 @@ class HostDaemon:
             w.phase_age = float(msg.get("phase_age", 0.0))
         elif kind == "commit":
             await self._record_commit(msg)
+        elif kind == "compute":
+            epoch, samples = self.compute.get(w.worker_id, (0, []))
+            if int(msg["epoch"]) != epoch:
+                epoch, samples = int(msg["epoch"]), []  # speeds under another plan do not count
+            samples = [*samples, float(msg["per_mb"])][-WINDOW:]
+            self.compute[w.worker_id] = (epoch, samples)
+            self._compute_dirty = True
         elif kind == "done":
             w.done = True
             self.final_step = max(self.final_step, int(msg.get("step", 0)))
@@ -422,6 +441,36 @@ class HostDaemon:
                     w.proc.terminate()
         self._check_finished()
 
+    async def _publish_compute(self) -> None:
+        """Share this host's workers' compute times with the leader (straggler detection)."""
+        while True:
+            await asyncio.sleep(COMPUTE_PUBLISH_S)
+            if not self._compute_dirty:
+                continue
+            self._compute_dirty = False
+            live = {
+                wid: {"epoch": epoch, "per_mb": samples}
+                for wid, (epoch, samples) in self.compute.items()
+                if wid in self.workers and self.workers[wid].proc.returncode is None
+            }
+            with contextlib.suppress(Exception):
+                await self.etcd.put_json(self.keys.speed + self.host_id, live, lease=self.lease)
+
+    async def _watch_stop(self) -> None:
+        """The leader's verdict to end the whole job (restart loop): stop everything here."""
+        rev = await self.etcd.revision()
+        kv = await self.etcd.get(self.keys.stop)
+        if kv is None:
+            async for ev in self.etcd.watch_prefix(self.keys.stop, start_revision=rev + 1):
+                if ev.key == self.keys.stop and ev.kind == "put":
+                    kv = ev
+                    break
+        assert kv is not None
+        self.stopped = str(json.loads(kv.value)["reason"])
+        self.stopping = True  # no respawns; exits from here on are ours
+        self.events.emit("job_stopped", host=self.host_id, reason=self.stopped)
+        self._finished.set()
+
     # ---- plans and faults -------------------------------------------------------------------
     async def _watch_plans(self) -> None:
         rev = await self.etcd.revision()
@@ -449,7 +498,25 @@ class HostDaemon:
         for wid, conn in list(self.conns.items()):
             if self.workers.get(wid) and self.workers[wid].ready:
                 conn.send(msg)
+        for wid in plan.evicted:
+            self._evict(wid, plan)
         self._dispatch_faults()
+
+    def _evict(self, wid: str, plan: Plan) -> None:
+        """Stop a worker the leader evicted (too slow): cleanly, and without a respawn."""
+        w = self.workers.get(wid)
+        if w is None or w.stopping or w.proc.returncode is not None:
+            return
+        w.stopping = True  # its exit is not a failure: no departure, no respawn
+        self.events.emit(
+            "worker_evicted", host=self.host_id, worker=wid, epoch=plan.epoch, reason=plan.reason
+        )
+        conn = self.conns.get(wid)
+        if conn is not None:
+            conn.send({"type": "stop"})
+        else:
+            w.proc.terminate()
+        asyncio.create_task(self.etcd.delete(self.keys.worker(wid)))
 
     async def _watch_faults(self) -> None:
         rev = await self.etcd.revision()
@@ -481,6 +548,9 @@ class HostDaemon:
             return
         for key, fault in list(self._pending_faults.items()):
             assert fault.rank is not None
+            if fault.repeat:
+                self._dispatch_repeat(key, fault)
+                continue
             if fault.rank >= self.plan.world_size:
                 if self.is_leader:
                     del self._pending_faults[key]
@@ -520,6 +590,20 @@ class HostDaemon:
                     os.kill(w.pid, fault.kind.signal)
             elif conn is not None:
                 conn.send({"type": "fault", "fault": fault.to_dict()})
+
+    def _dispatch_repeat(self, key: str, fault: FaultSpec) -> None:
+        """A repeated fault stays armed: each worker that holds its rank gets it once."""
+        assert self.plan is not None and fault.rank is not None
+        if fault.rank >= self.plan.world_size:
+            return  # the rank may exist again after a grow
+        target = self.plan.workers[fault.rank]
+        sent = self._repeat_sent.setdefault(key, set())
+        conn = self.conns.get(target)
+        if target in sent or target not in self.workers or conn is None:
+            return
+        sent.add(target)
+        self.events.emit("fault_requested", fault=fault.to_dict(), worker=target, host=self.host_id)
+        conn.send({"type": "fault", "fault": fault.to_dict()})
 
     async def submit_config_faults(self) -> None:
         for fault in self.cfg.faults:

@@ -164,6 +164,7 @@ class Communicator:
 
     # ---- collectives ------------------------------------------------------------------------
     def allreduce(self, name: str, tensor: torch.Tensor, abort: Callable[[], bool]) -> None:
+        self._not_aborted(abort, f"allreduce on {name!r}")
         work = self._groups[name].pg.allreduce([tensor])
         self._finish(work, abort, f"allreduce on {name!r}")
 
@@ -234,8 +235,17 @@ class Communicator:
         abort: Callable[[], bool],
     ) -> None:
         """Post sends and receives together, then wait for all of them (interruptibly)."""
+        self._not_aborted(abort, f"send/recv on {name!r}")
         for work in self.post(name, sends, recvs):
             self._finish(work, abort, f"send/recv on {name!r}")
+
+    def _not_aborted(self, abort: Callable[[], bool], what: str) -> None:
+        """Never start a collective with a group a newer plan has already broken: a member that
+        was removed alive (an evicted straggler) would otherwise complete its peers' abandoned
+        collective late."""
+        if abort():
+            self.mark_broken()
+            raise Interrupted(f"{what} interrupted by a newer plan")
 
     def _finish(self, work: dist.Work, abort: Callable[[], bool], what: str) -> None:
         done, wake = threading.Event(), threading.Event()

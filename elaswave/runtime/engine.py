@@ -67,6 +67,17 @@ class StepResult:
     step: int
     loss: float
     seconds: float
+    compute_per_mb: float | None = None  # this rank's forward+backward seconds per micro-batch
+
+
+def cpu_wait_seconds() -> float:
+    """Seconds this thread has spent runnable but waiting for a CPU (Linux schedstat; 0 where
+    the kernel does not report it)."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
 
 
 def make_dataset(cfg: JobConfig) -> TokenDataset:
@@ -146,6 +157,7 @@ class Engine:
         self.plan: Plan | None = None
         self.replan = True  # apply a (newer) plan before the next step
         self.phase, self.phase_since = "idle", time.monotonic()
+        self._slow_started: list[FaultSpec] = []  # slow faults already announced
         control.start_heartbeat(cfg.timeouts.heartbeat, self._heartbeat)
 
     def _enter(self, phase: str) -> None:
@@ -174,6 +186,9 @@ class Engine:
                 self.control.event(
                     "step_aborted", worker=self.me, step=self.step + 1, reason=str(exc)[:300]
                 )
+                # The abandoned reduction may still complete in gloo's background (a member
+                # removed alive can join it late): let it write into a buffer nobody reads.
+                self.buffer = torch.zeros_like(self.buffer)
                 self.replan = True
             except NoPlan as exc:
                 log.error("%s", exc)
@@ -193,6 +208,15 @@ class Engine:
 
     def commit_step(self, result: StepResult) -> None:
         assert self.plan is not None
+        if result.compute_per_mb is not None:  # every rank: the straggler detector's input
+            self.control.send(
+                {
+                    "type": "compute",
+                    "step": result.step,
+                    "epoch": self.plan.epoch,
+                    "per_mb": result.compute_per_mb,
+                }
+            )
         if self.comm.rank(DP) == 0:
             self.control.send(
                 {
@@ -217,10 +241,13 @@ class Engine:
         buf = self.buffer
         buf.zero_()
         self._enter("compute")
+        waited = cpu_wait_seconds()
         every = microbatches(t.seed, step, t.global_batch, t.micro_batch_size, self.num_samples)
         if self.pipe is not None:
             return self._pipeline_step(step, every, start)
-        for mb in (every[i] for i in plan.microbatch_range(rank)):
+        mine = plan.microbatch_range(rank)
+        slow = self._slowdown(step) * plan.world_size / len(every)  # per micro-batch
+        for mb in (every[i] for i in mine):
             tokens, targets = batch(self.dataset, mb.sample_ids)
             loss = self.model.loss_sum(tokens, targets, MicrobatchRng(t.seed, step, mb.id))
             (loss / t.global_batch).backward()
@@ -230,11 +257,17 @@ class Engine:
             buf[:n].add_(grad)
             buf[n] += loss.item()
             grad.zero_()
+            if slow:
+                time.sleep(slow)
+        # Time this rank needed, without the time its thread sat waiting for a CPU: on a shared
+        # host that measures the neighbours, not this rank (sleeps and stalls still count).
+        busy = time.perf_counter() - start - (cpu_wait_seconds() - waited)
+        per_mb = busy / max(len(mine), 1)
         buf[n + 1] = self.control.latest_epoch
         self._fire_faults(step, "reduce")
         self._enter("collective")
         if self.zero is not None:
-            return self._finish_zero_step(step, buf, start)
+            return self._finish_zero_step(step, buf, start, per_mb)
         self.comm.allreduce(DP, buf, self._group_broken)
         self._enter("compute")
         # -- the reduction succeeded: every rank now holds the identical full-batch gradient.
@@ -245,7 +278,7 @@ class Engine:
         self._enter("idle")
         if int(round(float(buf[n + 1]))) != plan.world_size * plan.epoch:
             self.replan = True  # some rank has seen a newer plan: switch at this boundary
-        return StepResult(step, self.last_loss, time.perf_counter() - start)
+        return StepResult(step, self.last_loss, time.perf_counter() - start, per_mb)
 
     def _pipeline_step(self, step: int, every: list[Any], start: float) -> StepResult:
         """One 1F1B step of this rank's stage, then the all-reduce of every layer's gradient."""
@@ -278,7 +311,9 @@ class Engine:
         if clocks is not None:
             self.control.event("dvfs_applied", epoch=self.plan.epoch, worker=self.me, **clocks)
 
-    def _finish_zero_step(self, step: int, buf: torch.Tensor, start: float) -> StepResult:
+    def _finish_zero_step(
+        self, step: int, buf: torch.Tensor, start: float, per_mb: float
+    ) -> StepResult:
         """ZeRO-1: stage the shard update, replicate it, then the commit barrier."""
         z = self.zero
         assert z is not None
@@ -301,7 +336,7 @@ class Engine:
         if int(round(float(tail[1]))) != self.plan.world_size * self.plan.epoch:
             self.replan = True
         self._enter("idle")
-        return StepResult(step, self.last_loss, time.perf_counter() - start)
+        return StepResult(step, self.last_loss, time.perf_counter() - start, per_mb)
 
     def _group_broken(self) -> bool:
         return self.plan is not None and self.control.removes_any(self.plan.workers)
@@ -417,15 +452,28 @@ class Engine:
                 z.repair(self.comm, bad_own, bad_replica, broken)
                 say("sdc_repaired", step=step, what="zero shard copy")
 
+    def _slowdown(self, step: int) -> float:
+        """Extra compute seconds per step (at an even share) from ``slow`` faults in force."""
+        total = 0.0
+        for fault in list(self.control.faults):
+            if fault.kind is not FaultKind.SLOW or (fault.at_step or 0) > step:
+                continue
+            if fault not in self._slow_started:
+                self._slow_started.append(fault)
+                self._fault_injected(fault, step, delay=fault.delay)
+            total += fault.delay or 0.0
+        return total
+
     def _fire_faults(self, step: int, phase: str) -> None:
         for fault in list(self.control.faults):
             if fault.at_step is not None and fault.at_step > step:
                 continue
             if fault.kind.signal is None:
-                continue  # corruption lands after the commit (see _after_commit)
-            # Without ZeRO there is no separate optimizer phase: every fault lands before the
-            # gradient reduction.
-            aimed_at = fault.phase if self.zero is not None else "reduce"
+                continue  # corruption lands after the commit (see _after_commit); slow: compute
+            # Without ZeRO there is no separate optimizer phase: every step fault lands before
+            # the gradient reduction.
+            own_phase = self.zero is not None or fault.phase == "recovery"
+            aimed_at = fault.phase if own_phase else "reduce"
             if aimed_at != phase:
                 continue
             self.control.faults.remove(fault)
@@ -450,6 +498,8 @@ class Engine:
         while True:
             self._enter("idle")
             plan = self._await_plan()
+            if self.plan is not None:
+                self._fire_faults(self.step + 1, "recovery")  # a fault while re-planning
             self._enter("collective")
             try:
                 self._apply(plan)

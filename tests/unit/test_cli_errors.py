@@ -91,6 +91,11 @@ def test_launch_unknown_config_key(tmp_path: Path) -> None:
         (["--job-id", "bad id"], "job_id"),
         (["--etcd", "nohostport"], "bad etcd endpoint"),
         (["--max-restarts", "-1"], "max_restarts"),
+        (["--fault", "slow,rank=1,at_step=3"], "needs delay=S"),
+        (["--fault", "slow,rank=1,delay=-1"], "delay must be a finite number >= 0"),
+        (["--fault", "kill,rank=1,delay=2"], "delay applies to 'slow' faults only"),
+        (["--straggler-threshold", "0.9"], "straggler_threshold"),
+        (["--loop-breaker", "-2"], "loop_breaker"),
     ],
 )
 def test_launch_bad_flags(args: list[str], fragment: str) -> None:
@@ -163,6 +168,9 @@ def test_inject_fault_unknown_job() -> None:
         (["--kind", "kill"], "needs a target"),
         (["--kind", "kill", "--rank", "-1"], "rank must be >= 0"),
         (["--kind", "kill", "--rank", "0", "--at-step", "0"], "at_step"),
+        (["--kind", "slow", "--rank", "0"], "needs delay=S"),
+        (["--kind", "slow", "--rank", "0", "--delay", "-1"], "delay must be a finite number"),
+        (["--kind", "hang", "--rank", "0", "--delay", "1"], "delay applies to 'slow' faults"),
     ],
 )
 def test_inject_fault_bad_spec(args: list[str], fragment: str) -> None:

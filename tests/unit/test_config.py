@@ -177,6 +177,11 @@ def test_missing_config_file(tmp_path: Path) -> None:
         ({"job_id": "has space"}, "job_id"),
         ({"etcd_port": 70000}, "etcd_port"),
         ({"elastic.max_restarts": -1}, "max_restarts"),
+        ({"elastic.straggler_threshold": 0.5}, "straggler_threshold"),
+        ({"elastic.straggler_threshold": 1.0}, "straggler_threshold"),
+        ({"elastic.straggler_threshold": -3}, "straggler_threshold"),
+        ({"elastic.straggler_threshold": float("nan")}, "straggler_threshold"),
+        ({"elastic.loop_breaker": -1}, "loop_breaker"),
     ],
 )
 def test_invalid_values(overrides: dict[str, Any], fragment: str) -> None:

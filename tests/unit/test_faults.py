@@ -141,3 +141,68 @@ def test_spec_is_hashable_and_immutable() -> None:
 )
 def test_describe(spec: FaultSpec, text: str) -> None:
     assert spec.describe() == text
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("slow,rank=3,at_step=5,delay=0.2", FaultSpec(kind="slow", rank=3, at_step=5, delay=0.2)),
+        ("slow,rank=0,delay=0", FaultSpec(kind="slow", rank=0, delay=0.0)),
+        ("kind=slow,rank=1,delay=2", FaultSpec(kind="slow", rank=1, delay=2.0)),
+        (
+            "kill,rank=2,at_step=9,phase=recovery",
+            FaultSpec(kind="kill", rank=2, at_step=9, phase="recovery"),
+        ),
+        ("kill,rank=1,at_step=3,repeat", FaultSpec(kind="kill", rank=1, at_step=3, repeat=True)),
+        ("kill,rank=1,repeat=true", FaultSpec(kind="kill", rank=1, repeat=True)),
+        ("kill,rank=1,repeat=no", FaultSpec(kind="kill", rank=1)),
+    ],
+)
+def test_slow_recovery_and_repeat_round_trip(text: str, expected: FaultSpec) -> None:
+    spec = FaultSpec.parse(text)
+    assert spec == expected
+    assert FaultSpec.from_dict(spec.to_dict()) == spec
+    assert "repeat" not in spec.to_dict() or spec.repeat
+
+
+@pytest.mark.parametrize(
+    ("text", "fragment"),
+    [
+        ("slow,rank=1", "needs delay=S"),
+        ("slow,rank=1,at_step=3", "needs delay=S"),
+        ("slow,rank=1,delay=-0.5", "delay must be a finite number >= 0"),
+        ("slow,rank=1,delay=nan", "delay must be a finite number >= 0"),
+        ("slow,rank=1,delay=inf", "delay must be a finite number >= 0"),
+        ("slow,rank=1,delay=soon", "delay must be a number"),
+        ("kill,rank=1,delay=1", "delay applies to 'slow' faults only, not 'kill'"),
+        ("hang,rank=1,delay=1", "delay applies to 'slow' faults only, not 'hang'"),
+        ("kill,rank=1,phase=later", "fault phase must be one of"),
+        ("kill,rank=1,repeat=maybe", "repeat must be true or false"),
+    ],
+)
+def test_slow_recovery_and_repeat_errors(text: str, fragment: str) -> None:
+    with pytest.raises(FaultSpecError) as info:
+        FaultSpec.parse(text)
+    assert fragment in str(info.value) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("spec", "text"),
+    [
+        (
+            FaultSpec(kind="slow", rank=3, at_step=5, delay=0.2),
+            "slow rank 3 at step 5 (+0.2 s/step)",
+        ),
+        (
+            FaultSpec(kind="kill", rank=2, at_step=9, phase="recovery"),
+            "kill rank 2 at step 9 during recovery",
+        ),
+        (FaultSpec(kind="kill", rank=1, at_step=3, repeat=True), "kill rank 1 at step 3, repeated"),
+    ],
+)
+def test_describe_new_forms(spec: FaultSpec, text: str) -> None:
+    assert spec.describe() == text
+
+
+def test_slow_is_carried_out_by_the_worker() -> None:
+    assert FaultKind.SLOW.signal is None

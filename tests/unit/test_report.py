@@ -333,3 +333,47 @@ def test_render_markdown(kill_run: Path) -> None:
 def test_render_unknown_format(kill_run: Path, fmt: str) -> None:
     with pytest.raises(ValueError, match="unknown format"):
         render(build_report(kill_run), fmt)
+
+
+# ---- stragglers and the restart-loop breaker -------------------------------------------------
+
+SLOW_PLAN = "straggler: worker w3 (rank 3) 2.40× … → epoch 2: dp 4, micro-batches … → [5, 5, 4, 2]"
+
+
+def test_slow_incident_runs_from_the_fault_to_the_first_reshared_commit(tmp_path: Path) -> None:
+    events = start_events() + [
+        {"t": 100.0, "kind": "fault_injected", "worker": "w3", "rank": 3, "step": 15,
+         "delay": 0.1, "fault": {"kind": "slow", "rank": 3, "at_step": 15, "delay": 0.1}},
+        {"t": 100.02, "kind": "straggler_detected", "stragglers": ["w1"], "evict": [],
+         "plan_reason": "another plan"},  # another rank's verdict is not this incident's
+        {"t": 100.03, "kind": "plan_published", "epoch": 2, "world": 4, "departed": [],
+         "evicted": [], "workers": ["w0", "w1", "w2", "w3"], "reason": SLOW_PLAN},
+        {"t": 100.031, "kind": "straggler_detected", "stragglers": ["w3"], "evict": [],
+         "plan_reason": SLOW_PLAN},
+        {"t": 100.04, "kind": "comm_rebuilt", "worker": "w0", "rank": 0, "epoch": 2,
+         "seconds": 0.0},
+        {"t": 100.05, "kind": "state_synced", "worker": "w0", "rank": 0, "epoch": 2,
+         "bytes": 0, "resume_step": 14},
+    ]  # fmt: skip
+    rows = metrics()
+    for row in rows:
+        row["world_size"] = 4
+    (inc,) = build_report(write_run(tmp_path / "slow", events, rows))["incidents"]
+    assert inc["kind"] == "slow" and inc["worker"] == "w3"
+    assert inc["reason"] == SLOW_PLAN and inc["epoch"] == 2 and inc["world_after"] == 4
+    assert inc["detection_s"] == pytest.approx(0.031, abs=1e-6)
+    assert inc["first_commit_step"] == 15 and inc["mttr_s"] == pytest.approx(0.1, abs=1e-6)
+
+
+def test_stop_verdict_and_evictions_are_in_the_totals(tmp_path: Path) -> None:
+    reason = "restart loop (3 failures without a committed step since step 2)"
+    events = start_events() + [
+        {"t": 95.0, "kind": "worker_evicted", "worker": "w2", "epoch": 2, "reason": "slow"},
+        {"t": 96.0, "kind": "loop_breaker", "reason": reason, "committed": 2},
+        {"t": 96.1, "kind": "job_stopped", "host": "h0", "reason": reason},
+    ]  # fmt: skip
+    report = build_report(write_run(tmp_path / "stop", events, metrics([1, 2])))
+    assert report["totals"]["stopped"] == reason
+    assert report["totals"]["evicted"] == ["w2"]
+    text = render(report, "md")
+    assert f"Job stopped: {reason}." in text and "Evicted as stragglers: w2." in text

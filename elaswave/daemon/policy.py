@@ -1,0 +1,157 @@
+"""The leader's pure decisions about slow workers and failure storms (no I/O, table-tested).
+
+- :func:`straggler_verdict`: from each rank's recent compute time per micro-batch, the
+  micro-batch shares proportional to speed (global batch unchanged) and the ranks to evict.
+- :class:`Hysteresis`: a proposal is acted on only once it has been made several times in a row.
+- :func:`loop_verdict`: whether the job keeps failing without committing a step.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from elaswave.plan import assign_microbatches
+
+WINDOW = 8  # samples per rank the speed estimate looks at (the newest)
+MIN_SAMPLES = 4  # samples every rank needs under the current plan before anything is decided
+MIN_GAIN = 0.10  # re-share only if the slowest rank's compute time drops by at least this much
+OUTLIER = 1.25  # a rank this much slower than the median is a straggler; the rest count as equal
+STABLE_CHECKS = 3  # the same proposal this many evaluations in a row before it becomes a plan
+
+
+@dataclass(frozen=True)
+class StragglerVerdict:
+    """What to do about slow ranks. ``microbatches`` is ``None`` when the plan stays as it is;
+    otherwise it gives the new shares of the ranks that remain (``workers`` minus ``evict``, in
+    rank order)."""
+
+    microbatches: tuple[int, ...] | None
+    evict: tuple[str, ...] = ()
+    reason: str = ""
+    slowdown: Mapping[str, float] = field(default_factory=dict)
+    stragglers: tuple[str, ...] = ()  # ranks judged slower than the median (``outlier``)
+
+    @property
+    def acts(self) -> bool:
+        return self.microbatches is not None
+
+    @property
+    def key(self) -> Hashable:
+        """What must stay the same across evaluations for :class:`Hysteresis`: who is slow and
+        who goes (not the exact shares, which noise may move by one micro-batch)."""
+        return (self.stragglers, self.evict) if self.acts else None
+
+
+def straggler_verdict(
+    compute_time_per_mb: Mapping[str, Sequence[float]],
+    *,
+    workers: Sequence[str],
+    current: Sequence[int],
+    threshold: float,
+    min_samples: int = MIN_SAMPLES,
+    window: int = WINDOW,
+    min_gain: float = MIN_GAIN,
+    outlier: float = OUTLIER,
+) -> StragglerVerdict:
+    """Judge each rank's speed against the median rank's.
+
+    ``compute_time_per_mb[w]`` are worker ``w``'s seconds of forward+backward per micro-batch in
+    recent steps of the current plan (oldest first; time blocked in collectives excluded, since
+    in synchronous data parallelism every rank's wall step time is the same). ``workers`` and
+    ``current`` are the plan's ranks and their micro-batch counts.
+
+    A rank slower than ``threshold`` × the median (per micro-batch, median over the newest
+    ``window`` samples) is evicted, unless ``threshold`` is 0. Ranks more than ``outlier`` × the
+    median are stragglers; all others count as exactly as fast as the median, so that noise
+    among healthy ranks moves nothing. The micro-batches are re-shared proportionally to those
+    speeds when that cuts the predicted compute time of a step (its slowest rank) by at least
+    ``min_gain``, so single micro-batches do not move back and forth. The sum of the shares is
+    always ``sum(current)``: the global batch never changes.
+    """
+    if len(workers) != len(current):
+        raise ValueError(f"{len(workers)} workers but {len(current)} shares")
+    total = sum(current)
+    missing = [w for w in workers if len(compute_time_per_mb.get(w, ())) < min_samples]
+    if missing:
+        return StragglerVerdict(None, reason=f"waiting for {min_samples} samples from {missing}")
+    per_mb = {w: statistics.median(list(compute_time_per_mb[w])[-window:]) for w in workers}
+    ref = statistics.median(per_mb.values())
+    if ref <= 0:
+        return StragglerVerdict(None, reason="no compute time measured")
+    slowdown = {w: per_mb[w] / ref for w in workers}
+    est = {w: per_mb[w] if slowdown[w] > outlier else ref for w in workers}
+    slow = tuple(w for w in workers if slowdown[w] > outlier)
+    evict = tuple(w for w in workers if threshold > 0 and slowdown[w] > threshold)
+    if evict and len(evict) < len(workers):
+        kept = [w for w in workers if w not in evict]
+        shares = assign_microbatches(total, [1.0 / est[w] for w in kept])
+        who = ", ".join(
+            f"worker {w} (rank {workers.index(w)}) {slowdown[w]:.1f}× the median compute time"
+            for w in evict
+        )
+        return StragglerVerdict(
+            shares, evict, f"straggler: {who} (threshold {threshold:g}×) → evicted", slowdown, slow
+        )
+    proposed = assign_microbatches(total, [1.0 / est[w] for w in workers])
+    now_s = max(n * est[w] for n, w in zip(current, workers, strict=True))
+    new_s = max(n * est[w] for n, w in zip(proposed, workers, strict=True))
+    if tuple(proposed) == tuple(current) or new_s > (1.0 - min_gain) * now_s:
+        return StragglerVerdict(None, reason="balanced", slowdown=slowdown, stragglers=slow)
+    who = (
+        ", ".join(
+            f"worker {w} (rank {workers.index(w)}) {slowdown[w]:.2f}× the median compute time"
+            for w in slow
+        )
+        or "no rank slower than the median any more"
+    )
+    return StragglerVerdict(
+        proposed,
+        (),
+        f"straggler: {who} → re-shared for speed, "
+        f"predicted compute {now_s * 1000:.0f} → {new_s * 1000:.0f} ms/step",
+        slowdown,
+        slow,
+    )
+
+
+@dataclass
+class Hysteresis:
+    """Acts on a proposal only once it was made ``needed`` evaluations in a row."""
+
+    needed: int = STABLE_CHECKS
+    last: Hashable = None
+    streak: int = 0
+
+    def observe(self, key: Hashable) -> bool:
+        """Record one evaluation's proposal (``None``: no change); True when it is stable."""
+        if key is None:
+            self.last, self.streak = None, 0
+            return False
+        self.streak = self.streak + 1 if key == self.last else 1
+        self.last = key
+        return self.streak >= self.needed
+
+    def reset(self) -> None:
+        self.last, self.streak = None, 0
+
+
+def loop_verdict(failure_steps: Sequence[int], committed: int, limit: int) -> str | None:
+    """Why the job should stop as a restart loop, or ``None``.
+
+    ``failure_steps`` holds, for each worker failure so far (oldest first), the last committed
+    step when it was seen; ``committed`` is the last committed step now. The job is in a loop
+    when the latest ``limit`` failures all happened with no step committed since. ``limit`` 0
+    disables the breaker.
+    """
+    if limit <= 0:
+        return None
+    streak = 0
+    for step in reversed(failure_steps):
+        if step < committed:
+            break
+        streak += 1
+    if streak < limit:
+        return None
+    return f"restart loop ({streak} failures without a committed step since step {committed})"
