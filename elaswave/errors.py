@@ -35,3 +35,9 @@ class JobFailed(ElasWaveError):
     """The job ended without committing all of its steps."""
 
     exit_code = 1
+
+
+class HostFenced(ElasWaveError):
+    """This host lost its etcd lease: its workers were stopped and it must rejoin as new."""
+
+    exit_code = 4

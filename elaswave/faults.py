@@ -4,6 +4,7 @@ Text form (``launch --fault`` and ``ELASWAVE_FAULTS``)::
 
     kill,rank=1,at_step=15          # first bare word is the kind
     kind=kill,rank=2                # or spelled out; "at-step" is accepted for "at_step"
+    host,host=h2                    # whole-host faults name a host instead of a rank
 
 YAML form (``faults:`` in a config)::
 
@@ -30,6 +31,13 @@ class FaultKind(str, enum.Enum):
     KILL = "kill"  # SIGKILL the worker process: a crash with no goodbye
     HANG = "hang"  # SIGSTOP the worker process: alive but silent, its peers block on it
     CORRUPT = "corrupt"  # flip a bit in the worker's parameters or snapshot (silent corruption)
+    HOST = "host"  # SIGKILL a host's daemon and all its workers: a dead host, no cleanup runs
+    PARTITION = "partition"  # cut a host's network link (only where the tool can act: netns bed)
+
+    @property
+    def targets_host(self) -> bool:
+        """Whole-host faults name a host (``host=H``); the others name a rank."""
+        return self in (FaultKind.HOST, FaultKind.PARTITION)
 
     @property
     def signal(self) -> signal.Signals | None:
@@ -47,6 +55,7 @@ class FaultSpec:
 
     kind: FaultKind
     rank: int | None = None
+    host: str | None = None  # whole-host faults: the target host id
     at_step: int | None = None
     phase: str = "reduce"  # "reduce": before the gradient reduction; "optimizer": ZeRO's update
     target: str = "params"  # corrupt: "params" or "snapshot" (ZeRO: the buddy replica it keeps)
@@ -54,6 +63,16 @@ class FaultSpec:
     def __post_init__(self) -> None:
         if not isinstance(self.kind, FaultKind):
             object.__setattr__(self, "kind", _kind(self.kind))
+        if self.kind.targets_host:
+            if not self.host:
+                raise FaultSpecError(f"fault '{self.kind.value}' needs a target: host=H")
+            if self.rank is not None or self.at_step is not None:
+                raise FaultSpecError(
+                    f"fault '{self.kind.value}' takes host=H only (it fires at once)"
+                )
+            return
+        if self.host is not None:
+            raise FaultSpecError(f"fault '{self.kind.value}' targets a rank, not host=H")
         if self.rank is None:
             raise FaultSpecError(f"fault '{self.kind.value}' needs a target: rank=R")
         if self.rank < 0:
@@ -90,7 +109,7 @@ class FaultSpec:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, source: str = "fault spec") -> FaultSpec:
-        known = {"kind", "rank", "at_step", "phase", "target"}
+        known = {"kind", "rank", "host", "at_step", "phase", "target"}
         unknown = sorted(set(data) - known)
         if unknown:
             raise FaultSpecError(
@@ -102,6 +121,7 @@ class FaultSpec:
         return cls(
             kind=_kind(data["kind"]),
             rank=_int(data.get("rank"), "rank", source),
+            host=str(data["host"]) if data.get("host") is not None else None,
             at_step=_int(data.get("at_step"), "at_step", source),
             phase=str(data.get("phase", "reduce")),
             target=str(data.get("target", "params")),
@@ -117,6 +137,8 @@ class FaultSpec:
         return {k: v for k, v in out.items() if v is not None}
 
     def describe(self) -> str:
+        if self.host is not None:
+            return f"{self.kind.value} host {self.host}"
         when = f" at step {self.at_step}" if self.at_step is not None else ""
         return f"{self.kind.value} rank {self.rank}{when}"
 

@@ -1,5 +1,8 @@
 """``elaswave launch``: embedded etcd (if needed) + this host's daemon, in the foreground.
 
+A host fenced for losing its etcd lease (a partition) stops its workers; ``launch`` then waits for
+etcd to answer again and rejoins as a new member: new lease, new worker ids, admitted by a plan.
+
 A discovery file ``<state dir>/jobs/<job_id>.json`` lets ``status``, ``inject-fault`` and ``report``
 find a job on this machine by its id alone; it is removed when the launch ends.
 """
@@ -7,16 +10,20 @@ find a job on this machine by its id alone; it is removed when the launch ends.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
 import signal
+import time
 from pathlib import Path
+from typing import Any
 
 from elaswave.config import JobConfig, state_dir
+from elaswave.daemon.etcd import Etcd
 from elaswave.daemon.etcd_server import EmbeddedEtcd, check_port_free
 from elaswave.daemon.supervisor import HostDaemon
-from elaswave.errors import ElasWaveError, JobNotFound
+from elaswave.errors import ElasWaveError, EtcdUnavailable, HostFenced, JobNotFound
 
 log = logging.getLogger(__name__)
 
@@ -91,13 +98,46 @@ def launch(cfg: JobConfig, *, host_addr: str | None = None) -> int:
                 )
             )
         try:
-            return asyncio.run(_run(daemon))
+            while True:
+                try:
+                    return asyncio.run(_run(daemon))
+                except HostFenced as exc:
+                    log.warning("%s; rejoining once etcd answers", exc)
+                    asyncio.run(_await_etcd(endpoints, cfg.timeouts.rendezvous, exc, daemon.lease))
+                    daemon = HostDaemon(
+                        cfg,
+                        etcd_endpoints=endpoints,
+                        host_addr=daemon.host_addr,
+                        first_incarnation=daemon.next_incarnation,
+                    )
         finally:
             if owns_record:
                 disc.unlink(missing_ok=True)
     finally:
         if embedded is not None:
             embedded.stop()
+
+
+async def _await_etcd(
+    endpoints: list[str], timeout: float, fenced: HostFenced, old_lease: Any
+) -> None:
+    """Wait until etcd answers again (a healed partition), or give up with the fencing error.
+
+    The old lease is revoked first, if etcd has not dropped it already: whatever this host held
+    (host, worker and leader keys) must be gone before it registers again."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            db = await Etcd.connect(endpoints, timeout=min(2.0, timeout))
+        except EtcdUnavailable:
+            await asyncio.sleep(0.5)
+            continue
+        if old_lease is not None:
+            with contextlib.suppress(EtcdUnavailable):
+                await db.revoke_lease(old_lease)
+        await db.close()
+        return
+    raise fenced
 
 
 async def _run(daemon: HostDaemon) -> int:
