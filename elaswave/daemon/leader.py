@@ -34,6 +34,8 @@ JOIN_SETTLE_S = 0.5  # how long a grow waits for further joiners before it is pl
 async def campaign(d: HostDaemon) -> None:
     """Win the election (or wait for the current leader to go), then lead until stopped."""
     while not d.stopping:
+        if await d.etcd.get(d.keys.done) is not None:
+            return  # the job is over: hosts leaving now need no new leader
         if await d.etcd.create(d.keys.leader, d.host_id, lease=d.lease):
             d.is_leader = True
             d.events.emit("leader_elected", host=d.host_id)
@@ -72,7 +74,7 @@ class Planner:
             current, plan_rev = await self._read_plan()
             if current is None:
                 await self._await_initial_members()
-            else:
+            elif await d.etcd.get(d.keys.done) is None:
                 live = {
                     kv.key.removeprefix(d.keys.hosts)
                     for kv in await d.etcd.get_prefix(d.keys.hosts)

@@ -169,6 +169,10 @@ class Engine:
                 self.control.event(
                     "step_aborted", worker=self.me, step=self.step + 1, reason=str(exc)[:300]
                 )
+                # An abandoned collective may still be running and write into its tensor (a
+                # peer cut off by a partition is not an error until TCP gives up): redo the
+                # step in a fresh buffer, never in the one gloo still holds.
+                self.buffer = torch.zeros_like(self.buffer)
                 self.replan = True
             except NoPlan as exc:
                 log.error("%s", exc)

@@ -247,8 +247,8 @@ def _kill_tree(pid: int) -> list[int]:
     return [p.pid for p in procs]
 
 
-@pytest.fixture
-def netbed_factory(tmp_path: Path) -> Any:
+@pytest.fixture(name="netbed_factory")
+def netbed_fixture(tmp_path: Path) -> Any:
     """``make(hosts=3, etcd_members=1)`` → a started :class:`NetBed`, always torn down."""
     reason = skip_reason()
     if reason:
