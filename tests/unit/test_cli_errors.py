@@ -163,6 +163,9 @@ def test_inject_fault_unknown_job() -> None:
         (["--kind", "kill"], "needs a target"),
         (["--kind", "kill", "--rank", "-1"], "rank must be >= 0"),
         (["--kind", "kill", "--rank", "0", "--at-step", "0"], "at_step"),
+        (["--kind", "host"], "needs a target: host=H"),
+        (["--kind", "partition", "--host", "h1", "--rank", "0"], "takes host=H only"),
+        (["--kind", "kill", "--host", "h1"], "targets a rank"),
     ],
 )
 def test_inject_fault_bad_spec(args: list[str], fragment: str) -> None:
