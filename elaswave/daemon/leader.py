@@ -142,7 +142,10 @@ class Planner:
             if ev.key == keys.done:
                 self.job_done = True  # hosts leaving from now on are finishing, not lost
             elif ev.key.startswith(keys.hosts) and ev.kind == "delete" and not self.job_done:
-                self._host_lost(ev.key.removeprefix(keys.hosts), "its lease expired")
+                host = ev.key.removeprefix(keys.hosts)
+                current, _ = await self._read_plan()
+                if current is not None and host in current.hosts:  # else it had no rank left
+                    self._host_lost(host, "its lease expired")
                 self.changed.set()
             elif ev.key.startswith(keys.workers) or (
                 ev.key.startswith(keys.departures) and ev.kind == "put"
