@@ -6,12 +6,13 @@ Every scenario is one module exposing ``DESCRIPTION``, ``DEFAULT_REPEAT``,
 
 from __future__ import annotations
 
-from bench import comm, crash, hang, mttr, overhead, zero
+from bench import comm, crash, hang, hostfaults, mttr, overhead, zero
 
 SCENARIOS = {
     "comm": comm,
     "crash": crash,
     "hang": hang,
+    "hostfaults": hostfaults,
     "mttr": mttr,
     "overhead": overhead,
     "zero": zero,
