@@ -22,7 +22,7 @@ from typing import Any
 import yaml
 
 from elaswave.errors import ConfigError, FaultSpecError
-from elaswave.faults import FaultSpec
+from elaswave.faults import FaultKind, FaultSpec
 
 ENV_PREFIX = "ELASWAVE_"
 
@@ -273,6 +273,11 @@ class JobConfig:
             if fault.at_step is not None and fault.at_step > self.train.steps:
                 raise ConfigError(
                     f"fault '{fault.describe()}' is after the last step ({self.train.steps})"
+                )
+            if fault.kind is FaultKind.PARTITION:
+                raise ConfigError(
+                    f"fault '{fault.describe()}': partitions are injected with "
+                    "'elaswave inject-fault' (it cuts the link), not from a job config"
                 )
             if fault.rank is not None and fault.rank >= most:
                 raise ConfigError(

@@ -47,3 +47,9 @@ class EtcdAccessDenied(ElasWaveError):
     """etcd refused an operation: the user has no role on the job's key prefix."""
 
     exit_code = 3
+
+
+class HostFenced(ElasWaveError):
+    """This host lost its etcd lease: its workers were stopped and it must rejoin as new."""
+
+    exit_code = 5

@@ -7,6 +7,7 @@ Text form (``launch --fault`` and ``ELASWAVE_FAULTS``)::
     slow,rank=3,at_step=5,delay=0.2  # from step 5 on, rank 3 is 0.2 s per step slower
     kill,rank=2,at_step=9,phase=recovery  # dies as it starts applying the plan after step 9
     kill,rank=1,at_step=3,repeat    # whoever holds rank 1 dies at step 3, every time
+    host,host=h2                    # whole-host faults name a host instead of a rank
 
 YAML form (``faults:`` in a config)::
 
@@ -36,6 +37,13 @@ class FaultKind(str, enum.Enum):
     HANG = "hang"  # SIGSTOP the worker process: alive but silent, its peers block on it
     CORRUPT = "corrupt"  # flip a bit in the worker's parameters or snapshot (silent corruption)
     SLOW = "slow"  # the worker computes ``delay`` seconds per step slower: a straggler
+    HOST = "host"  # SIGKILL a host's daemon and all its workers: a dead host, no cleanup runs
+    PARTITION = "partition"  # cut a host's network link (only where the tool can act: netns bed)
+
+    @property
+    def targets_host(self) -> bool:
+        """Whole-host faults name a host (``host=H``); the others name a rank."""
+        return self in (FaultKind.HOST, FaultKind.PARTITION)
 
     @property
     def signal(self) -> signal.Signals | None:
@@ -59,6 +67,7 @@ class FaultSpec:
 
     kind: FaultKind
     rank: int | None = None
+    host: str | None = None  # whole-host faults: the target host id
     at_step: int | None = None
     phase: str = "reduce"  # "reduce": before the gradient reduction; "optimizer": ZeRO's update
     target: str = "params"  # corrupt: "params" or "snapshot" (ZeRO: the buddy replica it keeps)
@@ -68,6 +77,16 @@ class FaultSpec:
     def __post_init__(self) -> None:
         if not isinstance(self.kind, FaultKind):
             object.__setattr__(self, "kind", _kind(self.kind))
+        if self.kind.targets_host:
+            if not self.host:
+                raise FaultSpecError(f"fault '{self.kind.value}' needs a target: host=H")
+            if self.rank is not None or self.at_step is not None:
+                raise FaultSpecError(
+                    f"fault '{self.kind.value}' takes host=H only (it fires at once)"
+                )
+            return
+        if self.host is not None:
+            raise FaultSpecError(f"fault '{self.kind.value}' targets a rank, not host=H")
         if self.rank is None:
             raise FaultSpecError(f"fault '{self.kind.value}' needs a target: rank=R")
         if self.rank < 0:
@@ -114,7 +133,7 @@ class FaultSpec:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, source: str = "fault spec") -> FaultSpec:
-        known = {"kind", "rank", "at_step", "phase", "target", "delay", "repeat"}
+        known = {"kind", "rank", "host", "at_step", "phase", "target", "delay", "repeat"}
         unknown = sorted(set(data) - known)
         if unknown:
             raise FaultSpecError(
@@ -126,6 +145,7 @@ class FaultSpec:
         return cls(
             kind=_kind(data["kind"]),
             rank=_int(data.get("rank"), "rank", source),
+            host=str(data["host"]) if data.get("host") is not None else None,
             at_step=_int(data.get("at_step"), "at_step", source),
             phase=str(data.get("phase", "reduce")),
             target=str(data.get("target", "params")),
@@ -145,6 +165,8 @@ class FaultSpec:
         return {k: v for k, v in out.items() if v is not None}
 
     def describe(self) -> str:
+        if self.host is not None:
+            return f"{self.kind.value} host {self.host}"
         when = f" at step {self.at_step}" if self.at_step is not None else ""
         extra = f" (+{self.delay:g} s/step)" if self.delay is not None else ""
         if self.phase == "recovery":

@@ -258,13 +258,17 @@ def _print_status(st: dict[str, Any]) -> None:
 def inject_fault_cmd(
     job_id: str = typer.Option("elaswave", "--job-id"),
     kind: str = typer.Option(
-        ..., "--kind", help="kill (SIGKILL) | hang (SIGSTOP) | corrupt (bit flip) | slow"
+        ...,
+        "--kind",
+        help="kill (SIGKILL) | hang (SIGSTOP) | corrupt (bit flip) | slow | host (SIGKILL a "
+        "host's daemon and workers) | partition (cut a host's links; netns hosts only)",
     ),
     delay: float | None = typer.Option(
         None, "--delay", help="slow: extra compute seconds per step."
     ),
     target: str | None = typer.Option(None, "--target", help="corrupt: params | snapshot"),
     rank: int | None = typer.Option(None, "--rank"),
+    host: str | None = typer.Option(None, "--host", help="Target of host and partition faults."),
     at_step: int | None = typer.Option(
         None, "--at-step", help="Fire while this step is in flight."
     ),
@@ -289,6 +293,7 @@ def inject_fault_cmd(
                 for k, v in {
                     "kind": kind,
                     "rank": rank,
+                    "host": host,
                     "at_step": at_step,
                     "target": target,
                     "delay": delay,

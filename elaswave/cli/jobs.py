@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from typing import Any
 
 from elaswave.config import EtcdTLSConfig
 from elaswave.daemon.etcd import Etcd, EtcdSecurity
 from elaswave.daemon.launch import find_job
+from elaswave.daemon.netns import set_links
 from elaswave.daemon.supervisor import submit_fault
 from elaswave.errors import FaultSpecError, JobNotFound
-from elaswave.faults import FaultSpec
+from elaswave.faults import FaultKind, FaultSpec
 from elaswave.keys import JobKeys
 from elaswave.plan import Plan
 
@@ -125,12 +127,15 @@ async def _inject(
     keys = JobKeys(job_id)
     db = await Etcd.connect(endpoints, prefix=keys.prefix, timeout=timeout, security=security)
     try:
-        if not await db.get_prefix(keys.hosts):
+        hosts = {kv.json()["host"]: kv.json() for kv in await db.get_prefix(keys.hosts)}
+        if not hosts:
             raise JobNotFound(f"no running job {job_id!r} in etcd at {', '.join(endpoints)}")
         plan_kv = await db.get(keys.plan)
         if plan_kv is None:
             raise FaultSpecError(f"job {job_id!r} has no plan yet; retry once it has started")
         plan = Plan.from_json(plan_kv.value)
+        if fault.host is not None:
+            return await _inject_host(db, keys, plan, hosts, fault)
         live = {kv.key.removeprefix(keys.workers) for kv in await db.get_prefix(keys.workers)}
         done = await db.get(keys.done) is not None
         problem = fault_target_error(job_id, fault, plan, live, done)
@@ -157,3 +162,27 @@ def inject_fault(
 ) -> dict[str, Any]:
     endpoints, security = resolve_etcd(job_id, etcd, tls)
     return asyncio.run(_inject(job_id, endpoints, security, fault, timeout))
+
+
+async def _inject_host(
+    db: Etcd, keys: JobKeys, plan: Plan, hosts: dict[str, Any], fault: FaultSpec
+) -> dict[str, Any]:
+    """Whole-host faults: ``host`` goes through etcd to the host's daemon, which kills itself and
+    its workers; ``partition`` cuts the host's links here, which needs the host to be a network
+    namespace on this machine (the multi-host test bed)."""
+    info = hosts.get(fault.host or "")
+    if info is None:
+        raise FaultSpecError(
+            f"no live host {fault.host!r} in job {keys.job_id!r} (live: {', '.join(sorted(hosts))})"
+        )
+    result = {"fault": fault.to_dict(), "target": fault.host, "epoch": plan.epoch}
+    if fault.kind is FaultKind.HOST:
+        return {"fault_id": await submit_fault(db, keys, fault), **result}
+    if not info.get("netns"):
+        raise FaultSpecError(
+            f"partition needs host {fault.host!r} to run in a network namespace of this machine "
+            "(the netns test bed); it does not, so there is no link to cut here"
+        )
+    t = time.time()
+    cut = set_links(info["netns"], up=False)
+    return {"fault_id": None, **result, "t": t, "netns": info["netns"], "links": cut}

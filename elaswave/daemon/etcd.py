@@ -7,6 +7,10 @@ Security: aetcd 1.0 speaks user/password auth but only plaintext gRPC, so :class
 the channel itself, with TLS (and a client certificate) when :class:`EtcdSecurity` asks for it.
 A connection is bound to one job's key prefix: any key outside it is refused here, before it
 reaches etcd, and with etcd auth a job's user holds a role on that prefix only (docs: Security).
+
+An aetcd client talks to one endpoint. Given several (the members of a cluster), a call or watch
+whose member stops answering fails over to the next member that does, and a watch resumes from
+the revision after the last event it delivered, so a dead etcd member loses no event.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import contextlib
 import json
 import logging
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -205,18 +209,49 @@ def parse_endpoints(text: str | list[str]) -> list[tuple[str, int]]:
     return out
 
 
+# A member that stops answering: try the next one.
+_MEMBER_LOST = (
+    asyncio.TimeoutError,
+    aetcd.exceptions.ConnectionFailedError,
+    aetcd.exceptions.ConnectionTimeoutError,
+)
+
+
+def failover_order(endpoints: list[str], current: str) -> list[str]:
+    """The other endpoints to try after ``current`` failed, starting with the one after it."""
+    if current not in endpoints:
+        return list(endpoints)
+    i = endpoints.index(current)
+    return endpoints[i + 1 :] + endpoints[:i]
+
+
+Opener = Callable[[str, float], Awaitable[aetcd.Client]]
+
+
 class Etcd:
-    """One connection to an etcd cluster, to the first endpoint that answers, bound to one prefix.
+    """A connection to an etcd cluster, bound to one key prefix: to the first endpoint that
+    answers, failing over to the others when it stops answering.
 
     Every key this connection reads, writes, deletes or watches must lie under ``prefix`` (a
     job's :class:`~elaswave.keys.JobKeys` prefix); anything else is a bug and raises at once.
     """
 
-    def __init__(self, client: aetcd.Client, endpoint: str, op_timeout: float, prefix: str) -> None:
+    def __init__(
+        self,
+        client: aetcd.Client,
+        endpoint: str,
+        op_timeout: float,
+        prefix: str,
+        endpoints: list[str],
+        opener: Opener,
+    ) -> None:
         self._client = client
         self.endpoint = endpoint
         self.op_timeout = op_timeout
         self.prefix = prefix
+        self.endpoints = endpoints
+        self._open = opener
+        self._switch = asyncio.Lock()
 
     @classmethod
     async def connect(
@@ -237,28 +272,36 @@ class Etcd:
             )
         if not prefix.startswith("/") or not prefix.endswith("/"):
             raise ValueError(f"etcd key prefix must look like /a/b/, got {prefix!r}")
-        errors = []
-        for host, port in parse_endpoints(endpoints):
+
+        async def opener(name: str, wait: float) -> aetcd.Client:
+            host, port = parse_endpoints([name])[0]
             client = _Client(
                 credentials=credentials,
                 host=host,
                 port=port,
                 username=security.user,
                 password=security.password,
-                timeout=max(1, int(timeout)),
+                timeout=max(1, int(wait)),
             )
             try:
                 # A read under the prefix: all that a user confined to the prefix may do.
-                await asyncio.wait_for(client.get((prefix + PROBE).encode()), timeout)
-                return cls(client, f"{host}:{port}", timeout, prefix)
+                await asyncio.wait_for(client.get((prefix + PROBE).encode()), wait)
+            except BaseException:
+                await _close_quietly(client)
+                raise
+            return client
+
+        names = [f"{h}:{p}" for h, p in parse_endpoints(endpoints)]
+        errors = []
+        for name in names:
+            try:
+                return cls(await opener(name, timeout), name, timeout, prefix, names, opener)
             except asyncio.TimeoutError:
-                errors.append(f"{host}:{port} (no answer within {timeout:g}s)")
+                errors.append(f"{name} (no answer within {timeout:g}s)")
             except (aetcd.exceptions.ClientError, OSError) as exc:
-                errors.append(f"{host}:{port} ({explain(exc)})")
                 if explain(exc) == "permission denied":
-                    await _close_quietly(client)
-                    raise _denied(f"{host}:{port}", prefix) from None
-            await _close_quietly(client)
+                    raise _denied(name, prefix) from None
+                errors.append(f"{name} ({explain(exc)})")
         raise EtcdUnavailable(f"cannot reach etcd at {', '.join(errors)}")
 
     def _own(self, key: str) -> bytes:
@@ -266,70 +309,99 @@ class Etcd:
             raise ValueError(f"etcd key {key!r} is outside this connection's prefix {self.prefix}")
         return key.encode()
 
-    async def _call(self, coro: Any) -> Any:
-        try:
-            return await asyncio.wait_for(coro, self.op_timeout)
-        except asyncio.TimeoutError:
-            raise EtcdUnavailable(
-                f"etcd at {self.endpoint} did not answer within {self.op_timeout:g}s"
-            ) from None
-        except aetcd.exceptions.ConnectionFailedError:
-            raise EtcdUnavailable(f"lost the connection to etcd at {self.endpoint}") from None
-        except aetcd.exceptions.ClientError as exc:
-            if explain(exc) == "permission denied":
-                raise _denied(self.endpoint, self.prefix) from None
-            raise
+    async def _failover(self, failed: aetcd.Client) -> bool:
+        """Move to the next member that answers (once per failure). False: none does."""
+        async with self._switch:
+            if self._client is not failed:
+                return True  # another call already moved on
+            for name in failover_order(self.endpoints, self.endpoint):
+                try:
+                    client = await self._open(name, self.op_timeout)
+                except (asyncio.TimeoutError, aetcd.exceptions.ClientError, OSError):
+                    continue
+                log.warning("etcd at %s stopped answering; now using %s", self.endpoint, name)
+                old, self._client, self.endpoint = self._client, client, name
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(old.close(), 1.0)
+                return True
+            return False
+
+    async def _call(self, op: Callable[[aetcd.Client], Awaitable[Any]]) -> Any:
+        """Run ``op(client)``; if the member does not answer, retry once on another member."""
+        for attempt in (0, 1):
+            client = self._client
+            try:
+                return await asyncio.wait_for(op(client), self.op_timeout)
+            except _MEMBER_LOST as exc:
+                endpoint = self.endpoint
+                if attempt == 0 and len(self.endpoints) > 1 and await self._failover(client):
+                    continue
+                if isinstance(exc, asyncio.TimeoutError):
+                    raise EtcdUnavailable(
+                        f"etcd at {endpoint} did not answer within {self.op_timeout:g}s"
+                    ) from None
+                raise EtcdUnavailable(f"lost the connection to etcd at {endpoint}") from None
+            except aetcd.exceptions.ClientError as exc:
+                if explain(exc) == "permission denied":
+                    raise _denied(self.endpoint, self.prefix) from None
+                raise
+        raise AssertionError("unreachable")
 
     async def get(self, key: str) -> KV | None:
-        r = await self._call(self._client.get(self._own(key)))
+        k = self._own(key)
+        r = await self._call(lambda c: c.get(k))
         if r is None:
             return None
         return KV(key, r.value, r.create_revision, r.mod_revision)
 
     async def get_prefix(self, prefix: str) -> list[KV]:
-        r = await self._call(self._client.get_prefix(self._own(prefix)))
+        p = self._own(prefix)
+        r = await self._call(lambda c: c.get_prefix(p))
         return [KV(kv.key.decode(), kv.value, kv.create_revision, kv.mod_revision) for kv in r]
 
     async def put(self, key: str, value: bytes | str, *, lease: Any = None) -> int:
         data = value.encode() if isinstance(value, str) else value
-        r = await self._call(self._client.put(self._own(key), data, lease=lease))
+        k = self._own(key)
+        r = await self._call(lambda c: c.put(k, data, lease=lease))
         return int(r.header.revision)
 
     async def put_json(self, key: str, value: Any, *, lease: Any = None) -> int:
         return await self.put(key, json.dumps(value, sort_keys=True), lease=lease)
 
     async def delete(self, key: str) -> None:
-        await self._call(self._client.delete(self._own(key)))
+        k = self._own(key)
+        await self._call(lambda c: c.delete(k))
 
     async def delete_prefix(self, prefix: str) -> None:
-        await self._call(self._client.delete_prefix(self._own(prefix)))
+        p = self._own(prefix)
+        await self._call(lambda c: c.delete_prefix(p))
 
     async def create(self, key: str, value: bytes | str, *, lease: Any = None) -> bool:
         """Put ``key`` only if it does not exist. True if this call created it."""
         data = value.encode() if isinstance(value, str) else value
-        tx = self._client.transactions
         k = self._own(key)
-        ok, _ = await self._call(
-            self._client.transaction(
-                compare=[tx.create(k) == 0],
-                success=[tx.put(k, data, lease=lease)],
-                failure=[],
+
+        def op(c: aetcd.Client) -> Awaitable[Any]:
+            tx = c.transactions
+            return c.transaction(
+                compare=[tx.create(k) == 0], success=[tx.put(k, data, lease=lease)], failure=[]
             )
-        )
+
+        ok, _ = await self._call(op)
         return bool(ok)
 
     async def compare_and_put(self, key: str, value: bytes | str, *, mod_revision: int) -> bool:
         """Put ``key`` only if its mod revision is still ``mod_revision`` (0: key absent)."""
         data = value.encode() if isinstance(value, str) else value
-        tx = self._client.transactions
         k = self._own(key)
-        ok, _ = await self._call(
-            self._client.transaction(
-                compare=[tx.mod(k) == mod_revision],
-                success=[tx.put(k, data)],
-                failure=[],
+
+        def op(c: aetcd.Client) -> Awaitable[Any]:
+            tx = c.transactions
+            return c.transaction(
+                compare=[tx.mod(k) == mod_revision], success=[tx.put(k, data)], failure=[]
             )
-        )
+
+        ok, _ = await self._call(op)
         return bool(ok)
 
     async def put_and_delete(
@@ -338,27 +410,34 @@ class Etcd:
         """Put one key and delete another in one transaction (watchers see both at once)."""
         data = value.encode() if isinstance(value, str) else value
         pk, dk = self._own(put_key), self._own(delete_key)
-        tx = self._client.transactions
-        await self._call(
-            self._client.transaction(
-                compare=[],
-                success=[
-                    tx.put(pk, data, lease=lease),
-                    tx.delete(dk),
-                ],
-                failure=[],
+
+        def op(c: aetcd.Client) -> Awaitable[Any]:
+            tx = c.transactions
+            return c.transaction(
+                compare=[], success=[tx.put(pk, data, lease=lease), tx.delete(dk)], failure=[]
             )
-        )
+
+        await self._call(op)
 
     async def lease(self, ttl: int) -> Any:
-        return await self._call(self._client.lease(ttl))
+        return await self._call(lambda c: c.lease(ttl))
+
+    async def refresh_lease(self, lease: Any) -> int:
+        """Refresh ``lease`` once (through whichever member answers); its remaining TTL."""
+        r = await self._call(lambda c: c.refresh_lease(lease.id))
+        return int(r.TTL)
+
+    async def revoke_lease(self, lease: Any) -> None:
+        """Revoke ``lease`` (deleting its keys); a lease etcd already dropped is fine."""
+        with contextlib.suppress(aetcd.exceptions.ClientError):
+            await self._call(lambda c: c.revoke_lease(lease.id))
 
     async def keep_alive(self, lease: Any, ttl: int, on_lost: Any = None) -> None:
         """Refresh ``lease`` every ttl/3 seconds until cancelled; call ``on_lost`` if it expires."""
         while True:
             await asyncio.sleep(max(0.2, ttl / 3))
             try:
-                r = await self._call(lease.refresh())
+                r = await self._call(lambda c: c.refresh_lease(lease.id))
                 if getattr(r, "TTL", 1) <= 0 and on_lost is not None:
                     on_lost()
                     return
@@ -368,29 +447,45 @@ class Etcd:
     async def watch_prefix(
         self, prefix: str, *, start_revision: int | None = None
     ) -> AsyncIterator[WatchEvent]:
-        """Yield put/delete events under ``prefix`` (from ``start_revision`` if given)."""
-        watch = await self._call(
-            self._client.watch_prefix(self._own(prefix), start_revision=start_revision)
-        )
-        try:
-            async for ev in watch:
-                kind = "put" if str(ev.kind).upper().endswith("PUT") else "delete"
-                yield WatchEvent(
-                    kind, ev.kv.key.decode(), ev.kv.value, ev.kv.create_revision, ev.kv.mod_revision
-                )
-        except aetcd.exceptions.ClientError as exc:
-            raise EtcdUnavailable(f"lost the watch on etcd at {self.endpoint} ({exc})") from None
-        finally:
-            # Bounded: this runs while the owning task is being cancelled, and an unanswered
-            # cancel request must not keep the daemon from shutting down.
-            with contextlib.suppress(Exception, asyncio.TimeoutError):
-                await asyncio.wait_for(watch.cancel(), 1.0)
+        """Yield put/delete events under ``prefix`` (from ``start_revision`` if given).
+
+        If the member serving the watch goes away, the watch is re-opened on another member from
+        the revision after the last event delivered.
+        """
+        next_rev = start_revision
+        while True:
+            client = self._client
+            watch = await self._call(
+                lambda c, rev=next_rev: c.watch_prefix(self._own(prefix), start_revision=rev)
+            )
+            try:
+                async for ev in watch:
+                    kind = "put" if str(ev.kind).upper().endswith("PUT") else "delete"
+                    next_rev = ev.kv.mod_revision + 1
+                    yield WatchEvent(
+                        kind,
+                        ev.kv.key.decode(),
+                        ev.kv.value,
+                        ev.kv.create_revision,
+                        ev.kv.mod_revision,
+                    )
+                return
+            except aetcd.exceptions.ClientError as exc:
+                lost = isinstance(exc, _MEMBER_LOST) and len(self.endpoints) > 1
+                if not (lost and await self._failover(client)):
+                    raise EtcdUnavailable(
+                        f"lost the watch on etcd at {self.endpoint} ({exc})"
+                    ) from None
+            finally:
+                # Bounded: this runs while the owning task is being cancelled, and an unanswered
+                # cancel request must not keep the daemon from shutting down.
+                with contextlib.suppress(Exception, asyncio.TimeoutError):
+                    await asyncio.wait_for(watch.cancel(), 1.0)
 
     async def revision(self) -> int:
         # A range that holds no key: its answer's header carries the store's revision.
-        r = await self._call(
-            self._client.get_prefix(self._own(self.prefix + PROBE), keys_only=True)
-        )
+        probe = self._own(self.prefix + PROBE)
+        r = await self._call(lambda c: c.get_prefix(probe, keys_only=True))
         return int(r.header.revision)
 
     async def close(self) -> None:

@@ -5,6 +5,10 @@ Every daemon campaigns by creating the leader key under its host lease; the winn
 with a compare-and-set on the plan key's revision, so two leaders can never publish two plans for
 one epoch. If the leader's host goes away its lease expires, the key vanishes, and the others
 campaign again.
+
+A host whose lease expires (a dead or partitioned host) loses its worker keys with it; the leader
+names the lost host in the next plan's reason and records a ``host_lost`` event (detection time of
+a host fault ≈ the lease TTL).
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ JOIN_SETTLE_S = 0.5  # how long a grow waits for further joiners before it is pl
 async def campaign(d: HostDaemon) -> None:
     """Win the election (or wait for the current leader to go), then lead until stopped."""
     while not d.stopping:
+        if await d.etcd.get(d.keys.done) is not None:
+            return  # the job is over: hosts leaving now need no new leader
         if await d.etcd.create(d.keys.leader, d.host_id, lease=d.lease):
             d.is_leader = True
             d.events.emit("leader_elected", host=d.host_id)
@@ -65,6 +71,8 @@ class Planner:
         self.speeds: dict[str, dict[str, dict]] = {}  # host -> worker -> {epoch, per_mb}
         self.hysteresis = Hysteresis()
         self.failure_steps: list[int] = []  # last committed step at each worker failure
+        self.host_causes: list[str] = []  # hosts whose lease expired since the last plan
+        self.job_done = False
 
     async def run(self) -> None:
         d = self.d
@@ -74,6 +82,13 @@ class Planner:
             current, plan_rev = await self._read_plan()
             if current is None:
                 await self._await_initial_members()
+            elif await d.etcd.get(d.keys.done) is None:
+                live = {
+                    kv.key.removeprefix(d.keys.hosts)
+                    for kv in await d.etcd.get_prefix(d.keys.hosts)
+                }
+                for host in lost_hosts(current.hosts, live):
+                    self._host_lost(host, "not registered when this leader took over")
             if current is not None:
                 self.evicted.update(current.evicted)
             while not d.stopping:
@@ -81,6 +96,7 @@ class Planner:
                 if await d.etcd.get(d.keys.done) is not None:
                     return  # the last step is committed: leaving workers change nothing
                 members, causes = await self._read_members()
+                causes, self.host_causes = self.host_causes + causes, []
                 if current is None:
                     causes = self.early_causes + causes
                 if current is not None and not causes and self._only_joins(current, members):
@@ -221,7 +237,15 @@ class Planner:
         # Worker keys change on ready/exit; departures also cover workers that died before ready.
         keys = self.d.keys
         async for ev in self.d.etcd.watch_prefix(keys.prefix, start_revision=start_revision):
-            if ev.key.startswith(keys.workers) or (
+            if ev.key == keys.done:
+                self.job_done = True  # hosts leaving from now on are finishing, not lost
+            elif ev.key.startswith(keys.hosts) and ev.kind == "delete" and not self.job_done:
+                host = ev.key.removeprefix(keys.hosts)
+                current, _ = await self._read_plan()
+                if current is not None and host in current.hosts:  # else it had no rank left
+                    self._host_lost(host, "its lease expired")
+                self.changed.set()
+            elif ev.key.startswith(keys.workers) or (
                 ev.key.startswith(keys.departures) and ev.kind == "put"
             ):
                 self.changed.set()
@@ -232,6 +256,13 @@ class Planner:
                     self.changed.set()
                 else:
                     self.speeds.pop(host, None)
+
+    def _host_lost(self, host: str, why: str) -> None:
+        """A host key vanished without the job being done: the host died or is cut off."""
+        if host == self.d.host_id:
+            return
+        self.host_causes.append(f"host {host} lost ({why})")
+        self.d.events.emit("host_lost", host=host, leader=self.d.host_id, reason=why)
 
     async def _read_plan(self) -> tuple[Plan | None, int]:
         kv = await self.d.etcd.get(self.d.keys.plan)
@@ -285,3 +316,8 @@ class Planner:
             {"t": plan.created, "epoch": plan.epoch, "reason": plan.reason, "fault": is_incident}
         )
         await d.etcd.put_json(d.keys.incidents, incidents[-MAX_INCIDENTS:])
+
+
+def lost_hosts(plan_hosts: tuple[str, ...], live_hosts: set[str]) -> list[str]:
+    """Hosts that hold ranks in the plan but are no longer registered, in rank order."""
+    return list(dict.fromkeys(h for h in plan_hosts if h not in live_hosts))

@@ -23,11 +23,12 @@ from elaswave.config import JobConfig
 from elaswave.daemon import leader
 from elaswave.daemon.control import ControlServer, WorkerConn
 from elaswave.daemon.etcd import Etcd, EtcdSecurity
+from elaswave.daemon.netns import current_netns
 from elaswave.daemon.policy import WINDOW
 from elaswave.daemon.workers import WorkerProc, spawn, stop_all
-from elaswave.errors import ElasWaveError, EtcdUnavailable, JobFailed, JobStopped
+from elaswave.errors import ElasWaveError, EtcdUnavailable, HostFenced, JobFailed, JobStopped
 from elaswave.events import EVENTS_FILE, METRICS_FILE, EventLog, JsonlWriter
-from elaswave.faults import FaultSpec, decode_request
+from elaswave.faults import FaultKind, FaultSpec, decode_request
 from elaswave.keys import JobKeys
 from elaswave.plan import Plan
 
@@ -59,6 +60,7 @@ class HostDaemon:
         host_addr: str | None = None,
         embedded_etcd_pid: int | None = None,
         security: EtcdSecurity | None = None,
+        first_incarnation: int = 0,
     ) -> None:
         self.cfg = cfg
         self.endpoints = etcd_endpoints
@@ -95,6 +97,8 @@ class HostDaemon:
         self.compute: dict[str, tuple[int, list[float]]] = {}
         self._compute_dirty = False
         self._repeat_sent: dict[str, set[str]] = {}  # repeat fault key -> workers it went to
+        self.first_incarnation = first_incarnation  # > 0 after a fence: new worker ids
+        self.fenced: str | None = None  # why this host stopped its workers (lease lost)
 
     # ---- lifecycle --------------------------------------------------------------------------
     async def run(self) -> int:
@@ -117,8 +121,11 @@ class HostDaemon:
                 asyncio.create_task(self._publish_compute(), name="compute"),
                 asyncio.create_task(self._watch_stop(), name="stop"),
             ]
+            if self.first_incarnation and await self.etcd.get(self.keys.done) is not None:
+                self.events.emit("job_done_elsewhere", host=self.host_id)
+                return 0  # the job finished while this host was fenced
             for slot in range(self.cfg.elastic.nproc_per_node):
-                await self._spawn(slot, 0)
+                await self._spawn(slot, self.first_incarnation)
             waiter = asyncio.create_task(self._finished.wait())
             pending: set[asyncio.Task[Any]] = {waiter, *self._tasks}
             while waiter in pending:
@@ -129,10 +136,17 @@ class HostDaemon:
                         continue
                     if isinstance(exc, EtcdUnavailable) and self._work_is_over():
                         continue  # etcd went away after our last step: nothing left to lose
+                    if isinstance(exc, EtcdUnavailable) and not self.stopping:
+                        self._fence(f"lost etcd ({exc})")  # membership can no longer be trusted
                     raise exc
             return await self._finish()
         finally:
             await self._cleanup()
+
+    @property
+    def next_incarnation(self) -> int:
+        """The first worker incarnation a rejoin of this host may use (fresh worker ids)."""
+        return 1 + max((w.incarnation for w in self.workers.values()), default=-1)
 
     def _work_is_over(self) -> bool:
         return bool(self.workers) and all(
@@ -166,6 +180,7 @@ class HostDaemon:
             "nproc": self.cfg.elastic.nproc_per_node,
             "run_dir": str(self.run_dir.resolve()),
             "store": self.store_address,
+            "netns": current_netns(),
             "started": time.time(),
         }
         if not await self.etcd.create(
@@ -207,7 +222,41 @@ class HostDaemon:
             await asyncio.sleep(0.2)
 
     async def _keep_alive(self) -> None:
-        await self.etcd.keep_alive(self.lease, self.cfg.timeouts.lease_ttl)
+        """Refresh the host lease; fence this host once it cannot have been refreshed for a TTL.
+
+        Past that point etcd has expired (or is about to expire) the lease and the leader plans
+        without this host, so its workers must stop before anything of theirs can count: they
+        are SIGKILLed and the daemon leaves with :class:`HostFenced` (``launch`` then rejoins as
+        a new member once etcd answers again).
+        """
+        ttl = self.cfg.timeouts.lease_ttl
+        interval = max(0.1, ttl / 4)
+        last_ok = time.monotonic()
+        while True:
+            await asyncio.sleep(interval)
+            remaining: int | None = None
+            try:
+                remaining = await asyncio.wait_for(self.etcd.refresh_lease(self.lease), interval)
+                if remaining > 0:
+                    last_ok = time.monotonic()
+            except (EtcdUnavailable, asyncio.TimeoutError) as exc:
+                log.warning("lease keep-alive failed: %s", exc)
+            reason = fence_verdict(time.monotonic() - last_ok, remaining, ttl)
+            if reason is not None:
+                self._fence(reason)
+
+    def _fence(self, reason: str) -> None:
+        self.fenced = reason
+        self.stopping = True
+        pids = []
+        for w in self.workers.values():
+            if w.proc.returncode is None:
+                w.stopping = True
+                pids.append(w.pid)
+                with contextlib.suppress(ProcessLookupError):
+                    w.proc.kill()
+        self.events.emit("host_fenced", host=self.host_id, reason=reason, killed=pids)
+        raise HostFenced(f"host {self.host_id} fenced: {reason}")
 
     async def _finish(self) -> int:
         if self.signal_received is not None:
@@ -246,7 +295,9 @@ class HostDaemon:
                 with contextlib.suppress(BaseException):
                     await asyncio.wait_for(w.waiter, 1.0)
         await self.control.stop()
-        if self.etcd is not None:
+        if self.etcd is not None and self.fenced is not None:
+            await self.etcd.close()  # unreachable or forgot us: nothing to tidy there
+        elif self.etcd is not None:
             with contextlib.suppress(Exception):
                 if self.lease is not None:
                     await self.lease.revoke()
@@ -398,6 +449,13 @@ class HostDaemon:
         step = int(msg["step"])
         if step <= self.last_metric_step:
             return  # a re-report after recovery: already recorded
+        if step != self.last_metric_step + 1:
+            # Rank 0 moved to this host (its old host died): the old one may have recorded it.
+            with contextlib.suppress(Exception):
+                kv = await self.etcd.get(self.keys.progress)
+                if kv is not None and int(kv.json().get("step", 0)) >= step:
+                    self.last_metric_step = step
+                    return
         self.last_metric_step = step
         self.final_step = max(self.final_step, step)
         record = {
@@ -547,6 +605,11 @@ class HostDaemon:
         if self.plan is None:
             return
         for key, fault in list(self._pending_faults.items()):
+            if fault.host is not None:
+                del self._pending_faults[key]  # only the target host acts; the others drop it
+                if fault.host == self.host_id and fault.kind is FaultKind.HOST:
+                    asyncio.create_task(self._die(key, fault))
+                continue
             assert fault.rank is not None
             if fault.repeat:
                 self._dispatch_repeat(key, fault)
@@ -605,6 +668,20 @@ class HostDaemon:
         self.events.emit("fault_requested", fault=fault.to_dict(), worker=target, host=self.host_id)
         conn.send({"type": "fault", "fault": fault.to_dict()})
 
+    async def _die(self, key: str, fault: FaultSpec) -> None:
+        """A host fault: SIGKILL every worker and then this daemon. Nothing tidies up after it,
+        as with a host that loses power: its lease expires and the leader plans without it."""
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.etcd.delete(key), self.cfg.timeouts.etcd_connect)
+        pids = [w.pid for w in self.workers.values() if w.proc.returncode is None]
+        self.events.emit(
+            "fault_injected", fault=fault.to_dict(), host=self.host_id, pid=os.getpid(), pids=pids
+        )
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)
+
     async def submit_config_faults(self) -> None:
         for fault in self.cfg.faults:
             await submit_fault(self.etcd, self.keys, fault)
@@ -658,4 +735,19 @@ def hang_verdict(
         return f"no heartbeat for {silent_s:.1f} s"
     if phase == "compute" and silent_s <= 2 * beat_s and phase_age_s > limit_s:
         return f"stuck computing for {phase_age_s:.1f} s"
+    return None
+
+
+def fence_verdict(since_refresh_s: float, remaining_ttl: int | None, ttl: int) -> str | None:
+    """Why this host must fence itself, or ``None``. Pure: the partition detector's decision.
+
+    ``since_refresh_s`` is the time since the last lease refresh etcd acknowledged and
+    ``remaining_ttl`` what the latest refresh answered (``None``: it failed). A refresh answered
+    with TTL <= 0 means etcd already dropped the lease (we come back from a partition too late);
+    no acknowledged refresh for a whole TTL means etcd may drop it any moment.
+    """
+    if remaining_ttl is not None and remaining_ttl <= 0:
+        return "etcd expired this host's lease"
+    if since_refresh_s > ttl:
+        return f"no lease refresh reached etcd for {since_refresh_s:.1f} s (lease TTL {ttl} s)"
     return None

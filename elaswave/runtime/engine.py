@@ -186,8 +186,9 @@ class Engine:
                 self.control.event(
                     "step_aborted", worker=self.me, step=self.step + 1, reason=str(exc)[:300]
                 )
-                # The abandoned reduction may still complete in gloo's background (a member
-                # removed alive can join it late): let it write into a buffer nobody reads.
+                # An abandoned collective may still be running and write into its tensor (a
+                # peer cut off by a partition is not an error until TCP gives up): redo the
+                # step in a fresh buffer, never in the one gloo still holds.
                 self.buffer = torch.zeros_like(self.buffer)
                 self.replan = True
             except NoPlan as exc:

@@ -40,12 +40,15 @@ def launch(
 
 
 class Run:
-    """A finished run directory, parsed."""
+    """A finished run directory, parsed; several (one per host) are merged in time order."""
 
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, run_dir: Path, *more: Path) -> None:
         self.dir = run_dir
-        self.metrics = list(read_jsonl(run_dir / "metrics.jsonl"))
-        self.events = list(read_jsonl(run_dir / "events.jsonl"))
+        self.metrics = [m for d in (run_dir, *more) for m in read_jsonl(d / "metrics.jsonl")]
+        self.events = [e for d in (run_dir, *more) for e in read_jsonl(d / "events.jsonl")]
+        if more:
+            self.metrics.sort(key=lambda m: m["time"])
+            self.events.sort(key=lambda e: e["t"])
 
     def of(self, kind: str) -> list[dict[str, Any]]:
         return [e for e in self.events if e["kind"] == kind]

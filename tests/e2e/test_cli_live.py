@@ -53,6 +53,14 @@ def test_status_and_inject_fault_through_etcd(tmp_path: Path, state_env: dict[st
         assert bad.returncode != 0
         assert "out of range" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
 
+        # A partition needs a host that is a network namespace here; this one is not.
+        host = st["hosts"][0]["host"]
+        for target, fragment in ((host, "network namespace"), ("nohost", "no live host")):
+            part = ("inject-fault", "--job-id", "live", "--kind", "partition", "--host", target)
+            refused = cli(*part, env=state_env)
+            assert refused.returncode != 0 and fragment in refused.stderr
+            assert len(refused.stderr.strip().splitlines()) == 1, refused.stderr
+
         inject = ("inject-fault", "--job-id", "live", "--kind", "kill", "--rank", "2", "--json")
         ok = cli(*inject, env=state_env)
         assert ok.returncode == 0, ok.stderr

@@ -149,7 +149,7 @@ def test_restart_loop_stops_the_job(tmp_path: Path, state_env: dict[str, str]) -
 
 
 async def _keys_under(endpoint: str, prefix: str) -> list[str]:
-    db = await Etcd.connect([endpoint], timeout=5.0)
+    db = await Etcd.connect([endpoint], prefix=prefix, timeout=5.0)
     try:
         return [kv.key for kv in await db.get_prefix(prefix)]
     finally:

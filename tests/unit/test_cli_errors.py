@@ -171,6 +171,9 @@ def test_inject_fault_unknown_job() -> None:
         (["--kind", "slow", "--rank", "0"], "needs delay=S"),
         (["--kind", "slow", "--rank", "0", "--delay", "-1"], "delay must be a finite number"),
         (["--kind", "hang", "--rank", "0", "--delay", "1"], "delay applies to 'slow' faults"),
+        (["--kind", "host"], "needs a target: host=H"),
+        (["--kind", "partition", "--host", "h1", "--rank", "0"], "takes host=H only"),
+        (["--kind", "kill", "--host", "h1"], "targets a rank"),
     ],
 )
 def test_inject_fault_bad_spec(args: list[str], fragment: str) -> None:

@@ -48,7 +48,10 @@ class _Unreachable:
 
 
 def _offline_etcd(prefix: str = "/elaswave/a/") -> Etcd:
-    return Etcd(_Unreachable(), "nowhere:1", 1.0, prefix)  # type: ignore[arg-type]
+    async def no_member(name: str, wait: float) -> Any:
+        raise AssertionError(f"{name} was asked to fail over")
+
+    return Etcd(_Unreachable(), "nowhere:1", 1.0, prefix, ["nowhere:1"], no_member)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(

@@ -73,7 +73,11 @@ def test_parse_malformed(text: str, fragment: str) -> None:
         ({"kind": "kill", "rank": float("inf")}, "rank must be an integer"),
         ({"kind": "kill", "rank": [1]}, "rank must be an integer"),
         ({"kind": "kill", "rank": 1, "at_step": 2.5}, "at_step must be an integer"),
-        ({"kind": "kill", "rank": 1, "host": "h1"}, "unknown field 'host'"),
+        ({"kind": "kill", "rank": 1, "host": "h1"}, "targets a rank, not host=H"),
+        ({"kind": "host"}, "needs a target: host=H"),
+        ({"kind": "host", "rank": 1}, "needs a target: host=H"),
+        ({"kind": "partition", "host": "h1", "rank": 0}, "takes host=H only"),
+        ({"kind": "host", "host": "h1", "at_step": 3}, "takes host=H only"),
         ({"kind": "corrupt", "rank": 1, "target": "w1"}, "fault target must be one of"),
         ({"kind": None, "rank": 1}, "unknown fault kind"),
     ],
@@ -97,6 +101,8 @@ def test_from_dict_names_its_source() -> None:
         ({"kind": "kill", "rank": "2", "at_step": "3"}, FaultSpec(kind="kill", rank=2, at_step=3)),
         ({"kind": "kill", "rank": 4.0}, FaultSpec(kind="kill", rank=4)),  # integral float
         ({"kind": "kill", "rank": 0, "at_step": None}, FaultSpec(kind="kill", rank=0)),
+        ({"kind": "host", "host": "h2"}, FaultSpec(kind=FaultKind.HOST, host="h2")),
+        ({"kind": "partition", "host": "h0"}, FaultSpec(kind=FaultKind.PARTITION, host="h0")),
     ],
 )
 def test_from_dict_valid(data: dict[str, Any], expected: FaultSpec) -> None:
@@ -137,6 +143,8 @@ def test_spec_is_hashable_and_immutable() -> None:
         (FaultSpec(kind="kill", rank=1, at_step=15), "kill rank 1 at step 15"),
         (FaultSpec(kind="kill", rank=2), "kill rank 2"),
         (FaultSpec(kind="kill", rank=0, at_step=1), "kill rank 0 at step 1"),
+        (FaultSpec(kind="host", host="h2"), "host host h2"),
+        (FaultSpec(kind="partition", host="h0"), "partition host h0"),
     ],
 )
 def test_describe(spec: FaultSpec, text: str) -> None:
@@ -206,3 +214,10 @@ def test_describe_new_forms(spec: FaultSpec, text: str) -> None:
 
 def test_slow_is_carried_out_by_the_worker() -> None:
     assert FaultKind.SLOW.signal is None
+
+
+def test_host_fault_text_form_round_trips() -> None:
+    spec = FaultSpec.parse("host,host=h2")
+    assert spec == FaultSpec(kind=FaultKind.HOST, host="h2") and spec.kind.targets_host
+    assert FaultSpec.from_dict(spec.to_dict()) == spec
+    assert spec.kind.signal is None  # the daemon acts, not a signal to one worker

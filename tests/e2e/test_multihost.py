@@ -1,0 +1,207 @@
+"""Host-level faults on three hosts × two workers, each host a network namespace (tests/e2e/netbed).
+
+Every test checks the run-wide properties on the hosts' merged logs: the job completes, every step
+is committed exactly once and in order (one committer at a time: no split brain), epochs only grow
+and none is planned twice, losses equal the fault-free run, no process is left behind.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+from conftest import Run, assert_clean_run, wait_for
+from netbed import NetBed, netbed_fixture  # noqa: F401 - provides the netbed_factory fixture
+
+from elaswave.events import read_jsonl
+
+pytestmark = [pytest.mark.e2e, pytest.mark.netns]
+
+STEPS = 30
+LEASE_TTL = 2
+
+
+def _env(state_env: dict[str, str]) -> dict[str, str]:
+    return dict(
+        state_env,
+        ELASWAVE_TIMEOUTS__LEASE_TTL=str(LEASE_TTL),
+        ELASWAVE_TIMEOUTS__ETCD_CONNECT="2",
+        ELASWAVE_TIMEOUTS__RENDEZVOUS="60",
+    )
+
+
+def _start(bed: NetBed, job: str, env: dict[str, str], steps: int = STEPS) -> None:
+    for host in bed.hosts:
+        bed.launch(
+            host, "--job-id", job, "--nproc-per-node", "2", "--nnodes", "3:3",
+            "--steps", str(steps), env=env,
+        )  # fmt: skip
+
+
+def _events(bed: NetBed, host: str) -> list[dict[str, Any]]:
+    return list(read_jsonl(bed.run_dirs[host] / "events.jsonl"))
+
+
+def _step(bed: NetBed) -> int:
+    return max(
+        (m["step"] for h in bed.hosts for m in read_jsonl(bed.run_dirs[h] / "metrics.jsonl")),
+        default=0,
+    )
+
+
+def _leader(bed: NetBed) -> str:
+    def find() -> str | None:
+        for h in bed.hosts:
+            if any(e["kind"] == "leader_elected" for e in _events(bed, h)):
+                return h
+        return None
+
+    return wait_for(find, timeout=60)
+
+
+def _merged(bed: NetBed) -> Run:
+    return Run(*(bed.run_dirs[h] for h in bed.hosts))
+
+
+def assert_one_plan_per_epoch(run: Run) -> list[dict[str, Any]]:
+    plans = run.of("plan_published")
+    epochs = [p["epoch"] for p in plans]
+    assert epochs == list(range(1, len(plans) + 1)), f"epochs planned twice or skipped: {epochs}"
+    committed = [m["epoch"] for m in run.metrics]
+    assert committed == sorted(committed), f"a step committed under an older epoch: {committed}"
+    return plans
+
+
+def test_fault_free_three_hosts(
+    netbed_factory: Any,
+    state_env: dict[str, str],
+    reference: Run,
+) -> None:
+    bed = netbed_factory(hosts=3)
+    _start(bed, "mh-free", _env(state_env), steps=10)
+    codes = bed.wait(timeout=120)
+    assert codes == {h: 0 for h in bed.hosts}, [bed.output(h) for h in bed.hosts]
+    run = _merged(bed)
+    assert_clean_run(run, 10, reference)
+    assert [p["world"] for p in assert_one_plan_per_epoch(run)] == [6]
+
+
+def _wait_step(bed: NetBed, step: int) -> None:
+    wait_for(lambda: _step(bed) >= step, timeout=120, interval=0.1)
+
+
+def test_host_loss(
+    netbed_factory: Any,
+    state_env: dict[str, str],
+    reference: Run,
+) -> None:
+    """A non-leader host dies (daemon and workers SIGKILLed): its lease expires, the leader
+    re-plans on the two survivors."""
+    bed = netbed_factory(hosts=3)
+    env = _env(state_env)
+    _start(bed, "mh-host", env)
+    victim = next(h for h in reversed(bed.hosts) if h != _leader(bed))
+    _wait_step(bed, 6)
+    r = bed.cli("inject-fault", "--job-id", "mh-host", "--kind", "host", "--host", victim,
+                "--etcd", bed.endpoints, env=env)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    codes = bed.wait(timeout=150)
+    assert codes[victim] == -9 and all(c == 0 for h, c in codes.items() if h != victim), codes
+    run = _merged(bed)
+    assert_clean_run(run, STEPS, reference)
+    (fault,) = run.of("fault_injected")
+    (lost,) = run.of("host_lost")
+    assert fault["host"] == lost["host"] == victim
+    # Detection is the lease expiring: about one TTL (plus a keep-alive period) after the kill.
+    assert 0.5 * LEASE_TTL <= lost["t"] - fault["t"] <= LEASE_TTL + 3
+    plans = assert_one_plan_per_epoch(run)
+    assert [p["world"] for p in plans] == [6, 4]
+    assert f"host {victim} lost" in plans[1]["reason"]
+    assert all(m["world_size"] == 4 for m in run.metrics if m["time"] > lost["t"])
+
+
+def test_leader_host_killed(
+    netbed_factory: Any,
+    state_env: dict[str, str],
+    reference: Run,
+) -> None:
+    """The leader's host dies: another daemon wins the election and plans the next epoch (once)."""
+    bed = netbed_factory(hosts=3)
+    env = _env(state_env)
+    _start(bed, "mh-leader", env)
+    leader = _leader(bed)
+    _wait_step(bed, 6)
+    killed_at = time.time()
+    bed.kill_host(leader)
+    codes = bed.wait(timeout=150)
+    assert codes[leader] == -9 and all(c == 0 for h, c in codes.items() if h != leader), codes
+    run = _merged(bed)
+    assert_clean_run(run, STEPS, reference)
+    done = min(e["t"] for e in run.of("job_done"))
+    elected = [e for e in run.of("leader_elected") if e["t"] < done]
+    assert [e["host"] for e in elected][0] == leader and len(elected) == 2
+    assert elected[1]["host"] != leader and elected[1]["t"] - killed_at <= LEASE_TTL + 3
+    plans = assert_one_plan_per_epoch(run)
+    assert [p["world"] for p in plans] == [6, 4]
+    assert all(leader not in w for w in plans[1]["workers"])
+    assert [e["host"] for e in run.of("host_lost")] == [leader]
+
+
+def test_etcd_member_killed(
+    netbed_factory: Any,
+    state_env: dict[str, str],
+    reference: Run,
+) -> None:
+    """One member of a three-member etcd cluster dies (the one every daemon talks to first):
+    the daemons fail over to the others and training is not interrupted."""
+    bed = netbed_factory(hosts=3, etcd_members=3)
+    env = _env(state_env)
+    _start(bed, "mh-etcd", env)
+    _wait_step(bed, 6)
+    bed.kill_etcd(bed.members[0])
+    codes = bed.wait(timeout=150)
+    assert codes == {h: 0 for h in bed.hosts}, [bed.output(h) for h in bed.hosts]
+    run = _merged(bed)
+    assert_clean_run(run, STEPS, reference)
+    assert [p["world"] for p in assert_one_plan_per_epoch(run)] == [6]
+    assert not run.of("host_fenced") and not run.of("worker_exit") and not run.of("host_lost")
+    assert not run.of("step_aborted"), "a step was interrupted"
+
+
+def test_partition_then_heal(
+    netbed_factory: Any,
+    state_env: dict[str, str],
+    reference: Run,
+) -> None:
+    """A host is cut off: it fences itself (its workers stop) while the majority re-plans without
+    it; after the heal it rejoins as a new member and is admitted by a new plan."""
+    steps = 40
+    bed = netbed_factory(hosts=3)
+    env = _env(state_env)
+    _start(bed, "mh-part", env, steps=steps)
+    victim = next(h for h in reversed(bed.hosts) if h != _leader(bed))
+    _wait_step(bed, 5)
+    r = bed.cli("inject-fault", "--job-id", "mh-part", "--kind", "partition", "--host", victim,
+                "--etcd", bed.endpoints, "--json", env=env)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    fenced = wait_for(
+        lambda: [e for e in _events(bed, victim) if e["kind"] == "host_fenced"], timeout=30
+    )[0]
+    bed.heal(victim)
+    codes = bed.wait(timeout=180)
+    assert codes == {h: 0 for h in bed.hosts}, [bed.output(h) for h in bed.hosts]
+    run = _merged(bed)
+    assert_clean_run(run, steps, reference)
+    plans = assert_one_plan_per_epoch(run)
+    (lost,) = run.of("host_lost")
+    assert lost["host"] == victim
+    dropped = next(p for p in plans if f"host {victim} lost" in p["reason"])
+    assert dropped["world"] == 4
+    # Fenced: the old workers were killed and never appear in a plan again.
+    old = [e["worker"] for e in run.of("worker_spawned") if e["pid"] in fenced["killed"]]
+    assert len(old) == 2
+    later = [p for p in plans if p["epoch"] >= dropped["epoch"]]
+    assert not any(w in p["workers"] for p in later for w in old)
+    # Every step committed after the cut came from the majority's epochs (no split brain).
+    assert all(m["epoch"] >= dropped["epoch"] for m in run.metrics if m["time"] > fenced["t"])
