@@ -49,7 +49,7 @@ class FaultSpec:
     rank: int | None = None
     at_step: int | None = None
     phase: str = "reduce"  # "reduce": before the gradient reduction; "optimizer": ZeRO's update
-    target: str = "params"  # corrupt: "params" or "snapshot" (ZeRO: the buddy replica it keeps)
+    target: str = "params"  # corrupt: "params" or "snapshot" (ZeRO: a replica piece it keeps)
 
     def __post_init__(self) -> None:
         if not isinstance(self.kind, FaultKind):

@@ -91,6 +91,7 @@ def test_launch_unknown_config_key(tmp_path: Path) -> None:
         (["--job-id", "bad id"], "job_id"),
         (["--etcd", "nohostport"], "bad etcd endpoint"),
         (["--max-restarts", "-1"], "max_restarts"),
+        (["--snapshot-every", "-1"], "snapshot_every must be >= 0"),
     ],
 )
 def test_launch_bad_flags(args: list[str], fragment: str) -> None:
