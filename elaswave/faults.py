@@ -70,7 +70,7 @@ class FaultSpec:
     host: str | None = None  # whole-host faults: the target host id
     at_step: int | None = None
     phase: str = "reduce"  # "reduce": before the gradient reduction; "optimizer": ZeRO's update
-    target: str = "params"  # corrupt: "params" or "snapshot" (ZeRO: the buddy replica it keeps)
+    target: str = "params"  # corrupt: "params" or "snapshot" (ZeRO: a replica piece it keeps)
     delay: float | None = None  # slow: extra compute seconds per step (even share)
     repeat: bool = False  # re-arm on whichever worker holds ``rank`` in later plans
 

@@ -213,8 +213,8 @@ def next_layout(
         if h.worker not in index:
             raise KeyError(f"{h.worker} holds a range but is not in the new layout")
         ranges[index[h.worker]].append((h.offset, h.length))
-    stay = [i for i, w in enumerate(new_workers) if ranges[i]]
-    joiners = [i for i, w in enumerate(new_workers) if not ranges[i]]
+    stay = [i for i in range(len(new_workers)) if ranges[i]]
+    joiners = [i for i in range(len(new_workers)) if not ranges[i]]
     if joiners and stay:
         carved: list[list[Range]] = [[] for _ in new_workers]
         for i in stay:
@@ -276,7 +276,9 @@ def plan_transfers(
     return moves
 
 
-def promoted(found: Sequence[Holding], new: ShardLayout, new_workers: Sequence[str]) -> dict:
+def promoted(
+    found: Sequence[Holding], new: ShardLayout, new_workers: Sequence[str]
+) -> dict[str, int]:
     """Elements per worker that become its own from a replica piece it already holds."""
     out: dict[str, int] = defaultdict(int)
     for h in found:

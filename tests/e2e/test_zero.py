@@ -77,11 +77,11 @@ def test_two_hosts_keep_every_replica_on_the_other_host(
 
     from conftest import CONFIG, elaswave_cmd, wait_for
 
+    # Config faults are submitted by whichever daemon wins the election: both hosts carry it.
     common = ("--zero", "1", "--job-id", "zero2h", "--nproc-per-node", "2", "--nnodes", "2:2",
-              "--quiet", str(CONFIG))  # fmt: skip
+              "--fault", "kill,rank=0,at_step=10", "--quiet", str(CONFIG))  # fmt: skip
     first = subprocess.Popen(
-        elaswave_cmd("launch", *common, "--run-dir", str(tmp_path / "h1"), "--host-id", "h1",
-                     "--fault", "kill,rank=0,at_step=10"),
+        elaswave_cmd("launch", *common, "--run-dir", str(tmp_path / "h1"), "--host-id", "h1"),
         env=state_env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:

@@ -96,6 +96,7 @@ def test_launch_unknown_config_key(tmp_path: Path) -> None:
         (["--fault", "kill,rank=1,delay=2"], "delay applies to 'slow' faults only"),
         (["--straggler-threshold", "0.9"], "straggler_threshold"),
         (["--loop-breaker", "-2"], "loop_breaker"),
+        (["--snapshot-every", "-1"], "snapshot_every must be >= 0"),
     ],
 )
 def test_launch_bad_flags(args: list[str], fragment: str) -> None:
