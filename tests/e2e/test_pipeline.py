@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.e2e.conftest import Run, assert_clean_run, launch
+from conftest import Run, assert_clean_run, launch
 
 STEPS = 16
 
