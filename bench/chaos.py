@@ -20,13 +20,15 @@ one to be answered: the job back at full size (six workers) under a plan newer t
 and a step committed under it (corrupt: repaired, then a commit), plus a few steps of margin.
 
 A fault-free run of the same config on the same bed is the reference for the wall clock and the
-losses. Needs root and iproute2; without them the single-host variant runs rank faults only
-(one ``elaswave launch`` of four workers) and the result says so.
+losses. The bed needs root and iproute2; without them the single-host variant runs (one
+``elaswave launch`` of four workers on an embedded etcd, rank faults only) and the result says so
+in ``variant``.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import random
 import subprocess
 import sys
@@ -42,9 +44,10 @@ DESCRIPTION = "chaos soak: >= 20 random faults of every kind on one job (3 netns
 DEFAULT_REPEAT = 1
 SEED = 5
 FAULTS = 20  # drawn faults; each slow adds its curing kill
-STEPS = 950
+STEPS = 1400
 HOSTS = 3
 NPROC = 2
+LOCAL_NPROC = 4  # the single-host variant
 LEASE_TTL = 2
 HANG_TIMEOUT = 3.0
 SLOW_DELAY = 0.3  # s per step: a 2-3× straggler on this model
@@ -52,6 +55,10 @@ SLOW_STEPS = 6  # steps a slow worker stays slow before it is killed
 VERIFY_EVERY = 5
 MARGIN_STEPS = 2  # steps committed at full size before the next fault
 RECOVERY_TIMEOUT = 150.0
+REL_TOL = 1e-6  # the per-step loss goal of the e2e tests
+# float32 (default) or float64 gradient reduction; float64 makes the sum independent of the
+# world size, so any loss deviation left is a bug rather than rounding (CHAOS_REDUCE_DTYPE=float64).
+REDUCE_DTYPE = os.environ.get("CHAOS_REDUCE_DTYPE", "float32")
 RANK_KINDS = ("kill", "hang", "corrupt", "slow")
 HOST_KINDS = ("host", "partition")
 KINDS = RANK_KINDS + HOST_KINDS
@@ -98,39 +105,49 @@ def run(repeat: int, config: Path) -> dict[str, Any]:
     netbed = _netbed()
     reason = netbed.skip_reason()
     if reason:
-        raise BenchError(
-            f"the netns test bed is unavailable ({reason}); the single-host variant is not "
-            "implemented: run as root"
-        )
-    plan = schedule(SEED, FAULTS)
+        console.print(f"[yellow]netns bed unavailable ({reason}): single host, rank faults[/]")
+        variant = f"single host × {LOCAL_NPROC} workers, rank faults only ({reason})"
+        kinds, hosts, nproc = RANK_KINDS, 1, LOCAL_NPROC
+
+        def make_bed(workdir: Path) -> Any:
+            return _LocalBed(workdir, config)
+    else:
+        variant = f"netns: {HOSTS} hosts × {NPROC} workers"
+        kinds, hosts, nproc = KINDS, HOSTS, NPROC
+
+        def make_bed(workdir: Path) -> Any:
+            return netbed.NetBed(workdir, hosts=HOSTS)
+
+    plan = schedule(SEED, FAULTS, kinds)
     console.print(f"schedule (seed {SEED}): " + "; ".join(describe(f) for f in plan))
     rounds = []
     for i in range(repeat):
         with tempfile.TemporaryDirectory(prefix="elaswave-chaos-") as tmp:
-            ref = _on_bed(netbed, Path(tmp) / "ref", f"chaos-ref-{i}", [])
+            ref = _on_bed(make_bed(Path(tmp) / "ref"), nproc, f"chaos-ref-{i}", [])
         with tempfile.TemporaryDirectory(prefix="elaswave-chaos-") as tmp:
-            soak = _on_bed(netbed, Path(tmp) / "soak", f"chaos-{i}", plan)
+            soak = _on_bed(make_bed(Path(tmp) / "soak"), nproc, f"chaos-{i}", plan)
         rounds.append(_figures(ref, soak))
     return {
         "scenario": "chaos",
-        "variant": "netns: 3 hosts × 2 workers",
+        "variant": variant,
         "repeat": repeat,
         "seed": SEED,
         "steps": STEPS,
-        "hosts": HOSTS,
-        "nproc_per_node": NPROC,
+        "hosts": hosts,
+        "nproc_per_node": nproc,
         "lease_ttl_s": LEASE_TTL,
         "hang_timeout_s": HANG_TIMEOUT,
         "slow_delay_s": SLOW_DELAY,
         "verify_every": VERIFY_EVERY,
+        "reduce_dtype": REDUCE_DTYPE,
         "schedule": plan,
         "rounds": rounds,
     }
 
 
-def _on_bed(netbed: Any, workdir: Path, job: str, plan: list[dict[str, Any]]) -> dict[str, Any]:
+def _on_bed(bed: Any, nproc: int, job: str, plan: list[dict[str, Any]]) -> dict[str, Any]:
+    workdir = bed.workdir
     workdir.mkdir(parents=True)
-    bed = netbed.NetBed(workdir, hosts=HOSTS)
     try:
         bed.start()
         env = bench_env(
@@ -139,9 +156,10 @@ def _on_bed(netbed: Any, workdir: Path, job: str, plan: list[dict[str, Any]]) ->
                 "ELASWAVE_TIMEOUTS__LEASE_TTL": str(LEASE_TTL),
                 "ELASWAVE_TIMEOUTS__ETCD_CONNECT": "2",
                 "ELASWAVE_TIMEOUTS__RENDEZVOUS": "60",
+                "ELASWAVE_TRAIN__REDUCE_DTYPE": REDUCE_DTYPE,
             },
         )
-        soak = _Soak(bed, job, env)
+        soak = _Soak(bed, nproc, job, env)
         start = time.time()
         for host in bed.hosts:
             soak.launch(host)
@@ -166,14 +184,16 @@ def _on_bed(netbed: Any, workdir: Path, job: str, plan: list[dict[str, Any]]) ->
 class _Soak:
     """Injects the faults of one schedule into one live job, each after the last was answered."""
 
-    def __init__(self, bed: Any, job: str, env: dict[str, str]) -> None:
-        self.bed, self.job, self.env = bed, job, env
+    def __init__(self, bed: Any, nproc: int, job: str, env: dict[str, str]) -> None:
+        self.bed, self.nproc, self.job, self.env = bed, nproc, job, env
+        self.full = len(bed.hosts) * nproc  # workers at full size
         self.slowed: str | None = None  # worker id made slow by the last slow fault
 
     def launch(self, host: str) -> None:
         self.bed.launch(
-            host, "--job-id", self.job, "--nproc-per-node", str(NPROC),
-            "--nnodes", f"{HOSTS - 1}:{HOSTS}", "--steps", str(STEPS),
+            host, "--job-id", self.job, "--nproc-per-node", str(self.nproc),
+            "--nnodes", f"{max(1, len(self.bed.hosts) - 1)}:{len(self.bed.hosts)}",
+            "--steps", str(STEPS),
             "--max-restarts", "100", "--hang-timeout", str(HANG_TIMEOUT),
             "--straggler-threshold", "0", "--loop-breaker", "0",
             "--verify-every", str(VERIFY_EVERY), env=self.env,
@@ -203,7 +223,7 @@ class _Soak:
     def inject_all(self, plan: list[dict[str, Any]]) -> list[dict[str, Any]]:
         def started() -> bool:  # every host in, a few steps at full size
             plans = self.plans()
-            if not plans or plans[-1]["world"] != HOSTS * NPROC:
+            if not plans or plans[-1]["world"] != self.full:
                 return False
             epoch = plans[-1]["epoch"]
             return sum(m["epoch"] >= epoch for m in self.metrics()) >= MARGIN_STEPS
@@ -258,8 +278,9 @@ class _Soak:
             if fault.get("cure"):
                 record["cure"] = True
         record["t"] = time.time()
-        r = self.bed.cli("inject-fault", "--job-id", self.job, "--etcd", self.bed.endpoints,
-                         "--json", *args, env=self.env)  # fmt: skip
+        if self.bed.endpoints:  # the netns bed; a single host finds its job's embedded etcd
+            args += ["--etcd", self.bed.endpoints]
+        r = self.bed.cli("inject-fault", "--job-id", self.job, "--json", *args, env=self.env)
         if r.returncode != 0:
             raise BenchError(f"inject-fault {' '.join(args)} failed: {r.stderr.strip()[-300:]}")
         return record
@@ -289,7 +310,7 @@ class _Soak:
             if kind != "corrupt" and not plans:
                 return None
             last = self.plans()[-1]
-            if last["world"] != HOSTS * NPROC:
+            if last["world"] != self.full:
                 return None
             after = [m for m in self.metrics() if m["epoch"] >= last["epoch"] and m["time"] > t0]
             return after[MARGIN_STEPS - 1] if len(after) >= MARGIN_STEPS else None
@@ -308,6 +329,54 @@ class _Soak:
             ),
             None,
         )
+
+
+class _LocalBed:
+    """The single-host stand-in for the netns bed: one ``elaswave launch`` on an embedded etcd."""
+
+    def __init__(self, workdir: Path, config: Path) -> None:
+        self.workdir, self.config = workdir, config
+        self.hosts = ["h0"]
+        self.endpoints = ""
+        self.daemons: dict[str, subprocess.Popen[str]] = {}
+
+    def start(self) -> _LocalBed:
+        return self
+
+    def launch(self, host: str, *args: str, env: dict[str, str]) -> subprocess.Popen[str]:
+        cmd = [
+            sys.executable, "-m", "elaswave.cli.app", "launch", str(self.config),
+            "--run-dir", str(self.workdir / host), "--quiet", "--host-id", host, *args,
+        ]  # fmt: skip
+        out = open(self.workdir / f"{host}.out", "w")  # noqa: SIM115 - owned by the proc
+        proc = subprocess.Popen(
+            cmd, cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, text=True
+        )
+        self.daemons[host] = proc
+        return proc
+
+    def cli(self, *args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+        cmd = [sys.executable, "-m", "elaswave.cli.app", *args]
+        return subprocess.run(
+            cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=60
+        )
+
+    def heal(self, host: str) -> None:
+        raise BenchError("no partitions on a single host")
+
+    def output(self, host: str) -> str:
+        path = self.workdir / f"{host}.out"
+        return path.read_text()[-3000:] if path.exists() else ""
+
+    def close(self) -> None:
+        for proc in self.daemons.values():
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+            proc.wait()
 
 
 # ---- figures -----------------------------------------------------------------------------------
@@ -360,6 +429,13 @@ def _figures(ref: dict[str, Any], soak: dict[str, Any]) -> dict[str, Any]:
         "final_loss_ref": ref["metrics"][-1]["loss"] if ref["metrics"] else None,
         "final_rel_dev": dev.get(STEPS),
         "max_rel_dev": max(dev.values(), default=None),
+        "max_rel_dev_step": max(dev, key=dev.__getitem__) if dev else None,
+        "steps_over_tol": sum(d > REL_TOL for d in dev.values()),
+        "first_step_over_tol": min((s for s, d in dev.items() if d > REL_TOL), default=None),
+        "rel_dev_by_100_steps": [
+            max((d for s, d in dev.items() if lo < s <= lo + 100), default=None)
+            for lo in range(0, last, 100)
+        ],
         "replicas_agree": len({f["params_sha256"] for f in finals}) == 1 and bool(finals),
         "plans": sum(1 for e in soak["events"] if e["kind"] == "plan_published"),
         "wall_ref_s": ref["wall_s"],
