@@ -7,6 +7,7 @@ Every scenario is one module exposing ``DESCRIPTION``, ``DEFAULT_REPEAT``,
 from __future__ import annotations
 
 from bench import (
+    chaos,
     checksum,
     comm,
     crash,
@@ -22,6 +23,7 @@ from bench import (
 )
 
 SCENARIOS = {
+    "chaos": chaos,
     "checksum": checksum,
     "comm": comm,
     "crash": crash,

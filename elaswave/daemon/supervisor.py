@@ -17,6 +17,7 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from elaswave.config import JobConfig
@@ -282,33 +283,33 @@ class HostDaemon:
 
     async def _cleanup(self) -> None:
         self.stopping = True
-        watchdog = threading.Timer(4 * self.cfg.timeouts.shutdown_grace + 30, _stuck_shutdown)
-        watchdog.daemon = True
-        watchdog.start()
-        for task in self._tasks:
-            task.cancel()
-        if self._tasks:
-            await asyncio.wait(self._tasks, timeout=5.0)
-        await stop_all(list(self.workers.values()), self.cfg.timeouts.shutdown_grace)
-        for w in self.workers.values():
-            if w.waiter is not None:
-                with contextlib.suppress(BaseException):
-                    await asyncio.wait_for(w.waiter, 1.0)
-        await self.control.stop()
-        if self.etcd is not None and self.fenced is not None:
-            await self.etcd.close()  # unreachable or forgot us: nothing to tidy there
-        elif self.etcd is not None:
-            with contextlib.suppress(Exception):
-                if self.lease is not None:
-                    await self.lease.revoke()
-            if self.embedded_etcd_pid is not None and self.signal_received is None:
-                await self._wait_for_other_hosts()  # they still need the etcd we host
-            with contextlib.suppress(Exception):
-                if not await self.etcd.get_prefix(self.keys.hosts):
-                    await self.etcd.delete_prefix(self.keys.prefix)  # last one out: no stale keys
-            await self.etcd.close()
-        self.events.close()
-        self.metrics.close()
+        # Bounded: a shutdown that hangs must not leave the daemon running. Cancelled once done,
+        # because after a fence this process goes on with a new daemon (it must not be shot).
+        with shutdown_watchdog(4 * self.cfg.timeouts.shutdown_grace + 30):
+            for task in self._tasks:
+                task.cancel()
+            if self._tasks:
+                await asyncio.wait(self._tasks, timeout=5.0)
+            await stop_all(list(self.workers.values()), self.cfg.timeouts.shutdown_grace)
+            for w in self.workers.values():
+                if w.waiter is not None:
+                    with contextlib.suppress(BaseException):
+                        await asyncio.wait_for(w.waiter, 1.0)
+            await self.control.stop()
+            if self.etcd is not None and self.fenced is not None:
+                await self.etcd.close()  # unreachable or forgot us: nothing to tidy there
+            elif self.etcd is not None:
+                with contextlib.suppress(Exception):
+                    if self.lease is not None:
+                        await self.lease.revoke()
+                if self.embedded_etcd_pid is not None and self.signal_received is None:
+                    await self._wait_for_other_hosts()  # they still need the etcd we host
+                with contextlib.suppress(Exception):  # last one out: no stale keys
+                    if not await self.etcd.get_prefix(self.keys.hosts):
+                        await self.etcd.delete_prefix(self.keys.prefix)
+                await self.etcd.close()
+            self.events.close()
+            self.metrics.close()
 
     # ---- workers ----------------------------------------------------------------------------
     async def _spawn(self, slot: int, incarnation: int) -> WorkerProc:
@@ -719,6 +720,20 @@ def _stuck_shutdown() -> None:
     """Last resort: a shutdown that outlives every bounded wait must not leave us running."""
     log.error("shutdown did not finish in time; exiting")
     os._exit(70)
+
+
+@contextlib.contextmanager
+def shutdown_watchdog(
+    seconds: float, on_expiry: Callable[[], None] = _stuck_shutdown
+) -> Iterator[threading.Timer]:
+    """``on_expiry`` (default: exit the process) if the block is still running after ``seconds``."""
+    timer = threading.Timer(seconds, on_expiry)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield timer
+    finally:
+        timer.cancel()
 
 
 def hang_verdict(

@@ -1,0 +1,569 @@
+"""Chaos soak: one long job takes >= 20 random faults of every kind and must still finish exactly.
+
+Three hosts × two workers, every host a network namespace of the multi-host test bed
+(tests/e2e/netbed.py: real etcd, real daemons, gloo over veths), lease TTL 2 s, hang timeout 3 s,
+respawn on (``--max-restarts``), hosts that may leave and come back (``--nnodes 2:3``), straggler
+eviction off (a slow rank is re-shared, never evicted) and the restart-loop breaker off.
+
+The schedule is drawn from a seeded generator (:func:`schedule`, printed and stored in the
+result) over all six kinds:
+
+- kill, hang, corrupt, slow: ``inject-fault --rank R`` on the live job (R drawn at random);
+- host: ``inject-fault --kind host`` on a non-leader host, which is then relaunched (a new daemon
+  for the same host id) so that capacity comes back;
+- partition: ``inject-fault --kind partition`` on a non-leader host, healed once the host has
+  fenced itself; it rejoins by itself.
+
+A slow worker stays slow, so every ``slow`` is followed by a ``kill`` of that very worker (its
+respawn is fast again); that kill counts as a fault of its own. Each fault waits for the previous
+one to be answered: the job back at full size (six workers) under a plan newer than the fault,
+and a step committed under it (corrupt: repaired, then a commit), plus a few steps of margin.
+
+A fault-free run of the same config on the same bed is the reference for the wall clock and the
+losses. The bed needs root and iproute2; without them the single-host variant runs (one
+``elaswave launch`` of four workers on an embedded etcd, rank faults only) and the result says so
+in ``variant``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from bench.common import REPO_ROOT, BenchError, bench_env, console, print_table, summarize
+
+DESCRIPTION = "chaos soak: >= 20 random faults of every kind on one job (3 netns hosts × 2)"
+DEFAULT_REPEAT = 1
+SEED = 5
+FAULTS = 20  # drawn faults; each slow adds its curing kill
+STEPS = 1400
+HOSTS = 3
+NPROC = 2
+LOCAL_NPROC = 4  # the single-host variant
+LEASE_TTL = 2
+HANG_TIMEOUT = 3.0
+SLOW_DELAY = 0.3  # s per step: a 2-3× straggler on this model
+SLOW_STEPS = 6  # steps a slow worker stays slow before it is killed
+VERIFY_EVERY = 5
+MARGIN_STEPS = 2  # steps committed at full size before the next fault
+RECOVERY_TIMEOUT = 150.0
+REL_TOL = 1e-6  # the per-step loss goal of the e2e tests
+# float32 (default) or float64 gradient reduction; float64 makes the sum independent of the
+# world size, so any loss deviation left is a bug rather than rounding (CHAOS_REDUCE_DTYPE=float64).
+REDUCE_DTYPE = os.environ.get("CHAOS_REDUCE_DTYPE", "float32")
+RANK_KINDS = ("kill", "hang", "corrupt", "slow")
+HOST_KINDS = ("host", "partition")
+KINDS = RANK_KINDS + HOST_KINDS
+COLUMNS = ("kind", "injected / recovered", "detection", "MTTR", "to full size")
+COLUMNS += ("report detection", "report MTTR")
+
+
+def schedule(seed: int, n: int, kinds: Sequence[str] = KINDS) -> list[dict[str, Any]]:
+    """``n`` faults drawn from ``kinds`` (every kind at least once when ``n`` allows), in order.
+
+    Targets are drawn as numbers and resolved when the fault fires: ``pick`` indexes the ranks
+    of the plan then in force (rank faults) or the non-leader hosts (host faults), modulo their
+    count. Every ``slow`` is followed by ``{"kind": "kill", "cure": True}``: the slowed worker is
+    killed after :data:`SLOW_STEPS` steps so that its respawn is fast again.
+    """
+    if n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    rng = random.Random(seed)
+    drawn = list(kinds[:n]) + [rng.choice(kinds) for _ in range(n - len(kinds[:n]))]
+    rng.shuffle(drawn)
+    out: list[dict[str, Any]] = []
+    for kind in drawn:
+        out.append({"kind": kind, "pick": rng.randrange(1 << 16)})
+        if kind == "slow":
+            out.append({"kind": "kill", "cure": True})
+    return out
+
+
+def describe(fault: dict[str, Any]) -> str:
+    if fault.get("cure"):
+        return "kill the slow worker"
+    return f"{fault['kind']} (pick {fault['pick']})"
+
+
+# ---- the run -----------------------------------------------------------------------------------
+def _netbed() -> Any:
+    sys.path.insert(0, str(REPO_ROOT / "tests" / "e2e"))
+    import netbed
+
+    return netbed
+
+
+def run(repeat: int, config: Path) -> dict[str, Any]:
+    netbed = _netbed()
+    reason = netbed.skip_reason()
+    if reason:
+        console.print(f"[yellow]netns bed unavailable ({reason}): single host, rank faults[/]")
+        variant = f"single host × {LOCAL_NPROC} workers, rank faults only ({reason})"
+        kinds, hosts, nproc = RANK_KINDS, 1, LOCAL_NPROC
+
+        def make_bed(workdir: Path) -> Any:
+            return _LocalBed(workdir, config)
+    else:
+        variant = f"netns: {HOSTS} hosts × {NPROC} workers"
+        kinds, hosts, nproc = KINDS, HOSTS, NPROC
+
+        def make_bed(workdir: Path) -> Any:
+            return netbed.NetBed(workdir, hosts=HOSTS)
+
+    plan = schedule(SEED, FAULTS, kinds)
+    console.print(f"schedule (seed {SEED}): " + "; ".join(describe(f) for f in plan))
+    rounds = []
+    for i in range(repeat):
+        with tempfile.TemporaryDirectory(prefix="elaswave-chaos-") as tmp:
+            ref = _on_bed(make_bed(Path(tmp) / "ref"), nproc, f"chaos-ref-{i}", [])
+        with tempfile.TemporaryDirectory(prefix="elaswave-chaos-") as tmp:
+            soak = _on_bed(make_bed(Path(tmp) / "soak"), nproc, f"chaos-{i}", plan)
+        rounds.append(_figures(ref, soak))
+    return {
+        "scenario": "chaos",
+        "variant": variant,
+        "repeat": repeat,
+        "seed": SEED,
+        "steps": STEPS,
+        "hosts": hosts,
+        "nproc_per_node": nproc,
+        "lease_ttl_s": LEASE_TTL,
+        "hang_timeout_s": HANG_TIMEOUT,
+        "slow_delay_s": SLOW_DELAY,
+        "verify_every": VERIFY_EVERY,
+        "reduce_dtype": REDUCE_DTYPE,
+        "schedule": plan,
+        "rounds": rounds,
+    }
+
+
+def _on_bed(bed: Any, nproc: int, job: str, plan: list[dict[str, Any]]) -> dict[str, Any]:
+    workdir = bed.workdir
+    workdir.mkdir(parents=True)
+    try:
+        bed.start()
+        env = bench_env(
+            workdir / "state",
+            {
+                "ELASWAVE_TIMEOUTS__LEASE_TTL": str(LEASE_TTL),
+                "ELASWAVE_TIMEOUTS__ETCD_CONNECT": "2",
+                "ELASWAVE_TIMEOUTS__RENDEZVOUS": "60",
+                "ELASWAVE_TRAIN__REDUCE_DTYPE": REDUCE_DTYPE,
+            },
+        )
+        soak = _Soak(bed, nproc, job, env)
+        start = time.time()
+        for host in bed.hosts:
+            soak.launch(host)
+        injected = soak.inject_all(plan)
+        codes = _wait_exit(bed, timeout=900)
+        wall = time.time() - start
+        merged = _merged(bed, workdir / "merged")
+        return {
+            "wall_s": wall,
+            "exit_codes": codes,
+            "injected": injected,
+            "merged": str(merged),
+            "metrics": _read(merged / "metrics.jsonl"),
+            "events": _read(merged / "events.jsonl"),
+            "report": _report(merged),
+            "outputs": {h: bed.output(h)[-600:] for h in bed.hosts if codes.get(h) != 0},
+        }
+    finally:
+        bed.close()
+
+
+class _Soak:
+    """Injects the faults of one schedule into one live job, each after the last was answered."""
+
+    def __init__(self, bed: Any, nproc: int, job: str, env: dict[str, str]) -> None:
+        self.bed, self.nproc, self.job, self.env = bed, nproc, job, env
+        self.full = len(bed.hosts) * nproc  # workers at full size
+        self.slowed: str | None = None  # worker id made slow by the last slow fault
+
+    def launch(self, host: str) -> None:
+        self.bed.launch(
+            host, "--job-id", self.job, "--nproc-per-node", str(self.nproc),
+            "--nnodes", f"{max(1, len(self.bed.hosts) - 1)}:{len(self.bed.hosts)}",
+            "--steps", str(STEPS),
+            "--max-restarts", "100", "--hang-timeout", str(HANG_TIMEOUT),
+            "--straggler-threshold", "0", "--loop-breaker", "0",
+            "--verify-every", str(VERIFY_EVERY), env=self.env,
+        )  # fmt: skip
+
+    def events(self) -> list[dict[str, Any]]:
+        out = [e for h in self.bed.hosts for e in _read(self.bed.workdir / h / "events.jsonl")]
+        return sorted(out, key=lambda e: e["t"])
+
+    def metrics(self) -> list[dict[str, Any]]:
+        out = [m for h in self.bed.hosts for m in _read(self.bed.workdir / h / "metrics.jsonl")]
+        return sorted(out, key=lambda m: m["time"])
+
+    def step(self) -> int:
+        return max((m["step"] for m in self.metrics()), default=0)
+
+    def plans(self) -> list[dict[str, Any]]:
+        return [e for e in self.events() if e["kind"] == "plan_published"]
+
+    def leader(self) -> str | None:
+        elected = [e for e in self.events() if e["kind"] == "leader_elected"]
+        return elected[-1]["host"] if elected else None
+
+    def alive(self) -> bool:
+        return all(p.poll() is None for p in self.bed.daemons.values())
+
+    def inject_all(self, plan: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        def started() -> bool:  # every host in, a few steps at full size
+            plans = self.plans()
+            if not plans or plans[-1]["world"] != self.full:
+                return False
+            epoch = plans[-1]["epoch"]
+            return sum(m["epoch"] >= epoch for m in self.metrics()) >= MARGIN_STEPS
+
+        _wait(started, 240, "the job did not start at full size")
+        out = []
+        for n, fault in enumerate(plan, 1):
+            if not self.alive():
+                break
+            if self.step() > STEPS - 3 * MARGIN_STEPS - (
+                SLOW_STEPS if fault["kind"] == "slow" else 0
+            ):
+                console.print(f"[yellow]out of steps before fault {n}[/yellow]")
+                break
+            record = self.inject(fault)
+            console.print(f"fault {n}/{len(plan)}: {record['what']} at step {record['step']}")
+            out.append(record)
+            try:
+                record.update(self.recover(record))
+            except BenchError as exc:
+                record["recovered"] = False
+                record["error"] = str(exc)
+                console.print(f"[red]fault {n} not recovered:[/red] {exc}")
+                if not self.alive():
+                    break
+        return out
+
+    def inject(self, fault: dict[str, Any]) -> dict[str, Any]:
+        kind = fault["kind"]
+        plan = self.plans()[-1]
+        record: dict[str, Any] = {"kind": kind, "epoch_before": plan["epoch"], "step": self.step()}
+        args = ["--kind", kind]
+        if kind in HOST_KINDS:
+            leader = self.leader()
+            hosts = [h for h in self.bed.hosts if h != leader]
+            host = hosts[fault["pick"] % len(hosts)]
+            args += ["--host", host]
+            record.update(host=host, what=f"{kind} host {host}")
+        else:
+            if fault.get("cure"):
+                worker = self.slowed
+                self.slowed = None
+                rank = plan["workers"].index(worker)
+            else:
+                rank = fault["pick"] % len(plan["workers"])
+                worker = plan["workers"][rank]
+            if kind == "slow":
+                args += ["--delay", str(SLOW_DELAY)]
+                self.slowed = worker
+            args += ["--rank", str(rank)]
+            record.update(rank=rank, worker=worker, what=f"{kind} rank {rank} ({worker})")
+            if fault.get("cure"):
+                record["cure"] = True
+        record["t"] = time.time()
+        if self.bed.endpoints:  # the netns bed; a single host finds its job's embedded etcd
+            args += ["--etcd", self.bed.endpoints]
+        r = self.bed.cli("inject-fault", "--job-id", self.job, "--json", *args, env=self.env)
+        if r.returncode != 0:
+            raise BenchError(f"inject-fault {' '.join(args)} failed: {r.stderr.strip()[-300:]}")
+        return record
+
+    def recover(self, record: dict[str, Any]) -> dict[str, Any]:
+        """Wait until the fault is answered and the job is back at full size; the marks."""
+        t0, kind = record["t"], record["kind"]
+        if kind == "partition":
+            _wait(lambda: self._after("host_fenced", t0, host=record["host"]), 60, "no fence")
+            _wait(lambda: self._after("host_lost", t0, host=record["host"]), 60, "no host_lost")
+            self.bed.heal(record["host"])
+        elif kind == "host":
+            _wait(lambda: self._after("host_lost", t0, host=record["host"]), 60, "no host_lost")
+            _wait(lambda: self.bed.daemons[record["host"]].poll() is not None, 30, "host alive")
+            self.launch(record["host"])  # a new daemon for the lost host: capacity comes back
+        elif kind == "slow":
+            _wait(lambda: self._after("straggler_detected", t0), 90, "no straggler verdict")
+            target = self.step() + SLOW_STEPS
+            _wait(lambda: self.step() >= target or not self.alive(), 120, "no slow steps")
+        elif kind == "corrupt":
+            _wait(lambda: self._after("sdc_repaired", t0), 90, "corruption not repaired")
+
+        def full() -> dict[str, Any] | None:
+            if not self.alive():
+                raise BenchError("a daemon exited")
+            plans = [p for p in self.plans() if p["t"] > t0]
+            if kind != "corrupt" and not plans:
+                return None
+            last = self.plans()[-1]
+            if last["world"] != self.full:
+                return None
+            after = [m for m in self.metrics() if m["epoch"] >= last["epoch"] and m["time"] > t0]
+            return after[MARGIN_STEPS - 1] if len(after) >= MARGIN_STEPS else None
+
+        commit = _wait(full, RECOVERY_TIMEOUT, f"no recovery to full size after {record['what']}")
+        return {"recovered": True, "full_size_s": commit["time"] - t0}
+
+    def _after(self, kind: str, t0: float, **match: Any) -> dict[str, Any] | None:
+        return next(
+            (
+                e
+                for e in self.events()
+                if e["kind"] == kind
+                and e["t"] >= t0
+                and all(e.get(k) == v for k, v in match.items())
+            ),
+            None,
+        )
+
+
+class _LocalBed:
+    """The single-host stand-in for the netns bed: one ``elaswave launch`` on an embedded etcd."""
+
+    def __init__(self, workdir: Path, config: Path) -> None:
+        self.workdir, self.config = workdir, config
+        self.hosts = ["h0"]
+        self.endpoints = ""
+        self.daemons: dict[str, subprocess.Popen[str]] = {}
+
+    def start(self) -> _LocalBed:
+        return self
+
+    def launch(self, host: str, *args: str, env: dict[str, str]) -> subprocess.Popen[str]:
+        cmd = [
+            sys.executable, "-m", "elaswave.cli.app", "launch", str(self.config),
+            "--run-dir", str(self.workdir / host), "--quiet", "--host-id", host, *args,
+        ]  # fmt: skip
+        out = open(self.workdir / f"{host}.out", "w")  # noqa: SIM115 - owned by the proc
+        proc = subprocess.Popen(
+            cmd, cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, text=True
+        )
+        self.daemons[host] = proc
+        return proc
+
+    def cli(self, *args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+        cmd = [sys.executable, "-m", "elaswave.cli.app", *args]
+        return subprocess.run(
+            cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=60
+        )
+
+    def heal(self, host: str) -> None:
+        raise BenchError("no partitions on a single host")
+
+    def output(self, host: str) -> str:
+        path = self.workdir / f"{host}.out"
+        return path.read_text()[-3000:] if path.exists() else ""
+
+    def close(self) -> None:
+        for proc in self.daemons.values():
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+            proc.wait()
+
+
+# ---- figures -----------------------------------------------------------------------------------
+DETECTED_BY = {
+    "kill": "worker_exit",
+    "hang": "hang_detected",
+    "corrupt": "sdc_detected",
+    "slow": "straggler_detected",
+    "host": "host_lost",
+    "partition": "host_lost",
+}
+
+
+def _figures(ref: dict[str, Any], soak: dict[str, Any]) -> dict[str, Any]:
+    steps = [m["step"] for m in soak["metrics"]]
+    counts = {s: steps.count(s) for s in set(steps)}
+    ref_loss = {m["step"]: m["loss"] for m in ref["metrics"]}
+    dev = {
+        m["step"]: abs(m["loss"] - ref_loss[m["step"]]) / abs(ref_loss[m["step"]])
+        for m in soak["metrics"]
+        if m["step"] in ref_loss
+    }
+    last = max(steps, default=0)
+    injected = soak["injected"]
+    survived = all(c == 0 for c in soak["exit_codes"].values()) and last == STEPS
+    per_fault = [_marks(f, soak["events"], soak["metrics"]) for f in injected]
+    by_kind = {}
+    for kind in KINDS:
+        mine = [p for p in per_fault if p["kind"] == kind]
+        rep = [i for i in soak["report"]["incidents"] if i["kind"] == kind]
+        by_kind[kind] = {
+            "injected": len(mine),
+            "recovered": sum(1 for p in mine if p["recovered"]),
+            "detection_s": summarize(p["detection_s"] for p in mine),
+            "mttr_s": summarize(p["mttr_s"] for p in mine),
+            "full_size_s": summarize(p["full_size_s"] for p in mine),
+            "report_detection_s": summarize(i["detection_s"] for i in rep),
+            "report_mttr_s": summarize(i["mttr_s"] for i in rep),
+        }
+    finals = [e for e in soak["events"] if e["kind"] == "final_state"]
+    return {
+        "faults_injected": len(injected),
+        "faults_recovered": sum(1 for f in injected if f.get("recovered")),
+        "survived": survived,
+        "exit_codes": soak["exit_codes"],
+        "last_step": last,
+        "steps_lost": sorted(set(range(1, STEPS + 1)) - set(steps)),
+        "steps_duplicated": sorted(s for s, c in counts.items() if c > 1),
+        "final_loss": soak["metrics"][-1]["loss"] if soak["metrics"] else None,
+        "final_loss_ref": ref["metrics"][-1]["loss"] if ref["metrics"] else None,
+        "final_rel_dev": dev.get(STEPS),
+        "max_rel_dev": max(dev.values(), default=None),
+        "max_rel_dev_step": max(dev, key=dev.__getitem__) if dev else None,
+        "steps_over_tol": sum(d > REL_TOL for d in dev.values()),
+        "first_step_over_tol": min((s for s, d in dev.items() if d > REL_TOL), default=None),
+        "rel_dev_by_100_steps": [
+            max((d for s, d in dev.items() if lo < s <= lo + 100), default=None)
+            for lo in range(0, last, 100)
+        ],
+        "replicas_agree": len({f["params_sha256"] for f in finals}) == 1 and bool(finals),
+        "plans": sum(1 for e in soak["events"] if e["kind"] == "plan_published"),
+        "wall_ref_s": ref["wall_s"],
+        "wall_soak_s": soak["wall_s"],
+        "time_lost_per_fault_s": (soak["wall_s"] - ref["wall_s"]) / max(1, len(injected)),
+        "by_kind": by_kind,
+        "faults": per_fault,
+        "report_totals": soak["report"]["totals"],
+        "outputs": soak["outputs"],
+    }
+
+
+def _marks(
+    fault: dict[str, Any], events: list[dict[str, Any]], metrics: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """Detection (fault → the event that sees it) and MTTR (fault → first commit after the
+    answer: the first plan after the detection; corrupt: the repair)."""
+    t0, kind = fault["t"], fault["kind"]
+
+    def first(pred: Callable[[dict[str, Any]], bool], t: float) -> dict[str, Any] | None:
+        return next((e for e in events if e["t"] >= t and pred(e)), None)
+
+    want = DETECTED_BY[kind]
+    detected = first(
+        lambda e: (
+            e["kind"] == want and (e.get("host") == fault["host"] if kind in HOST_KINDS else True)
+        ),
+        t0,
+    )
+    answer = None
+    if detected is not None:
+        key = "sdc_repaired" if kind == "corrupt" else "plan_published"
+        answer = first(lambda e: e["kind"] == key, detected["t"])
+    commit = None
+    if answer is not None:
+        commit = next((m for m in metrics if m["time"] >= answer["t"]), None)
+    return {
+        "kind": kind,
+        "what": fault["what"],
+        "step": fault["step"],
+        "recovered": bool(fault.get("recovered")),
+        "error": fault.get("error"),
+        "detection_s": detected["t"] - t0 if detected else None,
+        "mttr_s": commit["time"] - t0 if commit else None,
+        "full_size_s": fault.get("full_size_s"),
+    }
+
+
+# ---- helpers -----------------------------------------------------------------------------------
+def _read(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a line being written
+    return out
+
+
+def _merged(bed: Any, out: Path) -> Path:
+    """The hosts' run dirs merged into one, in time order (what ``elaswave report`` reads)."""
+    out.mkdir(parents=True, exist_ok=True)
+    for name, key in (("events.jsonl", "t"), ("metrics.jsonl", "time")):
+        rows = [r for h in bed.hosts for r in _read(bed.workdir / h / name)]
+        rows.sort(key=lambda r: r[key])
+        (out / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return out
+
+
+def _report(run_dir: Path) -> dict[str, Any]:
+    from elaswave.report import build_report
+
+    return build_report(run_dir)
+
+
+def _wait_exit(bed: Any, timeout: float) -> dict[str, int | None]:
+    deadline = time.monotonic() + timeout
+    codes: dict[str, int | None] = {}
+    for host, proc in bed.daemons.items():
+        try:
+            codes[host] = proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            codes[host] = None  # still running: killed by close()
+    return codes
+
+
+def _wait(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise BenchError(f"{what} within {timeout:g} s")
+
+
+def show(result: dict[str, Any]) -> None:
+    def s(v: float | None, digits: int = 2) -> str:
+        return "–" if v is None else f"{v:.{digits}f}"
+
+    for r in result["rounds"]:
+        faults = f"{r['faults_injected']} / {r['faults_recovered']}"
+        steps = f"{len(r['steps_lost'])} / {len(r['steps_duplicated'])}"
+        walls = f"{s(r['wall_ref_s'], 1)} / {s(r['wall_soak_s'], 1)}"
+        print_table(
+            f"Chaos soak, {result['variant']}, {result['steps']} steps, seed {result['seed']}",
+            ("figure", "value"),
+            [
+                ("faults injected / recovered", faults),
+                ("job survived (exit 0, every step)", "yes" if r["survived"] else "NO"),
+                ("steps lost / duplicated", steps),
+                ("final loss rel. deviation", s(r["final_rel_dev"], 9)),
+                ("max per-step rel. deviation", s(r["max_rel_dev"], 9)),
+                ("wall: reference / soak (s)", walls),
+                ("time lost per fault (s)", s(r["time_lost_per_fault_s"])),
+            ],
+        )
+        rows = []
+        for kind, k in r["by_kind"].items():
+            rows.append((
+                kind, f"{k['injected']} / {k['recovered']}", s(k["detection_s"]["median"]),
+                s(k["mttr_s"]["median"]), s(k["full_size_s"]["median"]),
+                s(k["report_detection_s"]["median"]), s(k["report_mttr_s"]["median"]),
+            ))  # fmt: skip
+        print_table(
+            "Per kind (medians, seconds)",
+            COLUMNS,
+            rows,
+        )

@@ -1,0 +1,31 @@
+"""The daemon's shutdown watchdog: it fires only while a shutdown is still running.
+
+A fenced host's daemon shuts down and the same process starts a new daemon that rejoins the job;
+a watchdog left armed by the first shutdown used to end that process (exit 70) 4 × grace + 30 s
+after the fence, in the middle of training.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from elaswave.daemon.supervisor import shutdown_watchdog
+
+
+@pytest.mark.parametrize(
+    ("block_s", "limit_s", "fires"),
+    [
+        (0.0, 0.2, False),  # a shutdown that finished: the process goes on (rejoin after a fence)
+        (0.05, 0.3, False),  # finished within the limit
+        (0.6, 0.1, True),  # stuck past the limit: the last resort fires
+    ],
+)
+def test_shutdown_watchdog(block_s: float, limit_s: float, fires: bool) -> None:
+    fired = threading.Event()
+    with shutdown_watchdog(limit_s, fired.set):
+        time.sleep(block_s)
+    time.sleep(limit_s + 0.3)  # well past the limit
+    assert fired.is_set() is fires
