@@ -212,7 +212,9 @@ def _simulate(stages: int, microbatches: int) -> None:
         assert forward_done[s] == backward_done[s] == set(range(microbatches))
 
 
-@pytest.mark.parametrize(("stages", "microbatches"), itertools.product([1, 2, 3, 4], [1, 2, 3, 8]))
+@pytest.mark.parametrize(
+    ("stages", "microbatches"), list(itertools.product([1, 2, 3, 4], [1, 2, 3, 8]))
+)
 def test_1f1b_completes_without_deadlock(stages: int, microbatches: int) -> None:
     _simulate(stages, microbatches)
 
