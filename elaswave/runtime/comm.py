@@ -213,8 +213,7 @@ class Communicator:
         # both sides must list a pair's messages in the same order.
         works = [pg.send([t], peer, tag + k) for peer, t, k in _numbered(sends)]
         works += [pg.recv([t], peer, tag + k) for peer, t, k in _numbered(recvs)]
-        for work in works:
-            self._finish(work, abort, f"send/recv on {name!r}")
+        self._wait_in_thread(works, abort, f"send/recv on {name!r}")
 
     def post(
         self,
@@ -236,8 +235,7 @@ class Communicator:
     ) -> None:
         """Post sends and receives together, then wait for all of them (interruptibly)."""
         self._not_aborted(abort, f"send/recv on {name!r}")
-        for work in self.post(name, sends, recvs):
-            self._finish(work, abort, f"send/recv on {name!r}")
+        self._wait_in_thread(self.post(name, sends, recvs), abort, f"send/recv on {name!r}")
 
     def _not_aborted(self, abort: Callable[[], bool], what: str) -> None:
         """Never start a collective with a group a newer plan has already broken: a member that
@@ -257,7 +255,7 @@ class Communicator:
         try:
             future = work.get_future()
         except RuntimeError:  # point-to-point work has no future in gloo
-            self._wait_in_thread(work, abort, what)
+            self._wait_in_thread([work], abort, what)
             return
         future.add_done_callback(finished)
         self._wait(done, wake, abort, self.collective_timeout, what)
@@ -267,15 +265,16 @@ class Communicator:
             self.mark_broken()
             raise CommError(f"{what} failed: {_one_line(exc)}") from None
 
-    def _wait_in_thread(self, work: dist.Work, abort: Callable[[], bool], what: str) -> None:
-        """Gloo point-to-point work progresses only inside ``wait()``: run that in a helper
-        thread and keep this one interruptible."""
+    def _wait_in_thread(self, works: list[dist.Work], abort: Callable[[], bool], what: str) -> None:
+        """Gloo point-to-point work progresses only inside ``wait()``: run those waits in one
+        helper thread (all of a batch, in order) and keep this one interruptible."""
         done, wake = threading.Event(), threading.Event()
         errors: list[BaseException] = []
 
         def run() -> None:
             try:
-                work.wait()
+                for work in works:
+                    work.wait()
             except BaseException as exc:  # handed to the waiting thread
                 errors.append(exc)
             finally:
