@@ -38,7 +38,17 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.common import REPO_ROOT, BenchError, bench_env, console, print_table, summarize
+from bench.common import (
+    REPO_ROOT,
+    BenchError,
+    bench_env,
+    console,
+    load_netbed,
+    print_table,
+    read_jsonl,
+    summarize,
+    wait_until,
+)
 
 DESCRIPTION = "chaos soak: >= 20 random faults of every kind on one job (3 netns hosts × 2)"
 DEFAULT_REPEAT = 1
@@ -94,15 +104,8 @@ def describe(fault: dict[str, Any]) -> str:
 
 
 # ---- the run -----------------------------------------------------------------------------------
-def _netbed() -> Any:
-    sys.path.insert(0, str(REPO_ROOT / "tests" / "e2e"))
-    import netbed
-
-    return netbed
-
-
 def run(repeat: int, config: Path) -> dict[str, Any]:
-    netbed = _netbed()
+    netbed = load_netbed()
     reason = netbed.skip_reason()
     if reason:
         console.print(f"[yellow]netns bed unavailable ({reason}): single host, rank faults[/]")
@@ -172,8 +175,8 @@ def _on_bed(bed: Any, nproc: int, job: str, plan: list[dict[str, Any]]) -> dict[
             "exit_codes": codes,
             "injected": injected,
             "merged": str(merged),
-            "metrics": _read(merged / "metrics.jsonl"),
-            "events": _read(merged / "events.jsonl"),
+            "metrics": read_jsonl(merged / "metrics.jsonl"),
+            "events": read_jsonl(merged / "events.jsonl"),
             "report": _report(merged),
             "outputs": {h: bed.output(h)[-600:] for h in bed.hosts if codes.get(h) != 0},
         }
@@ -200,11 +203,13 @@ class _Soak:
         )  # fmt: skip
 
     def events(self) -> list[dict[str, Any]]:
-        out = [e for h in self.bed.hosts for e in _read(self.bed.workdir / h / "events.jsonl")]
+        out = [e for h in self.bed.hosts for e in read_jsonl(self.bed.workdir / h / "events.jsonl")]
         return sorted(out, key=lambda e: e["t"])
 
     def metrics(self) -> list[dict[str, Any]]:
-        out = [m for h in self.bed.hosts for m in _read(self.bed.workdir / h / "metrics.jsonl")]
+        out = [
+            m for h in self.bed.hosts for m in read_jsonl(self.bed.workdir / h / "metrics.jsonl")
+        ]
         return sorted(out, key=lambda m: m["time"])
 
     def step(self) -> int:
@@ -228,7 +233,7 @@ class _Soak:
             epoch = plans[-1]["epoch"]
             return sum(m["epoch"] >= epoch for m in self.metrics()) >= MARGIN_STEPS
 
-        _wait(started, 240, "the job did not start at full size")
+        wait_until(started, 240, "the job did not start at full size")
         out = []
         for n, fault in enumerate(plan, 1):
             if not self.alive():
@@ -289,19 +294,25 @@ class _Soak:
         """Wait until the fault is answered and the job is back at full size; the marks."""
         t0, kind = record["t"], record["kind"]
         if kind == "partition":
-            _wait(lambda: self._after("host_fenced", t0, host=record["host"]), 60, "no fence")
-            _wait(lambda: self._after("host_lost", t0, host=record["host"]), 60, "no host_lost")
+            wait_until(lambda: self._after("host_fenced", t0, host=record["host"]), 60, "no fence")
+            wait_until(
+                lambda: self._after("host_lost", t0, host=record["host"]), 60, "no host_lost"
+            )
             self.bed.heal(record["host"])
         elif kind == "host":
-            _wait(lambda: self._after("host_lost", t0, host=record["host"]), 60, "no host_lost")
-            _wait(lambda: self.bed.daemons[record["host"]].poll() is not None, 30, "host alive")
+            wait_until(
+                lambda: self._after("host_lost", t0, host=record["host"]), 60, "no host_lost"
+            )
+            wait_until(
+                lambda: self.bed.daemons[record["host"]].poll() is not None, 30, "host alive"
+            )
             self.launch(record["host"])  # a new daemon for the lost host: capacity comes back
         elif kind == "slow":
-            _wait(lambda: self._after("straggler_detected", t0), 90, "no straggler verdict")
+            wait_until(lambda: self._after("straggler_detected", t0), 90, "no straggler verdict")
             target = self.step() + SLOW_STEPS
-            _wait(lambda: self.step() >= target or not self.alive(), 120, "no slow steps")
+            wait_until(lambda: self.step() >= target or not self.alive(), 120, "no slow steps")
         elif kind == "corrupt":
-            _wait(lambda: self._after("sdc_repaired", t0), 90, "corruption not repaired")
+            wait_until(lambda: self._after("sdc_repaired", t0), 90, "corruption not repaired")
 
         def full() -> dict[str, Any] | None:
             if not self.alive():
@@ -315,7 +326,9 @@ class _Soak:
             after = [m for m in self.metrics() if m["epoch"] >= last["epoch"] and m["time"] > t0]
             return after[MARGIN_STEPS - 1] if len(after) >= MARGIN_STEPS else None
 
-        commit = _wait(full, RECOVERY_TIMEOUT, f"no recovery to full size after {record['what']}")
+        commit = wait_until(
+            full, RECOVERY_TIMEOUT, f"no recovery to full size after {record['what']}"
+        )
         return {"recovered": True, "full_size_s": commit["time"] - t0}
 
     def _after(self, kind: str, t0: float, **match: Any) -> dict[str, Any] | None:
@@ -485,23 +498,11 @@ def _marks(
 
 
 # ---- helpers -----------------------------------------------------------------------------------
-def _read(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue  # a line being written
-    return out
-
-
 def _merged(bed: Any, out: Path) -> Path:
     """The hosts' run dirs merged into one, in time order (what ``elaswave report`` reads)."""
     out.mkdir(parents=True, exist_ok=True)
     for name, key in (("events.jsonl", "t"), ("metrics.jsonl", "time")):
-        rows = [r for h in bed.hosts for r in _read(bed.workdir / h / name)]
+        rows = [r for h in bed.hosts for r in read_jsonl(bed.workdir / h / name)]
         rows.sort(key=lambda r: r[key])
         (out / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
     return out
@@ -522,16 +523,6 @@ def _wait_exit(bed: Any, timeout: float) -> dict[str, int | None]:
         except subprocess.TimeoutExpired:
             codes[host] = None  # still running: killed by close()
     return codes
-
-
-def _wait(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise BenchError(f"{what} within {timeout:g} s")
 
 
 def show(result: dict[str, Any]) -> None:

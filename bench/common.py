@@ -10,7 +10,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -95,8 +95,31 @@ def free_port() -> int:
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    with path.open() as fh:
-        return [json.loads(line) for line in fh if line.strip()]
+    """A run file's records (none if it does not exist yet; a line being written is skipped)."""
+    from elaswave.events import read_jsonl as records
+
+    return list(records(path))
+
+
+def wait_until(
+    predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.2
+) -> Any:
+    """Poll ``predicate`` until it returns something true; :class:`BenchError` after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise BenchError(f"{what} within {timeout:g} s")
+
+
+def load_netbed() -> Any:
+    """The multi-host test bed (``tests/e2e/netbed.py``): hosts as network namespaces."""
+    sys.path.insert(0, str(REPO_ROOT / "tests" / "e2e"))
+    import netbed as bed
+
+    return bed
 
 
 # ---- context and output ------------------------------------------------------------------------

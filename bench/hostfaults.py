@@ -17,13 +17,20 @@ each after the previous one has been planned away:
 from __future__ import annotations
 
 import json
-import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import REPO_ROOT, BenchError, bench_env, ms, print_table, summarize
+from bench.common import (
+    BenchError,
+    bench_env,
+    load_netbed,
+    ms,
+    print_table,
+    read_jsonl,
+    summarize,
+    wait_until,
+)
 
 DESCRIPTION = "detection latency of crash, hang, host loss and partition (5 netns hosts × 1)"
 DEFAULT_REPEAT = 5
@@ -39,15 +46,8 @@ GOALS_S = {  # detection must stay within these (the hang timeout or the lease T
 }
 
 
-def _netbed() -> Any:
-    sys.path.insert(0, str(REPO_ROOT / "tests" / "e2e"))
-    import netbed
-
-    return netbed
-
-
 def run(repeat: int, config: Path) -> dict[str, Any]:
-    netbed = _netbed()
+    netbed = load_netbed()
     reason = netbed.skip_reason()
     if reason:
         raise BenchError(f"the netns test bed is unavailable: {reason}")
@@ -100,8 +100,8 @@ def _one_run(bed: Any, tmp: Path, job: str) -> dict[str, Any]:
             host, "--job-id", job, "--nproc-per-node", "1", "--nnodes", f"{HOSTS}:{HOSTS}",
             "--steps", "100000", "--hang-timeout", str(HANG_TIMEOUT), env=env,
         )  # fmt: skip
-    leader = _wait(lambda: _leader(bed), 120, "no leader elected")
-    _wait(lambda: _plans(bed, leader), 180, "the job did not start")
+    leader = wait_until(lambda: _leader(bed), 120, "no leader elected")
+    wait_until(lambda: _plans(bed, leader), 180, "the job did not start")
     targets = [h for h in bed.hosts if h != leader]
     out: dict[str, Any] = {"leader": leader}
     for kind, host in zip(KINDS, targets, strict=False):
@@ -116,7 +116,7 @@ def _one_run(bed: Any, tmp: Path, job: str) -> dict[str, Any]:
                     env=env)  # fmt: skip
         if r.returncode != 0:
             raise BenchError(f"inject-fault {kind} failed: {r.stderr.strip()[-300:]}")
-        next_plan = _wait(
+        next_plan = wait_until(
             lambda e=plan["epoch"]: [p for p in _plans(bed, leader) if p["epoch"] > e],
             60,
             f"no plan after the {kind} fault",
@@ -131,7 +131,7 @@ def _latency(
     bed: Any, kind: str, host: str, leader: str, injected: dict[str, Any], plan: dict[str, Any]
 ) -> dict[str, Any]:
     def first(h: str, event: str) -> dict[str, Any]:
-        return _wait(
+        return wait_until(
             lambda: [e for e in _events(bed, h) if e["kind"] == event and e.get("host", h) == host],
             30,
             f"no {event} for {host}",
@@ -154,16 +154,7 @@ def _latency(
 
 
 def _events(bed: Any, host: str) -> list[dict[str, Any]]:
-    path = bed.workdir / host / "events.jsonl"
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue  # a line being written
-    return out
+    return read_jsonl(bed.workdir / host / "events.jsonl")
 
 
 def _plans(bed: Any, leader: str) -> list[dict[str, Any]]:
@@ -175,16 +166,6 @@ def _leader(bed: Any) -> str | None:
         if any(e["kind"] == "leader_elected" for e in _events(bed, host)):
             return host
     return None
-
-
-def _wait(predicate: Any, timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise BenchError(f"{what} within {timeout:g} s")
 
 
 def show(result: dict[str, Any]) -> None:
