@@ -32,11 +32,26 @@ def state_env(tmp_path: Path) -> dict[str, str]:
     return env
 
 
+def launch_cmd(run_dir: Path, *args: str) -> list[str]:
+    """``elaswave launch`` of the test config into ``run_dir``, quiet, with ``args``."""
+    return elaswave_cmd("launch", str(CONFIG), "--run-dir", str(run_dir), "--quiet", *args)
+
+
 def launch(
     run_dir: Path, *args: str, env: dict[str, str], timeout: float = 180
 ) -> subprocess.CompletedProcess[str]:
-    cmd = elaswave_cmd("launch", str(CONFIG), "--run-dir", str(run_dir), "--quiet", *args)
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    """Run a job to completion."""
+    return subprocess.run(
+        launch_cmd(run_dir, *args), env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def start(run_dir: Path, env: dict[str, str], *args: str) -> subprocess.Popen[str]:
+    """Start a job in the background (for tests that talk to it while it runs)."""
+    return subprocess.Popen(
+        launch_cmd(run_dir, *args), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
 
 
 class Run:

@@ -5,18 +5,16 @@ from __future__ import annotations
 import json
 import signal
 import socket
-import subprocess
 import time
 from pathlib import Path
 
 import pytest
 from conftest import (
-    CONFIG,
     Run,
     assert_no_orphans,
     cli,
-    elaswave_cmd,
     launch,
+    start,
     status_json,
     wait_for,
 )
@@ -25,11 +23,6 @@ from elaswave.daemon.etcd_server import EmbeddedEtcd
 from elaswave.report import build_report
 
 pytestmark = pytest.mark.e2e
-
-
-def start(run_dir: Path, env: dict[str, str], *args: str) -> subprocess.Popen[str]:
-    cmd = elaswave_cmd("launch", str(CONFIG), "--run-dir", str(run_dir), "--quiet", *args)
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def step_of(job_id: str, env: dict[str, str], *extra: str) -> int:

@@ -12,17 +12,27 @@ from elaswave.report import build_report
 pytestmark = pytest.mark.e2e
 
 
-def test_rank_and_buddy_lost_together_fall_back_to_the_durable_checkpoint(
-    tmp_path: Path, state_env: dict[str, str], reference: Run
-) -> None:
-    r = launch(tmp_path / "run", "--job-id", "fallback", "--zero", "1", "--durable-every", "5",
-               "--fault", "kill,rank=1,at_step=12", "--fault", "kill,rank=2,at_step=12",
-               env=state_env)  # fmt: skip
+def _fallback_run(
+    tmp_path: Path, env: dict[str, str], reference: Run, *flags: str
+) -> tuple[Run, dict]:
+    """A ZeRO run with a durable checkpoint every 5 steps whose shard is lost at step 12: it must
+    complete on the fault-free curve from the step-10 checkpoint, recomputing one step."""
+    r = launch(tmp_path / "run", "--zero", "1", "--durable-every", "5", *flags, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     run = Run(tmp_path / "run")
     assert_clean_run(run, 40, reference)
     (restored,) = run.of("durable_restored")
     assert restored["step"] == 10 and restored["recomputed_steps"] == 1
+    return run, restored
+
+
+def test_rank_and_buddy_lost_together_fall_back_to_the_durable_checkpoint(
+    tmp_path: Path, state_env: dict[str, str], reference: Run
+) -> None:
+    run, restored = _fallback_run(
+        tmp_path, state_env, reference, "--job-id", "fallback",
+        "--fault", "kill,rank=1,at_step=12", "--fault", "kill,rank=2,at_step=12",
+    )  # fmt: skip
     assert "replica are gone" in restored["reason"]
     incidents = build_report(run.dir)["incidents"]
     assert sum(i["recomputed_steps"] for i in incidents) == 1
@@ -60,12 +70,8 @@ def test_resume_without_a_checkpoint_is_a_one_line_error(
 def test_without_snapshots_a_lost_shard_comes_from_the_durable_checkpoint(
     tmp_path: Path, state_env: dict[str, str], reference: Run
 ) -> None:
-    r = launch(tmp_path / "run", "--job-id", "nosnap", "--zero", "1", "--snapshot-every", "0",
-               "--durable-every", "5", "--fault", "kill,rank=1,at_step=12",
-               env=state_env)  # fmt: skip
-    assert r.returncode == 0, r.stderr[-3000:]
-    run = Run(tmp_path / "run")
-    assert_clean_run(run, 40, reference)
-    (restored,) = run.of("durable_restored")
-    assert restored["step"] == 10 and restored["recomputed_steps"] == 1
+    _, restored = _fallback_run(
+        tmp_path, state_env, reference, "--job-id", "nosnap", "--snapshot-every", "0",
+        "--fault", "kill,rank=1,at_step=12",
+    )  # fmt: skip
     assert "missing" in restored["reason"]

@@ -20,7 +20,15 @@ from pathlib import Path
 import aetcd
 import pytest
 from certs import CA, Pair
-from conftest import CONFIG, Run, assert_clean_run, cli, elaswave_cmd, status_json, wait_for
+from conftest import (
+    Run,
+    assert_clean_run,
+    cli,
+    launch,
+    start,
+    status_json,
+    wait_for,
+)
 
 from elaswave.config import EtcdTLSConfig
 from elaswave.daemon.etcd import Etcd, EtcdSecurity
@@ -139,24 +147,10 @@ def test_wrong_password_is_refused_and_the_right_one_works(
     half = dict(env_as(state_env, None, None), ELASWAVE_ETCD_USER="job-a")
     assert "ELASWAVE_ETCD_PASSWORD" in one_line_error(cli(*args, env=half))
     run_dir = tmp_path / "run"
-    refused = subprocess.run(
-        elaswave_cmd(
-            "launch",
-            str(CONFIG),
-            "--run-dir",
-            str(run_dir),
-            "--quiet",
-            "--job-id",
-            "job-a",
-            "--etcd",
-            secure_etcd.endpoint,
-            *secure_etcd.tls_flags(),
-        ),
-        env=env_as(state_env, "job-a", "not-the-password"),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    refused = launch(
+        run_dir, "--job-id", "job-a", "--etcd", secure_etcd.endpoint, *secure_etcd.tls_flags(),
+        env=env_as(state_env, "job-a", "not-the-password"), timeout=120,
+    )  # fmt: skip
     assert "authentication failed" in one_line_error(refused)
     assert not list(run_dir.glob("logs/*.log")), "no worker may start without etcd access"
     right = cli(*args, env=env_as(state_env, "job-a", JOB_A_PASSWORD))
@@ -225,19 +219,7 @@ def test_a_job_runs_on_a_secured_etcd_while_strangers_are_refused(
     env = env_as(state_env, "job-a", JOB_A_PASSWORD)
     flags = ["--etcd", secure_etcd.endpoint, *secure_etcd.tls_flags()]
     run_dir = tmp_path / "run"
-    cmd = elaswave_cmd(
-        "launch",
-        str(CONFIG),
-        "--run-dir",
-        str(run_dir),
-        "--quiet",
-        "--job-id",
-        "job-a",
-        "--steps",
-        str(steps),
-        *flags,
-    )
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = start(run_dir, env, "--job-id", "job-a", "--steps", str(steps), *flags)
     refusals: list[str] = []
     stop = threading.Event()
     ca_only = EtcdSecurity.load(EtcdTLSConfig(cacert=str(secure_etcd.ca.cert)), env={})
@@ -311,29 +293,12 @@ def test_a_single_host_job_with_its_embedded_etcd_on_tls(
     server, host = ca.issue("etcd-server", server=True), ca.issue("job-host")
     steps = 6
     run_dir = tmp_path / "run"
-    cmd = elaswave_cmd(
-        "launch",
-        str(CONFIG),
-        "--run-dir",
-        str(run_dir),
-        "--quiet",
-        "--job-id",
-        "solo",
-        "--steps",
-        str(steps),
-        "--etcd-cacert",
-        str(ca.cert),
-        "--etcd-cert",
-        str(host.cert),
-        "--etcd-key",
-        str(host.key),
-        "--etcd-server-cert",
-        str(server.cert),
-        "--etcd-server-key",
-        str(server.key),
-    )
     env = env_as(state_env, None, None)
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = start(
+        run_dir, env, "--job-id", "solo", "--steps", str(steps),
+        "--etcd-cacert", str(ca.cert), "--etcd-cert", str(host.cert), "--etcd-key", str(host.key),
+        "--etcd-server-cert", str(server.cert), "--etcd-server-key", str(server.key),
+    )  # fmt: skip
     try:
         st = wait_for(lambda: status_json("solo", env), timeout=90)
         record = json.loads((Path(env["ELASWAVE_STATE_DIR"]) / "jobs" / "solo.json").read_text())

@@ -4,18 +4,16 @@ real etcd, real slow-downs and real SIGKILLs."""
 from __future__ import annotations
 
 import asyncio
-import subprocess
 from pathlib import Path
 
 import pytest
 from conftest import (
-    CONFIG,
     Run,
     assert_clean_run,
     assert_no_orphans,
     cli,
-    elaswave_cmd,
     launch,
+    start,
     status_json,
     wait_for,
 )
@@ -63,12 +61,8 @@ def test_very_slow_rank_is_evicted(
     tmp_path: Path, state_env: dict[str, str], reference: Run
 ) -> None:
     """inject-fault --kind slow: past the threshold the rank is stopped cleanly, not respawned."""
-    cmd = elaswave_cmd("launch", str(CONFIG), "--run-dir", str(tmp_path / "run"), "--quiet",
-                       "--job-id", "evict", "--straggler-threshold", "3",
-                       "--max-restarts", "2")  # fmt: skip
-    proc = subprocess.Popen(
-        cmd, env=state_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
+    proc = start(tmp_path / "run", state_env, "--job-id", "evict", "--straggler-threshold", "3",
+                 "--max-restarts", "2")  # fmt: skip
     try:
         wait_for(lambda: (status_json("evict", state_env) or {}).get("progress"), timeout=120)
         inject = cli("inject-fault", "--job-id", "evict", "--kind", "slow", "--rank", "2",
