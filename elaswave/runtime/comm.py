@@ -208,11 +208,13 @@ class Communicator:
         tag: int = 0,
     ) -> None:
         """Point-to-point: post every send and receive (peer ranks in group ``name``), wait all."""
-        pg = self._groups[name].pg
         # Gloo matches by (peer, tag): the k-th message between two ranks carries tag + k, so
         # both sides must list a pair's messages in the same order.
-        works = [pg.send([t], peer, tag + k) for peer, t, k in _numbered(sends)]
-        works += [pg.recv([t], peer, tag + k) for peer, t, k in _numbered(recvs)]
+        works = self.post(
+            name,
+            [(peer, t, tag + k) for peer, t, k in _numbered(sends)],
+            [(peer, t, tag + k) for peer, t, k in _numbered(recvs)],
+        )
         self._wait_in_thread(works, abort, f"send/recv on {name!r}")
 
     def post(

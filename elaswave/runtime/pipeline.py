@@ -184,10 +184,6 @@ class _Migration:
     caught_up: bool = False
     nbytes: int = 0
 
-    @property
-    def ready(self) -> bool:
-        return not self.incoming or self.caught_up
-
 
 @dataclass
 class _Undo:
@@ -318,7 +314,7 @@ class Pipeline:
         cfg, t = e.cfg, e.cfg.train
         prev_rank = ranks[s - 1] if s > 0 else None
         next_rank = ranks[s + 1] if s + 1 < stages else None
-        last = layers.stop == self.num_layers
+        first, last = layers.start == 0, layers.stop == self.num_layers
         region = self.span(layers)
         n = e.flat.numel
         shape = (t.micro_batch_size, cfg.model.seq_len, cfg.model.d_model)
@@ -331,8 +327,9 @@ class Pipeline:
             nonlocal loss_sum
             mb = mbs[i]
             rng = MicrobatchRng(t.seed, step, mb.id)
-            tokens, targets = batch(e.dataset, mb.sample_ids)
-            h = tokens if layers.start == 0 else inputs[i]
+            # Only the first stage needs the tokens and only the last the targets.
+            tokens, targets = batch(e.dataset, mb.sample_ids) if first or last else (None, None)
+            h = tokens if first else inputs[i]
             for index in layers:
                 h = e.model.layers[index](h, rng)
             self.device_pause(layers, backward=False)
@@ -442,19 +439,13 @@ class Pipeline:
 
     @property
     def ready_flag(self) -> float:
-        return (
-            1.0
-            if self.migration is not None and self.migration.incoming and self.migration.ready
-            else 0.0
-        )
+        m = self.migration  # raised by a receiver once its new layers are current
+        return 1.0 if m is not None and m.incoming and m.caught_up else 0.0
 
     def _catch_up(self, m: _Migration) -> None:
         e = self.e
         for region, payload in m.landed:
-            k = region.stop - region.start
-            e.flat.data[region].copy_(payload[:k])
-            e.opt.exp_avg[region].copy_(payload[k : 2 * k])
-            e.opt.exp_avg_sq[region].copy_(payload[2 * k :])
+            self._land(region, payload)
         for step, grads in m.pending:  # replay the steps the snapshot missed, in order
             for region, g in zip(m.incoming, grads, strict=True):
                 adamw_(
@@ -572,20 +563,25 @@ class Pipeline:
         r = self.span(range(t.start, t.stop))
         return torch.cat([e.flat.data[r], e.opt.exp_avg[r], e.opt.exp_avg_sq[r]])
 
-    def _move_now(self, transfers: list[LayerTransfer], broken: Callable[[], bool]) -> int:
-        e = self.e
-        rank = e.comm.rank("dp")
+    def _messages(self, transfers: list[LayerTransfer]) -> tuple[list[Any], list[Any], list[slice]]:
+        """This rank's part of ``transfers``: sends (a copy of the layers now), receive buffers,
+        and the flat regions the receives land in."""
+        rank = self.e.comm.rank("dp")
         sends = [(t.dst, self._payload(t), TAG_STATE) for t in transfers if t.src == rank]
-        mine = [t for t in transfers if t.dst == rank]
-        recvs = [(t.src, torch.empty(3 * self._numel(t)), TAG_STATE) for t in mine]
-        e.comm.p2p("dp", sends, recvs, broken)
-        for t, (_, payload, _) in zip(mine, recvs, strict=True):
-            self._land(self.span(range(t.start, t.stop)), payload)
-        return sum(p.numel() * 4 for _, p, _ in recvs)
+        regions = [self.span(range(t.start, t.stop)) for t in transfers if t.dst == rank]
+        srcs = [t.src for t in transfers if t.dst == rank]
+        recvs = [
+            (src, torch.empty(3 * (r.stop - r.start)), TAG_STATE)
+            for src, r in zip(srcs, regions, strict=True)
+        ]
+        return sends, recvs, regions
 
-    def _numel(self, t: LayerTransfer) -> int:
-        r = self.span(range(t.start, t.stop))
-        return r.stop - r.start
+    def _move_now(self, transfers: list[LayerTransfer], broken: Callable[[], bool]) -> int:
+        sends, recvs, regions = self._messages(transfers)
+        self.e.comm.p2p("dp", sends, recvs, broken)
+        for region, (_, payload, _) in zip(regions, recvs, strict=True):
+            self._land(region, payload)
+        return sum(p.numel() * 4 for _, p, _ in recvs)
 
     def _land(self, region: slice, payload: torch.Tensor) -> None:
         e = self.e
@@ -595,18 +591,10 @@ class Pipeline:
         e.opt.exp_avg_sq[region].copy_(payload[2 * k :])
 
     def _start_migration(self, transfers: list[LayerTransfer], receivers: int) -> None:
-        e = self.e
-        rank = e.comm.rank("dp")
-        mine = [t for t in transfers if t.dst == rank]
-        m = _Migration(
-            transfers=transfers,
-            incoming=[self.span(range(t.start, t.stop)) for t in mine],
-            receivers=receivers,
-        )
-        sends = [(t.dst, self._payload(t), TAG_STATE) for t in transfers if t.src == rank]
-        recvs = [(t.src, torch.empty(3 * self._numel(t)), TAG_STATE) for t in mine]
+        sends, recvs, regions = self._messages(transfers)
+        m = _Migration(transfers=transfers, incoming=regions, receivers=receivers)
         m.nbytes = sum(p.numel() * 4 for _, p, _ in recvs)
-        works = e.comm.post(MIG, sends, recvs)
+        works = self.e.comm.post(MIG, sends, recvs)
 
         def wait() -> None:  # gloo progresses point-to-point work only inside wait()
             try:
