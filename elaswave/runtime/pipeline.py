@@ -39,6 +39,7 @@ from elaswave.runtime.data import MicroBatch, batch
 from elaswave.runtime.model import per_sample_loss
 from elaswave.runtime.optim import adamw_
 from elaswave.runtime.rng import MicrobatchRng
+from elaswave.runtime.stageshards import LayersLost  # raised here, caught by the engine
 from elaswave.runtime.zero import digest
 
 if TYPE_CHECKING:
@@ -46,10 +47,6 @@ if TYPE_CHECKING:
 
 MIG = "mig"  # the process group asynchronous migrations run on, beside the training group
 TAG_ACT, TAG_GRAD, TAG_STATE = 1, 2, 3
-
-
-class LayersLost(RuntimeError):
-    """Every rank that held some layers is gone."""
 
 
 # ---- the schedule (pure) ------------------------------------------------------------------------
