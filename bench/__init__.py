@@ -18,6 +18,7 @@ from bench import (
     partition,
     pipeline,
     security,
+    stagezero,
     straggler,
     zero,
 )
@@ -34,6 +35,7 @@ SCENARIOS = {
     "partition": partition,
     "pipeline": pipeline,
     "security": security,
+    "stagezero": stagezero,
     "straggler": straggler,
     "zero": zero,
 }

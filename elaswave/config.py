@@ -312,11 +312,8 @@ class JobConfig:
                 f"dp × pp = {self.dp} × {self.pp} = {self.dp * self.pp}, "
                 f"but the job starts with {start} workers"
             )
-        if self.pp > 1 and (self.zero or self.durable_every or self.resume):
-            raise ConfigError(
-                "pp > 1 does not combine with zero, durable_every or resume yet "
-                "(pipelines keep replicated optimizer state per stage)"
-            )
+        if self.pp > 1 and (self.durable_every or self.resume):
+            raise ConfigError("pp > 1 does not combine with durable_every or resume yet")
 
     @property
     def resolved_run_dir(self) -> Path:

@@ -82,7 +82,9 @@ def launch(
     host_addr: str | None = typer.Option(
         None, "--host-addr", help="Address peers reach this host on."
     ),
-    zero: int | None = typer.Option(None, "--zero", help="1: ZeRO-1 sharded optimizer state."),
+    zero: int | None = typer.Option(
+        None, "--zero", help="1: ZeRO-1 sharded optimizer state (with --pp: inside each stage)."
+    ),
     pp: int | None = typer.Option(None, "--pp", help="Pipeline stages per replica."),
     dp: int | None = typer.Option(None, "--dp", help="Data-parallel replicas (default world/pp)."),
     migration: str | None = typer.Option(

@@ -130,10 +130,12 @@ class Engine:
             lr=t.lr, beta1=t.beta1, beta2=t.beta2, eps=t.eps, weight_decay=t.weight_decay
         )
         self.zero: ZeroState | None = None
-        if cfg.zero:
+        if cfg.zero and cfg.pp == 1:
             self.zero = ZeroState(self.flat, hyper, self.segments)
             self.zero.snapshot_every = cfg.snapshot_every
             self.opt = FlatAdamW(0, hyper)  # the shards live in ``self.zero``
+        elif cfg.zero:
+            self.opt = FlatAdamW(0, hyper)  # each stage's shards live in ``self.pipe.store``
         else:
             self.opt = FlatAdamW(self.flat.numel, hyper)
         self.durable = (
@@ -293,7 +295,8 @@ class Engine:
         self._enter("collective")
         self.comm.allreduce(DP, buf, self._group_broken)
         self._enter("compute")
-        pipe.update(step, buf[:n] if buf.dtype == torch.float32 else buf[:n].to(torch.float32))
+        grad = buf[:n] if buf.dtype == torch.float32 else buf[:n].to(torch.float32)
+        pipe.update(step, grad, self._group_broken, lambda: self._fire_faults(step, "optimizer"))
         self.step = step
         self.last_loss = float(buf[n]) / t.global_batch
         switched = pipe.after_step(step, float(buf[n + 2]))
@@ -473,7 +476,8 @@ class Engine:
                 continue  # corruption lands after the commit (see _after_commit); slow: compute
             # Without ZeRO there is no separate optimizer phase: every step fault lands before
             # the gradient reduction.
-            own_phase = self.zero is not None or fault.phase == "recovery"
+            sharded = self.zero is not None or (self.pipe is not None and self.pipe.zero)
+            own_phase = sharded or fault.phase == "recovery"
             aimed_at = fault.phase if own_phase else "reduce"
             if aimed_at != phase:
                 continue

@@ -39,7 +39,18 @@ from elaswave.runtime.data import MicroBatch, batch
 from elaswave.runtime.model import per_sample_loss
 from elaswave.runtime.optim import adamw_
 from elaswave.runtime.rng import MicrobatchRng
-from elaswave.runtime.stageshards import LayersLost  # raised here, caught by the engine
+from elaswave.runtime.stageshards import (
+    Interval,
+    LayersLost,
+    Piece,
+    gather_plan,
+    holder_blocks,
+    moment_duty,
+    part_keepers,
+    piece_stats,
+    plan_piece_transfers,
+)
+from elaswave.runtime.stagezero import MomentStore, gather_messages, moment_messages
 from elaswave.runtime.zero import digest
 
 if TYPE_CHECKING:
@@ -189,7 +200,11 @@ class _Undo:
     step: int
     loss: float
     held: range | None
-    regions: list[tuple[slice, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]
+    saved: list[tuple[torch.Tensor, torch.Tensor]]  # (live view, its pre-update copy)
+
+    def restore(self) -> None:
+        for live, copy in self.saved:
+            live.copy_(copy)
 
 
 class Pipeline:
@@ -214,6 +229,12 @@ class Pipeline:
         self.actuator = make_actuator(engine.cfg.dvfs, **_actuator_options(engine.cfg.dvfs))
         self.clocks = _clock_range(self.actuator)
         self.stage_key = 0  # what the actuator clocks: this worker's device
+        # ZeRO-1 inside the stages: moments of the kept intervals only (engine.opt is empty),
+        # and the parameter pieces this rank sends or receives after every update.
+        self.zero = bool(engine.cfg.zero)
+        self.store = MomentStore()
+        self.gather: list[Piece] = []
+        self.parts: list[tuple[Interval, tuple[int, ...]]] = []  # (part, its keepers)
 
     def profile_layers(self, repeats: int = 3) -> list[float]:
         """Seconds of forward + backward per layer for one micro-batch (median of ``repeats``).
@@ -382,10 +403,36 @@ class Pipeline:
         if last:
             buf[n] += loss_sum
 
-    def update(self, step: int, grad: torch.Tensor) -> None:
+    def update(
+        self,
+        step: int,
+        grad: torch.Tensor,
+        broken: Callable[[], bool],
+        before_gather: Callable[[], None] = lambda: None,
+    ) -> None:
         """Apply step ``step``'s summed gradient to the held layers (and to layers being taken
-        over once caught up); keep the undo copy; queue gradients a migration still needs."""
+        over once caught up); keep the undo copy; queue gradients a migration still needs.
+
+        With ZeRO, only the kept moments are updated and the other parameters of the held layers
+        arrive from their keepers; if that gather fails this rank restores its undo copy at once,
+        so it either applied the step completely or not at all."""
         e = self.e
+        if self.zero:
+            held = self.span(self.held) if self.held else slice(0, 0)
+            self.undo = _Undo(
+                step=e.step,
+                loss=e.last_loss,
+                held=self.held,
+                saved=_saved(e.flat.data[held], self.store.exp_avg, self.store.exp_avg_sq),
+            )
+            self.store.update(e.flat.data, grad, step, e.opt.hyper)
+            before_gather()  # where an ``phase=optimizer`` fault lands
+            try:
+                self._gather(broken)
+            except BaseException:
+                self.undo.restore()
+                raise
+            return
         regions = [self.span(self.held)] if self.held else []
         m = self.migration
         if m is not None and m.caught_up:
@@ -394,9 +441,10 @@ class Pipeline:
             step=e.step,
             loss=e.last_loss,
             held=self.held,
-            regions=[
-                (r, _copies(e.flat.data, e.opt.exp_avg, e.opt.exp_avg_sq, region=r))
+            saved=[
+                pair
                 for r in regions
+                for pair in _saved(e.flat.data[r], e.opt.exp_avg[r], e.opt.exp_avg_sq[r])
             ],
         )
         for r in regions:
@@ -405,6 +453,21 @@ class Pipeline:
             )
         if m is not None and not m.caught_up and m.incoming:
             m.pending.append((step, [grad[r].clone() for r in m.incoming]))
+
+    def _exchange(
+        self, sends: list[Any], recvs: list[Any], broken: Callable[[], bool]
+    ) -> list[torch.Tensor]:
+        """Point-to-point on the training group; the received buffers (fresh tensors, never live
+        state: an abandoned receive may still write after a fault)."""
+        self.e.comm.p2p("dp", sends, recvs, broken)
+        return [t for _, t, _ in recvs]
+
+    def _gather(self, broken: Callable[[], bool]) -> None:
+        """ZeRO: the parameters of the held layers this rank does not keep, from their keepers."""
+        params = self.e.flat.data
+        sends, recvs, mine = gather_messages(self.gather, self.e.comm.rank("dp"), params)
+        for piece, got in zip(mine, self._exchange(sends, recvs, broken), strict=True):
+            params[piece.start : piece.stop].copy_(got)
 
     def after_step(self, step: int, ready_sum: float) -> dict[str, Any] | None:
         """At the step boundary: finish a landed migration, switch when every receiver is ready.
@@ -456,6 +519,8 @@ class Pipeline:
     def assemble(self, broken: Callable[[], bool]) -> tuple[torch.Tensor, bool]:
         """The whole model's [params | exp_avg | exp_avg_sq] on every rank (each layer from its
         lowest-rank holder), and whether all holders of every layer agree bit for bit."""
+        if self.zero:
+            return self._assemble_sharded(broken)
         e = self.e
         n = e.flat.numel
         rank = e.comm.rank("dp")
@@ -479,10 +544,41 @@ class Pipeline:
         e.comm.allreduce("dp", whole, broken)
         return whole, agree
 
+    def _assemble_sharded(self, broken: Callable[[], bool]) -> tuple[torch.Tensor, bool]:
+        """ZeRO: as :meth:`assemble`, with each moment part from its lowest-rank keeper, and
+        both keepers of every part compared as well as every layer's holders."""
+        e = self.e
+        n = e.flat.numel
+        rank = e.comm.rank("dp")
+        units = [self.span(range(layer, layer + 1)) for layer in range(self.num_layers)]
+        sums = torch.full((len(units) + len(self.parts),), -1, dtype=torch.int64)
+        for layer in self.held or ():
+            sums[layer] = digest(e.flat.data[units[layer]])
+        for j, ((a, b), keepers) in enumerate(self.parts):
+            if rank in keepers:
+                sums[len(units) + j] = digest(*self.store.view(a, b))
+        rows = [x.tolist() for x in e.comm.allgather("dp", sums, broken)]
+        agree = all(len({row[u] for row in rows if row[u] >= 0}) == 1 for u in range(len(sums)))
+        whole = torch.zeros(3 * n, dtype=torch.float32)
+        for u in range(len(sums)):
+            if next((i for i, row in enumerate(rows) if row[u] >= 0), None) != rank:
+                continue
+            if u < len(units):
+                whole[units[u]] = e.flat.data[units[u]]
+            else:
+                (a, b), _ = self.parts[u - len(units)]
+                m, v = self.store.view(a, b)
+                whole[n + a : n + b] = m
+                whole[2 * n + a : 2 * n + b] = v
+        e.comm.allreduce("dp", whole, broken)
+        return whole, agree
+
     # ---- recovery ----------------------------------------------------------------------------
     def sync(self, plan: Plan, broken: Callable[[], bool], asynchronous: bool) -> dict[str, Any]:
         """Agree on the resume step, roll back ranks that updated the failed step, and start (or
         do) the transfers the new layout needs."""
+        if self.zero:
+            return self._sync_sharded(plan, broken)
         e = self.e
         rank = e.comm.rank("dp")
         self.migration = None  # a migration cut short by this change is void
@@ -543,14 +639,76 @@ class Pipeline:
         )
         return info
 
+    def _sync_sharded(self, plan: Plan, broken: Callable[[], bool]) -> dict[str, Any]:
+        """ZeRO recovery, always blocking: agree on the resume step and roll back; then every
+        rank says what it has (held layers, kept moment intervals) and the parameters and
+        moments the new layout needs move from ranks that have them, as disjoint pieces."""
+        e = self.e
+        rank = e.comm.rank("dp")
+        mine = torch.tensor([float(e.step), float(self.fresh)], dtype=torch.float64)
+        rows = [r.tolist() for r in e.comm.allgather("dp", mine, broken)]
+        veterans = [int(r[0]) for r in rows if not r[1]]
+        resume = min(veterans) if veterans else 0  # everyone fresh: the job starts
+        rolled_back = [i for i, r in enumerate(rows) if int(r[0]) > resume]
+        if rank in rolled_back:
+            self._roll_back(resume)
+        newcomer = self.fresh and resume > 0  # its initial state is not the job's
+        held = None if newcomer else self.held
+        kept = [] if newcomer else self.store.intervals
+        row = torch.full((3 + 4 * self.num_layers,), -1.0, dtype=torch.float64)
+        row[0:2] = torch.tensor(_bounds_of(held))
+        row[2] = len(kept)
+        for i, (a, b) in enumerate(kept):
+            row[3 + 2 * i : 5 + 2 * i] = torch.tensor([float(a), float(b)])
+        rows = [r.tolist() for r in e.comm.allgather("dp", row, broken)]
+        have_params = [_spans(self.span, _range_of(r[0], r[1])) for r in rows]
+        have_moments = [
+            [(int(r[3 + 2 * i]), int(r[4 + 2 * i])) for i in range(int(r[2]))] for r in rows
+        ]
+        targets = [plan.stage_layers(r) for r in range(plan.world_size)]
+        blocks = holder_blocks(targets, self.offsets)
+        duty = moment_duty(blocks, plan.world_size)
+        param_pieces = plan_piece_transfers(have_params, [_spans(self.span, t) for t in targets])
+        # Before the first update every moment is zero: nothing to move, only to allocate.
+        moment_pieces = plan_piece_transfers(have_moments, duty) if resume > 0 else []
+        start = time.perf_counter()
+        store = MomentStore(duty[rank])
+        store.fill_from(self.store)
+        sends_p, recvs_p, got_p = gather_messages(param_pieces, rank, e.flat.data)
+        sends_m, recvs_m, got_m = moment_messages(moment_pieces, rank, self.store)
+        received = self._exchange(sends_p + sends_m, recvs_p + recvs_m, broken)
+        for piece, payload in zip(got_p, received[: len(got_p)], strict=True):
+            e.flat.data[piece.start : piece.stop].copy_(payload)
+        for piece, payload in zip(got_m, received[len(got_p) :], strict=True):
+            store.unpack(piece.start, piece.stop, payload)
+        self.store = store
+        self.held = self.target = targets[rank]
+        self.parts = part_keepers(blocks)
+        self.gather = [p for p in gather_plan(blocks) if rank in (p.src, p.dst)]
+        self.serving, self.shares = [True] * len(plan.replicas), plan.shares
+        self.fresh = False
+        e.step = resume
+        return {
+            "resume_step": resume,
+            "rolled_back": rolled_back,
+            "layers": [self.target.start, self.target.stop],
+            "migration": "blocking",
+            "migration_seconds": round(time.perf_counter() - start, 6),
+            "bytes_received": sum(t.numel() * t.element_size() for t in received),
+            "param_moves": [x.to_dict() for x in param_pieces],
+            "moment_moves": [x.to_dict() for x in moment_pieces],
+            "moment_bytes": store.nbytes,  # vs 8 bytes per held element when replicated
+            "held_elements": self.span(self.target).stop - self.span(self.target).start,
+            "gather_bytes": 4 * sum(p.stop - p.start for p in self.gather if p.dst == rank),
+            **{f"param_{k}": v for k, v in piece_stats(param_pieces).items()},
+            **{f"moment_{k}": v for k, v in piece_stats(moment_pieces).items()},
+        }
+
     def _roll_back(self, resume: int) -> None:
         undo = self.undo
         assert undo is not None and undo.step == resume, "no undo copy for the failed step"
         e = self.e
-        for r, (p, m, v) in undo.regions:
-            e.flat.data[r].copy_(p)
-            e.opt.exp_avg[r].copy_(m)
-            e.opt.exp_avg_sq[r].copy_(v)
+        undo.restore()
         self.held = undo.held
         self.undo = None
         e.step, e.last_loss = resume, undo.loss
@@ -575,10 +733,10 @@ class Pipeline:
 
     def _move_now(self, transfers: list[LayerTransfer], broken: Callable[[], bool]) -> int:
         sends, recvs, regions = self._messages(transfers)
-        self.e.comm.p2p("dp", sends, recvs, broken)
-        for region, (_, payload, _) in zip(regions, recvs, strict=True):
+        received = self._exchange(sends, recvs, broken)
+        for region, payload in zip(regions, received, strict=True):
             self._land(region, payload)
-        return sum(p.numel() * 4 for _, p, _ in recvs)
+        return sum(p.numel() * p.element_size() for p in received)
 
     def _land(self, region: slice, payload: torch.Tensor) -> None:
         e = self.e
@@ -626,12 +784,20 @@ def _clock_range(actuator: Any) -> tuple[float, float, float]:
     raise DvfsError("this DVFS actuator has no clock range the engine can plan with")
 
 
-def _copies(*tensors: torch.Tensor, region: slice) -> tuple[torch.Tensor, ...]:
-    return tuple(t[region].clone() for t in tensors)
+def _saved(*live: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(t, t.clone()) for t in live]
 
 
 def _bounds_of(layers: range | None) -> tuple[float, float]:
     return (float(layers.start), float(layers.stop)) if layers is not None else (-1.0, -1.0)
+
+
+def _spans(span: Callable[[range], slice], layers: range | None) -> list[Interval]:
+    """The flat interval of a layer range (none for ``None``)."""
+    if not layers:
+        return []
+    s = span(layers)
+    return [(s.start, s.stop)]
 
 
 def _range_of(start: float, stop: float) -> range | None:

@@ -131,6 +131,13 @@ def _keepers(block: Block, copies: int) -> list[tuple[Interval, tuple[int, ...]]
     ]
 
 
+def part_keepers(
+    blocks: Sequence[Block], copies: int = 2
+) -> list[tuple[Interval, tuple[int, ...]]]:
+    """Every part of every block with its keepers (primary first), in element order."""
+    return [pk for block in blocks for pk in _keepers(block, copies)]
+
+
 def moment_duty(blocks: Sequence[Block], world: int, copies: int = 2) -> list[list[Interval]]:
     """Per rank ``0..world-1``, the merged intervals whose Adam moments it keeps and updates:
     part ``i`` of a block with holders ``H`` goes to ``H[i], H[i+1], ...`` (``copies`` of them,

@@ -300,7 +300,7 @@ def test_transfer_stats() -> None:
         ({"pp": 7}, "only 4 layers"),
         ({"pp": 3}, "cannot be cut into pp=3"),
         ({"pp": 2, "dp": 3}, "dp × pp = 3 × 2 = 6"),
-        ({"pp": 2, "zero": 1}, "does not combine"),
+        ({"pp": 2, "durable_every": 5}, "does not combine"),
         ({"pp": 2, "migration": "lazy"}, "migration must be one of"),
         ({"pp": 2, "dvfs": "turbo"}, "dvfs must be one of"),
         ({"pp": 2, "stage_loss": "pray"}, "stage_loss must be one of"),
@@ -315,6 +315,8 @@ def test_pipeline_config_errors(data: dict, message: str) -> None:
 def test_pipeline_config_ok() -> None:
     cfg = JobConfig.from_dict({"model": {"n_layer": 2}, "elastic": {"nproc_per_node": 4}, "pp": 2})
     assert (cfg.pp, cfg.dp, cfg.migration, cfg.dvfs) == (2, 0, "async", "off")
+    base = {"model": {"n_layer": 2}, "elastic": {"nproc_per_node": 4}}
+    assert JobConfig.from_dict({**base, "pp": 2, "zero": 1}).zero == 1  # ZeRO-1 inside stages
 
 
 def test_measured_costs_take_the_median_and_ignore_bad_profiles() -> None:
