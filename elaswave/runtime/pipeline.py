@@ -39,6 +39,7 @@ from elaswave.runtime.data import MicroBatch, batch
 from elaswave.runtime.model import per_sample_loss
 from elaswave.runtime.optim import adamw_
 from elaswave.runtime.rng import MicrobatchRng
+from elaswave.runtime.stagetimes import StageTimer
 from elaswave.runtime.zero import digest
 
 if TYPE_CHECKING:
@@ -217,6 +218,7 @@ class Pipeline:
         self.actuator = make_actuator(engine.cfg.dvfs, **_actuator_options(engine.cfg.dvfs))
         self.clocks = _clock_range(self.actuator)
         self.stage_key = 0  # what the actuator clocks: this worker's device
+        self.timer = StageTimer()  # what this stage's layers cost in real steps
 
     def profile_layers(self, repeats: int = 3) -> list[float]:
         """Seconds of forward + backward per layer for one micro-batch (median of ``repeats``).
@@ -322,6 +324,8 @@ class Pipeline:
         outputs: dict[int, torch.Tensor] = {}
         grads_in: dict[int, torch.Tensor] = {}
         loss_sum = 0.0
+        timer = self.timer
+        timer.begin(layers)
 
         def forward(i: int) -> None:
             nonlocal loss_sum
@@ -331,8 +335,10 @@ class Pipeline:
             tokens, targets = batch(e.dataset, mb.sample_ids) if first or last else (None, None)
             h = tokens if first else inputs[i]
             for index in layers:
-                h = e.model.layers[index](h, rng)
-            self.device_pause(layers, backward=False)
+                with timer.forward(index):
+                    h = e.model.layers[index](h, rng)
+            with timer.pause():
+                self.device_pause(layers, backward=False)
             if last:
                 loss = per_sample_loss(h, targets).sum()
                 loss_sum += loss.item()
@@ -342,11 +348,13 @@ class Pipeline:
 
         def backward(i: int) -> None:
             out = outputs.pop(i)
-            if last:
-                out.backward()
-            else:
-                out.backward(grads_in.pop(i))
-            self.device_pause(layers, backward=True)
+            with timer.backward():
+                if last:
+                    out.backward()
+                else:
+                    out.backward(grads_in.pop(i))
+            with timer.pause():
+                self.device_pause(layers, backward=True)
             grad = e.flat.collect_grads()
             buf[region].add_(grad[region])
             grad[region].zero_()
@@ -384,6 +392,7 @@ class Pipeline:
                     inputs[i].requires_grad_(True)
         if last:
             buf[n] += loss_sum
+        timer.end(len(mbs), [self.cost_share(range(i, i + 1)) for i in layers])
 
     def update(self, step: int, grad: torch.Tensor) -> None:
         """Apply step ``step``'s summed gradient to the held layers (and to layers being taken
