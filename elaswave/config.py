@@ -225,8 +225,10 @@ class JobConfig:
     migration: str = "async"  # pipelines: layers of a lost stage move "async" or "blocking"
     stage_loss: str = "reshard"  # pipelines: "reshard" the replica, or "drop" it (TorchFT-like)
     dvfs: str = "off"  # pipelines: frequency actuator off | sim | nvml | npu
-    layer_costs: str = "estimate"  # pipelines: partition by a FLOP "estimate" or a start-up
-    #                                "profile" of each layer's time (measured by every worker)
+    layer_costs: str = "estimate"  # pipelines: partition by a FLOP "estimate", a start-up
+    #                                "profile" of each layer's time (measured by every worker),
+    #                                or "online": the profile, then times measured while training
+    cost_every: int = 10  # layer_costs=online: workers report their layers' times every K steps
     verify_every: int = 10  # compare replicas' checksums every K committed steps (0: never)
     snapshot_every: int = 1  # ZeRO: replicate each shard (spread over the peers) every K
     #                          committed steps; a fault rolls back to the last snapshot step
@@ -249,6 +251,8 @@ class JobConfig:
             raise ConfigError(f"snapshot_every must be >= 0, got {self.snapshot_every}")
         if self.durable_every < 0:
             raise ConfigError(f"durable_every must be >= 0, got {self.durable_every}")
+        if self.cost_every < 1:
+            raise ConfigError(f"cost_every must be >= 1, got {self.cost_every}")
         if self.verify_every < 0:
             raise ConfigError(f"verify_every must be >= 0, got {self.verify_every}")
         if self.zero not in (0, 1):
@@ -287,7 +291,7 @@ class JobConfig:
     def _check_pipeline(self) -> None:
         choices = {"migration": ("async", "blocking"), "stage_loss": ("reshard", "drop"),
                    "dvfs": ("off", "sim", "nvml", "npu"),
-                   "layer_costs": ("estimate", "profile")}  # fmt: skip
+                   "layer_costs": ("estimate", "profile", "online")}  # fmt: skip
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ConfigError(

@@ -3,7 +3,8 @@
 Nothing received is unpickled; a malformed line is dropped. Message types:
 
 worker → daemon: ``hello`` {worker_id, pid}, ``ready``, ``event`` {event}, ``commit`` {step, loss,
-epoch, world, samples, t}, ``done`` {step}
+epoch, world, samples, t}, ``compute`` {step, epoch, per_mb}, ``layer_costs`` {step, epoch,
+layer_seconds}, ``done`` {step}
 daemon → worker: ``config`` {config, host_addr}, ``plan`` {plan}, ``fault`` {fault}, ``stop``
 """
 

@@ -21,7 +21,7 @@ import time
 from typing import TYPE_CHECKING
 
 from elaswave.daemon.policy import Hysteresis, loop_verdict, straggler_verdict
-from elaswave.pipeplan import layer_costs, measured_costs, next_pipeline_plan
+from elaswave.pipeplan import layer_costs, measured_layers, next_pipeline_plan, plan_costs
 from elaswave.plan import Member, Plan, next_plan, reshared_plan
 
 if TYPE_CHECKING:
@@ -65,8 +65,10 @@ class Planner:
         self.max_workers = hi * cfg.elastic.nproc_per_node
         self.num_microbatches = cfg.train.num_microbatches
         self.early_causes: list[str] = []
-        self.profiles: list[list[float]] = []  # pipelines: workers' measured seconds per layer
+        self.profiles: list[list[float]] = []  # pipelines: workers' start-up seconds per layer
+        self.online: list[dict[str, float]] = []  # layer_costs=online: live workers' measurements
         self.costs: tuple[float, ...] = ()  # pipelines: the layer costs the last plan used
+        self.cost_source = ""  # where they came from: estimate | profile | online
         self.evicted: set[str] = set()  # never re-admitted, even if their key lingers
         self.speeds: dict[str, dict[str, dict]] = {}  # host -> worker -> {epoch, per_mb}
         self.hysteresis = Hysteresis()
@@ -132,11 +134,12 @@ class Planner:
         cfg = self.d.cfg
         if cfg.pp > 1:
             m = cfg.model
-            costs = layer_costs(
+            estimate = layer_costs(
                 vocab_size=m.vocab_size, seq_len=m.seq_len, d_model=m.d_model, n_layer=m.n_layer
             )
-            if cfg.layer_costs == "profile":
-                costs = measured_costs(self.profiles, fallback=costs)
+            costs, self.cost_source = plan_costs(
+                cfg.layer_costs, estimate, self.profiles, self.online
+            )
             self.costs = costs
             return next_pipeline_plan(
                 current,
@@ -172,7 +175,13 @@ class Planner:
             evicted=list(plan.evicted),
             reason=plan.reason,
             **(
-                {"replicas": plan.replicas, "bounds": plan.bounds, "layer_costs": self.costs}
+                {
+                    "replicas": plan.replicas,
+                    "bounds": plan.bounds,
+                    "layer_costs": self.costs,
+                    "cost_source": self.cost_source,
+                    "measured_layers": measured_layers(self.online, len(self.costs)),
+                }
                 if plan.is_pipeline
                 else {}
             ),
@@ -283,11 +292,25 @@ class Planner:
             members.append(
                 Member(worker_id=info["worker_id"], host=info["host"], order=kv.create_revision)
             )
+        if d.cfg.pp > 1 and d.cfg.layer_costs == "online":
+            self.online = await self._read_online_costs({m.worker_id for m in members})
         causes = []
         for kv in await d.etcd.get_prefix(d.keys.departures):
             causes.append(kv.value.decode())
             await d.etcd.delete(kv.key)
         return members, causes
+
+    async def _read_online_costs(self, live: set[str]) -> list[dict[str, float]]:
+        """The newest per-layer seconds every live member measured while training (published
+        per host by its daemon)."""
+        out = []
+        for kv in await self.d.etcd.get_prefix(self.d.keys.costs):
+            per_worker = kv.json()
+            for wid, record in per_worker.items() if isinstance(per_worker, dict) else ():
+                seconds = record.get("layer_seconds") if isinstance(record, dict) else None
+                if wid in live and isinstance(seconds, dict):
+                    out.append(seconds)
+        return out
 
     async def _await_initial_members(self) -> None:
         """Initial rendezvous: wait for MIN hosts' workers, or the rendezvous timeout."""

@@ -97,6 +97,8 @@ class HostDaemon:
         # worker -> (plan epoch, its newest compute seconds per micro-batch under that epoch)
         self.compute: dict[str, tuple[int, list[float]]] = {}
         self._compute_dirty = False
+        self.layer_costs: dict[str, dict[str, Any]] = {}  # worker -> its layers' seconds (online)
+        self._costs_dirty = False
         self._repeat_sent: dict[str, set[str]] = {}  # repeat fault key -> workers it went to
         self.first_incarnation = first_incarnation  # > 0 after a fence: new worker ids
         self.fenced: str | None = None  # why this host stopped its workers (lease lost)
@@ -438,6 +440,10 @@ class HostDaemon:
             samples = [*samples, float(msg["per_mb"])][-WINDOW:]
             self.compute[w.worker_id] = (epoch, samples)
             self._compute_dirty = True
+        elif kind == "layer_costs" and isinstance(msg.get("layer_seconds"), dict):
+            fields = ("step", "epoch", "layer_seconds")  # pipelines, layer_costs: online
+            self.layer_costs[w.worker_id] = {k: msg.get(k) for k in fields}
+            self._costs_dirty = True
         elif kind == "done":
             w.done = True
             self.final_step = max(self.final_step, int(msg.get("step", 0)))
@@ -501,19 +507,29 @@ class HostDaemon:
         self._check_finished()
 
     async def _publish_compute(self) -> None:
-        """Share this host's workers' compute times with the leader (straggler detection)."""
+        """Share this host's workers' compute times with the leader: seconds per micro-batch
+        (straggler detection) and, with ``layer_costs: online``, seconds per layer (the next
+        pipeline plan). Both live in per-host keys under the host lease, apart from the worker
+        keys: a late write never makes a dead worker look alive, and never wakes the planner."""
         while True:
             await asyncio.sleep(COMPUTE_PUBLISH_S)
-            if not self._compute_dirty:
-                continue
-            self._compute_dirty = False
-            live = {
-                wid: {"epoch": epoch, "per_mb": samples}
-                for wid, (epoch, samples) in self.compute.items()
-                if wid in self.workers and self.workers[wid].proc.returncode is None
-            }
-            with contextlib.suppress(Exception):
-                await self.etcd.put_json(self.keys.speed + self.host_id, live, lease=self.lease)
+            alive = {wid for wid, w in self.workers.items() if w.proc.returncode is None}
+            if self._compute_dirty:
+                self._compute_dirty = False
+                live = {
+                    wid: {"epoch": epoch, "per_mb": samples}
+                    for wid, (epoch, samples) in self.compute.items()
+                    if wid in alive
+                }
+                with contextlib.suppress(Exception):
+                    await self.etcd.put_json(self.keys.speed + self.host_id, live, lease=self.lease)
+            if self._costs_dirty:
+                self._costs_dirty = False
+                costs = {wid: c for wid, c in self.layer_costs.items() if wid in alive}
+                with contextlib.suppress(Exception):
+                    await self.etcd.put_json(
+                        self.keys.costs + self.host_id, costs, lease=self.lease
+                    )
 
     async def _watch_stop(self) -> None:
         """The leader's verdict to end the whole job (restart loop): stop everything here."""

@@ -220,6 +220,8 @@ class Engine:
                     "per_mb": result.compute_per_mb,
                 }
             )
+        if self.pipe is not None and self.cfg.layer_costs == "online":
+            self._report_layer_costs(result.step)
         if self.comm.rank(DP) == 0:
             self.control.send(
                 {
@@ -231,6 +233,21 @@ class Engine:
                     "samples": result.step * self.cfg.train.global_batch,
                     "step_seconds": result.seconds,
                     "t": time.time(),
+                }
+            )
+
+    def _report_layer_costs(self, step: int) -> None:
+        """Every ``cost_every`` committed steps: this stage's measured seconds per layer, for the
+        leader's next plan (``layer_costs: online``)."""
+        assert self.pipe is not None and self.plan is not None
+        seconds = self.pipe.timer.snapshot()
+        if step % self.cfg.cost_every == 0 and seconds:
+            self.control.send(
+                {
+                    "type": "layer_costs",
+                    "step": step,
+                    "epoch": self.plan.epoch,
+                    "layer_seconds": {str(i): x for i, x in seconds.items()},
                 }
             )
 

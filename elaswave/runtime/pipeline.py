@@ -50,6 +50,7 @@ from elaswave.runtime.stageshards import (
     piece_stats,
     plan_piece_transfers,
 )
+from elaswave.runtime.stagetimes import StageTimer
 from elaswave.runtime.stagezero import MomentStore, gather_messages, moment_messages
 from elaswave.runtime.zero import digest
 
@@ -235,6 +236,7 @@ class Pipeline:
         self.store = MomentStore()
         self.gather: list[Piece] = []
         self.parts: list[tuple[Interval, tuple[int, ...]]] = []  # (part, its keepers)
+        self.timer = StageTimer()  # what this stage's layers cost in real steps
 
     def profile_layers(self, repeats: int = 3) -> list[float]:
         """Seconds of forward + backward per layer for one micro-batch (median of ``repeats``).
@@ -340,6 +342,8 @@ class Pipeline:
         outputs: dict[int, torch.Tensor] = {}
         grads_in: dict[int, torch.Tensor] = {}
         loss_sum = 0.0
+        timer = self.timer
+        timer.begin(layers)
 
         def forward(i: int) -> None:
             nonlocal loss_sum
@@ -349,8 +353,10 @@ class Pipeline:
             tokens, targets = batch(e.dataset, mb.sample_ids) if first or last else (None, None)
             h = tokens if first else inputs[i]
             for index in layers:
-                h = e.model.layers[index](h, rng)
-            self.device_pause(layers, backward=False)
+                with timer.forward(index):
+                    h = e.model.layers[index](h, rng)
+            with timer.pause():
+                self.device_pause(layers, backward=False)
             if last:
                 loss = per_sample_loss(h, targets).sum()
                 loss_sum += loss.item()
@@ -360,11 +366,13 @@ class Pipeline:
 
         def backward(i: int) -> None:
             out = outputs.pop(i)
-            if last:
-                out.backward()
-            else:
-                out.backward(grads_in.pop(i))
-            self.device_pause(layers, backward=True)
+            with timer.backward():
+                if last:
+                    out.backward()
+                else:
+                    out.backward(grads_in.pop(i))
+            with timer.pause():
+                self.device_pause(layers, backward=True)
             grad = e.flat.collect_grads()
             buf[region].add_(grad[region])
             grad[region].zero_()
@@ -402,6 +410,7 @@ class Pipeline:
                     inputs[i].requires_grad_(True)
         if last:
             buf[n] += loss_sum
+        timer.end(len(mbs), [self.cost_share(range(i, i + 1)) for i in layers])
 
     def update(
         self,

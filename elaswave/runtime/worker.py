@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = JobConfig.from_dict(control.config["config"])
     engine = Engine(cfg, control, worker_id=args.worker_id, host_addr=control.config["host_addr"])
     ready: dict[str, object] = {"type": "ready", "worker_id": args.worker_id}
-    if engine.pipe is not None and cfg.layer_costs == "profile":
+    if engine.pipe is not None and cfg.layer_costs in ("profile", "online"):
         ready["layer_seconds"] = engine.pipe.profile_layers()  # the leader partitions with it
     control.send(ready)
     return engine.run()
