@@ -1,7 +1,8 @@
 """ZeRO-1 inside pipeline stages vs replicated stage state, dp=3 × pp=2 (6 workers).
 
-Both variants run the same wide model, data and batch, with rank 1 (replica 0's last stage)
-SIGKILLed mid-run and a blocking migration (ZeRO recovers blocking only). Per run:
+All variants run the same wide model, data and batch, with rank 1 (replica 0's last stage)
+SIGKILLed mid-run; replicated and ZeRO state, each with asynchronous and blocking migration.
+Per run:
 
 - optimizer-state bytes a rank keeps current: ZeRO keeps two copies of every moment element
   among a layer's k = 3 holders (2/3 of its stage), replicated stages keep all of it;
@@ -46,8 +47,13 @@ WIDE = {
     "train": {"global_batch": 12, "steps": STEPS, "device_time": DEVICE_TIME},
     "elastic": {"nproc_per_node": 6},
 }
-COMMON = ["--pp", "2", "--migration", "blocking", "--fault", f"kill,rank=1,at_step={FAULT_STEP}"]
-VARIANTS = {"replicated": [], "zero": ["--zero", "1"]}
+COMMON = ["--pp", "2", "--fault", f"kill,rank=1,at_step={FAULT_STEP}"]
+VARIANTS = {
+    "replicated-async": ["--migration", "async"],
+    "zero-async": ["--zero", "1", "--migration", "async"],
+    "replicated-blocking": ["--migration", "blocking"],
+    "zero-blocking": ["--zero", "1", "--migration", "blocking"],
+}
 
 
 def run(repeat: int, config: Path) -> dict[str, Any]:
@@ -73,13 +79,15 @@ def run(repeat: int, config: Path) -> dict[str, Any]:
     keys = ("step_s", "mttr_s", "moved_bytes", "state_bytes_per_rank")
     summary = {v: {k: summarize(r[k] for r in rs) for k in keys} for v, rs in runs.items()}
 
-    def ratio(key: str) -> float | None:
-        a, b = summary["zero"][key]["median"], summary["replicated"][key]["median"]
+    def ratio(key: str, mode: str = "async") -> float | None:
+        a = summary[f"zero-{mode}"][key]["median"]
+        b = summary[f"replicated-{mode}"][key]["median"]
         return a / b if a and b else None
 
     return {
         "scenario": "stagezero",
         "command": launch_command(cfg, [*COMMON, "--zero", "1"]),
+        "bench_command": "python -m bench stagezero --repeat 3",
         "repeat": repeat,
         "device_time": DEVICE_TIME,
         "runs": runs,
@@ -87,6 +95,7 @@ def run(repeat: int, config: Path) -> dict[str, Any]:
         "state_ratio": ratio("state_bytes_per_rank"),
         "step_ratio": ratio("step_s"),
         "mttr_ratio": ratio("mttr_s"),
+        "mttr_ratio_blocking": ratio("mttr_s", "blocking"),
     }
 
 
@@ -110,7 +119,12 @@ def _measure(run_dir: Path, cfg: Path) -> dict[str, Any]:
     if None in per_rank:
         per_rank = [8 * _stage_elements(cfg, e["layers"]) for e in start]
     inc = report["incidents"][0]
-    moved = sum(e.get("bytes_received", 0) for e in synced if e["epoch"] == inc["epoch"])
+    # The whole layout change's volume (every rank reports the same totals).
+    change = next(e for e in synced if e["epoch"] == inc["epoch"])
+    if "bytes" in change:  # replicated: layers with both moments
+        moved = change["bytes"]
+    else:  # ZeRO: parameter pieces and moment pieces (two moments each)
+        moved = 4 * change["param_elements"] + 8 * change["moment_elements"]
     return {
         "step_s": statistics.median(window),
         "mttr_s": inc["mttr_s"],
@@ -122,7 +136,7 @@ def _measure(run_dir: Path, cfg: Path) -> dict[str, Any]:
 def _stage_elements(cfg: Path, layers: list[int]) -> int:
     """Parameter elements of layers ``layers[0]:layers[1]`` of the benchmark's model."""
     from elaswave.config import load_config
-    from elaswave.runtime.model import build_model, layer_segments
+    from elaswave.runtime.engine import build_model, layer_segments
 
     segments = layer_segments(build_model(load_config(cfg, env={})))
     return sum(length for _, length in segments[layers[0] : layers[1]])
@@ -148,5 +162,6 @@ def show(result: dict[str, Any]) -> None:
     r = result
     console.print(
         f"zero / replicated: optimizer state {r['state_ratio']:.3f}, "
-        f"step time {r['step_ratio']:.3f}, MTTR {r['mttr_ratio']:.3f}"
+        f"step time {r['step_ratio']:.3f}, MTTR {r['mttr_ratio']:.3f} (async) / "
+        f"{r['mttr_ratio_blocking']:.3f} (blocking)"
     )

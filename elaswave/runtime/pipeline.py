@@ -28,6 +28,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -45,13 +46,21 @@ from elaswave.runtime.stageshards import (
     Piece,
     gather_plan,
     holder_blocks,
+    merge,
     moment_duty,
     part_keepers,
     piece_stats,
     plan_piece_transfers,
+    subtract,
 )
 from elaswave.runtime.stagetimes import StageTimer
-from elaswave.runtime.stagezero import MomentStore, gather_messages, moment_messages
+from elaswave.runtime.stagezero import (
+    TAG_MOMENT,
+    TAG_PARAM,
+    MomentStore,
+    gather_messages,
+    moment_messages,
+)
 from elaswave.runtime.zero import digest
 
 if TYPE_CHECKING:
@@ -182,14 +191,21 @@ def transfer_stats(transfers: Sequence[LayerTransfer], sizes: Sequence[int]) -> 
 class _Migration:
     """An asynchronous migration in progress on this rank."""
 
-    transfers: list[LayerTransfer]
-    incoming: list[slice]  # flat regions this rank receives
+    transfers: list[Any]  # LayerTransfer, or Piece with ZeRO (for the event)
+    # Flat regions this rank brings up to date by replaying the missed updates, and whether it
+    # owns their parameters (False: ZeRO moments of layers it holds already; the parameters
+    # come from the gather, so the replay updates a scratch copy).
+    replay: list[tuple[slice, bool]]
     receivers: int  # ranks that receive something (every rank knows the same number)
     started: float = field(default_factory=time.perf_counter)
     done: threading.Event = field(default_factory=threading.Event)
     error: list[BaseException] = field(default_factory=list)
     pending: list[tuple[int, list[torch.Tensor]]] = field(default_factory=list)  # (step, grads)
-    landed: list[tuple[slice, torch.Tensor]] = field(default_factory=list)
+    landed: list[tuple[Callable[[torch.Tensor], None], torch.Tensor]] = field(
+        default_factory=list
+    )  # (where it goes, payload)
+    store: MomentStore | None = None  # ZeRO: the moments being brought up to date
+    switch: Callable[[], None] | None = None  # ZeRO: adopt the new layout's duties
     caught_up: bool = False
     nbytes: int = 0
 
@@ -202,6 +218,7 @@ class _Undo:
     loss: float
     held: range | None
     saved: list[tuple[torch.Tensor, torch.Tensor]]  # (live view, its pre-update copy)
+    store: MomentStore | None = None  # ZeRO: the moments it saved (a switch replaces the store)
 
     def restore(self) -> None:
         for live, copy in self.saved:
@@ -433,6 +450,7 @@ class Pipeline:
                 loss=e.last_loss,
                 held=self.held,
                 saved=_saved(e.flat.data[held], self.store.exp_avg, self.store.exp_avg_sq),
+                store=self.store,
             )
             self.store.update(e.flat.data, grad, step, e.opt.hyper)
             before_gather()  # where an ``phase=optimizer`` fault lands
@@ -441,11 +459,18 @@ class Pipeline:
             except BaseException:
                 self.undo.restore()
                 raise
+            m = self.migration
+            if m is not None and m.replay:
+                grads = [grad[r] for r, _ in m.replay]
+                if m.caught_up:
+                    self._replay_step(m, step, grads)
+                else:
+                    m.pending.append((step, [g.clone() for g in grads]))
             return
         regions = [self.span(self.held)] if self.held else []
         m = self.migration
         if m is not None and m.caught_up:
-            regions += m.incoming
+            regions += [r for r, _ in m.replay]
         self.undo = _Undo(
             step=e.step,
             loss=e.last_loss,
@@ -460,8 +485,8 @@ class Pipeline:
             adamw_(
                 e.flat.data[r], grad[r], e.opt.exp_avg[r], e.opt.exp_avg_sq[r], step, e.opt.hyper
             )
-        if m is not None and not m.caught_up and m.incoming:
-            m.pending.append((step, [grad[r].clone() for r in m.incoming]))
+        if m is not None and not m.caught_up and m.replay:
+            m.pending.append((step, [grad[r].clone() for r, _ in m.replay]))
 
     def _exchange(
         self, sends: list[Any], recvs: list[Any], broken: Callable[[], bool]
@@ -484,16 +509,18 @@ class Pipeline:
         m = self.migration
         if m is None:
             return None
-        if not m.caught_up and m.incoming and m.done.is_set():
+        if not m.caught_up and m.replay and m.done.is_set():
             if m.error:  # the replica stays out of service; the next plan retries from scratch
                 self.e.control.event("migration_failed", step=step, reason=str(m.error[0])[:300])
-                m.incoming = []  # its flag never rises, so nobody switches
+                m.replay = []  # its flag never rises, so nobody switches
             else:
                 self._catch_up(m)
         if int(round(ready_sum)) < m.receivers:
             return None
         # Every receiver holds its new layers at this step: switch, everyone at this boundary.
         self.held = self.target
+        if m.switch is not None:
+            m.switch()
         self.migration = None
         self.serving = [True] * len(self.serving)
         plan = self.e.plan
@@ -502,28 +529,34 @@ class Pipeline:
         return {
             "step": step,
             "seconds": round(time.perf_counter() - m.started, 6),
-            "layer_transfers": [x.to_dict() for x in m.transfers],
+            "moves" if self.zero else "layer_transfers": [x.to_dict() for x in m.transfers],
             "bytes_received": m.nbytes,
         }
 
     @property
     def ready_flag(self) -> float:
         m = self.migration  # raised by a receiver once its new layers are current
-        return 1.0 if m is not None and m.incoming and m.caught_up else 0.0
+        return 1.0 if m is not None and m.replay and m.caught_up else 0.0
 
     def _catch_up(self, m: _Migration) -> None:
-        e = self.e
-        for region, payload in m.landed:
-            self._land(region, payload)
+        for land, payload in m.landed:
+            land(payload)
         for step, grads in m.pending:  # replay the steps the snapshot missed, in order
-            for region, g in zip(m.incoming, grads, strict=True):
-                adamw_(
-                    e.flat.data[region], g, e.opt.exp_avg[region], e.opt.exp_avg_sq[region],
-                    step, e.opt.hyper,
-                )  # fmt: skip
+            self._replay_step(m, step, grads)
         m.pending.clear()
         m.landed.clear()
         m.caught_up = True
+
+    def _replay_step(self, m: _Migration, step: int, grads: Sequence[torch.Tensor]) -> None:
+        """One optimizer step on the regions a migration brings up to date."""
+        e = self.e
+        for (region, own), g in zip(m.replay, grads, strict=True):
+            if m.store is None:
+                moments = (e.opt.exp_avg[region], e.opt.exp_avg_sq[region])
+            else:
+                moments = m.store.view(region.start, region.stop)
+            params = e.flat.data[region] if own else e.flat.data[region].clone()
+            adamw_(params, g, *moments, step, e.opt.hyper)
 
     def assemble(self, broken: Callable[[], bool]) -> tuple[torch.Tensor, bool]:
         """The whole model's [params | exp_avg | exp_avg_sq] on every rank (each layer from its
@@ -587,7 +620,7 @@ class Pipeline:
         """Agree on the resume step, roll back ranks that updated the failed step, and start (or
         do) the transfers the new layout needs."""
         if self.zero:
-            return self._sync_sharded(plan, broken)
+            return self._sync_sharded(plan, broken, asynchronous)
         e = self.e
         rank = e.comm.rank("dp")
         self.migration = None  # a migration cut short by this change is void
@@ -634,7 +667,9 @@ class Pipeline:
             self.held = holdings[rank]
             self.serving = serving
             self.shares = serving_shares(plan, serving, self.costs)
-            self._start_migration(transfers, len(receivers))
+            sends, recvs, regions = self._messages(transfers)
+            m = _Migration(transfers, [(r, True) for r in regions], len(receivers))
+            self._start_migration(m, sends, recvs, [partial(self._land, r) for r in regions])
             info.update(migration="async", serving=serving, shares=list(self.shares))
             return info
         start = time.perf_counter()
@@ -648,12 +683,16 @@ class Pipeline:
         )
         return info
 
-    def _sync_sharded(self, plan: Plan, broken: Callable[[], bool]) -> dict[str, Any]:
-        """ZeRO recovery, always blocking: agree on the resume step and roll back; then every
-        rank says what it has (held layers, kept moment intervals) and the parameters and
-        moments the new layout needs move from ranks that have them, as disjoint pieces."""
+    def _sync_sharded(
+        self, plan: Plan, broken: Callable[[], bool], asynchronous: bool
+    ) -> dict[str, Any]:
+        """ZeRO recovery: agree on the resume step and roll back; then every rank says what it
+        has (held layers, kept moment intervals) and the parameters and moments the new layout
+        needs move from ranks that have them, as disjoint pieces: before training resumes
+        (blocking) or in the background (asynchronous, see :meth:`_start_sharded_migration`)."""
         e = self.e
         rank = e.comm.rank("dp")
+        self.migration = None  # a migration cut short by this change is void
         mine = torch.tensor([float(e.step), float(self.fresh)], dtype=torch.float64)
         rows = [r.tolist() for r in e.comm.allgather("dp", mine, broken)]
         veterans = [int(r[0]) for r in rows if not r[1]]
@@ -678,8 +717,59 @@ class Pipeline:
         blocks = holder_blocks(targets, self.offsets)
         duty = moment_duty(blocks, plan.world_size)
         param_pieces = plan_piece_transfers(have_params, [_spans(self.span, t) for t in targets])
-        # Before the first update every moment is zero: nothing to move, only to allocate.
-        moment_pieces = plan_piece_transfers(have_moments, duty) if resume > 0 else []
+        self.target = targets[rank]
+        self.fresh = False
+        e.step = resume
+        info: dict[str, Any] = {
+            "resume_step": resume,
+            "rolled_back": rolled_back,
+            "layers": [self.target.start, self.target.stop],
+            "held_elements": self.span(self.target).stop - self.span(self.target).start,
+        }
+
+        def adopt(store: MomentStore) -> None:  # the new layout's duties
+            self.store = store
+            self.parts = part_keepers(blocks)
+            self.gather = [p for p in gather_plan(blocks) if rank in (p.src, p.dst)]
+
+        if resume == 0:  # before the first update every moment is zero: nothing to move
+            self.held = self.target
+            self.serving, self.shares = [True] * len(plan.replicas), plan.shares
+            adopt(MomentStore(duty[rank]))
+            return {**info, "moment_bytes": self.store.nbytes, "gather_bytes": self._gather_bytes()}
+        # Asynchronously, a rank brings up to date the layers it newly holds (parameters and
+        # both moments, to replay their updates) and the parts it newly keeps.
+        newly = [
+            subtract(_spans(self.span, t), h) for t, h in zip(targets, have_params, strict=True)
+        ]
+        wanted = [merge([*d, *n]) for d, n in zip(duty, newly, strict=True)]
+        takers = {p.dst for p in param_pieces}
+        serving = [all(r not in takers for r in ranks) for ranks in plan.replicas]
+        if asynchronous and any(serving):
+            moment_pieces = plan_piece_transfers(have_moments, [
+                merge([*h, *w]) for h, w in zip(have_moments, wanted, strict=True)
+            ])  # fmt: skip
+        else:
+            moment_pieces = plan_piece_transfers(have_moments, duty)
+        info.update(
+            param_moves=[x.to_dict() for x in param_pieces],
+            moment_moves=[x.to_dict() for x in moment_pieces],
+            **{f"param_{k}": v for k, v in piece_stats(param_pieces).items()},
+            **{f"moment_{k}": v for k, v in piece_stats(moment_pieces).items()},
+        )
+        if asynchronous and any(serving) and (param_pieces or moment_pieces):
+            self.held = _range_of(rows[rank][0], rows[rank][1])
+            self.serving = serving
+            self.shares = serving_shares(plan, serving, self.costs)
+            # Until the switch every rank keeps its old duties; the parameters it holds but does
+            # not keep come from any surviving keeper.
+            interim = plan_piece_transfers(have_moments, have_params)
+            self.gather = [p for p in interim if rank in (p.src, p.dst)]
+            self._start_sharded_migration(
+                param_pieces, moment_pieces, newly[rank], wanted[rank], duty[rank], adopt,
+                receivers=len({p.dst for p in param_pieces + moment_pieces}),
+            )  # fmt: skip
+            return {**info, "migration": "async", "serving": serving, "shares": list(self.shares)}
         start = time.perf_counter()
         store = MomentStore(duty[rank])
         store.fill_from(self.store)
@@ -690,34 +780,77 @@ class Pipeline:
             e.flat.data[piece.start : piece.stop].copy_(payload)
         for piece, payload in zip(got_m, received[len(got_p) :], strict=True):
             store.unpack(piece.start, piece.stop, payload)
-        self.store = store
-        self.held = self.target = targets[rank]
-        self.parts = part_keepers(blocks)
-        self.gather = [p for p in gather_plan(blocks) if rank in (p.src, p.dst)]
+        self.held = self.target
         self.serving, self.shares = [True] * len(plan.replicas), plan.shares
-        self.fresh = False
-        e.step = resume
+        adopt(store)
         return {
-            "resume_step": resume,
-            "rolled_back": rolled_back,
-            "layers": [self.target.start, self.target.stop],
+            **info,
             "migration": "blocking",
             "migration_seconds": round(time.perf_counter() - start, 6),
             "bytes_received": sum(t.numel() * t.element_size() for t in received),
-            "param_moves": [x.to_dict() for x in param_pieces],
-            "moment_moves": [x.to_dict() for x in moment_pieces],
             "moment_bytes": store.nbytes,  # vs 8 bytes per held element when replicated
-            "held_elements": self.span(self.target).stop - self.span(self.target).start,
-            "gather_bytes": 4 * sum(p.stop - p.start for p in self.gather if p.dst == rank),
-            **{f"param_{k}": v for k, v in piece_stats(param_pieces).items()},
-            **{f"moment_{k}": v for k, v in piece_stats(moment_pieces).items()},
+            "gather_bytes": self._gather_bytes(),
         }
+
+    def _gather_bytes(self) -> int:
+        rank = self.e.comm.rank("dp")
+        return 4 * sum(p.stop - p.start for p in self.gather if p.dst == rank)
+
+    def _start_sharded_migration(
+        self,
+        param_pieces: list[Piece],
+        moment_pieces: list[Piece],
+        newly: list[Interval],
+        wanted: list[Interval],
+        duty: list[Interval],
+        adopt: Callable[[MomentStore], None],
+        receivers: int,
+    ) -> None:
+        """ZeRO, asynchronous: snapshot copies of the pieces travel on the migration group. A
+        receiver replays the missed updates on what it received: the layers it newly holds
+        (parameters and moments) and the parts it newly keeps of layers it already holds (their
+        moments; the parameters keep arriving by the gather). At the switch every rank keeps
+        exactly its new duty."""
+        e = self.e
+        rank = e.comm.rank("dp")
+        mine = subtract(wanted, self.store.intervals)  # moments this rank has to receive
+        replay = [
+            (slice(a, b), any(c <= a and b <= d for c, d in newly)) for a, b in _cut(mine, newly)
+        ]
+        m = _Migration([*param_pieces, *moment_pieces], replay, receivers, store=MomentStore(mine))
+
+        def switch() -> None:
+            store = MomentStore(duty)
+            store.fill_from(self.store)
+            assert m.store is not None
+            store.fill_from(m.store)
+            adopt(store)
+
+        m.switch = switch
+        params = e.flat.data
+        sends = [(p.dst, params[p.start : p.stop].clone(), TAG_PARAM) for p in param_pieces
+                 if p.src == rank]  # fmt: skip
+        sends += [(p.dst, self.store.packed(p.start, p.stop), TAG_MOMENT) for p in moment_pieces
+                  if p.src == rank]  # fmt: skip
+        recvs: list[Any] = []
+        lands: list[Callable[[torch.Tensor], None]] = []
+        for p in param_pieces:
+            if p.dst == rank:
+                recvs.append((p.src, torch.empty(p.stop - p.start), TAG_PARAM))
+                lands.append(partial(_copy_into, params[p.start : p.stop]))
+        for p in moment_pieces:
+            if p.dst == rank:
+                recvs.append((p.src, torch.empty(2 * (p.stop - p.start)), TAG_MOMENT))
+                lands.append(partial(m.store.unpack, p.start, p.stop))
+        self._start_migration(m, sends, recvs, lands)
 
     def _roll_back(self, resume: int) -> None:
         undo = self.undo
         assert undo is not None and undo.step == resume, "no undo copy for the failed step"
         e = self.e
         undo.restore()
+        if undo.store is not None:
+            self.store = undo.store
         self.held = undo.held
         self.undo = None
         e.step, e.last_loss = resume, undo.loss
@@ -754,20 +887,23 @@ class Pipeline:
         e.opt.exp_avg[region].copy_(payload[k : 2 * k])
         e.opt.exp_avg_sq[region].copy_(payload[2 * k :])
 
-    def _start_migration(self, transfers: list[LayerTransfer], receivers: int) -> None:
-        sends, recvs, regions = self._messages(transfers)
-        m = _Migration(transfers=transfers, incoming=regions, receivers=receivers)
-        m.nbytes = sum(p.numel() * 4 for _, p, _ in recvs)
+    def _start_migration(
+        self,
+        m: _Migration,
+        sends: list[Any],
+        recvs: list[Any],
+        lands: list[Callable[[torch.Tensor], None]],
+    ) -> None:
+        """Post the snapshot's messages on the migration group; a thread waits for them and
+        queues each received payload with where it lands (applied at a step boundary)."""
+        m.nbytes = sum(p.numel() * p.element_size() for _, p, _ in recvs)
         works = self.e.comm.post(MIG, sends, recvs)
 
         def wait() -> None:  # gloo progresses point-to-point work only inside wait()
             try:
                 for w in works:
                     w.wait()
-                m.landed.extend(
-                    (region, payload)
-                    for region, (_, payload, _) in zip(m.incoming, recvs, strict=True)
-                )
+                m.landed.extend(zip(lands, (p for _, p, _ in recvs), strict=True))
             except BaseException as exc:  # a fault: the next plan voids this migration
                 m.error.append(exc)
             finally:
@@ -799,6 +935,20 @@ def _saved(*live: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def _bounds_of(layers: range | None) -> tuple[float, float]:
     return (float(layers.start), float(layers.stop)) if layers is not None else (-1.0, -1.0)
+
+
+def _copy_into(live: torch.Tensor, payload: torch.Tensor) -> None:
+    live.copy_(payload)
+
+
+def _cut(intervals: list[Interval], at: list[Interval]) -> list[Interval]:
+    """``intervals`` cut at every boundary of ``at`` (so each piece lies inside or outside)."""
+    marks = sorted({x for iv in at for x in iv})
+    out = []
+    for a, b in intervals:
+        inner = [x for x in marks if a < x < b]
+        out += list(zip([a, *inner], [*inner, b], strict=True))
+    return out
 
 
 def _spans(span: Callable[[range], slice], layers: range | None) -> list[Interval]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from conftest import Run, assert_clean_run, launch
 
 STEPS = 16
@@ -89,21 +90,23 @@ def test_middle_stage_loss_blocking_is_bit_identical(tmp_path: Path, state_env: 
     assert moved and all(t["dst"] in (0, 1) for t in moved)  # replica 0's survivors receive
 
 
+@pytest.mark.parametrize("migration", ["async", "blocking"])
 def test_zero_inside_stages_survives_two_losses_bit_identical(
-    tmp_path: Path, state_env: dict
+    tmp_path: Path, state_env: dict, migration: str
 ) -> None:
     """dp=3 × pp=2 with ZeRO-1 inside the stages: each layer's Adam moments are cut over its
     three holders and every part is kept by two of them. Two ranks die one after the other, the
     second after its update and before the parameter gather (peers that gathered roll back);
     nothing is lost, and in the deterministic mode every loss, the final parameters and the
-    final optimizer state are bit-identical to a fault-free data-parallel run."""
+    final optimizer state are bit-identical to a fault-free data-parallel run, whether the lost
+    layers and moment parts move in the background or before training resumes."""
     env = {**state_env, "ELASWAVE_TRAIN__REDUCE_DTYPE": "float64"}
     steps = "10"
     r = launch(tmp_path / "dp", "--job-id", "dp-f64z", "--steps", steps, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     r = launch(
         tmp_path / "pp", "--job-id", "pp-zero", "--pp", "2", "--nproc-per-node", "6",
-        "--zero", "1", "--steps", steps,
+        "--zero", "1", "--steps", steps, "--migration", migration,
         "--fault", "kill,rank=1,at_step=4", "--fault", "kill,rank=3,at_step=7,phase=optimizer",
         env=env,
     )  # fmt: skip
@@ -122,8 +125,11 @@ def test_zero_inside_stages_survives_two_losses_bit_identical(
         assert abs(e["gather_bytes"] - 4 * e["held_elements"] / 3) <= 8, e
     for plan in plans[1:]:
         synced = [e for e in run.of("state_synced") if e["epoch"] == plan["epoch"]]
-        assert {e["migration"] for e in synced} == {"blocking"}
+        assert {e["migration"] for e in synced} == {migration}
         assert any(e["rolled_back"] for e in synced) == (plan is plans[2])  # gathered, undone
         moved = [m for e in synced for m in e["moment_moves"]]
         assert moved, "the lost rank's parts must come from their second keepers"
         assert sum(e["moment_transfers"] for e in synced) == len(moved)
+    if migration == "async":
+        done = [e for e in run.of("migration_done") if e["epoch"] == plans[1]["epoch"]]
+        assert len(done) == 1 and done[0]["step"] < 7  # switched before the second fault
