@@ -219,7 +219,8 @@ class JobConfig:
     etcd: list[str] = field(default_factory=list)  # empty: start an embedded etcd
     etcd_port: int = 0  # embedded etcd client port (0 = any free port)
     etcd_tls: EtcdTLSConfig = field(default_factory=EtcdTLSConfig)
-    zero: int = 0  # 1: ZeRO-1, optimizer state sharded over the data-parallel ranks
+    zero: int = 0  # 1: ZeRO-1, optimizer state sharded over the data-parallel ranks (with
+    #                pp > 1: over each layer's holders, two live copies, no snapshots)
     pp: int = 1  # pipeline stages per replica (1: pure data parallelism)
     dp: int = 0  # data-parallel replicas (0: world / pp); dp × pp must be the starting world
     migration: str = "async"  # pipelines: layers of a lost stage move "async" or "blocking"
@@ -230,7 +231,7 @@ class JobConfig:
     #                                or "online": the profile, then times measured while training
     cost_every: int = 10  # layer_costs=online: workers report their layers' times every K steps
     verify_every: int = 10  # compare replicas' checksums every K committed steps (0: never)
-    snapshot_every: int = 1  # ZeRO: replicate each shard (spread over the peers) every K
+    snapshot_every: int = 1  # ZeRO (pp = 1): replicate each shard (spread over the peers) every K
     #                          committed steps; a fault rolls back to the last snapshot step
     #                          (0: none; then a lost shard only comes back from a checkpoint)
     durable_every: int = 0  # torch.distributed.checkpoint every N committed steps (0: never)
