@@ -317,8 +317,6 @@ class JobConfig:
                 f"dp × pp = {self.dp} × {self.pp} = {self.dp * self.pp}, "
                 f"but the job starts with {start} workers"
             )
-        if self.pp > 1 and (self.durable_every or self.resume):
-            raise ConfigError("pp > 1 does not combine with durable_every or resume yet")
 
     @property
     def resolved_run_dir(self) -> Path:

@@ -379,9 +379,15 @@ class Engine:
             self._enter("idle")
 
     def _save_durable(self, step: int) -> None:
-        """Rank 0 writes the full state in the background (ZeRO gathers the moments first)."""
+        """Rank 0 writes the full state in the background (ZeRO gathers the moments first,
+        pipelines assemble the whole model from the stages)."""
         assert self.durable is not None
-        exp_avg, exp_avg_sq = self._whole_moments()
+        params = self.flat.data
+        if self.pipe is not None:
+            whole, _ = self.pipe.assemble(self._group_broken)
+            params, exp_avg, exp_avg_sq = whole.chunk(3)
+        else:
+            exp_avg, exp_avg_sq = self._whole_moments()
         if self.comm.rank(DP) != 0:
             return
 
@@ -390,7 +396,7 @@ class Engine:
                 "durable_saved", step=step, path=str(path), seconds=round(seconds, 4)
             )
 
-        self.durable.save_async(step, self.last_loss, self.flat.data, exp_avg, exp_avg_sq, saved)
+        self.durable.save_async(step, self.last_loss, params, exp_avg, exp_avg_sq, saved)
 
     def _whole_moments(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Adam's moments for the whole model: replicated, or all-gathered from the shards."""
@@ -402,7 +408,7 @@ class Engine:
         self, path: Path, plan: Plan, broken: Callable[[], bool], lost_from: int, reason: str
     ) -> dict[str, Any]:
         """Load a durable checkpoint into this rank (any world size) and report it."""
-        state = durable.load(path, self.flat.numel)
+        state = self._load_durable(path, lost_from, reason)
         self.flat.data.copy_(state.params)
         if self.zero is not None:
             self.zero.restore_full(
@@ -414,6 +420,11 @@ class Engine:
             self.opt.exp_avg_sq.copy_(state.exp_avg_sq)
             self.opt.step_count = state.step
         self.step, self.last_loss = state.step, state.loss
+        return {"resume_step": state.step, "source_rank": -1, "bytes": 0, "durable": str(path)}
+
+    def _load_durable(self, path: Path, lost_from: int, reason: str) -> durable.DurableState:
+        """Read a durable checkpoint (every rank reads all of it) and report the restore."""
+        state = durable.load(path, self.flat.numel)
         if self.comm.rank(DP) == 0:
             self.control.event(
                 "durable_restored",
@@ -422,12 +433,14 @@ class Engine:
                 recomputed_steps=max(0, lost_from - state.step),
                 reason=reason,
             )
-        return {"resume_step": state.step, "source_rank": -1, "bytes": 0, "durable": str(path)}
+        return state
 
     def _corrupt(self, target: str, step: int) -> str:
         z = self.zero
         if target == "snapshot" and z is not None and z.own is not None:
             tensor, name = z.corrupt_target()
+        elif target == "snapshot" and self.pipe is not None and self.pipe.zero:
+            tensor, name = self.pipe.store.exp_avg, "optimizer state (exp_avg)"
         elif target == "snapshot":
             tensor, name = self.opt.exp_avg, "optimizer state (exp_avg)"
         else:
@@ -572,7 +585,7 @@ class Engine:
         broken = lambda: self.control.removes_any(plan.workers)  # noqa: E731
         start = time.perf_counter()
         if self.pipe is not None:
-            sync = self.pipe.sync(plan, broken, asynchronous=self.cfg.migration == "async")
+            sync = self._sync_pipeline(plan, broken)
         elif self.zero is None:
             sync = self._sync_replicated(plan, broken)
         else:
@@ -593,6 +606,28 @@ class Engine:
             # its only record (the daemon drops duplicates). A step restored from a durable
             # checkpoint was committed by an earlier run or is about to be recomputed: not here.
             self.commit_step(StepResult(self.step, self.last_loss, 0.0))
+
+    def _sync_pipeline(self, plan: Plan, broken: Callable[[], bool]) -> dict[str, Any]:
+        """Pipelines: the stage takeover; ``--resume`` and the durable fallback when every
+        holder of some layer is gone."""
+        assert self.pipe is not None
+        start_from = None
+        if self.cfg.resume:
+            start_from = lambda: self._load_durable(self._resume_path(), 0, "resume")  # noqa: E731
+        try:
+            return self.pipe.sync(plan, broken, self.cfg.migration == "async", start_from)
+        except LayersLost as exc:
+            if self.durable is None:
+                raise
+            self.durable.flush()  # a write still in flight is the newest checkpoint
+            newest = (
+                durable.latest(self.cfg.resolved_durable_dir) if self.comm.rank(DP) == 0 else None
+            )
+            chosen = self._broadcast_json(str(newest) if newest else "", 0, broken)
+            if not chosen:  # every rank sees the same choice, so all raise together
+                raise
+            state = self._load_durable(Path(chosen), self.step, str(exc))
+            return self.pipe.restore_whole(plan, state)
 
     def _sync_replicated(self, plan: Plan, broken: Callable[[], bool]) -> dict[str, Any]:
         """Replicated state: ranks behind (a newcomer, a failed reduction) copy the most

@@ -29,7 +29,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -223,6 +224,17 @@ class _Undo:
     def restore(self) -> None:
         for live, copy in self.saved:
             live.copy_(copy)
+
+
+class WholeState(Protocol):
+    """The whole model's training state (what a durable checkpoint holds)."""
+
+    step: int
+    loss: float
+    params: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    path: Path
 
 
 class Pipeline:
@@ -616,11 +628,18 @@ class Pipeline:
         return whole, agree
 
     # ---- recovery ----------------------------------------------------------------------------
-    def sync(self, plan: Plan, broken: Callable[[], bool], asynchronous: bool) -> dict[str, Any]:
+    def sync(
+        self,
+        plan: Plan,
+        broken: Callable[[], bool],
+        asynchronous: bool,
+        start_from: Callable[[], WholeState] | None = None,
+    ) -> dict[str, Any]:
         """Agree on the resume step, roll back ranks that updated the failed step, and start (or
-        do) the transfers the new layout needs."""
+        do) the transfers the new layout needs. When every rank is fresh and ``start_from`` is
+        given (``--resume``), the job starts from the whole state it returns instead."""
         if self.zero:
-            return self._sync_sharded(plan, broken, asynchronous)
+            return self._sync_sharded(plan, broken, asynchronous, start_from)
         e = self.e
         rank = e.comm.rank("dp")
         self.migration = None  # a migration cut short by this change is void
@@ -631,6 +650,8 @@ class Pipeline:
         )
         rows = [r.tolist() for r in e.comm.allgather("dp", mine, broken)]
         veterans = [int(r[0]) for r in rows if not r[1]]
+        if not veterans and start_from is not None:
+            return self.restore_whole(plan, start_from())
         resume = min(veterans) if veterans else 0  # everyone fresh: the job starts
         holdings: list[range | None] = []
         rolled_back = []
@@ -684,7 +705,11 @@ class Pipeline:
         return info
 
     def _sync_sharded(
-        self, plan: Plan, broken: Callable[[], bool], asynchronous: bool
+        self,
+        plan: Plan,
+        broken: Callable[[], bool],
+        asynchronous: bool,
+        start_from: Callable[[], WholeState] | None,
     ) -> dict[str, Any]:
         """ZeRO recovery: agree on the resume step and roll back; then every rank says what it
         has (held layers, kept moment intervals) and the parameters and moments the new layout
@@ -696,6 +721,8 @@ class Pipeline:
         mine = torch.tensor([float(e.step), float(self.fresh)], dtype=torch.float64)
         rows = [r.tolist() for r in e.comm.allgather("dp", mine, broken)]
         veterans = [int(r[0]) for r in rows if not r[1]]
+        if not veterans and start_from is not None:
+            return self.restore_whole(plan, start_from())
         resume = min(veterans) if veterans else 0  # everyone fresh: the job starts
         rolled_back = [i for i, r in enumerate(rows) if int(r[0]) > resume]
         if rank in rolled_back:
@@ -843,6 +870,34 @@ class Pipeline:
                 recvs.append((p.src, torch.empty(2 * (p.stop - p.start)), TAG_MOMENT))
                 lands.append(partial(m.store.unpack, p.start, p.stop))
         self._start_migration(m, sends, recvs, lands)
+
+    def restore_whole(self, plan: Plan, state: WholeState) -> dict[str, Any]:
+        """Adopt ``plan``'s layout from the whole training state (a durable checkpoint, read by
+        every rank): every rank takes its layers and, with ZeRO, the moment parts it keeps."""
+        e = self.e
+        rank = e.comm.rank("dp")
+        targets = [plan.stage_layers(r) for r in range(plan.world_size)]
+        e.flat.data.copy_(state.params)
+        if self.zero:
+            blocks = holder_blocks(targets, self.offsets)
+            store = MomentStore(moment_duty(blocks, plan.world_size)[rank])
+            for a, b in store.intervals:
+                store.unpack(a, b, torch.cat([state.exp_avg[a:b], state.exp_avg_sq[a:b]]))
+            self.store = store
+            self.parts = part_keepers(blocks)
+            self.gather = [p for p in gather_plan(blocks) if rank in (p.src, p.dst)]
+        else:
+            e.opt.exp_avg.copy_(state.exp_avg)
+            e.opt.exp_avg_sq.copy_(state.exp_avg_sq)
+        self.held = self.target = targets[rank]
+        self.migration, self.undo, self.fresh = None, None, False
+        self.serving, self.shares = [True] * len(plan.replicas), plan.shares
+        e.step, e.last_loss = state.step, state.loss
+        return {
+            "resume_step": state.step,
+            "layers": [self.target.start, self.target.stop],
+            "durable": str(state.path),
+        }
 
     def _roll_back(self, resume: int) -> None:
         undo = self.undo

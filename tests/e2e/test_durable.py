@@ -75,3 +75,47 @@ def test_without_snapshots_a_lost_shard_comes_from_the_durable_checkpoint(
         "--fault", "kill,rank=1,at_step=12",
     )  # fmt: skip
     assert "missing" in restored["reason"]
+
+
+def test_pipeline_loses_both_holders_of_a_stage_and_falls_back(
+    tmp_path: Path, state_env: dict[str, str], reference: Run
+) -> None:
+    """dp=2 × pp=2: the last stage of both replicas dies at once, so layers 2–3 have no holder
+    left. The job continues on the two first-stage ranks (each replica now one stage with every
+    layer) from the step-10 checkpoint, assembled from the stages when it was written."""
+    r = launch(
+        tmp_path / "run", "--job-id", "pp-fallback", "--pp", "2", "--durable-every", "5",
+        "--fault", "kill,rank=1,at_step=12", "--fault", "kill,rank=3,at_step=12", env=state_env,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    run = Run(tmp_path / "run")
+    assert_clean_run(run, 40, reference)
+    (restored,) = run.of("durable_restored")
+    assert restored["step"] == 10 and restored["recomputed_steps"] == 1
+    assert "held by no surviving rank" in restored["reason"]
+    plans = [e for e in run.of("plan_published") if "bounds" in e]
+    assert plans[-1]["bounds"] == [[0, 4], [0, 4]]
+    assert all(f["holders_agree"] for f in run.of("final_state"))
+
+
+def test_resume_a_data_parallel_checkpoint_into_zero_pipelines(
+    tmp_path: Path, state_env: dict[str, str], reference: Run
+) -> None:
+    """A checkpoint holds whole tensors: a data-parallel run's step-20 checkpoint resumes as
+    dp=3 × pp=2 with ZeRO inside the stages, on the fault-free curve."""
+    first = launch(tmp_path / "a", "--job-id", "pp-resume-a", "--steps", "20",
+                   "--durable-every", "10", env=state_env)  # fmt: skip
+    assert first.returncode == 0, first.stderr[-2000:]
+    second = launch(
+        tmp_path / "b", "--job-id", "pp-resume-b", "--steps", "26", "--nproc-per-node", "6",
+        "--pp", "2", "--zero", "1", "--resume", str(tmp_path / "a" / "checkpoints"),
+        env=state_env,
+    )  # fmt: skip
+    assert second.returncode == 0, second.stderr[-2000:]
+    run = Run(tmp_path / "b")
+    assert [m["step"] for m in run.metrics] == list(range(21, 27))
+    for step, loss in run.losses.items():
+        ref = reference.losses[step]
+        assert abs(loss - ref) <= REL_TOL * abs(ref), f"step {step}: {loss} vs {ref}"
+    assert len({f["params_sha256"] for f in run.of("final_state")}) == 1
+    assert all(f["holders_agree"] for f in run.of("final_state"))

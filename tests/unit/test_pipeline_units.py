@@ -300,7 +300,6 @@ def test_transfer_stats() -> None:
         ({"pp": 7}, "only 4 layers"),
         ({"pp": 3}, "cannot be cut into pp=3"),
         ({"pp": 2, "dp": 3}, "dp × pp = 3 × 2 = 6"),
-        ({"pp": 2, "durable_every": 5}, "does not combine"),
         ({"pp": 2, "migration": "lazy"}, "migration must be one of"),
         ({"pp": 2, "dvfs": "turbo"}, "dvfs must be one of"),
         ({"pp": 2, "stage_loss": "pray"}, "stage_loss must be one of"),
