@@ -34,7 +34,7 @@ import torch
 from elaswave.config import JobConfig
 from elaswave.faults import FaultKind, FaultSpec
 from elaswave.plan import Plan
-from elaswave.runtime import durable
+from elaswave.runtime import durable, stageverify
 from elaswave.runtime.comm import CommError, Communicator, Interrupted
 from elaswave.runtime.control import ControlClient
 from elaswave.runtime.data import SyntheticTokens, TokenDataset, TokenFile, batch, microbatches
@@ -369,9 +369,12 @@ class Engine:
                 self.control.faults.remove(fault)
                 self._fault_injected(fault, step, corrupted=self._corrupt(fault.target, step))
         every = self.cfg.verify_every
-        if every and step % every == 0 and self.pipe is None:  # pipelines: see docs (a gap)
+        if every and step % every == 0:
             self._enter("collective")
-            self._verify(step)
+            if self.pipe is not None:
+                self._verify_stages(step)
+            else:
+                self._verify(step)
             self._enter("idle")
         if self.durable is not None and step % self.cfg.durable_every == 0:
             self._enter("collective")
@@ -437,10 +440,17 @@ class Engine:
 
     def _corrupt(self, target: str, step: int) -> str:
         z = self.zero
-        if target == "snapshot" and z is not None and z.own is not None:
+        pipe = self.pipe
+        if pipe is not None and pipe.held:  # a pipeline stage: what this rank keeps current
+            held = pipe.span(pipe.held)
+            if target != "snapshot":
+                tensor, name = self.flat.data[held], "parameters"
+            elif pipe.zero:
+                tensor, name = pipe.store.exp_avg, "optimizer state (exp_avg)"
+            else:
+                tensor, name = self.opt.exp_avg[held], "optimizer state (exp_avg)"
+        elif target == "snapshot" and z is not None and z.own is not None:
             tensor, name = z.corrupt_target()
-        elif target == "snapshot" and self.pipe is not None and self.pipe.zero:
-            tensor, name = self.pipe.store.exp_avg, "optimizer state (exp_avg)"
         elif target == "snapshot":
             tensor, name = self.opt.exp_avg, "optimizer state (exp_avg)"
         else:
@@ -485,6 +495,19 @@ class Engine:
                 )  # fmt: skip
                 z.repair(self.comm, bad_own, bad_replica, broken)
                 say("sdc_repaired", step=step, what="zero shard copy")
+
+    def _verify_stages(self, step: int) -> None:
+        """Pipelines: every layer's and moment part's copies compared, bad ones repaired."""
+        assert self.pipe is not None and self.plan is not None
+        findings = stageverify.verify(self.pipe, step, self._group_broken)
+        if self.comm.rank(DP) != 0:
+            return
+        workers = self.plan.workers
+        for f in findings:
+            named = [workers[r] for r in f["ranks"]]
+            self.control.event("sdc_detected", step=step, workers=named, **f)
+            if f["source_rank"] is not None:
+                self.control.event("sdc_repaired", step=step, what=f["what"], ranks=f["ranks"])
 
     def _slowdown(self, step: int) -> float:
         """Extra compute seconds per step (at an even share) from ``slow`` faults in force."""

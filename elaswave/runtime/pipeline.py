@@ -37,6 +37,7 @@ import torch
 from elaswave.dvfs import DvfsError, SimActuator, frequency_plan, make_actuator
 from elaswave.pipeplan import layer_costs, serving_shares
 from elaswave.plan import Plan
+from elaswave.runtime import stageverify
 from elaswave.runtime.data import MicroBatch, batch
 from elaswave.runtime.model import per_sample_loss
 from elaswave.runtime.optim import adamw_
@@ -266,6 +267,8 @@ class Pipeline:
         self.gather: list[Piece] = []
         self.parts: list[tuple[Interval, tuple[int, ...]]] = []  # (part, its keepers)
         self.timer = StageTimer()  # what this stage's layers cost in real steps
+        self.recorded: dict[stageverify.Unit, int] = {}  # CRC per kept unit, as last written
+        self.recorded_step = -1
 
     def profile_layers(self, repeats: int = 3) -> list[float]:
         """Seconds of forward + backward per layer for one micro-batch (median of ``repeats``).
@@ -478,6 +481,7 @@ class Pipeline:
                     self._replay_step(m, step, grads)
                 else:
                     m.pending.append((step, [g.clone() for g in grads]))
+            self._written(step)
             return
         regions = [self.span(self.held)] if self.held else []
         m = self.migration
@@ -499,6 +503,12 @@ class Pipeline:
             )
         if m is not None and not m.caught_up and m.replay:
             m.pending.append((step, [grad[r].clone() for r, _ in m.replay]))
+        self._written(step)
+
+    def _written(self, step: int) -> None:
+        """After an update: record what was written, for online verification."""
+        if self.e.cfg.verify_every:
+            stageverify.record(self, step)
 
     def _exchange(
         self, sends: list[Any], recvs: list[Any], broken: Callable[[], bool]

@@ -36,6 +36,22 @@ def judge(checksums: Sequence[int]) -> Verdict:
     return Verdict(bad, checksums.index(winner), unanimous_loss=tie)
 
 
+def judge_copies(checksums: Sequence[int | None], self_bad: Sequence[bool]) -> Verdict:
+    """One piece of state kept by several ranks (``checksums[r]``: rank r's, ``None`` if it does
+    not keep it). A copy that no longer matches the checksum its rank recorded when it last wrote
+    it is bad for sure (``self_bad``); the remaining copies vote (:func:`judge`), which also
+    breaks the tie of two copies when one of them knows it was hit. ``source`` is ``None`` when
+    nothing is bad, or when no trustworthy copy is left to repair from. Pure."""
+    holders = [r for r, c in enumerate(checksums) if c is not None]
+    trusted = [r for r in holders if not self_bad[r]]
+    vote = judge([checksums[r] for r in trusted]) if trusted else Verdict((), None)
+    bad = sorted({r for r in holders if self_bad[r]} | {trusted[i] for i in vote.bad})
+    if not bad or not trusted:
+        return Verdict(tuple(bad), None)
+    source = trusted[vote.source] if vote.source is not None else trusted[0]
+    return Verdict(tuple(bad), source, unanimous_loss=vote.unanimous_loss)
+
+
 def flip_bit(tensor: torch.Tensor, index: int, bit: int = 22) -> None:
     """Silent data corruption, for ``inject-fault --kind corrupt``: flip one bit of one float32."""
     flat = tensor.view(-1)

@@ -57,3 +57,34 @@ def test_a_corrupt_replica_is_never_used(tmp_path: Path, state_env: dict[str, st
     assert "checksum" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     run = Run(tmp_path / "run")
     assert max(m["step"] for m in run.metrics) == 6
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [("--nproc-per-node", "4"), ("--nproc-per-node", "6", "--zero", "1")],
+    ids=["replicated", "zero"],
+)
+def test_pipeline_copies_are_verified_and_the_hit_copy_repaired(
+    tmp_path: Path, state_env: dict[str, str], reference: Run, flags: tuple
+) -> None:
+    """dp × pp=2, checks after every step: a flipped parameter (rank 1) and a flipped Adam
+    moment (rank 2) are found at once — the hit copy fails the CRC its rank recorded after its
+    update, which decides between two copies — and repaired from a good one before the next
+    step: every loss stays on the fault-free curve and all copies end identical."""
+    r = launch(
+        tmp_path / "run", "--job-id", "sdc-pp", "--pp", "2", *flags, "--steps", "12",
+        "--verify-every", "1", "--fault", "corrupt,rank=1,at_step=5",
+        "--fault", "corrupt,rank=2,at_step=8,target=snapshot", env=state_env,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    run = Run(tmp_path / "run")
+    assert_clean_run(run, 12, reference)
+    found = run.of("sdc_detected")
+    assert [(d["step"], d["what"], d["ranks"], d["tie"]) for d in found] == [
+        (5, "parameters", [1], False),
+        (8, "optimizer moments", [2], False),
+    ]
+    assert all(d["source_rank"] is not None for d in found)
+    assert len(run.of("sdc_repaired")) == 2
+    assert all(f["holders_agree"] for f in run.of("final_state"))
+    assert [i["kind"] for i in build_report(run.dir)["incidents"]] == ["corrupt", "corrupt"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from elaswave.runtime.verify import flip_bit, judge
+from elaswave.runtime.verify import flip_bit, judge, judge_copies
 from elaswave.runtime.zero import Shard, digest
 
 
@@ -38,3 +38,24 @@ def test_shard_checksum_catches_a_flip() -> None:
     assert shard.verify()
     flip_bit(shard.exp_avg_sq, 4)
     assert not shard.verify()
+
+
+@pytest.mark.parametrize(
+    ("sums", "self_bad", "bad", "source", "tie"),
+    [
+        ([7, 7, None], [False, False, False], (), None, False),  # all agree
+        ([7, 9, None], [False, True, False], (1,), 0, False),  # two copies: the hit one knows
+        ([9, 7], [True, False], (0,), 1, False),  # ... whichever rank it is
+        ([7, 9], [False, False], (1,), 0, True),  # two copies, nobody knows: a guess (tie)
+        ([7, 9, 7], [False, False, False], (1,), 0, False),  # three copies: the majority
+        ([7, 9, 9], [True, False, False], (0,), 1, False),  # a flagged copy does not vote
+        ([7, 9], [True, True], (0, 1), None, False),  # nothing trustworthy left
+        ([None, 5, None], [False, False, False], (), None, False),  # a single copy
+    ],
+)
+def test_judge_copies(
+    sums: list[int | None], self_bad: list[bool], bad: tuple[int, ...], source: int | None,
+    tie: bool,
+) -> None:  # fmt: skip
+    v = judge_copies(sums, self_bad)
+    assert (v.bad, v.source, v.unanimous_loss) == (bad, source, tie)
