@@ -40,9 +40,10 @@ from elaswave.runtime.control import ControlClient
 from elaswave.runtime.data import SyntheticTokens, TokenDataset, TokenFile, batch, microbatches
 from elaswave.runtime.model import GPT, GPTConfig
 from elaswave.runtime.optim import AdamWHyper, FlatAdamW, FlatParams
-from elaswave.runtime.pipeline import MIG, LayersLost, Pipeline
+from elaswave.runtime.pipeline import MIG, Pipeline
 from elaswave.runtime.rng import MicrobatchRng
 from elaswave.runtime.shards import ShardLayout
+from elaswave.runtime.stageshards import LayersLost
 from elaswave.runtime.verify import flip_bit, judge
 from elaswave.runtime.zero import ShardLost, ZeroState, digest
 

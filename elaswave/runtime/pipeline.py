@@ -20,6 +20,11 @@ the whole global batch, and copies a snapshot of the layers in the background; a
 replays the gradients of the steps it missed (it gets every layer's gradient from the all-reduce)
 and raises a flag in the all-reduce; when every receiver has, all ranks switch to the new layout
 at the same step boundary.
+
+Beside this module: the pure schedule and transfer plans (:mod:`~elaswave.runtime.pipesched`),
+ZeRO-1 inside the stages (:mod:`~elaswave.runtime.stagezero`, layout in
+:mod:`~elaswave.runtime.stageshards`), online verification (:mod:`~elaswave.runtime.stageverify`)
+and layer timing (:mod:`~elaswave.runtime.stagetimes`).
 """
 
 from __future__ import annotations
@@ -27,41 +32,39 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from functools import partial
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from elaswave.dvfs import DvfsError, SimActuator, frequency_plan, make_actuator
 from elaswave.pipeplan import layer_costs, serving_shares
 from elaswave.plan import Plan
-from elaswave.runtime import stageverify
+from elaswave.runtime import stageverify, stagezero
 from elaswave.runtime.data import MicroBatch, batch
 from elaswave.runtime.model import per_sample_loss
 from elaswave.runtime.optim import adamw_
+from elaswave.runtime.pipesched import (
+    Compute,
+    LayerTransfer,
+    plan_layer_transfers,
+    schedule_1f1b,
+    transfer_stats,
+)
 from elaswave.runtime.rng import MicrobatchRng
 from elaswave.runtime.stageshards import (
     Interval,
-    LayersLost,
     Piece,
     gather_plan,
     holder_blocks,
-    merge,
     moment_duty,
     part_keepers,
-    piece_stats,
-    plan_piece_transfers,
-    subtract,
 )
+from elaswave.runtime.stagestate import Migration, Undo, WholeState, bounds_of, range_of
 from elaswave.runtime.stagetimes import StageTimer
 from elaswave.runtime.stagezero import (
-    TAG_MOMENT,
-    TAG_PARAM,
     MomentStore,
     gather_messages,
-    moment_messages,
 )
 from elaswave.runtime.zero import digest
 
@@ -72,172 +75,7 @@ MIG = "mig"  # the process group asynchronous migrations run on, beside the trai
 TAG_ACT, TAG_GRAD, TAG_STATE = 1, 2, 3
 
 
-# ---- the schedule (pure) ------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Compute:
-    kind: str  # "F" (forward) or "B" (backward)
-    mb: int  # index into the replica's micro-batches
-
-
-@dataclass(frozen=True)
-class Comm:
-    """Messages posted together and waited for together (a send and a receive may pair up)."""
-
-    sends: tuple[tuple[str, int], ...] = ()  # ("act", i) to the next stage, ("grad", i) to prev
-    recvs: tuple[tuple[str, int], ...] = ()  # ("act", i) from the previous, ("grad", i) from next
-
-
-def schedule_1f1b(stage: int, stages: int, microbatches: int) -> list[Compute | Comm]:
-    """The non-interleaved 1F1B order of one stage: warm-up forwards, one-forward-one-backward,
-    cool-down backwards. Messages to stages that do not exist are left out."""
-    if not 0 <= stage < stages:
-        raise ValueError(f"stage {stage} out of range for {stages} stages")
-    first, last = stage == 0, stage == stages - 1
-    out: list[Compute | Comm] = []
-
-    def comm(sends: Sequence[tuple[str, int]] = (), recvs: Sequence[tuple[str, int]] = ()) -> None:
-        sends = tuple(m for m in sends if not (m[0] == "act" and last or m[0] == "grad" and first))
-        recvs = tuple(m for m in recvs if not (m[0] == "act" and first or m[0] == "grad" and last))
-        if sends or recvs:
-            out.append(Comm(sends, recvs))
-
-    warm = min(stages - stage - 1, microbatches)
-    steady = microbatches - warm
-    for i in range(warm):
-        comm(recvs=[("act", i)])
-        out.append(Compute("F", i))
-        comm(sends=[("act", i)])
-    if steady:
-        comm(recvs=[("act", warm)])
-    for j in range(steady):
-        f = warm + j
-        out.append(Compute("F", f))
-        comm(sends=[("act", f)], recvs=[("grad", j)])
-        out.append(Compute("B", j))
-        if j == steady - 1:
-            comm(sends=[("grad", j)])
-        else:
-            comm(sends=[("grad", j)], recvs=[("act", f + 1)])
-    for k in range(warm):
-        b = steady + k
-        comm(recvs=[("grad", b)])
-        out.append(Compute("B", b))
-        comm(sends=[("grad", b)])
-    return out
-
-
-# ---- transfers of layer state (pure) -----------------------------------------------------------
-@dataclass(frozen=True)
-class LayerTransfer:
-    src: int
-    dst: int
-    start: int  # layers start:stop
-    stop: int
-
-    def to_dict(self) -> dict[str, int]:
-        return {"src": self.src, "dst": self.dst, "start": self.start, "stop": self.stop}
-
-
-def plan_layer_transfers(
-    held: Sequence[range | None], targets: Sequence[range], sizes: Sequence[int]
-) -> list[LayerTransfer]:
-    """Who sends which layers to whom so that rank r ends up holding ``targets[r]``.
-
-    ``held[r]`` is what rank r holds now (``None``: nothing, a newcomer). Each missing layer comes
-    from exactly one holder; among holders the one with the least bytes to send so far is chosen
-    (ties: lowest rank), which spreads the load over the peers. Adjacent layers with the same
-    source and destination travel as one message. Raises :class:`LayersLost` for a layer that
-    nobody holds.
-    """
-    load = [0] * len(held)
-    pieces: list[LayerTransfer] = []
-    for dst, want in enumerate(targets):
-        mine = held[dst] or range(0)
-        for layer in want:
-            if layer in mine:
-                continue
-            holders = [r for r, h in enumerate(held) if h is not None and layer in h]
-            if not holders:
-                raise LayersLost(f"layer {layer} is held by no surviving rank")
-            src = min(holders, key=lambda r: (load[r], r))
-            load[src] += sizes[layer]
-            last = pieces[-1] if pieces else None
-            if last and (last.src, last.dst, last.stop) == (src, dst, layer):
-                pieces[-1] = LayerTransfer(src, dst, last.start, layer + 1)
-            else:
-                pieces.append(LayerTransfer(src, dst, layer, layer + 1))
-    return pieces
-
-
-def transfer_stats(transfers: Sequence[LayerTransfer], sizes: Sequence[int]) -> dict[str, Any]:
-    """Totals for the report: bytes, transfers, rank pairs, and the busiest rank's volume (sent +
-    received) over the mean of the ranks that take part (1.0: perfectly balanced)."""
-    volume: dict[int, int] = {}
-    total = 0
-    for t in transfers:
-        n = sum(sizes[t.start : t.stop])
-        total += n
-        volume[t.src] = volume.get(t.src, 0) + n
-        volume[t.dst] = volume.get(t.dst, 0) + n
-    mean = sum(volume.values()) / len(volume) if volume else 0.0
-    return {
-        "bytes": total,
-        "transfers": len(transfers),
-        "pairs": len({(t.src, t.dst) for t in transfers}),
-        "max_over_mean": round(max(volume.values()) / mean, 3) if volume else 1.0,
-    }
-
-
 # ---- the stage runner ----------------------------------------------------------------------------
-@dataclass
-class _Migration:
-    """An asynchronous migration in progress on this rank."""
-
-    transfers: list[Any]  # LayerTransfer, or Piece with ZeRO (for the event)
-    # Flat regions this rank brings up to date by replaying the missed updates, and whether it
-    # owns their parameters (False: ZeRO moments of layers it holds already; the parameters
-    # come from the gather, so the replay updates a scratch copy).
-    replay: list[tuple[slice, bool]]
-    receivers: int  # ranks that receive something (every rank knows the same number)
-    started: float = field(default_factory=time.perf_counter)
-    done: threading.Event = field(default_factory=threading.Event)
-    error: list[BaseException] = field(default_factory=list)
-    pending: list[tuple[int, list[torch.Tensor]]] = field(default_factory=list)  # (step, grads)
-    landed: list[tuple[Callable[[torch.Tensor], None], torch.Tensor]] = field(
-        default_factory=list
-    )  # (where it goes, payload)
-    store: MomentStore | None = None  # ZeRO: the moments being brought up to date
-    switch: Callable[[], None] | None = None  # ZeRO: adopt the new layout's duties
-    caught_up: bool = False
-    nbytes: int = 0
-
-
-@dataclass
-class _Undo:
-    """The local snapshot taken before an update: what rolling the step back restores."""
-
-    step: int
-    loss: float
-    held: range | None
-    saved: list[tuple[torch.Tensor, torch.Tensor]]  # (live view, its pre-update copy)
-    store: MomentStore | None = None  # ZeRO: the moments it saved (a switch replaces the store)
-
-    def restore(self) -> None:
-        for live, copy in self.saved:
-            live.copy_(copy)
-
-
-class WholeState(Protocol):
-    """The whole model's training state (what a durable checkpoint holds)."""
-
-    step: int
-    loss: float
-    params: torch.Tensor
-    exp_avg: torch.Tensor
-    exp_avg_sq: torch.Tensor
-    path: Path
-
-
 class Pipeline:
     """One rank's stage: runs the 1F1B step, keeps its layers, moves them on a new layout."""
 
@@ -251,8 +89,8 @@ class Pipeline:
         self.target: range = range(0)
         self.serving: list[bool] = []
         self.shares: tuple[int, ...] = ()
-        self.undo: _Undo | None = None
-        self.migration: _Migration | None = None
+        self.undo: Undo | None = None
+        self.migration: Migration | None = None
         m = engine.cfg.model
         self.costs = layer_costs(
             vocab_size=m.vocab_size, seq_len=m.seq_len, d_model=m.d_model, n_layer=m.n_layer
@@ -460,7 +298,7 @@ class Pipeline:
         e = self.e
         if self.zero:
             held = self.span(self.held) if self.held else slice(0, 0)
-            self.undo = _Undo(
+            self.undo = Undo(
                 step=e.step,
                 loss=e.last_loss,
                 held=self.held,
@@ -487,7 +325,7 @@ class Pipeline:
         m = self.migration
         if m is not None and m.caught_up:
             regions += [r for r, _ in m.replay]
-        self.undo = _Undo(
+        self.undo = Undo(
             step=e.step,
             loss=e.last_loss,
             held=self.held,
@@ -560,7 +398,7 @@ class Pipeline:
         m = self.migration  # raised by a receiver once its new layers are current
         return 1.0 if m is not None and m.replay and m.caught_up else 0.0
 
-    def _catch_up(self, m: _Migration) -> None:
+    def _catch_up(self, m: Migration) -> None:
         for land, payload in m.landed:
             land(payload)
         for step, grads in m.pending:  # replay the steps the snapshot missed, in order
@@ -569,7 +407,7 @@ class Pipeline:
         m.landed.clear()
         m.caught_up = True
 
-    def _replay_step(self, m: _Migration, step: int, grads: Sequence[torch.Tensor]) -> None:
+    def _replay_step(self, m: Migration, step: int, grads: Sequence[torch.Tensor]) -> None:
         """One optimizer step on the regions a migration brings up to date."""
         e = self.e
         for (region, own), g in zip(m.replay, grads, strict=True):
@@ -584,7 +422,7 @@ class Pipeline:
         """The whole model's [params | exp_avg | exp_avg_sq] on every rank (each layer from its
         lowest-rank holder), and whether all holders of every layer agree bit for bit."""
         if self.zero:
-            return self._assemble_sharded(broken)
+            return stagezero.assemble(self, broken)
         e = self.e
         n = e.flat.numel
         rank = e.comm.rank("dp")
@@ -608,35 +446,6 @@ class Pipeline:
         e.comm.allreduce("dp", whole, broken)
         return whole, agree
 
-    def _assemble_sharded(self, broken: Callable[[], bool]) -> tuple[torch.Tensor, bool]:
-        """ZeRO: as :meth:`assemble`, with each moment part from its lowest-rank keeper, and
-        both keepers of every part compared as well as every layer's holders."""
-        e = self.e
-        n = e.flat.numel
-        rank = e.comm.rank("dp")
-        units = [self.span(range(layer, layer + 1)) for layer in range(self.num_layers)]
-        sums = torch.full((len(units) + len(self.parts),), -1, dtype=torch.int64)
-        for layer in self.held or ():
-            sums[layer] = digest(e.flat.data[units[layer]])
-        for j, ((a, b), keepers) in enumerate(self.parts):
-            if rank in keepers:
-                sums[len(units) + j] = digest(*self.store.view(a, b))
-        rows = [x.tolist() for x in e.comm.allgather("dp", sums, broken)]
-        agree = all(len({row[u] for row in rows if row[u] >= 0}) == 1 for u in range(len(sums)))
-        whole = torch.zeros(3 * n, dtype=torch.float32)
-        for u in range(len(sums)):
-            if next((i for i, row in enumerate(rows) if row[u] >= 0), None) != rank:
-                continue
-            if u < len(units):
-                whole[units[u]] = e.flat.data[units[u]]
-            else:
-                (a, b), _ = self.parts[u - len(units)]
-                m, v = self.store.view(a, b)
-                whole[n + a : n + b] = m
-                whole[2 * n + a : 2 * n + b] = v
-        e.comm.allreduce("dp", whole, broken)
-        return whole, agree
-
     # ---- recovery ----------------------------------------------------------------------------
     def sync(
         self,
@@ -649,13 +458,13 @@ class Pipeline:
         do) the transfers the new layout needs. When every rank is fresh and ``start_from`` is
         given (``--resume``), the job starts from the whole state it returns instead."""
         if self.zero:
-            return self._sync_sharded(plan, broken, asynchronous, start_from)
+            return stagezero.sync(self, plan, broken, asynchronous, start_from)
         e = self.e
         rank = e.comm.rank("dp")
         self.migration = None  # a migration cut short by this change is void
         undo_held = self.undo.held if self.undo else None
         mine = torch.tensor(
-            [float(e.step), float(self.fresh), *_bounds_of(self.held), *_bounds_of(undo_held)],
+            [float(e.step), float(self.fresh), *bounds_of(self.held), *bounds_of(undo_held)],
             dtype=torch.float64,
         )
         rows = [r.tolist() for r in e.comm.allgather("dp", mine, broken)]
@@ -671,9 +480,9 @@ class Pipeline:
                 holdings.append(None)  # a newcomer: its initial state is not the job's
             elif step > resume:  # it updated the failed step: back to its undo copy
                 rolled_back.append(i)
-                holdings.append(_range_of(r[4], r[5]))
+                holdings.append(range_of(r[4], r[5]))
             else:
-                holdings.append(_range_of(r[2], r[3]))
+                holdings.append(range_of(r[2], r[3]))
         if rank in rolled_back:
             self._roll_back(resume)
         targets = [plan.stage_layers(r) for r in range(plan.world_size)]
@@ -699,7 +508,7 @@ class Pipeline:
             self.serving = serving
             self.shares = serving_shares(plan, serving, self.costs)
             sends, recvs, regions = self._messages(transfers)
-            m = _Migration(transfers, [(r, True) for r in regions], len(receivers))
+            m = Migration(transfers, [(r, True) for r in regions], len(receivers))
             self._start_migration(m, sends, recvs, [partial(self._land, r) for r in regions])
             info.update(migration="async", serving=serving, shares=list(self.shares))
             return info
@@ -713,173 +522,6 @@ class Pipeline:
             bytes_received=nbytes,
         )
         return info
-
-    def _sync_sharded(
-        self,
-        plan: Plan,
-        broken: Callable[[], bool],
-        asynchronous: bool,
-        start_from: Callable[[], WholeState] | None,
-    ) -> dict[str, Any]:
-        """ZeRO recovery: agree on the resume step and roll back; then every rank says what it
-        has (held layers, kept moment intervals) and the parameters and moments the new layout
-        needs move from ranks that have them, as disjoint pieces: before training resumes
-        (blocking) or in the background (asynchronous, see :meth:`_start_sharded_migration`)."""
-        e = self.e
-        rank = e.comm.rank("dp")
-        self.migration = None  # a migration cut short by this change is void
-        mine = torch.tensor([float(e.step), float(self.fresh)], dtype=torch.float64)
-        rows = [r.tolist() for r in e.comm.allgather("dp", mine, broken)]
-        veterans = [int(r[0]) for r in rows if not r[1]]
-        if not veterans and start_from is not None:
-            return self.restore_whole(plan, start_from())
-        resume = min(veterans) if veterans else 0  # everyone fresh: the job starts
-        rolled_back = [i for i, r in enumerate(rows) if int(r[0]) > resume]
-        if rank in rolled_back:
-            self._roll_back(resume)
-        newcomer = self.fresh and resume > 0  # its initial state is not the job's
-        held = None if newcomer else self.held
-        kept = [] if newcomer else self.store.intervals
-        row = torch.full((3 + 4 * self.num_layers,), -1.0, dtype=torch.float64)
-        row[0:2] = torch.tensor(_bounds_of(held))
-        row[2] = len(kept)
-        for i, (a, b) in enumerate(kept):
-            row[3 + 2 * i : 5 + 2 * i] = torch.tensor([float(a), float(b)])
-        rows = [r.tolist() for r in e.comm.allgather("dp", row, broken)]
-        have_params = [_spans(self.span, _range_of(r[0], r[1])) for r in rows]
-        have_moments = [
-            [(int(r[3 + 2 * i]), int(r[4 + 2 * i])) for i in range(int(r[2]))] for r in rows
-        ]
-        targets = [plan.stage_layers(r) for r in range(plan.world_size)]
-        blocks = holder_blocks(targets, self.offsets)
-        duty = moment_duty(blocks, plan.world_size)
-        param_pieces = plan_piece_transfers(have_params, [_spans(self.span, t) for t in targets])
-        self.target = targets[rank]
-        self.fresh = False
-        e.step = resume
-        info: dict[str, Any] = {
-            "resume_step": resume,
-            "rolled_back": rolled_back,
-            "layers": [self.target.start, self.target.stop],
-            "held_elements": self.span(self.target).stop - self.span(self.target).start,
-        }
-
-        def adopt(store: MomentStore) -> None:  # the new layout's duties
-            self.store = store
-            self.parts = part_keepers(blocks)
-            self.gather = [p for p in gather_plan(blocks) if rank in (p.src, p.dst)]
-
-        if resume == 0:  # before the first update every moment is zero: nothing to move
-            self.held = self.target
-            self.serving, self.shares = [True] * len(plan.replicas), plan.shares
-            adopt(MomentStore(duty[rank]))
-            return {**info, "moment_bytes": self.store.nbytes, "gather_bytes": self._gather_bytes()}
-        # Asynchronously, a rank brings up to date the layers it newly holds (parameters and
-        # both moments, to replay their updates) and the parts it newly keeps.
-        newly = [
-            subtract(_spans(self.span, t), h) for t, h in zip(targets, have_params, strict=True)
-        ]
-        wanted = [merge([*d, *n]) for d, n in zip(duty, newly, strict=True)]
-        takers = {p.dst for p in param_pieces}
-        serving = [all(r not in takers for r in ranks) for ranks in plan.replicas]
-        if asynchronous and any(serving):
-            moment_pieces = plan_piece_transfers(have_moments, [
-                merge([*h, *w]) for h, w in zip(have_moments, wanted, strict=True)
-            ])  # fmt: skip
-        else:
-            moment_pieces = plan_piece_transfers(have_moments, duty)
-        info.update(
-            param_moves=[x.to_dict() for x in param_pieces],
-            moment_moves=[x.to_dict() for x in moment_pieces],
-            **{f"param_{k}": v for k, v in piece_stats(param_pieces).items()},
-            **{f"moment_{k}": v for k, v in piece_stats(moment_pieces).items()},
-        )
-        if asynchronous and any(serving) and (param_pieces or moment_pieces):
-            self.held = _range_of(rows[rank][0], rows[rank][1])
-            self.serving = serving
-            self.shares = serving_shares(plan, serving, self.costs)
-            # Until the switch every rank keeps its old duties; the parameters it holds but does
-            # not keep come from any surviving keeper.
-            interim = plan_piece_transfers(have_moments, have_params)
-            self.gather = [p for p in interim if rank in (p.src, p.dst)]
-            self._start_sharded_migration(
-                param_pieces, moment_pieces, newly[rank], wanted[rank], duty[rank], adopt,
-                receivers=len({p.dst for p in param_pieces + moment_pieces}),
-            )  # fmt: skip
-            return {**info, "migration": "async", "serving": serving, "shares": list(self.shares)}
-        start = time.perf_counter()
-        store = MomentStore(duty[rank])
-        store.fill_from(self.store)
-        sends_p, recvs_p, got_p = gather_messages(param_pieces, rank, e.flat.data)
-        sends_m, recvs_m, got_m = moment_messages(moment_pieces, rank, self.store)
-        received = self._exchange(sends_p + sends_m, recvs_p + recvs_m, broken)
-        for piece, payload in zip(got_p, received[: len(got_p)], strict=True):
-            e.flat.data[piece.start : piece.stop].copy_(payload)
-        for piece, payload in zip(got_m, received[len(got_p) :], strict=True):
-            store.unpack(piece.start, piece.stop, payload)
-        self.held = self.target
-        self.serving, self.shares = [True] * len(plan.replicas), plan.shares
-        adopt(store)
-        return {
-            **info,
-            "migration": "blocking",
-            "migration_seconds": round(time.perf_counter() - start, 6),
-            "bytes_received": sum(t.numel() * t.element_size() for t in received),
-            "moment_bytes": store.nbytes,  # vs 8 bytes per held element when replicated
-            "gather_bytes": self._gather_bytes(),
-        }
-
-    def _gather_bytes(self) -> int:
-        rank = self.e.comm.rank("dp")
-        return 4 * sum(p.stop - p.start for p in self.gather if p.dst == rank)
-
-    def _start_sharded_migration(
-        self,
-        param_pieces: list[Piece],
-        moment_pieces: list[Piece],
-        newly: list[Interval],
-        wanted: list[Interval],
-        duty: list[Interval],
-        adopt: Callable[[MomentStore], None],
-        receivers: int,
-    ) -> None:
-        """ZeRO, asynchronous: snapshot copies of the pieces travel on the migration group. A
-        receiver replays the missed updates on what it received: the layers it newly holds
-        (parameters and moments) and the parts it newly keeps of layers it already holds (their
-        moments; the parameters keep arriving by the gather). At the switch every rank keeps
-        exactly its new duty."""
-        e = self.e
-        rank = e.comm.rank("dp")
-        mine = subtract(wanted, self.store.intervals)  # moments this rank has to receive
-        replay = [
-            (slice(a, b), any(c <= a and b <= d for c, d in newly)) for a, b in _cut(mine, newly)
-        ]
-        m = _Migration([*param_pieces, *moment_pieces], replay, receivers, store=MomentStore(mine))
-
-        def switch() -> None:
-            store = MomentStore(duty)
-            store.fill_from(self.store)
-            assert m.store is not None
-            store.fill_from(m.store)
-            adopt(store)
-
-        m.switch = switch
-        params = e.flat.data
-        sends = [(p.dst, params[p.start : p.stop].clone(), TAG_PARAM) for p in param_pieces
-                 if p.src == rank]  # fmt: skip
-        sends += [(p.dst, self.store.packed(p.start, p.stop), TAG_MOMENT) for p in moment_pieces
-                  if p.src == rank]  # fmt: skip
-        recvs: list[Any] = []
-        lands: list[Callable[[torch.Tensor], None]] = []
-        for p in param_pieces:
-            if p.dst == rank:
-                recvs.append((p.src, torch.empty(p.stop - p.start), TAG_PARAM))
-                lands.append(partial(_copy_into, params[p.start : p.stop]))
-        for p in moment_pieces:
-            if p.dst == rank:
-                recvs.append((p.src, torch.empty(2 * (p.stop - p.start)), TAG_MOMENT))
-                lands.append(partial(m.store.unpack, p.start, p.stop))
-        self._start_migration(m, sends, recvs, lands)
 
     def restore_whole(self, plan: Plan, state: WholeState) -> dict[str, Any]:
         """Adopt ``plan``'s layout from the whole training state (a durable checkpoint, read by
@@ -954,7 +596,7 @@ class Pipeline:
 
     def _start_migration(
         self,
-        m: _Migration,
+        m: Migration,
         sends: list[Any],
         recvs: list[Any],
         lands: list[Callable[[torch.Tensor], None]],
@@ -996,33 +638,3 @@ def _clock_range(actuator: Any) -> tuple[float, float, float]:
 
 def _saved(*live: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(t, t.clone()) for t in live]
-
-
-def _bounds_of(layers: range | None) -> tuple[float, float]:
-    return (float(layers.start), float(layers.stop)) if layers is not None else (-1.0, -1.0)
-
-
-def _copy_into(live: torch.Tensor, payload: torch.Tensor) -> None:
-    live.copy_(payload)
-
-
-def _cut(intervals: list[Interval], at: list[Interval]) -> list[Interval]:
-    """``intervals`` cut at every boundary of ``at`` (so each piece lies inside or outside)."""
-    marks = sorted({x for iv in at for x in iv})
-    out = []
-    for a, b in intervals:
-        inner = [x for x in marks if a < x < b]
-        out += list(zip([a, *inner], [*inner, b], strict=True))
-    return out
-
-
-def _spans(span: Callable[[range], slice], layers: range | None) -> list[Interval]:
-    """The flat interval of a layer range (none for ``None``)."""
-    if not layers:
-        return []
-    s = span(layers)
-    return [(s.start, s.stop)]
-
-
-def _range_of(start: float, stop: float) -> range | None:
-    return range(int(start), int(stop)) if start >= 0 else None

@@ -138,6 +138,20 @@ def part_keepers(
     return [pk for block in blocks for pk in _keepers(block, copies)]
 
 
+def coverage(have: Sequence[Sequence[Interval]]) -> list[tuple[Interval, tuple[int, ...]]]:
+    """The elements some rank has, cut wherever any rank's intervals start or stop, each piece
+    with the ranks that have it: the parts and keepers of a layout nobody planned (the old
+    duties that ranks keep, renumbered, while an asynchronous migration runs)."""
+    merged = [merge(h) for h in have]
+    marks = sorted({x for h in merged for i in h for x in i})
+    out = []
+    for a, b in zip(marks, marks[1:], strict=False):
+        keepers = tuple(r for r, h in enumerate(merged) if _covers(h, a, b))
+        if keepers:
+            out.append(((a, b), keepers))
+    return out
+
+
 def moment_duty(blocks: Sequence[Block], world: int, copies: int = 2) -> list[list[Interval]]:
     """Per rank ``0..world-1``, the merged intervals whose Adam moments it keeps and updates:
     part ``i`` of a block with holders ``H`` goes to ``H[i], H[i+1], ...`` (``copies`` of them,

@@ -4,20 +4,42 @@ The layout is pure (:mod:`elaswave.runtime.stageshards`): the layers a group of 
 ranks holds form a *block*; its Adam moments are cut into one part per holder and every part is
 kept, and updated, by two holders. This module holds the tensors: a :class:`MomentStore` with
 the moments of exactly the kept intervals (compact: a rank allocates ~2/k of its stage's
-moments, not the whole model's), the update of the kept elements, and the messages of the
-per-step parameter gather and of a relayout. Communication stays with the caller
-(:class:`elaswave.runtime.pipeline.Pipeline`).
+moments, not the whole model's), the update of the kept elements, the messages of the per-step
+parameter gather, and what :class:`elaswave.runtime.pipeline.Pipeline` calls with itself on a
+layout change (:func:`sync`: blocking or asynchronous) and at the end (:func:`assemble`).
 """
 
 from __future__ import annotations
 
+import time
 from bisect import bisect_right
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from elaswave.pipeplan import serving_shares
+from elaswave.plan import Plan
 from elaswave.runtime.optim import AdamWHyper, adamw_
-from elaswave.runtime.stageshards import Interval, Piece, merge
+from elaswave.runtime.stageshards import (
+    Interval,
+    Piece,
+    coverage,
+    gather_plan,
+    holder_blocks,
+    merge,
+    moment_duty,
+    part_keepers,
+    piece_stats,
+    plan_piece_transfers,
+    subtract,
+)
+from elaswave.runtime.stagestate import Migration, WholeState, bounds_of, range_of
+from elaswave.runtime.zero import digest
+
+if TYPE_CHECKING:
+    from elaswave.runtime.pipeline import Pipeline
 
 TAG_PARAM, TAG_MOMENT = 4, 5
 Message = tuple[int, torch.Tensor, int]  # (peer, tensor, tag)
@@ -107,3 +129,223 @@ def moment_messages(
     mine = [p for p in pieces if p.dst == rank]
     recvs = [(p.src, torch.empty(2 * (p.stop - p.start)), TAG_MOMENT) for p in mine]
     return sends, recvs, mine
+
+
+# ---- recovery and checks (the pipeline calls these with itself) ---------------------------
+def sync(
+    pipe: Pipeline,
+    plan: Plan,
+    broken: Callable[[], bool],
+    asynchronous: bool,
+    start_from: Callable[[], WholeState] | None,
+) -> dict[str, Any]:
+    """ZeRO recovery: agree on the resume step and roll back; then every rank says what it
+    has (held layers, kept moment intervals) and the parameters and moments the new layout
+    needs move from ranks that have them, as disjoint pieces: before training resumes
+    (blocking) or in the background (asynchronous, see :meth:`_start_sharded_migration`)."""
+    e = pipe.e
+    rank = e.comm.rank("dp")
+    pipe.migration = None  # a migration cut short by this change is void
+    mine = torch.tensor([float(e.step), float(pipe.fresh)], dtype=torch.float64)
+    rows = [r.tolist() for r in e.comm.allgather("dp", mine, broken)]
+    veterans = [int(r[0]) for r in rows if not r[1]]
+    if not veterans and start_from is not None:
+        return pipe.restore_whole(plan, start_from())
+    resume = min(veterans) if veterans else 0  # everyone fresh: the job starts
+    rolled_back = [i for i, r in enumerate(rows) if int(r[0]) > resume]
+    if rank in rolled_back:
+        pipe._roll_back(resume)
+    newcomer = pipe.fresh and resume > 0  # its initial state is not the job's
+    held = None if newcomer else pipe.held
+    kept = [] if newcomer else pipe.store.intervals
+    row = torch.full((3 + 4 * pipe.num_layers,), -1.0, dtype=torch.float64)
+    row[0:2] = torch.tensor(bounds_of(held))
+    row[2] = len(kept)
+    for i, (a, b) in enumerate(kept):
+        row[3 + 2 * i : 5 + 2 * i] = torch.tensor([float(a), float(b)])
+    rows = [r.tolist() for r in e.comm.allgather("dp", row, broken)]
+    have_params = [spans(pipe.span, range_of(r[0], r[1])) for r in rows]
+    have_moments = [
+        [(int(r[3 + 2 * i]), int(r[4 + 2 * i])) for i in range(int(r[2]))] for r in rows
+    ]
+    targets = [plan.stage_layers(r) for r in range(plan.world_size)]
+    blocks = holder_blocks(targets, pipe.offsets)
+    duty = moment_duty(blocks, plan.world_size)
+    param_pieces = plan_piece_transfers(have_params, [spans(pipe.span, t) for t in targets])
+    pipe.target = targets[rank]
+    pipe.fresh = False
+    e.step = resume
+    info: dict[str, Any] = {
+        "resume_step": resume,
+        "rolled_back": rolled_back,
+        "layers": [pipe.target.start, pipe.target.stop],
+        "held_elements": pipe.span(pipe.target).stop - pipe.span(pipe.target).start,
+    }
+
+    def adopt(store: MomentStore) -> None:  # the new layout's duties
+        pipe.store = store
+        pipe.parts = part_keepers(blocks)
+        pipe.gather = [p for p in gather_plan(blocks) if rank in (p.src, p.dst)]
+
+    if resume == 0:  # before the first update every moment is zero: nothing to move
+        pipe.held = pipe.target
+        pipe.serving, pipe.shares = [True] * len(plan.replicas), plan.shares
+        adopt(MomentStore(duty[rank]))
+        return {**info, "moment_bytes": pipe.store.nbytes, "gather_bytes": _gather_bytes(pipe)}
+    # Asynchronously, a rank brings up to date the layers it newly holds (parameters and
+    # both moments, to replay their updates) and the parts it newly keeps.
+    newly = [subtract(spans(pipe.span, t), h) for t, h in zip(targets, have_params, strict=True)]
+    wanted = [merge([*d, *n]) for d, n in zip(duty, newly, strict=True)]
+    takers = {p.dst for p in param_pieces}
+    serving = [all(r not in takers for r in ranks) for ranks in plan.replicas]
+    if asynchronous and any(serving):
+        moment_pieces = plan_piece_transfers(have_moments, [
+            merge([*h, *w]) for h, w in zip(have_moments, wanted, strict=True)
+        ])  # fmt: skip
+    else:
+        moment_pieces = plan_piece_transfers(have_moments, duty)
+    info.update(
+        param_moves=[x.to_dict() for x in param_pieces],
+        moment_moves=[x.to_dict() for x in moment_pieces],
+        **{f"param_{k}": v for k, v in piece_stats(param_pieces).items()},
+        **{f"moment_{k}": v for k, v in piece_stats(moment_pieces).items()},
+    )
+    if asynchronous and any(serving) and (param_pieces or moment_pieces):
+        pipe.held = range_of(rows[rank][0], rows[rank][1])
+        pipe.serving = serving
+        pipe.shares = serving_shares(plan, serving, pipe.costs)
+        # Until the switch every rank keeps its old duties; the parameters it holds but does
+        # not keep come from any surviving keeper.
+        interim = plan_piece_transfers(have_moments, have_params)
+        pipe.parts = coverage(have_moments)  # what verification and assembly see meanwhile
+        pipe.gather = [p for p in interim if rank in (p.src, p.dst)]
+        _start_migration(pipe,
+            param_pieces, moment_pieces, newly[rank], wanted[rank], duty[rank], adopt,
+            receivers=len({p.dst for p in param_pieces + moment_pieces}),
+        )  # fmt: skip
+        return {**info, "migration": "async", "serving": serving, "shares": list(pipe.shares)}
+    start = time.perf_counter()
+    store = MomentStore(duty[rank])
+    store.fill_from(pipe.store)
+    sends_p, recvs_p, got_p = gather_messages(param_pieces, rank, e.flat.data)
+    sends_m, recvs_m, got_m = moment_messages(moment_pieces, rank, pipe.store)
+    received = pipe._exchange(sends_p + sends_m, recvs_p + recvs_m, broken)
+    for piece, payload in zip(got_p, received[: len(got_p)], strict=True):
+        e.flat.data[piece.start : piece.stop].copy_(payload)
+    for piece, payload in zip(got_m, received[len(got_p) :], strict=True):
+        store.unpack(piece.start, piece.stop, payload)
+    pipe.held = pipe.target
+    pipe.serving, pipe.shares = [True] * len(plan.replicas), plan.shares
+    adopt(store)
+    return {
+        **info,
+        "migration": "blocking",
+        "migration_seconds": round(time.perf_counter() - start, 6),
+        "bytes_received": sum(t.numel() * t.element_size() for t in received),
+        "moment_bytes": store.nbytes,  # vs 8 bytes per held element when replicated
+        "gather_bytes": _gather_bytes(pipe),
+    }
+
+
+def _gather_bytes(pipe: Pipeline) -> int:
+    rank = pipe.e.comm.rank("dp")
+    return 4 * sum(p.stop - p.start for p in pipe.gather if p.dst == rank)
+
+
+def _start_migration(
+    pipe: Pipeline,
+    param_pieces: list[Piece],
+    moment_pieces: list[Piece],
+    newly: list[Interval],
+    wanted: list[Interval],
+    duty: list[Interval],
+    adopt: Callable[[MomentStore], None],
+    receivers: int,
+) -> None:
+    """ZeRO, asynchronous: snapshot copies of the pieces travel on the migration group. A
+    receiver replays the missed updates on what it received: the layers it newly holds
+    (parameters and moments) and the parts it newly keeps of layers it already holds (their
+    moments; the parameters keep arriving by the gather). At the switch every rank keeps
+    exactly its new duty."""
+    e = pipe.e
+    rank = e.comm.rank("dp")
+    mine = subtract(wanted, pipe.store.intervals)  # moments this rank has to receive
+    replay = [(slice(a, b), any(c <= a and b <= d for c, d in newly)) for a, b in cut(mine, newly)]
+    m = Migration([*param_pieces, *moment_pieces], replay, receivers, store=MomentStore(mine))
+
+    def switch() -> None:
+        store = MomentStore(duty)
+        store.fill_from(pipe.store)
+        assert m.store is not None
+        store.fill_from(m.store)
+        adopt(store)
+
+    m.switch = switch
+    params = e.flat.data
+    sends = [(p.dst, params[p.start : p.stop].clone(), TAG_PARAM) for p in param_pieces
+             if p.src == rank]  # fmt: skip
+    sends += [(p.dst, pipe.store.packed(p.start, p.stop), TAG_MOMENT) for p in moment_pieces
+              if p.src == rank]  # fmt: skip
+    recvs: list[Any] = []
+    lands: list[Callable[[torch.Tensor], None]] = []
+    for p in param_pieces:
+        if p.dst == rank:
+            recvs.append((p.src, torch.empty(p.stop - p.start), TAG_PARAM))
+            lands.append(partial(_copy_into, params[p.start : p.stop]))
+    for p in moment_pieces:
+        if p.dst == rank:
+            recvs.append((p.src, torch.empty(2 * (p.stop - p.start)), TAG_MOMENT))
+            lands.append(partial(m.store.unpack, p.start, p.stop))
+    pipe._start_migration(m, sends, recvs, lands)
+
+
+def assemble(pipe: Pipeline, broken: Callable[[], bool]) -> tuple[torch.Tensor, bool]:
+    """ZeRO: as :meth:`assemble`, with each moment part from its lowest-rank keeper, and
+    both keepers of every part compared as well as every layer's holders."""
+    e = pipe.e
+    n = e.flat.numel
+    rank = e.comm.rank("dp")
+    units = [pipe.span(range(layer, layer + 1)) for layer in range(pipe.num_layers)]
+    sums = torch.full((len(units) + len(pipe.parts),), -1, dtype=torch.int64)
+    for layer in pipe.held or ():
+        sums[layer] = digest(e.flat.data[units[layer]])
+    for j, ((a, b), keepers) in enumerate(pipe.parts):
+        if rank in keepers:
+            sums[len(units) + j] = digest(*pipe.store.view(a, b))
+    rows = [x.tolist() for x in e.comm.allgather("dp", sums, broken)]
+    agree = all(len({row[u] for row in rows if row[u] >= 0}) == 1 for u in range(len(sums)))
+    whole = torch.zeros(3 * n, dtype=torch.float32)
+    for u in range(len(sums)):
+        if next((i for i, row in enumerate(rows) if row[u] >= 0), None) != rank:
+            continue
+        if u < len(units):
+            whole[units[u]] = e.flat.data[units[u]]
+        else:
+            (a, b), _ = pipe.parts[u - len(units)]
+            m, v = pipe.store.view(a, b)
+            whole[n + a : n + b] = m
+            whole[2 * n + a : 2 * n + b] = v
+    e.comm.allreduce("dp", whole, broken)
+    return whole, agree
+
+
+def _copy_into(live: torch.Tensor, payload: torch.Tensor) -> None:
+    live.copy_(payload)
+
+
+def cut(intervals: list[Interval], at: list[Interval]) -> list[Interval]:
+    """``intervals`` cut at every boundary of ``at`` (so each piece lies inside or outside)."""
+    marks = sorted({x for iv in at for x in iv})
+    out = []
+    for a, b in intervals:
+        inner = [x for x in marks if a < x < b]
+        out += list(zip([a, *inner], [*inner, b], strict=True))
+    return out
+
+
+def spans(span: Callable[[range], slice], layers: range | None) -> list[Interval]:
+    """The flat interval of a layer range (none for ``None``)."""
+    if not layers:
+        return []
+    s = span(layers)
+    return [(s.start, s.stop)]

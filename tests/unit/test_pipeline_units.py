@@ -10,16 +10,15 @@ import pytest
 from elaswave.config import ConfigError, JobConfig
 from elaswave.pipeplan import balanced_shares, layer_costs, next_pipeline_plan, serving_shares
 from elaswave.plan import Member
-from elaswave.runtime import stageshards
-from elaswave.runtime.pipeline import (
+from elaswave.runtime.pipesched import (
     Comm,
     Compute,
-    LayersLost,
     LayerTransfer,
     plan_layer_transfers,
     schedule_1f1b,
     transfer_stats,
 )
+from elaswave.runtime.stageshards import LayersLost
 
 COSTS = layer_costs(vocab_size=256, seq_len=64, d_model=128, n_layer=2)  # 4 layers
 UNIFORM = (1.0,) * 6
@@ -282,10 +281,6 @@ def test_layer_transfers_cover_every_missing_layer_once() -> None:
 def test_layer_held_by_nobody_is_lost() -> None:
     with pytest.raises(LayersLost, match="layer 3"):
         plan_layer_transfers([range(0, 3), None], [range(0, 2), range(2, 4)], SIZES)
-
-
-def test_layers_lost_is_the_one_stage_shards_raise() -> None:
-    assert LayersLost is stageshards.LayersLost
 
 
 def test_transfer_stats() -> None:

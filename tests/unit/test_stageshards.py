@@ -11,6 +11,7 @@ from elaswave.runtime.stageshards import (
     Block,
     LayersLost,
     Piece,
+    coverage,
     gather_plan,
     holder_blocks,
     merge,
@@ -393,3 +394,16 @@ def test_piece_stats(pieces, expected) -> None:
 
 def test_piece_to_dict() -> None:
     assert Piece(1, 2, 3, 4).to_dict() == {"src": 1, "dst": 2, "start": 3, "stop": 4}
+
+
+def test_coverage_cuts_at_every_boundary_and_names_the_keepers() -> None:
+    have = [[(0, 10)], [(5, 15)], [], [(12, 20), (0, 2)]]
+    assert coverage(have) == [
+        ((0, 2), (0, 3)),
+        ((2, 5), (0,)),
+        ((5, 10), (0, 1)),
+        ((10, 12), (1,)),
+        ((12, 15), (1, 3)),
+        ((15, 20), (3,)),
+    ]
+    assert coverage([[], []]) == []
