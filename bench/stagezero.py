@@ -8,7 +8,9 @@ Per run:
   among a layer's k = 3 holders (2/3 of its stage), replicated stages keep all of it;
 - fault-free step time: the median of the steps before the fault (ZeRO adds the parameter
   gather after every update and saves the update of 1/3 of the elements);
-- MTTR of the loss and the state bytes moved to recover.
+- MTTR of the loss and the state bytes moved to recover;
+- the cost of online verification (a CRC of every kept unit after each update, a check every
+  10 steps): ZeRO async with and without it.
 
 Devices are emulated with ``train.device_time`` as in ``bench pipeline`` (6 workers share 2
 cores), so the step time shows communication and update costs rather than CPU contention.
@@ -53,6 +55,7 @@ VARIANTS = {
     "zero-async": ["--zero", "1", "--migration", "async"],
     "replicated-blocking": ["--migration", "blocking"],
     "zero-blocking": ["--zero", "1", "--migration", "blocking"],
+    "zero-async-noverify": ["--zero", "1", "--migration", "async", "--verify-every", "0"],
 }
 
 
@@ -96,6 +99,10 @@ def run(repeat: int, config: Path) -> dict[str, Any]:
         "step_ratio": ratio("step_s"),
         "mttr_ratio": ratio("mttr_s"),
         "mttr_ratio_blocking": ratio("mttr_s", "blocking"),
+        "verify_cost": (
+            summary["zero-async"]["step_s"]["median"]
+            / summary["zero-async-noverify"]["step_s"]["median"]
+        ),
     }
 
 
@@ -163,5 +170,6 @@ def show(result: dict[str, Any]) -> None:
     console.print(
         f"zero / replicated: optimizer state {r['state_ratio']:.3f}, "
         f"step time {r['step_ratio']:.3f}, MTTR {r['mttr_ratio']:.3f} (async) / "
-        f"{r['mttr_ratio_blocking']:.3f} (blocking)"
+        f"{r['mttr_ratio_blocking']:.3f} (blocking); CRC records + checks every 10 steps vs "
+        f"none: step time {r['verify_cost']:.3f}"
     )
