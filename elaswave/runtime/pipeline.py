@@ -42,6 +42,7 @@ from elaswave.pipeplan import layer_costs, serving_shares
 from elaswave.plan import Plan
 from elaswave.runtime import stageverify, stagezero
 from elaswave.runtime.data import MicroBatch, batch
+from elaswave.runtime.durable import DurableState
 from elaswave.runtime.model import per_sample_loss
 from elaswave.runtime.optim import adamw_
 from elaswave.runtime.pipesched import (
@@ -60,7 +61,7 @@ from elaswave.runtime.stageshards import (
     moment_duty,
     part_keepers,
 )
-from elaswave.runtime.stagestate import Migration, Undo, WholeState, bounds_of, range_of
+from elaswave.runtime.stagestate import Migration, Undo, bounds_of, range_of
 from elaswave.runtime.stagetimes import StageTimer
 from elaswave.runtime.stagezero import (
     MomentStore,
@@ -452,7 +453,7 @@ class Pipeline:
         plan: Plan,
         broken: Callable[[], bool],
         asynchronous: bool,
-        start_from: Callable[[], WholeState] | None = None,
+        start_from: Callable[[], DurableState] | None = None,
     ) -> dict[str, Any]:
         """Agree on the resume step, roll back ranks that updated the failed step, and start (or
         do) the transfers the new layout needs. When every rank is fresh and ``start_from`` is
@@ -485,20 +486,14 @@ class Pipeline:
                 holdings.append(range_of(r[2], r[3]))
         if rank in rolled_back:
             self._roll_back(resume)
-        targets = [plan.stage_layers(r) for r in range(plan.world_size)]
+        targets, info = self.begin_layout(plan, resume, rolled_back)
         transfers = plan_layer_transfers(holdings, targets, self.sizes)
         receivers = sorted({x.dst for x in transfers})
         serving = [all(r not in receivers for r in ranks) for ranks in plan.replicas]
-        self.target = targets[rank]
-        self.fresh = False
-        e.step = resume
-        info: dict[str, Any] = {
-            "resume_step": resume,
-            "rolled_back": rolled_back,
-            "layers": [self.target.start, self.target.stop],
-            "layer_transfers": [x.to_dict() for x in transfers],
+        info.update(
+            layer_transfers=[x.to_dict() for x in transfers],
             **transfer_stats(transfers, self.sizes),
-        }
+        )
         if not transfers:
             self.held = self.target
             self.serving, self.shares = [True] * len(plan.replicas), plan.shares
@@ -523,7 +518,23 @@ class Pipeline:
         )
         return info
 
-    def restore_whole(self, plan: Plan, state: WholeState) -> dict[str, Any]:
+    def begin_layout(
+        self, plan: Plan, resume: int, rolled_back: list[int]
+    ) -> tuple[list[range], dict[str, Any]]:
+        """Once the resume step is agreed: every rank's layers under ``plan``, this rank's
+        target, and the common part of the ``state_synced`` details."""
+        targets = [plan.stage_layers(r) for r in range(plan.world_size)]
+        self.target = targets[self.e.comm.rank("dp")]
+        self.fresh = False
+        self.e.step = resume
+        info = {
+            "resume_step": resume,
+            "rolled_back": rolled_back,
+            "layers": [self.target.start, self.target.stop],
+        }
+        return targets, info
+
+    def restore_whole(self, plan: Plan, state: DurableState) -> dict[str, Any]:
         """Adopt ``plan``'s layout from the whole training state (a durable checkpoint, read by
         every rank): every rank takes its layers and, with ZeRO, the moment parts it keeps."""
         e = self.e

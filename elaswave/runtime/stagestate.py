@@ -9,8 +9,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -54,17 +53,6 @@ class Undo:
     def restore(self) -> None:
         for live, copy in self.saved:
             live.copy_(copy)
-
-
-class WholeState(Protocol):
-    """The whole model's training state (what a durable checkpoint holds)."""
-
-    step: int
-    loss: float
-    params: torch.Tensor
-    exp_avg: torch.Tensor
-    exp_avg_sq: torch.Tensor
-    path: Path
 
 
 def bounds_of(layers: range | None) -> tuple[float, float]:

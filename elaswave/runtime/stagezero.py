@@ -21,6 +21,7 @@ import torch
 
 from elaswave.pipeplan import serving_shares
 from elaswave.plan import Plan
+from elaswave.runtime.durable import DurableState
 from elaswave.runtime.optim import AdamWHyper, adamw_
 from elaswave.runtime.stageshards import (
     Interval,
@@ -35,7 +36,7 @@ from elaswave.runtime.stageshards import (
     plan_piece_transfers,
     subtract,
 )
-from elaswave.runtime.stagestate import Migration, WholeState, bounds_of, range_of
+from elaswave.runtime.stagestate import Migration, bounds_of, range_of
 from elaswave.runtime.zero import digest
 
 if TYPE_CHECKING:
@@ -137,7 +138,7 @@ def sync(
     plan: Plan,
     broken: Callable[[], bool],
     asynchronous: bool,
-    start_from: Callable[[], WholeState] | None,
+    start_from: Callable[[], DurableState] | None,
 ) -> dict[str, Any]:
     """ZeRO recovery: agree on the resume step and roll back; then every rank says what it
     has (held layers, kept moment intervals) and the parameters and moments the new layout
@@ -168,19 +169,11 @@ def sync(
     have_moments = [
         [(int(r[3 + 2 * i]), int(r[4 + 2 * i])) for i in range(int(r[2]))] for r in rows
     ]
-    targets = [plan.stage_layers(r) for r in range(plan.world_size)]
+    targets, info = pipe.begin_layout(plan, resume, rolled_back)
+    info["held_elements"] = pipe.span(pipe.target).stop - pipe.span(pipe.target).start
     blocks = holder_blocks(targets, pipe.offsets)
     duty = moment_duty(blocks, plan.world_size)
     param_pieces = plan_piece_transfers(have_params, [spans(pipe.span, t) for t in targets])
-    pipe.target = targets[rank]
-    pipe.fresh = False
-    e.step = resume
-    info: dict[str, Any] = {
-        "resume_step": resume,
-        "rolled_back": rolled_back,
-        "layers": [pipe.target.start, pipe.target.stop],
-        "held_elements": pipe.span(pipe.target).stop - pipe.span(pipe.target).start,
-    }
 
     def adopt(store: MomentStore) -> None:  # the new layout's duties
         pipe.store = store

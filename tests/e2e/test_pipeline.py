@@ -28,6 +28,23 @@ def _check_layout(plan: dict, layers: int) -> None:
         assert all(a < b for a, b in zip(cut, cut[1:], strict=False)), cut
 
 
+def _bit_identical_to_data_parallel(tmp_path: Path, env: dict, steps: int, *args: str) -> Run:
+    """Run a fault-free data-parallel job and the pipelined job ``args`` in the deterministic
+    mode (float64 reduction); every loss, the final parameters and the final optimizer state
+    (assembled from the stages) must be bit-identical."""
+    env = {**env, "ELASWAVE_TRAIN__REDUCE_DTYPE": "float64"}
+    r = launch(tmp_path / "dp", "--job-id", "dp-f64", "--steps", str(steps), env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = launch(tmp_path / "pp", "--steps", str(steps), *args, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    dp, run = Run(tmp_path / "dp"), Run(tmp_path / "pp")
+    assert_clean_run(run, steps, dp)
+    assert run.losses == dp.losses  # bit for bit, step by step
+    for key in ("params_sha256", "state_sha256"):
+        assert {f[key] for f in run.of("final_state")} == {f[key] for f in dp.of("final_state")}
+    return run
+
+
 def test_stage_loss_async_then_second_fault(
     tmp_path: Path, state_env: dict, reference: Run
 ) -> None:
@@ -63,22 +80,10 @@ def test_middle_stage_loss_blocking_is_bit_identical(tmp_path: Path, state_env: 
     """dp=2 × pp=3: the middle stage of replica 0 dies; its layers are split over the two
     surviving stages with a blocking migration. In the deterministic mode (float64 reduction)
     every loss and the final model are bit-identical to a fault-free data-parallel run."""
-    env = {**state_env, "ELASWAVE_TRAIN__REDUCE_DTYPE": "float64"}
-    steps = "8"
-    r = launch(tmp_path / "dp", "--job-id", "dp-f64", "--steps", steps, env=env)
-    assert r.returncode == 0, r.stderr[-3000:]
-    r = launch(
-        tmp_path / "pp", "--job-id", "pp-mid", "--pp", "3", "--nproc-per-node", "6",
-        "--steps", steps, "--migration", "blocking", "--fault", "kill,rank=1,at_step=4",
-        env=env,
+    run = _bit_identical_to_data_parallel(
+        tmp_path, state_env, 8, "--job-id", "pp-mid", "--pp", "3", "--nproc-per-node", "6",
+        "--migration", "blocking", "--fault", "kill,rank=1,at_step=4",
     )  # fmt: skip
-    assert r.returncode == 0, r.stderr[-3000:]
-    dp, run = Run(tmp_path / "dp"), Run(tmp_path / "pp")
-    assert_clean_run(run, 8, dp)
-    assert run.losses == dp.losses  # bit for bit, step by step
-    assert {f["params_sha256"] for f in run.of("final_state")} == {
-        f["params_sha256"] for f in dp.of("final_state")
-    }
     plans = _pipeline_plans(run)
     assert [p["world"] for p in plans] == [6, 5]
     for p in plans:
@@ -100,22 +105,11 @@ def test_zero_inside_stages_survives_two_losses_bit_identical(
     nothing is lost, and in the deterministic mode every loss, the final parameters and the
     final optimizer state are bit-identical to a fault-free data-parallel run, whether the lost
     layers and moment parts move in the background or before training resumes."""
-    env = {**state_env, "ELASWAVE_TRAIN__REDUCE_DTYPE": "float64"}
-    steps = "10"
-    r = launch(tmp_path / "dp", "--job-id", "dp-f64z", "--steps", steps, env=env)
-    assert r.returncode == 0, r.stderr[-3000:]
-    r = launch(
-        tmp_path / "pp", "--job-id", "pp-zero", "--pp", "2", "--nproc-per-node", "6",
-        "--zero", "1", "--steps", steps, "--migration", migration,
+    run = _bit_identical_to_data_parallel(
+        tmp_path, state_env, 10, "--job-id", "pp-zero", "--pp", "2", "--nproc-per-node", "6",
+        "--zero", "1", "--migration", migration,
         "--fault", "kill,rank=1,at_step=4", "--fault", "kill,rank=3,at_step=7,phase=optimizer",
-        env=env,
     )  # fmt: skip
-    assert r.returncode == 0, r.stderr[-3000:]
-    dp, run = Run(tmp_path / "dp"), Run(tmp_path / "pp")
-    assert_clean_run(run, 10, dp)
-    assert run.losses == dp.losses  # bit for bit, step by step
-    for key in ("params_sha256", "state_sha256"):  # the moments too, assembled from the keepers
-        assert {f[key] for f in run.of("final_state")} == {f[key] for f in dp.of("final_state")}
     assert all(f["holders_agree"] for f in run.of("final_state"))
     plans = _pipeline_plans(run)
     assert [p["world"] for p in plans] == [6, 5, 4]
