@@ -249,6 +249,93 @@ def next_pipeline_plan(
     )
 
 
+def whole_model_seconds(stage_seconds: float, layers: range, costs: Sequence[float]) -> float:
+    """A stage's seconds per micro-batch scaled to the whole model: what this rank would need for
+    all layers at its speed (its layers' cost share of ``costs``), so that ranks running
+    different stages compare."""
+    share = sum(costs[i] for i in layers) / sum(costs)
+    if share <= 0:
+        raise ValueError(f"layers {layers} cost nothing: their speed cannot be measured")
+    return stage_seconds / share
+
+
+def stage_speeds(plan: Plan, speeds: Mapping[str, float]) -> list[list[float]]:
+    """The speed of every replica's stages, in stage order (1.0 for a worker not in ``speeds``)."""
+    return [[speeds.get(plan.workers[r], 1.0) for r in ranks] for ranks in plan.replicas]
+
+
+def predicted_step(
+    bounds: Sequence[Sequence[int]],
+    shares: Sequence[int],
+    speeds: Sequence[Sequence[float]],
+    costs: Sequence[float],
+) -> float:
+    """Predicted 1F1B step time (cost units) of a layout: its slowest replica, where replica
+    ``d`` with ``S`` stages takes ``(shares[d] + S - 1) · max_s(cost of stage s / speed s)``.
+    A replica without micro-batches takes no time."""
+    times = [
+        (m + len(v) - 1) * _bottleneck(costs, b, v)
+        for b, m, v in zip(bounds, shares, speeds, strict=True)
+        if m > 0
+    ]
+    return max(times, default=0.0)
+
+
+def respeed_pipeline_plan(
+    current: Plan,
+    speeds: Mapping[str, float],
+    costs: Sequence[float],
+    *,
+    store: str,
+    now: float,
+    cause: str = "",
+) -> Plan | None:
+    """The plan that fits ``current``'s layout to its workers' speeds, or ``None`` if it fits.
+
+    Same workers, ranks and replicas; ``speeds[w]`` is how fast worker ``w`` computes relative
+    to a nominal one (missing: 1.0). Each replica's layers are re-cut by the minimax partition
+    over its stages' speeds, moving the fewest layers among near-optimal cuts, and the replicas'
+    shares are re-balanced for their predicted step times with those speeds. The global batch
+    (the sum of the shares) never changes.
+    """
+    if not current.is_pipeline:
+        raise ValueError("not a pipeline plan")
+    per_stage = stage_speeds(current, speeds)
+    bounds, bottlenecks = [], []
+    for cut, v in zip(current.bounds, per_stage, strict=True):
+        part = partition_layers(costs, v, current=_assignment(cut))
+        bounds.append(part.bounds)
+        bottlenecks.append(part.bottleneck)
+    total = sum(current.shares)
+    shares = balanced_shares(total, bottlenecks, [len(v) for v in per_stage])
+    plan_bounds = tuple(bounds)
+    if plan_bounds == current.bounds and shares == current.shares:
+        return None
+    epoch = current.epoch + 1
+    moved = [
+        f"replica {d}: layers {list(old)} → {list(new)}"
+        for d, (old, new) in enumerate(zip(current.bounds, plan_bounds, strict=True))
+        if old != new
+    ]
+    reason = f"epoch {epoch}: stages re-cut for speed, micro-batches {total} → {list(shares)}" + (
+        " (" + "; ".join(moved) + ")" if moved else ""
+    )
+    if cause:
+        reason = f"{cause} → {reason}"
+    return Plan(
+        epoch=epoch,
+        workers=current.workers,
+        hosts=current.hosts,
+        microbatches=tuple(shares[current.position(r)[0]] for r in range(current.world_size)),
+        store=store,
+        reason=reason,
+        created=now,
+        replicas=current.replicas,
+        bounds=plan_bounds,
+        shares=shares,
+    )
+
+
 def balanced_shares(
     total: int, bottlenecks: Sequence[float], stages: Sequence[int]
 ) -> tuple[int, ...]:
@@ -323,5 +410,12 @@ def _bounds(assignment: Sequence[int], stages: int) -> tuple[int, ...]:
     return tuple(cuts)
 
 
-def _bottleneck(costs: Sequence[float], bounds: Sequence[int]) -> float:
-    return max(sum(costs[bounds[s] : bounds[s + 1]]) for s in range(len(bounds) - 1))
+def _bottleneck(
+    costs: Sequence[float], bounds: Sequence[int], speeds: Sequence[float] | None = None
+) -> float:
+    """The slowest stage's time per micro-batch: its layers' cost over its speed (1.0 each
+    without ``speeds``)."""
+    return max(
+        sum(costs[bounds[s] : bounds[s + 1]]) / (speeds[s] if speeds else 1.0)
+        for s in range(len(bounds) - 1)
+    )

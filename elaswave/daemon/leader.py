@@ -18,9 +18,15 @@ import contextlib
 import json
 import logging
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from elaswave.daemon.policy import Hysteresis, loop_verdict, straggler_verdict
+from elaswave.daemon.policy import (
+    Hysteresis,
+    loop_verdict,
+    pipeline_straggler_verdict,
+    straggler_verdict,
+)
 from elaswave.pipeplan import layer_costs, measured_layers, next_pipeline_plan, plan_costs
 from elaswave.plan import Member, Plan, next_plan, reshared_plan
 
@@ -111,8 +117,11 @@ class Planner:
                 if current is not None and causes and await self._loop_breaker(len(causes)):
                     return
                 plan = self._next(current, members, "; ".join(causes))
-                if plan is None and current is not None and not current.is_pipeline:
-                    plan = self._straggler_plan(current)  # pipelines: not yet (a known gap)
+                if plan is None and current is not None:
+                    if current.is_pipeline:
+                        plan = self._pipeline_straggler_plan(current, members)
+                    else:
+                        plan = self._straggler_plan(current)
                 if plan is not None:
                     if await d.etcd.compare_and_put(
                         d.keys.plan, plan.to_json(), mod_revision=plan_rev
@@ -187,15 +196,55 @@ class Planner:
             ),
         )
 
-    def _straggler_plan(self, current: Plan) -> Plan | None:
-        """Re-share micro-batches by speed, or evict a straggler, once the verdict is stable."""
+    def _samples(self, current: Plan) -> dict[str, list[float]]:
+        """Every worker's recent compute seconds per micro-batch under ``current``."""
         samples: dict[str, list[float]] = {}
         for per_host in self.speeds.values():
             for wid, info in per_host.items():
                 if int(info.get("epoch", 0)) == current.epoch:
                     samples[wid] = [float(x) for x in info.get("per_mb", [])]
+        return samples
+
+    def _pipeline_straggler_plan(self, current: Plan, members: list[Member]) -> Plan | None:
+        """Re-cut the stages and re-share the replicas by speed, or evict a straggler (its
+        stages are taken over as after a loss), once the verdict is stable."""
+        verdict = pipeline_straggler_verdict(
+            self._samples(current),
+            current=current,
+            costs=self.costs,
+            threshold=self.d.cfg.elastic.straggler_threshold,
+            store=self.d.store_address,
+            now=time.time(),
+        )
+        if not self.hysteresis.observe(verdict.key):
+            return None
+        plan = verdict.plan
+        if verdict.evict:
+            self.evicted.update(verdict.evict)
+            kept = [m for m in members if m.worker_id not in verdict.evict]
+            plan = self._next(current, kept, verdict.reason)
+            if plan is not None:
+                plan = replace(plan, evicted=verdict.evict)
+        if plan is None:
+            return None
+        self.d.events.emit(
+            "straggler_detected",
+            epoch=current.epoch,
+            stragglers=list(verdict.stragglers),
+            evict=list(verdict.evict),
+            microbatches=list(plan.microbatches),
+            shares=list(plan.shares),
+            bounds=[list(b) for b in plan.bounds],
+            slowdown={w: round(x, 3) for w, x in verdict.slowdown.items()},
+            reason=verdict.reason,
+            plan_reason=plan.reason,
+        )
+        return plan
+
+    def _straggler_plan(self, current: Plan) -> Plan | None:
+        """Re-share micro-batches by speed, or evict a straggler, once the verdict is stable."""
         verdict = straggler_verdict(
-            samples,
+            self._samples(current),
             workers=current.workers,
             current=current.microbatches,
             threshold=self.d.cfg.elastic.straggler_threshold,

@@ -2,6 +2,8 @@
 
 - :func:`straggler_verdict`: from each rank's recent compute time per micro-batch, the
   micro-batch shares proportional to speed (global batch unchanged) and the ranks to evict.
+- :func:`pipeline_straggler_verdict`: the same judgement for pipeline ranks; the answer is a
+  re-cut of the stages' layers and a re-share of the replicas' micro-batches, or an eviction.
 - :class:`Hysteresis`: a proposal is acted on only once it has been made several times in a row.
 - :func:`loop_verdict`: whether the job keeps failing without committing a step.
 """
@@ -10,9 +12,15 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Hashable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from elaswave.plan import assign_microbatches
+from elaswave.pipeplan import (
+    predicted_step,
+    respeed_pipeline_plan,
+    stage_speeds,
+    whole_model_seconds,
+)
+from elaswave.plan import Plan, assign_microbatches
 
 WINDOW = 8  # samples per rank the speed estimate looks at (the newest)
 MIN_SAMPLES = 4  # samples every rank needs under the current plan before anything is decided
@@ -114,6 +122,94 @@ def straggler_verdict(
         slowdown,
         slow,
     )
+
+
+@dataclass(frozen=True)
+class PipelineVerdict:
+    """What to do about slow pipeline ranks: a re-cut and re-share (``plan``), an eviction
+    (``evict``; the leader then plans the takeover as for a lost rank), or nothing (neither)."""
+
+    plan: Plan | None = None
+    evict: tuple[str, ...] = ()
+    reason: str = ""
+    slowdown: Mapping[str, float] = field(default_factory=dict)
+    stragglers: tuple[str, ...] = ()
+
+    @property
+    def acts(self) -> bool:
+        return self.plan is not None or bool(self.evict)
+
+    @property
+    def key(self) -> Hashable:
+        """What must stay the same across evaluations for :class:`Hysteresis`."""
+        return (self.stragglers, self.evict) if self.acts else None
+
+
+def pipeline_straggler_verdict(
+    stage_time_per_mb: Mapping[str, Sequence[float]],
+    *,
+    current: Plan,
+    costs: Sequence[float],
+    threshold: float,
+    store: str,
+    now: float,
+    min_samples: int = MIN_SAMPLES,
+    window: int = WINDOW,
+    min_gain: float = MIN_GAIN,
+    outlier: float = OUTLIER,
+) -> PipelineVerdict:
+    """Judge pipeline ranks' speeds and fit the layout to them.
+
+    ``stage_time_per_mb[w]`` are worker ``w``'s seconds per micro-batch of its own stage in
+    recent steps of ``current``; each is scaled to the whole model by its layers' share of
+    ``costs`` (:func:`~elaswave.pipeplan.whole_model_seconds`) so that stages compare. Slowdowns,
+    stragglers and evictions follow :func:`straggler_verdict` (a rank's speed is 1 / its
+    slowdown, healthy ranks count as exactly 1). Without an eviction the stages are re-cut and
+    the replicas re-shared for those speeds (:func:`~elaswave.pipeplan.respeed_pipeline_plan`)
+    when that cuts the predicted step time by at least ``min_gain``.
+    """
+    scaled = {
+        w: [whole_model_seconds(x, current.stage_layers(r), costs) for x in xs]
+        for r, w in enumerate(current.workers)
+        if (xs := stage_time_per_mb.get(w))
+    }
+    base = straggler_verdict(
+        scaled,
+        workers=current.workers,
+        current=current.microbatches,
+        threshold=threshold,
+        min_samples=min_samples,
+        window=window,
+        min_gain=min_gain,
+        outlier=outlier,
+    )
+    if not base.slowdown:  # too few samples yet
+        return PipelineVerdict(reason=base.reason)
+    slowdown, slow = base.slowdown, base.stragglers
+    if base.evict and len(base.evict) < current.world_size:
+        return PipelineVerdict(None, base.evict, base.reason, slowdown, slow)
+    speeds = {w: 1.0 / slowdown[w] if w in slow else 1.0 for w in current.workers}
+    plan = respeed_pipeline_plan(current, speeds, costs, store=store, now=now)
+    if plan is None:
+        return PipelineVerdict(reason="balanced", slowdown=slowdown, stragglers=slow)
+    now_s = predicted_step(current.bounds, current.shares, stage_speeds(current, speeds), costs)
+    new_s = predicted_step(plan.bounds, plan.shares, stage_speeds(current, speeds), costs)
+    if new_s > (1.0 - min_gain) * now_s:
+        return PipelineVerdict(reason="balanced", slowdown=slowdown, stragglers=slow)
+    who = (
+        ", ".join(
+            f"worker {w} (rank {current.workers.index(w)}) {slowdown[w]:.2f}× the median "
+            "compute time"
+            for w in slow
+        )
+        or "no rank slower than the median any more"
+    )
+    reason = (
+        f"straggler: {who} → re-cut for speed, predicted step "
+        f"{now_s:.4g} → {new_s:.4g} (cost units)"
+    )
+    plan = replace(plan, reason=f"{reason} → {plan.reason}")
+    return PipelineVerdict(plan, (), reason, slowdown, slow)
 
 
 @dataclass

@@ -44,6 +44,7 @@ from elaswave.runtime.pipeline import MIG, Pipeline
 from elaswave.runtime.rng import MicrobatchRng
 from elaswave.runtime.shards import ShardLayout
 from elaswave.runtime.stageshards import LayersLost
+from elaswave.runtime.stagetimes import cpu_wait_seconds
 from elaswave.runtime.verify import flip_bit, judge
 from elaswave.runtime.zero import ShardLost, ZeroState, digest
 
@@ -68,17 +69,9 @@ class StepResult:
     step: int
     loss: float
     seconds: float
-    compute_per_mb: float | None = None  # this rank's forward+backward seconds per micro-batch
-
-
-def cpu_wait_seconds() -> float:
-    """Seconds this thread has spent runnable but waiting for a CPU (Linux schedstat; 0 where
-    the kernel does not report it)."""
-    try:
-        with open("/proc/thread-self/schedstat") as f:
-            return int(f.read().split()[1]) / 1e9
-    except (OSError, IndexError, ValueError):
-        return 0.0
+    # This rank's forward+backward seconds per micro-batch (a pipeline rank: of its stage's
+    # layers only; the leader scales it to the whole model). None: it computed nothing.
+    compute_per_mb: float | None = None
 
 
 def make_dataset(cfg: JobConfig) -> TokenDataset:
@@ -306,7 +299,8 @@ class Engine:
         pipe, buf, n, t = self.pipe, self.buffer, self.flat.numel, self.cfg.train
         assert pipe is not None and self.plan is not None
         self.flat.grad.zero_()
-        pipe.run_step(step, buf, every, self._group_broken)
+        slow = self._slowdown(step) * len(self.plan.replicas) / len(every)  # per micro-batch
+        per_mb = pipe.run_step(step, buf, every, self._group_broken, slow=slow)
         buf[n + 1] = self.control.latest_epoch
         buf[n + 2] = pipe.ready_flag
         self._fire_faults(step, "reduce")
@@ -325,7 +319,7 @@ class Engine:
         self._enter("idle")
         if int(round(float(buf[n + 1]))) != self.plan.world_size * self.plan.epoch:
             self.replan = True
-        return StepResult(step, self.last_loss, time.perf_counter() - start)
+        return StepResult(step, self.last_loss, time.perf_counter() - start, per_mb)
 
     def _set_clocks(self) -> None:
         assert self.pipe is not None and self.plan is not None

@@ -62,7 +62,7 @@ from elaswave.runtime.stageshards import (
     part_keepers,
 )
 from elaswave.runtime.stagestate import Migration, Undo, bounds_of, range_of
-from elaswave.runtime.stagetimes import StageTimer
+from elaswave.runtime.stagetimes import StageTimer, cpu_wait_seconds
 from elaswave.runtime.stagezero import (
     MomentStore,
     gather_messages,
@@ -186,17 +186,28 @@ class Pipeline:
 
     # ---- one step --------------------------------------------------------------------------
     def run_step(
-        self, step: int, buf: torch.Tensor, everyone: list[MicroBatch], broken: Callable[[], bool]
-    ) -> None:
+        self,
+        step: int,
+        buf: torch.Tensor,
+        everyone: list[MicroBatch],
+        broken: Callable[[], bool],
+        slow: float = 0.0,
+    ) -> float | None:
         """Forward/backward of this rank's stage over its replica's micro-batches; the layer
-        gradients (scaled by 1/B) and the loss sum (last stage) land in ``buf``."""
+        gradients (scaled by 1/B) and the loss sum (last stage) land in ``buf``.
+
+        Returns the stage's busy seconds per micro-batch: forward, backward and emulated device
+        time, without the point-to-point waits and the time the thread sat waiting for a CPU
+        (the straggler detector's input); ``None`` when the rank computed nothing. ``slow`` (a
+        ``slow`` fault) is extra seconds per micro-batch of the whole model: the stage sleeps
+        its layers' cost share of it, as a slower device would."""
         e = self.e
         plan = e.plan
         assert plan is not None
         rank = e.comm.rank("dp")
         d, s = plan.position(rank)
         if not self.serving[d]:
-            return  # out of service while its layers migrate: only reduce and update
+            return None  # out of service while its layers migrate: only reduce and update
         ranks = plan.replicas[d]
         stages = len(ranks)
         layers = plan.stage_layers(rank)
@@ -264,13 +275,19 @@ class Pipeline:
                 tensor = grads_in[i] = torch.empty(shape)
             return peer, tensor, TAG_GRAD  # type: ignore[return-value]
 
+        busy = 0.0
+        extra = slow * self.cost_share(layers) / 2  # half after the forward, half the backward
         for item in schedule_1f1b(s, stages, len(mbs)):
             if isinstance(item, Compute):
                 e._enter("compute")
+                began, waited = time.perf_counter(), cpu_wait_seconds()
                 if item.kind == "F":
                     forward(item.mb)
                 else:
                     backward(item.mb)
+                if extra:
+                    time.sleep(extra)
+                busy += time.perf_counter() - began - (cpu_wait_seconds() - waited)
                 continue
             sends = [message(k, i, True) for k, i in item.sends]
             recvs = [message(k, i, False) for k, i in item.recvs]
@@ -282,6 +299,7 @@ class Pipeline:
         if last:
             buf[n] += loss_sum
         timer.end(len(mbs), [self.cost_share(range(i, i + 1)) for i in layers])
+        return busy / len(mbs) if mbs else None
 
     def update(
         self,

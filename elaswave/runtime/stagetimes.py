@@ -19,6 +19,16 @@ from elaswave.pipeplan import ema_update, stage_sample
 EMA_WEIGHT = 0.3  # weight of the newest step: the average follows the last few steps
 
 
+def cpu_wait_seconds() -> float:
+    """Seconds this thread has spent runnable but waiting for a CPU (Linux schedstat; 0 where
+    the kernel does not report it)."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
 class StageTimer:
     """Per-step timings of one stage and the moving average of its layers' seconds."""
 
