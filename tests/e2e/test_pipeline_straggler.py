@@ -1,0 +1,57 @@
+"""A straggler inside a pipeline: its stage is re-cut to fewer layers or its replica computes
+fewer micro-batches. Real etcd, real worker processes, a real slow-down (the ``slow`` fault)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from conftest import Run, assert_clean_run, launch
+
+from elaswave.report import build_report
+
+pytestmark = pytest.mark.e2e
+
+STEPS = 30
+
+
+def test_slow_pipeline_stage_is_re_cut(tmp_path: Path, state_env: dict, reference: Run) -> None:
+    """dp=2 × pp=2, rank 1 (replica 0's last stage) slow from step 2: the leader names it and
+    publishes a layout with the same ranks that gives it less work; nothing is rolled back,
+    every step is committed once and the losses are those of the fault-free run."""
+    r = launch(tmp_path / "run", "--job-id", "pp-slow", "--pp", "2", "--steps", str(STEPS),
+               "--straggler-threshold", "0",
+               "--fault", "slow,rank=1,at_step=2,delay=1.0", env=state_env)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    run = Run(tmp_path / "run")
+    assert_clean_run(run, STEPS, reference)
+    (fault,) = run.of("fault_injected")
+    slow = fault["worker"]
+    assert fault["rank"] == 1
+    detected = run.of("straggler_detected")
+    assert detected, f"no straggler verdict: {[p['reason'] for p in run.of('plan_published')]}"
+    first = detected[0]
+    assert first["stragglers"] == [slow] and first["evict"] == []
+    assert first["slowdown"][slow] > 1.25
+    plans = run.of("plan_published")
+    start = plans[0]
+    recut = next(p for p in plans if p["reason"].startswith("straggler:"))
+    assert recut["workers"] == start["workers"] and recut["replicas"] == start["replicas"]
+    assert recut["departed"] == [] and recut["evicted"] == []
+    assert sum(recut["microbatches"][r[0]] for r in recut["replicas"]) == 16, "same global batch"
+    assert recut["bounds"] == first["bounds"]
+    old, new = start["bounds"][0], recut["bounds"][0]
+    fewer_layers = new[2] - new[1] < old[2] - old[1]
+    smaller_share = recut["microbatches"][1] < start["microbatches"][1]
+    assert fewer_layers or smaller_share, (start, recut)
+    assert not run.of("worker_exit") and not run.of("worker_evicted")
+    # Nobody died: no rank is fresh or rolled back, only the layout moves.
+    synced = [e for e in run.of("state_synced") if e["epoch"] == recut["epoch"]]
+    assert len(synced) == 4
+    assert all(e["rolled_back"] == [] for e in synced), synced
+    (resume,) = {e["resume_step"] for e in synced}
+    assert resume > 0, "the ranks carried on from their committed state"
+    assert all(f["holders_agree"] for f in run.of("final_state"))
+    inc = build_report(run.dir)["incidents"][0]
+    assert inc["kind"] == "slow" and inc["reason"] == recut["reason"]
+    assert inc["world_after"] == 4 and inc["first_commit_step"] is not None
