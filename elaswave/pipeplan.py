@@ -249,16 +249,6 @@ def next_pipeline_plan(
     )
 
 
-def whole_model_seconds(stage_seconds: float, layers: range, costs: Sequence[float]) -> float:
-    """A stage's seconds per micro-batch scaled to the whole model: what this rank would need for
-    all layers at its speed (its layers' cost share of ``costs``), so that ranks running
-    different stages compare."""
-    share = sum(costs[i] for i in layers) / sum(costs)
-    if share <= 0:
-        raise ValueError(f"layers {layers} cost nothing: their speed cannot be measured")
-    return stage_seconds / share
-
-
 def stage_speeds(plan: Plan, speeds: Mapping[str, float]) -> list[list[float]]:
     """The speed of every replica's stages, in stage order (1.0 for a worker not in ``speeds``)."""
     return [[speeds.get(plan.workers[r], 1.0) for r in ranks] for ranks in plan.replicas]

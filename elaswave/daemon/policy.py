@@ -14,12 +14,7 @@ import statistics
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-from elaswave.pipeplan import (
-    predicted_step,
-    respeed_pipeline_plan,
-    stage_speeds,
-    whole_model_seconds,
-)
+from elaswave.pipeplan import predicted_step, respeed_pipeline_plan, stage_speeds
 from elaswave.plan import Plan, assign_microbatches
 
 WINDOW = 8  # samples per rank the speed estimate looks at (the newest)
@@ -161,18 +156,20 @@ def pipeline_straggler_verdict(
     """Judge pipeline ranks' speeds and fit the layout to them.
 
     ``stage_time_per_mb[w]`` are worker ``w``'s seconds per micro-batch of its own stage in
-    recent steps of ``current``; each is scaled to the whole model by its layers' share of
-    ``costs`` (:func:`~elaswave.pipeplan.whole_model_seconds`) so that stages compare. Slowdowns,
-    stragglers and evictions follow :func:`straggler_verdict` (a rank's speed is 1 / its
-    slowdown, healthy ranks count as exactly 1). Without an eviction the stages are re-cut and
-    the replicas re-shared for those speeds (:func:`~elaswave.pipeplan.respeed_pipeline_plan`)
-    when that cuts the predicted step time by at least ``min_gain``.
+    recent steps of ``current``. A rank is compared only with its *peers*, the ranks that run
+    exactly the same layers (:func:`peer_relative`): its time over the fastest peer's. Scaling
+    stages by a cost model instead would turn every error of the model (a FLOP estimate says
+    little about an embedding or a loss head) into a straggler, and at the default threshold
+    into an eviction. A rank without a peer (replicas cut differently after a loss or a re-cut)
+    is not judged, and while there is one nothing is re-cut (only judged ranks are evicted).
+    Slowdowns, stragglers and evictions follow :func:`straggler_verdict` (a rank's speed is
+    1 / its slowdown, healthy ranks count as exactly 1). Without an eviction the stages are
+    re-cut and the replicas re-shared for those speeds
+    (:func:`~elaswave.pipeplan.respeed_pipeline_plan`) when that cuts the predicted step time by
+    at least ``min_gain``.
     """
-    scaled = {
-        w: [whole_model_seconds(x, current.stage_layers(r), costs) for x in xs]
-        for r, w in enumerate(current.workers)
-        if (xs := stage_time_per_mb.get(w))
-    }
+    layers = {w: current.stage_layers(r) for r, w in enumerate(current.workers)}
+    scaled = peer_relative(stage_time_per_mb, layers, window=window)
     base = straggler_verdict(
         scaled,
         workers=current.workers,
@@ -188,6 +185,11 @@ def pipeline_straggler_verdict(
     slowdown, slow = base.slowdown, base.stragglers
     if base.evict and len(base.evict) < current.world_size:
         return PipelineVerdict(None, base.evict, base.reason, slowdown, slow)
+    alone = [w for w in current.workers if list(layers.values()).count(layers[w]) < 2]
+    if alone:  # their speed is unknown: a re-cut would pretend it is nominal, and could flap
+        return PipelineVerdict(
+            reason="no peers to compare with", slowdown=slowdown, stragglers=slow
+        )
     speeds = {w: 1.0 / slowdown[w] if w in slow else 1.0 for w in current.workers}
     plan = respeed_pipeline_plan(current, speeds, costs, store=store, now=now)
     if plan is None:
@@ -210,6 +212,25 @@ def pipeline_straggler_verdict(
     )
     plan = replace(plan, reason=f"{reason} → {plan.reason}")
     return PipelineVerdict(plan, (), reason, slowdown, slow)
+
+
+def peer_relative(
+    samples: Mapping[str, Sequence[float]], groups: Mapping[str, Hashable], *, window: int = WINDOW
+) -> dict[str, list[float]]:
+    """Each worker's samples over the typical time (median of the newest ``window``) of the
+    fastest worker in its group (same ``groups`` value); 1.0 is as fast as the best peer. A
+    worker alone in its group gets 1.0 throughout: nobody to compare it with."""
+    typical = {
+        w: statistics.median(xs[-window:]) for w, xs in samples.items() if xs and w in groups
+    }
+    out: dict[str, list[float]] = {}
+    for w, t in typical.items():
+        peers = [typical[v] for v in typical if v != w and groups[v] == groups[w]]
+        best = min([t, *peers])
+        out[w] = (
+            [1.0] * len(samples[w]) if not peers or best <= 0 else [x / best for x in samples[w]]
+        )
+    return out
 
 
 @dataclass
