@@ -367,7 +367,7 @@ class Pipeline:
         if self.e.cfg.verify_every:
             stageverify.record(self, step)
 
-    def _exchange(
+    def exchange(
         self, sends: list[Any], recvs: list[Any], broken: Callable[[], bool]
     ) -> list[torch.Tensor]:
         """Point-to-point on the training group; the received buffers (fresh tensors, never live
@@ -379,7 +379,7 @@ class Pipeline:
         """ZeRO: the parameters of the held layers this rank does not keep, from their keepers."""
         params = self.e.flat.data
         sends, recvs, mine = gather_messages(self.gather, self.e.comm.rank("dp"), params)
-        for piece, got in zip(mine, self._exchange(sends, recvs, broken), strict=True):
+        for piece, got in zip(mine, self.exchange(sends, recvs, broken), strict=True):
             params[piece.start : piece.stop].copy_(got)
 
     def after_step(self, step: int, ready_sum: float) -> dict[str, Any] | None:
@@ -503,7 +503,7 @@ class Pipeline:
             else:
                 holdings.append(range_of(r[2], r[3]))
         if rank in rolled_back:
-            self._roll_back(resume)
+            self.roll_back(resume)
         targets, info = self.begin_layout(plan, resume, rolled_back)
         transfers = plan_layer_transfers(holdings, targets, self.sizes)
         receivers = sorted({x.dst for x in transfers})
@@ -522,7 +522,7 @@ class Pipeline:
             self.shares = serving_shares(plan, serving, self.costs)
             sends, recvs, regions = self._messages(transfers)
             m = Migration(transfers, [(r, True) for r in regions], len(receivers))
-            self._start_migration(m, sends, recvs, [partial(self._land, r) for r in regions])
+            self.start_migration(m, sends, recvs, [partial(self._land, r) for r in regions])
             info.update(migration="async", serving=serving, shares=list(self.shares))
             return info
         start = time.perf_counter()
@@ -580,7 +580,8 @@ class Pipeline:
             "durable": str(state.path),
         }
 
-    def _roll_back(self, resume: int) -> None:
+    def roll_back(self, resume: int) -> None:
+        """Undo this rank's update of step ``resume + 1`` (it applied a step not every rank did)."""
         undo = self.undo
         assert undo is not None and undo.step == resume, "no undo copy for the failed step"
         e = self.e
@@ -611,7 +612,7 @@ class Pipeline:
 
     def _move_now(self, transfers: list[LayerTransfer], broken: Callable[[], bool]) -> int:
         sends, recvs, regions = self._messages(transfers)
-        received = self._exchange(sends, recvs, broken)
+        received = self.exchange(sends, recvs, broken)
         for region, payload in zip(regions, received, strict=True):
             self._land(region, payload)
         return sum(p.numel() * p.element_size() for p in received)
@@ -623,7 +624,7 @@ class Pipeline:
         e.opt.exp_avg[region].copy_(payload[k : 2 * k])
         e.opt.exp_avg_sq[region].copy_(payload[2 * k :])
 
-    def _start_migration(
+    def start_migration(
         self,
         m: Migration,
         sends: list[Any],

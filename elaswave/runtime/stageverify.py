@@ -112,7 +112,7 @@ def verify(pipe: Pipeline, step: int, broken: Callable[[], bool]) -> list[dict[s
             recvs.append((verdict.source, torch.empty(size), TAG_REPAIR))
             lands.append(u)
     if sends or recvs:
-        for u, got in zip(lands, pipe._exchange(sends, recvs, broken), strict=True):
+        for u, got in zip(lands, pipe.exchange(sends, recvs, broken), strict=True):
             offset = 0
             for t in tensors(pipe, u):
                 t.copy_(got[offset : offset + t.numel()])

@@ -143,7 +143,7 @@ def sync(
     """ZeRO recovery: agree on the resume step and roll back; then every rank says what it
     has (held layers, kept moment intervals) and the parameters and moments the new layout
     needs move from ranks that have them, as disjoint pieces: before training resumes
-    (blocking) or in the background (asynchronous, see :meth:`_start_sharded_migration`)."""
+    (blocking) or in the background (asynchronous, see :func:`_start_migration`)."""
     e = pipe.e
     rank = e.comm.rank("dp")
     pipe.migration = None  # a migration cut short by this change is void
@@ -155,7 +155,7 @@ def sync(
     resume = min(veterans) if veterans else 0  # everyone fresh: the job starts
     rolled_back = [i for i, r in enumerate(rows) if int(r[0]) > resume]
     if rank in rolled_back:
-        pipe._roll_back(resume)
+        pipe.roll_back(resume)
     newcomer = pipe.fresh and resume > 0  # its initial state is not the job's
     held = None if newcomer else pipe.held
     kept = [] if newcomer else pipe.store.intervals
@@ -212,17 +212,24 @@ def sync(
         interim = plan_piece_transfers(have_moments, have_params)
         pipe.parts = coverage(have_moments)  # what verification and assembly see meanwhile
         pipe.gather = [p for p in interim if rank in (p.src, p.dst)]
-        _start_migration(pipe,
-            param_pieces, moment_pieces, newly[rank], wanted[rank], duty[rank], adopt,
-            receivers=len({p.dst for p in param_pieces + moment_pieces}),
-        )  # fmt: skip
+        receivers = len({p.dst for p in param_pieces + moment_pieces})
+        _start_migration(
+            pipe,
+            param_pieces,
+            moment_pieces,
+            newly[rank],
+            wanted[rank],
+            duty[rank],
+            adopt,
+            receivers,
+        )
         return {**info, "migration": "async", "serving": serving, "shares": list(pipe.shares)}
     start = time.perf_counter()
     store = MomentStore(duty[rank])
     store.fill_from(pipe.store)
     sends_p, recvs_p, got_p = gather_messages(param_pieces, rank, e.flat.data)
     sends_m, recvs_m, got_m = moment_messages(moment_pieces, rank, pipe.store)
-    received = pipe._exchange(sends_p + sends_m, recvs_p + recvs_m, broken)
+    received = pipe.exchange(sends_p + sends_m, recvs_p + recvs_m, broken)
     for piece, payload in zip(got_p, received[: len(got_p)], strict=True):
         e.flat.data[piece.start : piece.stop].copy_(payload)
     for piece, payload in zip(got_m, received[len(got_p) :], strict=True):
@@ -289,7 +296,7 @@ def _start_migration(
         if p.dst == rank:
             recvs.append((p.src, torch.empty(2 * (p.stop - p.start)), TAG_MOMENT))
             lands.append(partial(m.store.unpack, p.start, p.stop))
-    pipe._start_migration(m, sends, recvs, lands)
+    pipe.start_migration(m, sends, recvs, lands)
 
 
 def assemble(pipe: Pipeline, broken: Callable[[], bool]) -> tuple[torch.Tensor, bool]:
