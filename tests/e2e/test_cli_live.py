@@ -59,12 +59,14 @@ def test_status_and_inject_fault_through_etcd(tmp_path: Path, state_env: dict[st
         assert ok.returncode == 0, ok.stderr
         assert json.loads(ok.stdout)["target"] == victim["worker"]
 
+        # The leader records the incident right after it publishes the plan: wait for both.
         after = wait_for(
-            lambda: (s := status_json("live", state_env)) and s["epoch"] == 2 and s, timeout=60
-        )
+            lambda: (s := status_json("live", state_env)) and s["epoch"] == 2
+            and any("SIGKILL" in inc["reason"] for inc in s["incidents"]) and s,
+            timeout=60,
+        )  # fmt: skip
         assert after["world_size"] == 3
         assert victim["worker"] not in [m["worker"] for m in after["members"]]
-        assert any("SIGKILL" in inc["reason"] for inc in after["incidents"])
         text = cli("status", "--job-id", "live", env=state_env)
         assert text.returncode == 0 and "epoch 2" in text.stdout
     finally:
