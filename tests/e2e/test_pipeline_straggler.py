@@ -55,3 +55,27 @@ def test_slow_pipeline_stage_is_re_cut(tmp_path: Path, state_env: dict, referenc
     inc = build_report(run.dir)["incidents"][0]
     assert inc["kind"] == "slow" and inc["reason"] == recut["reason"]
     assert inc["world_after"] == 4 and inc["first_commit_step"] is not None
+
+
+def test_very_slow_pipeline_stage_is_evicted_and_taken_over(
+    tmp_path: Path, state_env: dict, reference: Run
+) -> None:
+    """Past `--straggler-threshold` a pipeline rank is evicted, not re-cut: it is stopped
+    cleanly (no crash, no respawn) and its replica's surviving stage takes over its layers, on
+    the fault-free curve."""
+    r = launch(tmp_path / "run", "--job-id", "pp-evict", "--pp", "2", "--steps", str(STEPS),
+               "--straggler-threshold", "3", "--max-restarts", "2",
+               "--fault", "slow,rank=1,at_step=2,delay=2.0", env=state_env)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    run = Run(tmp_path / "run")
+    assert_clean_run(run, STEPS, reference)
+    (fault,) = run.of("fault_injected")
+    (evicted,) = run.of("worker_evicted")
+    assert evicted["worker"] == fault["worker"]
+    assert not run.of("worker_exit") and not run.of("worker_respawned"), "eviction is no crash"
+    plans = run.of("plan_published")
+    last = plans[-1]
+    assert any(p["evicted"] == [fault["worker"]] for p in plans)
+    assert fault["worker"] not in last["workers"] and last["world"] == 3
+    assert sorted(len(r) for r in last["replicas"]) == [1, 2], "the replica kept its survivor"
+    assert all(f["holders_agree"] for f in run.of("final_state"))
