@@ -315,51 +315,36 @@ class Pipeline:
         arrive from their keepers; if that gather fails this rank restores its undo copy at once,
         so it either applied the step completely or not at all."""
         e = self.e
+        held = self.span(self.held) if self.held else slice(0, 0)
+        params = e.flat.data
         if self.zero:
-            held = self.span(self.held) if self.held else slice(0, 0)
-            self.undo = Undo(
-                step=e.step,
-                loss=e.last_loss,
-                held=self.held,
-                saved=_saved(e.flat.data[held], self.store.exp_avg, self.store.exp_avg_sq),
-                store=self.store,
-            )
-            self.store.update(e.flat.data, grad, step, e.opt.hyper)
+            moments = (self.store.exp_avg, self.store.exp_avg_sq)
+        else:
+            moments = (e.opt.exp_avg[held], e.opt.exp_avg_sq[held])
+        self.undo = Undo(
+            step=e.step,
+            loss=e.last_loss,
+            held=self.held,
+            saved=_saved(params[held], *moments),
+            store=self.store if self.zero else None,
+        )
+        if self.zero:
+            self.store.update(params, grad, step, e.opt.hyper)
             before_gather()  # where an ``phase=optimizer`` fault lands
             try:
                 self._gather(broken)
             except BaseException:
                 self.undo.restore()
                 raise
-            m = self.migration
-            if m is not None and m.replay:
-                grads = [grad[r] for r, _ in m.replay]
-                if m.caught_up:
-                    self._replay_step(m, step, grads)
-                else:
-                    m.pending.append((step, [g.clone() for g in grads]))
-            self._written(step)
-            return
-        regions = [self.span(self.held)] if self.held else []
-        m = self.migration
-        if m is not None and m.caught_up:
-            regions += [r for r, _ in m.replay]
-        self.undo = Undo(
-            step=e.step,
-            loss=e.last_loss,
-            held=self.held,
-            saved=[
-                pair
-                for r in regions
-                for pair in _saved(e.flat.data[r], e.opt.exp_avg[r], e.opt.exp_avg_sq[r])
-            ],
-        )
-        for r in regions:
-            adamw_(
-                e.flat.data[r], grad[r], e.opt.exp_avg[r], e.opt.exp_avg_sq[r], step, e.opt.hyper
-            )
-        if m is not None and not m.caught_up and m.replay:
-            m.pending.append((step, [grad[r].clone() for r, _ in m.replay]))
+        else:
+            adamw_(params[held], grad[held], *moments, step, e.opt.hyper)
+        m = self.migration  # regions a migration brings up to date: replayed once caught up
+        if m is not None and m.replay:
+            grads = [grad[r] for r, _ in m.replay]
+            if m.caught_up:
+                self._replay_step(m, step, grads)
+            else:
+                m.pending.append((step, [g.clone() for g in grads]))
         self._written(step)
 
     def _written(self, step: int) -> None:
@@ -629,7 +614,7 @@ class Pipeline:
         m: Migration,
         sends: list[Any],
         recvs: list[Any],
-        lands: list[Callable[[torch.Tensor], None]],
+        lands: list[Callable[[torch.Tensor], object]],
     ) -> None:
         """Post the snapshot's messages on the migration group; a thread waits for them and
         queues each received payload with where it lands (applied at a step boundary)."""

@@ -31,7 +31,7 @@ class Migration:
     done: threading.Event = field(default_factory=threading.Event)
     error: list[BaseException] = field(default_factory=list)
     pending: list[tuple[int, list[torch.Tensor]]] = field(default_factory=list)  # (step, grads)
-    landed: list[tuple[Callable[[torch.Tensor], None], torch.Tensor]] = field(
+    landed: list[tuple[Callable[[torch.Tensor], object], torch.Tensor]] = field(
         default_factory=list
     )  # (where it goes, payload)
     store: MomentStore | None = None  # ZeRO: the moments being brought up to date

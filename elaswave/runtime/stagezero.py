@@ -287,11 +287,11 @@ def _start_migration(
     sends += [(p.dst, pipe.store.packed(p.start, p.stop), TAG_MOMENT) for p in moment_pieces
               if p.src == rank]  # fmt: skip
     recvs: list[Any] = []
-    lands: list[Callable[[torch.Tensor], None]] = []
+    lands: list[Callable[[torch.Tensor], object]] = []
     for p in param_pieces:
         if p.dst == rank:
             recvs.append((p.src, torch.empty(p.stop - p.start), TAG_PARAM))
-            lands.append(partial(_copy_into, params[p.start : p.stop]))
+            lands.append(params[p.start : p.stop].copy_)
     for p in moment_pieces:
         if p.dst == rank:
             recvs.append((p.src, torch.empty(2 * (p.stop - p.start)), TAG_MOMENT))
@@ -327,10 +327,6 @@ def assemble(pipe: Pipeline, broken: Callable[[], bool]) -> tuple[torch.Tensor, 
             whole[2 * n + a : 2 * n + b] = v
     e.comm.allreduce("dp", whole, broken)
     return whole, agree
-
-
-def _copy_into(live: torch.Tensor, payload: torch.Tensor) -> None:
-    live.copy_(payload)
 
 
 def cut(intervals: list[Interval], at: list[Interval]) -> list[Interval]:
