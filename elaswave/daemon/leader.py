@@ -19,10 +19,12 @@ import json
 import logging
 import time
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from elaswave.daemon.policy import (
     Hysteresis,
+    PipelineVerdict,
+    StragglerVerdict,
     loop_verdict,
     pipeline_straggler_verdict,
     straggler_verdict,
@@ -227,18 +229,12 @@ class Planner:
                 plan = replace(plan, evicted=verdict.evict)
         if plan is None:
             return None
-        self.d.events.emit(
-            "straggler_detected",
-            epoch=current.epoch,
-            stragglers=list(verdict.stragglers),
-            evict=list(verdict.evict),
+        self._straggler_detected(
+            current, verdict, plan,
             microbatches=list(plan.microbatches),
             shares=list(plan.shares),
             bounds=[list(b) for b in plan.bounds],
-            slowdown={w: round(x, 3) for w, x in verdict.slowdown.items()},
-            reason=verdict.reason,
-            plan_reason=plan.reason,
-        )
+        )  # fmt: skip
         return plan
 
     def _straggler_plan(self, current: Plan) -> Plan | None:
@@ -261,17 +257,23 @@ class Planner:
             now=time.time(),
             cause=verdict.reason,
         )
+        self._straggler_detected(current, verdict, plan, microbatches=list(verdict.microbatches))
+        return plan
+
+    def _straggler_detected(
+        self, current: Plan, verdict: StragglerVerdict | PipelineVerdict, plan: Plan, **extra: Any
+    ) -> None:
+        """The event of a straggler plan (data-parallel or pipeline verdict)."""
         self.d.events.emit(
             "straggler_detected",
             epoch=current.epoch,
             stragglers=list(verdict.stragglers),
             evict=list(verdict.evict),
-            microbatches=list(verdict.microbatches),
             slowdown={w: round(x, 3) for w, x in verdict.slowdown.items()},
             reason=verdict.reason,
             plan_reason=plan.reason,
+            **extra,
         )
-        return plan
 
     async def _loop_breaker(self, failures: int) -> bool:
         """Count failures against committed progress; stop the whole job in a restart loop."""
