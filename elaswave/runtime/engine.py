@@ -70,7 +70,8 @@ class StepResult:
     loss: float
     seconds: float
     # This rank's forward+backward seconds per micro-batch (a pipeline rank: of its stage's
-    # layers only; the leader scales it to the whole model). None: it computed nothing.
+    # layers only; the leader compares it with ranks that run the same layers). None: it
+    # computed nothing.
     compute_per_mb: float | None = None
 
 
