@@ -636,13 +636,7 @@ class Engine:
         try:
             return self.pipe.sync(plan, broken, self.cfg.migration == "async", start_from)
         except LayersLost as exc:
-            if self.durable is None:
-                raise
-            self.durable.flush()  # a write still in flight is the newest checkpoint
-            newest = (
-                durable.latest(self.cfg.resolved_durable_dir) if self.comm.rank(DP) == 0 else None
-            )
-            chosen = self._broadcast_json(str(newest) if newest else "", 0, broken)
+            chosen = self._newest_durable(broken)
             if not chosen:  # every rank sees the same choice, so all raise together
                 raise
             state = self._load_durable(Path(chosen), self.step, str(exc))
@@ -727,11 +721,7 @@ class Engine:
                 old_hosts=tuple(old["hosts"]), new_hosts=plan.hosts,
             )  # fmt: skip
         except ShardLost as exc:  # both in-memory copies gone: the durable checkpoint, if any
-            if self.durable is None:
-                raise
-            self.durable.flush()  # a write still in flight is the newest checkpoint
-            newest = durable.latest(self.cfg.resolved_durable_dir) if rank == 0 else None
-            chosen = self._broadcast_json(str(newest) if newest else "", 0, broken)
+            chosen = self._newest_durable(broken)
             if not chosen:  # every rank sees the same choice, so all raise together
                 raise
             newest = int(max(rows[i][4] for i in with_state))  # committed, incl. rolled back
@@ -747,6 +737,15 @@ class Engine:
             "steps": [int(r[0]) for r in rows],
             **stats,
         }
+
+    def _newest_durable(self, broken: Callable[[], bool]) -> str:
+        """The newest complete durable checkpoint as rank 0 sees it, the same on every rank
+        ("" when there is none, or durable checkpoints are off)."""
+        if self.durable is None:
+            return ""
+        self.durable.flush()  # a write still in flight is the newest checkpoint
+        newest = durable.latest(self.cfg.resolved_durable_dir) if self.comm.rank(DP) == 0 else None
+        return self._broadcast_json(str(newest) if newest else "", 0, broken)
 
     def _resume_path(self) -> Path:
         assert self.cfg.resume is not None
