@@ -326,12 +326,26 @@ class Etcd:
                 return True
             return False
 
+    def _closed_under(self, client: aetcd.Client) -> bool:
+        """A call on ``client`` ended because a failover closed it (gRPC reports the call
+        locally cancelled), not because this task is being cancelled."""
+        task = asyncio.current_task()
+        return self._client is not client and (task is None or not task.cancelling())
+
     async def _call(self, op: Callable[[aetcd.Client], Awaitable[Any]]) -> Any:
         """Run ``op(client)``; if the member does not answer, retry once on another member."""
         for attempt in (0, 1):
             client = self._client
             try:
                 return await asyncio.wait_for(op(client), self.op_timeout)
+            except asyncio.CancelledError:
+                # Another call's failover closed the channel this one was waiting on: the
+                # member it was sent to did not answer either, so it goes to the new one.
+                if not self._closed_under(client):
+                    raise
+                if attempt == 0:
+                    continue
+                raise EtcdUnavailable(f"lost the connection to etcd at {self.endpoint}") from None
             except _MEMBER_LOST as exc:
                 endpoint = self.endpoint
                 if attempt == 0 and len(self.endpoints) > 1 and await self._failover(client):
@@ -469,7 +483,10 @@ class Etcd:
                         ev.kv.create_revision,
                         ev.kv.mod_revision,
                     )
-                return
+                if not self._closed_under(client):
+                    return
+                # A failover closed the channel under this watch (its stream just ends): go on
+                # on the new member from the next revision.
             except aetcd.exceptions.ClientError as exc:
                 lost = isinstance(exc, _MEMBER_LOST) and len(self.endpoints) > 1
                 if not (lost and await self._failover(client)):

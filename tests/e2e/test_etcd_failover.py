@@ -1,0 +1,142 @@
+"""The etcd client's failover against a real three-member cluster on loopback.
+
+A member is frozen with SIGSTOP (it keeps its sockets open but never answers, like a hung host).
+Several calls and a watch are in flight on it at once: the first call to time out moves the
+connection to another member and closes the old channel under the others. None of them may fail
+for that, and the watch must go on from where it stopped, losing and repeating no event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from elaswave.daemon.etcd import Etcd
+from elaswave.daemon.etcd_server import etcd_binary, free_port
+
+PREFIX = "/elaswave/failover/"
+OP_TIMEOUT = 1.0
+
+
+def _healthy(metrics: str) -> bool:
+    try:
+        with urllib.request.urlopen(metrics + "/health", timeout=1.0) as resp:
+            return b'"health":"true"' in resp.read()
+    except OSError:
+        return False
+
+
+@pytest.fixture
+def cluster() -> Iterator[list[tuple[str, subprocess.Popen[bytes]]]]:
+    """Three etcd members on 127.0.0.1: [(client endpoint, process)]."""
+    names = ["m0", "m1", "m2"]
+    ports = {n: (free_port(), free_port(), free_port()) for n in names}  # client, peer, metrics
+    initial = ",".join(f"{n}=http://127.0.0.1:{ports[n][1]}" for n in names)
+    data = tempfile.mkdtemp(prefix="elaswave-failover-")
+    members = []
+    for n in names:
+        client, peer, metrics = ports[n]
+        proc = subprocess.Popen(
+            [
+                etcd_binary(),
+                "--name",
+                n,
+                "--data-dir",
+                os.path.join(data, n),
+                "--listen-client-urls",
+                f"http://127.0.0.1:{client}",
+                "--advertise-client-urls",
+                f"http://127.0.0.1:{client}",
+                "--listen-peer-urls",
+                f"http://127.0.0.1:{peer}",
+                "--initial-advertise-peer-urls",
+                f"http://127.0.0.1:{peer}",
+                "--initial-cluster",
+                initial,
+                "--initial-cluster-state",
+                "new",
+                "--listen-metrics-urls",
+                f"http://127.0.0.1:{metrics}",
+                "--heartbeat-interval",
+                "50",
+                "--election-timeout",
+                "500",
+                "--log-level",
+                "error",
+            ],  # fmt: skip
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        members.append((f"127.0.0.1:{client}", proc))
+    try:
+        deadline = time.monotonic() + 30
+        for n in names:
+            while not _healthy(f"http://127.0.0.1:{ports[n][2]}"):
+                assert time.monotonic() < deadline, f"etcd member {n} did not become healthy"
+                time.sleep(0.1)
+        yield members
+    finally:
+        for _, proc in members:
+            proc.send_signal(signal.SIGCONT)
+            proc.kill()
+            proc.wait()
+        shutil.rmtree(data, ignore_errors=True)
+
+
+def test_calls_and_a_watch_in_flight_survive_a_frozen_member(
+    cluster: list[tuple[str, subprocess.Popen[bytes]]],
+) -> None:
+    endpoints = [ep for ep, _ in cluster]
+
+    async def scenario() -> tuple[list[str], list[Any], str]:
+        db = await Etcd.connect(endpoints, prefix=PREFIX, timeout=OP_TIMEOUT)
+        seen: list[str] = []
+        arrived = asyncio.Event()
+
+        async def watch(start: int) -> None:
+            async for ev in db.watch_prefix(PREFIX + "k/", start_revision=start):
+                seen.append(ev.key.removeprefix(PREFIX + "k/"))
+                arrived.set()
+
+        watcher = asyncio.create_task(watch(await db.revision() + 1))
+        try:
+            await db.put(PREFIX + "k/1", "a")
+            await asyncio.wait_for(arrived.wait(), 5)
+            cluster[0][1].send_signal(signal.SIGSTOP)  # the member this connection talks to
+            # Staggered calls, all sent to the frozen member: the first to time out fails over
+            # and closes the old channel while the others are still waiting on it.
+            calls = []
+            for i in range(4):
+                calls.append(asyncio.create_task(db.put(PREFIX + f"k/{i + 2}", "b")))
+                await asyncio.sleep(0.15)
+            calls.append(asyncio.create_task(db.get(PREFIX + "k/1")))
+            results = await asyncio.gather(*calls, return_exceptions=True)
+            await db.put(PREFIX + "k/6", "c")  # after the switch
+            deadline = time.monotonic() + 5
+            while len(seen) < 6 and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            assert not watcher.done(), watcher
+            return seen, results, db.endpoint
+        finally:
+            watcher.cancel()
+            await asyncio.gather(watcher, return_exceptions=True)
+            await db.close()
+
+    seen, results, now_using = asyncio.run(scenario())
+    failed = [r for r in results if isinstance(r, BaseException)]
+    assert not failed, f"calls in flight on the frozen member failed: {failed!r}"
+    assert now_using != endpoints[0]
+    # Every put once, in the order etcd committed them (the retried puts race each other).
+    committed = sorted(zip(results[:4], ["2", "3", "4", "5"], strict=True))
+    assert seen == ["1", *[k for _, k in committed], "6"], (seen, results)
