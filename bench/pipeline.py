@@ -16,7 +16,9 @@ makes 4 workers behave like 4 devices; real compute and communication still run.
 throughput is the global batch over the median step time of the steps after the migration.
 
 Migration MTTR (async vs blocking) uses a wider model so that the moved state is large enough
-to matter (≈40 MB).
+to matter (≈40 MB), over loopback as it is and over an emulated slower link
+(``train.state_bandwidth``: a receiver waits bytes / bandwidth after its copy lands), where the
+copy takes several steps as moving a large model's state does on a real cluster.
 """
 
 from __future__ import annotations
@@ -54,6 +56,8 @@ VARIANTS = {
     "drop": ["--stage-loss", "drop"],
 }
 WIDE = {"model": {"d_model": 384, "n_layer": 4}, "train": {"global_batch": 8, "steps": 12}}
+LINKS = {"loopback": 0.0, "40 MB/s": 40.0}  # train.state_bandwidth of the wide runs (0: off)
+LINK_STEPS = 20  # room after the fault for a copy of ~1 s to land and switch
 GOAL_VS_DROP = 1.4
 GOAL_VS_IDEAL = 0.9
 
@@ -65,10 +69,15 @@ def run(repeat: int, config: Path) -> dict[str, Any]:
     tput_cfg = _write(
         tmp / "throughput.yaml", base, {"train": {"steps": STEPS, "device_time": DEVICE_TIME}}
     )
-    wide_cfg = _write(tmp / "wide.yaml", base, WIDE)
+    wide_cfgs = {}
+    for j, (link, mb_s) in enumerate(LINKS.items()):
+        slow = {"state_bandwidth": mb_s, "steps": LINK_STEPS} if mb_s else {}
+        train = {**WIDE["train"], **slow}
+        wide_cfgs[link] = _write(tmp / f"wide-{j}.yaml", base, {**WIDE, "train": train})
     fault = ["--fault", f"kill,rank=1,at_step={FAULT_STEP}"]
     runs: dict[str, list[dict[str, Any]]] = {v: [] for v in VARIANTS}
-    mttr: dict[str, list[dict[str, Any]]] = {"async": [], "blocking": []}
+    mttr: dict[str, list[dict[str, Any]]] = {_mode(m, link): [] for link in LINKS
+                                             for m in ("async", "blocking")}  # fmt: skip
     for i in range(1, repeat + 1):
         for name, args in VARIANTS.items():
             run_dir = tmp / f"{name}-{i}"
@@ -80,18 +89,20 @@ def run(repeat: int, config: Path) -> dict[str, Any]:
             console.print(
                 f"run {i}/{repeat} {name}: {runs[name][-1]['samples_per_s']:.1f} samples/s"
             )
-        for mode in mttr:
-            run_dir = tmp / f"wide-{mode}-{i}"
-            extra = ["--pp", "2", "--migration", mode, "--fault", "kill,rank=1,at_step=6"]
-            elaswave_launch(
-                wide_cfg,
-                run_dir,
-                f"bench-pp-wide-{mode}-{os.getpid()}-{i}",
-                env=env,
-                extra_args=extra,
-            )
-            mttr[mode].append(_incident(run_dir))
-            console.print(f"run {i}/{repeat} wide {mode}: MTTR {ms(mttr[mode][-1]['mttr_s'])} ms")
+        for j, link in enumerate(LINKS):
+            for mode in ("async", "blocking"):
+                run_dir = tmp / f"wide-{mode}-{j}-{i}"
+                extra = ["--pp", "2", "--migration", mode, "--fault", "kill,rank=1,at_step=6"]
+                elaswave_launch(
+                    wide_cfgs[link],
+                    run_dir,
+                    f"bench-pp-wide-{mode}-{j}-{os.getpid()}-{i}",
+                    env=env,
+                    extra_args=extra,
+                )
+                key = _mode(mode, link)
+                mttr[key].append(_incident(run_dir))
+                console.print(f"run {i}/{repeat} wide {key}: MTTR {ms(mttr[key][-1]['mttr_s'])} ms")
     shutil.rmtree(tmp, ignore_errors=True)
     tput = {v: summarize(r["samples_per_s"] for r in rs) for v, rs in runs.items()}
     healthy = tput["healthy"]["median"]
@@ -106,7 +117,11 @@ def run(repeat: int, config: Path) -> dict[str, Any]:
         }
         for m, rs in mttr.items()
     }
-    a, b = mttr_summary["async"]["mttr_s"]["median"], mttr_summary["blocking"]["mttr_s"]["median"]
+    change = {}  # per link: async MTTR / blocking MTTR - 1, by medians
+    for link in LINKS:
+        a = mttr_summary[_mode("async", link)]["mttr_s"]["median"]
+        b = mttr_summary[_mode("blocking", link)]["mttr_s"]["median"]
+        change[link] = (a / b - 1.0) if a and b else None
     return {
         "scenario": "pipeline",
         "command": launch_command(
@@ -121,7 +136,8 @@ def run(repeat: int, config: Path) -> dict[str, Any]:
         "reshard_over_drop": ratio_drop,
         "reshard_over_ideal": ratio_ideal,
         "mttr": mttr_summary,
-        "async_mttr_change": (a / b - 1.0) if a and b else None,
+        "links_mb_s": LINKS,
+        "async_mttr_change": change,
         "goal": {
             "reshard_over_drop": GOAL_VS_DROP,
             "reshard_over_ideal": GOAL_VS_IDEAL,
@@ -133,6 +149,10 @@ def run(repeat: int, config: Path) -> dict[str, Any]:
             ),
         },
     }
+
+
+def _mode(migration: str, link: str) -> str:
+    return migration if link == "loopback" else f"{migration} @ {link}"
 
 
 def _write(path: Path, base: dict[str, Any], changes: dict[str, Any]) -> Path:
@@ -204,5 +224,8 @@ def show(result: dict[str, Any]) -> None:
     console.print(
         f"reshard / drop = {r['reshard_over_drop']:.2f} (goal ≥ {goal['reshard_over_drop']}), "
         f"reshard / ideal = {r['reshard_over_ideal']:.2f} (goal ≥ {goal['reshard_over_ideal']}) "
-        f"— {verdict}; async MTTR vs blocking {r['async_mttr_change']:+.0%}"
+        f"— {verdict}; async MTTR vs blocking: "
+        + ", ".join(
+            f"{c:+.0%} ({link})" for link, c in r["async_mttr_change"].items() if c is not None
+        )
     )

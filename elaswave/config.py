@@ -91,6 +91,10 @@ class TrainConfig:
     # each worker sleeps its share, so that N workers on fewer cores behave like N devices.
     # For benchmarks of post-change throughput on small machines; 0 (default) = off.
     device_time: float = 0.0
+    # Emulated bandwidth (MB/s) of the links that pipeline layer state migrates over: a receiver
+    # waits bytes / bandwidth after its copy lands, as if moving a large model's state over a
+    # real link. For benchmarks of migration MTTR on small machines; 0 (default) = off.
+    state_bandwidth: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("steps", "global_batch", "micro_batch_size", "threads_per_worker"):
@@ -104,8 +108,9 @@ class TrainConfig:
             raise ConfigError(
                 f"train.reduce_dtype must be float32 or float64, got {self.reduce_dtype!r}"
             )
-        if not self.device_time >= 0:
-            raise ConfigError(f"train.device_time must be >= 0, got {self.device_time}")
+        for name in ("device_time", "state_bandwidth"):
+            if not getattr(self, name) >= 0:  # also rejects NaN
+                raise ConfigError(f"train.{name} must be >= 0, got {getattr(self, name)}")
         if not self.lr > 0:  # also rejects NaN
             raise ConfigError(f"train.lr must be > 0, got {self.lr}")
 

@@ -147,6 +147,13 @@ class Pipeline:
         )
         time.sleep(seconds * self.cost_share(layers) * part * scale)
 
+    def link_pause(self, received: Sequence[torch.Tensor]) -> None:
+        """Emulated link (``train.state_bandwidth``): the time migrated state would take to
+        arrive over a link of that bandwidth."""
+        mb_per_s = self.e.cfg.train.state_bandwidth
+        if mb_per_s > 0:
+            time.sleep(sum(t.numel() * t.element_size() for t in received) / (mb_per_s * 1e6))
+
     def set_clocks(self) -> dict[str, Any] | None:
         """After a layout change: the frequency plan of this rank's replica (pure policy), applied
         to this rank's device. Returns the plan's summary (for the replica's first stage)."""
@@ -598,6 +605,7 @@ class Pipeline:
     def _move_now(self, transfers: list[LayerTransfer], broken: Callable[[], bool]) -> int:
         sends, recvs, regions = self._messages(transfers)
         received = self.exchange(sends, recvs, broken)
+        self.link_pause(received)
         for region, payload in zip(regions, received, strict=True):
             self._land(region, payload)
         return sum(p.numel() * p.element_size() for p in received)
@@ -625,6 +633,7 @@ class Pipeline:
             try:
                 for w in works:
                     w.wait()
+                self.link_pause([p for _, p, _ in recvs])
                 m.landed.extend(zip(lands, (p for _, p, _ in recvs), strict=True))
             except BaseException as exc:  # a fault: the next plan voids this migration
                 m.error.append(exc)

@@ -230,6 +230,7 @@ def sync(
     sends_p, recvs_p, got_p = gather_messages(param_pieces, rank, e.flat.data)
     sends_m, recvs_m, got_m = moment_messages(moment_pieces, rank, pipe.store)
     received = pipe.exchange(sends_p + sends_m, recvs_p + recvs_m, broken)
+    pipe.link_pause(received)
     for piece, payload in zip(got_p, received[: len(got_p)], strict=True):
         e.flat.data[piece.start : piece.stop].copy_(payload)
     for piece, payload in zip(got_m, received[len(got_p) :], strict=True):

@@ -173,6 +173,8 @@ def test_missing_config_file(tmp_path: Path) -> None:
         ({"timeouts.collective": float("nan")}, "timeouts.collective"),
         ({"timeouts.lease_ttl": 0}, "timeouts.lease_ttl"),
         ({"train.reduce_dtype": "float16"}, "reduce_dtype"),
+        ({"train.device_time": -0.1}, "train.device_time"),
+        ({"train.state_bandwidth": float("nan")}, "train.state_bandwidth"),
         ({"data.source": "tokens"}, "data.path"),
         ({"job_id": "has space"}, "job_id"),
         ({"etcd_port": 70000}, "etcd_port"),
