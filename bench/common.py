@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import yaml
 from rich.console import Console
 from rich.table import Table
 
@@ -42,6 +43,16 @@ def summarize(values: Iterable[float | None]) -> dict[str, float | int | None]:
 
 def diffs(values: Sequence[float]) -> list[float]:
     return [b - a for a, b in zip(values[:-1], values[1:], strict=True)]
+
+
+# ---- configs ------------------------------------------------------------------------------------
+def write_config(path: Path, config: Path, changes: Mapping[str, Mapping[str, Any]]) -> Path:
+    """``config`` with ``changes`` merged into its sections, written to ``path``."""
+    data = yaml.safe_load(config.read_text())
+    for section, values in changes.items():
+        data.setdefault(section, {}).update(values)
+    path.write_text(yaml.safe_dump(data))
+    return path
 
 
 # ---- processes ---------------------------------------------------------------------------------

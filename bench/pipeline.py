@@ -30,8 +30,6 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from bench.common import (
     BenchError,
     bench_env,
@@ -42,6 +40,7 @@ from bench.common import (
     print_table,
     read_jsonl,
     summarize,
+    write_config,
 )
 
 DESCRIPTION = "dp×pp stage loss: reshard vs drop-the-replica throughput, async vs blocking MTTR"
@@ -65,15 +64,14 @@ GOAL_VS_IDEAL = 0.9
 def run(repeat: int, config: Path) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="elaswave-bench-pipeline-"))
     env = bench_env(tmp / "state")
-    base = yaml.safe_load(config.read_text())
-    tput_cfg = _write(
-        tmp / "throughput.yaml", base, {"train": {"steps": STEPS, "device_time": DEVICE_TIME}}
+    tput_cfg = write_config(
+        tmp / "throughput.yaml", config, {"train": {"steps": STEPS, "device_time": DEVICE_TIME}}
     )
     wide_cfgs = {}
     for j, (link, mb_s) in enumerate(LINKS.items()):
         slow = {"state_bandwidth": mb_s, "steps": LINK_STEPS} if mb_s else {}
         train = {**WIDE["train"], **slow}
-        wide_cfgs[link] = _write(tmp / f"wide-{j}.yaml", base, {**WIDE, "train": train})
+        wide_cfgs[link] = write_config(tmp / f"wide-{j}.yaml", config, {**WIDE, "train": train})
     fault = ["--fault", f"kill,rank=1,at_step={FAULT_STEP}"]
     runs: dict[str, list[dict[str, Any]]] = {v: [] for v in VARIANTS}
     mttr: dict[str, list[dict[str, Any]]] = {_mode(m, link): [] for link in LINKS
@@ -153,14 +151,6 @@ def run(repeat: int, config: Path) -> dict[str, Any]:
 
 def _mode(migration: str, link: str) -> str:
     return migration if link == "loopback" else f"{migration} @ {link}"
-
-
-def _write(path: Path, base: dict[str, Any], changes: dict[str, Any]) -> Path:
-    data = {k: (dict(v) if isinstance(v, dict) else v) for k, v in base.items()}
-    for section, values in changes.items():
-        data.setdefault(section, {}).update(values)
-    path.write_text(yaml.safe_dump(data))
-    return path
 
 
 def _throughput(run_dir: Path, *, faulted: bool) -> dict[str, Any]:

@@ -25,8 +25,6 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from bench.common import (
     BenchError,
     bench_env,
@@ -37,6 +35,7 @@ from bench.common import (
     print_table,
     read_jsonl,
     summarize,
+    write_config,
 )
 
 DESCRIPTION = "dp=3×pp=2: ZeRO-1 inside stages vs replicated — state bytes, step time, MTTR"
@@ -62,11 +61,7 @@ VARIANTS = {
 def run(repeat: int, config: Path) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="elaswave-bench-stagezero-"))
     env = bench_env(tmp / "state")
-    base = yaml.safe_load(config.read_text())
-    for section, values in WIDE.items():
-        base.setdefault(section, {}).update(values)
-    cfg = tmp / "wide.yaml"
-    cfg.write_text(yaml.safe_dump(base))
+    cfg = write_config(tmp / "wide.yaml", config, WIDE)
     runs: dict[str, list[dict[str, Any]]] = {v: [] for v in VARIANTS}
     for i in range(1, repeat + 1):
         for name, args in VARIANTS.items():
