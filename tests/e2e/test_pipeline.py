@@ -79,9 +79,11 @@ def test_stage_loss_async_then_second_fault(
 def test_middle_stage_loss_blocking_is_bit_identical(tmp_path: Path, state_env: dict) -> None:
     """dp=2 × pp=3: the middle stage of replica 0 dies; its layers are split over the two
     surviving stages with a blocking migration. In the deterministic mode (float64 reduction)
-    every loss and the final model are bit-identical to a fault-free data-parallel run."""
+    every loss and the final model are bit-identical to a fault-free data-parallel run. The
+    layers travel over an emulated 20 MB/s link: receivers wait at least bytes / bandwidth."""
+    env = {**state_env, "ELASWAVE_TRAIN__STATE_BANDWIDTH": "20"}
     run = _bit_identical_to_data_parallel(
-        tmp_path, state_env, 8, "--job-id", "pp-mid", "--pp", "3", "--nproc-per-node", "6",
+        tmp_path, env, 8, "--job-id", "pp-mid", "--pp", "3", "--nproc-per-node", "6",
         "--migration", "blocking", "--fault", "kill,rank=1,at_step=4",
     )  # fmt: skip
     plans = _pipeline_plans(run)
@@ -93,6 +95,10 @@ def test_middle_stage_loss_blocking_is_bit_identical(tmp_path: Path, state_env: 
     assert {e["migration"] for e in synced} == {"blocking"}
     moved = synced[0]["layer_transfers"]
     assert moved and all(t["dst"] in (0, 1) for t in moved)  # replica 0's survivors receive
+    receivers = [e for e in synced if e["bytes_received"]]
+    assert receivers and all(
+        e["migration_seconds"] >= e["bytes_received"] / 20e6 for e in receivers
+    ), receivers
 
 
 @pytest.mark.parametrize("migration", ["async", "blocking"])
