@@ -61,7 +61,7 @@ from elaswave.runtime.stageshards import (
     moment_duty,
     part_keepers,
 )
-from elaswave.runtime.stagestate import Migration, Undo, bounds_of, range_of
+from elaswave.runtime.stagestate import Migration, Undo, bounds_of, range_of, unpack_into
 from elaswave.runtime.stagetimes import StageTimer, cpu_wait_seconds
 from elaswave.runtime.stagezero import (
     MomentStore,
@@ -612,10 +612,7 @@ class Pipeline:
 
     def _land(self, region: slice, payload: torch.Tensor) -> None:
         e = self.e
-        k = region.stop - region.start
-        e.flat.data[region].copy_(payload[:k])
-        e.opt.exp_avg[region].copy_(payload[k : 2 * k])
-        e.opt.exp_avg_sq[region].copy_(payload[2 * k :])
+        unpack_into(payload, (e.flat.data[region], e.opt.exp_avg[region], e.opt.exp_avg_sq[region]))
 
     def start_migration(
         self,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -61,3 +61,12 @@ def bounds_of(layers: range | None) -> tuple[float, float]:
 
 def range_of(start: float, stop: float) -> range | None:
     return range(int(start), int(stop)) if start >= 0 else None
+
+
+def unpack_into(payload: torch.Tensor, targets: Sequence[torch.Tensor]) -> None:
+    """Copy consecutive pieces of ``payload`` (``torch.cat`` of tensors shaped like
+    ``targets``) into ``targets``."""
+    offset = 0
+    for t in targets:
+        t.copy_(payload[offset : offset + t.numel()])
+        offset += t.numel()

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from elaswave.runtime.stagestate import unpack_into
 from elaswave.runtime.verify import judge_copies
 from elaswave.runtime.zero import fast_checksum
 
@@ -113,9 +114,6 @@ def verify(pipe: Pipeline, step: int, broken: Callable[[], bool]) -> list[dict[s
             lands.append(u)
     if sends or recvs:
         for u, got in zip(lands, pipe.exchange(sends, recvs, broken), strict=True):
-            offset = 0
-            for t in tensors(pipe, u):
-                t.copy_(got[offset : offset + t.numel()])
-                offset += t.numel()
+            unpack_into(got, tensors(pipe, u))
         record(pipe, step)
     return findings

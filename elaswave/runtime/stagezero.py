@@ -36,7 +36,7 @@ from elaswave.runtime.stageshards import (
     plan_piece_transfers,
     subtract,
 )
-from elaswave.runtime.stagestate import Migration, bounds_of, range_of
+from elaswave.runtime.stagestate import Migration, bounds_of, range_of, unpack_into
 from elaswave.runtime.zero import digest
 
 if TYPE_CHECKING:
@@ -86,10 +86,7 @@ class MomentStore:
         return torch.cat([m, v])
 
     def unpack(self, start: int, stop: int, payload: torch.Tensor) -> None:
-        m, v = self.view(start, stop)
-        k = stop - start
-        m.copy_(payload[:k])
-        v.copy_(payload[k:])
+        unpack_into(payload, self.view(start, stop))
 
     def fill_from(self, other: MomentStore) -> None:
         """Copy every element both stores keep from ``other``."""
@@ -283,21 +280,13 @@ def _start_migration(
 
     m.switch = switch
     params = e.flat.data
-    sends = [(p.dst, params[p.start : p.stop].clone(), TAG_PARAM) for p in param_pieces
-             if p.src == rank]  # fmt: skip
-    sends += [(p.dst, pipe.store.packed(p.start, p.stop), TAG_MOMENT) for p in moment_pieces
-              if p.src == rank]  # fmt: skip
-    recvs: list[Any] = []
-    lands: list[Callable[[torch.Tensor], object]] = []
-    for p in param_pieces:
-        if p.dst == rank:
-            recvs.append((p.src, torch.empty(p.stop - p.start), TAG_PARAM))
-            lands.append(params[p.start : p.stop].copy_)
-    for p in moment_pieces:
-        if p.dst == rank:
-            recvs.append((p.src, torch.empty(2 * (p.stop - p.start)), TAG_MOMENT))
-            lands.append(partial(m.store.unpack, p.start, p.stop))
-    pipe.start_migration(m, sends, recvs, lands)
+    sends_p, recvs_p, got_p = gather_messages(param_pieces, rank, params)
+    sends_m, recvs_m, got_m = moment_messages(moment_pieces, rank, pipe.store)
+    # Parameters are sent as a copy: training goes on while the message is in flight.
+    sends = [(dst, t.clone(), tag) for dst, t, tag in sends_p] + sends_m
+    lands: list[Callable[[torch.Tensor], object]] = [params[p.start : p.stop].copy_ for p in got_p]
+    lands += [partial(m.store.unpack, p.start, p.stop) for p in got_m]
+    pipe.start_migration(m, sends, recvs_p + recvs_m, lands)
 
 
 def assemble(pipe: Pipeline, broken: Callable[[], bool]) -> tuple[torch.Tensor, bool]:
