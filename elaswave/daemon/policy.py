@@ -194,8 +194,9 @@ def pipeline_straggler_verdict(
     plan = respeed_pipeline_plan(current, speeds, costs, store=store, now=now)
     if plan is None:
         return PipelineVerdict(reason="balanced", slowdown=slowdown, stragglers=slow)
-    now_s = predicted_step(current.bounds, current.shares, stage_speeds(current, speeds), costs)
-    new_s = predicted_step(plan.bounds, plan.shares, stage_speeds(current, speeds), costs)
+    per_stage = stage_speeds(current, speeds)  # the same ranks and replicas in both layouts
+    now_s = predicted_step(current.bounds, current.shares, per_stage, costs)
+    new_s = predicted_step(plan.bounds, plan.shares, per_stage, costs)
     if new_s > (1.0 - min_gain) * now_s:
         return PipelineVerdict(reason="balanced", slowdown=slowdown, stragglers=slow)
     who = (

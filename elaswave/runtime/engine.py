@@ -235,8 +235,10 @@ class Engine:
         """Every ``cost_every`` committed steps: this stage's measured seconds per layer, for the
         leader's next plan (``layer_costs: online``)."""
         assert self.pipe is not None and self.plan is not None
+        if step % self.cfg.cost_every:
+            return
         seconds = self.pipe.timer.snapshot()
-        if step % self.cfg.cost_every == 0 and seconds:
+        if seconds:
             self.control.send(
                 {
                     "type": "layer_costs",
