@@ -7,6 +7,8 @@ Text form (``launch --fault`` and ``ELASWAVE_FAULTS``)::
     slow,rank=3,at_step=5,delay=0.2  # from step 5 on, rank 3 is 0.2 s per step slower
     kill,rank=2,at_step=9,phase=recovery  # dies as it starts applying the plan after step 9
     kill,rank=1,at_step=3,repeat    # whoever holds rank 1 dies at step 3, every time
+    kill,rank=1,at_step=8,phase=forward,detect_delay=2  # dies before step 8's first forward;
+                                    # its daemon reports the death 2 s late
     host,host=h2                    # whole-host faults name a host instead of a rank
 
 YAML form (``faults:`` in a config)::
@@ -26,7 +28,7 @@ from typing import Any
 from elaswave.errors import FaultSpecError
 
 MAX_REQUEST_BYTES = 4096  # a fault request is a few dozen bytes of JSON
-PHASES = ("reduce", "optimizer", "recovery")
+PHASES = ("reduce", "optimizer", "recovery", "forward")
 TARGETS = ("params", "snapshot")
 
 
@@ -62,7 +64,12 @@ class FaultSpec:
     every worker that holds ``rank`` in a later plan (a respawned incarnation, a survivor that
     moved up), each firing once: a fault storm. ``delay`` (``slow`` only): extra seconds of
     compute per step at an even share of micro-batches, spread over the worker's micro-batches
-    so that it scales with its work like a slower device would.
+    so that it scales with its work like a slower device would. ``phase=forward`` fires before
+    the step's first forward (a pipeline stage has posted nothing yet, so its neighbours meet the
+    dead peer in their sends and receives). ``detect_delay`` (``kill`` only): the victim's daemon
+    reports the death that many seconds late, as a slow detector would (a host found dead only
+    when its lease expires): meanwhile the survivors meet the dead peer in the transport itself,
+    and every error they get there must latch.
     """
 
     kind: FaultKind
@@ -73,6 +80,7 @@ class FaultSpec:
     target: str = "params"  # corrupt: "params" or "snapshot" (ZeRO: a replica piece it keeps)
     delay: float | None = None  # slow: extra compute seconds per step (even share)
     repeat: bool = False  # re-arm on whichever worker holds ``rank`` in later plans
+    detect_delay: float | None = None  # kill: the death is reported this many seconds late
 
     def __post_init__(self) -> None:
         if not isinstance(self.kind, FaultKind):
@@ -108,6 +116,15 @@ class FaultSpec:
                 raise FaultSpecError(f"fault delay must be a finite number >= 0, got {self.delay}")
         elif self.delay is not None:
             raise FaultSpecError(f"delay applies to 'slow' faults only, not '{self.kind.value}'")
+        if self.detect_delay is not None:
+            if self.kind is not FaultKind.KILL:
+                raise FaultSpecError(
+                    f"detect_delay applies to 'kill' faults only, not '{self.kind.value}'"
+                )
+            if not 0 <= self.detect_delay <= 60:  # also rejects NaN
+                raise FaultSpecError(
+                    f"fault detect_delay must be between 0 and 60 seconds, got {self.detect_delay}"
+                )
 
     @classmethod
     def parse(cls, text: str) -> FaultSpec:
@@ -133,7 +150,9 @@ class FaultSpec:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, source: str = "fault spec") -> FaultSpec:
-        known = {"kind", "rank", "host", "at_step", "phase", "target", "delay", "repeat"}
+        known = {
+            "kind", "rank", "host", "at_step", "phase", "target", "delay", "repeat", "detect_delay"
+        }  # fmt: skip
         unknown = sorted(set(data) - known)
         if unknown:
             raise FaultSpecError(
@@ -151,6 +170,7 @@ class FaultSpec:
             target=str(data.get("target", "params")),
             delay=_float(data.get("delay"), "delay", source),
             repeat=_bool(data.get("repeat", False), "repeat", source),
+            detect_delay=_float(data.get("detect_delay"), "detect_delay", source),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -171,6 +191,10 @@ class FaultSpec:
         extra = f" (+{self.delay:g} s/step)" if self.delay is not None else ""
         if self.phase == "recovery":
             extra += " during recovery"
+        elif self.phase == "forward":
+            extra += " before its forward"
+        if self.detect_delay:
+            extra += f" (reported {self.detect_delay:g} s late)"
         if self.repeat:
             extra += ", repeated"
         return f"{self.kind.value} rank {self.rank}{when}{extra}"

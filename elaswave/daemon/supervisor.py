@@ -338,6 +338,8 @@ class HostDaemon:
         if w.done or w.stopping or self.stopping:
             self._check_finished()
             return
+        if w.detect_delay:  # a fault that asks for a slow detector: the survivors meanwhile
+            await asyncio.sleep(w.detect_delay)  # meet the dead peer in the transport alone
         rank = self.plan.rank_of(w.worker_id) if self.plan else None
         reason = f"worker {w.worker_id} (rank {rank}) {w.describe_exit()}"
         self.events.emit(
@@ -658,6 +660,7 @@ class HostDaemon:
             self.events.emit(
                 "fault_requested", fault=fault.to_dict(), worker=target, host=self.host_id
             )
+            w.detect_delay = max(w.detect_delay, fault.detect_delay or 0.0)
             if not needs_worker:
                 self.events.emit(
                     "fault_injected",
@@ -682,6 +685,9 @@ class HostDaemon:
         if target in sent or target not in self.workers or conn is None:
             return
         sent.add(target)
+        self.workers[target].detect_delay = max(
+            self.workers[target].detect_delay, fault.detect_delay or 0.0
+        )
         self.events.emit("fault_requested", fault=fault.to_dict(), worker=target, host=self.host_id)
         conn.send({"type": "fault", "fault": fault.to_dict()})
 

@@ -25,6 +25,7 @@ class WorkerProc:
     phase: str = "idle"
     phase_age: float = 0.0  # how long the worker had been in ``phase`` at that heartbeat
     kill_reason: str | None = None  # set when the daemon kills it (hang)
+    detect_delay: float = 0.0  # a kill fault sent to it asks for its death to be reported late
     waiter: asyncio.Task[None] | None = field(default=None, repr=False)
 
     @property

@@ -16,11 +16,13 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 
 class CommError(RuntimeError):
@@ -112,6 +114,8 @@ class Communicator:
     ) -> dist.ProcessGroupGloo:
         # A fresh store connection per build: an abandoned rendezvous may still block in its
         # own connection, and must not hold up the next one (TCPStore clients serialise calls).
+        # The store lives in the plan's first host's daemon: if that host died it refuses the
+        # connection, which is a transport error like any other (the next plan moves the store).
         prefix = dist.PrefixStore(f"epoch{epoch}/{name}", self._connect_store(store))
         opts = dist.ProcessGroupGloo._Options()
         opts._devices = [self._device]
@@ -137,12 +141,15 @@ class Communicator:
 
     def _connect_store(self, address: str) -> dist.TCPStore:
         host, _, port = address.rpartition(":")
-        store = dist.TCPStore(
-            host,
-            int(port),
-            is_master=False,
-            timeout=datetime.timedelta(seconds=self.rendezvous_timeout),
-            wait_for_workers=False,
+        store = self._call(
+            f"connecting to the rendezvous store {address}",
+            lambda: dist.TCPStore(
+                host,
+                int(port),
+                is_master=False,
+                timeout=datetime.timedelta(seconds=self.rendezvous_timeout),
+                wait_for_workers=False,
+            ),
         )
         self._graveyard.append(store)  # kept alive with the groups built on it
         return store
@@ -164,40 +171,44 @@ class Communicator:
 
     # ---- collectives ------------------------------------------------------------------------
     def allreduce(self, name: str, tensor: torch.Tensor, abort: Callable[[], bool]) -> None:
-        self._not_aborted(abort, f"allreduce on {name!r}")
-        work = self._groups[name].pg.allreduce([tensor])
-        self._finish(work, abort, f"allreduce on {name!r}")
+        what = f"allreduce on {name!r}"
+        self._not_aborted(abort, what)
+        pg = self._pg(name)
+        self._finish(self._call(what, lambda: pg.allreduce([tensor])), abort, what)
 
     def allgather(
         self, name: str, tensor: torch.Tensor, abort: Callable[[], bool]
     ) -> list[torch.Tensor]:
-        group = self._groups[name]
-        out = [torch.empty_like(tensor) for _ in group.members]
-        work = group.pg.allgather([out], [tensor])
-        self._finish(work, abort, f"allgather on {name!r}")
+        what = f"allgather on {name!r}"
+        pg = self._pg(name)
+        out = [torch.empty_like(tensor) for _ in self._groups[name].members]
+        self._finish(self._call(what, lambda: pg.allgather([out], [tensor])), abort, what)
         return out
 
     def broadcast(
         self, name: str, tensor: torch.Tensor, root: int, abort: Callable[[], bool]
     ) -> None:
+        what = f"broadcast on {name!r}"
+        pg = self._pg(name)
         opts = dist.BroadcastOptions()
         opts.rootRank = root
-        work = self._groups[name].pg.broadcast([tensor], opts)
-        self._finish(work, abort, f"broadcast on {name!r}")
+        self._finish(self._call(what, lambda: pg.broadcast([tensor], opts)), abort, what)
 
     def reduce_scatter(
         self, name: str, parts: list[torch.Tensor], out: torch.Tensor, abort: Callable[[], bool]
     ) -> None:
         """SUM-reduce ``parts[r]`` across the group into rank ``r``'s ``out``."""
-        work = self._groups[name].pg.reduce_scatter([out], [parts])
-        self._finish(work, abort, f"reduce_scatter on {name!r}")
+        what = f"reduce_scatter on {name!r}"
+        pg = self._pg(name)
+        self._finish(self._call(what, lambda: pg.reduce_scatter([out], [parts])), abort, what)
 
     def allgather_into(
         self, name: str, out: torch.Tensor, part: torch.Tensor, abort: Callable[[], bool]
     ) -> None:
         """Concatenate every rank's equally sized ``part`` into ``out`` (rank order)."""
-        work = self._groups[name].pg._allgather_base(out, part)
-        self._finish(work, abort, f"allgather on {name!r}")
+        what = f"allgather on {name!r}"
+        pg = self._pg(name)
+        self._finish(self._call(what, lambda: pg._allgather_base(out, part)), abort, what)
 
     def exchange(
         self,
@@ -223,10 +234,18 @@ class Communicator:
         sends: list[tuple[int, torch.Tensor, int]],
         recvs: list[tuple[int, torch.Tensor, int]],
     ) -> list[dist.Work]:
-        """Post point-to-point ``(peer, tensor, tag)`` sends and receives; the caller waits."""
-        pg = self._groups[name].pg
-        works = [pg.send([t], peer, tag) for peer, t, tag in sends]
-        return works + [pg.recv([t], peer, tag) for peer, t, tag in recvs]
+        """Post point-to-point ``(peer, tensor, tag)`` sends and receives; the caller waits.
+
+        Gloo writes to a peer's socket while posting a send: if that peer has died, the post
+        itself raises (``Connection closed by peer``), before any wait. That is a
+        :class:`CommError` like a failed wait."""
+        pg = self._pg(name)
+
+        def post_all() -> list[dist.Work]:
+            works = [pg.send([t], peer, tag) for peer, t, tag in sends]
+            return works + [pg.recv([t], peer, tag) for peer, t, tag in recvs]
+
+        return self._call(f"send/recv on {name!r}", post_all)
 
     def p2p(
         self,
@@ -238,6 +257,21 @@ class Communicator:
         """Post sends and receives together, then wait for all of them (interruptibly)."""
         self._not_aborted(abort, f"send/recv on {name!r}")
         self._wait_in_thread(self.post(name, sends, recvs), abort, f"send/recv on {name!r}")
+
+    def _pg(self, name: str) -> dist.ProcessGroupGloo:
+        group = self._groups.get(name)
+        if group is None:  # a rebuild of this group failed: nothing to run it on
+            raise CommError(f"group {name!r} is not built (its rendezvous failed)")
+        return group.pg
+
+    def _call(self, what: str, fn: Callable[[], _T]) -> _T:
+        """Run ``fn`` (posting work to the transport, or connecting to the store). Whatever it
+        raises is a transport error: the groups are suspect and the step's error latches."""
+        try:
+            return fn()
+        except Exception as exc:
+            self.mark_broken()
+            raise CommError(f"{what} failed: {_one_line(exc)}") from None
 
     def _not_aborted(self, abort: Callable[[], bool], what: str) -> None:
         """Never start a collective with a group a newer plan has already broken: a member that
@@ -261,11 +295,7 @@ class Communicator:
             return
         future.add_done_callback(finished)
         self._wait(done, wake, abort, self.collective_timeout, what)
-        try:
-            work.wait()
-        except RuntimeError as exc:
-            self.mark_broken()
-            raise CommError(f"{what} failed: {_one_line(exc)}") from None
+        self._call(what, work.wait)
 
     def _wait_in_thread(self, works: list[dist.Work], abort: Callable[[], bool], what: str) -> None:
         """Gloo point-to-point work progresses only inside ``wait()``: run those waits in one

@@ -40,9 +40,14 @@ class ControlClient:
 
     # ---- outgoing ---------------------------------------------------------------------------
     def send(self, msg: dict[str, Any]) -> None:
+        """Best effort: if the daemon is gone the reader thread ends this process; a report
+        that cannot be sent must not end it first with a traceback from the training loop."""
         data = wire.encode(msg)
         with self._send_lock:
-            self._sock.sendall(data)
+            try:
+                self._sock.sendall(data)
+            except OSError as exc:
+                log.warning("control channel: could not send %s: %s", msg.get("type"), exc)
 
     def start_heartbeat(self, interval: float, probe: Callable[[], dict[str, Any]]) -> None:
         """Send ``{"type": "hb", **probe()}`` every ``interval`` seconds from a daemon thread.

@@ -258,6 +258,7 @@ class Engine:
         buf = self.buffer
         buf.zero_()
         self._enter("compute")
+        self._fire_faults(step, "forward")
         waited = cpu_wait_seconds()
         every = microbatches(t.seed, step, t.global_batch, t.micro_batch_size, self.num_samples)
         if self.pipe is not None:
@@ -528,7 +529,7 @@ class Engine:
             # Without ZeRO there is no separate optimizer phase: every step fault lands before
             # the gradient reduction.
             sharded = self.zero is not None or (self.pipe is not None and self.pipe.zero)
-            own_phase = sharded or fault.phase == "recovery"
+            own_phase = sharded or fault.phase in ("recovery", "forward")
             aimed_at = fault.phase if own_phase else "reduce"
             if aimed_at != phase:
                 continue

@@ -25,7 +25,9 @@ from elaswave.daemon.etcd import Etcd
 from elaswave.daemon.etcd_server import etcd_binary, free_port
 
 PREFIX = "/elaswave/failover/"
-OP_TIMEOUT = 1.0
+# Above a loaded 2-core machine's commit latency: a call to a slow but live member must not
+# time out and be retried there (a put it already applied would be applied twice).
+OP_TIMEOUT = 3.0
 
 
 def _healthy(metrics: str) -> bool:

@@ -164,6 +164,10 @@ def test_describe(spec: FaultSpec, text: str) -> None:
         ("kill,rank=1,at_step=3,repeat", FaultSpec(kind="kill", rank=1, at_step=3, repeat=True)),
         ("kill,rank=1,repeat=true", FaultSpec(kind="kill", rank=1, repeat=True)),
         ("kill,rank=1,repeat=no", FaultSpec(kind="kill", rank=1)),
+        (
+            "kill,rank=1,at_step=8,phase=forward,detect_delay=2",
+            FaultSpec(kind="kill", rank=1, at_step=8, phase="forward", detect_delay=2.0),
+        ),
     ],
 )
 def test_slow_recovery_and_repeat_round_trip(text: str, expected: FaultSpec) -> None:
@@ -186,6 +190,9 @@ def test_slow_recovery_and_repeat_round_trip(text: str, expected: FaultSpec) -> 
         ("hang,rank=1,delay=1", "delay applies to 'slow' faults only, not 'hang'"),
         ("kill,rank=1,phase=later", "fault phase must be one of"),
         ("kill,rank=1,repeat=maybe", "repeat must be true or false"),
+        ("hang,rank=1,detect_delay=1", "detect_delay applies to 'kill' faults only"),
+        ("kill,rank=1,detect_delay=-1", "detect_delay must be between 0 and 60"),
+        ("kill,rank=1,detect_delay=nan", "detect_delay must be between 0 and 60"),
     ],
 )
 def test_slow_recovery_and_repeat_errors(text: str, fragment: str) -> None:
