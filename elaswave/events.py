@@ -10,7 +10,7 @@ import json
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +32,19 @@ class JsonlWriter:
         with self._lock:
             self._file.write(line + "\n")
             self._file.flush()
+
+    def keep_only(self, keep: Callable[[dict[str, Any]], bool]) -> None:
+        """Rewrite the file with the records ``keep`` accepts (atomically: a new file renamed
+        over the old one), then go on appending."""
+        with self._lock:
+            self._file.close()
+            records = [r for r in read_jsonl(self.path) if keep(r)]
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            with open(tmp, "w", encoding="utf-8") as f:
+                for r in records:
+                    f.write(json.dumps(r, sort_keys=True, separators=(",", ":")) + "\n")
+            os.replace(tmp, self.path)
+            self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
 
     def close(self) -> None:
         with self._lock:

@@ -34,7 +34,7 @@ def build_report(run_dir: str | Path) -> dict[str, Any]:
     used_exits: set[int] = set()
     for i, ev in enumerate(events):
         if ev["kind"] == "fault_injected" and ev.get("fault", {}).get("kind") == "corrupt":
-            incidents.append(_corruption(ev, events[i:]))
+            incidents.append(_corruption(ev, events[i:], metrics))
         elif ev["kind"] == "fault_injected":
             victim = ev.get("worker")
             exit_ev = _first(
@@ -68,8 +68,11 @@ def _first(items: list[dict[str, Any]], pred: Any) -> dict[str, Any] | None:
     return next((e for e in items if pred(e)), None)
 
 
-def _corruption(fault: dict[str, Any], events: list[dict[str, Any]]) -> dict[str, Any]:
-    """A silent-corruption incident: injected → detected by verification → repaired."""
+def _corruption(
+    fault: dict[str, Any], events: list[dict[str, Any]], metrics: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """A silent-corruption incident: injected → detected by verification → rolled back to the
+    known-good state and redone up to the detecting step (or, without one, repaired)."""
     t0 = fault["t"]
     detected = _first(events, lambda e: e["kind"] == "sdc_detected" and e["t"] >= t0)
     after = (detected or fault)["t"]
@@ -91,7 +94,25 @@ def _corruption(fault: dict[str, Any], events: list[dict[str, Any]]) -> dict[str
     if detected:
         inc["detection_s"] = round(detected["t"] - t0, 6)
         inc["reason"] += f"; detected at step {detected.get('step')} ({detected.get('what')})"
-    if detected and repaired:
+    rolled = _first(
+        events, lambda e: e["kind"] == "sdc_rolled_back" and e["t"] >= after
+    ) if detected else None  # fmt: skip
+    if detected and rolled:
+        # Back on the fault-free trajectory once the detecting step is committed again.
+        again = _first(
+            metrics, lambda m: m.get("step") == rolled["step"] and m.get("time", 0) >= rolled["t"]
+        )
+        inc["state_s"] = round(rolled["t"] - detected["t"], 6)
+        inc["recomputed_steps"] = rolled.get("redone_steps")
+        inc["reason"] += (
+            f" → rolled back to the known-good step {rolled.get('to_step')}, "
+            f"{rolled.get('redone_steps')} steps redone"
+        )
+        if again is not None:
+            inc["redo_s"] = round(again["time"] - rolled["t"], 6)
+            inc["mttr_s"] = round(again["time"] - t0, 6)
+            inc["first_commit_step"] = again["step"]
+    elif detected and repaired:
         inc["state_s"] = round(repaired["t"] - detected["t"], 6)
         inc["mttr_s"] = round(repaired["t"] - t0, 6)
         inc["reason"] += " → repaired from a good copy"

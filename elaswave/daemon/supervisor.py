@@ -435,6 +435,8 @@ class HostDaemon:
             w.phase_age = float(msg.get("phase_age", 0.0))
         elif kind == "commit":
             await self._record_commit(msg)
+        elif kind == "rollback":
+            self._roll_back_metrics(int(msg["step"]))
         elif kind == "compute":
             epoch, samples = self.compute.get(w.worker_id, (0, []))
             if int(msg["epoch"]) != epoch:
@@ -489,6 +491,15 @@ class HostDaemon:
         progress = {**record, "samples_per_s": rate, "total_steps": self.cfg.train.steps}
         with contextlib.suppress(Exception):
             await self.etcd.put_json(self.keys.progress, progress)
+
+    def _roll_back_metrics(self, step: int) -> None:
+        """Silent corruption rolled the job back to ``step``: the steps after it are redone, and
+        their first records (computed from a corrupt state) give way to the redone ones."""
+        if step >= self.last_metric_step:
+            return
+        self.metrics.keep_only(lambda r: int(r.get("step", 0)) <= step)
+        self.last_metric_step = step
+        self.commit_times.clear()
 
     async def _watch_done(self) -> None:
         """A host whose workers are all standbys finishes when the job does."""

@@ -97,6 +97,26 @@ class DurableCheckpoints:
             self._pending.result()
             self._pending = None
 
+    def discard_after(self, step: int) -> None:
+        """Remove the checkpoints newer than ``step`` (saved from a state a later check found
+        corrupt) and point ``LATEST`` at the newest one left, if any."""
+        self.flush()
+        if not self.dir.is_dir():
+            return
+        left = []
+        for path in sorted(self.dir.glob("step-*")):
+            if int(path.name.removeprefix("step-")) > step:
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                left.append(path)
+        marker = self.dir / LATEST
+        if left:
+            tmp = self.dir / f".{LATEST}.tmp"
+            tmp.write_text(left[-1].name)
+            os.replace(tmp, marker)
+        else:
+            marker.unlink(missing_ok=True)
+
 
 def latest(directory: str | os.PathLike[str]) -> Path | None:
     """The newest complete checkpoint under ``directory``, if any."""

@@ -42,11 +42,12 @@ from elaswave.runtime.model import GPT, GPTConfig
 from elaswave.runtime.optim import AdamWHyper, FlatAdamW, FlatParams
 from elaswave.runtime.pipeline import MIG, Pipeline
 from elaswave.runtime.rng import MicrobatchRng
+from elaswave.runtime.rollback import NONE, KnownGood, rollback_verdict
 from elaswave.runtime.shards import ShardLayout
 from elaswave.runtime.stageshards import LayersLost
 from elaswave.runtime.stagetimes import cpu_wait_seconds
 from elaswave.runtime.verify import flip_bit, judge
-from elaswave.runtime.zero import ShardLost, ZeroState, digest
+from elaswave.runtime.zero import ShardLost, ZeroState, digest, fast_checksum
 
 log = logging.getLogger(__name__)
 
@@ -155,6 +156,11 @@ class Engine:
         self.replan = True  # apply a (newer) plan before the next step
         self.phase, self.phase_since = "idle", time.monotonic()
         self._slow_started: list[FaultSpec] = []  # slow faults already announced
+        # Silent corruption (see rollback.py): the whole state after the last clean check, the
+        # CRC of the parameters as last committed, and whether they changed at rest since.
+        self.good: KnownGood | None = None
+        self._seal: int | None = None
+        self._tainted = False
         control.start_heartbeat(cfg.timeouts.heartbeat, self._heartbeat)
 
     def _enter(self, phase: str) -> None:
@@ -201,8 +207,11 @@ class Engine:
         return EXIT_OK
 
     def begin_step(self) -> None:
+        if self._seal_broken():
+            self._tainted = True  # changed at rest: the next check rolls everyone back
         if self.replan:
             self._recover()
+            self._reseal()
 
     def commit_step(self, result: StepResult) -> None:
         assert self.plan is not None
@@ -363,6 +372,7 @@ class Engine:
 
     def _after_commit(self, step: int) -> None:
         """Silent-corruption faults land on committed state; verification looks for them."""
+        self._reseal()
         for fault in list(self.control.faults):
             if fault.kind is FaultKind.CORRUPT and (fault.at_step or 0) <= step:
                 self.control.faults.remove(fault)
@@ -370,11 +380,12 @@ class Engine:
         every = self.cfg.verify_every
         if every and step % every == 0:
             self._enter("collective")
-            if self.pipe is not None:
-                self._verify_stages(step)
-            else:
-                self._verify(step)
+            tainted = self._tainted or self._seal_broken()  # before a repair rewrites anything
+            found = self._verify_stages(step) if self.pipe is not None else self._verify(step)
+            rolled_back = self._settle_check(step, found, tainted)
             self._enter("idle")
+            if rolled_back:
+                return  # the main loop redoes the steps since the known-good state
         if self.durable is not None and step % self.cfg.durable_every == 0:
             self._enter("collective")
             self._save_durable(step)
@@ -411,6 +422,14 @@ class Engine:
     ) -> dict[str, Any]:
         """Load a durable checkpoint into this rank (any world size) and report it."""
         state = self._load_durable(path, lost_from, reason)
+        self._adopt_whole(state, plan, broken)
+        return {"resume_step": state.step, "source_rank": -1, "bytes": 0, "durable": str(path)}
+
+    def _adopt_whole(
+        self, state: durable.DurableState, plan: Plan, broken: Callable[[], bool]
+    ) -> None:
+        """Take the whole training state (a durable checkpoint, the known-good state) into this
+        rank: data parallelism keeps all of it, ZeRO its shard in a fresh even layout."""
         self.flat.data.copy_(state.params)
         if self.zero is not None:
             self.zero.restore_full(
@@ -422,7 +441,6 @@ class Engine:
             self.opt.exp_avg_sq.copy_(state.exp_avg_sq)
             self.opt.step_count = state.step
         self.step, self.last_loss = state.step, state.loss
-        return {"resume_step": state.step, "source_rank": -1, "bytes": 0, "durable": str(path)}
 
     def _load_durable(self, path: Path, lost_from: int, reason: str) -> durable.DurableState:
         """Read a durable checkpoint (every rank reads all of it) and report the restore."""
@@ -458,8 +476,9 @@ class Engine:
         flip_bit(tensor, index)
         return f"{name}[{index}]"
 
-    def _verify(self, step: int) -> None:
-        """Compare checksums of replicated data across ranks; repair any disagreeing copy."""
+    def _verify(self, step: int) -> bool:
+        """Compare checksums of replicated data across ranks; repair any disagreeing copy.
+        True when something was found."""
         broken = self._group_broken
         z = self.zero
         parts = [self.flat.data] if z else [self.flat.data, self.opt.exp_avg, self.opt.exp_avg_sq]
@@ -494,19 +513,118 @@ class Engine:
                 )  # fmt: skip
                 z.repair(self.comm, bad_own, bad_replica, broken)
                 say("sdc_repaired", step=step, what="zero shard copy")
+                return True
+        return bool(verdict.bad)
 
-    def _verify_stages(self, step: int) -> None:
+    def _verify_stages(self, step: int) -> bool:
         """Pipelines: every layer's and moment part's copies compared, bad ones repaired."""
         assert self.pipe is not None and self.plan is not None
         findings = stageverify.verify(self.pipe, step, self._group_broken)
         if self.comm.rank(DP) != 0:
-            return
+            return bool(findings)
         workers = self.plan.workers
         for f in findings:
             named = [workers[r] for r in f["ranks"]]
             self.control.event("sdc_detected", step=step, workers=named, **f)
             if f["source_rank"] is not None:
                 self.control.event("sdc_repaired", step=step, what=f["what"], ranks=f["ranks"])
+        return bool(findings)
+
+    # ---- silent corruption: the seal, the known-good state, the rollback ---------------------
+    def _rest_checksum(self) -> int:
+        """CRC of the parameters this rank computes with (a pipeline stage: its held layers)."""
+        if self.pipe is not None:
+            held = self.pipe.span(self.pipe.held) if self.pipe.held else slice(0, 0)
+            return fast_checksum(self.flat.data[held])
+        return fast_checksum(self.flat.data)
+
+    def _seal_broken(self) -> bool:
+        return self._seal is not None and self._rest_checksum() != self._seal
+
+    def _reseal(self) -> None:
+        if self.cfg.verify_every and self.plan is not None:
+            self._seal = self._rest_checksum()
+
+    def _settle_check(self, step: int, found: bool, tainted: bool) -> bool:
+        """After a check at ``step`` (``found``: copies disagreed on some rank; ``tainted``: this
+        rank's parameters changed at rest): keep the state as known good when every rank is
+        clean; otherwise roll every rank back to the known-good state (True) so that the steps
+        since are redone."""
+        assert self.plan is not None
+        broken = self._group_broken
+        good = self.good.step if self.good is not None else NONE
+        mine = torch.tensor([int(tainted), int(found), good], dtype=torch.int64)
+        rows = [r.tolist() for r in self.comm.allgather(DP, mine, broken)]
+        hit = [r for r, row in enumerate(rows) if row[0]]
+        rank0 = self.comm.rank(DP) == 0
+        found_any = any(row[1] for row in rows)
+        if hit and rank0 and not found_any:  # only the seal saw it (the copies agree again)
+            self.control.event(
+                "sdc_detected", step=step, what="parameters changed at rest", ranks=hit,
+                workers=[self.plan.workers[r] for r in hit], source_rank=None,
+            )  # fmt: skip
+        if not hit and not found_any:
+            self._capture_good(step)
+            return False
+        verdict = rollback_verdict([row[2] for row in rows], step)
+        if verdict.target is None:
+            if rank0:  # the in-place repair stands; the steps since the flip keep its trace
+                self.control.event("sdc_not_rolled_back", step=step, reason=verdict.reason)
+            self._tainted = False
+            self._reseal()
+            return False
+        assert verdict.source is not None
+        self._roll_back(step, verdict.target, verdict.source, [row[2] for row in rows])
+        return True
+
+    def _capture_good(self, step: int) -> None:
+        """Every rank keeps the whole state of ``step`` (a collective: ZeRO gathers the moments,
+        pipelines assemble the layers)."""
+        if self.pipe is not None:
+            whole, _ = self.pipe.assemble(self._group_broken)
+        else:
+            exp_avg, exp_avg_sq = self._whole_moments()
+            whole = torch.cat([self.flat.data, exp_avg, exp_avg_sq])  # a copy
+        self.good = KnownGood(step, self.last_loss, whole)
+        self._tainted = False
+
+    def _roll_back(self, step: int, target: int, source: int, kept: list[int]) -> None:
+        """Every rank restores the known-good state of ``target``; steps ``target + 1 .. step``
+        are redone by the main loop."""
+        assert self.plan is not None
+        broken, start = self._group_broken, time.perf_counter()
+        if any(k != target for k in kept):  # newcomers receive it from a rank that keeps it
+            n = self.flat.numel
+            meta = torch.tensor([float(target), math.nan], dtype=torch.float64)
+            whole = torch.empty(3 * n)
+            if self.good is not None and self.good.step == target:
+                meta[1], whole = self.good.loss, self.good.whole
+            self.comm.broadcast(DP, meta, source, broken)
+            self.comm.broadcast(DP, whole, source, broken)
+            self.good = KnownGood(target, float(meta[1]), whole)
+        assert self.good is not None
+        params, exp_avg, exp_avg_sq = self.good.parts()
+        state = durable.DurableState(
+            target, self.good.loss, params, exp_avg, exp_avg_sq, Path(f"known-good@{target}")
+        )
+        if self.pipe is not None:
+            if self.pipe.migration is not None:
+                self.comm.mark_broken()  # its posted messages are void: fresh groups next plan
+            self.pipe.restore_whole(self.plan, state)
+            stageverify.record(self.pipe, target)  # what the next check compares with
+        else:
+            self._adopt_whole(state, self.plan, broken)
+        self._tainted = False
+        self._reseal()
+        if self.comm.rank(DP) != 0:
+            return
+        if self.durable is not None:
+            self.durable.discard_after(target)  # saved from a state the check did not pass
+        self.control.event(
+            "sdc_rolled_back", step=step, to_step=target, redone_steps=step - target,
+            seconds=round(time.perf_counter() - start, 6),
+        )  # fmt: skip
+        self.control.send({"type": "rollback", "step": target})
 
     def _slowdown(self, step: int) -> float:
         """Extra compute seconds per step (at an even share) from ``slow`` faults in force."""
@@ -623,6 +741,8 @@ class Engine:
         self.plan = plan
         if self.pipe is not None:
             self._set_clocks()
+        if self.cfg.verify_every and self.step == 0:
+            self._capture_good(0)  # the initial state: every rank built the same one
         if rank == 0 and self.step > 0 and "durable" not in sync:
             # Re-report the resume step: if the previous rank 0 died before reporting it, this is
             # its only record (the daemon drops duplicates). A step restored from a durable

@@ -1,0 +1,60 @@
+"""The rollback decision after a check that found silent corruption (pure, table-tested), and the
+records a rollback rewrites: metrics of the redone steps, durable checkpoints saved after it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from elaswave.events import JsonlWriter, read_jsonl
+from elaswave.runtime import durable
+from elaswave.runtime.rollback import NONE, RollbackVerdict, rollback_verdict
+
+
+@pytest.mark.parametrize(
+    ("good", "step", "verdict"),
+    [
+        ([5, 5, 5, 5], 10, RollbackVerdict(5, 0)),
+        ([NONE, 5, 5], 10, RollbackVerdict(5, 1)),  # a newcomer receives it from rank 1
+        ([10, 10], 10, RollbackVerdict(10, 0)),  # found by the check right after a clean one
+        ([0, 0, 0], 3, RollbackVerdict(0, 0)),  # the initial state is known good
+        ([NONE, NONE], 10, RollbackVerdict(None, reason="no rank keeps a known-good state")),
+        (
+            [5, 10],
+            10,
+            RollbackVerdict(None, reason="ranks keep known-good states of steps [5, 10]"),
+        ),
+        ([15, 15], 10, RollbackVerdict(None, reason="the known-good state (step 15) is newer")),
+    ],
+)
+def test_rollback_verdict(good: list[int], step: int, verdict: RollbackVerdict) -> None:
+    assert rollback_verdict(good, step) == verdict
+
+
+def test_metrics_of_redone_steps_give_way(tmp_path: Path) -> None:
+    w = JsonlWriter(tmp_path / "metrics.jsonl")
+    for step in range(1, 11):
+        w.write({"step": step, "loss": float(step)})
+    w.keep_only(lambda r: r["step"] <= 5)
+    for step in range(6, 8):
+        w.write({"step": step, "loss": -float(step)})
+    w.close()
+    records = list(read_jsonl(tmp_path / "metrics.jsonl"))
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6, 7]
+    assert [r["loss"] for r in records][5:] == [-6.0, -7.0]
+
+
+def test_checkpoints_after_the_known_good_step_are_discarded(tmp_path: Path) -> None:
+    ckpt = durable.DurableCheckpoints(tmp_path, keep=3)
+    t = torch.arange(6, dtype=torch.float32)
+    for step in (4, 8, 12):
+        ckpt.save_async(step, 1.0, t, t, t)
+    ckpt.flush()
+    assert durable.latest(tmp_path) == tmp_path / "step-00000012"
+    ckpt.discard_after(10)
+    assert durable.latest(tmp_path) == tmp_path / "step-00000008"
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-00000004", "step-00000008"]
+    ckpt.discard_after(2)
+    assert durable.latest(tmp_path) is None
