@@ -23,18 +23,31 @@ from typing import Any
 from elaswave.events import EVENTS_FILE, METRICS_FILE, read_jsonl
 
 PHASES = ("detection_s", "plan_s", "comm_s", "state_s", "redo_s")
+HOST_KINDS = ("host", "partition")  # whole-host faults: detected by the leader's host_lost
 
 
-def build_report(run_dir: str | Path) -> dict[str, Any]:
-    run_dir = Path(run_dir)
-    events = sorted(read_jsonl(run_dir / EVENTS_FILE), key=lambda e: e.get("t", 0.0))
-    metrics = list(read_jsonl(run_dir / METRICS_FILE))
+def build_report(run_dir: str | Path, *more: str | Path) -> dict[str, Any]:
+    """The report of one run directory, or of several merged in time order (one per host of a
+    multi-host job: each host's daemon logs what it saw)."""
+    dirs = [Path(d) for d in (run_dir, *more)]
+    events = sorted(
+        (e for d in dirs for e in read_jsonl(d / EVENTS_FILE)), key=lambda e: e.get("t", 0.0)
+    )
+    metrics = [m for d in dirs for m in read_jsonl(d / METRICS_FILE)]
+    if more:
+        metrics.sort(key=lambda m: m.get("time", 0.0))
     plans = [e for e in events if e["kind"] == "plan_published"]
     incidents = []
     used_exits: set[int] = set()
     for i, ev in enumerate(events):
-        if ev["kind"] == "fault_injected" and ev.get("fault", {}).get("kind") == "corrupt":
+        kind = ev.get("fault", {}).get("kind")
+        if ev["kind"] == "fault_injected" and kind == "corrupt":
             incidents.append(_corruption(ev, events[i:], metrics))
+        elif ev["kind"] == "host_lost":
+            cause = _host_fault(events[:i], ev["host"])
+            incidents.append(_incident(cause, ev, None, events, plans, metrics, host=ev["host"]))
+        elif ev["kind"] == "fault_injected" and kind in HOST_KINDS:
+            continue  # the victim's own record; its incident starts from the leader's host_lost
         elif ev["kind"] == "fault_injected":
             victim = ev.get("worker")
             exit_ev = _first(
@@ -58,10 +71,22 @@ def build_report(run_dir: str | Path) -> dict[str, Any]:
     for n, inc in enumerate(incidents, 1):
         inc["id"] = n
     return {
-        "run_dir": str(run_dir),
+        "run_dir": ", ".join(str(d) for d in dirs),
         "incidents": incidents,
         "totals": _totals(events, metrics, incidents),
     }
+
+
+def _host_fault(before: list[dict[str, Any]], host: str) -> dict[str, Any] | None:
+    """The request of the host fault that made ``host`` lost, if any (the victim's own record,
+    or the leader's record of the request: the earlier one)."""
+    causes = [
+        e for e in before
+        if e["kind"] in ("fault_injected", "fault_requested")
+        and e.get("fault", {}).get("kind") in HOST_KINDS
+        and e.get("fault", {}).get("host") == host
+    ]  # fmt: skip
+    return min(causes, key=lambda e: e["t"]) if causes else None
 
 
 def _first(items: list[dict[str, Any]], pred: Any) -> dict[str, Any] | None:
@@ -126,12 +151,24 @@ def _incident(
     events: list[dict[str, Any]],
     plans: list[dict[str, Any]],
     metrics: list[dict[str, Any]],
+    host: str | None = None,
 ) -> dict[str, Any]:
+    """A crash, hang, straggler or (``host``) a lost host: ``exit_ev`` is what detected it (the
+    worker's exit, or the leader's ``host_lost``)."""
     start = fault or exit_ev
     assert start is not None
     t0 = start["t"]
     detected = exit_ev["t"] if exit_ev else None
-    plan = _first(plans, lambda p: p["t"] >= t0 and worker in p.get("departed", []))
+
+    def departed(p: dict[str, Any]) -> bool:
+        gone = p.get("departed", [])
+        if host is not None:
+            return f"host {host} lost" in p.get("reason", "") or any(
+                str(w).startswith(host + ".") for w in gone
+            )
+        return worker in gone
+
+    plan = _first(plans, lambda p: p["t"] >= t0 and departed(p))
     if (fault or {}).get("fault", {}).get("kind") == "slow":
         # A straggler is detected by the leader's verdict, answered by a re-share or an eviction.
         verdict = _first(
@@ -146,12 +183,13 @@ def _incident(
         answer = verdict["plan_reason"] if verdict else None
         plan = _first(plans, lambda p: p["t"] >= t0 and p.get("reason") == answer)
     inc: dict[str, Any] = {
-        "kind": (fault or {}).get("fault", {}).get("kind", "crash"),
+        "kind": (fault or {}).get("fault", {}).get("kind", "host" if host else "crash"),
+        "host": host,
         "worker": worker,
         "rank": start.get("rank"),
         "fault_step": start.get("step"),
         "fault_t": t0,
-        "reason": plan["reason"] if plan else (exit_ev or {}).get("reason", ""),
+        "reason": plan["reason"] if plan else _detected_reason(exit_ev, host),
         "epoch": plan["epoch"] if plan else None,
         "world_after": plan["world"] if plan else None,
     }
@@ -219,6 +257,12 @@ def _incident(
     return inc
 
 
+def _detected_reason(exit_ev: dict[str, Any] | None, host: str | None) -> str:
+    if host is not None and exit_ev is not None:
+        return f"host {host} lost ({exit_ev.get('reason', '')})"
+    return (exit_ev or {}).get("reason", "")
+
+
 def _totals(
     events: list[dict[str, Any]], metrics: list[dict[str, Any]], incidents: list[dict[str, Any]]
 ) -> dict[str, Any]:
@@ -245,7 +289,7 @@ def _totals(
 
 
 CSV_FIELDS = [
-    "id", "kind", "worker", "rank", "fault_step", "epoch", "world_after", *PHASES,
+    "id", "kind", "host", "worker", "rank", "fault_step", "epoch", "world_after", *PHASES,
     "mttr_s", "first_commit_step", "state_bytes", "state_promoted_bytes", "state_max_over_mean",
     "recomputed_steps", "reason",
 ]  # fmt: skip
@@ -279,7 +323,11 @@ def render_markdown(report: dict[str, Any]) -> str:
             "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for inc in incidents:
-            who = f"{inc['kind']} rank {inc['rank']}" if inc["rank"] is not None else inc["kind"]
+            who = inc["kind"]
+            if inc["rank"] is not None:
+                who += f" rank {inc['rank']}"
+            elif inc.get("host"):
+                who += f" host {inc['host']}"
             lines.append(
                 f"| {inc['id']} | {who} | {inc['fault_step'] or '–'} | "
                 + " | ".join(_ms(inc[p]) for p in PHASES)

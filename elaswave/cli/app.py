@@ -340,7 +340,9 @@ def etcd_access(
 @app.command()
 def report(
     job_id: str | None = typer.Option(None, "--job-id"),
-    run_dir: Path | None = typer.Option(None, "--run-dir"),
+    run_dirs: list[Path] = typer.Option(  # noqa: B006 - typer's way to repeat an option
+        [], "--run-dir", help="A run directory; repeat it for each host's of a multi-host job."
+    ),
     fmt: str = typer.Option("md", "--format", help="json | csv | md"),
     out_file: Path | None = typer.Option(None, "--out"),
 ) -> None:
@@ -350,8 +352,8 @@ def report(
     try:
         if fmt not in ("json", "csv", "md"):
             raise ConfigError(f"unknown --format {fmt!r}: use json, csv or md")
-        directory = _report_dir(job_id, run_dir)
-        text = render(build_report(directory), fmt)
+        directories = _report_dirs(job_id, run_dirs)
+        text = render(build_report(*directories), fmt)
     except ElasWaveError as exc:
         raise _fail(exc) from None
     if out_file:
@@ -371,22 +373,23 @@ def _client_tls(cacert: Path | None, cert: Path | None, key: Path | None) -> Etc
     return EtcdTLSConfig(cacert=_path(cacert), cert=_path(cert), key=_path(key))
 
 
-def _report_dir(job_id: str | None, run_dir: Path | None) -> Path:
+def _report_dirs(job_id: str | None, run_dirs: list[Path]) -> list[Path]:
     from elaswave.daemon.launch import find_job
     from elaswave.errors import JobNotFound
 
-    if run_dir is not None:
-        directory = run_dir
+    if run_dirs:
+        directories = run_dirs
     elif job_id is not None:
         try:
-            directory = Path(find_job(job_id)["run_dir"])
+            directories = [Path(find_job(job_id)["run_dir"])]
         except JobNotFound:
-            directory = Path("runs") / job_id
+            directories = [Path("runs") / job_id]
     else:
         raise ConfigError("give --run-dir DIR or --job-id ID")
-    if not (directory / "events.jsonl").exists():
-        raise ElasWaveError(f"no run found at {directory} (missing events.jsonl)")
-    return directory
+    for directory in directories:
+        if not (directory / "events.jsonl").exists():
+            raise ElasWaveError(f"no run found at {directory} (missing events.jsonl)")
+    return directories
 
 
 def main() -> None:

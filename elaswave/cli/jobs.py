@@ -185,4 +185,6 @@ async def _inject_host(
         )
     t = time.time()
     cut = set_links(info["netns"], up=False)
-    return {"fault_id": None, **result, "t": t, "netns": info["netns"], "links": cut}
+    # Recorded in etcd after the cut: the leader logs it, so the report can time the incident.
+    fault_id = await submit_fault(db, keys, fault)
+    return {"fault_id": fault_id, **result, "t": t, "netns": info["netns"], "links": cut}

@@ -637,6 +637,12 @@ class HostDaemon:
         for key, fault in list(self._pending_faults.items()):
             if fault.host is not None:
                 del self._pending_faults[key]  # only the target host acts; the others drop it
+                if self.is_leader and fault.host != self.host_id:
+                    # The leader's record of the request starts the report's incident (the
+                    # victim's own record dies with it, or, cut off, never reaches anyone).
+                    self.events.emit("fault_requested", fault=fault.to_dict(), host=fault.host)
+                    if fault.kind is FaultKind.PARTITION:  # a record only: the cut is done
+                        asyncio.create_task(self._delete_quietly(key))
                 if fault.host == self.host_id and fault.kind is FaultKind.HOST:
                     asyncio.create_task(self._die(key, fault))
                 continue

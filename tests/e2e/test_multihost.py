@@ -15,6 +15,7 @@ from conftest import Run, assert_clean_run, wait_for
 from netbed import NetBed, netbed_fixture  # noqa: F401 - provides the netbed_factory fixture
 
 from elaswave.events import read_jsonl
+from elaswave.report import build_report
 
 pytestmark = [pytest.mark.e2e, pytest.mark.netns]
 
@@ -119,6 +120,22 @@ def test_host_loss(
     assert [p["world"] for p in plans] == [6, 4]
     assert f"host {victim} lost" in plans[1]["reason"]
     assert all(m["world_size"] == 4 for m in run.metrics if m["time"] > lost["t"])
+    records = run.of("fault_injected") + run.of("fault_requested")  # the victim's, the leader's
+    t0 = min(e["t"] for e in records if e["fault"]["kind"] == "host")
+    _assert_host_incident(bed, "host", victim, t0, lost["t"])
+
+
+def _assert_host_incident(bed: NetBed, kind: str, victim: str, t0: float, lost_t: float) -> None:
+    """The report of the hosts' run directories times the loss from the fault to the leader's
+    detection, and to the first step committed after it."""
+    report = build_report(*(bed.run_dirs[h] for h in bed.hosts))
+    incidents = [i for i in report["incidents"] if i["kind"] == kind]
+    assert len(incidents) == 1, report["incidents"]
+    (inc,) = incidents
+    assert inc["host"] == victim
+    assert abs(inc["detection_s"] - (lost_t - t0)) < 1e-3
+    assert inc["plan_s"] is not None and inc["mttr_s"] > inc["detection_s"]
+    assert inc["first_commit_step"] is not None
 
 
 def test_leader_host_killed(
@@ -196,6 +213,9 @@ def test_partition_then_heal(
     plans = assert_one_plan_per_epoch(run)
     (lost,) = run.of("host_lost")
     assert lost["host"] == victim
+    (requested,) = [e for e in run.of("fault_requested") if e["fault"]["kind"] == "partition"]
+    assert requested["host"] == victim
+    _assert_host_incident(bed, "partition", victim, requested["t"], lost["t"])
     dropped = next(p for p in plans if f"host {victim} lost" in p["reason"])
     assert dropped["world"] == 4
     # Fenced: the old workers were killed and never appear in a plan again.

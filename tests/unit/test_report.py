@@ -377,3 +377,68 @@ def test_stop_verdict_and_evictions_are_in_the_totals(tmp_path: Path) -> None:
     assert report["totals"]["evicted"] == ["w2"]
     text = render(report, "md")
     assert f"Job stopped: {reason}." in text and "Evicted as stragglers: w2." in text
+
+
+# ---- whole-host faults: host loss and partitions ----------------------------------------------
+
+
+def host_fault_events(kind: str, own_record: bool) -> list[dict[str, Any]]:
+    """Host h1 (workers h1.w0, h1.w1) lost at 100.0: the leader (h0) records the request and,
+    a lease TTL later, ``host_lost``; epoch 2 drops h1's workers. A host fault's victim also
+    writes its own record (in its own run directory) just before it dies."""
+    fault = {"kind": kind, "host": "h1"}
+    events: list[dict[str, Any]] = []
+    if own_record:
+        events.append({"t": 99.99, "kind": "fault_injected", "host": "h1", "fault": fault})
+    events += [
+        {"t": 100.0, "kind": "fault_requested", "host": "h1", "fault": fault},
+        {"t": 103.0, "kind": "host_lost", "host": "h1", "leader": "h0",
+         "reason": "its lease expired"},
+        {"t": 103.02, "kind": "plan_published", "epoch": 2, "world": 2,
+         "departed": ["h1.w0", "h1.w1"], "workers": ["w0", "w2"],
+         "reason": "host h1 lost (its lease expired) → epoch 2: dp 4→2"},
+        {"t": 103.03, "kind": "comm_rebuilt", "worker": "w0", "rank": 0, "epoch": 2,
+         "seconds": 0.01},
+        {"t": 103.05, "kind": "state_synced", "worker": "w0", "rank": 0, "epoch": 2,
+         "bytes": 0, "resume_step": 14},
+    ]  # fmt: skip
+    return events
+
+
+@pytest.mark.parametrize(
+    ("kind", "own_record", "detection"),
+    [("host", True, 3.01), ("host", False, 3.0), ("partition", False, 3.0)],
+)
+def test_host_faults_are_incidents_with_detection_and_mttr(
+    tmp_path: Path, kind: str, own_record: bool, detection: float
+) -> None:
+    rows = [m for m in metrics() if m["step"] <= 14] + [
+        {**m, "time": 103.1 + 0.1 * (m["step"] - 15)} for m in metrics() if m["step"] > 14
+    ]
+    run = write_run(tmp_path / kind, start_events() + host_fault_events(kind, own_record), rows)
+    report = build_report(run)
+    (inc,) = report["incidents"]
+    assert inc["kind"] == kind and inc["host"] == "h1" and inc["rank"] is None
+    assert inc["detection_s"] == pytest.approx(detection)
+    assert inc["plan_s"] == pytest.approx(0.02) and inc["epoch"] == 2
+    assert inc["first_commit_step"] == 15
+    assert inc["mttr_s"] == pytest.approx(detection + 0.1)
+    assert f"| 1 | {kind} host h1 |" in render(report, "md")
+    (row,) = csv.DictReader(io.StringIO(render(report, "csv")))
+    assert row["kind"] == kind and row["host"] == "h1" and float(row["mttr_s"]) > 3
+    assert json.loads(render(report, "json"))["incidents"][0]["host"] == "h1"
+
+
+def test_a_host_lost_with_no_recorded_cause_is_still_an_incident(tmp_path: Path) -> None:
+    events = [e for e in host_fault_events("host", False) if e["kind"] != "fault_requested"]
+    run = write_run(tmp_path / "bare", start_events() + events, metrics())
+    (inc,) = build_report(run)["incidents"]
+    assert inc["kind"] == "host" and inc["detection_s"] == 0.0 and inc["epoch"] == 2
+
+
+def test_report_merges_the_run_directories_of_several_hosts(tmp_path: Path) -> None:
+    events = host_fault_events("host", True)
+    victim = write_run(tmp_path / "h1", [events[0]], [])
+    leader = write_run(tmp_path / "h0", start_events() + events[1:], metrics())
+    (inc,) = build_report(leader, victim)["incidents"]
+    assert inc["detection_s"] == pytest.approx(3.01)
