@@ -1,4 +1,4 @@
-"""Chaos soak: one long job takes >= 20 random faults of every kind and must still finish exactly.
+"""Chaos soak: long jobs take >= 30 random faults each and must still finish exactly.
 
 Three hosts × two workers, every host a network namespace of the multi-host test bed
 (tests/e2e/netbed.py: real etcd, real daemons, gloo over veths), lease TTL 2 s, hang timeout 3 s,
@@ -19,10 +19,26 @@ respawn is fast again); that kill counts as a fault of its own. Each fault waits
 one to be answered: the job back at full size (six workers) under a plan newer than the fault,
 and a step committed under it (corrupt: repaired, then a commit), plus a few steps of margin.
 
-A fault-free run of the same config on the same bed is the reference for the wall clock and the
-losses. The bed needs root and iproute2; without them the single-host variant runs (one
-``elaswave launch`` of four workers on an embedded etcd, rank faults only) and the result says so
-in ``variant``.
+Variants (``CHAOS_VARIANTS=dp,zero,...``; all by default), one job each:
+
+- ``dp``: data parallelism, the six kinds above;
+- ``zero``: ZeRO-1 (``--zero 1``), the six kinds;
+- ``pipeline``: dp 3 × pp 2 with ZeRO-1 inside the stages, the six kinds;
+- ``leader``: every host and partition fault hits the leader's host, every rank fault a worker
+  on it: the leadership moves while the job recovers;
+- ``etcd``: three etcd members; besides the six kinds, ``etcd`` kills a member (the one every
+  daemon talks to first, drawn) and starts it again on its data a few seconds later;
+- ``recovery``: faults during recovery: ``recovery`` arms ``kill --phase recovery`` on one rank
+  and then kills another, so the first dies as it starts applying the plan that answers the
+  second (two faults); plus kill, hang and host.
+
+A fault-free run on the same bed is the reference for the wall clock and the losses. In the
+deterministic mode (``CHAOS_REDUCE_DTYPE=float64``, the default) one data-parallel reference
+serves every variant: data parallelism, ZeRO and pipelines give the same bits there, so every
+loss of every variant must equal the reference's exactly. With float32 reduction each variant
+has its own reference (its sums run in its own order) and the goal is 1e-6 per step. The bed
+needs root and iproute2; without them the single-host variant runs (one ``elaswave launch`` of
+four workers on an embedded etcd, rank faults only) and the result says so in ``variant``.
 """
 
 from __future__ import annotations
@@ -35,6 +51,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -50,11 +67,11 @@ from bench.common import (
     wait_until,
 )
 
-DESCRIPTION = "chaos soak: >= 20 random faults of every kind on one job (3 netns hosts × 2)"
+DESCRIPTION = "chaos soak: >= 30 random faults per variant (dp, ZeRO, pipeline, leader, etcd, ...)"
 DEFAULT_REPEAT = 1
 SEED = 5
-FAULTS = 20  # drawn faults; each slow adds its curing kill
-STEPS = 1400
+FAULTS = 28  # drawn faults; each slow adds its curing kill, each recovery fault is two
+STEPS = 1000
 HOSTS = 3
 NPROC = 2
 LOCAL_NPROC = 4  # the single-host variant
@@ -68,10 +85,33 @@ RECOVERY_TIMEOUT = 150.0
 REL_TOL = 1e-6  # the per-step loss goal of the e2e tests
 # float32 (default) or float64 gradient reduction; float64 makes the sum independent of the
 # world size, so any loss deviation left is a bug rather than rounding (CHAOS_REDUCE_DTYPE=float64).
-REDUCE_DTYPE = os.environ.get("CHAOS_REDUCE_DTYPE", "float32")
+REDUCE_DTYPE = os.environ.get("CHAOS_REDUCE_DTYPE", "float64")
 RANK_KINDS = ("kill", "hang", "corrupt", "slow")
 HOST_KINDS = ("host", "partition")
 KINDS = RANK_KINDS + HOST_KINDS
+ETCD_RESTART_AFTER = 4.0  # s a killed etcd member stays down
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    kinds: tuple[str, ...]
+    flags: tuple[str, ...] = ()
+    etcd_members: int = 1
+    at_leader: bool = False  # host faults hit the leader's host, rank faults its workers
+
+
+VARIANTS = {
+    v.name: v
+    for v in (
+        Variant("dp", KINDS),
+        Variant("zero", KINDS, ("--zero", "1")),
+        Variant("pipeline", KINDS, ("--pp", "2", "--zero", "1")),
+        Variant("leader", KINDS, at_leader=True),
+        Variant("etcd", (*KINDS, "etcd"), etcd_members=3),
+        Variant("recovery", ("kill", "hang", "host", "recovery")),
+    )
+}
 COLUMNS = ("kind", "injected / recovered", "detection", "MTTR", "to full size")
 COLUMNS += ("report detection", "report MTTR")
 
@@ -97,6 +137,11 @@ def schedule(seed: int, n: int, kinds: Sequence[str] = KINDS) -> list[dict[str, 
     return out
 
 
+def fault_count(plan: Sequence[dict[str, Any]]) -> int:
+    """Faults a schedule injects: a ``recovery`` entry is two (the armed one and its trigger)."""
+    return sum(2 if f["kind"] == "recovery" else 1 for f in plan)
+
+
 def describe(fault: dict[str, Any]) -> str:
     if fault.get("cure"):
         return "kill the slow worker"
@@ -104,35 +149,69 @@ def describe(fault: dict[str, Any]) -> str:
 
 
 # ---- the run -----------------------------------------------------------------------------------
+def selected_variants() -> list[Variant]:
+    names = [n.strip() for n in os.environ.get("CHAOS_VARIANTS", ",".join(VARIANTS)).split(",")]
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        raise BenchError(f"unknown chaos variant {unknown[0]!r} (known: {', '.join(VARIANTS)})")
+    return [VARIANTS[n] for n in names if n]
+
+
 def run(repeat: int, config: Path) -> dict[str, Any]:
     netbed = load_netbed()
     reason = netbed.skip_reason()
+    variants = selected_variants()
     if reason:
         console.print(f"[yellow]netns bed unavailable ({reason}): single host, rank faults[/]")
-        variant = f"single host × {LOCAL_NPROC} workers, rank faults only ({reason})"
-        kinds, hosts, nproc = RANK_KINDS, 1, LOCAL_NPROC
+        bed_name = f"single host × {LOCAL_NPROC} workers, rank faults only ({reason})"
+        hosts, nproc = 1, LOCAL_NPROC
+        variants = [
+            Variant(v.name, tuple(k for k in v.kinds if k in ("kill", "hang", "corrupt", "slow")),
+                    v.flags)
+            for v in variants
+            if v.name in ("dp", "zero", "pipeline")
+        ]  # fmt: skip
 
-        def make_bed(workdir: Path) -> Any:
+        def make_bed(workdir: Path, members: int) -> Any:
             return _LocalBed(workdir, config)
     else:
-        variant = f"netns: {HOSTS} hosts × {NPROC} workers"
-        kinds, hosts, nproc = KINDS, HOSTS, NPROC
+        bed_name = f"netns: {HOSTS} hosts × {NPROC} workers"
+        hosts, nproc = HOSTS, NPROC
 
-        def make_bed(workdir: Path) -> Any:
-            return netbed.NetBed(workdir, hosts=HOSTS)
+        def make_bed(workdir: Path, members: int) -> Any:
+            return netbed.NetBed(workdir, hosts=HOSTS, etcd_members=members)
 
-    plan = schedule(SEED, FAULTS, kinds)
-    console.print(f"schedule (seed {SEED}): " + "; ".join(describe(f) for f in plan))
     rounds = []
     for i in range(repeat):
-        with tempfile.TemporaryDirectory(prefix="elaswave-chaos-") as tmp:
-            ref = _on_bed(make_bed(Path(tmp) / "ref"), nproc, f"chaos-ref-{i}", [])
-        with tempfile.TemporaryDirectory(prefix="elaswave-chaos-") as tmp:
-            soak = _on_bed(make_bed(Path(tmp) / "soak"), nproc, f"chaos-{i}", plan)
-        rounds.append(_figures(ref, soak))
+        refs: dict[tuple[str, ...], dict[str, Any]] = {}
+        by_variant = {}
+        for v in variants:
+            # float64: one data-parallel reference for all (same bits); float32: its own.
+            key = () if REDUCE_DTYPE == "float64" else v.flags
+            if key not in refs:
+                with tempfile.TemporaryDirectory(prefix="elaswave-chaos-") as tmp:
+                    refs[key] = _on_bed(make_bed(Path(tmp) / "ref", 1), nproc,
+                                        f"chaos-ref-{i}", [], Variant("ref", (), key))  # fmt: skip
+            plan = schedule(SEED, FAULTS, v.kinds)
+            console.print(
+                f"[bold]{v.name}[/bold] schedule (seed {SEED}): "
+                + "; ".join(describe(f) for f in plan)
+            )
+            with tempfile.TemporaryDirectory(prefix="elaswave-chaos-") as tmp:
+                soak = _on_bed(make_bed(Path(tmp) / "soak", v.etcd_members), nproc,
+                               f"chaos-{v.name}-{i}", plan, v)  # fmt: skip
+            by_variant[v.name] = {
+                "flags": list(v.flags),
+                "kinds": list(v.kinds),
+                "etcd_members": v.etcd_members,
+                "at_leader": v.at_leader,
+                "schedule": plan,
+                **_figures(refs[key], soak),
+            }
+        rounds.append(by_variant)
     return {
         "scenario": "chaos",
-        "variant": variant,
+        "variant": bed_name,
         "repeat": repeat,
         "seed": SEED,
         "steps": STEPS,
@@ -143,12 +222,13 @@ def run(repeat: int, config: Path) -> dict[str, Any]:
         "slow_delay_s": SLOW_DELAY,
         "verify_every": VERIFY_EVERY,
         "reduce_dtype": REDUCE_DTYPE,
-        "schedule": plan,
         "rounds": rounds,
     }
 
 
-def _on_bed(bed: Any, nproc: int, job: str, plan: list[dict[str, Any]]) -> dict[str, Any]:
+def _on_bed(
+    bed: Any, nproc: int, job: str, plan: list[dict[str, Any]], variant: Variant
+) -> dict[str, Any]:
     workdir = bed.workdir
     workdir.mkdir(parents=True)
     try:
@@ -162,7 +242,7 @@ def _on_bed(bed: Any, nproc: int, job: str, plan: list[dict[str, Any]]) -> dict[
                 "ELASWAVE_TRAIN__REDUCE_DTYPE": REDUCE_DTYPE,
             },
         )
-        soak = _Soak(bed, nproc, job, env)
+        soak = _Soak(bed, nproc, job, env, variant)
         start = time.time()
         for host in bed.hosts:
             soak.launch(host)
@@ -187,8 +267,10 @@ def _on_bed(bed: Any, nproc: int, job: str, plan: list[dict[str, Any]]) -> dict[
 class _Soak:
     """Injects the faults of one schedule into one live job, each after the last was answered."""
 
-    def __init__(self, bed: Any, nproc: int, job: str, env: dict[str, str]) -> None:
-        self.bed, self.nproc, self.job, self.env = bed, nproc, job, env
+    def __init__(
+        self, bed: Any, nproc: int, job: str, env: dict[str, str], variant: Variant
+    ) -> None:
+        self.bed, self.nproc, self.job, self.env, self.variant = bed, nproc, job, env, variant
         self.full = len(bed.hosts) * nproc  # workers at full size
         self.slowed: str | None = None  # worker id made slow by the last slow fault
 
@@ -199,7 +281,7 @@ class _Soak:
             "--steps", str(STEPS),
             "--max-restarts", "100", "--hang-timeout", str(HANG_TIMEOUT),
             "--straggler-threshold", "0", "--loop-breaker", "0",
-            "--verify-every", str(VERIFY_EVERY), env=self.env,
+            "--verify-every", str(VERIFY_EVERY), *self.variant.flags, env=self.env,
         )  # fmt: skip
 
     def events(self) -> list[dict[str, Any]]:
@@ -261,19 +343,27 @@ class _Soak:
         plan = self.plans()[-1]
         record: dict[str, Any] = {"kind": kind, "epoch_before": plan["epoch"], "step": self.step()}
         args = ["--kind", kind]
+        leader = self.leader()
+        if kind == "etcd":
+            member = self.bed.members[fault["pick"] % len(self.bed.members)]
+            record.update(member=member, what=f"etcd member {member} killed", t=time.time())
+            self.bed.kill_etcd(member)
+            return record
+        if kind == "recovery":
+            return self._inject_during_recovery(fault, plan, record, leader)
         if kind in HOST_KINDS:
-            leader = self.leader()
-            hosts = [h for h in self.bed.hosts if h != leader]
+            hosts = [h for h in self.bed.hosts if (h == leader) == self.variant.at_leader]
             host = hosts[fault["pick"] % len(hosts)]
             args += ["--host", host]
-            record.update(host=host, what=f"{kind} host {host}")
+            record.update(host=host, what=f"{kind} host {host}", leader=host == leader)
         else:
             if fault.get("cure"):
                 worker = self.slowed
                 self.slowed = None
                 rank = plan["workers"].index(worker)
             else:
-                rank = fault["pick"] % len(plan["workers"])
+                ranks = self._ranks(plan, leader)
+                rank = ranks[fault["pick"] % len(ranks)]
                 worker = plan["workers"][rank]
             if kind == "slow":
                 args += ["--delay", str(SLOW_DELAY)]
@@ -283,12 +373,45 @@ class _Soak:
             if fault.get("cure"):
                 record["cure"] = True
         record["t"] = time.time()
+        self._cli_inject(args)
+        return record
+
+    def _ranks(self, plan: dict[str, Any], leader: str | None) -> list[int]:
+        """The ranks a rank fault may hit (``at_leader``: the workers on the leader's host)."""
+        workers = plan["workers"]
+        if self.variant.at_leader and leader is not None:
+            mine = [r for r, w in enumerate(workers) if str(w).startswith(f"{leader}.")]
+            if mine:
+                return mine
+        return list(range(len(workers)))
+
+    def _inject_during_recovery(
+        self, fault: dict[str, Any], plan: dict[str, Any], record: dict[str, Any], leader: Any
+    ) -> dict[str, Any]:
+        """Arm ``kill --phase recovery`` on one rank, then kill another: the armed one dies as
+        it starts applying the plan that answers the first death."""
+        ranks = self._ranks(plan, leader)
+        first = ranks[fault["pick"] % len(ranks)]
+        armed = (first + 1 + (fault["pick"] >> 8) % (len(plan["workers"]) - 1)) % len(
+            plan["workers"]
+        )
+        step = self.step()
+        self._cli_inject(["--kind", "kill", "--rank", str(armed), "--at-step", str(step + 1),
+                          "--phase", "recovery"])  # fmt: skip
+        time.sleep(0.5)  # delivered to the armed worker before the trigger fires
+        record.update(
+            rank=first, worker=plan["workers"][first], armed=plan["workers"][armed],
+            what=f"kill rank {first}, and rank {armed} during its recovery", t=time.time(),
+        )  # fmt: skip
+        self._cli_inject(["--kind", "kill", "--rank", str(first)])
+        return record
+
+    def _cli_inject(self, args: list[str]) -> None:
         if self.bed.endpoints:  # the netns bed; a single host finds its job's embedded etcd
-            args += ["--etcd", self.bed.endpoints]
+            args = [*args, "--etcd", self.bed.endpoints]
         r = self.bed.cli("inject-fault", "--job-id", self.job, "--json", *args, env=self.env)
         if r.returncode != 0:
             raise BenchError(f"inject-fault {' '.join(args)} failed: {r.stderr.strip()[-300:]}")
-        return record
 
     def recover(self, record: dict[str, Any]) -> dict[str, Any]:
         """Wait until the fault is answered and the job is back at full size; the marks."""
@@ -312,13 +435,19 @@ class _Soak:
             target = self.step() + SLOW_STEPS
             wait_until(lambda: self.step() >= target or not self.alive(), 120, "no slow steps")
         elif kind == "corrupt":
-            wait_until(lambda: self._after("sdc_repaired", t0), 90, "corruption not repaired")
+            wait_until(
+                lambda: self._after("sdc_rolled_back", t0) or self._after("sdc_repaired", t0),
+                90, "corruption not answered",
+            )  # fmt: skip
+        elif kind == "etcd":  # training goes on meanwhile; then the member comes back
+            time.sleep(ETCD_RESTART_AFTER)
+            self.bed.restart_etcd(record["member"])
 
         def full() -> dict[str, Any] | None:
             if not self.alive():
                 raise BenchError("a daemon exited")
             plans = [p for p in self.plans() if p["t"] > t0]
-            if kind != "corrupt" and not plans:
+            if kind not in ("corrupt", "etcd") and not plans:
                 return None
             last = self.plans()[-1]
             if last["world"] != self.full:
@@ -400,6 +529,7 @@ DETECTED_BY = {
     "slow": "straggler_detected",
     "host": "host_lost",
     "partition": "host_lost",
+    "recovery": "worker_exit",
 }
 
 
@@ -416,8 +546,10 @@ def _figures(ref: dict[str, Any], soak: dict[str, Any]) -> dict[str, Any]:
     injected = soak["injected"]
     survived = all(c == 0 for c in soak["exit_codes"].values()) and last == STEPS
     per_fault = [_marks(f, soak["events"], soak["metrics"]) for f in injected]
+    ref_final = {(f["params_sha256"], f["state_sha256"]) for f in ref["events"]
+                 if f["kind"] == "final_state"}  # fmt: skip
     by_kind = {}
-    for kind in KINDS:
+    for kind in sorted({p["kind"] for p in per_fault}):
         mine = [p for p in per_fault if p["kind"] == kind]
         rep = [i for i in soak["report"]["incidents"] if i["kind"] == kind]
         by_kind[kind] = {
@@ -430,9 +562,16 @@ def _figures(ref: dict[str, Any], soak: dict[str, Any]) -> dict[str, Any]:
             "report_mttr_s": summarize(i["mttr_s"] for i in rep),
         }
     finals = [e for e in soak["events"] if e["kind"] == "final_state"]
+    weight = {"recovery": 2}
     return {
-        "faults_injected": len(injected),
-        "faults_recovered": sum(1 for f in injected if f.get("recovered")),
+        "faults_injected": sum(weight.get(f["kind"], 1) for f in injected),
+        "faults_recovered": sum(weight.get(f["kind"], 1) for f in injected if f.get("recovered")),
+        "unexpected_exits": _unexpected_exits(soak["events"]),
+        "steps_bit_identical": sum(
+            1 for m in soak["metrics"] if ref_loss.get(m["step"]) == m["loss"]
+        ),
+        "final_state_identical": bool(finals)
+        and {(f["params_sha256"], f["state_sha256"]) for f in finals} == ref_final,
         "survived": survived,
         "exit_codes": soak["exit_codes"],
         "last_step": last,
@@ -471,6 +610,12 @@ def _marks(
     def first(pred: Callable[[dict[str, Any]], bool], t: float) -> dict[str, Any] | None:
         return next((e for e in events if e["t"] >= t and pred(e)), None)
 
+    if kind not in DETECTED_BY:  # an etcd member: nothing in the job detects or answers it
+        return {
+            "kind": kind, "what": fault["what"], "step": fault["step"],
+            "recovered": bool(fault.get("recovered")), "error": fault.get("error"),
+            "detection_s": None, "mttr_s": None, "full_size_s": fault.get("full_size_s"),
+        }  # fmt: skip
     want = DETECTED_BY[kind]
     detected = first(
         lambda e: (
@@ -480,8 +625,8 @@ def _marks(
     )
     answer = None
     if detected is not None:
-        key = "sdc_repaired" if kind == "corrupt" else "plan_published"
-        answer = first(lambda e: e["kind"] == key, detected["t"])
+        keys = ("sdc_rolled_back", "sdc_repaired") if kind == "corrupt" else ("plan_published",)
+        answer = first(lambda e: e["kind"] in keys, detected["t"])
     commit = None
     if answer is not None:
         commit = next((m for m in metrics if m["time"] >= answer["t"]), None)
@@ -495,6 +640,16 @@ def _marks(
         "mttr_s": commit["time"] - t0 if commit else None,
         "full_size_s": fault.get("full_size_s"),
     }
+
+
+def _unexpected_exits(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Workers that exited on their own with a non-zero code (a survivor that died): every exit
+    the soak causes is a signal (kill, a hang's kill) or a fenced host's stop."""
+    return [
+        {k: e.get(k) for k in ("worker", "exit_code", "reason")}
+        for e in events
+        if e["kind"] == "worker_exit" and (e.get("exit_code") or 0) > 0
+    ]
 
 
 # ---- helpers -----------------------------------------------------------------------------------
@@ -529,32 +684,34 @@ def show(result: dict[str, Any]) -> None:
     def s(v: float | None, digits: int = 2) -> str:
         return "–" if v is None else f"{v:.{digits}f}"
 
-    for r in result["rounds"]:
-        faults = f"{r['faults_injected']} / {r['faults_recovered']}"
-        steps = f"{len(r['steps_lost'])} / {len(r['steps_duplicated'])}"
-        walls = f"{s(r['wall_ref_s'], 1)} / {s(r['wall_soak_s'], 1)}"
-        print_table(
-            f"Chaos soak, {result['variant']}, {result['steps']} steps, seed {result['seed']}",
-            ("figure", "value"),
-            [
-                ("faults injected / recovered", faults),
-                ("job survived (exit 0, every step)", "yes" if r["survived"] else "NO"),
-                ("steps lost / duplicated", steps),
-                ("final loss rel. deviation", s(r["final_rel_dev"], 9)),
-                ("max per-step rel. deviation", s(r["max_rel_dev"], 9)),
-                ("wall: reference / soak (s)", walls),
-                ("time lost per fault (s)", s(r["time_lost_per_fault_s"])),
-            ],
-        )
+    for rnd in result["rounds"]:
         rows = []
-        for kind, k in r["by_kind"].items():
+        for name, r in rnd.items():
             rows.append((
-                kind, f"{k['injected']} / {k['recovered']}", s(k["detection_s"]["median"]),
-                s(k["mttr_s"]["median"]), s(k["full_size_s"]["median"]),
-                s(k["report_detection_s"]["median"]), s(k["report_mttr_s"]["median"]),
+                name,
+                f"{r['faults_injected']} / {r['faults_recovered']}",
+                "yes" if r["survived"] else "NO",
+                f"{len(r['steps_lost'])} / {len(r['steps_duplicated'])}",
+                str(len(r["unexpected_exits"])),
+                f"{r['steps_bit_identical']} / {r['last_step']}",
+                "yes" if r["final_state_identical"] else "no",
+                s(r["max_rel_dev"], 9),
+                s(r["time_lost_per_fault_s"]),
             ))  # fmt: skip
         print_table(
-            "Per kind (medians, seconds)",
-            COLUMNS,
+            f"Chaos soak, {result['variant']}, {result['steps']} steps, seed {result['seed']}, "
+            f"{result['reduce_dtype']} reduction",
+            ("variant", "faults in / recovered", "survived", "steps lost / dup", "bad exits",
+             "losses bit-identical", "final state identical", "max rel. dev.",
+             "s lost / fault"),
             rows,
-        )
+        )  # fmt: skip
+        for name, r in rnd.items():
+            kinds = []
+            for kind, k in r["by_kind"].items():
+                kinds.append((
+                    kind, f"{k['injected']} / {k['recovered']}", s(k["detection_s"]["median"]),
+                    s(k["mttr_s"]["median"]), s(k["full_size_s"]["median"]),
+                    s(k["report_detection_s"]["median"]), s(k["report_mttr_s"]["median"]),
+                ))  # fmt: skip
+            print_table(f"{name}: per kind (medians, seconds)", COLUMNS, kinds)

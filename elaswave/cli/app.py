@@ -274,6 +274,12 @@ def inject_fault_cmd(
     at_step: int | None = typer.Option(
         None, "--at-step", help="Fire while this step is in flight."
     ),
+    phase: str | None = typer.Option(
+        None,
+        "--phase",
+        help="With --at-step: reduce (default) | optimizer | forward | recovery (as the worker "
+        "starts applying a new plan: a fault during recovery).",
+    ),
     etcd: str | None = typer.Option(None, "--etcd"),
     etcd_cacert: Path | None = typer.Option(
         None, "--etcd-cacert", help="CA of etcd's server certificate (turns TLS on)."
@@ -299,6 +305,7 @@ def inject_fault_cmd(
                     "at_step": at_step,
                     "target": target,
                     "delay": delay,
+                    "phase": phase,
                 }.items()
                 if v is not None
             },

@@ -128,28 +128,36 @@ class NetBed:
         _ip("-n", ns, "link", "set", "lo", "up")
 
     def _start_etcd(self, timeout: float = 30.0) -> None:
-        cluster = ",".join(f"{m}=http://{self.addr[m]}:{PEER_PORT}" for m in self.members)
         for m in self.members:
-            a = self.addr[m]
-            data = self.workdir / f"etcd-{m}"
-            args = [
-                "ip", "netns", "exec", self.ns(m), etcd_binary(),
-                "--name", m,
-                "--data-dir", str(data),
-                "--listen-client-urls", f"http://{a}:{CLIENT_PORT}",
-                "--advertise-client-urls", f"http://{a}:{CLIENT_PORT}",
-                "--listen-peer-urls", f"http://{a}:{PEER_PORT}",
-                "--initial-advertise-peer-urls", f"http://{a}:{PEER_PORT}",
-                "--initial-cluster", cluster,
-                "--initial-cluster-state", "new",
-                "--log-level", "error",
-                "--heartbeat-interval", "50",
-                "--election-timeout", "500",
-            ]  # fmt: skip
-            log = open(self.workdir / f"etcd-{m}.log", "wb")  # noqa: SIM115 - owned by the proc
-            self.etcd[m] = subprocess.Popen(args, stdout=log, stderr=log)
+            self._spawn_etcd(m)
+        self._wait_etcd(self.members, timeout)
+
+    def _spawn_etcd(self, m: str) -> None:
+        """Start member ``m`` (again: a restarted member finds its data directory and rejoins
+        with its keys, revisions and leases)."""
+        cluster = ",".join(f"{n}=http://{self.addr[n]}:{PEER_PORT}" for n in self.members)
+        a = self.addr[m]
+        data = self.workdir / f"etcd-{m}"
+        args = [
+            "ip", "netns", "exec", self.ns(m), etcd_binary(),
+            "--name", m,
+            "--data-dir", str(data),
+            "--listen-client-urls", f"http://{a}:{CLIENT_PORT}",
+            "--advertise-client-urls", f"http://{a}:{CLIENT_PORT}",
+            "--listen-peer-urls", f"http://{a}:{PEER_PORT}",
+            "--initial-advertise-peer-urls", f"http://{a}:{PEER_PORT}",
+            "--initial-cluster", cluster,
+            "--initial-cluster-state", "new",
+            "--log-level", "error",
+            "--heartbeat-interval", "50",
+            "--election-timeout", "500",
+        ]  # fmt: skip
+        log = open(self.workdir / f"etcd-{m}.log", "ab")  # noqa: SIM115 - owned by the proc
+        self.etcd[m] = subprocess.Popen(args, stdout=log, stderr=log)
+
+    def _wait_etcd(self, members: list[str], timeout: float) -> None:
         deadline = time.monotonic() + timeout
-        for m in self.members:
+        for m in members:
             url = f"http://{self.addr[m]}:{CLIENT_PORT}/health"
             while not in_netns(self.ns(m), lambda url=url: _healthy(url)):
                 if time.monotonic() > deadline or self.etcd[m].poll() is not None:
@@ -210,6 +218,11 @@ class NetBed:
     def kill_etcd(self, member: str) -> None:
         self.etcd[member].kill()
         self.etcd[member].wait()
+
+    def restart_etcd(self, member: str, timeout: float = 30.0) -> None:
+        """Start a killed member again on its data directory and wait until it is healthy."""
+        self._spawn_etcd(member)
+        self._wait_etcd([member], timeout)
 
     # ---- teardown ---------------------------------------------------------------------------
     def close(self) -> None:

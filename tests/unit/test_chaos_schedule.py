@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from bench.chaos import KINDS, schedule
+from bench.chaos import FAULTS, KINDS, SEED, VARIANTS, fault_count, schedule
 
 
 @pytest.mark.parametrize(
@@ -42,3 +42,15 @@ def test_schedule_differs_by_seed() -> None:
 def test_schedule_rejects_a_negative_count() -> None:
     with pytest.raises(ValueError, match="n must be >= 0"):
         schedule(1, -1)
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_every_variant_draws_at_least_30_faults(name: str) -> None:
+    """A variant's schedule: ≥ 30 faults (a slow brings its curing kill, a fault during recovery
+    is two), every one of the variant's kinds at least once."""
+    variant = VARIANTS[name]
+    plan = schedule(SEED, FAULTS, variant.kinds)
+    assert fault_count(plan) >= 30
+    assert {f["kind"] for f in plan} == set(variant.kinds) | (
+        {"kill"} if "slow" in variant.kinds else set()
+    )
