@@ -71,7 +71,7 @@ DESCRIPTION = "chaos soak: >= 30 random faults per variant (dp, ZeRO, pipeline, 
 DEFAULT_REPEAT = 1
 SEED = 5
 FAULTS = 28  # drawn faults; each slow adds its curing kill, each recovery fault is two
-STEPS = 1000
+STEPS = 1500
 HOSTS = 3
 NPROC = 2
 LOCAL_NPROC = 4  # the single-host variant

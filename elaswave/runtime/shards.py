@@ -25,6 +25,10 @@ from dataclasses import dataclass
 import torch
 
 Range = tuple[int, int]  # (flat offset, length)
+# A rank may own this many ranges per layer and per rank of the world before the layout is made
+# even again (one change can cut a lost range into a piece per survivor, and a kept range into a
+# piece per joiner).
+MAX_PIECES_PER_LAYER = 4
 
 
 @dataclass(frozen=True)
@@ -221,7 +225,15 @@ def next_layout(
             for lo, hi, party in _carve(ranges[i], len(new_workers), i, joiners, len(stay)):
                 carved[party].append((lo, hi - lo))
         ranges = carved
-    return ShardLayout.of(old.segments, ranges)
+    layout = ShardLayout.of(old.segments, ranges)
+    bound = MAX_PIECES_PER_LAYER * len(old.segments) * len(new_workers)
+    if max(len(r) for r in layout.ranges) > bound:
+        # Each change cuts ranges further (a lost shard into its replica pieces, every range
+        # for joiners): left alone, the pieces multiply with every change and planning the
+        # next reshard takes minutes. Past the bound, start again from the even layout: the
+        # state moves over the network once, and the count is back to one piece per layer.
+        return ShardLayout.even(old.segments, len(new_workers))
+    return layout
 
 
 def _carve(

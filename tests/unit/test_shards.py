@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from elaswave.runtime.shards import (
+    MAX_PIECES_PER_LAYER,
     ShardLayout,
     holdings,
     next_layout,
@@ -226,3 +227,36 @@ def test_repeated_losses_stay_balanced() -> None:
 def test_layout_json_round_trips() -> None:
     layout, _ = _after_losses(5, [2])
     assert ShardLayout.from_json(BIG, layout.to_json()) == layout
+
+
+def test_pieces_stay_bounded_over_many_changes() -> None:
+    """Each change cuts ranges further (a lost shard into its replica pieces, every range for
+    joiners): left alone, a rank's pieces tripled with every change (12 134 after ten changes
+    of gpt-tiny on 3 hosts × 2, and planning a reshard took minutes). Past MAX_PIECES_PER_LAYER
+    per layer and rank on average the next layout is even again; until then a lost rank still moves
+    nothing over the network."""
+    segments = ((0, 1000), (1000, 3000), (4000, 3000), (7000, 500))
+    members = [(f"w{i}", f"h{i // 2}") for i in range(6)]
+    layout = ShardLayout.even(segments, 6)
+    fresh = 6
+    bound = MAX_PIECES_PER_LAYER * len(segments) * 6
+    for change in range(30):
+        workers = tuple(w for w, _ in members)
+        hosts = tuple(h for _, h in members)
+        if change % 2 == 0:  # lose one worker, or every third time a whole host
+            victim = f"h{change % 3}" if change % 6 == 0 else None
+            index = change % len(members)
+            new = [m for i, m in enumerate(members) if (m[1] != victim if victim else i != index)]
+        else:  # grow back to two workers per host
+            new = list(members)
+            for host in ("h0", "h1", "h2"):
+                while sum(h == host for _, h in new) < 2:
+                    new.append((f"x{fresh}", host))
+                    fresh += 1
+        new_workers = tuple(w for w, _ in new)
+        found = holdings(layout, workers, place_replicas(layout, hosts), set(new_workers))
+        nxt = next_layout(layout, workers, found, new_workers)
+        assert max(len(r) for r in nxt.ranges) <= bound, change
+        if change % 2 == 0 and nxt != ShardLayout.even(segments, len(new_workers)):
+            assert plan_transfers(found, nxt, new_workers) == [], "a shrink moves nothing"
+        layout, members = nxt, new
