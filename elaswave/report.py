@@ -78,11 +78,17 @@ def build_report(run_dir: str | Path, *more: str | Path) -> dict[str, Any]:
 
 
 def _host_fault(before: list[dict[str, Any]], host: str) -> dict[str, Any] | None:
-    """The request of the host fault that made ``host`` lost, if any (the victim's own record,
-    or the leader's record of the request: the earlier one)."""
+    """The request of the host fault that made ``host`` lost, if any: the first record of it
+    (the victim's own, or another daemon's record of the request) since ``host`` was last lost
+    (a host can be lost, come back and be lost again)."""
+    last_lost = max(
+        (e["t"] for e in before if e["kind"] == "host_lost" and e.get("host") == host),
+        default=float("-inf"),
+    )
     causes = [
         e for e in before
-        if e["kind"] in ("fault_injected", "fault_requested")
+        if e["t"] > last_lost
+        and e["kind"] in ("fault_injected", "fault_requested")
         and e.get("fault", {}).get("kind") in HOST_KINDS
         and e.get("fault", {}).get("host") == host
     ]  # fmt: skip

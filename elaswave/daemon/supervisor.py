@@ -637,11 +637,12 @@ class HostDaemon:
         for key, fault in list(self._pending_faults.items()):
             if fault.host is not None:
                 del self._pending_faults[key]  # only the target host acts; the others drop it
-                if self.is_leader and fault.host != self.host_id:
-                    # The leader's record of the request starts the report's incident (the
-                    # victim's own record dies with it, or, cut off, never reaches anyone).
+                if fault.host != self.host_id:
+                    # Every other daemon records the request: the report's incident starts at
+                    # the first record (the victim's own dies with it, or, cut off, never
+                    # reaches anyone; the leader may be the victim).
                     self.events.emit("fault_requested", fault=fault.to_dict(), host=fault.host)
-                    if fault.kind is FaultKind.PARTITION:  # a record only: the cut is done
+                    if self.is_leader and fault.kind is FaultKind.PARTITION:  # a record only
                         asyncio.create_task(self._delete_quietly(key))
                 if fault.host == self.host_id and fault.kind is FaultKind.HOST:
                     asyncio.create_task(self._die(key, fault))

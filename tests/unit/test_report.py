@@ -442,3 +442,17 @@ def test_report_merges_the_run_directories_of_several_hosts(tmp_path: Path) -> N
     leader = write_run(tmp_path / "h0", start_events() + events[1:], metrics())
     (inc,) = build_report(leader, victim)["incidents"]
     assert inc["detection_s"] == pytest.approx(3.01)
+
+
+def test_a_host_lost_twice_is_timed_from_its_own_fault_each_time(tmp_path: Path) -> None:
+    """The same host fails, comes back and fails again: each loss starts at its own request."""
+    first = host_fault_events("partition", False)
+    second = [{**e, "t": e["t"] + 100.0} for e in host_fault_events("partition", False)]
+    for e in second:
+        if e["kind"] == "plan_published":
+            e["epoch"] = 4
+        elif "epoch" in e:
+            e["epoch"] = 4
+    run = write_run(tmp_path / "twice", start_events() + first + second, metrics())
+    incidents = build_report(run)["incidents"]
+    assert [i["detection_s"] for i in incidents] == [pytest.approx(3.0), pytest.approx(3.0)]
