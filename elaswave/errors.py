@@ -6,6 +6,11 @@ line on stderr and a non-zero exit code. Anything else is a bug and keeps its tr
 
 from __future__ import annotations
 
+# A worker's exit code when every in-memory copy of some state is gone and there is no durable
+# checkpoint to fall back on: the job cannot go on from where it was, and a respawned worker
+# would only start it over from step 0. The daemon never respawns it; the job stops.
+EXIT_STATE_LOST = 5
+
 
 class ElasWaveError(Exception):
     """A user-facing error: its message is one line that says what to fix."""

@@ -27,7 +27,14 @@ from elaswave.daemon.etcd import Etcd, EtcdSecurity
 from elaswave.daemon.netns import current_netns
 from elaswave.daemon.policy import WINDOW
 from elaswave.daemon.workers import WorkerProc, spawn, stop_all
-from elaswave.errors import ElasWaveError, EtcdUnavailable, HostFenced, JobFailed, JobStopped
+from elaswave.errors import (
+    EXIT_STATE_LOST,
+    ElasWaveError,
+    EtcdUnavailable,
+    HostFenced,
+    JobFailed,
+    JobStopped,
+)
 from elaswave.events import EVENTS_FILE, METRICS_FILE, EventLog, JsonlWriter
 from elaswave.faults import FaultKind, FaultSpec, decode_request
 from elaswave.keys import JobKeys
@@ -358,7 +365,12 @@ class HostDaemon:
                 self.keys.worker(w.worker_id),
                 lease=self.lease,
             )
-        if self.restarts_used < self.cfg.elastic.max_restarts and not self.stopping:
+        if (
+            respawn_verdict(
+                w.exit_code, self.restarts_used, self.cfg.elastic.max_restarts, self.unrecoverable
+            )
+            and not self.stopping
+        ):
             self.restarts_used += 1
             nw = await self._spawn(w.slot, w.incarnation + 1)
             self.events.emit(
@@ -774,6 +786,17 @@ def shutdown_watchdog(
         yield timer
     finally:
         timer.cancel()
+
+
+def respawn_verdict(
+    exit_code: int | None, restarts_used: int, max_restarts: int, unrecoverable: str | None
+) -> bool:
+    """Whether a worker that exited is replaced. Pure. Never after it gave up because state is
+    lost (``EXIT_STATE_LOST``, or another worker reported it): a fresh worker would start the
+    job over from step 0, silently; the job stops with the reason instead."""
+    if exit_code == EXIT_STATE_LOST or unrecoverable is not None:
+        return False
+    return restarts_used < max_restarts
 
 
 def hang_verdict(

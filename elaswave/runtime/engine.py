@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from elaswave.config import JobConfig
+from elaswave.errors import EXIT_STATE_LOST
 from elaswave.faults import FaultKind, FaultSpec
 from elaswave.plan import Plan
 from elaswave.runtime import durable, stageverify
@@ -54,7 +55,7 @@ log = logging.getLogger(__name__)
 DP = "dp"
 EXIT_OK = 0
 EXIT_NO_PLAN = 4
-EXIT_SHARD_LOST = 5  # both copies of a ZeRO shard are gone (no durable checkpoint to fall back on)
+EXIT_SHARD_LOST = EXIT_STATE_LOST  # both copies of a shard or layer are gone, no durable one
 
 
 class NoPlan(RuntimeError):

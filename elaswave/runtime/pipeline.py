@@ -552,7 +552,7 @@ class Pipeline:
         targets = [plan.stage_layers(r) for r in range(plan.world_size)]
         e.flat.data.copy_(state.params)
         if self.zero:
-            blocks = holder_blocks(targets, self.offsets)
+            blocks = holder_blocks(targets, self.offsets, plan.hosts)
             store = MomentStore(moment_duty(blocks, plan.world_size)[rank])
             for a, b in store.intervals:
                 store.unpack(a, b, torch.cat([state.exp_avg[a:b], state.exp_avg_sq[a:b]]))

@@ -9,7 +9,8 @@ elements whose holder set is the same; after a takeover one replica's stage may 
 stages of another replica hold, so one stage can lie across several blocks.
 
 Moments. Each block is cut into ``k = len(holders)`` near-equal parts; part ``i`` is kept by
-holders ``i`` and ``i + 1`` (cyclically) — two copies (:func:`moment_duty`). Two, because the
+holders ``i`` and ``i + 1`` (cyclically; on several hosts the next holder on another host) —
+two copies (:func:`moment_duty`). Two, because the
 gradient reaches every holder anyway: both keepers of a part update it from the same gradient and
 stay identical with no snapshot traffic, and a single loss still leaves a copy of every part, so
 the new layout restores moments by a plain transfer (:func:`plan_piece_transfers`). A rank's
@@ -40,6 +41,7 @@ class Block:
     start: int  # elements start:stop, a maximal run of consecutive layers
     stop: int  # whose holder sets are identical (and non-empty)
     holders: tuple[int, ...]  # sorted ranks holding every layer of the run
+    hosts: tuple[str, ...] = ()  # the host of each holder (empty: unknown, one host)
 
 
 @dataclass(frozen=True)
@@ -105,30 +107,49 @@ def split_even(start: int, stop: int, parts: int) -> list[Interval]:
 
 # ---- duties within stages ----------------------------------------------------------------------
 def holder_blocks(
-    layers_of: Sequence[range | None], offsets: Sequence[tuple[int, int]]
+    layers_of: Sequence[range | None],
+    offsets: Sequence[tuple[int, int]],
+    hosts: Sequence[str] = (),
 ) -> list[Block]:
     """The blocks of a layout: ``layers_of[r]`` is the layers rank ``r`` holds (``None``:
-    nothing), ``offsets[L]`` the elements of layer ``L``. Layers nobody holds get no block; empty
+    nothing), ``offsets[L]`` the elements of layer ``L``, ``hosts[r]`` rank ``r``'s host (for
+    keepers on different hosts; empty: one host). Layers nobody holds get no block; empty
     layers are skipped; blocks come in layer order."""
     out: list[Block] = []
     for layer, (start, stop) in enumerate(offsets):
         holders = tuple(r for r, held in enumerate(layers_of) if held is not None and layer in held)
         if not holders or stop <= start:
             continue
+        on = tuple(hosts[r] for r in holders) if len(hosts) == len(layers_of) else ()
         if out and out[-1].holders == holders and out[-1].stop == start:
-            out[-1] = Block(out[-1].start, stop, holders)
+            out[-1] = Block(out[-1].start, stop, holders, on)
         else:
-            out.append(Block(start, stop, holders))
+            out.append(Block(start, stop, holders, on))
     return out
 
 
 def _keepers(block: Block, copies: int) -> list[tuple[Interval, tuple[int, ...]]]:
-    """Each part of ``block`` with the holders that keep its moments (its primary first)."""
+    """Each part of ``block`` with the holders that keep its moments (its primary first).
+
+    Part ``i``'s primary is holder ``i``; the other keepers are the next holders in cyclic
+    order, skipping holders on a host that already keeps the part while another host could: a
+    host loss must never take every copy of a part."""
     h, k = block.holders, len(block.holders)
-    return [
-        (part, tuple(h[(i + j) % k] for j in range(min(copies, k))))
-        for i, part in enumerate(split_even(block.start, block.stop, k))
-    ]
+    want = min(copies, k)
+    out = []
+    for i, part in enumerate(split_even(block.start, block.stop, k)):
+        order = [(i + j) % k for j in range(k)]
+        chosen = [order[0]]
+        for j in order[1:]:  # first holders on hosts that keep no copy yet
+            if len(chosen) < want and (
+                not block.hosts or block.hosts[j] not in {block.hosts[c] for c in chosen}
+            ):
+                chosen.append(j)
+        for j in order[1:]:  # then, with too few hosts, any holder
+            if len(chosen) < want and j not in chosen:
+                chosen.append(j)
+        out.append((part, tuple(h[j] for j in chosen)))
+    return out
 
 
 def part_keepers(

@@ -168,7 +168,7 @@ def sync(
     ]
     targets, info = pipe.begin_layout(plan, resume, rolled_back)
     info["held_elements"] = pipe.span(pipe.target).stop - pipe.span(pipe.target).start
-    blocks = holder_blocks(targets, pipe.offsets)
+    blocks = holder_blocks(targets, pipe.offsets, plan.hosts)
     duty = moment_duty(blocks, plan.world_size)
     param_pieces = plan_piece_transfers(have_params, [spans(pipe.span, t) for t in targets])
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from elaswave.daemon.supervisor import hang_verdict
+from elaswave.daemon.supervisor import hang_verdict, respawn_verdict
+from elaswave.errors import EXIT_STATE_LOST
 
 BEAT = 0.2
 
@@ -32,3 +33,21 @@ def test_hang_verdict(
         assert reason is None
     else:
         assert reason is not None and verdict in reason
+
+
+@pytest.mark.parametrize(
+    ("exit_code", "used", "limit", "unrecoverable", "respawn"),
+    [
+        (-9, 0, 2, None, True),  # a crash, restarts left
+        (-9, 2, 2, None, False),  # none left
+        (1, 0, 2, None, True),
+        (EXIT_STATE_LOST, 0, 100, None, False),  # it gave up: state is lost
+        (-9, 0, 100, "both copies of layer 3 are gone", False),  # a peer reported the loss
+    ],
+)
+def test_respawn_verdict(
+    exit_code: int, used: int, limit: int, unrecoverable: str | None, respawn: bool
+) -> None:
+    """A worker is never respawned after the job's state is lost: a fresh one would start the
+    job over from step 0 without a word (found by the pipeline chaos soak)."""
+    assert respawn_verdict(exit_code, used, limit, unrecoverable) is respawn

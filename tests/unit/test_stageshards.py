@@ -16,6 +16,7 @@ from elaswave.runtime.stageshards import (
     holder_blocks,
     merge,
     moment_duty,
+    part_keepers,
     piece_stats,
     plan_piece_transfers,
     split_even,
@@ -407,3 +408,36 @@ def test_coverage_cuts_at_every_boundary_and_names_the_keepers() -> None:
         ((15, 20), (3,)),
     ]
     assert coverage([[], []]) == []
+
+
+@pytest.mark.parametrize(
+    ("holders", "hosts", "keepers"),
+    [
+        # one host (or unknown): holder i and i + 1, cyclically
+        ((0, 2, 5), (), [(0, 2), (2, 5), (5, 0)]),
+        # holders 0 and 2 share host a: part 0 skips 2 for 5 (host b); part 2 would pair 5 with
+        # 0 anyway (another host)
+        ((0, 2, 5), ("a", "a", "b"), [(0, 5), (2, 5), (5, 0)]),
+        ((0, 1, 2, 3), ("a", "a", "b", "b"), [(0, 2), (1, 2), (2, 0), (3, 0)]),
+        # all on one host: no choice
+        ((0, 1), ("a", "a"), [(0, 1), (1, 0)]),
+    ],
+)
+def test_keepers_of_a_part_sit_on_different_hosts(
+    holders: tuple[int, ...], hosts: tuple[str, ...], keepers: list[tuple[int, int]]
+) -> None:
+    """A host loss must never take both copies of a part's moments: the second keeper is the
+    next holder on another host (found by the pipeline chaos soak: two keepers on one host, the
+    host died, the moments were lost)."""
+    block = Block(0, 30 * len(holders), holders, hosts)
+    assert [k for _, k in part_keepers([block])] == keepers
+    host_of = dict(zip(holders, hosts, strict=True)) if hosts else {}
+    for _, (a, b) in part_keepers([block]):
+        if len(set(hosts)) > 1:
+            assert host_of[a] != host_of[b]
+
+
+def test_holder_blocks_carry_the_holders_hosts() -> None:
+    blocks = holder_blocks([range(0, 1), range(0, 1), range(1, 2)], [(0, 10), (10, 20)],
+                           ("a", "b", "a"))  # fmt: skip
+    assert [(b.holders, b.hosts) for b in blocks] == [((0, 1), ("a", "b")), ((2,), ("a",))]
