@@ -133,6 +133,19 @@ def status_json(job_id: str, env: dict[str, str], *extra: str) -> dict[str, Any]
     return json.loads(r.stdout)
 
 
+F64 = {"ELASWAVE_TRAIN__REDUCE_DTYPE": "float64"}  # the deterministic mode
+
+
+def float64_run(factory: pytest.TempPathFactory, job_id: str, steps: int) -> Run:
+    """A fault-free data-parallel run in the deterministic mode (float64 reduction): the run
+    that faults of any kind, under any strategy, must match bit for bit."""
+    base = factory.mktemp(job_id)
+    env = {**os.environ, "ELASWAVE_STATE_DIR": str(base / "state"), **F64}
+    r = launch(base / "run", "--job-id", job_id, "--steps", str(steps), env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return Run(base / "run")
+
+
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> Run:
     """The fault-free run of gpt-tiny (40 steps, 4 workers) every fault run is compared with."""

@@ -3,11 +3,10 @@ last known-good state and redone, so that it leaves no trace in the trajectory."
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
-from conftest import Run, assert_clean_run, launch
+from conftest import F64, Run, assert_clean_run, float64_run, launch
 
 from elaswave.report import build_report
 
@@ -92,18 +91,12 @@ def test_pipeline_copies_are_verified_and_the_hit_copy_repaired(
     assert [i["kind"] for i in build_report(run.dir)["incidents"]] == ["corrupt", "corrupt"]
 
 
-F64 = {"ELASWAVE_TRAIN__REDUCE_DTYPE": "float64"}
 SDC_STEPS = 16
 
 
 @pytest.fixture(scope="module")
 def float64_reference(tmp_path_factory: pytest.TempPathFactory) -> Run:
-    """The fault-free run in the deterministic mode (float64 reduction), data parallel."""
-    base = tmp_path_factory.mktemp("sdc-f64")
-    env = {**os.environ, "ELASWAVE_STATE_DIR": str(base / "state"), **F64}
-    r = launch(base / "run", "--job-id", "sdc-ref", "--steps", str(SDC_STEPS), env=env)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return Run(base / "run")
+    return float64_run(tmp_path_factory, "sdc-ref", SDC_STEPS)
 
 
 @pytest.mark.parametrize(

@@ -10,26 +10,20 @@ stages; in the deterministic mode the run ends bit-identical to the fault-free o
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
-from conftest import Run, assert_clean_run, launch
+from conftest import F64, Run, assert_clean_run, float64_run, launch
 
 pytestmark = pytest.mark.e2e
 
 STEPS = 10
 FAULT = "kill,rank=1,at_step=5,phase=forward,detect_delay=2"
-F64 = {"ELASWAVE_TRAIN__REDUCE_DTYPE": "float64"}
 
 
 @pytest.fixture(scope="module")
 def float64_reference(tmp_path_factory: pytest.TempPathFactory) -> Run:
-    base = tmp_path_factory.mktemp("f64-reference")
-    env = {**os.environ, "ELASWAVE_STATE_DIR": str(base / "state"), **F64}
-    r = launch(base / "run", "--job-id", "f64-ref", "--steps", str(STEPS), env=env)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return Run(base / "run")
+    return float64_run(tmp_path_factory, "f64-ref", STEPS)
 
 
 @pytest.mark.parametrize(
