@@ -171,44 +171,37 @@ class Communicator:
 
     # ---- collectives ------------------------------------------------------------------------
     def allreduce(self, name: str, tensor: torch.Tensor, abort: Callable[[], bool]) -> None:
-        what = f"allreduce on {name!r}"
-        self._not_aborted(abort, what)
-        pg = self._pg(name)
-        self._finish(self._call(what, lambda: pg.allreduce([tensor])), abort, what)
+        self._not_aborted(abort, f"allreduce on {name!r}")
+        self._collective("allreduce", name, abort, lambda pg: pg.allreduce([tensor]))
 
     def allgather(
         self, name: str, tensor: torch.Tensor, abort: Callable[[], bool]
     ) -> list[torch.Tensor]:
-        what = f"allgather on {name!r}"
-        pg = self._pg(name)
-        out = [torch.empty_like(tensor) for _ in self._groups[name].members]
-        self._finish(self._call(what, lambda: pg.allgather([out], [tensor])), abort, what)
+        self._pg(name)  # a group whose rebuild failed is a CommError, not a KeyError
+        out = [torch.empty_like(tensor) for _ in range(self.size(name))]
+        self._collective("allgather", name, abort, lambda pg: pg.allgather([out], [tensor]))
         return out
 
     def broadcast(
         self, name: str, tensor: torch.Tensor, root: int, abort: Callable[[], bool]
     ) -> None:
-        what = f"broadcast on {name!r}"
-        pg = self._pg(name)
         opts = dist.BroadcastOptions()
         opts.rootRank = root
-        self._finish(self._call(what, lambda: pg.broadcast([tensor], opts)), abort, what)
+        self._collective("broadcast", name, abort, lambda pg: pg.broadcast([tensor], opts))
 
     def reduce_scatter(
         self, name: str, parts: list[torch.Tensor], out: torch.Tensor, abort: Callable[[], bool]
     ) -> None:
         """SUM-reduce ``parts[r]`` across the group into rank ``r``'s ``out``."""
-        what = f"reduce_scatter on {name!r}"
-        pg = self._pg(name)
-        self._finish(self._call(what, lambda: pg.reduce_scatter([out], [parts])), abort, what)
+        self._collective(
+            "reduce_scatter", name, abort, lambda pg: pg.reduce_scatter([out], [parts])
+        )
 
     def allgather_into(
         self, name: str, out: torch.Tensor, part: torch.Tensor, abort: Callable[[], bool]
     ) -> None:
         """Concatenate every rank's equally sized ``part`` into ``out`` (rank order)."""
-        what = f"allgather on {name!r}"
-        pg = self._pg(name)
-        self._finish(self._call(what, lambda: pg._allgather_base(out, part)), abort, what)
+        self._collective("allgather", name, abort, lambda pg: pg._allgather_base(out, part))
 
     def exchange(
         self,
@@ -257,6 +250,18 @@ class Communicator:
         """Post sends and receives together, then wait for all of them (interruptibly)."""
         self._not_aborted(abort, f"send/recv on {name!r}")
         self._wait_in_thread(self.post(name, sends, recvs), abort, f"send/recv on {name!r}")
+
+    def _collective(
+        self,
+        op: str,
+        name: str,
+        abort: Callable[[], bool],
+        start: Callable[[dist.ProcessGroupGloo], dist.Work],
+    ) -> None:
+        """Start a collective on group ``name`` and wait for it; any failure is a CommError."""
+        what = f"{op} on {name!r}"
+        pg = self._pg(name)
+        self._finish(self._call(what, lambda: start(pg)), abort, what)
 
     def _pg(self, name: str) -> dist.ProcessGroupGloo:
         group = self._groups.get(name)
