@@ -690,7 +690,7 @@ class HostDaemon:
             self.events.emit(
                 "fault_requested", fault=fault.to_dict(), worker=target, host=self.host_id
             )
-            w.detect_delay = max(w.detect_delay, fault.detect_delay or 0.0)
+            w.sent(fault.detect_delay)
             if not needs_worker:
                 self.events.emit(
                     "fault_injected",
@@ -715,9 +715,7 @@ class HostDaemon:
         if target in sent or target not in self.workers or conn is None:
             return
         sent.add(target)
-        self.workers[target].detect_delay = max(
-            self.workers[target].detect_delay, fault.detect_delay or 0.0
-        )
+        self.workers[target].sent(fault.detect_delay)
         self.events.emit("fault_requested", fault=fault.to_dict(), worker=target, host=self.host_id)
         conn.send({"type": "fault", "fault": fault.to_dict()})
 

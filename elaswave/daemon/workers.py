@@ -28,6 +28,11 @@ class WorkerProc:
     detect_delay: float = 0.0  # a kill fault sent to it asks for its death to be reported late
     waiter: asyncio.Task[None] | None = field(default=None, repr=False)
 
+    def sent(self, detect_delay: float | None) -> None:
+        """A fault was sent to this worker: one that asks for a slow detector delays the report
+        of its death."""
+        self.detect_delay = max(self.detect_delay, detect_delay or 0.0)
+
     @property
     def pid(self) -> int:
         return self.proc.pid
