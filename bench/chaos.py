@@ -11,8 +11,9 @@ result) over all six kinds:
 - kill, hang, corrupt, slow: ``inject-fault --rank R`` on the live job (R drawn at random);
 - host: ``inject-fault --kind host`` on a non-leader host, which is then relaunched (a new daemon
   for the same host id) so that capacity comes back;
-- partition: ``inject-fault --kind partition`` on a non-leader host, healed once the host has
-  fenced itself; it rejoins by itself.
+- partition: ``inject-fault --kind partition`` on a non-leader host, healed once the others
+  have planned without it; then its daemon reads that plan, fences its old workers and brings
+  new ones, which join by themselves.
 
 A slow worker stays slow, so every ``slow`` is followed by a ``kill`` of that very worker (its
 respawn is fast again); that kill counts as a fault of its own. Each fault waits for the previous
@@ -417,11 +418,11 @@ class _Soak:
         """Wait until the fault is answered and the job is back at full size; the marks."""
         t0, kind = record["t"], record["kind"]
         if kind == "partition":
-            wait_until(lambda: self._after("host_fenced", t0, host=record["host"]), 60, "no fence")
             wait_until(
                 lambda: self._after("host_lost", t0, host=record["host"]), 60, "no host_lost"
             )
             self.bed.heal(record["host"])
+            wait_until(lambda: self._after("host_fenced", t0, host=record["host"]), 60, "no fence")
         elif kind == "host":
             wait_until(
                 lambda: self._after("host_lost", t0, host=record["host"]), 60, "no host_lost"

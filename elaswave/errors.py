@@ -54,7 +54,12 @@ class EtcdAccessDenied(ElasWaveError):
     exit_code = 3
 
 
-class HostFenced(ElasWaveError):
-    """This host lost its etcd lease: its workers were stopped and it must rejoin as new."""
+class LeaseExpired(ElasWaveError):
+    """etcd refused a write under this host's lease: the lease has expired (the host registers
+    again; the daemon handles it, the user never sees it)."""
 
-    exit_code = 5
+
+class RunDirFull(ElasWaveError):
+    """Records of a finished run could not be written to its run directory (a full disk)."""
+
+    exit_code = 6

@@ -49,6 +49,9 @@ class Plan:
     bounds: tuple[tuple[int, ...], ...] = field(default=())
     shares: tuple[int, ...] = field(default=())
     evicted: tuple[str, ...] = field(default=())  # departed because too slow: stop, do not respawn
+    # The job's newest committed step when this plan was made (its progress record in etcd): a
+    # plan whose ranks all hold no state must not start the job over (the engine's state check).
+    committed: int = 0
 
     @property
     def world_size(self) -> int:
@@ -105,6 +108,7 @@ class Plan:
             bounds=tuple(tuple(int(b) for b in bs) for bs in d.get("bounds", ())),
             shares=tuple(int(x) for x in d.get("shares", ())),
             evicted=tuple(d.get("evicted", ())),
+            committed=int(d.get("committed", 0)),
         )
 
 

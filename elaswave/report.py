@@ -8,6 +8,10 @@ plan       detection → the leader published the next epoch
 comm       plan → the last rank rebuilt its process groups
 state      comm → the last rank agreed on the resume step and received any missing state
 redo       state → the first committed step after the change (the redone in-flight step)
+
+Control-plane outages (etcd unreachable or restarted, a daemon paused) are incidents too, with
+their downtime and the steps trained meanwhile instead of phases: training does not stop for them,
+so they have no MTTR.
 """
 
 from __future__ import annotations
@@ -59,6 +63,7 @@ def build_report(run_dir: str | Path, *more: str | Path) -> dict[str, Any]:
     for ev in events:
         if ev["kind"] == "worker_exit" and id(ev) not in used_exits:
             incidents.append(_incident(None, ev, ev.get("worker"), events, plans, metrics))
+    incidents += control_plane_outages(events, metrics)
     incidents.sort(key=lambda x: x["fault_t"])
     claimed: set[float] = set()
     for inc in incidents:  # one restore answers one incident (the first it follows)
@@ -75,6 +80,77 @@ def build_report(run_dir: str | Path, *more: str | Path) -> dict[str, Any]:
         "incidents": incidents,
         "totals": _totals(events, metrics, incidents),
     }
+
+
+CONTROL_PLANE = "control plane"
+# what an outage is called when several hosts or records saw it: the most telling cause first
+CAUSES = ("embedded etcd restarted", "daemon paused", "etcd unreachable")
+
+
+def outage_spans(events: list[dict[str, Any]]) -> list[tuple[float, float, str, str]]:
+    """``(start, end, what, host)`` of every control-plane outage a host recorded. Pure."""
+    spans = []
+    for e in events:
+        host = str(e.get("host", ""))
+        if e["kind"] == "etcd_restarted":
+            spans.append((e["t"] - e["downtime"], e["t"], "embedded etcd restarted", host))
+        elif e["kind"] == "etcd_reachable":
+            spans.append((e["since"], e["t"], "etcd unreachable", host))
+        elif e["kind"] == "daemon_paused":
+            spans.append((e["t"] - e["seconds"], e["t"], "daemon paused", host))
+    return spans
+
+
+def merge_spans(
+    spans: list[tuple[float, float, str, str]],
+) -> list[tuple[float, float, list[str], list[str]]]:
+    """Overlapping outages as one (every host sees the same etcd go away): ``(start, end, whats,
+    hosts)`` in time order, each list in first-seen order. Pure."""
+    merged: list[tuple[float, float, list[str], list[str]]] = []
+    for start, end, what, host in sorted(spans):
+        if merged and start <= merged[-1][1]:
+            s0, e0, whats, hosts = merged[-1]
+            merged[-1] = (s0, max(e0, end), whats, hosts)
+        else:
+            merged.append((start, end, [], []))
+            whats, hosts = merged[-1][2], merged[-1][3]
+        if what not in whats:
+            whats.append(what)
+        if host and host not in hosts:
+            hosts.append(host)
+    return merged
+
+
+def control_plane_outages(
+    events: list[dict[str, Any]], metrics: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """One incident per control-plane outage: its downtime and the steps committed meanwhile."""
+    out = []
+    for start, end, whats, hosts in merge_spans(outage_spans(events)):
+        before = [m["step"] for m in metrics if m.get("time", 0.0) < start]
+        trained = sorted({m["step"] for m in metrics if start <= m.get("time", 0.0) <= end})
+        inc: dict[str, Any] = dict.fromkeys(PHASES)
+        inc.update(
+            kind=CONTROL_PLANE,
+            what=min(whats, key=lambda w: CAUSES.index(w) if w in CAUSES else len(CAUSES)),
+            host=", ".join(hosts) or None,
+            worker=None,
+            rank=None,
+            fault_step=max(before, default=0) + 1,
+            fault_t=start,
+            epoch=None,
+            world_after=None,
+            first_commit_step=None,
+            mttr_s=None,  # training went on: nothing to recover from
+            downtime_s=round(end - start, 3),
+            steps_trained=len(trained),
+            reason=(
+                f"{' + '.join(whats)} for {end - start:.1f} s on {', '.join(hosts) or 'the job'}; "
+                f"{len(trained)} steps trained meanwhile"
+            ),
+        )
+        out.append(inc)
+    return out
 
 
 def _host_fault(before: list[dict[str, Any]], host: str) -> dict[str, Any] | None:
@@ -297,7 +373,7 @@ def _totals(
 CSV_FIELDS = [
     "id", "kind", "host", "worker", "rank", "fault_step", "epoch", "world_after", *PHASES,
     "mttr_s", "first_commit_step", "state_bytes", "state_promoted_bytes", "state_max_over_mean",
-    "recomputed_steps", "reason",
+    "recomputed_steps", "downtime_s", "steps_trained", "reason",
 ]  # fmt: skip
 
 
@@ -330,14 +406,18 @@ def render_markdown(report: dict[str, Any]) -> str:
         ]
         for inc in incidents:
             who = inc["kind"]
-            if inc["rank"] is not None:
+            after = f"{inc['world_after'] or '–'} workers"
+            if inc["kind"] == CONTROL_PLANE:
+                who = f"{inc['what']} ({_ms(inc['downtime_s'])})"
+                after = f"trained on: {inc['steps_trained']} steps"
+            elif inc["rank"] is not None:
                 who += f" rank {inc['rank']}"
             elif inc.get("host"):
                 who += f" host {inc['host']}"
             lines.append(
                 f"| {inc['id']} | {who} | {inc['fault_step'] or '–'} | "
                 + " | ".join(_ms(inc[p]) for p in PHASES)
-                + f" | **{_ms(inc['mttr_s'])}** | {inc['world_after'] or '–'} workers |"
+                + f" | **{_ms(inc['mttr_s'])}** | {after} |"
             )
         lines.append("")
         for inc in incidents:

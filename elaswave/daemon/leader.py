@@ -9,6 +9,10 @@ campaign again.
 A host whose lease expires (a dead or partitioned host) loses its worker keys with it; the leader
 names the lost host in the next plan's reason and records a ``host_lost`` event (detection time of
 a host fault ≈ the lease TTL).
+
+A leader whose own lease expired (its host was cut off, or its daemon paused) may not know it yet:
+every plan is published in a transaction that also requires the leader key to still name this
+host, so a former leader can never publish; it steps down and campaigns again.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from elaswave.daemon.policy import (
     pipeline_straggler_verdict,
     straggler_verdict,
 )
+from elaswave.errors import EtcdUnavailable
 from elaswave.pipeplan import layer_costs, measured_layers, next_pipeline_plan, plan_costs
 from elaswave.plan import Member, Plan, next_plan, reshared_plan
 
@@ -42,16 +47,26 @@ JOIN_SETTLE_S = 0.5  # how long a grow waits for further joiners before it is pl
 
 
 async def campaign(d: HostDaemon) -> None:
-    """Win the election (or wait for the current leader to go), then lead until stopped."""
+    """Win the election (or wait for the current leader to go), then lead until stopped, the
+    job is done, or this host's lease expires (then campaign again under the new one)."""
     while not d.stopping:
+        await d.cp.registered.wait()
         if await d.etcd.get(d.keys.done) is not None:
             return  # the job is over: hosts leaving now need no new leader
-        if await d.etcd.create(d.keys.leader, d.host_id, lease=d.lease):
+        won = await d.etcd.create(d.keys.leader, d.host_id, lease=d.lease)
+        if won or await _holds(d, d.keys.leader):  # held already: an outage ran this again
+            if won:
+                d.events.emit("leader_elected", host=d.host_id)
             d.is_leader = True
-            d.events.emit("leader_elected", host=d.host_id)
             await Planner(d).run()
-            return
+            d.is_leader = False
+            continue
         await _wait_for_key_gone(d, d.keys.leader)
+
+
+async def _holds(d: HostDaemon, key: str) -> bool:
+    kv = await d.etcd.get(key)
+    return kv is not None and kv.value.decode() == d.host_id and d.cp.registered.is_set()
 
 
 async def _wait_for_key_gone(d: HostDaemon, key: str) -> None:
@@ -85,9 +100,13 @@ class Planner:
         self.job_done = False
 
     async def run(self) -> None:
+        """Plan until the job is done or stops, or this host stops leading. An etcd outage
+        raises :class:`EtcdUnavailable` (from a call, or from the watch): the daemon runs the
+        campaign again once etcd answers, and a new planner starts from a fresh read."""
         d = self.d
         rev = await d.etcd.revision()
         watcher = asyncio.create_task(self._watch(rev + 1))
+        d.planner = self
         try:
             current, plan_rev = await self._read_plan()
             if current is None:
@@ -101,7 +120,7 @@ class Planner:
                     self._host_lost(host, "not registered when this leader took over")
             if current is not None:
                 self.evicted.update(current.evicted)
-            while not d.stopping:
+            while not d.stopping and d.is_leader:
                 self.changed.clear()
                 if await d.etcd.get(d.keys.done) is not None:
                     return  # the last step is committed: leaving workers change nothing
@@ -125,21 +144,44 @@ class Planner:
                     else:
                         plan = self._straggler_plan(current)
                 if plan is not None:
+                    plan = replace(plan, committed=await self._committed())
                     if await d.etcd.compare_and_put(
-                        d.keys.plan, plan.to_json(), mod_revision=plan_rev
+                        d.keys.plan,
+                        plan.to_json(),
+                        mod_revision=plan_rev,
+                        holder=(d.keys.leader, d.host_id),
                     ):
                         self._published(plan)
                         await self._record_incident(plan, bool(causes) or bool(plan.evicted))
                         if current is None:
-                            await d.submit_config_faults()
+                            await d.faults.submit_config_faults()
+                    elif not await _holds(d, d.keys.leader):
+                        log.warning("no longer the leader (this host's lease expired)")
+                        return
                     current, plan_rev = await self._read_plan()
                     self.hysteresis.reset()
                     continue  # re-check: membership may have moved while we published
-                await self.changed.wait()
+                await self._wait_change(watcher)
         finally:
+            if d.planner is self:
+                d.planner = None
             watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await watcher
+
+    async def _wait_change(self, watcher: asyncio.Task[None]) -> None:
+        """Until something changed; a watch that failed (etcd went away) raises its error."""
+        change = asyncio.create_task(self.changed.wait())
+        await asyncio.wait({change, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        change.cancel()
+        if watcher.done():
+            watcher.result()  # raises what ended it
+            raise EtcdUnavailable("the leader's watch on etcd ended")
+
+    async def _committed(self) -> int:
+        """The job's newest committed step as etcd knows it (its progress record)."""
+        kv = await self.d.etcd.get(self.d.keys.progress)
+        return int(kv.json().get("step", 0)) if kv is not None else 0
 
     def _next(self, current: Plan | None, members: list[Member], cause: str) -> Plan | None:
         cfg = self.d.cfg

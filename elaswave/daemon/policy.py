@@ -1,4 +1,4 @@
-"""The leader's pure decisions about slow workers and failure storms (no I/O, table-tested).
+"""The daemons' pure decisions about slow, hung and failing workers (no I/O, table-tested).
 
 - :func:`straggler_verdict`: from each rank's recent compute time per micro-batch, the
   micro-batch shares proportional to speed (global batch unchanged) and the ranks to evict.
@@ -6,6 +6,8 @@
   re-cut of the stages' layers and a re-share of the replicas' micro-batches, or an eviction.
 - :class:`Hysteresis`: a proposal is acted on only once it has been made several times in a row.
 - :func:`loop_verdict`: whether the job keeps failing without committing a step.
+- :func:`hang_verdict` and :func:`silence`: whether a worker is hung, judged only on silence the
+  daemon was there to hear; :func:`respawn_verdict`: whether a worker that exited is replaced.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import statistics
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
+from elaswave.errors import EXIT_STATE_LOST
 from elaswave.pipeplan import predicted_step, respeed_pipeline_plan, stage_speeds
 from elaswave.plan import Plan, assign_microbatches
 
@@ -273,3 +276,37 @@ def loop_verdict(failure_steps: Sequence[int], committed: int, limit: int) -> st
     if streak < limit:
         return None
     return f"restart loop ({streak} failures without a committed step since step {committed})"
+
+
+def respawn_verdict(
+    exit_code: int | None, restarts_used: int, max_restarts: int, unrecoverable: str | None
+) -> bool:
+    """Whether a worker that exited is replaced. Pure. Never after it gave up because state is
+    lost (``EXIT_STATE_LOST``, or another worker reported it): a fresh worker would start the
+    job over from step 0, silently; the job stops with the reason instead."""
+    if exit_code == EXIT_STATE_LOST or unrecoverable is not None:
+        return False
+    return restarts_used < max_restarts
+
+
+def hang_verdict(
+    silent_s: float, phase: str, phase_age_s: float, limit_s: float, beat_s: float
+) -> str | None:
+    """Why a worker counts as hung, or ``None``. Pure: the hang detector's whole decision.
+
+    Two disjoint cases, each needing the full ``limit_s``: the process is frozen (no heartbeat
+    for longer than the limit), or it is alive (beats still arrive) but its main thread has been
+    in one compute phase for longer than the limit. A worker waiting in a collective or for a
+    plan is never hung on its own account: a peer may be.
+    """
+    if silent_s > limit_s:
+        return f"no heartbeat for {silent_s:.1f} s"
+    if phase == "compute" and silent_s <= 2 * beat_s and phase_age_s > limit_s:
+        return f"stuck computing for {phase_age_s:.1f} s"
+    return None
+
+
+def silence(now: float, last_beat: float, resumed: float) -> float:
+    """How long a worker has been silent as far as the daemon can tell. Pure. Time before the
+    daemon last resumed from a pause of its own does not count: it was not listening then."""
+    return now - max(last_beat, resumed)

@@ -3,6 +3,13 @@
 It registers its host under an etcd lease, campaigns for leadership, spawns and supervises one
 worker per device, relays plans and faults to them over the control channel, turns every worker
 exit into an event and a membership change within milliseconds, and writes the run directory.
+
+The control plane's own failures never stop training. Workers never wait on the daemon (their
+reports are queued), and the daemon never waits on etcd: what it must write goes through an
+:class:`~elaswave.daemon.outbox.Outbox`, and every task that reads or watches etcd runs again from
+a fresh read once etcd answers after an outage. A host whose lease expired meanwhile (etcd was
+away, or this daemon paused, for longer than the TTL) registers again in place; only a newer plan
+that drops its workers fences them (``_adopt``). ``launch`` restarts an embedded etcd that exits.
 """
 
 from __future__ import annotations
@@ -14,35 +21,38 @@ import logging
 import os
 import signal
 import socket
+import sys
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 from elaswave.config import JobConfig
 from elaswave.daemon import leader
 from elaswave.daemon.control import ControlServer, WorkerConn
+from elaswave.daemon.controlplane import ControlPlane
 from elaswave.daemon.etcd import Etcd, EtcdSecurity
+from elaswave.daemon.etcd_server import EmbeddedEtcd
+from elaswave.daemon.faultrelay import FaultRelay
 from elaswave.daemon.netns import current_netns
-from elaswave.daemon.policy import WINDOW
+from elaswave.daemon.policy import WINDOW, hang_verdict, respawn_verdict, silence
 from elaswave.daemon.workers import WorkerProc, spawn, stop_all
 from elaswave.errors import (
-    EXIT_STATE_LOST,
     ElasWaveError,
     EtcdUnavailable,
-    HostFenced,
     JobFailed,
     JobStopped,
+    RunDirFull,
 )
 from elaswave.events import EVENTS_FILE, METRICS_FILE, EventLog, JsonlWriter
-from elaswave.faults import FaultKind, FaultSpec, decode_request
 from elaswave.keys import JobKeys
 from elaswave.plan import Plan
 
 log = logging.getLogger(__name__)
 
 COMPUTE_PUBLISH_S = 0.5  # how often a host shares its workers' compute times with the leader
+DAEMON_STALL_BEATS = 2  # the hang detector's loop running this many beats late = the daemon paused
 
 
 def default_host_id() -> str:
@@ -66,9 +76,8 @@ class HostDaemon:
         *,
         etcd_endpoints: list[str],
         host_addr: str | None = None,
-        embedded_etcd_pid: int | None = None,
+        embedded: EmbeddedEtcd | None = None,
         security: EtcdSecurity | None = None,
-        first_incarnation: int = 0,
     ) -> None:
         self.cfg = cfg
         self.endpoints = etcd_endpoints
@@ -78,8 +87,9 @@ class HostDaemon:
         self.keys = JobKeys(cfg.job_id)
         self.run_dir = cfg.resolved_run_dir
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.events = EventLog(self.run_dir / EVENTS_FILE)
-        self.metrics = JsonlWriter(self.run_dir / METRICS_FILE)
+        self.write_error: str | None = None  # the first failed write to the run directory
+        self.events = EventLog(self.run_dir / EVENTS_FILE, on_error=self._cannot_write)
+        self.metrics = JsonlWriter(self.run_dir / METRICS_FILE, on_error=self._cannot_write)
         self.etcd: Etcd = None  # type: ignore[assignment]  # set in run()
         self.lease: Any = None
         self.store: Any = None
@@ -95,10 +105,9 @@ class HostDaemon:
         self.commit_times: list[tuple[float, int]] = []
         self.final_step = 0
         self._finished = asyncio.Event()
-        self._pending_faults: dict[str, FaultSpec] = {}
         self._tasks: list[asyncio.Task[Any]] = []
         self.signal_received: int | None = None
-        self.embedded_etcd_pid = embedded_etcd_pid
+        self.embedded = embedded  # an etcd this launch started: restarted if it exits
         self.unrecoverable: str | None = None  # why workers gave up (e.g. a lost ZeRO shard)
         self.stopped: str | None = None  # the leader's verdict that ended the job
         # worker -> (plan epoch, its newest compute seconds per micro-batch under that epoch)
@@ -106,13 +115,37 @@ class HostDaemon:
         self._compute_dirty = False
         self.layer_costs: dict[str, dict[str, Any]] = {}  # worker -> its layers' seconds (online)
         self._costs_dirty = False
-        self._repeat_sent: dict[str, set[str]] = {}  # repeat fault key -> workers it went to
-        self.first_incarnation = first_incarnation  # > 0 after a fence: new worker ids
-        self.fenced: str | None = None  # why this host stopped its workers (lease lost)
+        self.faults = FaultRelay(self)  # fault requests from etcd to this host's workers
+        self.cp = ControlPlane(self)  # etcd outages, the outbox, the lease, the embedded etcd
+        self.outbox = self.cp.outbox
+        self.planner: Any = None  # the running leader.Planner, if this host leads
+        self._replacing = 0  # fenced workers whose replacements are being spawned
 
     # ---- lifecycle --------------------------------------------------------------------------
     async def run(self) -> int:
         """Run until the job ends on this host; returns the process exit code."""
+        code = await self._run()
+        lost = self.events.unwritten + self.metrics.unwritten
+        if lost:
+            raise RunDirFull(
+                f"{lost} record(s) could not be written to {self.run_dir} ({self.write_error})"
+            )
+        return code
+
+    def _cannot_write(self, path: Path, exc: OSError) -> None:
+        """The run directory refused a write (a full disk, as a rule): one line for the user,
+        once; the records wait in memory and are written as soon as a write succeeds again."""
+        if self.write_error is not None:
+            return
+        self.write_error = f"{path.name}: {exc.strerror or exc}"
+        print(
+            f"elaswave: cannot write to the run directory {self.run_dir} ({self.write_error}); "
+            "training goes on, records are kept in memory until space returns",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    async def _run(self) -> int:
         self.etcd = await Etcd.connect(
             self.endpoints,
             prefix=self.keys.prefix,
@@ -121,47 +154,51 @@ class HostDaemon:
         )
         try:
             await self._join()
+            self.cp.joined()
+            resilient = {
+                "leader": lambda: leader.campaign(self),
+                "plans": self._watch_plans,
+                "faults": self.faults.watch,
+                "done": self._watch_done,
+                "stop": self._watch_stop,
+            }
             self._tasks = [
-                asyncio.create_task(self._keep_alive(), name="keep-alive"),
-                asyncio.create_task(leader.campaign(self), name="leader"),
-                asyncio.create_task(self._watch_plans(), name="plans"),
-                asyncio.create_task(self._watch_faults(), name="faults"),
-                asyncio.create_task(self._watch_done(), name="done"),
+                asyncio.create_task(self.cp.keep_alive(), name="keep-alive"),
+                asyncio.create_task(self.outbox.run(), name="outbox"),
+                *(
+                    asyncio.create_task(self.cp.resilient(body), name=name)
+                    for name, body in resilient.items()
+                ),
                 asyncio.create_task(self._detect_hangs(), name="hangs"),
                 asyncio.create_task(self._publish_compute(), name="compute"),
-                asyncio.create_task(self._watch_stop(), name="stop"),
             ]
-            if self.first_incarnation and await self.etcd.get(self.keys.done) is not None:
-                self.events.emit("job_done_elsewhere", host=self.host_id)
-                return 0  # the job finished while this host was fenced
+            if self.embedded is not None:
+                self._tasks.append(asyncio.create_task(self.cp.supervise_etcd(), name="etcd"))
             for slot in range(self.cfg.elastic.nproc_per_node):
-                await self._spawn(slot, self.first_incarnation)
+                await self._spawn(slot, 0)
             waiter = asyncio.create_task(self._finished.wait())
             pending: set[asyncio.Task[Any]] = {waiter, *self._tasks}
             while waiter in pending:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
                     exc = task.exception() if task is not waiter else None
-                    if exc is None:
-                        continue
-                    if isinstance(exc, EtcdUnavailable) and self._work_is_over():
-                        continue  # etcd went away after our last step: nothing left to lose
-                    if isinstance(exc, EtcdUnavailable) and not self.stopping:
-                        self._fence(f"lost etcd ({exc})")  # membership can no longer be trusted
-                    raise exc
+                    if exc is not None:
+                        raise exc
             return await self._finish()
         finally:
             await self._cleanup()
+            self.events.close()
+            self.metrics.close()
 
     @property
     def next_incarnation(self) -> int:
-        """The first worker incarnation a rejoin of this host may use (fresh worker ids)."""
+        """The first worker incarnation a replacement may use (fresh worker ids)."""
         return 1 + max((w.incarnation for w in self.workers.values()), default=-1)
 
-    def _work_is_over(self) -> bool:
-        return bool(self.workers) and all(
-            w.done or w.proc.returncode is not None for w in self.workers.values()
-        )
+    @property
+    def worker_step(self) -> int:
+        """The newest step this host's workers have committed (their heartbeats say)."""
+        return max((w.step for w in self.workers.values()), default=0)
 
     def request_stop(self, signum: int) -> None:
         self.signal_received = signum
@@ -183,18 +220,9 @@ class HostDaemon:
         self.store = dist.TCPStore(self.host_addr, 0, is_master=True, wait_for_workers=False)
         self.store_address = f"{self.host_addr}:{self.store.port}"
         await self.control.start()
-        info = {
-            "host": self.host_id,
-            "addr": self.host_addr,
-            "pid": os.getpid(),
-            "nproc": self.cfg.elastic.nproc_per_node,
-            "run_dir": str(self.run_dir.resolve()),
-            "store": self.store_address,
-            "netns": current_netns(),
-            "started": time.time(),
-        }
+        self.started = time.time()
         if not await self.etcd.create(
-            self.keys.host(self.host_id), json.dumps(info), lease=self.lease
+            self.keys.host(self.host_id), json.dumps(self.host_info()), lease=self.lease
         ):
             raise ElasWaveError(
                 f"host id {self.host_id!r} is already registered in job {self.cfg.job_id!r}"
@@ -205,8 +233,20 @@ class HostDaemon:
             addr=self.host_addr,
             job=self.cfg.job_id,
             pid=os.getpid(),
-            embedded_etcd_pid=self.embedded_etcd_pid,
+            embedded_etcd_pid=self.embedded.pid if self.embedded else None,
         )
+
+    def host_info(self) -> dict[str, Any]:
+        return {
+            "host": self.host_id,
+            "addr": self.host_addr,
+            "pid": os.getpid(),
+            "nproc": self.cfg.elastic.nproc_per_node,
+            "run_dir": str(self.run_dir.resolve()),
+            "store": self.store_address,
+            "netns": current_netns(),
+            "started": self.started,
+        }
 
     async def _agree_on_config(self) -> None:
         """Every host must train the same thing: the first publishes it, the others compare."""
@@ -231,94 +271,107 @@ class HostDaemon:
                 return
             await asyncio.sleep(0.2)
 
-    async def _keep_alive(self) -> None:
-        """Refresh the host lease; fence this host once it cannot have been refreshed for a TTL.
-
-        Past that point etcd has expired (or is about to expire) the lease and the leader plans
-        without this host, so its workers must stop before anything of theirs can count: they
-        are SIGKILLed and the daemon leaves with :class:`HostFenced` (``launch`` then rejoins as
-        a new member once etcd answers again).
-        """
-        ttl = self.cfg.timeouts.lease_ttl
-        interval = max(0.1, ttl / 4)
-        last_ok = time.monotonic()
-        while True:
-            await asyncio.sleep(interval)
-            remaining: int | None = None
-            try:
-                remaining = await asyncio.wait_for(self.etcd.refresh_lease(self.lease), interval)
-                if remaining > 0:
-                    last_ok = time.monotonic()
-            except (EtcdUnavailable, asyncio.TimeoutError) as exc:
-                log.warning("lease keep-alive failed: %s", exc)
-            reason = fence_verdict(time.monotonic() - last_ok, remaining, ttl)
-            if reason is not None:
-                self._fence(reason)
-
-    def _fence(self, reason: str) -> None:
-        self.fenced = reason
-        self.stopping = True
+    def _fence(self, workers: list[WorkerProc], plan: Plan) -> None:
+        """A newer plan dropped these live workers (their host was cut off, or paused, and the
+        others moved on): their state is stale. They are SIGKILLed and replaced by new workers
+        (new ids) that join like any newcomer."""
         pids = []
-        for w in self.workers.values():
-            if w.proc.returncode is None:
-                w.stopping = True
-                pids.append(w.pid)
-                with contextlib.suppress(ProcessLookupError):
-                    w.proc.kill()
-        self.events.emit("host_fenced", host=self.host_id, reason=reason, killed=pids)
-        raise HostFenced(f"host {self.host_id} fenced: {reason}")
+        for w in workers:
+            w.stopping = True  # its exit is ours: no departure, no respawn
+            pids.append(w.pid)
+            with contextlib.suppress(ProcessLookupError):
+                w.proc.kill()
+        self.events.emit(
+            "host_fenced",
+            host=self.host_id,
+            reason=f"plan epoch {plan.epoch} dropped {len(workers)} live worker(s): {plan.reason}",
+            killed=pids,
+            workers=[w.worker_id for w in workers],
+            epoch=plan.epoch,
+        )
+        for w in workers:  # gone with an expired lease, as a rule; if not, gone now
+            key = self.keys.worker(w.worker_id)
+            self.outbox.put(f"fenced {w.worker_id}", lambda key=key: self.etcd.delete(key))
+        # A progress record this host could not write while cut off is older than the job's:
+        # it must not land over what the others committed meanwhile.
+        self.outbox.drop("progress")
+        self._replacing += 1
+        asyncio.create_task(self._replace(workers))
+
+    async def _replace(self, workers: list[WorkerProc]) -> None:
+        try:
+            for w in workers:
+                if w.waiter is not None:
+                    await asyncio.wait([w.waiter])
+            incarnation = self.next_incarnation
+            if not self.stopping:
+                for w in workers:
+                    await self._spawn(w.slot, incarnation)
+        finally:
+            self._replacing -= 1
+            self._check_finished()
 
     async def _finish(self) -> int:
         if self.signal_received is not None:
             return 128 + self.signal_received
+        if self.unrecoverable:  # the cause; a loop breaker's stop that followed is its echo
+            raise JobFailed(f"job {self.cfg.job_id!r} cannot recover: {self.unrecoverable}")
         if self.stopped is not None:
             raise JobStopped(f"job stopped: {self.stopped}")
         done = [w for w in self.workers.values() if w.done]
         if done:
             self.events.emit("job_done", host=self.host_id, step=self.final_step)
-            with contextlib.suppress(Exception):
-                await self.etcd.put_json(
-                    self.keys.done, {"step": self.final_step, "t": time.time()}
-                )
+            step = self.final_step
+            self.outbox.put(
+                "done", lambda: self.etcd.put_json(self.keys.done, {"step": step, "t": time.time()})
+            )
             return 0
-        if await self.etcd.get(self.keys.done) is not None:
+        done_elsewhere = False
+        with contextlib.suppress(EtcdUnavailable):
+            done_elsewhere = await self.etcd.get(self.keys.done) is not None
+        if done_elsewhere:
             self.events.emit("job_done_elsewhere", host=self.host_id)
             return 0  # the job completed on other hosts before this one was needed
-        if self.unrecoverable:
-            raise JobFailed(f"job {self.cfg.job_id!r} cannot recover: {self.unrecoverable}")
         raise JobFailed(
             f"job {self.cfg.job_id!r} failed on host {self.host_id}: every worker was lost"
         )
 
     async def _cleanup(self) -> None:
         self.stopping = True
-        # Bounded: a shutdown that hangs must not leave the daemon running. Cancelled once done,
-        # because after a fence this process goes on with a new daemon (it must not be shot).
+        # Bounded: a shutdown that hangs must not leave the daemon running. The outbox and the
+        # keep-alive run on until the writes still owed to etcd have landed (or time is up).
         with shutdown_watchdog(4 * self.cfg.timeouts.shutdown_grace + 30):
-            for task in self._tasks:
+            last = {"outbox", "keep-alive"}
+            early = [t for t in self._tasks if t.get_name() not in last]
+            for task in early:
                 task.cancel()
-            if self._tasks:
-                await asyncio.wait(self._tasks, timeout=5.0)
+            if early:
+                await asyncio.wait(early, timeout=5.0)
             await stop_all(list(self.workers.values()), self.cfg.timeouts.shutdown_grace)
             for w in self.workers.values():
                 if w.waiter is not None:
                     with contextlib.suppress(BaseException):
                         await asyncio.wait_for(w.waiter, 1.0)
             await self.control.stop()
-            if self.etcd is not None and self.fenced is not None:
-                await self.etcd.close()  # unreachable or forgot us: nothing to tidy there
-            elif self.etcd is not None:
+            if self.etcd is not None and not await self.outbox.drain(
+                self.cfg.timeouts.etcd_connect
+            ):
+                log.warning("%d etcd write(s) never landed", self.outbox.pending)
+            late = [t for t in self._tasks if t.get_name() in last]
+            for task in late:
+                task.cancel()
+            if late:
+                await asyncio.wait(late, timeout=5.0)
+            if self.etcd is not None:
                 with contextlib.suppress(Exception):
                     if self.lease is not None:
                         await self.lease.revoke()
-                if self.embedded_etcd_pid is not None and self.signal_received is None:
+                if self.embedded is not None and self.signal_received is None:
                     await self._wait_for_other_hosts()  # they still need the etcd we host
                 with contextlib.suppress(Exception):  # last one out: no stale keys
                     if not await self.etcd.get_prefix(self.keys.hosts):
                         await self.etcd.delete_prefix(self.keys.prefix)
                 await self.etcd.close()
-            self.events.close()
-            self.metrics.close()
 
     # ---- workers ----------------------------------------------------------------------------
     async def _spawn(self, slot: int, incarnation: int) -> WorkerProc:
@@ -358,13 +411,16 @@ class HostDaemon:
             exit_code=w.exit_code,
             reason=reason,
         )
-        with contextlib.suppress(Exception):
-            await self.etcd.put_and_delete(
+        # Queued: with etcd away, the departure lands (and is planned for) once it answers.
+        self.outbox.put(
+            f"departure of {w.worker_id}",
+            lambda: self.etcd.put_and_delete(
                 self.keys.departures + w.worker_id,
                 reason,
                 self.keys.worker(w.worker_id),
                 lease=self.lease,
-            )
+            ),
+        )
         if (
             respawn_verdict(
                 w.exit_code, self.restarts_used, self.cfg.elastic.max_restarts, self.unrecoverable
@@ -384,15 +440,22 @@ class HostDaemon:
         Killing it turns a hang into a crash: its peers' collectives fail at once instead of
         waiting for a transport timeout, and the usual in-place recovery follows.
         """
-        limit = self.cfg.timeouts.hang
+        limit, beat = self.cfg.timeouts.hang, self.cfg.timeouts.heartbeat
+        tick = resumed = time.monotonic()
         while True:
-            await asyncio.sleep(self.cfg.timeouts.heartbeat / 2)
+            await asyncio.sleep(beat / 2)
             now = time.monotonic()
+            if now - tick > DAEMON_STALL_BEATS * beat:
+                # This loop did not run: the daemon itself was paused (a stop signal, swapping, a
+                # throttled container). Silence it did not listen to is not the workers' doing.
+                resumed = now
+                self.events.emit("daemon_paused", host=self.host_id, seconds=round(now - tick, 3))
+            tick = now
             for w in list(self.workers.values()):
                 if w.last_beat is None or w.proc.returncode is not None or w.stopping or w.done:
                     continue
                 reason = hang_verdict(
-                    now - w.last_beat, w.phase, w.phase_age, limit, self.cfg.timeouts.heartbeat
+                    silence(now, w.last_beat, resumed), w.phase, w.phase_age, limit, beat
                 )
                 if reason is None:
                     continue
@@ -408,7 +471,9 @@ class HostDaemon:
     def _check_finished(self) -> None:
         """This host is finished once every worker process has exited (standbys are told to stop
         by ``_watch_done`` when the job commits its last step)."""
-        if all(w.proc.returncode is not None for w in self.workers.values()):
+        if not self._replacing and all(
+            w.proc.returncode is not None for w in self.workers.values()
+        ):
             self._finished.set()
 
     # ---- control channel --------------------------------------------------------------------
@@ -426,14 +491,20 @@ class HostDaemon:
             return
         elif kind == "ready":
             w.ready = True
-            info = {"worker_id": w.worker_id, "host": self.host_id, "pid": w.pid, "slot": w.slot}
+            info: dict[str, Any] = {
+                "worker_id": w.worker_id, "host": self.host_id, "pid": w.pid, "slot": w.slot,
+            }  # fmt: skip
             if isinstance(msg.get("layer_seconds"), list):  # pipelines: a start-up profile
                 info["layer_seconds"] = [float(x) for x in msg["layer_seconds"]]
-            await self.etcd.put_json(self.keys.worker(w.worker_id), info, lease=self.lease)
+            w.info = info
+            self.outbox.put(
+                f"registration of {w.worker_id}",
+                lambda: self.etcd.put_json(self.keys.worker(w.worker_id), info, lease=self.lease),
+            )
             self.events.emit("worker_ready", host=self.host_id, worker=w.worker_id, pid=w.pid)
             if self.plan is not None:
                 conn.send({"type": "plan", "plan": self.plan.to_json()})
-            self._dispatch_faults()
+            self.faults.dispatch()
         elif kind == "event":
             event = dict(msg.get("event") or {})
             event.setdefault("worker", w.worker_id)
@@ -445,6 +516,7 @@ class HostDaemon:
             w.last_beat = time.monotonic()
             w.phase = str(msg.get("phase", "idle"))
             w.phase_age = float(msg.get("phase_age", 0.0))
+            w.step = int(msg.get("step", w.step))
         elif kind == "commit":
             await self._record_commit(msg)
         elif kind == "rollback":
@@ -472,7 +544,7 @@ class HostDaemon:
         step = int(msg["step"])
         if step <= self.last_metric_step:
             return  # a re-report after recovery: already recorded
-        if step != self.last_metric_step + 1:
+        if step != self.last_metric_step + 1 and self.cp.outage_since is None:
             # Rank 0 moved to this host (its old host died): the old one may have recorded it.
             with contextlib.suppress(Exception):
                 kv = await self.etcd.get(self.keys.progress)
@@ -492,17 +564,21 @@ class HostDaemon:
         }
         self.metrics.write(record)
         if step >= self.cfg.train.steps:
-            with contextlib.suppress(Exception):
-                await self.etcd.put_json(self.keys.done, {"step": step, "t": time.time()})
+            done = {"step": step, "t": time.time()}
+            self.outbox.put("done", lambda: self.etcd.put_json(self.keys.done, done))
         self.commit_times.append((float(msg["t"]), int(msg["samples"])))
         self.commit_times = self.commit_times[-20:]
         rate = 0.0
         if len(self.commit_times) >= 2:
             (t0, s0), (t1, s1) = self.commit_times[0], self.commit_times[-1]
             rate = (s1 - s0) / max(t1 - t0, 1e-9)
-        progress = {**record, "samples_per_s": rate, "total_steps": self.cfg.train.steps}
-        with contextlib.suppress(Exception):
-            await self.etcd.put_json(self.keys.progress, progress)
+        self._publish_progress({**record, "samples_per_s": rate})
+
+    def _publish_progress(self, record: dict[str, Any]) -> None:
+        """The job's committed step, outside any host's lease (a host that registers again, or a
+        new leader, reads where the job is). Only the newest value is ever written."""
+        progress = {**record, "total_steps": self.cfg.train.steps}
+        self.outbox.latest("progress", lambda: self.etcd.put_json(self.keys.progress, progress))
 
     def _roll_back_metrics(self, step: int) -> None:
         """Silent corruption rolled the job back to ``step``: the steps after it are redone, and
@@ -512,6 +588,7 @@ class HostDaemon:
         self.metrics.keep_only(lambda r: int(r.get("step", 0)) <= step)
         self.last_metric_step = step
         self.commit_times.clear()
+        self._publish_progress({"step": step, "rolled_back": True, "time": time.time()})
 
     async def _watch_done(self) -> None:
         """A host whose workers are all standbys finishes when the job does."""
@@ -576,12 +653,12 @@ class HostDaemon:
         rev = await self.etcd.revision()
         kv = await self.etcd.get(self.keys.plan)
         if kv is not None:
-            self._adopt_json(kv.value)
+            self.adopt_json(kv.value)
         async for ev in self.etcd.watch_prefix(self.keys.plan, start_revision=rev + 1):
             if ev.key == self.keys.plan and ev.kind == "put":
-                self._adopt_json(ev.value)
+                self.adopt_json(ev.value)
 
-    def _adopt_json(self, value: bytes) -> None:
+    def adopt_json(self, value: bytes) -> None:
         try:
             plan = Plan.from_json(value)
         except (ValueError, KeyError, TypeError) as exc:  # JSON only; a bad value is ignored
@@ -594,13 +671,23 @@ class HostDaemon:
         if self.plan is not None and plan.epoch <= self.plan.epoch:
             return
         self.plan = plan
+        dropped = [
+            w
+            for wid in plan.departed
+            if (w := self.workers.get(wid)) is not None
+            and wid not in plan.evicted
+            and w.proc.returncode is None
+            and not w.stopping
+        ]
+        if dropped:
+            self._fence(dropped, plan)  # before the plan reaches them: they must not act on it
         msg = {"type": "plan", "plan": plan.to_json()}
         for wid, conn in list(self.conns.items()):
             if self.workers.get(wid) and self.workers[wid].ready:
                 conn.send(msg)
         for wid in plan.evicted:
             self._evict(wid, plan)
-        self._dispatch_faults()
+        self.faults.dispatch()
 
     def _evict(self, wid: str, plan: Plan) -> None:
         """Stop a worker the leader evicted (too slow): cleanly, and without a respawn."""
@@ -616,132 +703,7 @@ class HostDaemon:
             conn.send({"type": "stop"})
         else:
             w.proc.terminate()
-        asyncio.create_task(self.etcd.delete(self.keys.worker(wid)))
-
-    async def _watch_faults(self) -> None:
-        rev = await self.etcd.revision()
-        for kv in await self.etcd.get_prefix(self.keys.faults):
-            self._queue_fault(kv.key, kv.value)
-        async for ev in self.etcd.watch_prefix(self.keys.faults, start_revision=rev + 1):
-            if ev.kind == "put":
-                self._queue_fault(ev.key, ev.value)
-
-    def _queue_fault(self, key: str, value: bytes) -> None:
-        """Accept a fault request from etcd only if it is well-formed; anything else is logged,
-        removed and ignored (the daemon never trusts what it reads there)."""
-        try:
-            self._pending_faults[key] = decode_request(value)
-        except ElasWaveError as exc:
-            log.warning("ignoring fault request %s: %s", key, exc)
-            self.events.emit("fault_rejected", key=key, reason=str(exc))
-            if self.is_leader:
-                asyncio.create_task(self._delete_quietly(key))
-            return
-        self._dispatch_faults()
-
-    async def _delete_quietly(self, key: str) -> None:
-        with contextlib.suppress(ElasWaveError):
-            await self.etcd.delete(key)
-
-    def _dispatch_faults(self) -> None:
-        if self.plan is None:
-            return
-        for key, fault in list(self._pending_faults.items()):
-            if fault.host is not None:
-                del self._pending_faults[key]  # only the target host acts; the others drop it
-                if fault.host != self.host_id:
-                    # Every other daemon records the request: the report's incident starts at
-                    # the first record (the victim's own dies with it, or, cut off, never
-                    # reaches anyone; the leader may be the victim).
-                    self.events.emit("fault_requested", fault=fault.to_dict(), host=fault.host)
-                    if self.is_leader and fault.kind is FaultKind.PARTITION:  # a record only
-                        asyncio.create_task(self._delete_quietly(key))
-                if fault.host == self.host_id and fault.kind is FaultKind.HOST:
-                    asyncio.create_task(self._die(key, fault))
-                continue
-            assert fault.rank is not None
-            if fault.repeat:
-                self._dispatch_repeat(key, fault)
-                continue
-            if fault.rank >= self.plan.world_size:
-                if self.is_leader:
-                    del self._pending_faults[key]
-                    reason = (
-                        f"rank {fault.rank} is not in the plan (epoch {self.plan.epoch}: "
-                        f"ranks 0..{self.plan.world_size - 1})"
-                    )
-                    log.warning("ignoring fault request %s: %s", key, reason)
-                    self.events.emit(
-                        "fault_rejected", key=key, fault=fault.to_dict(), reason=reason
-                    )
-                    asyncio.create_task(self._delete_quietly(key))
-                continue
-            target = self.plan.workers[fault.rank]
-            w = self.workers.get(target)
-            if w is None:
-                del self._pending_faults[key]  # another host's worker: its daemon handles it
-                continue
-            conn = self.conns.get(target)
-            needs_worker = fault.at_step is not None or fault.kind.signal is None
-            if needs_worker and conn is None:
-                continue  # not connected yet: dispatched again on the next plan or ready
-            del self._pending_faults[key]
-            asyncio.create_task(self.etcd.delete(key))
-            self.events.emit(
-                "fault_requested", fault=fault.to_dict(), worker=target, host=self.host_id
-            )
-            w.sent(fault.detect_delay)
-            if not needs_worker:
-                self.events.emit(
-                    "fault_injected",
-                    fault=fault.to_dict(),
-                    worker=target,
-                    rank=fault.rank,
-                    pid=w.pid,
-                )
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(w.pid, fault.kind.signal)
-            elif conn is not None:
-                conn.send({"type": "fault", "fault": fault.to_dict()})
-
-    def _dispatch_repeat(self, key: str, fault: FaultSpec) -> None:
-        """A repeated fault stays armed: each worker that holds its rank gets it once."""
-        assert self.plan is not None and fault.rank is not None
-        if fault.rank >= self.plan.world_size:
-            return  # the rank may exist again after a grow
-        target = self.plan.workers[fault.rank]
-        sent = self._repeat_sent.setdefault(key, set())
-        conn = self.conns.get(target)
-        if target in sent or target not in self.workers or conn is None:
-            return
-        sent.add(target)
-        self.workers[target].sent(fault.detect_delay)
-        self.events.emit("fault_requested", fault=fault.to_dict(), worker=target, host=self.host_id)
-        conn.send({"type": "fault", "fault": fault.to_dict()})
-
-    async def _die(self, key: str, fault: FaultSpec) -> None:
-        """A host fault: SIGKILL every worker and then this daemon. Nothing tidies up after it,
-        as with a host that loses power: its lease expires and the leader plans without it."""
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.etcd.delete(key), self.cfg.timeouts.etcd_connect)
-        pids = [w.pid for w in self.workers.values() if w.proc.returncode is None]
-        self.events.emit(
-            "fault_injected", fault=fault.to_dict(), host=self.host_id, pid=os.getpid(), pids=pids
-        )
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    async def submit_config_faults(self) -> None:
-        for fault in self.cfg.faults:
-            await submit_fault(self.etcd, self.keys, fault)
-
-
-async def submit_fault(etcd: Etcd, keys: JobKeys, fault: FaultSpec) -> str:
-    fault_id = f"{time.time_ns()}-{uuid.uuid4().hex[:8]}"
-    await etcd.put_json(keys.fault(fault_id), fault.to_dict())
-    return fault_id
+        self.outbox.put(f"eviction of {wid}", lambda: self.etcd.delete(self.keys.worker(wid)))
 
 
 def training_config(cfg: JobConfig) -> dict[str, Any]:
@@ -784,46 +746,3 @@ def shutdown_watchdog(
         yield timer
     finally:
         timer.cancel()
-
-
-def respawn_verdict(
-    exit_code: int | None, restarts_used: int, max_restarts: int, unrecoverable: str | None
-) -> bool:
-    """Whether a worker that exited is replaced. Pure. Never after it gave up because state is
-    lost (``EXIT_STATE_LOST``, or another worker reported it): a fresh worker would start the
-    job over from step 0, silently; the job stops with the reason instead."""
-    if exit_code == EXIT_STATE_LOST or unrecoverable is not None:
-        return False
-    return restarts_used < max_restarts
-
-
-def hang_verdict(
-    silent_s: float, phase: str, phase_age_s: float, limit_s: float, beat_s: float
-) -> str | None:
-    """Why a worker counts as hung, or ``None``. Pure: the hang detector's whole decision.
-
-    Two disjoint cases, each needing the full ``limit_s``: the process is frozen (no heartbeat
-    for longer than the limit), or it is alive (beats still arrive) but its main thread has been
-    in one compute phase for longer than the limit. A worker waiting in a collective or for a
-    plan is never hung on its own account: a peer may be.
-    """
-    if silent_s > limit_s:
-        return f"no heartbeat for {silent_s:.1f} s"
-    if phase == "compute" and silent_s <= 2 * beat_s and phase_age_s > limit_s:
-        return f"stuck computing for {phase_age_s:.1f} s"
-    return None
-
-
-def fence_verdict(since_refresh_s: float, remaining_ttl: int | None, ttl: int) -> str | None:
-    """Why this host must fence itself, or ``None``. Pure: the partition detector's decision.
-
-    ``since_refresh_s`` is the time since the last lease refresh etcd acknowledged and
-    ``remaining_ttl`` what the latest refresh answered (``None``: it failed). A refresh answered
-    with TTL <= 0 means etcd already dropped the lease (we come back from a partition too late);
-    no acknowledged refresh for a whole TTL means etcd may drop it any moment.
-    """
-    if remaining_ttl is not None and remaining_ttl <= 0:
-        return "etcd expired this host's lease"
-    if since_refresh_s > ttl:
-        return f"no lease refresh reached etcd for {since_refresh_s:.1f} s (lease TTL {ttl} s)"
-    return None

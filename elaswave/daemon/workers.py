@@ -24,6 +24,8 @@ class WorkerProc:
     last_beat: float | None = None  # daemon's monotonic clock at the last heartbeat
     phase: str = "idle"
     phase_age: float = 0.0  # how long the worker had been in ``phase`` at that heartbeat
+    step: int = 0  # its last committed step, as its newest heartbeat said
+    info: dict[str, object] | None = None  # its worker key's value in etcd (set when ready)
     kill_reason: str | None = None  # set when the daemon kills it (hang)
     detect_delay: float = 0.0  # a kill fault sent to it asks for its death to be reported late
     waiter: asyncio.Task[None] | None = field(default=None, repr=False)

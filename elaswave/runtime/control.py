@@ -3,10 +3,15 @@
 A reader thread keeps the latest plan and wakes whatever the engine is blocked on (a collective, a
 rendezvous) so that a fault seen by the daemon cuts a blocked collective short instead of waiting
 for its timeout. If the daemon goes away the worker exits: it never outlives its supervisor.
+
+Training never waits on the daemon: reports (commits, events, heartbeats) go into a queue that a
+sender thread drains. A daemon that stops reading for a while (a long pause) fills the socket, not
+the training loop; everything queued reaches it, in order, once it reads again.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import socket
@@ -27,7 +32,10 @@ class ControlClient:
         self.worker_id = worker_id
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.connect(path)
-        self._send_lock = threading.Lock()
+        self._outbox: collections.deque[bytes] = collections.deque()
+        self._outbox_ready = threading.Condition()
+        self._beat: bytes | None = None
+        self._writing = False
         self._cond = threading.Condition()
         self._wakers: set[threading.Event] = set()
         self.latest_plan: Plan | None = None
@@ -36,18 +44,47 @@ class ControlClient:
         self.stop_requested = False
         self._reader = threading.Thread(target=self._read_loop, name="control-reader", daemon=True)
         self._reader.start()
+        self._sender = threading.Thread(target=self._send_loop, name="control-sender", daemon=True)
+        self._sender.start()
         self.send({"type": "hello", "worker_id": worker_id, "pid": os.getpid()})
 
     # ---- outgoing ---------------------------------------------------------------------------
     def send(self, msg: dict[str, Any]) -> None:
-        """Best effort: if the daemon is gone the reader thread ends this process; a report
-        that cannot be sent must not end it first with a traceback from the training loop."""
+        """Queue ``msg`` for the daemon and return at once (the sender thread writes it)."""
         data = wire.encode(msg)
-        with self._send_lock:
+        with self._outbox_ready:
+            if msg.get("type") == "hb":
+                self._beat = data  # only the newest heartbeat matters: one slot, not a backlog
+            else:
+                self._outbox.append(data)
+            self._outbox_ready.notify_all()
+
+    def _send_loop(self) -> None:
+        """Write queued messages in order, then the newest heartbeat. Best effort: if the daemon
+        is gone the reader thread ends this process; a failed write must not end it first."""
+        while True:
+            with self._outbox_ready:
+                self._outbox_ready.wait_for(lambda: bool(self._outbox) or self._beat is not None)
+                batch = b"".join(self._outbox) + (self._beat or b"")
+                self._outbox.clear()
+                self._beat = None
+                self._writing = True
             try:
-                self._sock.sendall(data)
+                self._sock.sendall(batch)
             except OSError as exc:
-                log.warning("control channel: could not send %s: %s", msg.get("type"), exc)
+                log.warning("control channel: could not send: %s", exc)
+                return
+            finally:
+                with self._outbox_ready:
+                    self._writing = False
+                    self._outbox_ready.notify_all()
+
+    def flush(self, timeout: float) -> bool:
+        """Wait until every queued message is written (``False``: not within ``timeout``)."""
+        with self._outbox_ready:
+            return self._outbox_ready.wait_for(
+                lambda: not self._outbox and not self._writing, timeout
+            )
 
     def start_heartbeat(self, interval: float, probe: Callable[[], dict[str, Any]]) -> None:
         """Send ``{"type": "hb", **probe()}`` every ``interval`` seconds from a daemon thread.
@@ -58,10 +95,7 @@ class ControlClient:
 
         def beat() -> None:
             while True:
-                try:
-                    self.send({"type": "hb", **probe()})
-                except OSError:
-                    return
+                self.send({"type": "hb", **probe()})
                 time.sleep(interval)
 
         threading.Thread(target=beat, name="heartbeat", daemon=True).start()

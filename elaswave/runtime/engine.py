@@ -418,8 +418,26 @@ class Engine:
             return self.zero.full_state(self.comm, self._group_broken)
         return self.opt.exp_avg, self.opt.exp_avg_sq
 
+    def _start_over(self, plan: Plan, broken: Callable[[], bool]) -> tuple[Path, int, str] | None:
+        """Where a plan whose ranks all hold no state starts (every rank calls it together):
+        ``--resume``'s checkpoint; for a job that has committed steps, its newest durable
+        checkpoint; ``None`` for a new job (step 0). Never step 0 once the job has committed
+        steps: with no checkpoint the state is lost, and the job stops saying so."""
+        if self.cfg.resume:
+            return self._resume_path(), 0, "resume"
+        if not plan.committed:
+            return None
+        why = f"every worker holding the job's state is gone (step {plan.committed} committed)"
+        chosen = self._newest_durable(broken)
+        if not chosen:
+            raise ShardLost(
+                f"{why} and there is no durable checkpoint: the job will not start over from "
+                "step 0 (configure durable_every to fall back to one)"
+            )
+        return Path(chosen), plan.committed, why
+
     def _restore(
-        self, path: Path, plan: Plan, broken: Callable[[], bool], lost_from: int, reason: str
+        self, plan: Plan, broken: Callable[[], bool], path: Path, lost_from: int, reason: str
     ) -> dict[str, Any]:
         """Load a durable checkpoint into this rank (any world size) and report it."""
         state = self._load_durable(path, lost_from, reason)
@@ -654,6 +672,7 @@ class Engine:
                 continue
             self.control.faults.remove(fault)
             self._fault_injected(fault, step, phase=phase)
+            self.control.flush(timeout=5.0)  # the record is out before the signal lands
             os.kill(os.getpid(), fault.kind.signal)  # type: ignore[arg-type]
 
     def _fault_injected(self, fault: FaultSpec, step: int, **detail: object) -> None:
@@ -754,9 +773,11 @@ class Engine:
         """Pipelines: the stage takeover; ``--resume`` and the durable fallback when every
         holder of some layer is gone."""
         assert self.pipe is not None
-        start_from = None
-        if self.cfg.resume:
-            start_from = lambda: self._load_durable(self._resume_path(), 0, "resume")  # noqa: E731
+
+        def start_from() -> durable.DurableState | None:
+            start = self._start_over(plan, broken)
+            return self._load_durable(*start) if start is not None else None
+
         try:
             return self.pipe.sync(plan, broken, self.cfg.migration == "async", start_from)
         except LayersLost as exc:
@@ -772,8 +793,9 @@ class Engine:
         rank = self.comm.rank(DP)
         mine = torch.tensor([float(self.step)], dtype=torch.float64)
         steps = [int(x.item()) for x in self.comm.allgather(DP, mine, broken)]
-        if max(steps) == 0 and self.cfg.resume:
-            return {"steps": steps, **self._restore(self._resume_path(), plan, broken, 0, "resume")}
+        start = self._start_over(plan, broken) if max(steps) == 0 else None
+        if start is not None:
+            return {"steps": steps, **self._restore(plan, broken, *start)}
         target = max(steps)
         moved = 0
         source = steps.index(target)
@@ -813,8 +835,9 @@ class Engine:
         rows = [r.tolist() for r in self.comm.allgather(DP, mine, broken)]
         with_state = [i for i, r in enumerate(rows) if r[0] >= 0]
         if not with_state:  # a fresh start: nobody holds optimizer state yet
-            if self.cfg.resume:
-                return self._restore(self._resume_path(), plan, broken, 0, "resume")
+            start = self._start_over(plan, broken)
+            if start is not None:
+                return self._restore(plan, broken, *start)
             stats = z.reshard(
                 self.comm, (), None, plan.workers, rank, 0, plan.epoch, broken,
                 new_hosts=plan.hosts,
@@ -849,7 +872,7 @@ class Engine:
             if not chosen:  # every rank sees the same choice, so all raise together
                 raise
             newest = int(max(rows[i][4] for i in with_state))  # committed, incl. rolled back
-            return self._restore(Path(chosen), plan, broken, newest, str(exc))
+            return self._restore(plan, broken, Path(chosen), newest, str(exc))
         self.step, self.last_loss = resume, float(rows[source][3])
         z.snap_loss = self.last_loss
         return {

@@ -463,11 +463,12 @@ class Pipeline:
         plan: Plan,
         broken: Callable[[], bool],
         asynchronous: bool,
-        start_from: Callable[[], DurableState] | None = None,
+        start_from: Callable[[], DurableState | None] | None = None,
     ) -> dict[str, Any]:
         """Agree on the resume step, roll back ranks that updated the failed step, and start (or
-        do) the transfers the new layout needs. When every rank is fresh and ``start_from`` is
-        given (``--resume``), the job starts from the whole state it returns instead."""
+        do) the transfers the new layout needs. When every rank is fresh, the job starts from
+        the whole state ``start_from`` returns, if any (``--resume``, or the newest durable
+        checkpoint of a job that has committed steps)."""
         if self.zero:
             return stagezero.sync(self, plan, broken, asynchronous, start_from)
         e = self.e
@@ -480,8 +481,9 @@ class Pipeline:
         )
         rows = [r.tolist() for r in e.comm.allgather("dp", mine, broken)]
         veterans = [int(r[0]) for r in rows if not r[1]]
-        if not veterans and start_from is not None:
-            return self.restore_whole(plan, start_from())
+        fresh = start_from() if not veterans and start_from is not None else None
+        if fresh is not None:
+            return self.restore_whole(plan, fresh)
         resume = min(veterans) if veterans else 0  # everyone fresh: the job starts
         holdings: list[range | None] = []
         rolled_back = []

@@ -135,7 +135,7 @@ def sync(
     plan: Plan,
     broken: Callable[[], bool],
     asynchronous: bool,
-    start_from: Callable[[], DurableState] | None,
+    start_from: Callable[[], DurableState | None] | None,
 ) -> dict[str, Any]:
     """ZeRO recovery: agree on the resume step and roll back; then every rank says what it
     has (held layers, kept moment intervals) and the parameters and moments the new layout
@@ -147,8 +147,9 @@ def sync(
     mine = torch.tensor([float(e.step), float(pipe.fresh)], dtype=torch.float64)
     rows = [r.tolist() for r in e.comm.allgather("dp", mine, broken)]
     veterans = [int(r[0]) for r in rows if not r[1]]
-    if not veterans and start_from is not None:
-        return pipe.restore_whole(plan, start_from())
+    fresh = start_from() if not veterans and start_from is not None else None
+    if fresh is not None:
+        return pipe.restore_whole(plan, fresh)
     resume = min(veterans) if veterans else 0  # everyone fresh: the job starts
     rolled_back = [i for i, r in enumerate(rows) if int(r[0]) > resume]
     if rank in rolled_back:

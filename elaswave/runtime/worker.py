@@ -38,7 +38,9 @@ def main(argv: list[str] | None = None) -> int:
     if engine.pipe is not None and cfg.layer_costs in ("profile", "online"):
         ready["layer_seconds"] = engine.pipe.profile_layers()  # the leader partitions with it
     control.send(ready)
-    return engine.run()
+    code = engine.run()
+    control.flush(timeout=10.0)  # the last reports (final state, done) reach the daemon
+    return code
 
 
 if __name__ == "__main__":

@@ -101,6 +101,7 @@ def assert_clean_run(run: Run, steps: int, reference: Run) -> None:
 def assert_no_orphans(run: Run) -> None:
     pids = [e["pid"] for e in run.of("worker_spawned")]
     pids += [e["embedded_etcd_pid"] for e in run.of("host_joined") if e.get("embedded_etcd_pid")]
+    pids += [e["pid"] for e in run.of("etcd_restarted")]
     alive = [
         p
         for p in pids

@@ -191,9 +191,11 @@ def test_partition_then_heal(
     state_env: dict[str, str],
     reference: Run,
 ) -> None:
-    """A host is cut off: it fences itself (its workers stop) while the majority re-plans without
-    it; after the heal it rejoins as a new member and is admitted by a new plan."""
-    steps = 40
+    """A host is cut off: the majority re-plans without it while its workers, which cannot
+    commit a step without the others, wait. After the heal its daemon reads the newer plan that
+    dropped them, fences them (killed, never in a plan again) and replaces them with new
+    workers, admitted by a later plan."""
+    steps = 100
     bed = netbed_factory(hosts=3)
     env = _env(state_env)
     _start(bed, "mh-part", env, steps=steps)
@@ -202,9 +204,13 @@ def test_partition_then_heal(
     r = bed.cli("inject-fault", "--job-id", "mh-part", "--kind", "partition", "--host", victim,
                 "--etcd", bed.endpoints, "--json", env=env)  # fmt: skip
     assert r.returncode == 0, r.stderr
-    fenced = wait_for(
-        lambda: [e for e in _events(bed, victim) if e["kind"] == "host_fenced"], timeout=30
-    )[0]
+    others = [h for h in bed.hosts if h != victim]
+    wait_for(
+        lambda: any(e["kind"] == "host_lost" for h in others for e in _events(bed, h)), timeout=30
+    )
+    _wait_step(bed, _step(bed) + 2)  # the majority trains on without it
+    assert not [e for e in _events(bed, victim) if e["kind"] == "host_fenced"], "fenced too early"
+    healed_at = time.time()
     bed.heal(victim)
     codes = bed.wait(timeout=180)
     assert codes == {h: 0 for h in bed.hosts}, [bed.output(h) for h in bed.hosts]
@@ -218,10 +224,46 @@ def test_partition_then_heal(
     _assert_host_incident(bed, "partition", victim, min(e["t"] for e in requested), lost["t"])
     dropped = next(p for p in plans if f"host {victim} lost" in p["reason"])
     assert dropped["world"] == 4
-    # Fenced: the old workers were killed and never appear in a plan again.
-    old = [e["worker"] for e in run.of("worker_spawned") if e["pid"] in fenced["killed"]]
-    assert len(old) == 2
+    # Fenced by the plan, once the heal let it read it: the old workers were killed and never
+    # appear in a plan again; their replacements joined.
+    (fenced,) = run.of("host_fenced")
+    assert fenced["host"] == victim and fenced["t"] > healed_at
+    assert fenced["epoch"] >= dropped["epoch"] and len(fenced["killed"]) == 2
+    old = set(fenced["workers"])
     later = [p for p in plans if p["epoch"] >= dropped["epoch"]]
     assert not any(w in p["workers"] for p in later for w in old)
+    assert plans[-1]["world"] == 6, "the replacements were not admitted"
     # Every step committed after the cut came from the majority's epochs (no split brain).
-    assert all(m["epoch"] >= dropped["epoch"] for m in run.metrics if m["time"] > fenced["t"])
+    assert all(m["epoch"] >= dropped["epoch"] for m in run.metrics if m["time"] > lost["t"])
+
+
+def test_single_etcd_stopped_for_two_lease_ttls(
+    netbed_factory: Any,
+    state_env: dict[str, str],
+    reference: Run,
+) -> None:
+    """The job's only etcd dies and comes back 2 × TTL later (on its data dir: leases survive):
+    no host is fenced, no worker lost, no plan made, and training goes on meanwhile."""
+    steps = 60
+    bed = netbed_factory(hosts=3, etcd_members=1)
+    env = _env(state_env)
+    _start(bed, "mh-etcd-down", env, steps=steps)
+    _wait_step(bed, 6)
+    down_at = time.time()
+    bed.kill_etcd(bed.members[0])
+    time.sleep(2 * LEASE_TTL)
+    up_at = time.time()
+    bed.restart_etcd(bed.members[0])
+    codes = bed.wait(timeout=180)
+    assert codes == {h: 0 for h in bed.hosts}, [bed.output(h) for h in bed.hosts]
+    run = _merged(bed)
+    assert_clean_run(run, steps, reference)
+    assert [p["world"] for p in assert_one_plan_per_epoch(run)] == [6]
+    assert not run.of("host_fenced") and not run.of("worker_exit") and not run.of("host_lost")
+    assert not run.of("step_aborted") and not run.of("lease_expired")
+    during = [m["step"] for m in run.metrics if down_at + 0.5 < m["time"] < up_at]
+    assert len(during) >= 3, "training waited for etcd"
+    assert {e["host"] for e in run.of("etcd_reachable")} == set(bed.hosts)
+    report = build_report(*(bed.run_dirs[h] for h in bed.hosts))
+    (outage,) = [i for i in report["incidents"] if i["kind"] == "control plane"]
+    assert outage["downtime_s"] >= 2 * LEASE_TTL - 0.5 and outage["steps_trained"] >= 3

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from elaswave.daemon.supervisor import hang_verdict, respawn_verdict
+from elaswave.daemon.policy import hang_verdict, respawn_verdict, silence
 from elaswave.errors import EXIT_STATE_LOST
 
 BEAT = 0.2
@@ -51,3 +51,23 @@ def test_respawn_verdict(
     """A worker is never respawned after the job's state is lost: a fresh one would start the
     job over from step 0 without a word (found by the pipeline chaos soak)."""
     assert respawn_verdict(exit_code, used, limit, unrecoverable) is respawn
+
+
+@pytest.mark.parametrize(
+    ("now", "last_beat", "resumed", "silent", "hung"),
+    [
+        (100.0, 99.8, 0.0, 0.2, False),  # beats arrive: no pause of the daemon's own
+        (100.0, 80.0, 0.0, 20.0, True),  # a worker frozen for 20 s while the daemon listened
+        (100.0, 80.0, 99.9, 0.1, False),  # the daemon itself was stopped until 99.9
+        (110.0, 80.0, 99.9, 10.1, True),  # ... but silence after it resumed counts in full
+        (100.0, 99.95, 99.9, 0.05, False),  # a beat read after the resume counts
+    ],
+)
+def test_silence_excludes_the_daemons_own_pause(
+    now: float, last_beat: float, resumed: float, silent: float, hung: bool
+) -> None:
+    """A daemon paused for longer than the hang timeout (SIGSTOP, swapping) must not judge the
+    workers it did not listen to as hung: only silence after its resume counts."""
+    assert silence(now, last_beat, resumed) == pytest.approx(silent)
+    verdict = hang_verdict(silence(now, last_beat, resumed), "compute", 0.0, 10.0, BEAT)
+    assert (verdict is not None) is hung

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from elaswave.events import EVENTS_FILE, METRICS_FILE, EventLog, JsonlWriter, read_jsonl
-from elaswave.report import CSV_FIELDS, PHASES, build_report, render
+from elaswave.report import CSV_FIELDS, PHASES, build_report, merge_spans, render
 
 CRASH_REASON = "worker w1 (rank 1) killed by SIGKILL"
 PLAN2_REASON = f"{CRASH_REASON} → epoch 2: dp 4→3, micro-batches 16 → [6, 5, 5]"
@@ -456,3 +456,57 @@ def test_a_host_lost_twice_is_timed_from_its_own_fault_each_time(tmp_path: Path)
     run = write_run(tmp_path / "twice", start_events() + first + second, metrics())
     incidents = build_report(run)["incidents"]
     assert [i["detection_s"] for i in incidents] == [pytest.approx(3.0), pytest.approx(3.0)]
+
+
+@pytest.mark.parametrize(
+    ("spans", "merged"),
+    [
+        ([], []),
+        ([(1.0, 2.0, "etcd unreachable", "h0")], [(1.0, 2.0, ["etcd unreachable"], ["h0"])]),
+        (  # every host sees the same etcd outage: one incident, every host named
+            [(1.0, 5.0, "etcd unreachable", "h0"), (1.2, 5.5, "etcd unreachable", "h1")],
+            [(1.0, 5.5, ["etcd unreachable"], ["h0", "h1"])],
+        ),
+        (  # the restart and the probe's view of it are one outage; the restart is named first
+            [(1.0, 1.8, "embedded etcd restarted", "h0"), (1.1, 2.0, "etcd unreachable", "h0")],
+            [(1.0, 2.0, ["embedded etcd restarted", "etcd unreachable"], ["h0"])],
+        ),
+        (  # apart in time: two incidents
+            [(1.0, 2.0, "daemon paused", "h0"), (3.0, 4.0, "etcd unreachable", "h0")],
+            [(1.0, 2.0, ["daemon paused"], ["h0"]), (3.0, 4.0, ["etcd unreachable"], ["h0"])],
+        ),
+    ],
+)
+def test_merge_outage_spans(spans: list[Any], merged: list[Any]) -> None:
+    assert merge_spans(spans) == merged
+
+
+def test_control_plane_outage_is_an_incident_with_downtime_and_steps_trained(
+    tmp_path: Path,
+) -> None:
+    """An etcd that was away for 3 s while steps 4-6 committed: an incident without MTTR (the
+    job never stopped), and no effect on the MTTR totals."""
+    events = [
+        *start_events(),
+        {"t": 103.0, "kind": "etcd_unreachable", "host": "h0", "reason": "refused", "step": 4},
+        {"t": 104.0, "kind": "etcd_exited", "host": "h0", "pid": 7, "exit_code": -9},
+        {"t": 104.9, "kind": "etcd_restarted", "host": "h0", "pid": 8, "old_pid": 7,
+         "downtime": 0.9, "tries": 1},
+        {"t": 106.0, "kind": "etcd_reachable", "host": "h0", "since": 103.0, "downtime": 3.0,
+         "step": 7, "trained": 3},
+    ]  # fmt: skip
+    log = EventLog(tmp_path / EVENTS_FILE)
+    for e in events:
+        log.write(e)
+    writer = JsonlWriter(tmp_path / METRICS_FILE)
+    for step in range(1, 9):
+        writer.write({"step": step, "loss": 1.0, "time": 100.0 + step * 0.9, "world_size": 4})
+    report = build_report(tmp_path)
+    (inc,) = report["incidents"]
+    assert inc["kind"] == "control plane" and inc["what"] == "embedded etcd restarted"
+    assert inc["downtime_s"] == 3.0 and inc["steps_trained"] == 3 and inc["fault_step"] == 4
+    assert inc["mttr_s"] is None and report["totals"]["mttr_median_s"] is None
+    assert "3 steps trained meanwhile" in inc["reason"]
+    assert "trained on: 3 steps" in render(report, "md")
+    row = next(csv.DictReader(io.StringIO(render(report, "csv"))))
+    assert row["downtime_s"] == "3.0" and row["steps_trained"] == "3"

@@ -1,8 +1,7 @@
 """The daemon's shutdown watchdog: it fires only while a shutdown is still running.
 
-A fenced host's daemon shuts down and the same process starts a new daemon that rejoins the job;
-a watchdog left armed by the first shutdown used to end that process (exit 70) 4 × grace + 30 s
-after the fence, in the middle of training.
+A watchdog left armed after a shutdown that finished must never end the process later (exit 70):
+whatever the process does next (the CLI's report, a test harness) goes on.
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ from elaswave.daemon.supervisor import shutdown_watchdog
 @pytest.mark.parametrize(
     ("block_s", "limit_s", "fires"),
     [
-        (0.0, 0.2, False),  # a shutdown that finished: the process goes on (rejoin after a fence)
+        (0.0, 0.2, False),  # a shutdown that finished: the process goes on
         (0.05, 0.3, False),  # finished within the limit
         (0.6, 0.1, True),  # stuck past the limit: the last resort fires
     ],
