@@ -19,6 +19,7 @@ import psutil
 import pytest
 from conftest import Run, assert_clean_run, assert_no_orphans, launch_cmd, wait_for
 
+from elaswave.daemon.etcd import Etcd
 from elaswave.daemon.etcd_server import EmbeddedEtcd
 from elaswave.events import read_jsonl
 from elaswave.report import build_report
@@ -282,3 +283,56 @@ def test_run_directory_stays_full(
     steps = [m["step"] for m in read_jsonl(job.run_dir / "metrics.jsonl")]
     assert steps == list(range(1, len(steps) + 1)) and 3 <= len(steps) < STEPS
     _no_process_left(job)
+
+
+def test_embedded_etcd_that_does_not_come_back(tmp_path: Path, capfd: Any) -> None:
+    """The embedded etcd dies and its port is taken (something else listens there): after three
+    failed restarts the user is told once that fault tolerance is off until etcd returns; the
+    supervisor keeps trying, and etcd is back (same data) once the port is free again."""
+    import asyncio
+    import socket
+    from types import SimpleNamespace
+
+    from elaswave.daemon.controlplane import RESTART_TRIES, ControlPlane
+    from elaswave.events import EventLog
+
+    etcd = EmbeddedEtcd().start()
+    log = EventLog(tmp_path / "events.jsonl")
+    daemon = SimpleNamespace(host_id="h0", embedded=etcd, events=log)
+    blocker = socket.socket()
+    blocker.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+
+    async def main() -> bytes:
+        db = await Etcd.connect([etcd.endpoint], prefix="/elaswave/t/")
+        await db.put("/elaswave/t/kept", "across restarts")
+        await db.close()
+        task = asyncio.create_task(ControlPlane(daemon).supervise_etcd())  # type: ignore[arg-type]
+        etcd.kill()
+        blocker.bind((etcd.host, etcd.client_port))
+        blocker.listen()
+        await asyncio.to_thread(
+            wait_for, lambda: [e for e in read_jsonl(log.path) if e["kind"] == "etcd_down"], 60
+        )
+        blocker.close()  # the port is free again: the next try brings etcd back
+        await asyncio.to_thread(
+            wait_for,
+            lambda: [e for e in read_jsonl(log.path) if e["kind"] == "etcd_restarted"],
+            60,
+        )
+        task.cancel()
+        db = await Etcd.connect([etcd.endpoint], prefix="/elaswave/t/")
+        kv = await db.get("/elaswave/t/kept")
+        await db.close()
+        return kv.value if kv else b""
+
+    try:
+        assert asyncio.run(main()) == b"across restarts", "the restarted etcd lost its data"
+        events = list(read_jsonl(log.path))
+        (restarted,) = [e for e in events if e["kind"] == "etcd_restarted"]
+        assert restarted["tries"] > RESTART_TRIES and etcd.exit_code() is None
+        err = capfd.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "fault tolerance is off until etcd returns" in err[0], err
+    finally:
+        blocker.close()
+        log.close()
+        etcd.stop()
