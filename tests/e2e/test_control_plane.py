@@ -1,8 +1,9 @@
 """The control plane's own failures never cost training: real etcd, real daemon, real signals.
 
-The embedded etcd SIGKILLed mid-run, an external etcd killed with a worker killed while it is
-down, the daemon SIGSTOPped for longer than the hang timeout and the lease TTL, every holder of
-the state lost at once, and a run directory that fills up.
+The embedded etcd SIGKILLed mid-run (and one whose port is taken, so it cannot come back), an
+external etcd killed with a worker killed while it is down, the daemon SIGSTOPped for longer than
+the hang timeout and the lease TTL, every holder of the state lost at once, and a run directory
+that fills up: the job's and, alone, its writers' (a real tmpfs, mounted for the test).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ from conftest import Run, assert_clean_run, assert_no_orphans, launch_cmd, wait_
 
 from elaswave.daemon.etcd import Etcd
 from elaswave.daemon.etcd_server import EmbeddedEtcd
-from elaswave.events import read_jsonl
+from elaswave.events import JsonlWriter, read_jsonl
 from elaswave.report import build_report
 
 pytestmark = pytest.mark.e2e
@@ -212,17 +213,32 @@ def test_every_holder_lost_falls_back_to_the_durable_checkpoint(
 
 
 @pytest.fixture
-def small_disk(tmp_path: Path) -> Iterator[Path]:
-    """A 1 MiB tmpfs (root, as in CI): a run directory that can really fill up."""
+def tmpfs(tmp_path: Path) -> Iterator[Callable[[str], Path]]:
+    """``tmpfs("1m")`` mounts a tmpfs of that size (root, as in CI): a disk that really fills up."""
     if os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root")
-    mnt = tmp_path / "disk"
-    mnt.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], check=True)
+    mounted: list[Path] = []
+
+    def mount(size: str) -> Path:
+        mnt = tmp_path / f"disk{len(mounted)}"
+        mnt.mkdir()
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)], check=True
+        )
+        mounted.append(mnt)
+        return mnt
+
     try:
-        yield mnt
+        yield mount
     finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
+        for mnt in mounted:
+            subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+@pytest.fixture
+def small_disk(tmpfs: Callable[[str], Path]) -> Path:
+    """A 1 MiB disk for a run directory."""
+    return tmpfs("1m")
 
 
 def _fill(disk: Path) -> Path:
@@ -336,3 +352,51 @@ def test_embedded_etcd_that_does_not_come_back(tmp_path: Path, capfd: Any) -> No
         blocker.close()
         log.close()
         etcd.stop()
+
+
+def _whole_lines(path: Path) -> list[dict]:
+    data = path.read_bytes()
+    assert not data or data.endswith(b"\n"), "a torn line was left in the file"
+    return list(read_jsonl(path))
+
+
+def test_a_full_disk_holds_records_back_and_writes_them_when_space_returns(
+    tmpfs: Callable[[str], Path],
+) -> None:
+    """The run directory's writers on a real disk that fills: nothing lost, never a torn line,
+    everything written in order once space returns."""
+    small_disk = tmpfs("64k")
+    filler = small_disk / "filler"
+    filler.write_bytes(b"\0" * 40_000)
+    errors: list[OSError] = []
+    writer = JsonlWriter(small_disk / "metrics.jsonl", on_error=lambda p, e: errors.append(e))
+    for step in range(1, 301):
+        writer.write({"step": step, "pad": "x" * 120})
+    assert len(errors) == 1 and errors[0].errno == 28  # ENOSPC, reported once
+    on_disk = _whole_lines(small_disk / "metrics.jsonl")
+    assert writer.unwritten == 300 - len(on_disk) > 0
+    assert [r["step"] for r in on_disk] == list(range(1, len(on_disk) + 1))
+
+    filler.unlink()  # space returns: the next write takes the backlog first, in order
+    writer.write({"step": 301, "pad": ""})
+    assert writer.unwritten == 0
+    writer.close()
+    steps = [r["step"] for r in _whole_lines(small_disk / "metrics.jsonl")]
+    assert steps == list(range(1, 302)), "records lost, duplicated or out of order"
+
+
+def test_a_rollback_filters_held_back_records_too(tmpfs: Callable[[str], Path]) -> None:
+    small_disk = tmpfs("64k")
+    filler = small_disk / "filler"
+    filler.write_bytes(b"\0" * 50_000)
+    writer = JsonlWriter(small_disk / "metrics.jsonl", on_error=lambda p, e: None)
+    for step in range(1, 201):
+        writer.write({"step": step, "pad": "x" * 60})
+    assert writer.unwritten > 0
+    filler.unlink()
+    writer.keep_only(lambda r: r["step"] <= 150)  # a rollback to step 150
+    writer.write({"step": 151, "pad": "redone"})
+    writer.close()
+    records = _whole_lines(small_disk / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(1, 152))
+    assert records[-1]["pad"] == "redone"
