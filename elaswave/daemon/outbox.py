@@ -1,10 +1,10 @@
 """Writes to etcd that must land even if etcd is away for a while.
 
 The daemon never waits on etcd where a worker waits on the daemon. What it must tell etcd (a
-worker registered, a worker departed, the job's progress, the job done) goes into an
-:class:`Outbox`: one task writes the items in order, and an item that fails because etcd does not
-answer stays at the head until etcd answers again. Items that only ever need their newest value
-(the progress record) take one slot each, so an outage never builds a backlog of stale copies.
+worker registered, a worker departed, a step's record, the job done) goes into an :class:`Outbox`:
+one task writes the items in order, and an item that fails because etcd does not answer stays at
+the head until etcd answers again. If etcd never does, the daemon's last act runs each item's
+fallback (a step's record is then written locally).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from elaswave.errors import EtcdUnavailable
 log = logging.getLogger(__name__)
 
 Write = Callable[[], Awaitable[Any]]
+Fallback = Callable[[], Any]
 
 
 class Outbox:
@@ -33,51 +34,32 @@ class Outbox:
     def __init__(self, up: asyncio.Event, on_unreachable: Callable[[str], None]) -> None:
         self.up = up
         self._on_unreachable = on_unreachable
-        self._queue: collections.deque[tuple[str, Write]] = collections.deque()
-        self._latest: dict[str, Write] = {}
+        self._queue: collections.deque[tuple[str, Write, Fallback | None]] = collections.deque()
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
 
-    def put(self, what: str, write: Write) -> None:
-        """Queue ``write`` (a coroutine factory, called when its turn comes)."""
-        self._queue.append((what, write))
-        self._kick()
-
-    def latest(self, slot: str, write: Write) -> None:
-        """Replace whatever is pending under ``slot`` by ``write`` (written after the queue)."""
-        self._latest[slot] = write
-        self._kick()
-
-    def drop(self, slot: str) -> None:
-        """Forget what is pending under ``slot`` (a value that must not land any more)."""
-        self._latest.pop(slot, None)
-
-    def _kick(self) -> None:
+    def put(self, what: str, write: Write, fallback: Fallback | None = None) -> None:
+        """Queue ``write`` (a coroutine factory, called when its turn comes); ``fallback`` is
+        what to do instead if etcd never answers again (:meth:`abandon`)."""
+        self._queue.append((what, write, fallback))
         self._idle.clear()
         self._wake.set()
 
     @property
     def pending(self) -> int:
-        return len(self._queue) + len(self._latest)
+        return len(self._queue)
 
     async def run(self) -> None:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            while self._queue or self._latest:
-                if self._queue:
-                    what, write = self._queue[0]
-                else:
-                    what = next(iter(self._latest))
-                    write = self._latest[what]
+            while self._queue:
+                what, write, _ = self._queue[0]
                 if not await self._attempt(what, write):
                     await self.up.wait()
                     continue
-                if self._queue and self._queue[0][1] is write:
-                    self._queue.popleft()
-                elif self._latest.get(what) is write:
-                    del self._latest[what]
+                self._queue.popleft()
             self._idle.set()
 
     async def _attempt(self, what: str, write: Write) -> bool:
@@ -99,3 +81,11 @@ class Outbox:
         except asyncio.TimeoutError:
             return False
         return True
+
+    def abandon(self) -> None:
+        """etcd is gone for good (the daemon is leaving): run the fallbacks of what is still
+        queued, in order, and forget the rest."""
+        for _, _, fallback in self._queue:
+            if fallback is not None:
+                fallback()
+        self._queue.clear()

@@ -292,9 +292,6 @@ class HostDaemon:
         for w in workers:  # gone with an expired lease, as a rule; if not, gone now
             key = self.keys.worker(w.worker_id)
             self.outbox.put(f"fenced {w.worker_id}", lambda key=key: self.etcd.delete(key))
-        # A progress record this host could not write while cut off is older than the job's:
-        # it must not land over what the others committed meanwhile.
-        self.outbox.drop("progress")
         self._replacing += 1
         asyncio.create_task(self._replace(workers))
 
@@ -356,7 +353,9 @@ class HostDaemon:
             if self.etcd is not None and not await self.outbox.drain(
                 self.cfg.timeouts.etcd_connect
             ):
+                # etcd never came back: this host's records are the only ones it knows of
                 log.warning("%d etcd write(s) never landed", self.outbox.pending)
+                self.outbox.abandon()
             late = [t for t in self._tasks if t.get_name() in last]
             for task in late:
                 task.cancel()
@@ -541,16 +540,11 @@ class HostDaemon:
             del self.conns[conn.worker_id]
 
     async def _record_commit(self, msg: dict[str, Any]) -> None:
+        """A step rank 0 committed: its record, written once across the whole job (see
+        ``_land_record``), after the records before it."""
         step = int(msg["step"])
         if step <= self.last_metric_step:
-            return  # a re-report after recovery: already recorded
-        if step != self.last_metric_step + 1 and self.cp.outage_since is None:
-            # Rank 0 moved to this host (its old host died): the old one may have recorded it.
-            with contextlib.suppress(Exception):
-                kv = await self.etcd.get(self.keys.progress)
-                if kv is not None and int(kv.json().get("step", 0)) >= step:
-                    self.last_metric_step = step
-                    return
+            return  # a re-report after recovery, or a redone step: already recorded here
         self.last_metric_step = step
         self.final_step = max(self.final_step, step)
         record = {
@@ -562,33 +556,58 @@ class HostDaemon:
             "step_seconds": msg.get("step_seconds"),
             "time": msg["t"],
         }
-        self.metrics.write(record)
-        if step >= self.cfg.train.steps:
-            done = {"step": step, "t": time.time()}
-            self.outbox.put("done", lambda: self.etcd.put_json(self.keys.done, done))
         self.commit_times.append((float(msg["t"]), int(msg["samples"])))
         self.commit_times = self.commit_times[-20:]
         rate = 0.0
         if len(self.commit_times) >= 2:
             (t0, s0), (t1, s1) = self.commit_times[0], self.commit_times[-1]
             rate = (s1 - s0) / max(t1 - t0, 1e-9)
-        self._publish_progress({**record, "samples_per_s": rate})
+        progress = {**record, "samples_per_s": rate, "total_steps": self.cfg.train.steps}
+        self.outbox.put(
+            f"record of step {step}",
+            lambda: self._land_record(record, progress),
+            fallback=lambda: self.metrics.write(record),
+        )
+        if step >= self.cfg.train.steps:
+            done = {"step": step, "t": time.time()}
+            self.outbox.put("done", lambda: self.etcd.put_json(self.keys.done, done))
 
-    def _publish_progress(self, record: dict[str, Any]) -> None:
-        """The job's committed step, outside any host's lease (a host that registers again, or a
-        new leader, reads where the job is). Only the newest value is ever written."""
-        progress = {**record, "total_steps": self.cfg.train.steps}
-        self.outbox.latest("progress", lambda: self.etcd.put_json(self.keys.progress, progress))
+    async def _land_record(self, record: dict[str, Any], progress: dict[str, Any]) -> None:
+        """Write a step's record if this host is the one that moves the job's progress record
+        (in etcd, outside every lease) to that step. Rank 0 re-reports its resume step after a
+        change; when rank 0 moved to this host, its old host may have recorded the step already
+        (and, cut off from etcd, may do so later): whoever advances the progress record first
+        writes the line, the other drops its copy. Never a step recorded twice, across hosts."""
+        while True:
+            kv = await self.etcd.get(self.keys.progress)
+            if kv is not None and int(kv.json().get("step", 0)) >= record["step"]:
+                return  # recorded by another host (or redone after a recovery)
+            rev = kv.mod_revision if kv is not None else 0
+            if await self.etcd.compare_and_put(
+                self.keys.progress, json.dumps(progress, sort_keys=True), mod_revision=rev
+            ):
+                self.metrics.write(record)
+                return
 
     def _roll_back_metrics(self, step: int) -> None:
         """Silent corruption rolled the job back to ``step``: the steps after it are redone, and
-        their first records (computed from a corrupt state) give way to the redone ones."""
+        their first records (computed from a corrupt state) give way to the redone ones. In the
+        outbox's order: records of steps before the rollback land (or are dropped) first."""
         if step >= self.last_metric_step:
             return
-        self.metrics.keep_only(lambda r: int(r.get("step", 0)) <= step)
         self.last_metric_step = step
         self.commit_times.clear()
-        self._publish_progress({"step": step, "rolled_back": True, "time": time.time()})
+        progress = {"step": step, "rolled_back": True, "time": time.time()}
+
+        async def roll_back() -> None:
+            self.metrics.keep_only(lambda r: int(r.get("step", 0)) <= step)
+            await self.etcd.put_json(self.keys.progress, progress)
+
+        self.outbox.put(
+            f"rollback to step {step}",
+            roll_back,
+            fallback=lambda: self.metrics.keep_only(lambda r: int(r.get("step", 0)) <= step),
+        )
 
     async def _watch_done(self) -> None:
         """A host whose workers are all standbys finishes when the job does."""

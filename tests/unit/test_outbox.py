@@ -1,4 +1,5 @@
-"""The daemon's outbox: writes to etcd land in order, survive an outage, and never pile up."""
+"""The daemon's outbox: writes to etcd land in order and survive an outage; if etcd never comes
+back, the fallbacks run in order."""
 
 from __future__ import annotations
 
@@ -33,10 +34,8 @@ def test_writes_land_in_order_after_an_outage() -> None:
         box = Outbox(up, lost.append)
         store = FlakyStore(down=3)
         task = asyncio.create_task(box.run())
-        for what in ("ready w0", "ready w1", "departure w0"):
+        for what in ("ready w0", "ready w1", "departure w0", "record 5"):
             box.put(what, store.write(what))
-        for step in range(1, 6):  # only the newest progress record is ever written
-            box.latest("progress", store.write(f"progress {step}"))
         await asyncio.sleep(0.05)
         assert store.log == [] and not up.is_set()  # etcd away: nothing lands, nothing lost
         up.set()  # the keep-alive saw etcd answer; the head is tried again
@@ -49,7 +48,7 @@ def test_writes_land_in_order_after_an_outage() -> None:
         return store.log, lost, box.pending
 
     log, lost, pending = asyncio.run(main())
-    assert log == ["ready w0", "ready w1", "departure w0", "progress 5"]
+    assert log == ["ready w0", "ready w1", "departure w0", "record 5"]
     assert lost and pending == 0
 
 
@@ -74,3 +73,24 @@ def test_a_write_etcd_refuses_is_dropped_not_retried_forever() -> None:
         return landed
 
     assert asyncio.run(main()) == ["next"]
+
+
+def test_etcd_gone_for_good_runs_the_fallbacks_in_order() -> None:
+    async def main() -> list[str]:
+        up = asyncio.Event()
+        up.set()
+        box = Outbox(up, lambda why: None)
+        store = FlakyStore(down=10**6)
+        local: list[str] = []
+        task = asyncio.create_task(box.run())
+        for step in (7, 8, 9):
+            note = f"record {step} written locally"
+            box.put(f"record {step}", store.write(f"record {step}"), lambda n=note: local.append(n))
+        box.put("done", store.write("done"))  # no fallback: dropped
+        assert not await box.drain(0.1)
+        box.abandon()
+        task.cancel()
+        assert box.pending == 0 and store.log == []
+        return local
+
+    assert asyncio.run(main()) == [f"record {s} written locally" for s in (7, 8, 9)]
