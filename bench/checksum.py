@@ -57,10 +57,10 @@ VARIANTS = {
 def _sizes() -> dict[str, int]:
     from bench.common import DEFAULT_CONFIG
     from elaswave.config import load_config
-    from elaswave.runtime.engine import build_model, layer_segments
+    from elaswave.runtime.workload.load import build_model
     from elaswave.runtime.shards import ShardLayout
 
-    segments = layer_segments(build_model(load_config(DEFAULT_CONFIG, env={})))
+    segments = build_model(load_config(DEFAULT_CONFIG, env={})).segments()
     return {
         "gpt-tiny W=4": ShardLayout.even(segments, 4).shard_size(0),
         "gpt-tiny W=2": ShardLayout.even(segments, 2).shard_size(0),

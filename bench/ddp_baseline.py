@@ -1,6 +1,6 @@
 """Plain PyTorch DDP doing exactly ElasWave's work per step: the overhead baseline.
 
-Same model (``build_model``), data (``make_dataset`` + ``microbatches`` + ``batch``), keyed
+Same model (``build_model``), data (the workload's data set, ``microbatches``, its collate), keyed
 dropout RNG, global batch and micro-batch size, ``torch.set_num_threads(1)``, and AdamW with the
 config's hyper-parameters. Each of the W processes runs its contiguous share of the step's
 micro-batches with ``no_sync()`` for all but the last, so there is one gradient all-reduce per
@@ -45,9 +45,8 @@ def run_ddp(config: Path, *, steps: int, world: int, out_dir: Path) -> dict[str,
 
 def _worker(rank: int, world: int, port: int, config: str, steps: int, out: str) -> None:
     from elaswave.config import load_config
-    from elaswave.runtime.data import batch, microbatches
-    from elaswave.runtime.engine import build_model, make_dataset
-    from elaswave.runtime.rng import MicrobatchRng
+    from elaswave.runtime.data import microbatches
+    from elaswave.runtime.workload.load import build_model, load_workload
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback, like ElasWave's local groups
     cfg = load_config(config, env={})
@@ -64,7 +63,8 @@ def _worker(rank: int, world: int, port: int, config: str, steps: int, out: str)
             ddp.parameters(), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
             weight_decay=t.weight_decay,
         )  # fmt: skip
-        dataset = make_dataset(cfg)
+        workload = load_workload(cfg)
+        dataset = workload.dataset(t.seed)
         per_rank = t.num_microbatches // world
         assert per_rank * world == t.num_microbatches, "micro-batches must divide evenly"
         mine = range(rank * per_rank, (rank + 1) * per_rank)
@@ -78,10 +78,10 @@ def _worker(rank: int, world: int, port: int, config: str, steps: int, out: str)
             loss_sum = 0.0
             for k, i in enumerate(mine):
                 mb = every[i]
-                tokens, targets = batch(dataset, mb.sample_ids)
+                tokens, targets = workload.collate([dataset[i] for i in mb.sample_ids])
                 last = k == len(mine) - 1
                 with contextlib.nullcontext() if last else ddp.no_sync():
-                    logits = ddp(tokens, MicrobatchRng(t.seed, step, mb.id))
+                    logits = ddp(tokens, step, mb.id)
                     loss = _loss_sum(logits, targets)
                     (loss * scale).backward()
                 loss_sum += loss.item()
@@ -119,6 +119,6 @@ def _shutdown(store: dist.TCPStore, rank: int, world: int) -> None:
 
 
 def _loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    from elaswave.runtime.model import per_sample_loss
+    from elaswave.runtime.workload.gpt import per_sample_loss
 
     return per_sample_loss(logits, targets).sum()  # == GPT.loss_sum, through DDP's forward

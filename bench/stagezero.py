@@ -138,9 +138,9 @@ def _measure(run_dir: Path, cfg: Path) -> dict[str, Any]:
 def _stage_elements(cfg: Path, layers: list[int]) -> int:
     """Parameter elements of layers ``layers[0]:layers[1]`` of the benchmark's model."""
     from elaswave.config import load_config
-    from elaswave.runtime.engine import build_model, layer_segments
+    from elaswave.runtime.workload.load import build_model
 
-    segments = layer_segments(build_model(load_config(cfg, env={})))
+    segments = build_model(load_config(cfg, env={})).segments()
     return sum(length for _, length in segments[layers[0] : layers[1]])
 
 

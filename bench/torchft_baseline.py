@@ -204,10 +204,9 @@ def main(argv: list[str] | None = None) -> None:
     from torchft import DistributedDataParallel, Manager, Optimizer, ProcessGroupGloo
 
     from elaswave.config import load_config
-    from elaswave.runtime.data import batch, microbatches
-    from elaswave.runtime.engine import build_model, make_dataset
-    from elaswave.runtime.model import per_sample_loss
-    from elaswave.runtime.rng import MicrobatchRng
+    from elaswave.runtime.data import microbatches
+    from elaswave.runtime.workload.load import build_model, load_workload
+    from elaswave.runtime.workload.gpt import per_sample_loss
 
     class KillableDDP(DistributedDataParallel):
         """torchft's DDP; its communication hook can kill this group and survives a failure.
@@ -256,7 +255,8 @@ def main(argv: list[str] | None = None) -> None:
     )  # fmt: skip
     ddp = KillableDDP(manager, model)
     optimizer = Optimizer(manager, inner)
-    dataset = make_dataset(cfg)
+    workload = load_workload(cfg)
+    dataset = workload.dataset(t.seed)
     per_group = t.num_microbatches // a.replicas
     mine = range(a.replica * per_group, (a.replica + 1) * per_group)
     share = per_group * t.micro_batch_size
@@ -274,11 +274,11 @@ def main(argv: list[str] | None = None) -> None:
         loss_sum = 0.0
         for k, i in enumerate(mine):
             mb = every[i]
-            tokens, targets = batch(dataset, mb.sample_ids)
+            tokens, targets = workload.collate([dataset[i] for i in mb.sample_ids])
             last = k == len(mine) - 1
             _ARMED = last and a.kill_at == step and a.replica == VICTIM
             with contextlib.nullcontext() if last else ddp.no_sync():
-                logits = ddp(tokens, MicrobatchRng(t.seed, step, mb.id))
+                logits = ddp(tokens, step, mb.id)
                 loss = per_sample_loss(logits, targets).sum()
                 (loss / share).backward()
             loss_sum += loss.item()

@@ -172,10 +172,9 @@ def main(argv: list[str] | None = None) -> None:
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
     from elaswave.config import load_config
-    from elaswave.runtime.data import batch, microbatches
-    from elaswave.runtime.engine import build_model, make_dataset
-    from elaswave.runtime.model import per_sample_loss
-    from elaswave.runtime.rng import MicrobatchRng
+    from elaswave.runtime.data import microbatches
+    from elaswave.runtime.workload.load import build_model, load_workload
+    from elaswave.runtime.workload.gpt import per_sample_loss
 
     emit("imported", t=time.time())
 
@@ -201,7 +200,8 @@ def main(argv: list[str] | None = None) -> None:
         first_step = state["step"] + 1
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     ddp.register_comm_hook(None, hook)
-    dataset = make_dataset(cfg)
+    workload = load_workload(cfg)
+    dataset = workload.dataset(t.seed)
     per_rank = t.num_microbatches // world
     mine = range(rank * per_rank, (rank + 1) * per_rank)
     scale = world / t.global_batch  # DDP averages over ranks
@@ -211,11 +211,11 @@ def main(argv: list[str] | None = None) -> None:
         loss_sum = 0.0
         for k, i in enumerate(mine):
             mb = every[i]
-            tokens, targets = batch(dataset, mb.sample_ids)
+            tokens, targets = workload.collate([dataset[i] for i in mb.sample_ids])
             last = k == len(mine) - 1
             _ARMED = last and step == a.kill_at and attempt == 0 and rank == VICTIM
             with contextlib.nullcontext() if last else ddp.no_sync():
-                logits = ddp(tokens, MicrobatchRng(t.seed, step, mb.id))
+                logits = ddp(tokens, step, mb.id)
                 loss = per_sample_loss(logits, targets).sum()
                 (loss * scale).backward()
             loss_sum += loss.item()

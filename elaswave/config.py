@@ -29,8 +29,13 @@ ENV_PREFIX = "ELASWAVE_"
 
 @dataclass(kw_only=True)
 class ModelConfig:
-    """The GPT workload: an ordered list of layers (embedding, blocks, head)."""
+    """The workload. ``source: gpt`` (default) is the built-in GPT, shaped by the fields below;
+    ``source: module`` calls ``factory`` (``"package.module:function"``) with ``args`` and trains
+    the :class:`~elaswave.Workload` it returns."""
 
+    source: str = "gpt"  # "gpt" | "module"
+    factory: str | None = None  # source=module: "package.module:function"
+    args: dict[str, Any] = field(default_factory=dict)  # source=module: the factory's arguments
     vocab_size: int = 256
     seq_len: int = 64
     n_layer: int = 2
@@ -39,6 +44,15 @@ class ModelConfig:
     dropout: float = 0.1
 
     def __post_init__(self) -> None:
+        if self.source not in ("gpt", "module"):
+            raise ConfigError(f"model.source must be 'gpt' or 'module', got {self.source!r}")
+        if self.source == "module" and not _FACTORY.fullmatch(self.factory or ""):
+            raise ConfigError(
+                "model.source=module needs model.factory as 'package.module:function', "
+                f"got {self.factory!r}"
+            )
+        if self.source == "gpt" and (self.factory or self.args):
+            raise ConfigError("model.factory and model.args need model.source: module")
         for name in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model"):
             _positive(f"model.{name}", getattr(self, name))
         if self.d_model % self.n_head:
@@ -47,6 +61,9 @@ class ModelConfig:
             )
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout}")
+
+
+_FACTORY = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
 
 
 @dataclass(kw_only=True)
@@ -308,8 +325,8 @@ class JobConfig:
             raise ConfigError(f"dvfs={self.dvfs} needs the {needs[self.dvfs]} package")
         if self.pp < 1 or self.dp < 0:
             raise ConfigError(f"pp must be >= 1 and dp >= 0, got pp={self.pp} dp={self.dp}")
-        layers = self.model.n_layer + 2  # embedding, blocks, head
-        if self.pp > layers:
+        layers = self.model.n_layer + 2  # embedding, blocks, head (a module's: at load)
+        if self.model.source == "gpt" and self.pp > layers:
             raise ConfigError(
                 f"pp={self.pp} stages but the model has only {layers} layers "
                 f"(embedding + {self.model.n_layer} blocks + head)"
@@ -464,6 +481,10 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if not isinstance(value, dict):
             raise ConfigError(f"config key {key!r} must be a section (mapping)")
         return _build(tp, value, key + ".")
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"config key {key!r} must be a mapping")
+        return dict(value)
     if origin is list:
         (item_tp,) = typing.get_args(tp)
         if isinstance(value, str):

@@ -21,18 +21,6 @@ POLICIES = ("reshard", "drop")
 Observation = Mapping[Any, float]  # a worker's {layer: seconds}; JSON gives the keys as strings
 
 
-def layer_costs(*, vocab_size: int, seq_len: int, d_model: int, n_layer: int) -> tuple[float, ...]:
-    """Relative compute cost of each layer of the layer list [embedding, blocks..., head].
-
-    A FLOP estimate per sample (the backward pass costs a constant multiple of the forward, so
-    the ratio is what matters): a block is 24·T·d² (projections, MLP) + 4·T²·d (attention), the
-    head 2·T·d·V, the embedding a gather (≈ 2·T·d).
-    """
-    t, d, v = seq_len, d_model, vocab_size
-    block = 24.0 * t * d * d + 4.0 * t * t * d
-    return (2.0 * t * d, *([block] * n_layer), 2.0 * t * d * v)
-
-
 def measured_costs(
     profiles: Sequence[Sequence[float]], *, fallback: Sequence[float]
 ) -> tuple[float, ...]:

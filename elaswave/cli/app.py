@@ -174,6 +174,10 @@ def launch(
             except FaultSpecError as exc:
                 raise ConfigError(str(exc)) from None
         cfg = load_config(config, overrides=overrides)
+        if cfg.model.source == "module":  # a factory that cannot build: one line, before start
+            from elaswave.runtime.workload.load import load_workload
+
+            load_workload(cfg)
         if cfg.etcd:
             from elaswave.daemon.etcd import parse_endpoints
 

@@ -34,7 +34,7 @@ from elaswave.daemon.policy import (
     straggler_verdict,
 )
 from elaswave.errors import EtcdUnavailable
-from elaswave.pipeplan import layer_costs, measured_layers, next_pipeline_plan, plan_costs
+from elaswave.pipeplan import measured_layers, next_pipeline_plan, plan_costs
 from elaswave.plan import Member, Plan, next_plan, reshared_plan
 
 if TYPE_CHECKING:
@@ -89,6 +89,7 @@ class Planner:
         self.num_microbatches = cfg.train.num_microbatches
         self.early_causes: list[str] = []
         self.profiles: list[list[float]] = []  # pipelines: workers' start-up seconds per layer
+        self.estimate: list[float] = []  # pipelines: the workload's cost per layer
         self.online: list[dict[str, float]] = []  # layer_costs=online: live workers' measurements
         self.costs: tuple[float, ...] = ()  # pipelines: the layer costs the last plan used
         self.cost_source = ""  # where they came from: estimate | profile | online
@@ -186,12 +187,8 @@ class Planner:
     def _next(self, current: Plan | None, members: list[Member], cause: str) -> Plan | None:
         cfg = self.d.cfg
         if cfg.pp > 1:
-            m = cfg.model
-            estimate = layer_costs(
-                vocab_size=m.vocab_size, seq_len=m.seq_len, d_model=m.d_model, n_layer=m.n_layer
-            )
             costs, self.cost_source = plan_costs(
-                cfg.layer_costs, estimate, self.profiles, self.online
+                cfg.layer_costs, self.estimate, self.profiles, self.online
             )
             self.costs = costs
             return next_pipeline_plan(
@@ -382,6 +379,8 @@ class Planner:
                 continue  # its daemon is stopping it
             if info.get("layer_seconds"):
                 self.profiles.append(info["layer_seconds"])
+            if info.get("layer_estimate"):  # every worker builds the same workload
+                self.estimate = info["layer_estimate"]
             members.append(
                 Member(worker_id=info["worker_id"], host=info["host"], order=kv.create_revision)
             )

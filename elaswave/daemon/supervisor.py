@@ -493,8 +493,9 @@ class HostDaemon:
             info: dict[str, Any] = {
                 "worker_id": w.worker_id, "host": self.host_id, "pid": w.pid, "slot": w.slot,
             }  # fmt: skip
-            if isinstance(msg.get("layer_seconds"), list):  # pipelines: a start-up profile
-                info["layer_seconds"] = [float(x) for x in msg["layer_seconds"]]
+            for costs in ("layer_estimate", "layer_seconds"):  # pipelines: the workload's
+                if isinstance(msg.get(costs), list):  # estimate, a start-up profile
+                    info[costs] = [float(x) for x in msg[costs]]
             w.info = info
             self.outbox.put(
                 f"registration of {w.worker_id}",

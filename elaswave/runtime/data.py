@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import operator
 import os
-from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Protocol
 
 import numpy as np
 import torch
@@ -15,23 +13,13 @@ import torch
 __all__ = [
     "MicroBatch",
     "SyntheticTokens",
-    "TokenDataset",
     "TokenFile",
-    "batch",
     "microbatches",
     "sample_ids",
     "write_token_file",
 ]
 
 _DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
-
-
-class TokenDataset(Protocol):
-    """Anything indexable by sample id returning a LongTensor[seq_len + 1]."""
-
-    def __len__(self) -> int: ...
-
-    def __getitem__(self, sample_id: int) -> torch.Tensor: ...
 
 
 def _require_positive(**values: int) -> None:
@@ -161,14 +149,6 @@ def write_token_file(
     if arr.size and (arr.min() < 0 or arr.max() > np.iinfo(np_dtype).max):
         raise ValueError(f"token values out of range for {dtype}")
     arr.astype(np_dtype).tofile(path)
-
-
-def batch(dataset: TokenDataset, ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stack samples into (inputs [b, T], targets [b, T]); targets are inputs shifted by one."""
-    if len(ids) == 0:
-        raise ValueError("batch needs at least one sample id")
-    seqs = torch.stack([dataset[i] for i in ids])
-    return seqs[:, :-1].contiguous(), seqs[:, 1:].contiguous()
 
 
 @dataclass(frozen=True)

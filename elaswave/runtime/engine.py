@@ -24,7 +24,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,16 +38,16 @@ from elaswave.plan import Plan
 from elaswave.runtime import durable, stageverify
 from elaswave.runtime.comm import CommError, Communicator, Interrupted
 from elaswave.runtime.control import ControlClient
-from elaswave.runtime.data import SyntheticTokens, TokenDataset, TokenFile, batch, microbatches
-from elaswave.runtime.model import GPT, GPTConfig
+from elaswave.runtime.data import microbatches
 from elaswave.runtime.optim import AdamWHyper, FlatAdamW, FlatParams
 from elaswave.runtime.pipeline import MIG, Pipeline
-from elaswave.runtime.rng import MicrobatchRng
 from elaswave.runtime.rollback import NONE, KnownGood, rollback_verdict
 from elaswave.runtime.shards import ShardLayout
 from elaswave.runtime.stageshards import LayersLost
 from elaswave.runtime.stagetimes import cpu_wait_seconds
 from elaswave.runtime.verify import flip_bit, judge
+from elaswave.runtime.workload import build_layers
+from elaswave.runtime.workload.load import load_workload
 from elaswave.runtime.zero import ShardLost, ZeroState, digest, fast_checksum
 
 log = logging.getLogger(__name__)
@@ -77,41 +77,6 @@ class StepResult:
     compute_per_mb: float | None = None
 
 
-def make_dataset(cfg: JobConfig) -> TokenDataset:
-    if cfg.data.source == "tokens":
-        assert cfg.data.path is not None
-        return TokenFile(cfg.data.path, seq_len=cfg.model.seq_len, dtype=cfg.data.dtype)
-    return SyntheticTokens(
-        seed=cfg.train.seed,
-        vocab_size=cfg.model.vocab_size,
-        seq_len=cfg.model.seq_len,
-        num_samples=cfg.data.num_samples,
-    )
-
-
-def layer_segments(model: GPT) -> tuple[tuple[int, int], ...]:
-    """(offset, length) of each layer's parameters in the flat buffer (layers are contiguous)."""
-    out, offset = [], 0
-    for layer in model.layers:
-        n = sum(p.numel() for p in layer.parameters() if p.requires_grad)
-        out.append((offset, n))
-        offset += n
-    return tuple(out)
-
-
-def build_model(cfg: JobConfig) -> GPT:
-    m = cfg.model
-    gpt = GPTConfig(
-        vocab_size=m.vocab_size,
-        seq_len=m.seq_len,
-        n_layer=m.n_layer,
-        n_head=m.n_head,
-        d_model=m.d_model,
-        dropout=m.dropout,
-    )
-    return GPT(gpt, init_seed=cfg.train.seed)
-
-
 class Engine:
     def __init__(self, cfg: JobConfig, control: ControlClient, *, worker_id: str, host_addr: str):
         self.cfg = cfg
@@ -119,10 +84,11 @@ class Engine:
         self.me = worker_id
         t = cfg.train
         torch.set_num_threads(t.threads_per_worker)
-        self.model = build_model(cfg)
+        self.workload = load_workload(cfg)
+        self.model = build_layers(self.workload, t.seed)
         self.model.train()
         self.flat = FlatParams(self.model)
-        self.segments = layer_segments(self.model)
+        self.segments = self.model.segments()
         hyper = AdamWHyper(
             lr=t.lr, beta1=t.beta1, beta2=t.beta2, eps=t.eps, weight_decay=t.weight_decay
         )
@@ -138,7 +104,7 @@ class Engine:
         self.durable = (
             durable.DurableCheckpoints(cfg.resolved_durable_dir) if cfg.durable_every else None
         )
-        self.dataset = make_dataset(cfg)
+        self.dataset = self.workload.dataset(t.seed)
         self.num_samples = len(self.dataset)
         dtype = torch.float64 if t.reduce_dtype == "float64" else torch.float32
         # [gradients | loss sum | newest epoch seen | pipeline: migrations ready]
@@ -276,8 +242,8 @@ class Engine:
         mine = plan.microbatch_range(rank)
         slow = self._slowdown(step) * plan.world_size / len(every)  # per micro-batch
         for mb in (every[i] for i in mine):
-            tokens, targets = batch(self.dataset, mb.sample_ids)
-            loss = self.model.loss_sum(tokens, targets, MicrobatchRng(t.seed, step, mb.id))
+            inputs, targets = self.microbatch(mb.sample_ids)
+            loss = self.loss(self.model(inputs, step, mb.id), targets, len(mb.sample_ids))
             (loss / t.global_batch).backward()
             if t.device_time:
                 time.sleep(t.device_time)  # emulated accelerator time (benchmarks)
@@ -307,6 +273,22 @@ class Engine:
         if int(round(float(buf[n + 1]))) != plan.world_size * plan.epoch:
             self.replan = True  # some rank has seen a newer plan: switch at this boundary
         return StepResult(step, self.last_loss, time.perf_counter() - start, per_mb)
+
+    def microbatch(self, sample_ids: Sequence[int]) -> tuple[torch.Tensor, Any]:
+        """The workload's (inputs, targets) for these global sample ids."""
+        return self.workload.collate([self.dataset[i] for i in sample_ids])
+
+    def loss(self, output: torch.Tensor, targets: Any, samples: int) -> torch.Tensor:
+        """The workload's loss sum of one micro-batch. The gradient is normalised by the fixed
+        global batch, so every sample must count once (a count per token comes with workloads
+        that need it)."""
+        total, count = self.workload.loss(output, targets)
+        if int(count) != samples:
+            raise ValueError(
+                f"the workload's loss counted {int(count)} for a micro-batch of {samples} "
+                "samples: losses are normalised per sample"
+            )
+        return total
 
     def _pipeline_step(self, step: int, every: list[Any], start: float) -> StepResult:
         """One 1F1B step of this rank's stage, then the all-reduce of every layer's gradient."""

@@ -38,12 +38,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from elaswave.dvfs import DvfsError, SimActuator, frequency_plan, make_actuator
-from elaswave.pipeplan import layer_costs, serving_shares
+from elaswave.pipeplan import serving_shares
 from elaswave.plan import Plan
 from elaswave.runtime import stageverify, stagezero
-from elaswave.runtime.data import MicroBatch, batch
+from elaswave.runtime.data import MicroBatch
 from elaswave.runtime.durable import DurableState
-from elaswave.runtime.model import per_sample_loss
 from elaswave.runtime.optim import adamw_
 from elaswave.runtime.pipesched import (
     Compute,
@@ -52,7 +51,6 @@ from elaswave.runtime.pipesched import (
     schedule_1f1b,
     transfer_stats,
 )
-from elaswave.runtime.rng import MicrobatchRng
 from elaswave.runtime.stageshards import (
     Interval,
     Piece,
@@ -67,6 +65,7 @@ from elaswave.runtime.stagezero import (
     MomentStore,
     gather_messages,
 )
+from elaswave.runtime.workload import call_layer
 from elaswave.runtime.zero import digest
 
 if TYPE_CHECKING:
@@ -76,13 +75,20 @@ MIG = "mig"  # the process group asynchronous migrations run on, beside the trai
 TAG_ACT, TAG_GRAD, TAG_STATE = 1, 2, 3
 
 
+def estimated_costs(costs: Sequence[float] | None, layers: int) -> tuple[float, ...]:
+    """The workload's cost per layer, or equal costs when it gives none (or the wrong number)."""
+    if costs is None or len(costs) != layers:
+        return (1.0,) * layers
+    return tuple(float(c) for c in costs)
+
+
 # ---- the stage runner ----------------------------------------------------------------------------
 class Pipeline:
     """One rank's stage: runs the 1F1B step, keeps its layers, moves them on a new layout."""
 
     def __init__(self, engine: Engine) -> None:
         self.e = engine
-        self.num_layers = len(engine.model.layers)
+        self.num_layers = len(engine.model)
         self.offsets = [(off, off + length) for off, length in engine.segments]
         self.sizes = [length * 3 * 4 for _, length in engine.segments]  # params + 2 moments, f32
         self.held: range | None = range(self.num_layers)  # at step 0 everyone holds the init
@@ -92,10 +98,7 @@ class Pipeline:
         self.shares: tuple[int, ...] = ()
         self.undo: Undo | None = None
         self.migration: Migration | None = None
-        m = engine.cfg.model
-        self.costs = layer_costs(
-            vocab_size=m.vocab_size, seq_len=m.seq_len, d_model=m.d_model, n_layer=m.n_layer
-        )
+        self.costs = estimated_costs(engine.workload.layer_costs(), self.num_layers)
         self.actuator = make_actuator(engine.cfg.dvfs, **_actuator_options(engine.cfg.dvfs))
         self.clocks = _clock_range(self.actuator)
         self.stage_key = 0  # what the actuator clocks: this worker's device
@@ -115,15 +118,15 @@ class Pipeline:
         Runs before the first plan on a throw-away micro-batch; gradients are discarded and no
         parameter changes, so training is unaffected."""
         e, t = self.e, self.e.cfg.train
-        tokens, _ = batch(e.dataset, tuple(range(t.micro_batch_size)))
+        inputs, _ = e.microbatch(range(t.micro_batch_size))
         runs: list[list[float]] = []
         for _ in range(repeats + 1):  # the first run warms up kernels and allocator; dropped
-            h: torch.Tensor = tokens
+            h: torch.Tensor = inputs
             times = []
-            for layer in e.model.layers:
+            for index, layer in enumerate(e.model.layers):
                 x = h.detach().requires_grad_(h.is_floating_point())
                 start = time.perf_counter()
-                h = layer(x, MicrobatchRng(t.seed, 0, 0))
+                h = call_layer(layer, x, seed=t.seed, step=0, microbatch=0, index=index)
                 h.float().sum().backward()
                 times.append(time.perf_counter() - start)
             runs.append(times)
@@ -220,13 +223,16 @@ class Pipeline:
         layers = plan.stage_layers(rank)
         start = sum(self.shares[:d])
         mbs = everyone[start : start + self.shares[d]]
-        cfg, t = e.cfg, e.cfg.train
+        t = e.cfg.train
         prev_rank = ranks[s - 1] if s > 0 else None
         next_rank = ranks[s + 1] if s + 1 < stages else None
         first, last = layers.start == 0, layers.stop == self.num_layers
         region = self.span(layers)
         n = e.flat.numel
-        shape = (t.micro_batch_size, cfg.model.seq_len, cfg.model.d_model)
+        # What arrives from the previous stage and what goes back to it; what this stage sends
+        # and the gradient that comes back for it (shapes and dtypes: the workload's).
+        spec_in = e.workload.boundary(layers.start - 1, t.micro_batch_size) if not first else None
+        spec_out = e.workload.boundary(layers.stop - 1, t.micro_batch_size) if not last else None
         inputs: dict[int, torch.Tensor] = {}
         outputs: dict[int, torch.Tensor] = {}
         grads_in: dict[int, torch.Tensor] = {}
@@ -237,17 +243,19 @@ class Pipeline:
         def forward(i: int) -> None:
             nonlocal loss_sum
             mb = mbs[i]
-            rng = MicrobatchRng(t.seed, step, mb.id)
-            # Only the first stage needs the tokens and only the last the targets.
-            tokens, targets = batch(e.dataset, mb.sample_ids) if first or last else (None, None)
-            h = tokens if first else inputs[i]
+            # Only the first stage needs the inputs and only the last the targets.
+            data, targets = e.microbatch(mb.sample_ids) if first or last else (None, None)
+            h = data if first else inputs[i]
             for index in layers:
                 with timer.forward(index):
-                    h = e.model.layers[index](h, rng)
+                    h = call_layer(
+                        e.model.layers[index], h, seed=t.seed, step=step, microbatch=mb.id,
+                        index=index,
+                    )  # fmt: skip
             with timer.pause():
                 self.device_pause(layers, backward=False)
             if last:
-                loss = per_sample_loss(h, targets).sum()
+                loss = e.loss(h, targets, len(mb.sample_ids))
                 loss_sum += loss.item()
                 outputs[i] = loss / t.global_batch
             else:
@@ -272,14 +280,16 @@ class Pipeline:
                 if sending:
                     tensor = outputs[i].detach()
                 else:
-                    tensor = inputs[i] = torch.empty(shape)
+                    assert spec_in is not None
+                    tensor = inputs[i] = torch.empty(spec_in.shape, dtype=spec_in.dtype)
                 return peer, tensor, TAG_ACT  # type: ignore[return-value]
             peer = prev_rank if sending else next_rank
             if sending:
                 tensor = inputs.pop(i).grad
                 assert tensor is not None
             else:
-                tensor = grads_in[i] = torch.empty(shape)
+                assert spec_out is not None
+                tensor = grads_in[i] = torch.empty(spec_out.shape, dtype=spec_out.dtype)
             return peer, tensor, TAG_GRAD  # type: ignore[return-value]
 
         busy = 0.0
@@ -301,7 +311,7 @@ class Pipeline:
             e._enter("collective")
             e.comm.p2p("dp", sends, recvs, broken)
             for kind, i in item.recvs:
-                if kind == "act":
+                if kind == "act" and inputs[i].is_floating_point():
                     inputs[i].requires_grad_(True)
         if last:
             buf[n] += loss_sum

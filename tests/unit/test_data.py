@@ -8,11 +8,11 @@ from elaswave.runtime.data import (
     MicroBatch,
     SyntheticTokens,
     TokenFile,
-    batch,
     microbatches,
     sample_ids,
     write_token_file,
 )
+from elaswave.runtime.workload.gpt import GPTConfig, GPTWorkload
 
 
 @pytest.mark.parametrize(
@@ -147,16 +147,15 @@ def test_write_token_file_rejects_out_of_range(tmp_path: Path) -> None:
         write_token_file(tmp_path / "x.bin", [-1, 3], dtype="uint32")
 
 
-def test_batch_shifts_targets() -> None:
+def test_gpt_collate_shifts_targets() -> None:
     ds = SyntheticTokens(seed=0, vocab_size=30, seq_len=8, num_samples=10)
-    inputs, targets = batch(ds, [2, 5, 7])
+    gpt = GPTWorkload(GPTConfig(vocab_size=30, seq_len=8, n_layer=1, n_head=1, d_model=4))
+    inputs, targets = gpt.collate([ds[i] for i in [2, 5, 7]])
     assert inputs.shape == targets.shape == (3, 8)
     assert inputs.dtype == targets.dtype == torch.int64
     for row, i in enumerate([2, 5, 7]):
         assert torch.equal(inputs[row], ds[i][:-1])
         assert torch.equal(targets[row], ds[i][1:])
-    with pytest.raises(ValueError):
-        batch(ds, [])
 
 
 def test_microbatches_partition_the_step() -> None:

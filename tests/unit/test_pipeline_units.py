@@ -8,7 +8,7 @@ import random
 import pytest
 
 from elaswave.config import ConfigError, JobConfig
-from elaswave.pipeplan import balanced_shares, layer_costs, next_pipeline_plan, serving_shares
+from elaswave.pipeplan import balanced_shares, next_pipeline_plan, serving_shares
 from elaswave.plan import Member
 from elaswave.runtime.pipesched import (
     Comm,
@@ -19,8 +19,9 @@ from elaswave.runtime.pipesched import (
     transfer_stats,
 )
 from elaswave.runtime.stageshards import LayersLost
+from elaswave.runtime.workload.gpt import gpt_layer_costs
 
-COSTS = layer_costs(vocab_size=256, seq_len=64, d_model=128, n_layer=2)  # 4 layers
+COSTS = gpt_layer_costs(vocab_size=256, seq_len=64, d_model=128, n_layer=2)  # 4 layers
 UNIFORM = (1.0,) * 6
 
 

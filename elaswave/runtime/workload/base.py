@@ -1,0 +1,164 @@
+"""The public workload seam: everything the runtime knows of a model.
+
+A workload describes a model as an ordered list of layers that any rank can build alone and
+identically, a data set indexed by global sample id, how samples become a micro-batch, what passes
+from one layer to the next, and the loss as ``(sum, count)``. The runtime never looks inside a
+layer: data parallelism runs them all, a pipeline stage runs a contiguous range of them, and the
+partitioner cuts between them.
+
+Randomness inside layers needs no care from the workload: before each layer call the runtime
+seeds the default generators from (seed, step, micro-batch, layer) (:func:`call_layer`), so any
+``nn.Dropout`` or ``torch.rand*`` draws the same numbers on whichever rank computes that piece of
+work, whatever the world size, the pipeline cut or the rank's batch share. A redone step draws
+them again, identically.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from elaswave.runtime.rng import stream_seed
+
+__all__ = [
+    "Dataset",
+    "KeyedLayers",
+    "TensorSpec",
+    "Workload",
+    "build_layers",
+    "call_layer",
+    "layer_seed",
+]
+
+
+class Dataset(Protocol):
+    """Anything with a length, indexable by global sample id (0 ≤ id < len)."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, sample_id: int) -> Any: ...
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Shape and dtype of a tensor that passes between two pipeline stages."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype = torch.float32
+
+
+class Workload(abc.ABC):
+    """A model and its data, as the runtime sees them.
+
+    Subclass it and return an instance from a factory (``model.source: module``,
+    ``model.factory: "package.module:function"``, ``model.args: {...}``). Constructing the
+    workload should be cheap: layers are built by :meth:`build_layer`, on the ranks that need them.
+    """
+
+    @property
+    @abc.abstractmethod
+    def num_layers(self) -> int:
+        """How many layers the model has (the pipeline can cut between any two of them)."""
+
+    @abc.abstractmethod
+    def build_layer(self, index: int, seed: int) -> nn.Module:
+        """Layer ``index`` with its initial parameters, a function of (seed, index) alone.
+
+        Its ``forward`` takes the previous layer's output (layer 0: the micro-batch's inputs) and
+        returns one tensor. Its parameter names (``layers.<index>.<name>``) are the model's
+        stable global names."""
+
+    @abc.abstractmethod
+    def dataset(self, seed: int) -> Dataset:
+        """The training samples, indexed by global sample id (the runtime picks the ids)."""
+
+    @abc.abstractmethod
+    def collate(self, samples: Sequence[Any]) -> tuple[torch.Tensor, Any]:
+        """One micro-batch from its samples: (inputs of layer 0, targets for :meth:`loss`)."""
+
+    @abc.abstractmethod
+    def boundary(self, index: int, micro_batch_size: int) -> TensorSpec:
+        """What layer ``index`` returns for a micro-batch of ``micro_batch_size`` samples (what
+        a pipeline stage that ends after it sends to the next one)."""
+
+    @abc.abstractmethod
+    def loss(self, output: torch.Tensor, targets: Any) -> tuple[torch.Tensor, int]:
+        """(sum of the per-sample losses of the micro-batch, number of samples).
+
+        The runtime divides by the step's global count, so a rank's share of the batch never
+        changes the gradient."""
+
+    def layer_costs(self) -> Sequence[float] | None:
+        """Relative cost of each layer for the pipeline partitioner, or ``None``: equal costs until
+        measured (``layer_costs: profile`` or ``online``)."""
+        return None
+
+
+def layer_seed(seed: int, step: int, microbatch: int, layer: int) -> int:
+    """The seed of the default generators while ``layer`` runs for (step, micro-batch)."""
+    return stream_seed(seed, step, microbatch, layer, site=0)
+
+
+def call_layer(
+    layer: nn.Module, x: torch.Tensor, *, seed: int, step: int, microbatch: int, index: int
+) -> torch.Tensor:
+    """Run one layer with the default generators keyed by (seed, step, micro-batch, layer)."""
+    torch.manual_seed(layer_seed(seed, step, microbatch, index))
+    return layer(x)
+
+
+INIT_STEP = -1  # the (step, micro-batch) key of layer initialisation: never a training step
+
+
+def build_layers(workload: Workload, seed: int) -> KeyedLayers:
+    """Every layer of ``workload``, each built with the default generators seeded from (seed,
+    layer): a layer's initial parameters do not depend on which other layers a rank builds."""
+    layers = []
+    with torch.random.fork_rng(devices=[]):
+        for index in range(workload.num_layers):
+            torch.manual_seed(layer_seed(seed, INIT_STEP, INIT_STEP, index))
+            layers.append(workload.build_layer(index, seed))
+    return KeyedLayers(layers, seed=seed)
+
+
+class KeyedLayers(nn.Module):
+    """A workload's layers in order, run with keyed randomness (:func:`call_layer`)."""
+
+    def __init__(self, layers: Sequence[nn.Module], *, seed: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+        self.seed = int(seed)
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        step: int,
+        microbatch: int,
+        start: int = 0,
+        stop: int | None = None,
+    ) -> torch.Tensor:
+        """Layers ``start .. stop - 1`` on ``x`` for (step, micro-batch)."""
+        stop = len(self.layers) if stop is None else stop
+        for index in range(start, stop):
+            x = call_layer(
+                self.layers[index], x, seed=self.seed, step=step, microbatch=microbatch,
+                index=index,
+            )  # fmt: skip
+        return x
+
+    def segments(self) -> tuple[tuple[int, int], ...]:
+        """(offset, length) of each layer's trainable parameters in a flat buffer of them all."""
+        out, offset = [], 0
+        for layer in self.layers:
+            n = sum(p.numel() for p in layer.parameters() if p.requires_grad)
+            out.append((offset, n))
+            offset += n
+        return tuple(out)

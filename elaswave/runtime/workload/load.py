@@ -1,0 +1,78 @@
+"""From a job config to its workload: the built-in GPT, or a user factory."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from elaswave.config import JobConfig
+from elaswave.errors import ConfigError
+from elaswave.runtime.workload.base import KeyedLayers, Workload, build_layers
+from elaswave.runtime.workload.gpt import GPTConfig, GPTWorkload
+
+__all__ = ["build_model", "load_workload", "resolve_factory"]
+
+
+def resolve_factory(spec: str) -> Callable[..., Any]:
+    """The function named by ``"package.module:function"``, importable from the current
+    directory too (as ``python -m`` does)."""
+    module_name, _, attr = spec.partition(":")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.append(os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(
+            f"model.factory {spec!r}: cannot import {module_name!r} ({exc})"
+        ) from None
+    target: Any = module
+    for part in attr.split("."):
+        target = getattr(target, part, None)
+        if target is None:
+            raise ConfigError(f"model.factory {spec!r}: {module_name!r} has no {attr!r}")
+    if not callable(target):
+        raise ConfigError(f"model.factory {spec!r}: {attr!r} is not callable")
+    return target
+
+
+def load_workload(cfg: JobConfig) -> Workload:
+    """The job's workload; a factory that fails or returns something else is a config error."""
+    m = cfg.model
+    if m.source == "gpt":
+        gpt = GPTConfig(
+            vocab_size=m.vocab_size, seq_len=m.seq_len, n_layer=m.n_layer, n_head=m.n_head,
+            d_model=m.d_model, dropout=m.dropout,
+        )  # fmt: skip
+        d = cfg.data
+        return GPTWorkload(
+            gpt, data_source=d.source, data_path=d.path, data_dtype=d.dtype,
+            num_samples=d.num_samples,
+        )  # fmt: skip
+    assert m.factory is not None
+    factory = resolve_factory(m.factory)
+    try:
+        workload = factory(**m.args)
+    except Exception as exc:  # the user's code: its error, on one line
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise ConfigError(
+            f"model.factory {m.factory!r} failed: {type(exc).__name__}: {first}"
+        ) from None
+    if not isinstance(workload, Workload):
+        raise ConfigError(
+            f"model.factory {m.factory!r} returned {type(workload).__name__}, not a Workload"
+        )
+    if workload.num_layers < 1:
+        raise ConfigError(f"model.factory {m.factory!r}: the workload has no layers")
+    if cfg.pp > workload.num_layers:
+        raise ConfigError(
+            f"pp={cfg.pp} stages but the workload has only {workload.num_layers} layers"
+        )
+    return workload
+
+
+def build_model(cfg: JobConfig) -> KeyedLayers:
+    """The job's whole model on one rank: every layer of its workload, in order."""
+    return build_layers(load_workload(cfg), cfg.train.seed)
