@@ -57,8 +57,8 @@ VARIANTS = {
 def _sizes() -> dict[str, int]:
     from bench.common import DEFAULT_CONFIG
     from elaswave.config import load_config
+    from elaswave.planning.shards import ShardLayout
     from elaswave.runtime.workload.load import build_model
-    from elaswave.runtime.shards import ShardLayout
 
     segments = build_model(load_config(DEFAULT_CONFIG, env={})).segments()
     return {

@@ -45,7 +45,7 @@ def run_ddp(config: Path, *, steps: int, world: int, out_dir: Path) -> dict[str,
 
 def _worker(rank: int, world: int, port: int, config: str, steps: int, out: str) -> None:
     from elaswave.config import load_config
-    from elaswave.runtime.data import microbatches
+    from elaswave.runtime.workload.data import microbatches
     from elaswave.runtime.workload.load import build_model, load_workload
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback, like ElasWave's local groups

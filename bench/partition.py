@@ -6,8 +6,8 @@ initial cut is ``partition_layers(costs, speeds)``; then the middle stage is los
 ``takeover()`` re-partitions the replica over the S - 1 survivors. Timed: both calls (median of
 ``repeat`` rounds, each the best of a few calls). Reported: the bottleneck against the optimum and
 against the ideal (total cost / survivors), the layers the takeover moves against a re-partition
-that ignores the current placement, and what :func:`elaswave.dvfs.frequency_plan` predicts for
-the new stage times, with boost headroom and without ("lower only"), for illustrative clocks
+that ignores the current placement, and what :func:`~elaswave.planning.dvfs.frequency_plan` predicts
+for the new stage times, with boost headroom and without ("lower only"), for illustrative clocks
 f_min / f_nominal / f_max = 1005 / 1410 / 1980 MHz. The DVFS figures are the policy's model, not
 measurements.
 """
@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import print_table
-from elaswave.dvfs import frequency_plan
-from elaswave.partition import moved_layers, partition_layers, takeover
+from elaswave.planning.dvfs import frequency_plan
+from elaswave.planning.partition import moved_layers, partition_layers, takeover
 
 DESCRIPTION = "layer partitioner + DVFS policy: planning time and plan quality after a lost stage"
 DEFAULT_REPEAT = 5

@@ -204,9 +204,9 @@ def main(argv: list[str] | None = None) -> None:
     from torchft import DistributedDataParallel, Manager, Optimizer, ProcessGroupGloo
 
     from elaswave.config import load_config
-    from elaswave.runtime.data import microbatches
-    from elaswave.runtime.workload.load import build_model, load_workload
+    from elaswave.runtime.workload.data import microbatches
     from elaswave.runtime.workload.gpt import per_sample_loss
+    from elaswave.runtime.workload.load import build_model, load_workload
 
     class KillableDDP(DistributedDataParallel):
         """torchft's DDP; its communication hook can kill this group and survives a failure.

@@ -172,9 +172,9 @@ def main(argv: list[str] | None = None) -> None:
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
     from elaswave.config import load_config
-    from elaswave.runtime.data import microbatches
-    from elaswave.runtime.workload.load import build_model, load_workload
+    from elaswave.runtime.workload.data import microbatches
     from elaswave.runtime.workload.gpt import per_sample_loss
+    from elaswave.runtime.workload.load import build_model, load_workload
 
     emit("imported", t=time.time())
 

@@ -252,8 +252,8 @@ def _recovery(config: Path, world: int, out: Path, env: dict[str, str], r: int) 
 def _lost_shard_bytes(config: Path, world: int) -> int:
     """Size of old rank 1's shard (both Adam moments): what the dead worker held."""
     from elaswave.config import load_config
+    from elaswave.planning.shards import ShardLayout
     from elaswave.runtime.workload.load import build_model
-    from elaswave.runtime.shards import ShardLayout
 
     segments = build_model(load_config(config, env={})).segments()
     return ShardLayout.even(segments, world).shard_size(1) * 8

@@ -15,7 +15,7 @@ from elaswave.daemon.netns import set_links
 from elaswave.errors import FaultSpecError, JobNotFound
 from elaswave.faults import FaultKind, FaultSpec
 from elaswave.keys import JobKeys
-from elaswave.plan import Plan
+from elaswave.planning.plan import Plan
 
 
 def resolve_etcd(

@@ -54,7 +54,7 @@ def launch(
     if security is None:
         security = EtcdSecurity.load(cfg.etcd_tls)
     if cfg.resume:
-        from elaswave.runtime.durable import latest
+        from elaswave.runtime.durable.checkpoints import latest
 
         if latest(cfg.resume) is None:
             raise ElasWaveError(f"--resume: no complete durable checkpoint in {cfg.resume}")

@@ -1,10 +1,10 @@
 """Leader election and plan publication.
 
 Every daemon campaigns by creating the leader key under its host lease; the winner computes plans
-(a pure function, :func:`elaswave.plan.next_plan`) on every membership change and publishes each
-with a compare-and-set on the plan key's revision, so two leaders can never publish two plans for
-one epoch. If the leader's host goes away its lease expires, the key vanishes, and the others
-campaign again.
+(a pure function, :func:`~elaswave.planning.plan.next_plan`) on every membership change and
+publishes each with a compare-and-set on the plan key's revision, so two leaders can never
+publish two plans for one epoch. If the leader's host goes away its lease expires, the key
+vanishes, and the others campaign again.
 
 A host whose lease expires (a dead or partitioned host) loses its worker keys with it; the leader
 names the lost host in the next plan's reason and records a ``host_lost`` event (detection time of
@@ -25,7 +25,10 @@ import time
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from elaswave.daemon.policy import (
+from elaswave.errors import EtcdUnavailable
+from elaswave.planning.pipeplan import measured_layers, next_pipeline_plan, plan_costs
+from elaswave.planning.plan import Member, Plan, next_plan, reshared_plan
+from elaswave.planning.verdicts import (
     Hysteresis,
     PipelineVerdict,
     StragglerVerdict,
@@ -33,9 +36,6 @@ from elaswave.daemon.policy import (
     pipeline_straggler_verdict,
     straggler_verdict,
 )
-from elaswave.errors import EtcdUnavailable
-from elaswave.pipeplan import measured_layers, next_pipeline_plan, plan_costs
-from elaswave.plan import Member, Plan, next_plan, reshared_plan
 
 if TYPE_CHECKING:
     from elaswave.daemon.supervisor import HostDaemon

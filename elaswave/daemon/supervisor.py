@@ -30,13 +30,12 @@ from typing import Any
 
 from elaswave.config import JobConfig
 from elaswave.daemon import leader
-from elaswave.daemon.control import ControlServer, WorkerConn
+from elaswave.daemon.control_server import ControlServer, WorkerConn
 from elaswave.daemon.controlplane import ControlPlane
 from elaswave.daemon.etcd import Etcd, EtcdSecurity
 from elaswave.daemon.etcd_server import EmbeddedEtcd
 from elaswave.daemon.faultrelay import FaultRelay
 from elaswave.daemon.netns import current_netns
-from elaswave.daemon.policy import WINDOW, hang_verdict, respawn_verdict, silence
 from elaswave.daemon.workers import WorkerProc, spawn, stop_all
 from elaswave.errors import (
     ElasWaveError,
@@ -47,7 +46,8 @@ from elaswave.errors import (
 )
 from elaswave.events import EVENTS_FILE, METRICS_FILE, EventLog, JsonlWriter
 from elaswave.keys import JobKeys
-from elaswave.plan import Plan
+from elaswave.planning.plan import Plan
+from elaswave.planning.verdicts import WINDOW, hang_verdict, respawn_verdict, silence
 
 log = logging.getLogger(__name__)
 

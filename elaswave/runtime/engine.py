@@ -34,21 +34,22 @@ import torch
 from elaswave.config import JobConfig
 from elaswave.errors import EXIT_STATE_LOST
 from elaswave.faults import FaultKind, FaultSpec
-from elaswave.plan import Plan
-from elaswave.runtime import durable, stageverify
-from elaswave.runtime.comm import CommError, Communicator, Interrupted
-from elaswave.runtime.control import ControlClient
-from elaswave.runtime.data import microbatches
+from elaswave.planning.plan import Plan
+from elaswave.planning.shards import ShardLayout
+from elaswave.planning.stageshards import LayersLost
+from elaswave.runtime.comm.communicator import CommError, Communicator, Interrupted
+from elaswave.runtime.comm.control_client import ControlClient
+from elaswave.runtime.durable import checkpoints as durable
+from elaswave.runtime.integrity import stageverify
+from elaswave.runtime.integrity.rollback import NONE, KnownGood, rollback_verdict
+from elaswave.runtime.integrity.verify import flip_bit, judge
 from elaswave.runtime.optim import AdamWHyper, FlatAdamW, FlatParams
-from elaswave.runtime.pipeline import MIG, Pipeline
-from elaswave.runtime.rollback import NONE, KnownGood, rollback_verdict
-from elaswave.runtime.shards import ShardLayout
-from elaswave.runtime.stageshards import LayersLost
-from elaswave.runtime.stagetimes import cpu_wait_seconds
-from elaswave.runtime.verify import flip_bit, judge
+from elaswave.runtime.strategies.pipeline.stage import MIG, Pipeline
+from elaswave.runtime.strategies.pipeline.stagetimes import cpu_wait_seconds
+from elaswave.runtime.strategies.zero import ShardLost, ZeroState, digest, fast_checksum
 from elaswave.runtime.workload import build_layers
+from elaswave.runtime.workload.data import microbatches
 from elaswave.runtime.workload.load import load_workload
-from elaswave.runtime.zero import ShardLost, ZeroState, digest, fast_checksum
 
 log = logging.getLogger(__name__)
 

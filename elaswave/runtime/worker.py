@@ -12,7 +12,7 @@ import sys
 
 from elaswave.config import JobConfig
 from elaswave.procutil import die_with_parent
-from elaswave.runtime.control import ControlClient
+from elaswave.runtime.comm.control_client import ControlClient
 from elaswave.runtime.engine import Engine
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from conftest import Run, assert_clean_run, launch
 
-from elaswave.pipeplan import balanced_shares, layer_costs
+from elaswave.planning.pipeplan import balanced_shares, layer_costs
 
 STEPS = 16
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from conftest import Run, launch
 
-from elaswave.runtime.data import write_token_file
+from elaswave.runtime.workload.data import write_token_file
 
 pytestmark = pytest.mark.e2e
 

@@ -20,14 +20,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from elaswave.runtime.comm import CommError, Communicator
+from elaswave.runtime.comm.communicator import CommError, Communicator
 
 PEER = textwrap.dedent(
     """
     import os
     import sys
     import torch
-    from elaswave.runtime.comm import Communicator
+    from elaswave.runtime.comm.communicator import Communicator
 
     comm = Communicator(me="b", host_addr="127.0.0.1", rendezvous_timeout=30,
                         collective_timeout=30, waker=lambda ev: (lambda: None))

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from elaswave.runtime.data import (
+from elaswave.runtime.workload.data import (
     MicroBatch,
     SyntheticTokens,
     TokenFile,

@@ -9,16 +9,15 @@ from collections.abc import Callable
 
 import pytest
 
-from elaswave.dvfs import (
-    DvfsError,
+from elaswave.errors import ElasWaveError
+from elaswave.planning.dvfs import DvfsError, frequency_plan
+from elaswave.runtime.strategies.pipeline.clocks import (
     NvmlActuator,
     OffActuator,
     SimActuator,
-    frequency_plan,
     make_actuator,
     snap_clock,
 )
-from elaswave.errors import ElasWaveError
 
 NOM, LO, HI = 1000.0, 500.0, 1250.0  # nominal, floor and boost clocks (MHz) for the tables
 

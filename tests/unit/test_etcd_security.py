@@ -18,7 +18,7 @@ from elaswave.daemon.etcd import Etcd, EtcdSecurity, explain
 from elaswave.errors import ConfigError, FaultSpecError
 from elaswave.faults import FaultSpec, decode_request
 from elaswave.keys import JobKeys, confinement_commands
-from elaswave.plan import Plan
+from elaswave.planning.plan import Plan
 
 PEM_CERT = b"-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n"
 PEM_KEY = b"-----BEGIN PRIVATE KEY-----\nMIIE\n-----END PRIVATE KEY-----\n"

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from elaswave.daemon.policy import hang_verdict, respawn_verdict, silence
 from elaswave.errors import EXIT_STATE_LOST
+from elaswave.planning.verdicts import hang_verdict, respawn_verdict, silence
 
 BEAT = 0.2
 

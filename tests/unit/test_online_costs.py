@@ -12,7 +12,7 @@ import pytest
 
 from elaswave.config import load_config
 from elaswave.errors import ConfigError
-from elaswave.pipeplan import (
+from elaswave.planning.pipeplan import (
     ema_update,
     measured_layers,
     online_costs,
@@ -20,7 +20,7 @@ from elaswave.pipeplan import (
     split_by,
     stage_sample,
 )
-from elaswave.runtime.stagetimes import StageTimer
+from elaswave.runtime.strategies.pipeline.stagetimes import StageTimer
 
 # ---- moving average --------------------------------------------------------------------------
 

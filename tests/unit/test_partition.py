@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import pytest
 
 from elaswave.errors import ElasWaveError
-from elaswave.partition import (
+from elaswave.planning.partition import (
     Partition,
     PartitionError,
     moved_layers,

@@ -6,14 +6,14 @@ import itertools
 
 import pytest
 
-from elaswave.daemon.policy import Hysteresis, peer_relative, pipeline_straggler_verdict
-from elaswave.pipeplan import (
+from elaswave.planning.pipeplan import (
     next_pipeline_plan,
     predicted_step,
     respeed_pipeline_plan,
     stage_speeds,
 )
-from elaswave.plan import Member, Plan
+from elaswave.planning.plan import Member, Plan
+from elaswave.planning.verdicts import Hysteresis, peer_relative, pipeline_straggler_verdict
 
 COSTS = (1.0,) * 8  # eight equal layers
 

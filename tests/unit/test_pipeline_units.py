@@ -8,9 +8,9 @@ import random
 import pytest
 
 from elaswave.config import ConfigError, JobConfig
-from elaswave.pipeplan import balanced_shares, next_pipeline_plan, serving_shares
-from elaswave.plan import Member
-from elaswave.runtime.pipesched import (
+from elaswave.planning.pipeplan import balanced_shares, next_pipeline_plan, serving_shares
+from elaswave.planning.plan import Member
+from elaswave.planning.schedule import (
     Comm,
     Compute,
     LayerTransfer,
@@ -18,7 +18,7 @@ from elaswave.runtime.pipesched import (
     schedule_1f1b,
     transfer_stats,
 )
-from elaswave.runtime.stageshards import LayersLost
+from elaswave.planning.stageshards import LayersLost
 from elaswave.runtime.workload.gpt import gpt_layer_costs
 
 COSTS = gpt_layer_costs(vocab_size=256, seq_len=64, d_model=128, n_layer=2)  # 4 layers
@@ -315,7 +315,7 @@ def test_pipeline_config_ok() -> None:
 
 
 def test_measured_costs_take_the_median_and_ignore_bad_profiles() -> None:
-    from elaswave.pipeplan import measured_costs
+    from elaswave.planning.pipeplan import measured_costs
 
     fallback = (1.0, 1.0, 1.0)
     profiles = [[1.0, 4.0, 2.0], [3.0, 2.0, 2.0], [2.0, 3.0, 9.0], [1.0, 1.0], [0.0, 1.0, 1.0]]

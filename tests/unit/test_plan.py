@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from elaswave.plan import Member, Plan, assign_microbatches, next_plan, order_members
+from elaswave.planning.plan import Member, Plan, assign_microbatches, next_plan, order_members
 
 # ---- assign_microbatches ---------------------------------------------------------------------
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from elaswave.daemon.policy import Hysteresis, loop_verdict, straggler_verdict
-from elaswave.plan import Plan, reshared_plan
+from elaswave.planning.plan import Plan, reshared_plan
+from elaswave.planning.verdicts import Hysteresis, loop_verdict, straggler_verdict
 
 W = ("a", "b", "c", "d")
 EVEN = (4, 4, 4, 4)

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from elaswave.runtime.rng import MicrobatchRng, stream_seed
+from elaswave.runtime.workload.rng import MicrobatchRng, stream_seed
 
 
 def test_stream_seed_matches_pinned_values() -> None:
@@ -15,7 +15,10 @@ def test_stream_seed_matches_pinned_values() -> None:
 
 
 def test_stream_seed_stable_across_processes() -> None:
-    code = "from elaswave.runtime.rng import stream_seed; print(stream_seed(1234, 7, 3, 2, 1))"
+    code = (
+        "from elaswave.runtime.workload.rng import stream_seed; "
+        "print(stream_seed(1234, 7, 3, 2, 1))"
+    )
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
     out = subprocess.run(

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from elaswave.events import JsonlWriter, read_jsonl
-from elaswave.runtime import durable
-from elaswave.runtime.rollback import NONE, RollbackVerdict, rollback_verdict
+from elaswave.runtime.durable import checkpoints as durable
+from elaswave.runtime.integrity.rollback import NONE, RollbackVerdict, rollback_verdict
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from elaswave.runtime.shards import (
+from elaswave.planning.shards import (
     MAX_PIECES_PER_LAYER,
     ShardLayout,
     holdings,

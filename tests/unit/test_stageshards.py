@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from elaswave.runtime.stageshards import (
+from elaswave.planning.stageshards import (
     Block,
     LayersLost,
     Piece,

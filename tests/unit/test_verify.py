@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from elaswave.runtime.verify import flip_bit, judge, judge_copies
-from elaswave.runtime.zero import Shard, digest
+from elaswave.runtime.integrity.verify import flip_bit, judge, judge_copies
+from elaswave.runtime.strategies.zero import Shard, digest
 
 
 @pytest.mark.parametrize(

@@ -7,9 +7,9 @@ import pytest
 import torch
 from torch import nn
 
-from elaswave.runtime.data import sample_ids
 from elaswave.runtime.workload import KeyedLayers, build_layers, layer_seed
 from elaswave.runtime.workload.base import INIT_STEP
+from elaswave.runtime.workload.data import sample_ids
 from elaswave.runtime.workload.gpt import Block, Embedding, GPTConfig, GPTWorkload, Head
 
 CFG = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=32, dropout=0.1)

@@ -23,7 +23,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from elaswave.runtime.rng import stream_seed
+from elaswave.runtime.workload.rng import stream_seed
 
 __all__ = [
     "Dataset",

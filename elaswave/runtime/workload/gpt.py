@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from elaswave.runtime.data import SyntheticTokens, TokenFile
 from elaswave.runtime.workload.base import Dataset, TensorSpec, Workload
+from elaswave.runtime.workload.data import SyntheticTokens, TokenFile
 
 __all__ = ["GPTConfig", "GPTWorkload", "gpt_layer_costs", "per_sample_loss"]
 

@@ -1,6 +1,6 @@
 """ZeRO-1 over the data-parallel group, with a two-phase step commit and spread replicas.
 
-Each rank owns shard ranges of the optimizer state (see :mod:`elaswave.runtime.shards`): Adam's two
+Each rank owns shard ranges of the optimizer state (see :mod:`elaswave.planning.shards`): Adam's two
 moments for its ranges of every layer. Parameters stay replicated. One step:
 
 1. reduce-scatter the gradients: each rank receives the full-batch gradient of its shard;
@@ -34,9 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from elaswave.runtime.comm import Communicator
-from elaswave.runtime.optim import AdamWHyper, FlatAdamW, FlatParams
-from elaswave.runtime.shards import (
+from elaswave.planning.shards import (
     Holding,
     Range,
     ReplicaPiece,
@@ -50,6 +48,8 @@ from elaswave.runtime.shards import (
     promoted,
     recovery_stats,
 )
+from elaswave.runtime.comm.communicator import Communicator
+from elaswave.runtime.optim import AdamWHyper, FlatAdamW, FlatParams
 
 DP = "dp"
 

@@ -22,7 +22,7 @@ from typing import Any
 
 from elaswave import wire
 from elaswave.faults import FaultSpec
-from elaswave.plan import Plan
+from elaswave.planning.plan import Plan
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from elaswave.runtime.stagezero import MomentStore
+    from elaswave.runtime.strategies.pipeline.stagezero import MomentStore
 
 
 @dataclass

@@ -17,8 +17,8 @@ from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from elaswave.errors import EXIT_STATE_LOST
-from elaswave.pipeplan import predicted_step, respeed_pipeline_plan, stage_speeds
-from elaswave.plan import Plan, assign_microbatches
+from elaswave.planning.pipeplan import predicted_step, respeed_pipeline_plan, stage_speeds
+from elaswave.planning.plan import Plan, assign_microbatches
 
 WINDOW = 8  # samples per rank the speed estimate looks at (the newest)
 MIN_SAMPLES = 4  # samples every rank needs under the current plan before anything is decided
@@ -168,8 +168,8 @@ def pipeline_straggler_verdict(
     Slowdowns, stragglers and evictions follow :func:`straggler_verdict` (a rank's speed is
     1 / its slowdown, healthy ranks count as exactly 1). Without an eviction the stages are
     re-cut and the replicas re-shared for those speeds
-    (:func:`~elaswave.pipeplan.respeed_pipeline_plan`) when that cuts the predicted step time by
-    at least ``min_gain``.
+    (:func:`~elaswave.planning.pipeplan.respeed_pipeline_plan`) when that cuts the predicted
+    step time by at least ``min_gain``.
     """
     layers = {w: current.stage_layers(r) for r, w in enumerate(current.workers)}
     scaled = peer_relative(stage_time_per_mb, layers, window=window)

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from elaswave.runtime.stageshards import LayersLost
+from elaswave.planning.stageshards import LayersLost
 
 
 # ---- the schedule ------------------------------------------------------------------------

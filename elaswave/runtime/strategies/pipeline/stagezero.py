@@ -1,12 +1,13 @@
 """ZeRO-1 inside pipeline stages: the state a rank keeps, and the tensors that move.
 
-The layout is pure (:mod:`elaswave.runtime.stageshards`): the layers a group of data-parallel
+The layout is pure (:mod:`elaswave.planning.stageshards`): the layers a group of data-parallel
 ranks holds form a *block*; its Adam moments are cut into one part per holder and every part is
 kept, and updated, by two holders. This module holds the tensors: a :class:`MomentStore` with
 the moments of exactly the kept intervals (compact: a rank allocates ~2/k of its stage's
 moments, not the whole model's), the update of the kept elements, the messages of the per-step
-parameter gather, and what :class:`elaswave.runtime.pipeline.Pipeline` calls with itself on a
-layout change (:func:`sync`: blocking or asynchronous) and at the end (:func:`assemble`).
+parameter gather, and what :class:`~elaswave.runtime.strategies.pipeline.stage.Pipeline`
+calls with itself on a layout change (:func:`sync`: blocking or asynchronous) and at the end
+(:func:`assemble`).
 """
 
 from __future__ import annotations
@@ -19,11 +20,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from elaswave.pipeplan import serving_shares
-from elaswave.plan import Plan
-from elaswave.runtime.durable import DurableState
-from elaswave.runtime.optim import AdamWHyper, adamw_
-from elaswave.runtime.stageshards import (
+from elaswave.planning.pipeplan import serving_shares
+from elaswave.planning.plan import Plan
+from elaswave.planning.stageshards import (
     Interval,
     Piece,
     coverage,
@@ -36,11 +35,18 @@ from elaswave.runtime.stageshards import (
     plan_piece_transfers,
     subtract,
 )
-from elaswave.runtime.stagestate import Migration, bounds_of, range_of, unpack_into
-from elaswave.runtime.zero import digest
+from elaswave.runtime.durable.checkpoints import DurableState
+from elaswave.runtime.optim import AdamWHyper, adamw_
+from elaswave.runtime.strategies.pipeline.stagestate import (
+    Migration,
+    bounds_of,
+    range_of,
+    unpack_into,
+)
+from elaswave.runtime.strategies.zero import digest
 
 if TYPE_CHECKING:
-    from elaswave.runtime.pipeline import Pipeline
+    from elaswave.runtime.strategies.pipeline.stage import Pipeline
 
 TAG_PARAM, TAG_MOMENT = 4, 5
 Message = tuple[int, torch.Tensor, int]  # (peer, tensor, tag)

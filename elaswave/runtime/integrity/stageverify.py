@@ -6,8 +6,9 @@ its two keepers). After each update a rank records a CRC of every unit it keeps;
 ``verify_every`` committed steps the ranks all-gather their current CRCs and whether each unit
 still matches its record. A copy that no longer matches its own record was hit after it was
 written (a bit flip in memory) and is bad for sure, which decides the otherwise undecidable
-case of two copies; the remaining copies vote (:func:`elaswave.runtime.verify.judge_copies`).
-Bad copies are repaired point-to-point from a good one before the next step.
+case of two copies; the remaining copies vote
+(:func:`~elaswave.runtime.integrity.verify.judge_copies`). Bad copies are repaired
+point-to-point from a good one before the next step.
 """
 
 from __future__ import annotations
@@ -17,12 +18,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from elaswave.runtime.stagestate import unpack_into
-from elaswave.runtime.verify import judge_copies
-from elaswave.runtime.zero import fast_checksum
+from elaswave.runtime.integrity.verify import judge_copies
+from elaswave.runtime.strategies.pipeline.stagestate import unpack_into
+from elaswave.runtime.strategies.zero import fast_checksum
 
 if TYPE_CHECKING:
-    from elaswave.runtime.pipeline import Pipeline
+    from elaswave.runtime.strategies.pipeline.stage import Pipeline
 
 Unit = tuple[str, int, int]  # ("p" parameters | "m" moments, start, stop)
 TAG_REPAIR = 6

@@ -21,10 +21,11 @@ replays the gradients of the steps it missed (it gets every layer's gradient fro
 and raises a flag in the all-reduce; when every receiver has, all ranks switch to the new layout
 at the same step boundary.
 
-Beside this module: the pure schedule and transfer plans (:mod:`~elaswave.runtime.pipesched`),
-ZeRO-1 inside the stages (:mod:`~elaswave.runtime.stagezero`, layout in
-:mod:`~elaswave.runtime.stageshards`), online verification (:mod:`~elaswave.runtime.stageverify`)
-and layer timing (:mod:`~elaswave.runtime.stagetimes`).
+Beside this module: the pure schedule and transfer plans (:mod:`~elaswave.planning.schedule`),
+ZeRO-1 inside the stages (:mod:`~elaswave.runtime.strategies.pipeline.stagezero`, layout in
+:mod:`~elaswave.planning.stageshards`), online verification
+(:mod:`~elaswave.runtime.integrity.stageverify`) and layer timing
+(:mod:`~elaswave.runtime.strategies.pipeline.stagetimes`).
 """
 
 from __future__ import annotations
@@ -37,21 +38,17 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from elaswave.dvfs import DvfsError, SimActuator, frequency_plan, make_actuator
-from elaswave.pipeplan import serving_shares
-from elaswave.plan import Plan
-from elaswave.runtime import stageverify, stagezero
-from elaswave.runtime.data import MicroBatch
-from elaswave.runtime.durable import DurableState
-from elaswave.runtime.optim import adamw_
-from elaswave.runtime.pipesched import (
+from elaswave.planning.dvfs import DvfsError, frequency_plan
+from elaswave.planning.pipeplan import serving_shares
+from elaswave.planning.plan import Plan
+from elaswave.planning.schedule import (
     Compute,
     LayerTransfer,
     plan_layer_transfers,
     schedule_1f1b,
     transfer_stats,
 )
-from elaswave.runtime.stageshards import (
+from elaswave.planning.stageshards import (
     Interval,
     Piece,
     gather_plan,
@@ -59,14 +56,26 @@ from elaswave.runtime.stageshards import (
     moment_duty,
     part_keepers,
 )
-from elaswave.runtime.stagestate import Migration, Undo, bounds_of, range_of, unpack_into
-from elaswave.runtime.stagetimes import StageTimer, cpu_wait_seconds
-from elaswave.runtime.stagezero import (
+from elaswave.runtime.durable.checkpoints import DurableState
+from elaswave.runtime.integrity import stageverify
+from elaswave.runtime.optim import adamw_
+from elaswave.runtime.strategies.pipeline import stagezero
+from elaswave.runtime.strategies.pipeline.clocks import SimActuator, make_actuator
+from elaswave.runtime.strategies.pipeline.stagestate import (
+    Migration,
+    Undo,
+    bounds_of,
+    range_of,
+    unpack_into,
+)
+from elaswave.runtime.strategies.pipeline.stagetimes import StageTimer, cpu_wait_seconds
+from elaswave.runtime.strategies.pipeline.stagezero import (
     MomentStore,
     gather_messages,
 )
+from elaswave.runtime.strategies.zero import digest
 from elaswave.runtime.workload import call_layer
-from elaswave.runtime.zero import digest
+from elaswave.runtime.workload.data import MicroBatch
 
 if TYPE_CHECKING:
     from elaswave.runtime.engine import Engine

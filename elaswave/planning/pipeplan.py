@@ -14,8 +14,8 @@ import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from elaswave.partition import partition_layers, takeover
-from elaswave.plan import Member, Plan
+from elaswave.planning.partition import partition_layers, takeover
+from elaswave.planning.plan import Member, Plan
 
 POLICIES = ("reshard", "drop")
 Observation = Mapping[Any, float]  # a worker's {layer: seconds}; JSON gives the keys as strings

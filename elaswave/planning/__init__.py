@@ -1,0 +1,2 @@
+"""Pure decisions, no I/O: plans, pipeline plans, layer partition, DVFS policy, shard layouts,
+schedules and verdicts (table-tested)."""

@@ -1,0 +1,1 @@
+"""Durable state: checkpoints on disk (checkpoints)."""

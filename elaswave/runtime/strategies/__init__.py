@@ -1,0 +1,2 @@
+"""How a rank trains: ZeRO-1 (zero) and pipeline stages (pipeline/); replicated data
+parallelism lives in the engine."""
