@@ -359,6 +359,53 @@ class JobConfig:
         return _build(cls, dict(data), "")
 
 
+# ``elaswave launch``'s flags: the parameter's name -> the config key it sets. The one place
+# they meet the schema: ``schema_type`` checks every key (a unit test does, for every flag).
+LAUNCH_FLAGS: dict[str, str] = {
+    "job_id": "job_id",
+    "run_dir": "run_dir",
+    "etcd": "etcd",
+    "etcd_port": "etcd_port",
+    "etcd_cacert": "etcd_tls.cacert",
+    "etcd_cert": "etcd_tls.cert",
+    "etcd_key": "etcd_tls.key",
+    "etcd_server_cert": "etcd_tls.server_cert",
+    "etcd_server_key": "etcd_tls.server_key",
+    "host_id": "host_id",
+    "nproc_per_node": "elastic.nproc_per_node",
+    "nnodes": "elastic.nnodes",
+    "max_restarts": "elastic.max_restarts",
+    "straggler_threshold": "elastic.straggler_threshold",
+    "loop_breaker": "elastic.loop_breaker",
+    "steps": "train.steps",
+    "hang_timeout": "timeouts.hang",
+    "zero": "zero",
+    "pp": "pp",
+    "dp": "dp",
+    "migration": "migration",
+    "stage_loss": "stage_loss",
+    "dvfs": "dvfs",
+    "verify_every": "verify_every",
+    "snapshot_every": "snapshot_every",
+    "durable_every": "durable_every",
+    "durable_dir": "durable_dir",
+    "resume": "resume",
+}
+
+
+def schema_type(dotted: str) -> Any:
+    """The type the config schema gives ``dotted`` (``train.steps``); KeyError if it has none."""
+    tp: Any = JobConfig
+    for part in dotted.split("."):
+        if not (dataclasses.is_dataclass(tp) and isinstance(tp, type)):
+            raise KeyError(dotted)
+        hints = typing.get_type_hints(tp)
+        if part not in hints:
+            raise KeyError(dotted)
+        tp = hints[part]
+    return tp
+
+
 def load_config(
     path: str | os.PathLike[str] | None = None,
     *,

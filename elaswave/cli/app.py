@@ -43,6 +43,7 @@ def _fail(exc: ElasWaveError) -> typer.Exit:
 
 @app.command()
 def launch(
+    ctx: typer.Context,
     config: Path | None = typer.Argument(
         None, help="Job config YAML (defaults apply without one)."
     ),
@@ -131,42 +132,16 @@ def launch(
     etcd user and password, when etcd has auth on, come from ELASWAVE_ETCD_USER and
     ELASWAVE_ETCD_PASSWORD only.
     """
-    from elaswave.config import load_config
+    from elaswave.config import LAUNCH_FLAGS, load_config
     from elaswave.daemon.etcd import EtcdSecurity
     from elaswave.daemon.launch import launch as run_launch
     from elaswave.faults import FaultSpec
     from elaswave.report import build_report, render_markdown
 
     try:
+        flags = {k: v for k, v in ctx.params.items() if k in LAUNCH_FLAGS}
         overrides: dict[str, Any] = {
-            "job_id": job_id,
-            "run_dir": str(run_dir) if run_dir else None,
-            "etcd": [e for e in etcd.split(",") if e.strip()] if etcd else None,
-            "etcd_port": etcd_port,
-            "etcd_tls.cacert": _path(etcd_cacert),
-            "etcd_tls.cert": _path(etcd_cert),
-            "etcd_tls.key": _path(etcd_key),
-            "etcd_tls.server_cert": _path(etcd_server_cert),
-            "etcd_tls.server_key": _path(etcd_server_key),
-            "host_id": host_id,
-            "elastic.nproc_per_node": nproc_per_node,
-            "elastic.nnodes": nnodes,
-            "elastic.max_restarts": max_restarts,
-            "elastic.straggler_threshold": straggler_threshold,
-            "elastic.loop_breaker": loop_breaker,
-            "train.steps": steps,
-            "timeouts.hang": hang_timeout,
-            "zero": zero,
-            "pp": pp,
-            "dp": dp,
-            "migration": migration,
-            "stage_loss": stage_loss,
-            "dvfs": dvfs,
-            "verify_every": verify_every,
-            "snapshot_every": snapshot_every,
-            "durable_every": durable_every,
-            "durable_dir": str(durable_dir) if durable_dir else None,
-            "resume": str(resume) if resume else None,
+            LAUNCH_FLAGS[name]: _flag_value(name, value) for name, value in flags.items()
         }
         if fault:
             try:
@@ -371,6 +346,15 @@ def report(
         out_file.write_text(text)
     else:
         sys.stdout.write(text)
+
+
+def _flag_value(name: str, value: Any) -> Any:
+    """A launch flag's value as its config key takes it (paths as strings, lists from commas)."""
+    if isinstance(value, Path):
+        return str(value)
+    if name == "etcd" and value is not None:
+        return [e for e in value.split(",") if e.strip()]
+    return value
 
 
 def _path(p: Path | None) -> str | None:
