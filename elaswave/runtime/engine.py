@@ -24,7 +24,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,7 +33,6 @@ import torch
 
 from elaswave.config import JobConfig
 from elaswave.errors import EXIT_STATE_LOST
-from elaswave.faults import FaultKind, FaultSpec
 from elaswave.planning.plan import Plan
 from elaswave.planning.shards import ShardLayout
 from elaswave.planning.stageshards import LayersLost
@@ -41,15 +40,14 @@ from elaswave.runtime.comm.communicator import CommError, Communicator, Interrup
 from elaswave.runtime.comm.control_client import ControlClient
 from elaswave.runtime.durable import checkpoints as durable
 from elaswave.runtime.integrity import stageverify
+from elaswave.runtime.integrity.inject import FaultInjector
 from elaswave.runtime.integrity.rollback import NONE, KnownGood, rollback_verdict
 from elaswave.runtime.integrity.verify import flip_bit, judge
-from elaswave.runtime.optim import AdamWHyper, FlatAdamW, FlatParams
+from elaswave.runtime.state import RankContext, TrainState
 from elaswave.runtime.strategies.pipeline.stage import MIG, Pipeline
 from elaswave.runtime.strategies.pipeline.stagetimes import cpu_wait_seconds
 from elaswave.runtime.strategies.zero import ShardLost, ZeroState, digest, fast_checksum
-from elaswave.runtime.workload import build_layers
 from elaswave.runtime.workload.data import microbatches
-from elaswave.runtime.workload.load import load_workload
 
 log = logging.getLogger(__name__)
 
@@ -85,31 +83,19 @@ class Engine:
         self.me = worker_id
         t = cfg.train
         torch.set_num_threads(t.threads_per_worker)
-        self.workload = load_workload(cfg)
-        self.model = build_layers(self.workload, t.seed)
-        self.model.train()
-        self.flat = FlatParams(self.model)
-        self.segments = self.model.segments()
-        hyper = AdamWHyper(
-            lr=t.lr, beta1=t.beta1, beta2=t.beta2, eps=t.eps, weight_decay=t.weight_decay
-        )
+        self.state = TrainState.build(cfg)
+        st = self.state
         self.zero: ZeroState | None = None
-        if cfg.zero and cfg.pp == 1:
-            self.zero = ZeroState(self.flat, hyper, self.segments)
+        if cfg.zero and cfg.pp == 1:  # the shards live in ``self.zero``; with pipelines, in
+            self.zero = ZeroState(st.flat, st.opt.hyper, st.segments)  # ``self.pipe.store``
             self.zero.snapshot_every = cfg.snapshot_every
-            self.opt = FlatAdamW(0, hyper)  # the shards live in ``self.zero``
-        elif cfg.zero:
-            self.opt = FlatAdamW(0, hyper)  # each stage's shards live in ``self.pipe.store``
-        else:
-            self.opt = FlatAdamW(self.flat.numel, hyper)
         self.durable = (
             durable.DurableCheckpoints(cfg.resolved_durable_dir) if cfg.durable_every else None
         )
-        self.dataset = self.workload.dataset(t.seed)
-        self.num_samples = len(self.dataset)
+        self.num_samples = len(st.dataset)
         dtype = torch.float64 if t.reduce_dtype == "float64" else torch.float32
         # [gradients | loss sum | newest epoch seen | pipeline: migrations ready]
-        self.buffer = torch.zeros(self.flat.numel + 3, dtype=dtype)
+        self.buffer = torch.zeros(self.state.flat.numel + 3, dtype=dtype)
         self.comm = Communicator(
             me=worker_id,
             host_addr=host_addr,
@@ -117,13 +103,14 @@ class Engine:
             collective_timeout=cfg.timeouts.collective,
             waker=control.wake_on_message,
         )
-        self.step = 0  # last step whose update this rank has applied
-        self.pipe = Pipeline(self) if cfg.pp > 1 else None
-        self.last_loss = math.nan
-        self.plan: Plan | None = None
+        self.ctx = RankContext(st, cfg, self.comm, control.event, self._enter)
+        self.pipe = Pipeline(self.ctx) if cfg.pp > 1 else None
         self.replan = True  # apply a (newer) plan before the next step
         self.phase, self.phase_since = "idle", time.monotonic()
-        self._slow_started: list[FaultSpec] = []  # slow faults already announced
+        self.faults = FaultInjector(
+            control, worker_id=worker_id, rank=lambda: self.comm.rank(DP),
+            sharded=bool(cfg.zero),  # ZeRO, alone or inside stages: an optimizer phase
+        )  # fmt: skip
         # Silent corruption (see rollback.py): the whole state after the last clean check, the
         # CRC of the parameters as last committed, and whether they changed at rest since.
         self.good: KnownGood | None = None
@@ -131,13 +118,18 @@ class Engine:
         self._tainted = False
         control.start_heartbeat(cfg.timeouts.heartbeat, self._heartbeat)
 
+    @property
+    def plan(self) -> Plan | None:
+        """The plan this rank runs (None before the first)."""
+        return self.ctx.plan
+
     def _enter(self, phase: str) -> None:
         """compute | collective | idle: what the daemon's hang detector sees."""
         self.phase, self.phase_since = phase, time.monotonic()
 
     def _heartbeat(self) -> dict[str, object]:
         return {
-            "step": self.step,
+            "step": self.state.step,
             "phase": self.phase,
             "phase_age": round(time.monotonic() - self.phase_since, 3),
         }
@@ -145,17 +137,17 @@ class Engine:
     # ---- main loop --------------------------------------------------------------------------
     def run(self) -> int:
         total = self.cfg.train.steps
-        while self.step < total:
+        while self.state.step < total:
             if self.control.stop_requested:
                 return EXIT_OK
             try:
                 self.begin_step()
-                result = self.train_step(self.step + 1)
+                result = self.train_step(self.state.step + 1)
                 self.commit_step(result)
                 self._after_commit(result.step)
             except (CommError, Interrupted) as exc:
                 self.control.event(
-                    "step_aborted", worker=self.me, step=self.step + 1, reason=str(exc)[:300]
+                    "step_aborted", worker=self.me, step=self.state.step + 1, reason=str(exc)[:300]
                 )
                 # An abandoned collective may still be running and write into its tensor (a
                 # peer cut off by a partition is not an error until TCP gives up): redo the
@@ -231,24 +223,26 @@ class Engine:
         start = time.perf_counter()
         t = self.cfg.train
         plan, rank = self.plan, self.comm.rank(DP)
-        n = self.flat.numel
+        n = self.state.flat.numel
         buf = self.buffer
         buf.zero_()
         self._enter("compute")
-        self._fire_faults(step, "forward")
+        self.faults.fire(step, "forward")
         waited = cpu_wait_seconds()
         every = microbatches(t.seed, step, t.global_batch, t.micro_batch_size, self.num_samples)
         if self.pipe is not None:
             return self._pipeline_step(step, every, start)
         mine = plan.microbatch_range(rank)
-        slow = self._slowdown(step) * plan.world_size / len(every)  # per micro-batch
+        slow = self.faults.slowdown(step) * plan.world_size / len(every)  # per micro-batch
         for mb in (every[i] for i in mine):
-            inputs, targets = self.microbatch(mb.sample_ids)
-            loss = self.loss(self.model(inputs, step, mb.id), targets, len(mb.sample_ids))
+            inputs, targets = self.state.microbatch(mb.sample_ids)
+            loss = self.state.loss(
+                self.state.model(inputs, step, mb.id), targets, len(mb.sample_ids)
+            )
             (loss / t.global_batch).backward()
             if t.device_time:
                 time.sleep(t.device_time)  # emulated accelerator time (benchmarks)
-            grad = self.flat.collect_grads()
+            grad = self.state.flat.collect_grads()
             buf[:n].add_(grad)
             buf[n] += loss.item()
             grad.zero_()
@@ -259,7 +253,7 @@ class Engine:
         busy = time.perf_counter() - start - (cpu_wait_seconds() - waited)
         per_mb = busy / max(len(mine), 1)
         buf[n + 1] = self.control.latest_epoch
-        self._fire_faults(step, "reduce")
+        self.faults.fire(step, "reduce")
         self._enter("collective")
         if self.zero is not None:
             return self._finish_zero_step(step, buf, start, per_mb)
@@ -267,47 +261,31 @@ class Engine:
         self._enter("compute")
         # -- the reduction succeeded: every rank now holds the identical full-batch gradient.
         grad = buf[:n] if buf.dtype == torch.float32 else buf[:n].to(torch.float32)
-        self.opt.step(self.flat.data, grad)
-        self.step = step
-        self.last_loss = float(buf[n]) / t.global_batch
+        self.state.opt.step(self.state.flat.data, grad)
+        self.state.step = step
+        self.state.last_loss = float(buf[n]) / t.global_batch
         self._enter("idle")
         if int(round(float(buf[n + 1]))) != plan.world_size * plan.epoch:
             self.replan = True  # some rank has seen a newer plan: switch at this boundary
-        return StepResult(step, self.last_loss, time.perf_counter() - start, per_mb)
-
-    def microbatch(self, sample_ids: Sequence[int]) -> tuple[torch.Tensor, Any]:
-        """The workload's (inputs, targets) for these global sample ids."""
-        return self.workload.collate([self.dataset[i] for i in sample_ids])
-
-    def loss(self, output: torch.Tensor, targets: Any, samples: int) -> torch.Tensor:
-        """The workload's loss sum of one micro-batch. The gradient is normalised by the fixed
-        global batch, so every sample must count once (a count per token comes with workloads
-        that need it)."""
-        total, count = self.workload.loss(output, targets)
-        if int(count) != samples:
-            raise ValueError(
-                f"the workload's loss counted {int(count)} for a micro-batch of {samples} "
-                "samples: losses are normalised per sample"
-            )
-        return total
+        return StepResult(step, self.state.last_loss, time.perf_counter() - start, per_mb)
 
     def _pipeline_step(self, step: int, every: list[Any], start: float) -> StepResult:
         """One 1F1B step of this rank's stage, then the all-reduce of every layer's gradient."""
-        pipe, buf, n, t = self.pipe, self.buffer, self.flat.numel, self.cfg.train
+        pipe, buf, n, t = self.pipe, self.buffer, self.state.flat.numel, self.cfg.train
         assert pipe is not None and self.plan is not None
-        self.flat.grad.zero_()
-        slow = self._slowdown(step) * len(self.plan.replicas) / len(every)  # per micro-batch
+        self.state.flat.grad.zero_()
+        slow = self.faults.slowdown(step) * len(self.plan.replicas) / len(every)  # per micro-batch
         per_mb = pipe.run_step(step, buf, every, self._group_broken, slow=slow)
         buf[n + 1] = self.control.latest_epoch
         buf[n + 2] = pipe.ready_flag
-        self._fire_faults(step, "reduce")
+        self.faults.fire(step, "reduce")
         self._enter("collective")
         self.comm.allreduce(DP, buf, self._group_broken)
         self._enter("compute")
         grad = buf[:n] if buf.dtype == torch.float32 else buf[:n].to(torch.float32)
-        pipe.update(step, grad, self._group_broken, lambda: self._fire_faults(step, "optimizer"))
-        self.step = step
-        self.last_loss = float(buf[n]) / t.global_batch
+        pipe.update(step, grad, self._group_broken, lambda: self.faults.fire(step, "optimizer"))
+        self.state.step = step
+        self.state.last_loss = float(buf[n]) / t.global_batch
         switched = pipe.after_step(step, float(buf[n + 2]))
         if switched is not None:
             if self.comm.rank(DP) == 0:
@@ -316,7 +294,7 @@ class Engine:
         self._enter("idle")
         if int(round(float(buf[n + 1]))) != self.plan.world_size * self.plan.epoch:
             self.replan = True
-        return StepResult(step, self.last_loss, time.perf_counter() - start, per_mb)
+        return StepResult(step, self.state.last_loss, time.perf_counter() - start, per_mb)
 
     def _set_clocks(self) -> None:
         assert self.pipe is not None and self.plan is not None
@@ -330,26 +308,26 @@ class Engine:
         """ZeRO-1: stage the shard update, replicate it, then the commit barrier."""
         z = self.zero
         assert z is not None
-        t, n = self.cfg.train, self.flat.numel
+        t, n = self.cfg.train, self.state.flat.numel
         z.stage(
             self.comm,
             buf[:n],
             step,
             self._group_broken,
-            before_update=lambda: self._fire_faults(step, "optimizer"),
+            before_update=lambda: self.faults.fire(step, "optimizer"),
         )
         assert z.staged is not None
         z.staged.reached_barrier = True
         tail = buf[n:].to(torch.float64)
         self.comm.allreduce(DP, tail, self._group_broken)
-        self.last_loss = float(tail[0]) / t.global_batch
-        z.commit(self.last_loss)  # every rank staged (and replicated) this step: committed
-        self.step = step
+        self.state.last_loss = float(tail[0]) / t.global_batch
+        z.commit(self.state.last_loss)  # every rank staged (and replicated) this step: committed
+        self.state.step = step
         assert self.plan is not None
         if int(round(float(tail[1]))) != self.plan.world_size * self.plan.epoch:
             self.replan = True
         self._enter("idle")
-        return StepResult(step, self.last_loss, time.perf_counter() - start, per_mb)
+        return StepResult(step, self.state.last_loss, time.perf_counter() - start, per_mb)
 
     def _group_broken(self) -> bool:
         return self.plan is not None and self.control.removes_any(self.plan.workers)
@@ -357,10 +335,7 @@ class Engine:
     def _after_commit(self, step: int) -> None:
         """Silent-corruption faults land on committed state; verification looks for them."""
         self._reseal()
-        for fault in list(self.control.faults):
-            if fault.kind is FaultKind.CORRUPT and (fault.at_step or 0) <= step:
-                self.control.faults.remove(fault)
-                self._fault_injected(fault, step, corrupted=self._corrupt(fault.target, step))
+        self.faults.corrupt(step, self._corrupt)
         every = self.cfg.verify_every
         if every and step % every == 0:
             self._enter("collective")
@@ -379,7 +354,7 @@ class Engine:
         """Rank 0 writes the full state in the background (ZeRO gathers the moments first,
         pipelines assemble the whole model from the stages)."""
         assert self.durable is not None
-        params = self.flat.data
+        params = self.state.flat.data
         if self.pipe is not None:
             whole, _ = self.pipe.assemble(self._group_broken)
             params, exp_avg, exp_avg_sq = whole.chunk(3)
@@ -393,13 +368,13 @@ class Engine:
                 "durable_saved", step=step, path=str(path), seconds=round(seconds, 4)
             )
 
-        self.durable.save_async(step, self.last_loss, params, exp_avg, exp_avg_sq, saved)
+        self.durable.save_async(step, self.state.last_loss, params, exp_avg, exp_avg_sq, saved)
 
     def _whole_moments(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Adam's moments for the whole model: replicated, or all-gathered from the shards."""
         if self.zero is not None:
             return self.zero.full_state(self.comm, self._group_broken)
-        return self.opt.exp_avg, self.opt.exp_avg_sq
+        return self.state.opt.exp_avg, self.state.opt.exp_avg_sq
 
     def _start_over(self, plan: Plan, broken: Callable[[], bool]) -> tuple[Path, int, str] | None:
         """Where a plan whose ranks all hold no state starts (every rank calls it together):
@@ -432,21 +407,21 @@ class Engine:
     ) -> None:
         """Take the whole training state (a durable checkpoint, the known-good state) into this
         rank: data parallelism keeps all of it, ZeRO its shard in a fresh even layout."""
-        self.flat.data.copy_(state.params)
+        self.state.flat.data.copy_(state.params)
         if self.zero is not None:
             self.zero.restore_full(
                 self.comm, plan.workers, self.comm.rank(DP), state.step,
                 state.exp_avg, state.exp_avg_sq, plan.epoch, broken, plan.hosts, state.loss,
             )  # fmt: skip
         else:
-            self.opt.exp_avg.copy_(state.exp_avg)
-            self.opt.exp_avg_sq.copy_(state.exp_avg_sq)
-            self.opt.step_count = state.step
-        self.step, self.last_loss = state.step, state.loss
+            self.state.opt.exp_avg.copy_(state.exp_avg)
+            self.state.opt.exp_avg_sq.copy_(state.exp_avg_sq)
+            self.state.opt.step_count = state.step
+        self.state.step, self.state.last_loss = state.step, state.loss
 
     def _load_durable(self, path: Path, lost_from: int, reason: str) -> durable.DurableState:
         """Read a durable checkpoint (every rank reads all of it) and report the restore."""
-        state = durable.load(path, self.flat.numel)
+        state = durable.load(path, self.state.flat.numel)
         if self.comm.rank(DP) == 0:
             self.control.event(
                 "durable_restored",
@@ -463,17 +438,17 @@ class Engine:
         if pipe is not None and pipe.held:  # a pipeline stage: what this rank keeps current
             held = pipe.span(pipe.held)
             if target != "snapshot":
-                tensor, name = self.flat.data[held], "parameters"
+                tensor, name = self.state.flat.data[held], "parameters"
             elif pipe.zero:
                 tensor, name = pipe.store.exp_avg, "optimizer state (exp_avg)"
             else:
-                tensor, name = self.opt.exp_avg[held], "optimizer state (exp_avg)"
+                tensor, name = self.state.opt.exp_avg[held], "optimizer state (exp_avg)"
         elif target == "snapshot" and z is not None and z.own is not None:
             tensor, name = z.corrupt_target()
         elif target == "snapshot":
-            tensor, name = self.opt.exp_avg, "optimizer state (exp_avg)"
+            tensor, name = self.state.opt.exp_avg, "optimizer state (exp_avg)"
         else:
-            tensor, name = self.flat.data, "parameters"
+            tensor, name = self.state.flat.data, "parameters"
         index = (step * 7919) % tensor.numel()
         flip_bit(tensor, index)
         return f"{name}[{index}]"
@@ -483,7 +458,11 @@ class Engine:
         True when something was found."""
         broken = self._group_broken
         z = self.zero
-        parts = [self.flat.data] if z else [self.flat.data, self.opt.exp_avg, self.opt.exp_avg_sq]
+        parts = (
+            [self.state.flat.data]
+            if z
+            else [self.state.flat.data, self.state.opt.exp_avg, self.state.opt.exp_avg_sq]
+        )
         own_ok = z is None or z.verify_own()
         replica_ok = z is None or z.verify_replicas()
         mine = torch.tensor([digest(*parts), int(own_ok), int(replica_ok)], dtype=torch.int64)
@@ -537,8 +516,8 @@ class Engine:
         """CRC of the parameters this rank computes with (a pipeline stage: its held layers)."""
         if self.pipe is not None:
             held = self.pipe.span(self.pipe.held) if self.pipe.held else slice(0, 0)
-            return fast_checksum(self.flat.data[held])
-        return fast_checksum(self.flat.data)
+            return fast_checksum(self.state.flat.data[held])
+        return fast_checksum(self.state.flat.data)
 
     def _seal_broken(self) -> bool:
         return self._seal is not None and self._rest_checksum() != self._seal
@@ -586,8 +565,8 @@ class Engine:
             whole, _ = self.pipe.assemble(self._group_broken)
         else:
             exp_avg, exp_avg_sq = self._whole_moments()
-            whole = torch.cat([self.flat.data, exp_avg, exp_avg_sq])  # a copy
-        self.good = KnownGood(step, self.last_loss, whole)
+            whole = torch.cat([self.state.flat.data, exp_avg, exp_avg_sq])  # a copy
+        self.good = KnownGood(step, self.state.last_loss, whole)
         self._tainted = False
 
     def _roll_back(self, step: int, target: int, source: int, kept: list[int]) -> None:
@@ -596,7 +575,7 @@ class Engine:
         assert self.plan is not None
         broken, start = self._group_broken, time.perf_counter()
         if any(k != target for k in kept):  # newcomers receive it from a rank that keeps it
-            n = self.flat.numel
+            n = self.state.flat.numel
             meta = torch.tensor([float(target), math.nan], dtype=torch.float64)
             whole = torch.empty(3 * n)
             if self.good is not None and self.good.step == target:
@@ -628,48 +607,6 @@ class Engine:
         )  # fmt: skip
         self.control.send({"type": "rollback", "step": target})
 
-    def _slowdown(self, step: int) -> float:
-        """Extra compute seconds per step (at an even share) from ``slow`` faults in force."""
-        total = 0.0
-        for fault in list(self.control.faults):
-            if fault.kind is not FaultKind.SLOW or (fault.at_step or 0) > step:
-                continue
-            if fault not in self._slow_started:
-                self._slow_started.append(fault)
-                self._fault_injected(fault, step, delay=fault.delay)
-            total += fault.delay or 0.0
-        return total
-
-    def _fire_faults(self, step: int, phase: str) -> None:
-        for fault in list(self.control.faults):
-            if fault.at_step is not None and fault.at_step > step:
-                continue
-            if fault.kind.signal is None:
-                continue  # corruption lands after the commit (see _after_commit); slow: compute
-            # Without ZeRO there is no separate optimizer phase: every step fault lands before
-            # the gradient reduction.
-            sharded = self.zero is not None or (self.pipe is not None and self.pipe.zero)
-            own_phase = sharded or fault.phase in ("recovery", "forward")
-            aimed_at = fault.phase if own_phase else "reduce"
-            if aimed_at != phase:
-                continue
-            self.control.faults.remove(fault)
-            self._fault_injected(fault, step, phase=phase)
-            self.control.flush(timeout=5.0)  # the record is out before the signal lands
-            os.kill(os.getpid(), fault.kind.signal)  # type: ignore[arg-type]
-
-    def _fault_injected(self, fault: FaultSpec, step: int, **detail: object) -> None:
-        """The event the MTTR report starts an incident from (sent before the fault lands)."""
-        self.control.event(
-            "fault_injected",
-            fault=fault.to_dict(),
-            worker=self.me,
-            rank=self.comm.rank(DP),
-            step=step,
-            pid=os.getpid(),
-            **detail,
-        )
-
     # ---- recovery ---------------------------------------------------------------------------
     def _recover(self) -> None:
         """Apply the newest plan that includes us; retry while newer plans supersede it."""
@@ -677,7 +614,7 @@ class Engine:
             self._enter("idle")
             plan = self._await_plan()
             if self.plan is not None:
-                self._fire_faults(self.step + 1, "recovery")  # a fault while re-planning
+                self.faults.fire(self.state.step + 1, "recovery")  # a fault while re-planning
             self._enter("collective")
             try:
                 self._apply(plan)
@@ -741,16 +678,16 @@ class Engine:
             seconds=round(time.perf_counter() - start, 6),
             **sync,
         )
-        self.plan = plan
+        self.ctx.plan = plan
         if self.pipe is not None:
             self._set_clocks()
-        if self.cfg.verify_every and self.step == 0:
+        if self.cfg.verify_every and self.state.step == 0:
             self._capture_good(0)  # the initial state: every rank built the same one
-        if rank == 0 and self.step > 0 and "durable" not in sync:
+        if rank == 0 and self.state.step > 0 and "durable" not in sync:
             # Re-report the resume step: if the previous rank 0 died before reporting it, this is
             # its only record (the daemon drops duplicates). A step restored from a durable
             # checkpoint was committed by an earlier run or is about to be recomputed: not here.
-            self.commit_step(StepResult(self.step, self.last_loss, 0.0))
+            self.commit_step(StepResult(self.state.step, self.state.last_loss, 0.0))
 
     def _sync_pipeline(self, plan: Plan, broken: Callable[[], bool]) -> dict[str, Any]:
         """Pipelines: the stage takeover; ``--resume`` and the durable fallback when every
@@ -767,14 +704,14 @@ class Engine:
             chosen = self._newest_durable(broken)
             if not chosen:  # every rank sees the same choice, so all raise together
                 raise
-            state = self._load_durable(Path(chosen), self.step, str(exc))
+            state = self._load_durable(Path(chosen), self.state.step, str(exc))
             return self.pipe.restore_whole(plan, state)
 
     def _sync_replicated(self, plan: Plan, broken: Callable[[], bool]) -> dict[str, Any]:
         """Replicated state: ranks behind (a newcomer, a failed reduction) copy the most
         advanced one."""
         rank = self.comm.rank(DP)
-        mine = torch.tensor([float(self.step)], dtype=torch.float64)
+        mine = torch.tensor([float(self.state.step)], dtype=torch.float64)
         steps = [int(x.item()) for x in self.comm.allgather(DP, mine, broken)]
         start = self._start_over(plan, broken) if max(steps) == 0 else None
         if start is not None:
@@ -783,20 +720,23 @@ class Engine:
         moved = 0
         source = steps.index(target)
         if min(steps) != target:
-            state = torch.cat([self.flat.data, self.opt.exp_avg, self.opt.exp_avg_sq])
+            state = torch.cat(
+                [self.state.flat.data, self.state.opt.exp_avg, self.state.opt.exp_avg_sq]
+            )
             meta = torch.tensor(
-                [float(self.step), float(self.opt.step_count), self.last_loss], dtype=torch.float64
+                [float(self.state.step), float(self.state.opt.step_count), self.state.last_loss],
+                dtype=torch.float64,
             )
             self.comm.broadcast(DP, meta, source, broken)
             self.comm.broadcast(DP, state, source, broken)
-            if self.step != target:
-                n = self.flat.numel
-                self.flat.data.copy_(state[:n])
-                self.opt.exp_avg.copy_(state[n : 2 * n])
-                self.opt.exp_avg_sq.copy_(state[2 * n :])
-                self.step = int(meta[0].item())
-                self.opt.step_count = int(meta[1].item())
-                self.last_loss = float(meta[2].item())
+            if self.state.step != target:
+                n = self.state.flat.numel
+                self.state.flat.data.copy_(state[:n])
+                self.state.opt.exp_avg.copy_(state[n : 2 * n])
+                self.state.opt.exp_avg_sq.copy_(state[2 * n :])
+                self.state.step = int(meta[0].item())
+                self.state.opt.step_count = int(meta[1].item())
+                self.state.last_loss = float(meta[2].item())
             moved = state.numel() * state.element_size() + meta.numel() * meta.element_size()
         return {
             "resume_step": target,
@@ -811,9 +751,10 @@ class Engine:
         assert z is not None
         rank = self.comm.rank(DP)
         committed, staged = z.info()
-        loss = z.snap_loss if z.keeps_params else self.last_loss  # K > 1: the snapshot's
+        loss = z.snap_loss if z.keeps_params else self.state.last_loss  # K > 1: the snapshot's
         mine = torch.tensor(
-            [committed, staged, float(z.layout_epoch), loss, float(self.step)], dtype=torch.float64
+            [committed, staged, float(z.layout_epoch), loss, float(self.state.step)],
+            dtype=torch.float64,
         )
         rows = [r.tolist() for r in self.comm.allgather(DP, mine, broken)]
         with_state = [i for i, r in enumerate(rows) if r[0] >= 0]
@@ -844,7 +785,7 @@ class Engine:
             )
             if len(with_state) < len(rows) and not z.keeps_params:
                 # newcomers: full parameters from the source (K > 1 rebuilds them from chunks)
-                self.comm.broadcast(DP, self.flat.data, source, broken)
+                self.comm.broadcast(DP, self.state.flat.data, source, broken)
             stats = z.reshard(
                 self.comm, tuple(old["workers"]), ShardLayout.from_json(z.segments, old["ranges"]),
                 plan.workers, rank, resume, plan.epoch, broken,
@@ -856,8 +797,8 @@ class Engine:
                 raise
             newest = int(max(rows[i][4] for i in with_state))  # committed, incl. rolled back
             return self._restore(plan, broken, Path(chosen), newest, str(exc))
-        self.step, self.last_loss = resume, float(rows[source][3])
-        z.snap_loss = self.last_loss
+        self.state.step, self.state.last_loss = resume, float(rows[source][3])
+        z.snap_loss = self.state.last_loss
         return {
             "replica_holders": _holders_of(z),
             "resume_step": resume,
@@ -899,7 +840,11 @@ class Engine:
         """Final best-effort barrier so no rank exits while a peer still reads its last bytes."""
         if self.plan is None:
             return
-        params, exp_avg, exp_avg_sq = self.flat.data, self.opt.exp_avg, self.opt.exp_avg_sq
+        params, exp_avg, exp_avg_sq = (
+            self.state.flat.data,
+            self.state.opt.exp_avg,
+            self.state.opt.exp_avg_sq,
+        )
         agree: dict[str, bool] = {}
         try:
             if self.pipe is not None:  # stages hold different layers: assemble the whole model
@@ -920,13 +865,13 @@ class Engine:
             "final_state",
             worker=self.me,
             rank=self.comm.rank(DP),
-            step=self.step,
+            step=self.state.step,
             pid=os.getpid(),
             params_sha256=hashlib.sha256(params.numpy().tobytes()).hexdigest(),
             state_sha256=digest.hexdigest(),
             **agree,
         )
-        self.control.send({"type": "done", "step": self.step, "worker_id": self.me})
+        self.control.send({"type": "done", "step": self.state.step, "worker_id": self.me})
 
 
 def _holders_of(z: ZeroState) -> dict[str, list[int]]:

@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import hashlib
 
-import torch
-
-__all__ = ["MicrobatchRng", "stream_seed"]
+__all__ = ["stream_seed"]
 
 _DOMAIN = b"elaswave.rng.v1"
 _MASK63 = (1 << 63) - 1
@@ -29,27 +27,3 @@ def stream_seed(seed: int, step: int, microbatch: int, layer: int, site: int = 0
     for value in (seed, step, microbatch, layer, site):
         h.update(_encode_int(int(value)))
     return int.from_bytes(h.digest(), "little") & _MASK63
-
-
-class MicrobatchRng:
-    """Factory of keyed generators for one (seed, step, microbatch)."""
-
-    def __init__(self, seed: int, step: int, microbatch: int) -> None:
-        self.seed = int(seed)
-        self.step = int(step)
-        self.microbatch = int(microbatch)
-
-    def seed_for(self, layer: int, site: int = 0) -> int:
-        """The stream seed for (layer, site) within this micro-batch."""
-        return stream_seed(self.seed, self.step, self.microbatch, layer, site)
-
-    def generator(
-        self, layer: int, site: int = 0, device: str | torch.device = "cpu"
-    ) -> torch.Generator:
-        """A fresh generator on `device` seeded for (layer, site)."""
-        gen = torch.Generator(device=device)
-        gen.manual_seed(self.seed_for(layer, site))
-        return gen
-
-    def __repr__(self) -> str:
-        return f"MicrobatchRng(seed={self.seed}, step={self.step}, microbatch={self.microbatch})"

@@ -78,7 +78,7 @@ from elaswave.runtime.workload import call_layer
 from elaswave.runtime.workload.data import MicroBatch
 
 if TYPE_CHECKING:
-    from elaswave.runtime.engine import Engine
+    from elaswave.runtime.state import RankContext
 
 MIG = "mig"  # the process group asynchronous migrations run on, beside the training group
 TAG_ACT, TAG_GRAD, TAG_STATE = 1, 2, 3
@@ -95,11 +95,11 @@ def estimated_costs(costs: Sequence[float] | None, layers: int) -> tuple[float, 
 class Pipeline:
     """One rank's stage: runs the 1F1B step, keeps its layers, moves them on a new layout."""
 
-    def __init__(self, engine: Engine) -> None:
-        self.e = engine
-        self.num_layers = len(engine.model)
-        self.offsets = [(off, off + length) for off, length in engine.segments]
-        self.sizes = [length * 3 * 4 for _, length in engine.segments]  # params + 2 moments, f32
+    def __init__(self, ctx: RankContext) -> None:
+        self.e = ctx  # the train state, config, communicator and plan of this rank
+        self.num_layers = len(ctx.state.model)
+        self.offsets = [(off, off + length) for off, length in ctx.state.segments]
+        self.sizes = [length * 3 * 4 for _, length in ctx.state.segments]  # params + 2 moments, f32
         self.held: range | None = range(self.num_layers)  # at step 0 everyone holds the init
         self.fresh = True  # no plan applied yet: a newcomer's step-0 state is not the job's
         self.target: range = range(0)
@@ -107,13 +107,13 @@ class Pipeline:
         self.shares: tuple[int, ...] = ()
         self.undo: Undo | None = None
         self.migration: Migration | None = None
-        self.costs = estimated_costs(engine.workload.layer_costs(), self.num_layers)
-        self.actuator = make_actuator(engine.cfg.dvfs, **_actuator_options(engine.cfg.dvfs))
+        self.costs = estimated_costs(ctx.state.workload.layer_costs(), self.num_layers)
+        self.actuator = make_actuator(ctx.cfg.dvfs, **_actuator_options(ctx.cfg.dvfs))
         self.clocks = _clock_range(self.actuator)
         self.stage_key = 0  # what the actuator clocks: this worker's device
-        # ZeRO-1 inside the stages: moments of the kept intervals only (engine.opt is empty),
+        # ZeRO-1 inside the stages: moments of the kept intervals only (the state has none),
         # and the parameter pieces this rank sends or receives after every update.
-        self.zero = bool(engine.cfg.zero)
+        self.zero = bool(ctx.cfg.zero)
         self.store = MomentStore()
         self.gather: list[Piece] = []
         self.parts: list[tuple[Interval, tuple[int, ...]]] = []  # (part, its keepers)
@@ -127,19 +127,19 @@ class Pipeline:
         Runs before the first plan on a throw-away micro-batch; gradients are discarded and no
         parameter changes, so training is unaffected."""
         e, t = self.e, self.e.cfg.train
-        inputs, _ = e.microbatch(range(t.micro_batch_size))
+        inputs, _ = e.state.microbatch(range(t.micro_batch_size))
         runs: list[list[float]] = []
         for _ in range(repeats + 1):  # the first run warms up kernels and allocator; dropped
             h: torch.Tensor = inputs
             times = []
-            for index, layer in enumerate(e.model.layers):
+            for index, layer in enumerate(e.state.model.layers):
                 x = h.detach().requires_grad_(h.is_floating_point())
                 start = time.perf_counter()
                 h = call_layer(layer, x, seed=t.seed, step=0, microbatch=0, index=index)
                 h.float().sum().backward()
                 times.append(time.perf_counter() - start)
             runs.append(times)
-        e.flat.grad.zero_()
+        e.state.flat.grad.zero_()
         return [sorted(col)[len(col) // 2] for col in zip(*runs[1:], strict=True)]
 
     def cost_share(self, layers: range) -> float:
@@ -237,11 +237,15 @@ class Pipeline:
         next_rank = ranks[s + 1] if s + 1 < stages else None
         first, last = layers.start == 0, layers.stop == self.num_layers
         region = self.span(layers)
-        n = e.flat.numel
+        n = e.state.flat.numel
         # What arrives from the previous stage and what goes back to it; what this stage sends
         # and the gradient that comes back for it (shapes and dtypes: the workload's).
-        spec_in = e.workload.boundary(layers.start - 1, t.micro_batch_size) if not first else None
-        spec_out = e.workload.boundary(layers.stop - 1, t.micro_batch_size) if not last else None
+        spec_in = (
+            e.state.workload.boundary(layers.start - 1, t.micro_batch_size) if not first else None
+        )
+        spec_out = (
+            e.state.workload.boundary(layers.stop - 1, t.micro_batch_size) if not last else None
+        )
         inputs: dict[int, torch.Tensor] = {}
         outputs: dict[int, torch.Tensor] = {}
         grads_in: dict[int, torch.Tensor] = {}
@@ -253,18 +257,18 @@ class Pipeline:
             nonlocal loss_sum
             mb = mbs[i]
             # Only the first stage needs the inputs and only the last the targets.
-            data, targets = e.microbatch(mb.sample_ids) if first or last else (None, None)
+            data, targets = e.state.microbatch(mb.sample_ids) if first or last else (None, None)
             h = data if first else inputs[i]
             for index in layers:
                 with timer.forward(index):
                     h = call_layer(
-                        e.model.layers[index], h, seed=t.seed, step=step, microbatch=mb.id,
+                        e.state.model.layers[index], h, seed=t.seed, step=step, microbatch=mb.id,
                         index=index,
                     )  # fmt: skip
             with timer.pause():
                 self.device_pause(layers, backward=False)
             if last:
-                loss = e.loss(h, targets, len(mb.sample_ids))
+                loss = e.state.loss(h, targets, len(mb.sample_ids))
                 loss_sum += loss.item()
                 outputs[i] = loss / t.global_batch
             else:
@@ -279,7 +283,7 @@ class Pipeline:
                     out.backward(grads_in.pop(i))
             with timer.pause():
                 self.device_pause(layers, backward=True)
-            grad = e.flat.collect_grads()
+            grad = e.state.flat.collect_grads()
             buf[region].add_(grad[region])
             grad[region].zero_()
 
@@ -305,7 +309,7 @@ class Pipeline:
         extra = slow * self.cost_share(layers) / 2  # half after the forward, half the backward
         for item in schedule_1f1b(s, stages, len(mbs)):
             if isinstance(item, Compute):
-                e._enter("compute")
+                e.enter("compute")
                 began, waited = time.perf_counter(), cpu_wait_seconds()
                 if item.kind == "F":
                     forward(item.mb)
@@ -317,7 +321,7 @@ class Pipeline:
                 continue
             sends = [message(k, i, True) for k, i in item.sends]
             recvs = [message(k, i, False) for k, i in item.recvs]
-            e._enter("collective")
+            e.enter("collective")
             e.comm.p2p("dp", sends, recvs, broken)
             for kind, i in item.recvs:
                 if kind == "act" and inputs[i].is_floating_point():
@@ -342,20 +346,20 @@ class Pipeline:
         so it either applied the step completely or not at all."""
         e = self.e
         held = self.span(self.held) if self.held else slice(0, 0)
-        params = e.flat.data
+        params = e.state.flat.data
         if self.zero:
             moments = (self.store.exp_avg, self.store.exp_avg_sq)
         else:
-            moments = (e.opt.exp_avg[held], e.opt.exp_avg_sq[held])
+            moments = (e.state.opt.exp_avg[held], e.state.opt.exp_avg_sq[held])
         self.undo = Undo(
-            step=e.step,
-            loss=e.last_loss,
+            step=e.state.step,
+            loss=e.state.last_loss,
             held=self.held,
             saved=_saved(params[held], *moments),
             store=self.store if self.zero else None,
         )
         if self.zero:
-            self.store.update(params, grad, step, e.opt.hyper)
+            self.store.update(params, grad, step, e.state.opt.hyper)
             before_gather()  # where an ``phase=optimizer`` fault lands
             try:
                 self._gather(broken)
@@ -363,7 +367,7 @@ class Pipeline:
                 self.undo.restore()
                 raise
         else:
-            adamw_(params[held], grad[held], *moments, step, e.opt.hyper)
+            adamw_(params[held], grad[held], *moments, step, e.state.opt.hyper)
         m = self.migration  # regions a migration brings up to date: replayed once caught up
         if m is not None and m.replay:
             grads = [grad[r] for r, _ in m.replay]
@@ -388,7 +392,7 @@ class Pipeline:
 
     def _gather(self, broken: Callable[[], bool]) -> None:
         """ZeRO: the parameters of the held layers this rank does not keep, from their keepers."""
-        params = self.e.flat.data
+        params = self.e.state.flat.data
         sends, recvs, mine = gather_messages(self.gather, self.e.comm.rank("dp"), params)
         for piece, got in zip(mine, self.exchange(sends, recvs, broken), strict=True):
             params[piece.start : piece.stop].copy_(got)
@@ -401,7 +405,7 @@ class Pipeline:
             return None
         if not m.caught_up and m.replay and m.done.is_set():
             if m.error:  # the replica stays out of service; the next plan retries from scratch
-                self.e.control.event("migration_failed", step=step, reason=str(m.error[0])[:300])
+                self.e.event("migration_failed", step=step, reason=str(m.error[0])[:300])
                 m.replay = []  # its flag never rises, so nobody switches
             else:
                 self._catch_up(m)
@@ -442,11 +446,11 @@ class Pipeline:
         e = self.e
         for (region, own), g in zip(m.replay, grads, strict=True):
             if m.store is None:
-                moments = (e.opt.exp_avg[region], e.opt.exp_avg_sq[region])
+                moments = (e.state.opt.exp_avg[region], e.state.opt.exp_avg_sq[region])
             else:
                 moments = m.store.view(region.start, region.stop)
-            params = e.flat.data[region] if own else e.flat.data[region].clone()
-            adamw_(params, g, *moments, step, e.opt.hyper)
+            params = e.state.flat.data[region] if own else e.state.flat.data[region].clone()
+            adamw_(params, g, *moments, step, e.state.opt.hyper)
 
     def assemble(self, broken: Callable[[], bool]) -> tuple[torch.Tensor, bool]:
         """The whole model's [params | exp_avg | exp_avg_sq] on every rank (each layer from its
@@ -454,12 +458,14 @@ class Pipeline:
         if self.zero:
             return stagezero.assemble(self, broken)
         e = self.e
-        n = e.flat.numel
+        n = e.state.flat.numel
         rank = e.comm.rank("dp")
         sums = torch.full((self.num_layers,), -1, dtype=torch.int64)
         for layer in self.held or ():
             r = self.span(range(layer, layer + 1))
-            sums[layer] = digest(e.flat.data[r], e.opt.exp_avg[r], e.opt.exp_avg_sq[r])
+            sums[layer] = digest(
+                e.state.flat.data[r], e.state.opt.exp_avg[r], e.state.opt.exp_avg_sq[r]
+            )
         rows = [x.tolist() for x in e.comm.allgather("dp", sums, broken)]
         agree = all(
             len({row[layer] for row in rows if row[layer] >= 0}) == 1
@@ -470,9 +476,9 @@ class Pipeline:
             first = next((i for i, row in enumerate(rows) if row[layer] >= 0), None)
             if first == rank:
                 r = self.span(range(layer, layer + 1))
-                whole[r.start : r.stop] = e.flat.data[r]
-                whole[n + r.start : n + r.stop] = e.opt.exp_avg[r]
-                whole[2 * n + r.start : 2 * n + r.stop] = e.opt.exp_avg_sq[r]
+                whole[r.start : r.stop] = e.state.flat.data[r]
+                whole[n + r.start : n + r.stop] = e.state.opt.exp_avg[r]
+                whole[2 * n + r.start : 2 * n + r.stop] = e.state.opt.exp_avg_sq[r]
         e.comm.allreduce("dp", whole, broken)
         return whole, agree
 
@@ -495,7 +501,7 @@ class Pipeline:
         self.migration = None  # a migration cut short by this change is void
         undo_held = self.undo.held if self.undo else None
         mine = torch.tensor(
-            [float(e.step), float(self.fresh), *bounds_of(self.held), *bounds_of(undo_held)],
+            [float(e.state.step), float(self.fresh), *bounds_of(self.held), *bounds_of(undo_held)],
             dtype=torch.float64,
         )
         rows = [r.tolist() for r in e.comm.allgather("dp", mine, broken)]
@@ -557,7 +563,7 @@ class Pipeline:
         targets = [plan.stage_layers(r) for r in range(plan.world_size)]
         self.target = targets[self.e.comm.rank("dp")]
         self.fresh = False
-        self.e.step = resume
+        self.e.state.step = resume
         info = {
             "resume_step": resume,
             "rolled_back": rolled_back,
@@ -571,7 +577,7 @@ class Pipeline:
         e = self.e
         rank = e.comm.rank("dp")
         targets = [plan.stage_layers(r) for r in range(plan.world_size)]
-        e.flat.data.copy_(state.params)
+        e.state.flat.data.copy_(state.params)
         if self.zero:
             blocks = holder_blocks(targets, self.offsets, plan.hosts)
             store = MomentStore(moment_duty(blocks, plan.world_size)[rank])
@@ -581,12 +587,12 @@ class Pipeline:
             self.parts = part_keepers(blocks)
             self.gather = [p for p in gather_plan(blocks) if rank in (p.src, p.dst)]
         else:
-            e.opt.exp_avg.copy_(state.exp_avg)
-            e.opt.exp_avg_sq.copy_(state.exp_avg_sq)
+            e.state.opt.exp_avg.copy_(state.exp_avg)
+            e.state.opt.exp_avg_sq.copy_(state.exp_avg_sq)
         self.held = self.target = targets[rank]
         self.migration, self.undo, self.fresh = None, None, False
         self.serving, self.shares = [True] * len(plan.replicas), plan.shares
-        e.step, e.last_loss = state.step, state.loss
+        e.state.step, e.state.last_loss = state.step, state.loss
         return {
             "resume_step": state.step,
             "layers": [self.target.start, self.target.stop],
@@ -603,12 +609,12 @@ class Pipeline:
             self.store = undo.store
         self.held = undo.held
         self.undo = None
-        e.step, e.last_loss = resume, undo.loss
+        e.state.step, e.state.last_loss = resume, undo.loss
 
     def _payload(self, t: LayerTransfer) -> torch.Tensor:
         e = self.e
         r = self.span(range(t.start, t.stop))
-        return torch.cat([e.flat.data[r], e.opt.exp_avg[r], e.opt.exp_avg_sq[r]])
+        return torch.cat([e.state.flat.data[r], e.state.opt.exp_avg[r], e.state.opt.exp_avg_sq[r]])
 
     def _messages(self, transfers: list[LayerTransfer]) -> tuple[list[Any], list[Any], list[slice]]:
         """This rank's part of ``transfers``: sends (a copy of the layers now), receive buffers,
@@ -633,7 +639,14 @@ class Pipeline:
 
     def _land(self, region: slice, payload: torch.Tensor) -> None:
         e = self.e
-        unpack_into(payload, (e.flat.data[region], e.opt.exp_avg[region], e.opt.exp_avg_sq[region]))
+        unpack_into(
+            payload,
+            (
+                e.state.flat.data[region],
+                e.state.opt.exp_avg[region],
+                e.state.opt.exp_avg_sq[region],
+            ),
+        )
 
     def start_migration(
         self,

@@ -150,7 +150,7 @@ def sync(
     e = pipe.e
     rank = e.comm.rank("dp")
     pipe.migration = None  # a migration cut short by this change is void
-    mine = torch.tensor([float(e.step), float(pipe.fresh)], dtype=torch.float64)
+    mine = torch.tensor([float(e.state.step), float(pipe.fresh)], dtype=torch.float64)
     rows = [r.tolist() for r in e.comm.allgather("dp", mine, broken)]
     veterans = [int(r[0]) for r in rows if not r[1]]
     fresh = start_from() if not veterans and start_from is not None else None
@@ -231,12 +231,12 @@ def sync(
     start = time.perf_counter()
     store = MomentStore(duty[rank])
     store.fill_from(pipe.store)
-    sends_p, recvs_p, got_p = gather_messages(param_pieces, rank, e.flat.data)
+    sends_p, recvs_p, got_p = gather_messages(param_pieces, rank, e.state.flat.data)
     sends_m, recvs_m, got_m = moment_messages(moment_pieces, rank, pipe.store)
     received = pipe.exchange(sends_p + sends_m, recvs_p + recvs_m, broken)
     pipe.link_pause(received)
     for piece, payload in zip(got_p, received[: len(got_p)], strict=True):
-        e.flat.data[piece.start : piece.stop].copy_(payload)
+        e.state.flat.data[piece.start : piece.stop].copy_(payload)
     for piece, payload in zip(got_m, received[len(got_p) :], strict=True):
         store.unpack(piece.start, piece.stop, payload)
     pipe.held = pipe.target
@@ -286,7 +286,7 @@ def _start_migration(
         adopt(store)
 
     m.switch = switch
-    params = e.flat.data
+    params = e.state.flat.data
     sends_p, recvs_p, got_p = gather_messages(param_pieces, rank, params)
     sends_m, recvs_m, got_m = moment_messages(moment_pieces, rank, pipe.store)
     # Parameters are sent as a copy: training goes on while the message is in flight.
@@ -300,12 +300,12 @@ def assemble(pipe: Pipeline, broken: Callable[[], bool]) -> tuple[torch.Tensor, 
     """ZeRO: as :meth:`assemble`, with each moment part from its lowest-rank keeper, and
     both keepers of every part compared as well as every layer's holders."""
     e = pipe.e
-    n = e.flat.numel
+    n = e.state.flat.numel
     rank = e.comm.rank("dp")
     units = [pipe.span(range(layer, layer + 1)) for layer in range(pipe.num_layers)]
     sums = torch.full((len(units) + len(pipe.parts),), -1, dtype=torch.int64)
     for layer in pipe.held or ():
-        sums[layer] = digest(e.flat.data[units[layer]])
+        sums[layer] = digest(e.state.flat.data[units[layer]])
     for j, ((a, b), keepers) in enumerate(pipe.parts):
         if rank in keepers:
             sums[len(units) + j] = digest(*pipe.store.view(a, b))
@@ -316,7 +316,7 @@ def assemble(pipe: Pipeline, broken: Callable[[], bool]) -> tuple[torch.Tensor, 
         if next((i for i, row in enumerate(rows) if row[u] >= 0), None) != rank:
             continue
         if u < len(units):
-            whole[units[u]] = e.flat.data[units[u]]
+            whole[units[u]] = e.state.flat.data[units[u]]
         else:
             (a, b), _ = pipe.parts[u - len(units)]
             m, v = pipe.store.view(a, b)

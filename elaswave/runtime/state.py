@@ -1,0 +1,86 @@
+"""What a rank trains, and what a strategy may use besides it.
+
+:class:`TrainState` owns the rank's model (the workload's layers), its parameters and AdamW
+moments as flat buffers, the last applied step and its loss. :class:`RankContext` is the rest a
+strategy needs: the config, the communicator, the plan this rank runs, and two callbacks (an
+event to the daemon, the phase the hang detector sees). Strategies get these two objects, never
+the engine.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from elaswave.config import JobConfig
+from elaswave.planning.plan import Plan
+from elaswave.runtime.comm.communicator import Communicator
+from elaswave.runtime.optim import AdamWHyper, FlatAdamW, FlatParams
+from elaswave.runtime.workload import Dataset, KeyedLayers, Workload, build_layers
+from elaswave.runtime.workload.load import load_workload
+
+__all__ = ["RankContext", "TrainState"]
+
+
+@dataclass(eq=False)
+class TrainState:
+    """A rank's training state. ``opt`` holds the moments of the whole model (replicated data
+    parallelism and pipeline stages without ZeRO), or none (ZeRO keeps its shards itself)."""
+
+    workload: Workload
+    model: KeyedLayers
+    flat: FlatParams
+    opt: FlatAdamW
+    dataset: Dataset
+    step: int = 0  # the last step whose update this rank has applied
+    last_loss: float = math.nan
+
+    @classmethod
+    def build(cls, cfg: JobConfig) -> TrainState:
+        t = cfg.train
+        workload = load_workload(cfg)
+        model = build_layers(workload, t.seed)
+        model.train()
+        flat = FlatParams(model)
+        hyper = AdamWHyper(
+            lr=t.lr, beta1=t.beta1, beta2=t.beta2, eps=t.eps, weight_decay=t.weight_decay
+        )
+        opt = FlatAdamW(0 if cfg.zero else flat.numel, hyper)  # ZeRO: the shards hold them
+        return cls(workload, model, flat, opt, workload.dataset(t.seed))
+
+    @property
+    def segments(self) -> tuple[tuple[int, int], ...]:
+        """(offset, length) of each layer's parameters in the flat buffers."""
+        return self.model.segments()
+
+    def microbatch(self, sample_ids: Sequence[int]) -> tuple[torch.Tensor, Any]:
+        """The workload's (inputs, targets) for these global sample ids."""
+        return self.workload.collate([self.dataset[i] for i in sample_ids])
+
+    def loss(self, output: torch.Tensor, targets: Any, samples: int) -> torch.Tensor:
+        """The workload's loss sum of one micro-batch. The gradient is normalised by the fixed
+        global batch, so every sample must count once (a count per token comes with workloads
+        that need it)."""
+        total, count = self.workload.loss(output, targets)
+        if int(count) != samples:
+            raise ValueError(
+                f"the workload's loss counted {int(count)} for a micro-batch of {samples} "
+                "samples: losses are normalised per sample"
+            )
+        return total
+
+
+@dataclass(eq=False)
+class RankContext:
+    """What a strategy uses besides the train state."""
+
+    state: TrainState
+    cfg: JobConfig
+    comm: Communicator
+    event: Callable[..., None]  # event(kind, **fields): a record for the daemon's events.jsonl
+    enter: Callable[[str], None]  # compute | collective | idle: what the hang detector sees
+    plan: Plan | None = None  # the plan this rank runs (None before the first)
