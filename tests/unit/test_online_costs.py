@@ -5,7 +5,6 @@ measurements) and the per-step bookkeeping of a stage."""
 from __future__ import annotations
 
 import math
-import time
 from typing import Any
 
 import pytest
@@ -20,6 +19,7 @@ from elaswave.planning.pipeplan import (
     split_by,
     stage_sample,
 )
+from elaswave.runtime.strategies.pipeline import stagetimes
 from elaswave.runtime.strategies.pipeline.stagetimes import StageTimer
 
 # ---- moving average --------------------------------------------------------------------------
@@ -195,47 +195,65 @@ def test_plan_costs(
 # ---- the stage's bookkeeping -----------------------------------------------------------------
 
 
-def _step(timer: StageTimer, layers: range, sleep: dict[int, float], mbs: int = 2) -> None:
+class _Clock:
+    """The timer's clock, advanced by the test alone: timings exact whatever the machine's load."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> _Clock:
+    fake = _Clock()
+    monkeypatch.setattr(stagetimes.time, "perf_counter", fake)
+    return fake
+
+
+def _step(
+    timer: StageTimer, layers: range, work: dict[int, float], clock: _Clock, mbs: int = 2
+) -> None:
     timer.begin(layers)
     for _ in range(mbs):
         for layer in layers:
             with timer.forward(layer):
-                time.sleep(sleep.get(layer, 0.0))
+                clock.now += work.get(layer, 0.0)
         with timer.backward():
-            time.sleep(0.002)
+            clock.now += 0.002
         with timer.pause():
             pass
     timer.end(mbs, [1.0 / len(layers)] * len(layers))
 
 
-def test_stage_timer_skips_the_warm_up_step_and_averages_real_ones() -> None:
+def test_stage_timer_skips_the_warm_up_step_and_averages_real_ones(clock: _Clock) -> None:
     timer = StageTimer(weight=0.5)
-    _step(timer, range(1, 3), {1: 0.001, 2: 0.02})
+    _step(timer, range(1, 3), {1: 0.001, 2: 0.02}, clock)
     assert timer.snapshot() == {}  # the first step on these layers warms up
-    _step(timer, range(1, 3), {1: 0.001, 2: 0.02})
+    _step(timer, range(1, 3), {1: 0.001, 2: 0.02}, clock)
     seconds = timer.snapshot()
-    assert set(seconds) == {1, 2}
-    # Per micro-batch, at least the slept forward and the layer's part of the backward.
-    assert seconds[2] >= 0.02 and seconds[1] >= 0.001
-    assert seconds[1] + seconds[2] >= 0.021 + 0.002
-    assert seconds[2] > seconds[1]
+    # Per micro-batch: the layer's forward and its share of the backward (by forward time).
+    assert seconds == pytest.approx({1: 0.001 + 0.002 / 21, 2: 0.02 + 0.002 * 20 / 21})
+    _step(timer, range(1, 3), {1: 0.003, 2: 0.02}, clock)  # layer 1 slower: the EMA follows
+    assert seconds[1] < timer.snapshot()[1] < 0.003 + 0.002 * 3 / 23
 
 
-def test_stage_timer_keeps_the_layers_it_still_runs_after_a_layout_change() -> None:
+def test_stage_timer_keeps_the_layers_it_still_runs_after_a_layout_change(clock: _Clock) -> None:
     timer = StageTimer()
     for _ in range(2):
-        _step(timer, range(0, 2), {})
+        _step(timer, range(0, 2), {}, clock)
     kept = timer.snapshot()[1]
-    _step(timer, range(1, 4), {})  # a takeover: new layers, a warm-up step
+    _step(timer, range(1, 4), {}, clock)  # a takeover: new layers, a warm-up step
     assert timer.snapshot() == {1: kept}
-    _step(timer, range(1, 4), {})
+    _step(timer, range(1, 4), {}, clock)
     assert set(timer.snapshot()) == {1, 2, 3}
 
 
-def test_stage_timer_ignores_a_step_without_micro_batches() -> None:
+def test_stage_timer_ignores_a_step_without_micro_batches(clock: _Clock) -> None:
     timer = StageTimer()
     for _ in range(2):
-        _step(timer, range(0, 1), {})
+        _step(timer, range(0, 1), {}, clock)
     before = timer.snapshot()
     timer.begin(range(0, 1))
     timer.end(0, [1.0])
