@@ -46,7 +46,13 @@ from elaswave.runtime.integrity.verify import flip_bit, judge
 from elaswave.runtime.state import RankContext, TrainState
 from elaswave.runtime.strategies.pipeline.stage import MIG, Pipeline
 from elaswave.runtime.strategies.pipeline.stagetimes import cpu_wait_seconds
-from elaswave.runtime.strategies.zero import ShardLost, ZeroState, digest, fast_checksum
+from elaswave.runtime.strategies.zero import (
+    ShardLost,
+    ZeroState,
+    digest,
+    fast_checksum,
+    host_bytes,
+)
 from elaswave.runtime.workload.data import microbatches
 
 log = logging.getLogger(__name__)
@@ -858,16 +864,16 @@ class Engine:
             pass
         if self.durable is not None:
             self.durable.flush()  # the last checkpoint must be on disk before we report done
-        digest = hashlib.sha256(params.numpy().tobytes())
-        digest.update(exp_avg.numpy().tobytes())
-        digest.update(exp_avg_sq.numpy().tobytes())
+        digest = hashlib.sha256(host_bytes(params))
+        digest.update(host_bytes(exp_avg))
+        digest.update(host_bytes(exp_avg_sq))
         self.control.event(
             "final_state",
             worker=self.me,
             rank=self.comm.rank(DP),
             step=self.state.step,
             pid=os.getpid(),
-            params_sha256=hashlib.sha256(params.numpy().tobytes()).hexdigest(),
+            params_sha256=hashlib.sha256(host_bytes(params)).hexdigest(),
             state_sha256=digest.hexdigest(),
             **agree,
         )

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import zlib
+
 import pytest
 import torch
 
 from elaswave.runtime.integrity.verify import flip_bit, judge, judge_copies
-from elaswave.runtime.strategies.zero import Shard, digest
+from elaswave.runtime.strategies.zero import Shard, digest, fast_checksum
 
 
 @pytest.mark.parametrize(
@@ -59,3 +61,16 @@ def test_judge_copies(
 ) -> None:  # fmt: skip
     v = judge_copies(sums, self_bad)
     assert (v.bad, v.source, v.unanimous_loss) == (bad, source, tie)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.int64])
+def test_checksums_read_any_dtype_and_shape_in_place(dtype: torch.dtype) -> None:
+    whole = torch.arange(24).to(dtype).view(4, 6)
+    column = whole[:, 1]  # not contiguous: checksummed as its values, in order
+    assert fast_checksum(column) == fast_checksum(column.clone())
+    assert digest(column) == digest(column.clone())
+    assert fast_checksum(whole) == zlib.crc32(whole.view(torch.uint8).numpy().tobytes())
+    assert fast_checksum(whole[0, 0]) == fast_checksum(whole.reshape(-1)[:1])  # 0-d
+    flipped = whole.clone()
+    flipped.view(torch.uint8).view(-1)[5] ^= 1
+    assert fast_checksum(flipped) != fast_checksum(whole) and digest(flipped) != digest(whole)

@@ -58,11 +58,16 @@ class ShardLost(RuntimeError):
     """Both copies of (part of) a shard are gone (an owner and a replica holder died together)."""
 
 
+def host_bytes(t: torch.Tensor) -> memoryview:
+    """A tensor's bytes in host memory, whatever device it lives on (a copy only off the CPU)."""
+    return memoryview(t.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy())
+
+
 def digest(*tensors: torch.Tensor) -> int:
     """A 63-bit checksum of tensors' bytes (blake2b): for whole-model comparisons."""
     h = hashlib.blake2b(digest_size=8)
     for t in tensors:
-        h.update(t.detach().contiguous().numpy().tobytes())
+        h.update(host_bytes(t))
     return int.from_bytes(h.digest(), "little") >> 1
 
 
@@ -75,7 +80,7 @@ def fast_checksum(*tensors: torch.Tensor) -> int:
     """
     crc = 0
     for t in tensors:
-        crc = zlib.crc32(t.detach().contiguous().numpy(), crc)
+        crc = zlib.crc32(host_bytes(t), crc)
     return crc
 
 
