@@ -45,7 +45,6 @@ from elaswave.runtime.integrity.rollback import NONE, KnownGood, rollback_verdic
 from elaswave.runtime.integrity.verify import flip_bit, judge
 from elaswave.runtime.state import RankContext, TrainState
 from elaswave.runtime.strategies.pipeline.stage import MIG, Pipeline
-from elaswave.runtime.strategies.pipeline.stagetimes import cpu_wait_seconds
 from elaswave.runtime.strategies.zero import (
     ShardLost,
     ZeroState,
@@ -53,6 +52,7 @@ from elaswave.runtime.strategies.zero import (
     fast_checksum,
     host_bytes,
 )
+from elaswave.runtime.timing import busy_mark, busy_since
 from elaswave.runtime.workload.data import microbatches
 
 log = logging.getLogger(__name__)
@@ -226,7 +226,7 @@ class Engine:
     # ---- one step ---------------------------------------------------------------------------
     def train_step(self, step: int) -> StepResult:
         assert self.plan is not None
-        start = time.perf_counter()
+        start, mark = time.perf_counter(), busy_mark()
         t = self.cfg.train
         plan, rank = self.plan, self.comm.rank(DP)
         n = self.state.flat.numel
@@ -234,7 +234,6 @@ class Engine:
         buf.zero_()
         self._enter("compute")
         self.faults.fire(step, "forward")
-        waited = cpu_wait_seconds()
         every = microbatches(t.seed, step, t.global_batch, t.micro_batch_size, self.num_samples)
         if self.pipe is not None:
             return self._pipeline_step(step, every, start)
@@ -256,8 +255,7 @@ class Engine:
                 time.sleep(slow)
         # Time this rank needed, without the time its thread sat waiting for a CPU: on a shared
         # host that measures the neighbours, not this rank (sleeps and stalls still count).
-        busy = time.perf_counter() - start - (cpu_wait_seconds() - waited)
-        per_mb = busy / max(len(mine), 1)
+        per_mb = busy_since(mark) / max(len(mine), 1)
         buf[n + 1] = self.control.latest_epoch
         self.faults.fire(step, "reduce")
         self._enter("collective")

@@ -5,6 +5,7 @@ measurements) and the per-step bookkeeping of a stage."""
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -19,7 +20,7 @@ from elaswave.planning.pipeplan import (
     split_by,
     stage_sample,
 )
-from elaswave.runtime.strategies.pipeline import stagetimes
+from elaswave.runtime import timing
 from elaswave.runtime.strategies.pipeline.stagetimes import StageTimer
 
 # ---- moving average --------------------------------------------------------------------------
@@ -195,21 +196,25 @@ def test_plan_costs(
 # ---- the stage's bookkeeping -----------------------------------------------------------------
 
 
-class _Clock:
-    """The timer's clock, advanced by the test alone: timings exact whatever the machine's load."""
+class _Clock(timing.Clock):
+    """The runtime's clock, advanced by the test alone: timings exact whatever the load."""
 
     def __init__(self) -> None:
-        self.now = 0.0
+        self.t = self.w = 0.0
 
-    def __call__(self) -> float:
-        return self.now
+    def now(self) -> float:
+        return self.t
+
+    def waited(self) -> float:
+        return self.w
 
 
 @pytest.fixture
-def clock(monkeypatch: pytest.MonkeyPatch) -> _Clock:
+def clock() -> Iterator[_Clock]:
     fake = _Clock()
-    monkeypatch.setattr(stagetimes.time, "perf_counter", fake)
-    return fake
+    old = timing.set_clock(fake)
+    yield fake
+    timing.set_clock(old)
 
 
 def _step(
@@ -219,12 +224,19 @@ def _step(
     for _ in range(mbs):
         for layer in layers:
             with timer.forward(layer):
-                clock.now += work.get(layer, 0.0)
+                clock.t += work.get(layer, 0.0)
         with timer.backward():
-            clock.now += 0.002
+            clock.t += 0.002
         with timer.pause():
             pass
     timer.end(mbs, [1.0 / len(layers)] * len(layers))
+
+
+def test_busy_time_leaves_out_the_wait_for_a_cpu(clock: _Clock) -> None:
+    mark = timing.busy_mark()
+    clock.t += 5.0  # 5 s elapsed, 2 s of them waiting for a core
+    clock.w += 2.0
+    assert timing.busy_since(mark) == 3.0
 
 
 def test_stage_timer_skips_the_warm_up_step_and_averages_real_ones(clock: _Clock) -> None:

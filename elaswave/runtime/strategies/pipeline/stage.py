@@ -68,12 +68,13 @@ from elaswave.runtime.strategies.pipeline.stagestate import (
     range_of,
     unpack_into,
 )
-from elaswave.runtime.strategies.pipeline.stagetimes import StageTimer, cpu_wait_seconds
+from elaswave.runtime.strategies.pipeline.stagetimes import StageTimer
 from elaswave.runtime.strategies.pipeline.stagezero import (
     MomentStore,
     gather_messages,
 )
 from elaswave.runtime.strategies.zero import digest
+from elaswave.runtime.timing import busy_mark, busy_since
 from elaswave.runtime.workload import call_layer
 from elaswave.runtime.workload.data import MicroBatch
 
@@ -310,14 +311,14 @@ class Pipeline:
         for item in schedule_1f1b(s, stages, len(mbs)):
             if isinstance(item, Compute):
                 e.enter("compute")
-                began, waited = time.perf_counter(), cpu_wait_seconds()
+                mark = busy_mark()
                 if item.kind == "F":
                     forward(item.mb)
                 else:
                     backward(item.mb)
                 if extra:
                     time.sleep(extra)
-                busy += time.perf_counter() - began - (cpu_wait_seconds() - waited)
+                busy += busy_since(mark)
                 continue
             sends = [message(k, i, True) for k, i in item.sends]
             recvs = [message(k, i, False) for k, i in item.recvs]

@@ -10,23 +10,13 @@ exponential moving average per layer. The worker reports the averages to its dae
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 from elaswave.planning.pipeplan import ema_update, stage_sample
+from elaswave.runtime.timing import clock
 
 EMA_WEIGHT = 0.3  # weight of the newest step: the average follows the last few steps
-
-
-def cpu_wait_seconds() -> float:
-    """Seconds this thread has spent runnable but waiting for a CPU (Linux schedstat; 0 where
-    the kernel does not report it)."""
-    try:
-        with open("/proc/thread-self/schedstat") as f:
-            return int(f.read().split()[1]) / 1e9
-    except (OSError, IndexError, ValueError):
-        return 0.0
 
 
 class StageTimer:
@@ -50,21 +40,21 @@ class StageTimer:
 
     @contextmanager
     def forward(self, layer: int) -> Iterator[None]:
-        start = time.perf_counter()
+        start = clock().now()
         yield
-        self._forward[layer - self.layers.start] += time.perf_counter() - start
+        self._forward[layer - self.layers.start] += clock().now() - start
 
     @contextmanager
     def backward(self) -> Iterator[None]:
-        start = time.perf_counter()
+        start = clock().now()
         yield
-        self._backward += time.perf_counter() - start
+        self._backward += clock().now() - start
 
     @contextmanager
     def pause(self) -> Iterator[None]:
-        start = time.perf_counter()
+        start = clock().now()
         yield
-        self._pause += time.perf_counter() - start
+        self._pause += clock().now() - start
 
     def end(self, microbatches: int, pause_weights: Sequence[float]) -> None:
         """The step ran ``microbatches``: fold its per-layer seconds into the average.
