@@ -532,6 +532,28 @@ class Etcd:
                 with contextlib.suppress(Exception, asyncio.TimeoutError):
                     await asyncio.wait_for(watch.cancel(), 1.0)
 
+    async def first_put_after(
+        self, key: str, revision: int, *, timeout: float = 5.0
+    ) -> bytes | None:
+        """The value of the first put on ``key`` after ``revision``, from etcd's history (None:
+        not changed since, deleted first, or the history is compacted). After a write whose
+        answer was lost (the member went away, the call was retried elsewhere) this tells whether
+        the write landed."""
+
+        async def first() -> bytes | None:
+            async for ev in self.watch_prefix(key, start_revision=revision + 1):
+                if ev.key == key:
+                    return ev.value if ev.kind == "put" else None
+            return None
+
+        try:
+            now = await self.get(key)
+            if now is None or now.mod_revision <= revision:
+                return None  # not changed since (a deleted key's history is not needed here)
+            return await asyncio.wait_for(first(), timeout)
+        except (asyncio.TimeoutError, EtcdUnavailable, aetcd.exceptions.ClientError):
+            return None
+
     async def revision(self) -> int:
         # A range that holds no key: its answer's header carries the store's revision.
         probe = self._own(self.prefix + PROBE)

@@ -146,12 +146,7 @@ class Planner:
                         plan = self._straggler_plan(current)
                 if plan is not None:
                     plan = replace(plan, committed=await self._committed())
-                    if await d.etcd.compare_and_put(
-                        d.keys.plan,
-                        plan.to_json(),
-                        mod_revision=plan_rev,
-                        holder=(d.keys.leader, d.host_id),
-                    ):
+                    if await self._publish(plan, plan_rev):
                         self._published(plan)
                         await self._record_incident(plan, bool(causes) or bool(plan.evicted))
                         if current is None:
@@ -178,6 +173,18 @@ class Planner:
         if watcher.done():
             watcher.result()  # raises what ended it
             raise EtcdUnavailable("the leader's watch on etcd ended")
+
+    async def _publish(self, plan: Plan, plan_rev: int) -> bool:
+        """Compare-and-set the plan. A write whose answer was lost (the etcd member went away
+        after applying it and the retry's compare failed) is recognised in etcd's history."""
+        d = self.d
+        data = plan.to_json()
+        if await d.etcd.compare_and_put(
+            d.keys.plan, data, mod_revision=plan_rev, holder=(d.keys.leader, d.host_id)
+        ):
+            return True
+        landed = await d.etcd.first_put_after(d.keys.plan, plan_rev)
+        return landed is not None and landed.decode() == data
 
     async def _committed(self) -> int:
         """The job's newest committed step as etcd knows it (its progress record)."""

@@ -24,6 +24,7 @@ import socket
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,7 @@ from elaswave.config import JobConfig
 from elaswave.daemon import leader
 from elaswave.daemon.control_server import ControlServer, WorkerConn
 from elaswave.daemon.controlplane import ControlPlane
-from elaswave.daemon.etcd import Etcd, EtcdSecurity
+from elaswave.daemon.etcd import KV, Etcd, EtcdSecurity
 from elaswave.daemon.etcd_server import EmbeddedEtcd
 from elaswave.daemon.faultrelay import FaultRelay
 from elaswave.daemon.netns import current_netns
@@ -563,32 +564,56 @@ class HostDaemon:
         if len(self.commit_times) >= 2:
             (t0, s0), (t1, s1) = self.commit_times[0], self.commit_times[-1]
             rate = (s1 - s0) / max(t1 - t0, 1e-9)
-        progress = {**record, "samples_per_s": rate, "total_steps": self.cfg.train.steps}
+        progress = {
+            **record, "samples_per_s": rate, "total_steps": self.cfg.train.steps,
+            "writer": f"{self.host_id}/{uuid.uuid4().hex}",  # this record's write, and no other
+        }  # fmt: skip
+        tried: list[int] = []  # revisions of the progress record a write of it was sent against
         self.outbox.put(
             f"record of step {step}",
-            lambda: self._land_record(record, progress),
+            lambda: self._land_record(record, progress, tried),
             fallback=lambda: self.metrics.write(record),
         )
         if step >= self.cfg.train.steps:
             done = {"step": step, "t": time.time()}
             self.outbox.put("done", lambda: self.etcd.put_json(self.keys.done, done))
 
-    async def _land_record(self, record: dict[str, Any], progress: dict[str, Any]) -> None:
+    async def _land_record(
+        self, record: dict[str, Any], progress: dict[str, Any], tried: list[int]
+    ) -> None:
         """Write a step's record if this host is the one that moves the job's progress record
         (in etcd, outside every lease) to that step. Rank 0 re-reports its resume step after a
         change; when rank 0 moved to this host, its old host may have recorded the step already
         (and, cut off from etcd, may do so later): whoever advances the progress record first
-        writes the line, the other drops its copy. Never a step recorded twice, across hosts."""
+        writes the line, the other drops its copy. Never a step recorded twice, across hosts.
+
+        A write whose answer was lost (the etcd member went away after applying it; the call was
+        retried on another member and its compare failed) is recognised by its ``writer`` token
+        in etcd's history, so its line is written: never a step recorded nowhere either."""
         while True:
             kv = await self.etcd.get(self.keys.progress)
             if kv is not None and int(kv.json().get("step", 0)) >= record["step"]:
+                if await self._progress_landed(kv, progress["writer"], tried):
+                    self.metrics.write(record)
                 return  # recorded by another host (or redone after a recovery)
             rev = kv.mod_revision if kv is not None else 0
+            tried.append(rev)
             if await self.etcd.compare_and_put(
                 self.keys.progress, json.dumps(progress, sort_keys=True), mod_revision=rev
             ):
                 self.metrics.write(record)
                 return
+
+    async def _progress_landed(self, kv: KV, writer: str, tried: list[int]) -> bool:
+        """Whether the progress record ``kv`` is (or was, right after one of the revisions a
+        write was sent against) the write tagged ``writer``."""
+        if kv.json().get("writer") == writer:
+            return True
+        for rev in tried:
+            value = await self.etcd.first_put_after(self.keys.progress, rev)
+            if value is not None and json.loads(value).get("writer") == writer:
+                return True
+        return False
 
     def _roll_back_metrics(self, step: int) -> None:
         """Silent corruption rolled the job back to ``step``: the steps after it are redone, and

@@ -142,3 +142,33 @@ def test_calls_and_a_watch_in_flight_survive_a_frozen_member(
     # Every put once, in the order etcd committed them (the retried puts race each other).
     committed = sorted(zip(results[:4], ["2", "3", "4", "5"], strict=True))
     assert seen == ["1", *[k for _, k in committed], "6"], (seen, results)
+
+
+def test_a_write_whose_answer_was_lost_is_found_in_the_history(
+    cluster: list[tuple[str, subprocess.Popen[bytes]]],
+) -> None:
+    """The daemon's check after a compare-and-set whose answer it never got: etcd's history
+    says whether the write landed, even after the key moved on."""
+    key = PREFIX + "progress"
+
+    async def scenario() -> tuple[bytes | None, bytes | None, bytes | None, float]:
+        db = await Etcd.connect([ep for ep, _ in cluster], prefix=PREFIX, timeout=OP_TIMEOUT)
+        try:
+            await db.put(key, "step 5")
+            before = (await db.get(key)).mod_revision  # type: ignore[union-attr]
+            assert await db.compare_and_put(key, "step 6, mine", mod_revision=before)
+            await db.put(key, "step 7, another host")
+            landed = await db.first_put_after(key, before)
+            newest = (await db.get(key)).mod_revision  # type: ignore[union-attr]
+            start = time.monotonic()
+            unchanged = await db.first_put_after(key, newest)  # nothing after: at once
+            waited = time.monotonic() - start
+            absent = await db.first_put_after(PREFIX + "never", 0)
+            return landed, unchanged, absent, waited
+        finally:
+            await db.close()
+
+    landed, unchanged, absent, waited = asyncio.run(scenario())
+    assert landed == b"step 6, mine"
+    assert unchanged is None and absent is None
+    assert waited < 1.0

@@ -1,0 +1,104 @@
+"""Each committed step's record is written once across the job: by the daemon whose write moves
+the progress record to it, including when etcd's answer to that write was lost."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from types import SimpleNamespace
+from typing import Any
+
+from elaswave.daemon.etcd import KV
+from elaswave.daemon.supervisor import HostDaemon
+
+KEY = "progress"
+
+
+class FakeEtcd:
+    """One key with its history. ``lose_answers``: that many compare-and-sets are applied but
+    reported as failed (the member applied the write, went away, the retry's compare failed)."""
+
+    def __init__(self, lose_answers: int = 0) -> None:
+        self.history: list[tuple[int, bytes]] = []  # (mod revision, value)
+        self.revision = 10
+        self.lose_answers = lose_answers
+
+    def put(self, value: dict[str, Any]) -> None:
+        self.revision += 1
+        self.history.append((self.revision, json.dumps(value).encode()))
+
+    async def get(self, key: str) -> KV | None:
+        if not self.history:
+            return None
+        rev, value = self.history[-1]
+        return KV(key, value, self.history[0][0], rev)
+
+    async def compare_and_put(self, key: str, value: str, *, mod_revision: int) -> bool:
+        current = self.history[-1][0] if self.history else 0
+        if current != mod_revision:
+            return False
+        self.put(json.loads(value))
+        if self.lose_answers:
+            self.lose_answers -= 1
+            return False
+        return True
+
+    async def first_put_after(self, key: str, revision: int) -> bytes | None:
+        return next((v for rev, v in self.history if rev > revision), None)
+
+
+def _daemon(etcd: FakeEtcd) -> tuple[Any, list[dict[str, Any]]]:
+    lines: list[dict[str, Any]] = []
+    d = SimpleNamespace(etcd=etcd, keys=SimpleNamespace(progress=KEY))
+    d.metrics = SimpleNamespace(write=lines.append)
+    d._progress_landed = lambda kv, writer, tried: HostDaemon._progress_landed(d, kv, writer, tried)
+    return d, lines
+
+
+def _land(d: Any, step: int, writer: str, tried: list[int] | None = None) -> None:
+    record = {"step": step}
+    progress = {"step": step, "writer": writer}
+    asyncio.run(HostDaemon._land_record(d, record, progress, [] if tried is None else tried))
+
+
+def test_the_write_that_moves_progress_writes_the_line() -> None:
+    etcd = FakeEtcd()
+    d, lines = _daemon(etcd)
+    _land(d, 1, "a")
+    _land(d, 2, "a")
+    assert lines == [{"step": 1}, {"step": 2}]
+
+
+def test_a_step_another_host_recorded_is_dropped() -> None:
+    etcd = FakeEtcd()
+    etcd.put({"step": 3, "writer": "other host"})
+    d, lines = _daemon(etcd)
+    _land(d, 3, "a")  # a new rank 0 re-reports its resume step
+    assert lines == []
+
+
+def test_a_write_whose_answer_was_lost_still_writes_its_line() -> None:
+    etcd = FakeEtcd(lose_answers=1)
+    etcd.put({"step": 4, "writer": "earlier"})
+    d, lines = _daemon(etcd)
+    _land(d, 5, "mine")
+    assert lines == [{"step": 5}]
+    assert json.loads(etcd.history[-1][1])["writer"] == "mine"
+
+
+def test_found_in_the_history_when_a_later_record_came_first() -> None:
+    etcd = FakeEtcd(lose_answers=1)
+    etcd.put({"step": 4, "writer": "earlier"})
+    d, lines = _daemon(etcd)
+    tried: list[int] = []
+    original = etcd.compare_and_put
+
+    async def lost_then_overtaken(key: str, value: str, *, mod_revision: int) -> bool:
+        ok = await original(key, value, mod_revision=mod_revision)
+        etcd.put({"step": 6, "writer": "other host"})  # progress moved on before we re-read
+        return ok
+
+    etcd.compare_and_put = lost_then_overtaken  # type: ignore[method-assign]
+    _land(d, 5, "mine", tried)
+    assert lines == [{"step": 5}]
+    assert tried == [11]
