@@ -308,6 +308,11 @@ class _Soak:
     def alive(self) -> bool:
         return all(p.poll() is None for p in self.bed.daemons.values())
 
+    def finished(self) -> bool:
+        """Every daemon exited 0 with the last step committed: the job ended normally."""
+        codes = [p.poll() for p in self.bed.daemons.values()]
+        return all(c == 0 for c in codes) and self.step() >= STEPS
+
     def inject_all(self, plan: list[dict[str, Any]]) -> list[dict[str, Any]]:
         def started() -> bool:  # every host in, a few steps at full size
             plans = self.plans()
@@ -446,6 +451,8 @@ class _Soak:
 
         def full() -> dict[str, Any] | None:
             if not self.alive():
+                if self.finished():  # answered and trained on, then the job reached its end
+                    return {"finished": True}
                 raise BenchError("a daemon exited")
             plans = [p for p in self.plans() if p["t"] > t0]
             if kind not in ("corrupt", "etcd") and not plans:
@@ -459,6 +466,8 @@ class _Soak:
         commit = wait_until(
             full, RECOVERY_TIMEOUT, f"no recovery to full size after {record['what']}"
         )
+        if commit.get("finished"):  # no time to full size: the job ended first
+            return {"recovered": True, "full_size_s": None}
         return {"recovered": True, "full_size_s": commit["time"] - t0}
 
     def _after(self, kind: str, t0: float, **match: Any) -> dict[str, Any] | None:
