@@ -715,10 +715,14 @@ class HostDaemon:
     def _adopt(self, plan: Plan) -> None:
         if self.plan is not None and plan.epoch <= self.plan.epoch:
             return
+        # Dropped: this plan's departures, and (a host that was cut off may skip epochs) the
+        # workers of the plan this host ran that are not in this one.
+        before = self.plan.workers if self.plan is not None else ()
+        gone = dict.fromkeys([*plan.departed, *(wid for wid in before if wid not in plan.workers)])
         self.plan = plan
         dropped = [
             w
-            for wid in plan.departed
+            for wid in gone
             if (w := self.workers.get(wid)) is not None
             and wid not in plan.evicted
             and w.proc.returncode is None
