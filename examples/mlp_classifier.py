@@ -24,6 +24,7 @@ class Blobs:
 
     def __init__(self, *, seed: int, features: int, classes: int, num_samples: int) -> None:
         self.seed, self.features, self.num_samples = seed, features, num_samples
+        self.classes = classes
         centres = np.random.default_rng([seed, 1]).normal(0.0, 1.0, size=(classes, features))
         self.centres = centres.astype(np.float32)
 

@@ -8,6 +8,7 @@ import types
 from collections.abc import Iterator
 
 import pytest
+import torch
 
 from elaswave.config import JobConfig
 from elaswave.errors import ConfigError
@@ -86,3 +87,21 @@ def test_more_stages_than_layers() -> None:
     )  # fmt: skip
     with pytest.raises(ConfigError, match="pp=4 stages but the workload has only 3 layers"):
         load_workload(cfg)
+
+
+def test_the_example_workload_builds_a_micro_batch_and_a_loss() -> None:
+    w = load_workload(
+        _cfg(source="module", factory="examples.mlp_classifier:mlp_classifier", args={})
+    )
+    data = w.dataset(7)
+    inputs, targets = w.collate([data[i] for i in (0, 5, 9)])
+    assert inputs.shape == (3, 16) and targets.shape == (3,)
+    assert int(targets.max()) < 4
+    assert all(torch.equal(data[5][0], w.dataset(7)[5][0]) for _ in range(2))  # by (seed, id)
+    h = inputs
+    layers = [w.build_layer(i, 7) for i in range(w.num_layers)]
+    for i, layer in enumerate(layers):
+        h = layer(h)
+        assert (tuple(h.shape), h.dtype) == (w.boundary(i, 3).shape, w.boundary(i, 3).dtype)
+    total, count = w.loss(h, targets)
+    assert count == 3 and total.ndim == 0
