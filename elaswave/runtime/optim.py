@@ -15,13 +15,15 @@ from torch import nn
 
 
 class FlatParams:
-    """Re-points a module's parameters (and their grads) at views of two flat float32 buffers."""
+    """Re-points a module's parameters (and their grads) at views of two flat float32 buffers,
+    on the device the module's parameters live on."""
 
     def __init__(self, module: nn.Module) -> None:
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.numel = sum(p.numel() for p in self.params)
-        self.data = torch.empty(self.numel, dtype=torch.float32)
-        self.grad = torch.zeros(self.numel, dtype=torch.float32)
+        device = self.params[0].device if self.params else torch.device("cpu")
+        self.data = torch.empty(self.numel, dtype=torch.float32, device=device)
+        self.grad = torch.zeros(self.numel, dtype=torch.float32, device=device)
         offset = 0
         for p in self.params:
             n = p.numel()
@@ -61,10 +63,10 @@ class AdamWHyper:
 class FlatAdamW:
     """AdamW over a flat parameter buffer (or any slice of one: ZeRO shards reuse it)."""
 
-    def __init__(self, numel: int, hyper: AdamWHyper) -> None:
+    def __init__(self, numel: int, hyper: AdamWHyper, device: torch.device | None = None) -> None:
         self.hyper = hyper
-        self.exp_avg = torch.zeros(numel, dtype=torch.float32)
-        self.exp_avg_sq = torch.zeros(numel, dtype=torch.float32)
+        self.exp_avg = torch.zeros(numel, dtype=torch.float32, device=device)
+        self.exp_avg_sq = torch.zeros(numel, dtype=torch.float32, device=device)
         self.step_count = 0
 
     def step(self, param: torch.Tensor, grad: torch.Tensor) -> None:

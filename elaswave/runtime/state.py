@@ -2,9 +2,9 @@
 
 :class:`TrainState` owns the rank's model (the workload's layers), its parameters and AdamW
 moments as flat buffers, the last applied step and its loss. :class:`RankContext` is the rest a
-strategy needs: the config, the communicator, the plan this rank runs, and two callbacks (an
-event to the daemon, the phase the hang detector sees). Strategies get these two objects, never
-the engine.
+strategy needs: the config, the communicator, the plan this rank runs, and callbacks (an
+event and a report to the daemon, the phase the hang detector sees, whether the plan lost a
+member). Strategies get these two objects, never the engine.
 """
 
 from __future__ import annotations
@@ -49,8 +49,13 @@ class TrainState:
         hyper = AdamWHyper(
             lr=t.lr, beta1=t.beta1, beta2=t.beta2, eps=t.eps, weight_decay=t.weight_decay
         )
-        opt = FlatAdamW(0 if cfg.zero else flat.numel, hyper)  # ZeRO: the shards hold them
+        opt = FlatAdamW(0 if cfg.zero else flat.numel, hyper, flat.data.device)  # ZeRO: shards
         return cls(workload, model, flat, opt, workload.dataset(t.seed))
+
+    @property
+    def device(self) -> torch.device:
+        """Where this rank's parameters live: tensors the runtime creates for it go there too."""
+        return self.flat.data.device
 
     @property
     def segments(self) -> tuple[tuple[int, int], ...]:
@@ -81,6 +86,13 @@ class RankContext:
     state: TrainState
     cfg: JobConfig
     comm: Communicator
+    worker: str  # this worker's id
     event: Callable[..., None]  # event(kind, **fields): a record for the daemon's events.jsonl
+    send: Callable[[dict[str, Any]], None]  # a report to the daemon (commit, costs, rollback)
     enter: Callable[[str], None]  # compute | collective | idle: what the hang detector sees
+    removes_any: Callable[[tuple[str, ...]], bool]  # does a newer plan remove one of these?
     plan: Plan | None = None  # the plan this rank runs (None before the first)
+
+    def broken(self) -> bool:
+        """Whether the plan this rank runs has lost a member (collectives stop waiting)."""
+        return self.plan is not None and self.removes_any(self.plan.workers)

@@ -35,10 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = JobConfig.from_dict(control.config["config"])
     engine = Engine(cfg, control, worker_id=args.worker_id, host_addr=control.config["host_addr"])
     ready: dict[str, object] = {"type": "ready", "worker_id": args.worker_id}
-    if engine.pipe is not None:  # the leader partitions with the workload's estimate, or
-        ready["layer_estimate"] = list(engine.pipe.costs)  # with what the layers measured
-        if cfg.layer_costs in ("profile", "online"):
-            ready["layer_seconds"] = engine.pipe.profile_layers()
+    ready.update(engine.strategy.ready())  # pipelines: the layer costs the leader cuts by
     control.send(ready)
     code = engine.run()
     control.flush(timeout=10.0)  # the last reports (final state, done) reach the daemon

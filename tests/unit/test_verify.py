@@ -7,8 +7,9 @@ import zlib
 import pytest
 import torch
 
+from elaswave.runtime.integrity.checksums import digest, fast_checksum
 from elaswave.runtime.integrity.verify import flip_bit, judge, judge_copies
-from elaswave.runtime.strategies.zero import Shard, digest, fast_checksum
+from elaswave.runtime.strategies.zero import Shard
 
 
 @pytest.mark.parametrize(

@@ -11,12 +11,13 @@ may still block in them).
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -188,6 +189,18 @@ class Communicator:
         opts = dist.BroadcastOptions()
         opts.rootRank = root
         self._collective("broadcast", name, abort, lambda pg: pg.broadcast([tensor], opts))
+
+    def broadcast_json(self, name: str, obj: Any, root: int, abort: Callable[[], bool]) -> Any:
+        """Send a small JSON document from ``root`` to every rank of the group (length, then
+        bytes); every rank returns the root's document."""
+        data = json.dumps(obj).encode() if self.rank(name) == root else b""
+        size = torch.tensor([len(data)], dtype=torch.int64)
+        self.broadcast(name, size, root, abort)
+        buf = torch.zeros(int(size.item()), dtype=torch.uint8)
+        if data:
+            buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        self.broadcast(name, buf, root, abort)
+        return json.loads(bytes(buf.tolist()).decode())
 
     def reduce_scatter(
         self, name: str, parts: list[torch.Tensor], out: torch.Tensor, abort: Callable[[], bool]

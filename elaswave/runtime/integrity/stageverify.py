@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from elaswave.runtime.integrity.checksums import fast_checksum
 from elaswave.runtime.integrity.verify import judge_copies
 from elaswave.runtime.strategies.pipeline.stagestate import unpack_into
-from elaswave.runtime.strategies.zero import fast_checksum
 
 if TYPE_CHECKING:
     from elaswave.runtime.strategies.pipeline.stage import Pipeline
@@ -111,7 +111,7 @@ def verify(pipe: Pipeline, step: int, broken: Callable[[], bool]) -> list[dict[s
             sends += [(bad, payload, TAG_REPAIR) for bad in verdict.bad]
         elif rank in verdict.bad:
             size = sum(t.numel() for t in tensors(pipe, u))
-            recvs.append((verdict.source, torch.empty(size), TAG_REPAIR))
+            recvs.append((verdict.source, pipe.e.state.flat.data.new_empty(size), TAG_REPAIR))
             lands.append(u)
     if sends or recvs:
         for u, got in zip(lands, pipe.exchange(sends, recvs, broken), strict=True):

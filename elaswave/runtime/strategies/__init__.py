@@ -1,2 +1,3 @@
-"""How a rank trains: ZeRO-1 (zero) and pipeline stages (pipeline/); replicated data
-parallelism lives in the engine."""
+"""How a rank trains: the strategy interface (base), replicated data parallelism (replicated),
+ZeRO-1 (sharded, over the shard state in zero), pipeline stages (pipeline/), and the choice
+(select)."""

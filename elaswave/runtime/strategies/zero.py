@@ -24,10 +24,8 @@ rollback.
 
 from __future__ import annotations
 
-import hashlib
 import math
 import time
-import zlib
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -49,6 +47,7 @@ from elaswave.planning.shards import (
     recovery_stats,
 )
 from elaswave.runtime.comm.communicator import Communicator
+from elaswave.runtime.integrity.checksums import fast_checksum
 from elaswave.runtime.optim import AdamWHyper, FlatAdamW, FlatParams
 
 DP = "dp"
@@ -56,32 +55,6 @@ DP = "dp"
 
 class ShardLost(RuntimeError):
     """Both copies of (part of) a shard are gone (an owner and a replica holder died together)."""
-
-
-def host_bytes(t: torch.Tensor) -> memoryview:
-    """A tensor's bytes in host memory, whatever device it lives on (a copy only off the CPU)."""
-    return memoryview(t.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy())
-
-
-def digest(*tensors: torch.Tensor) -> int:
-    """A 63-bit checksum of tensors' bytes (blake2b): for whole-model comparisons."""
-    h = hashlib.blake2b(digest_size=8)
-    for t in tensors:
-        h.update(host_bytes(t))
-    return int.from_bytes(h.digest(), "little") >> 1
-
-
-def fast_checksum(*tensors: torch.Tensor) -> int:
-    """A CRC-32 of tensors' bytes, cheap enough for every shard piece of every snapshot.
-
-    zlib's native CRC reads the tensor memory in place: 1.7-9x faster than the earlier pure-torch
-    sums of int64-widened words (``python -m bench checksum``), and it catches any burst of up to
-    32 flipped bits and any swap of two different words.
-    """
-    crc = 0
-    for t in tensors:
-        crc = zlib.crc32(host_bytes(t), crc)
-    return crc
 
 
 @dataclass
@@ -213,7 +186,7 @@ class ZeroState:
         world, size = len(self.workers), self.size
         rank_major = self._ext(grads)[self.index].view(world, size)
         if self.native_reduce_scatter:
-            mine = torch.empty(size, dtype=grads.dtype)
+            mine = grads.new_empty(size)
             comm.reduce_scatter(DP, list(rank_major.unbind(0)), mine, abort)
         else:  # same sum, each rank keeps its part (see ``native_reduce_scatter``)
             comm.allreduce(DP, rank_major.reshape(-1), abort)
@@ -225,7 +198,7 @@ class ZeroState:
         opt.exp_avg, opt.exp_avg_sq = self.own.exp_avg.clone(), self.own.exp_avg_sq.clone()
         opt.step_count = step - 1
         opt.step(param, grad)
-        gathered = torch.empty(world * size, dtype=torch.float32)
+        gathered = self.flat.data.new_empty(world * size)
         comm.allgather_into(DP, gathered, param, abort)
         if self.is_snapshot(step):
             own = Shard.of(step, opt.exp_avg, opt.exp_avg_sq, param if self.keeps_params else None)
@@ -264,7 +237,7 @@ class ZeroState:
             )
         nt = len(shard.tensors())
         recvs = [
-            (o, torch.empty(nt * n + 4, dtype=torch.int32))
+            (o, self.flat.data.new_empty(nt * n + 4, dtype=torch.int32))
             for o, n in sorted(self._recv_sizes.items())
         ]
         comm.exchange(DP, sends=sends, recvs=recvs, abort=abort, tag=1000)
@@ -323,9 +296,9 @@ class ZeroState:
         self, comm: Communicator, part: torch.Tensor, abort: Callable[[], bool]
     ) -> torch.Tensor:
         assert self.layout is not None
-        gathered = torch.empty(len(self.workers) * self.size)
+        gathered = self.flat.data.new_empty(len(self.workers) * self.size)
         comm.allgather_into(DP, gathered, part, abort)
-        flat = torch.zeros(self.layout.numel + 1)
+        flat = self.flat.data.new_zeros(self.layout.numel + 1)
         flat.index_copy_(0, self.index, gathered)
         return flat[:-1]
 
@@ -365,14 +338,18 @@ class ZeroState:
             if me in holders:
                 sends.append((o, torch.cat(self.replicas[o].tensors())))
             if o == me:
-                own_in += [(h, torch.empty(nt * self._send_spans_len(h))) for h in holders]
+                own_in += [
+                    (h, self.flat.data.new_empty(nt * self._send_spans_len(h))) for h in holders
+                ]
         for b in bad_replica:  # every owner with pieces on b re-sends them
             owners = sorted({p.owner for p in self.placement if p.holder == b})
             if me in owners:
                 assert self.snap is not None
                 sends.append((b, torch.cat(self.snap.cut(self._send_spans[b]))))
             if b == me:
-                replica_in += [(o, torch.empty(nt * self._recv_sizes[o])) for o in owners]
+                replica_in += [
+                    (o, self.flat.data.new_empty(nt * self._recv_sizes[o])) for o in owners
+                ]
         comm.exchange(DP, sends, own_in + replica_in, abort, tag=3000)
         for holder, buf in own_in:
             self._repair_own(holder, buf)
@@ -442,15 +419,7 @@ class ZeroState:
         me = new_workers[new_rank]
         nt = 3 if self.keeps_params else 2
         if not old_workers or old_layout is None:
-            self.adopt_layout(
-                ShardLayout.even(self.segments, len(new_workers)), new_workers, new_rank, epoch,
-                new_hosts,
-            )  # fmt: skip
-            zeros = torch.zeros(self.size)
-            params = self._ext(self.flat.data)[self._my_index()].clone() if nt == 3 else None
-            self._start_from(
-                comm, Shard.of(resume_step, zeros.clone(), zeros.clone(), params), math.nan, abort
-            )
+            self._start_fresh(comm, new_workers, new_rank, resume_step, epoch, abort, new_hosts)
             return {
                 "bytes": 0,
                 "promoted_bytes": 0,
@@ -459,29 +428,14 @@ class ZeroState:
                 "transfers": 0,
             }
         hosts = old_hosts if len(old_hosts) == len(old_workers) else ()
-        placement = place_replicas(old_layout, hosts)
-        problem, found, sources = "", [], {}
-        try:
-            found = holdings(old_layout, old_workers, placement, set(new_workers))
-            sources = self._sources(found, me, old_workers, old_layout, placement, resume_step)
-        except KeyError as exc:
-            problem = str(exc.args[0])
-        except ShardLost as exc:
-            problem = str(exc)
-        # Decide together: every rank stops, with the same verdict, if any copy is unusable.
-        flags = torch.zeros(len(new_workers), dtype=torch.int64)
-        comm.allgather_into(DP, flags, torch.tensor([0 if problem else 1]), abort)
-        if not bool(flags.all()):
-            first = int((flags == 0).nonzero()[0])
-            raise ShardLost(
-                problem
-                or f"a shard copy held by {new_workers[first]} is missing, stale or fails its "
-                "checksum"
-            )
+        found, sources = self._usable_copies(
+            comm, old_workers, old_layout, place_replicas(old_layout, hosts), new_workers, me,
+            resume_step, abort,
+        )  # fmt: skip
         new_layout = next_layout(old_layout, old_workers, found, new_workers)
         moves = plan_transfers(found, new_layout, new_workers)
         new_pieces = new_layout.pieces(new_rank)
-        out = [torch.zeros(new_layout.padded_size) for _ in range(nt)]
+        out = [self.flat.data.new_zeros(new_layout.padded_size) for _ in range(nt)]
         for h in found:  # what I already hold and keep (own ranges, promoted pieces): locally
             if h.worker != me:
                 continue
@@ -491,7 +445,7 @@ class ZeroState:
                 for t, src in zip(out, shard.tensors(), strict=True):
                     t[dst_pos : dst_pos + dst_n] = src[src_pos : src_pos + dst_n]
         sends, recvs, unpack = self._pack(moves, me, found, sources, nt)
-        recv_buffers = {peer: torch.empty(total) for peer, total in recvs.items()}
+        recv_buffers = {peer: self.flat.data.new_empty(total) for peer, total in recvs.items()}
         comm.exchange(
             DP,
             sends=[(new_workers.index(dst), buf) for dst, buf in sends.items()],
@@ -515,6 +469,59 @@ class ZeroState:
             moves, promoted(found, new_layout, new_workers), element_bytes=4 * nt
         )
         return {**stats, "transfers": len(moves), "transfer_s": time.perf_counter() - start}
+
+    def _start_fresh(
+        self,
+        comm: Communicator,
+        workers: tuple[str, ...],
+        rank: int,
+        resume_step: int,
+        epoch: int,
+        abort: Callable[[], bool],
+        hosts: tuple[str, ...],
+    ) -> None:
+        """A fresh start: an even layout, every shard's moments zero (and, with K > 1, the
+        parameter chunk of the current parameters)."""
+        self.adopt_layout(
+            ShardLayout.even(self.segments, len(workers)), workers, rank, epoch, hosts
+        )
+        zeros = self.flat.data.new_zeros(self.size)
+        params = self._ext(self.flat.data)[self._my_index()].clone() if self.keeps_params else None
+        self._start_from(
+            comm, Shard.of(resume_step, zeros.clone(), zeros.clone(), params), math.nan, abort
+        )
+
+    def _usable_copies(
+        self,
+        comm: Communicator,
+        old_workers: tuple[str, ...],
+        old_layout: ShardLayout,
+        placement: tuple[ReplicaPiece, ...],
+        new_workers: tuple[str, ...],
+        me: str,
+        resume_step: int,
+        abort: Callable[[], bool],
+    ) -> tuple[list[Holding], dict[tuple[int, bool], tuple[Shard, list[Range]]]]:
+        """Which surviving copies hold every old shard, and this rank's verified ones. Every rank
+        decides together: all stop, with the same verdict, if any copy is unusable."""
+        problem, found, sources = "", [], {}
+        try:
+            found = holdings(old_layout, old_workers, placement, set(new_workers))
+            sources = self._sources(found, me, old_workers, old_layout, placement, resume_step)
+        except KeyError as exc:
+            problem = str(exc.args[0])
+        except ShardLost as exc:
+            problem = str(exc)
+        flags = torch.zeros(len(new_workers), dtype=torch.int64)
+        comm.allgather_into(DP, flags, torch.tensor([0 if problem else 1]), abort)
+        if not bool(flags.all()):
+            first = int((flags == 0).nonzero()[0])
+            raise ShardLost(
+                problem
+                or f"a shard copy held by {new_workers[first]} is missing, stale or fails its "
+                "checksum"
+            )
+        return found, sources
 
     def _sources(
         self,

@@ -42,10 +42,8 @@ from elaswave.planning.dvfs import DvfsError, frequency_plan
 from elaswave.planning.pipeplan import serving_shares
 from elaswave.planning.plan import Plan
 from elaswave.planning.schedule import (
-    Compute,
     LayerTransfer,
     plan_layer_transfers,
-    schedule_1f1b,
     transfer_stats,
 )
 from elaswave.planning.stageshards import (
@@ -58,6 +56,7 @@ from elaswave.planning.stageshards import (
 )
 from elaswave.runtime.durable.checkpoints import DurableState
 from elaswave.runtime.integrity import stageverify
+from elaswave.runtime.integrity.checksums import digest
 from elaswave.runtime.optim import adamw_
 from elaswave.runtime.strategies.pipeline import stagezero
 from elaswave.runtime.strategies.pipeline.clocks import SimActuator, make_actuator
@@ -68,13 +67,12 @@ from elaswave.runtime.strategies.pipeline.stagestate import (
     range_of,
     unpack_into,
 )
+from elaswave.runtime.strategies.pipeline.stagestep import StageStep
 from elaswave.runtime.strategies.pipeline.stagetimes import StageTimer
 from elaswave.runtime.strategies.pipeline.stagezero import (
     MomentStore,
     gather_messages,
 )
-from elaswave.runtime.strategies.zero import digest
-from elaswave.runtime.timing import busy_mark, busy_since
 from elaswave.runtime.workload import call_layer
 from elaswave.runtime.workload.data import MicroBatch
 
@@ -82,7 +80,7 @@ if TYPE_CHECKING:
     from elaswave.runtime.state import RankContext
 
 MIG = "mig"  # the process group asynchronous migrations run on, beside the training group
-TAG_ACT, TAG_GRAD, TAG_STATE = 1, 2, 3
+TAG_STATE = 3  # layer state moving to a new holder (activations and gradients: 1, 2)
 
 
 def estimated_costs(costs: Sequence[float] | None, layers: int) -> tuple[float, ...]:
@@ -115,7 +113,7 @@ class Pipeline:
         # ZeRO-1 inside the stages: moments of the kept intervals only (the state has none),
         # and the parameter pieces this rank sends or receives after every update.
         self.zero = bool(ctx.cfg.zero)
-        self.store = MomentStore()
+        self.store = MomentStore((), ctx.state.device)
         self.gather: list[Piece] = []
         self.parts: list[tuple[Interval, tuple[int, ...]]] = []  # (part, its keepers)
         self.timer = StageTimer()  # what this stage's layers cost in real steps
@@ -221,116 +219,14 @@ class Pipeline:
         (the straggler detector's input); ``None`` when the rank computed nothing. ``slow`` (a
         ``slow`` fault) is extra seconds per micro-batch of the whole model: the stage sleeps
         its layers' cost share of it, as a slower device would."""
-        e = self.e
-        plan = e.plan
+        plan = self.e.plan
         assert plan is not None
-        rank = e.comm.rank("dp")
-        d, s = plan.position(rank)
+        d, _ = plan.position(self.e.comm.rank("dp"))
         if not self.serving[d]:
             return None  # out of service while its layers migrate: only reduce and update
-        ranks = plan.replicas[d]
-        stages = len(ranks)
-        layers = plan.stage_layers(rank)
         start = sum(self.shares[:d])
         mbs = everyone[start : start + self.shares[d]]
-        t = e.cfg.train
-        prev_rank = ranks[s - 1] if s > 0 else None
-        next_rank = ranks[s + 1] if s + 1 < stages else None
-        first, last = layers.start == 0, layers.stop == self.num_layers
-        region = self.span(layers)
-        n = e.state.flat.numel
-        # What arrives from the previous stage and what goes back to it; what this stage sends
-        # and the gradient that comes back for it (shapes and dtypes: the workload's).
-        spec_in = (
-            e.state.workload.boundary(layers.start - 1, t.micro_batch_size) if not first else None
-        )
-        spec_out = (
-            e.state.workload.boundary(layers.stop - 1, t.micro_batch_size) if not last else None
-        )
-        inputs: dict[int, torch.Tensor] = {}
-        outputs: dict[int, torch.Tensor] = {}
-        grads_in: dict[int, torch.Tensor] = {}
-        loss_sum = 0.0
-        timer = self.timer
-        timer.begin(layers)
-
-        def forward(i: int) -> None:
-            nonlocal loss_sum
-            mb = mbs[i]
-            # Only the first stage needs the inputs and only the last the targets.
-            data, targets = e.state.microbatch(mb.sample_ids) if first or last else (None, None)
-            h = data if first else inputs[i]
-            for index in layers:
-                with timer.forward(index):
-                    h = call_layer(
-                        e.state.model.layers[index], h, seed=t.seed, step=step, microbatch=mb.id,
-                        index=index,
-                    )  # fmt: skip
-            with timer.pause():
-                self.device_pause(layers, backward=False)
-            if last:
-                loss = e.state.loss(h, targets, len(mb.sample_ids))
-                loss_sum += loss.item()
-                outputs[i] = loss / t.global_batch
-            else:
-                outputs[i] = h
-
-        def backward(i: int) -> None:
-            out = outputs.pop(i)
-            with timer.backward():
-                if last:
-                    out.backward()
-                else:
-                    out.backward(grads_in.pop(i))
-            with timer.pause():
-                self.device_pause(layers, backward=True)
-            grad = e.state.flat.collect_grads()
-            buf[region].add_(grad[region])
-            grad[region].zero_()
-
-        def message(kind: str, i: int, sending: bool) -> tuple[int, torch.Tensor, int]:
-            if kind == "act":
-                peer = next_rank if sending else prev_rank
-                if sending:
-                    tensor = outputs[i].detach()
-                else:
-                    assert spec_in is not None
-                    tensor = inputs[i] = torch.empty(spec_in.shape, dtype=spec_in.dtype)
-                return peer, tensor, TAG_ACT  # type: ignore[return-value]
-            peer = prev_rank if sending else next_rank
-            if sending:
-                tensor = inputs.pop(i).grad
-                assert tensor is not None
-            else:
-                assert spec_out is not None
-                tensor = grads_in[i] = torch.empty(spec_out.shape, dtype=spec_out.dtype)
-            return peer, tensor, TAG_GRAD  # type: ignore[return-value]
-
-        busy = 0.0
-        extra = slow * self.cost_share(layers) / 2  # half after the forward, half the backward
-        for item in schedule_1f1b(s, stages, len(mbs)):
-            if isinstance(item, Compute):
-                e.enter("compute")
-                mark = busy_mark()
-                if item.kind == "F":
-                    forward(item.mb)
-                else:
-                    backward(item.mb)
-                if extra:
-                    time.sleep(extra)
-                busy += busy_since(mark)
-                continue
-            sends = [message(k, i, True) for k, i in item.sends]
-            recvs = [message(k, i, False) for k, i in item.recvs]
-            e.enter("collective")
-            e.comm.p2p("dp", sends, recvs, broken)
-            for kind, i in item.recvs:
-                if kind == "act" and inputs[i].is_floating_point():
-                    inputs[i].requires_grad_(True)
-        if last:
-            buf[n] += loss_sum
-        timer.end(len(mbs), [self.cost_share(range(i, i + 1)) for i in layers])
-        return busy / len(mbs) if mbs else None
+        return StageStep(self, step, buf, mbs, broken).run(slow)
 
     def update(
         self,
@@ -472,7 +368,7 @@ class Pipeline:
             len({row[layer] for row in rows if row[layer] >= 0}) == 1
             for layer in range(self.num_layers)
         )
-        whole = torch.zeros(3 * n, dtype=torch.float32)
+        whole = e.state.flat.data.new_zeros(3 * n)
         for layer in range(self.num_layers):
             first = next((i for i, row in enumerate(rows) if row[layer] >= 0), None)
             if first == rank:
@@ -581,7 +477,7 @@ class Pipeline:
         e.state.flat.data.copy_(state.params)
         if self.zero:
             blocks = holder_blocks(targets, self.offsets, plan.hosts)
-            store = MomentStore(moment_duty(blocks, plan.world_size)[rank])
+            store = MomentStore(moment_duty(blocks, plan.world_size)[rank], e.state.device)
             for a, b in store.intervals:
                 store.unpack(a, b, torch.cat([state.exp_avg[a:b], state.exp_avg_sq[a:b]]))
             self.store = store
@@ -625,7 +521,7 @@ class Pipeline:
         regions = [self.span(range(t.start, t.stop)) for t in transfers if t.dst == rank]
         srcs = [t.src for t in transfers if t.dst == rank]
         recvs = [
-            (src, torch.empty(3 * (r.stop - r.start)), TAG_STATE)
+            (src, self.e.state.flat.data.new_empty(3 * (r.stop - r.start)), TAG_STATE)
             for src, r in zip(srcs, regions, strict=True)
         ]
         return sends, recvs, regions

@@ -36,6 +36,7 @@ from elaswave.planning.stageshards import (
     subtract,
 )
 from elaswave.runtime.durable.checkpoints import DurableState
+from elaswave.runtime.integrity.checksums import digest
 from elaswave.runtime.optim import AdamWHyper, adamw_
 from elaswave.runtime.strategies.pipeline.stagestate import (
     Migration,
@@ -43,7 +44,6 @@ from elaswave.runtime.strategies.pipeline.stagestate import (
     range_of,
     unpack_into,
 )
-from elaswave.runtime.strategies.zero import digest
 
 if TYPE_CHECKING:
     from elaswave.runtime.strategies.pipeline.stage import Pipeline
@@ -55,7 +55,9 @@ Message = tuple[int, torch.Tensor, int]  # (peer, tensor, tag)
 class MomentStore:
     """Adam's two moments for a set of flat element intervals, stored back to back."""
 
-    def __init__(self, intervals: Sequence[Interval] = ()) -> None:
+    def __init__(
+        self, intervals: Sequence[Interval] = (), device: torch.device | None = None
+    ) -> None:
         self.intervals = merge(intervals)
         self._starts = [a for a, _ in self.intervals]
         self._base: list[int] = []
@@ -63,8 +65,8 @@ class MomentStore:
         for a, b in self.intervals:
             self._base.append(total)
             total += b - a
-        self.exp_avg = torch.zeros(total, dtype=torch.float32)
-        self.exp_avg_sq = torch.zeros(total, dtype=torch.float32)
+        self.exp_avg = torch.zeros(total, dtype=torch.float32, device=device)
+        self.exp_avg_sq = torch.zeros(total, dtype=torch.float32, device=device)
 
     @property
     def numel(self) -> int:
@@ -121,7 +123,7 @@ def gather_messages(
     """This rank's sends and receive buffers of a parameter gather, and the pieces received."""
     sends = [(p.dst, params[p.start : p.stop], TAG_PARAM) for p in pieces if p.src == rank]
     mine = [p for p in pieces if p.dst == rank]
-    recvs = [(p.src, torch.empty(p.stop - p.start), TAG_PARAM) for p in mine]
+    recvs = [(p.src, params.new_empty(p.stop - p.start), TAG_PARAM) for p in mine]
     return sends, recvs, mine
 
 
@@ -131,7 +133,7 @@ def moment_messages(
     """This rank's sends (copies of kept moments) and receive buffers of a moment relayout."""
     sends = [(p.dst, store.packed(p.start, p.stop), TAG_MOMENT) for p in pieces if p.src == rank]
     mine = [p for p in pieces if p.dst == rank]
-    recvs = [(p.src, torch.empty(2 * (p.stop - p.start)), TAG_MOMENT) for p in mine]
+    recvs = [(p.src, store.exp_avg.new_empty(2 * (p.stop - p.start)), TAG_MOMENT) for p in mine]
     return sends, recvs, mine
 
 
@@ -150,29 +152,11 @@ def sync(
     e = pipe.e
     rank = e.comm.rank("dp")
     pipe.migration = None  # a migration cut short by this change is void
-    mine = torch.tensor([float(e.state.step), float(pipe.fresh)], dtype=torch.float64)
-    rows = [r.tolist() for r in e.comm.allgather("dp", mine, broken)]
-    veterans = [int(r[0]) for r in rows if not r[1]]
-    fresh = start_from() if not veterans and start_from is not None else None
-    if fresh is not None:
-        return pipe.restore_whole(plan, fresh)
-    resume = min(veterans) if veterans else 0  # everyone fresh: the job starts
-    rolled_back = [i for i, r in enumerate(rows) if int(r[0]) > resume]
-    if rank in rolled_back:
-        pipe.roll_back(resume)
-    newcomer = pipe.fresh and resume > 0  # its initial state is not the job's
-    held = None if newcomer else pipe.held
-    kept = [] if newcomer else pipe.store.intervals
-    row = torch.full((3 + 4 * pipe.num_layers,), -1.0, dtype=torch.float64)
-    row[0:2] = torch.tensor(bounds_of(held))
-    row[2] = len(kept)
-    for i, (a, b) in enumerate(kept):
-        row[3 + 2 * i : 5 + 2 * i] = torch.tensor([float(a), float(b)])
-    rows = [r.tolist() for r in e.comm.allgather("dp", row, broken)]
-    have_params = [spans(pipe.span, range_of(r[0], r[1])) for r in rows]
-    have_moments = [
-        [(int(r[3 + 2 * i]), int(r[4 + 2 * i])) for i in range(int(r[2]))] for r in rows
-    ]
+    agreed = _agree_resume(pipe, plan, broken, start_from)
+    if isinstance(agreed, dict):
+        return agreed  # every rank was fresh: the whole state from a checkpoint
+    resume, rolled_back = agreed
+    held_bounds, have_params, have_moments = _what_ranks_have(pipe, resume, broken)
     targets, info = pipe.begin_layout(plan, resume, rolled_back)
     info["held_elements"] = pipe.span(pipe.target).stop - pipe.span(pipe.target).start
     blocks = holder_blocks(targets, pipe.offsets, plan.hosts)
@@ -187,7 +171,7 @@ def sync(
     if resume == 0:  # before the first update every moment is zero: nothing to move
         pipe.held = pipe.target
         pipe.serving, pipe.shares = [True] * len(plan.replicas), plan.shares
-        adopt(MomentStore(duty[rank]))
+        adopt(MomentStore(duty[rank], e.state.device))
         return {**info, "moment_bytes": pipe.store.nbytes, "gather_bytes": _gather_bytes(pipe)}
     # Asynchronously, a rank brings up to date the layers it newly holds (parameters and
     # both moments, to replay their updates) and the parts it newly keeps.
@@ -208,7 +192,7 @@ def sync(
         **{f"moment_{k}": v for k, v in piece_stats(moment_pieces).items()},
     )
     if asynchronous and any(serving) and (param_pieces or moment_pieces):
-        pipe.held = range_of(rows[rank][0], rows[rank][1])
+        pipe.held = range_of(*held_bounds)
         pipe.serving = serving
         pipe.shares = serving_shares(plan, serving, pipe.costs)
         # Until the switch every rank keeps its old duties; the parameters it holds but does
@@ -218,18 +202,75 @@ def sync(
         pipe.gather = [p for p in interim if rank in (p.src, p.dst)]
         receivers = len({p.dst for p in param_pieces + moment_pieces})
         _start_migration(
-            pipe,
-            param_pieces,
-            moment_pieces,
-            newly[rank],
-            wanted[rank],
-            duty[rank],
-            adopt,
+            pipe, param_pieces, moment_pieces, newly[rank], wanted[rank], duty[rank], adopt,
             receivers,
-        )
+        )  # fmt: skip
         return {**info, "migration": "async", "serving": serving, "shares": list(pipe.shares)}
+    store = MomentStore(duty[rank], e.state.device)
+    moved = _move_blocking(pipe, param_pieces, moment_pieces, store, broken)
+    pipe.held = pipe.target
+    pipe.serving, pipe.shares = [True] * len(plan.replicas), plan.shares
+    adopt(store)
+    return {**info, **moved, "gather_bytes": _gather_bytes(pipe)}
+
+
+def _agree_resume(
+    pipe: Pipeline,
+    plan: Plan,
+    broken: Callable[[], bool],
+    start_from: Callable[[], DurableState | None] | None,
+) -> tuple[int, list[int]] | dict[str, Any]:
+    """The resume step (the oldest step a veteran rank holds) and the ranks rolled back to it;
+    when every rank is fresh and there is a checkpoint to start from, the restore's details."""
+    e = pipe.e
+    mine = torch.tensor([float(e.state.step), float(pipe.fresh)], dtype=torch.float64)
+    rows = [r.tolist() for r in e.comm.allgather("dp", mine, broken)]
+    veterans = [int(r[0]) for r in rows if not r[1]]
+    fresh = start_from() if not veterans and start_from is not None else None
+    if fresh is not None:
+        return pipe.restore_whole(plan, fresh)
+    resume = min(veterans) if veterans else 0  # everyone fresh: the job starts
+    rolled_back = [i for i, r in enumerate(rows) if int(r[0]) > resume]
+    if e.comm.rank("dp") in rolled_back:
+        pipe.roll_back(resume)
+    return resume, rolled_back
+
+
+def _what_ranks_have(
+    pipe: Pipeline, resume: int, broken: Callable[[], bool]
+) -> tuple[tuple[float, float], list[list[Interval]], list[list[Interval]]]:
+    """Every rank's held layers and kept moment intervals, gathered: this rank's held bounds,
+    then per rank the parameter intervals it holds and the moment intervals it keeps."""
+    e = pipe.e
+    newcomer = pipe.fresh and resume > 0  # its initial state is not the job's
+    held = None if newcomer else pipe.held
+    kept = [] if newcomer else pipe.store.intervals
+    row = torch.full((3 + 4 * pipe.num_layers,), -1.0, dtype=torch.float64)
+    row[0:2] = torch.tensor(bounds_of(held))
+    row[2] = len(kept)
+    for i, (a, b) in enumerate(kept):
+        row[3 + 2 * i : 5 + 2 * i] = torch.tensor([float(a), float(b)])
+    rows = [r.tolist() for r in e.comm.allgather("dp", row, broken)]
+    have_params = [spans(pipe.span, range_of(r[0], r[1])) for r in rows]
+    have_moments = [
+        [(int(r[3 + 2 * i]), int(r[4 + 2 * i])) for i in range(int(r[2]))] for r in rows
+    ]
+    mine = rows[e.comm.rank("dp")]
+    return (mine[0], mine[1]), have_params, have_moments
+
+
+def _move_blocking(
+    pipe: Pipeline,
+    param_pieces: list[Piece],
+    moment_pieces: list[Piece],
+    store: MomentStore,
+    broken: Callable[[], bool],
+) -> dict[str, Any]:
+    """Move the new layout's pieces before training resumes: parameters into the flat buffer,
+    moments into ``store`` (the new duties, filled first from what this rank keeps)."""
+    e = pipe.e
+    rank = e.comm.rank("dp")
     start = time.perf_counter()
-    store = MomentStore(duty[rank])
     store.fill_from(pipe.store)
     sends_p, recvs_p, got_p = gather_messages(param_pieces, rank, e.state.flat.data)
     sends_m, recvs_m, got_m = moment_messages(moment_pieces, rank, pipe.store)
@@ -239,16 +280,11 @@ def sync(
         e.state.flat.data[piece.start : piece.stop].copy_(payload)
     for piece, payload in zip(got_m, received[len(got_p) :], strict=True):
         store.unpack(piece.start, piece.stop, payload)
-    pipe.held = pipe.target
-    pipe.serving, pipe.shares = [True] * len(plan.replicas), plan.shares
-    adopt(store)
     return {
-        **info,
         "migration": "blocking",
         "migration_seconds": round(time.perf_counter() - start, 6),
         "bytes_received": sum(t.numel() * t.element_size() for t in received),
         "moment_bytes": store.nbytes,  # vs 8 bytes per held element when replicated
-        "gather_bytes": _gather_bytes(pipe),
     }
 
 
@@ -276,10 +312,12 @@ def _start_migration(
     rank = e.comm.rank("dp")
     mine = subtract(wanted, pipe.store.intervals)  # moments this rank has to receive
     replay = [(slice(a, b), any(c <= a and b <= d for c, d in newly)) for a, b in cut(mine, newly)]
-    m = Migration([*param_pieces, *moment_pieces], replay, receivers, store=MomentStore(mine))
+    m = Migration(
+        [*param_pieces, *moment_pieces], replay, receivers, store=MomentStore(mine, e.state.device)
+    )
 
     def switch() -> None:
-        store = MomentStore(duty)
+        store = MomentStore(duty, e.state.device)
         store.fill_from(pipe.store)
         assert m.store is not None
         store.fill_from(m.store)
@@ -311,7 +349,7 @@ def assemble(pipe: Pipeline, broken: Callable[[], bool]) -> tuple[torch.Tensor, 
             sums[len(units) + j] = digest(*pipe.store.view(a, b))
     rows = [x.tolist() for x in e.comm.allgather("dp", sums, broken)]
     agree = all(len({row[u] for row in rows if row[u] >= 0}) == 1 for u in range(len(sums)))
-    whole = torch.zeros(3 * n, dtype=torch.float32)
+    whole = e.state.flat.data.new_zeros(3 * n)
     for u in range(len(sums)):
         if next((i for i, row in enumerate(rows) if row[u] >= 0), None) != rank:
             continue

@@ -1,0 +1,79 @@
+"""Where a rank's whole state comes from when no peer holds it.
+
+A plan whose ranks all hold no state starts from ``--resume``'s checkpoint, or, for a job that has
+already committed steps, from its newest durable checkpoint; a new job starts at step 0. When both
+in-memory copies of some state are gone the strategies fall back here too. Every rank of the plan
+calls these together and sees the same choice (rank 0 picks, and broadcasts it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from elaswave.planning.plan import Plan
+from elaswave.runtime.durable import checkpoints
+from elaswave.runtime.durable.checkpoints import DurableCheckpoints, DurableState
+from elaswave.runtime.strategies.zero import ShardLost
+
+if TYPE_CHECKING:
+    from elaswave.runtime.state import RankContext
+
+DP = "dp"
+
+__all__ = ["DurableSource"]
+
+
+class DurableSource:
+    """The job's durable checkpoints (``checkpoints`` is None when they are off) as a source of
+    whole state for every rank of a plan."""
+
+    def __init__(self, ctx: RankContext, store: DurableCheckpoints | None) -> None:
+        self.ctx = ctx
+        self.checkpoints = store
+
+    def start_over(self, plan: Plan, broken: Callable[[], bool]) -> tuple[Path, int, str] | None:
+        """Where a plan whose ranks all hold no state starts: ``--resume``'s checkpoint; for a
+        job that has committed steps, its newest durable checkpoint; ``None`` for a new job
+        (step 0). Never step 0 once the job has committed steps: with no checkpoint the state is
+        lost, and the job stops saying so."""
+        cfg = self.ctx.cfg
+        if cfg.resume:
+            path = checkpoints.latest(cfg.resume)
+            if path is None:
+                raise ShardLost(f"no durable checkpoint to resume from in {cfg.resume}")
+            return path, 0, "resume"
+        if not plan.committed:
+            return None
+        why = f"every worker holding the job's state is gone (step {plan.committed} committed)"
+        chosen = self.newest(broken)
+        if not chosen:
+            raise ShardLost(
+                f"{why} and there is no durable checkpoint: the job will not start over from "
+                "step 0 (configure durable_every to fall back to one)"
+            )
+        return Path(chosen), plan.committed, why
+
+    def newest(self, broken: Callable[[], bool]) -> str:
+        """The newest complete durable checkpoint as rank 0 sees it, the same on every rank
+        ("" when there is none, or durable checkpoints are off)."""
+        if self.checkpoints is None:
+            return ""
+        self.checkpoints.flush()  # a write still in flight is the newest checkpoint
+        comm, cfg = self.ctx.comm, self.ctx.cfg
+        newest = checkpoints.latest(cfg.resolved_durable_dir) if comm.rank(DP) == 0 else None
+        return comm.broadcast_json(DP, str(newest) if newest else "", 0, broken)
+
+    def load(self, path: Path, lost_from: int, reason: str) -> DurableState:
+        """Read a durable checkpoint (every rank reads all of it) and report the restore."""
+        state = checkpoints.load(path, self.ctx.state.flat.numel)
+        if self.ctx.comm.rank(DP) == 0:
+            self.ctx.event(
+                "durable_restored",
+                path=str(path),
+                step=state.step,
+                recomputed_steps=max(0, lost_from - state.step),
+                reason=reason,
+            )
+        return state

@@ -1,0 +1,155 @@
+"""Silent corruption, as the engine's loop sees it: the seal, the periodic check, the known-good
+state and the rollback.
+
+After each clean check every rank keeps the whole state (``KnownGood``; step 0's too). A check
+compares the copies through the strategy (``Strategy.verify``: replicated votes, ZeRO shard
+copies, pipeline layer holders) and repairs bad ones. A *seal* — the CRC of the parameters a rank
+computes with, taken at commit and checked before the next step — catches flips that the next
+step would wash out of the copies. When anything was found, every rank rolls back to the known-good
+state (``rollback_verdict``) and the main loop redoes the steps since.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from elaswave.runtime.durable.checkpoints import DurableState
+from elaswave.runtime.integrity.checksums import fast_checksum
+from elaswave.runtime.integrity.inject import FaultInjector
+from elaswave.runtime.integrity.rollback import NONE, KnownGood, rollback_verdict
+from elaswave.runtime.integrity.verify import flip_bit
+from elaswave.runtime.strategies.base import DP, Strategy
+
+if TYPE_CHECKING:
+    from elaswave.runtime.durable.restore import DurableSource
+    from elaswave.runtime.state import RankContext
+
+__all__ = ["Integrity"]
+
+
+class Integrity:
+    """One rank's side of corruption detection and rollback (every method that talks to peers
+    is called by every rank of the plan together)."""
+
+    def __init__(
+        self, ctx: RankContext, strategy: Strategy, durable: DurableSource, faults: FaultInjector
+    ) -> None:
+        self.ctx = ctx
+        self.strategy = strategy
+        self.durable = durable
+        self.faults = faults
+        self.every = ctx.cfg.verify_every
+        self.good: KnownGood | None = None  # the whole state after the last clean check
+        self._seal: int | None = None  # CRC of the parameters as last committed
+        self._tainted = False  # they changed at rest since
+
+    def before_step(self) -> None:
+        if self._seal_broken():
+            self._tainted = True  # changed at rest: the next check rolls everyone back
+
+    def reseal(self) -> None:
+        if self.every and self.ctx.plan is not None:
+            self._seal = fast_checksum(self.strategy.computes_with())
+
+    def _seal_broken(self) -> bool:
+        return self._seal is not None and fast_checksum(self.strategy.computes_with()) != self._seal
+
+    def after_apply(self) -> None:
+        """A plan is in force; at step 0 every rank built the same state: it is known good."""
+        if self.every and self.ctx.state.step == 0:
+            self.capture_good(0)
+
+    def after_commit(self, step: int) -> bool:
+        """Corruption faults due at ``step`` land; on a check step, the check. True when every
+        rank rolled back (the main loop redoes the steps since the known-good state)."""
+        self.reseal()
+        self.faults.corrupt(step, self._flip)
+        if not self.every or step % self.every:
+            return False
+        self.ctx.enter("collective")
+        tainted = self._tainted or self._seal_broken()  # before a repair rewrites anything
+        found = self.strategy.verify(step, self.ctx.broken)
+        rolled_back = self._settle(step, found, tainted)
+        self.ctx.enter("idle")
+        return rolled_back
+
+    def _flip(self, target: str, step: int) -> str:
+        tensor, name = self.strategy.corrupt_target(target)
+        index = (step * 7919) % tensor.numel()
+        flip_bit(tensor, index)
+        return f"{name}[{index}]"
+
+    def _settle(self, step: int, found: bool, tainted: bool) -> bool:
+        """After a check at ``step`` (``found``: copies disagreed on some rank; ``tainted``: this
+        rank's parameters changed at rest): keep the state as known good when every rank is
+        clean; otherwise roll every rank back to the known-good state (True)."""
+        ctx = self.ctx
+        plan = ctx.plan
+        assert plan is not None
+        good = self.good.step if self.good is not None else NONE
+        mine = torch.tensor([int(tainted), int(found), good], dtype=torch.int64)
+        rows = [r.tolist() for r in ctx.comm.allgather(DP, mine, ctx.broken)]
+        hit = [r for r, row in enumerate(rows) if row[0]]
+        found_any = any(row[1] for row in rows)
+        if hit and not found_any:  # only the seal saw it (the copies agree again)
+            self.strategy.say(
+                "sdc_detected", step=step, what="parameters changed at rest", ranks=hit,
+                workers=[plan.workers[r] for r in hit], source_rank=None,
+            )  # fmt: skip
+        if not hit and not found_any:
+            self.capture_good(step)
+            return False
+        verdict = rollback_verdict([row[2] for row in rows], step)
+        if verdict.target is None:  # the in-place repair stands; the steps since keep its trace
+            self.strategy.say("sdc_not_rolled_back", step=step, reason=verdict.reason)
+            self._tainted = False
+            self.reseal()
+            return False
+        assert verdict.source is not None
+        self._roll_back(step, verdict.target, verdict.source, [row[2] for row in rows])
+        return True
+
+    def capture_good(self, step: int) -> None:
+        """Every rank keeps the whole state of ``step`` (a collective: ZeRO gathers the moments,
+        pipelines assemble the layers)."""
+        whole = self.strategy.whole(self.ctx.broken).copy()
+        self.good = KnownGood(step, self.ctx.state.last_loss, whole)
+        self._tainted = False
+
+    def _roll_back(self, step: int, target: int, source: int, kept: list[int]) -> None:
+        """Every rank restores the known-good state of ``target``; steps ``target + 1 .. step``
+        are redone by the main loop."""
+        ctx = self.ctx
+        assert ctx.plan is not None
+        broken, start = ctx.broken, time.perf_counter()
+        if any(k != target for k in kept):  # newcomers receive it from a rank that keeps it
+            n = ctx.state.flat.numel
+            meta = torch.tensor([float(target), math.nan], dtype=torch.float64)
+            whole = ctx.state.flat.data.new_empty(3 * n)
+            if self.good is not None and self.good.step == target:
+                meta[1], whole = self.good.loss, self.good.whole
+            ctx.comm.broadcast(DP, meta, source, broken)
+            ctx.comm.broadcast(DP, whole, source, broken)
+            self.good = KnownGood(target, float(meta[1]), whole)
+        assert self.good is not None
+        params, exp_avg, exp_avg_sq = self.good.parts()
+        state = DurableState(
+            target, self.good.loss, params, exp_avg, exp_avg_sq, Path(f"known-good@{target}")
+        )
+        self.strategy.roll_back(state, ctx.plan, broken)
+        self._tainted = False
+        self.reseal()
+        if ctx.comm.rank(DP) != 0:
+            return
+        if self.durable.checkpoints is not None:
+            self.durable.checkpoints.discard_after(target)  # saved from a state the check failed
+        ctx.event(
+            "sdc_rolled_back", step=step, to_step=target, redone_steps=step - target,
+            seconds=round(time.perf_counter() - start, 6),
+        )  # fmt: skip
+        ctx.send({"type": "rollback", "step": target})

@@ -1,0 +1,149 @@
+"""The strategy interface: how a rank computes, reduces and updates one step, and how it keeps its
+state across plans.
+
+The engine's loop drives exactly one :class:`Strategy` (replicated data parallelism, ZeRO-1, or a
+pipeline stage with replicated or ZeRO stage state) and never branches on which. A strategy
+works on the rank's :class:`~elaswave.runtime.state.TrainState` through its
+:class:`~elaswave.runtime.state.RankContext`; it never sees the engine.
+
+One step, as the engine drives it::
+
+    per_mb = strategy.compute(step, micro_batches, buffer, slowdown)   # forward + backward
+    epochs = strategy.reduce_update(step, buffer, broken, before_update)  # reduce, then update
+
+A new plan: ``groups(plan)`` names the process groups, ``sync(plan, broken)`` brings this rank's
+state to the plan's resume step (from peers, else from a durable checkpoint), ``after_apply``
+runs once the plan is in force. Integrity and durability: ``whole`` (the whole state, assembled
+or gathered: a collective), ``adopt`` (take a whole state), ``roll_back`` (take the known-good
+state), ``verify`` (compare copies, repair, say what was found), ``computes_with`` (what the
+seal covers), ``corrupt_target`` (where an injected flip lands).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from elaswave.planning.plan import Plan
+from elaswave.runtime.durable.checkpoints import DurableState
+from elaswave.runtime.workload.data import MicroBatch
+
+if TYPE_CHECKING:
+    from elaswave.runtime.durable.restore import DurableSource
+    from elaswave.runtime.state import RankContext
+
+DP = "dp"  # the training group: every rank of the plan
+
+__all__ = ["DP", "Strategy", "Whole"]
+
+
+@dataclass
+class Whole:
+    """The whole model's training state as one rank sees it after a collective (parameters and
+    both Adam moments, possibly views of the rank's own buffers)."""
+
+    params: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    checks: dict[str, bool] = field(default_factory=dict)  # e.g. whether layer holders agree
+
+    def copy(self) -> torch.Tensor:
+        """[params | exp_avg | exp_avg_sq] in one new tensor."""
+        return torch.cat([self.params, self.exp_avg, self.exp_avg_sq])
+
+
+class Strategy(ABC):
+    """How one rank trains. ``buf`` is the step's reduction buffer: [gradients | loss sum |
+    newest epoch seen | a strategy's flag], the size of the whole model."""
+
+    sharded = False  # the update has a phase of its own (ZeRO): faults can aim at it
+
+    def __init__(self, ctx: RankContext, durable: DurableSource) -> None:
+        self.ctx = ctx
+        self.state = ctx.state
+        self.durable = durable
+
+    # ---- one step -----------------------------------------------------------------------------
+    @abstractmethod
+    def compute(
+        self, step: int, every: Sequence[MicroBatch], buf: torch.Tensor, slowdown: float
+    ) -> float | None:
+        """Forward and backward over this rank's share of ``every`` (the step's micro-batches),
+        gradients and loss sums added into ``buf``; ``slowdown``: extra seconds an injected slow
+        fault adds to the step. Returns this rank's compute seconds per micro-batch."""
+
+    @abstractmethod
+    def reduce_update(
+        self,
+        step: int,
+        buf: torch.Tensor,
+        broken: Callable[[], bool],
+        before_update: Callable[[], None],
+    ) -> float:
+        """Reduce ``buf`` over the plan's ranks, apply the update, set the state's step and loss.
+        Returns the reduced "newest epoch seen" sum (the engine switches plans when it says some
+        rank saw a newer one)."""
+
+    # ---- a new plan ---------------------------------------------------------------------------
+    def groups(self, plan: Plan) -> dict[str, tuple[str, ...]]:
+        """The process groups this strategy needs under ``plan``."""
+        return {DP: plan.workers}
+
+    @abstractmethod
+    def sync(self, plan: Plan, broken: Callable[[], bool]) -> dict[str, Any]:
+        """Bring this rank's state to the plan's resume step; what moved, for the event."""
+
+    def after_apply(self, plan: Plan) -> None:  # noqa: B027 (an optional hook)
+        """``plan`` is in force (it is the context's plan now)."""
+
+    def after_commit(self, step: int) -> None:  # noqa: B027 (an optional hook)
+        """``step`` is committed (reports that go with it)."""
+
+    def ready(self) -> dict[str, Any]:
+        """What the worker's ready message tells the leader before the first plan."""
+        return {}
+
+    # ---- whole state: integrity and durability ------------------------------------------------
+    @abstractmethod
+    def whole(self, broken: Callable[[], bool]) -> Whole:
+        """The whole training state (a collective: every rank of the plan calls it)."""
+
+    @abstractmethod
+    def adopt(self, state: DurableState, plan: Plan, broken: Callable[[], bool]) -> dict[str, Any]:
+        """Take a whole training state (a durable checkpoint) into this rank."""
+
+    def roll_back(self, state: DurableState, plan: Plan, broken: Callable[[], bool]) -> None:
+        """Take the known-good state after a check found corruption."""
+        self.adopt(state, plan, broken)
+
+    @abstractmethod
+    def verify(self, step: int, broken: Callable[[], bool]) -> bool:
+        """Compare the copies of the state across ranks and repair bad ones (a collective);
+        rank 0 reports what it found. True when something was found."""
+
+    def computes_with(self) -> torch.Tensor:
+        """The parameters this rank computes with (what the seal's CRC covers)."""
+        return self.state.flat.data
+
+    @abstractmethod
+    def corrupt_target(self, target: str) -> tuple[torch.Tensor, str]:
+        """Where an injected bit flip aimed at ``target`` (parameters | snapshot) lands."""
+
+    # ---- shared helpers -----------------------------------------------------------------------
+    def restore(
+        self, plan: Plan, broken: Callable[[], bool], path: Path, lost_from: int, reason: str
+    ) -> dict[str, Any]:
+        """Load a durable checkpoint into this rank (any world size) and report it."""
+        state = self.durable.load(path, lost_from, reason)
+        self.adopt(state, plan, broken)
+        return {"resume_step": state.step, "source_rank": -1, "bytes": 0, "durable": str(path)}
+
+    def say(self, kind: str, **fields: Any) -> None:
+        """An event from rank 0 only (the others know the same)."""
+        if self.ctx.comm.rank(DP) == 0:
+            self.ctx.event(kind, **fields)

@@ -1,0 +1,161 @@
+"""One training step of one pipeline stage: the 1F1B schedule over its replica's micro-batches.
+
+Forward runs this stage's layers (RNG keyed by (seed, step, micro-batch, layer)); the last stage
+computes the workload's loss, scaled by 1/B. Backward adds the stage's layer gradients into the
+step's reduction buffer. Activations go forward and their gradients back as point-to-point
+messages whose shapes and dtypes come from the workload (``Workload.boundary``), on the state's
+device.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from elaswave.planning.schedule import Comm, Compute, schedule_1f1b
+from elaswave.runtime.timing import busy_mark, busy_since
+from elaswave.runtime.workload import call_layer
+from elaswave.runtime.workload.data import MicroBatch
+
+if TYPE_CHECKING:
+    from elaswave.runtime.strategies.pipeline.stage import Pipeline
+
+TAG_ACT, TAG_GRAD = 1, 2
+
+__all__ = ["StageStep"]
+
+
+class StageStep:
+    """The state of one step of this rank's stage (built for the step, then dropped)."""
+
+    def __init__(
+        self,
+        pipe: Pipeline,
+        step: int,
+        buf: torch.Tensor,
+        mbs: list[MicroBatch],
+        broken: Callable[[], bool],
+    ) -> None:
+        ctx = pipe.e
+        plan = ctx.plan
+        assert plan is not None
+        self.pipe, self.ctx, self.step, self.buf, self.mbs, self.broken = (
+            pipe, ctx, step, buf, mbs, broken,
+        )  # fmt: skip
+        rank = ctx.comm.rank("dp")
+        d, self.stage = plan.position(rank)
+        ranks = plan.replicas[d]
+        self.stages = len(ranks)
+        self.layers = layers = plan.stage_layers(rank)
+        self.prev_rank = ranks[self.stage - 1] if self.stage > 0 else None
+        self.next_rank = ranks[self.stage + 1] if self.stage + 1 < self.stages else None
+        self.first, self.last = layers.start == 0, layers.stop == pipe.num_layers
+        self.region = pipe.span(layers)
+        # What arrives from the previous stage and what goes back to it; what this stage sends
+        # and the gradient that comes back for it (shapes and dtypes: the workload's).
+        workload, size = ctx.state.workload, ctx.cfg.train.micro_batch_size
+        self.spec_in = workload.boundary(layers.start - 1, size) if not self.first else None
+        self.spec_out = workload.boundary(layers.stop - 1, size) if not self.last else None
+        self.inputs: dict[int, torch.Tensor] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.grads_in: dict[int, torch.Tensor] = {}
+        self.loss_sum = 0.0
+
+    def run(self, slow: float) -> float | None:
+        """The whole schedule; returns busy seconds per micro-batch (``None``: no micro-batch).
+        ``slow``: extra seconds per micro-batch of the whole model (a ``slow`` fault); the stage
+        sleeps its layers' cost share of it, half after the forward and half after the backward."""
+        pipe, ctx = self.pipe, self.ctx
+        pipe.timer.begin(self.layers)
+        busy = 0.0
+        extra = slow * pipe.cost_share(self.layers) / 2
+        for item in schedule_1f1b(self.stage, self.stages, len(self.mbs)):
+            if isinstance(item, Compute):
+                ctx.enter("compute")
+                mark = busy_mark()
+                if item.kind == "F":
+                    self.forward(item.mb)
+                else:
+                    self.backward(item.mb)
+                if extra:
+                    time.sleep(extra)
+                busy += busy_since(mark)
+            else:
+                self.exchange(item)
+        if self.last:
+            self.buf[ctx.state.flat.numel] += self.loss_sum
+        pipe.timer.end(len(self.mbs), [pipe.cost_share(range(i, i + 1)) for i in self.layers])
+        return busy / len(self.mbs) if self.mbs else None
+
+    def forward(self, i: int) -> None:
+        st, t, timer = self.ctx.state, self.ctx.cfg.train, self.pipe.timer
+        mb = self.mbs[i]
+        # Only the first stage needs the inputs and only the last the targets.
+        data, targets = st.microbatch(mb.sample_ids) if self.first or self.last else (None, None)
+        h = data if self.first else self.inputs[i]
+        for index in self.layers:
+            with timer.forward(index):
+                h = call_layer(
+                    st.model.layers[index], h, seed=t.seed, step=self.step, microbatch=mb.id,
+                    index=index,
+                )  # fmt: skip
+        with timer.pause():
+            self.pipe.device_pause(self.layers, backward=False)
+        if self.last:
+            loss = st.loss(h, targets, len(mb.sample_ids))
+            self.loss_sum += loss.item()
+            self.outputs[i] = loss / t.global_batch
+        else:
+            self.outputs[i] = h
+
+    def backward(self, i: int) -> None:
+        out = self.outputs.pop(i)
+        with self.pipe.timer.backward():
+            if self.last:
+                out.backward()
+            else:
+                out.backward(self.grads_in.pop(i))
+        with self.pipe.timer.pause():
+            self.pipe.device_pause(self.layers, backward=True)
+        grad = self.ctx.state.flat.collect_grads()
+        self.buf[self.region].add_(grad[self.region])
+        grad[self.region].zero_()
+
+    def exchange(self, item: Comm) -> None:
+        """Post this slot's sends and receives together; received activations need gradients."""
+        sends = [self.message(k, i, True) for k, i in item.sends]
+        recvs = [self.message(k, i, False) for k, i in item.recvs]
+        self.ctx.enter("collective")
+        self.ctx.comm.p2p("dp", sends, recvs, self.broken)
+        for kind, i in item.recvs:
+            if kind == "act" and self.inputs[i].is_floating_point():
+                self.inputs[i].requires_grad_(True)
+
+    def message(self, kind: str, i: int, sending: bool) -> tuple[int, torch.Tensor, int]:
+        """(peer, tensor, tag) of an activation (``act``) or its gradient going back."""
+        device = self.ctx.state.device
+        if kind == "act":
+            peer = self.next_rank if sending else self.prev_rank
+            if sending:
+                tensor = self.outputs[i].detach()
+            else:
+                spec = self.spec_in
+                assert spec is not None
+                tensor = torch.empty(spec.shape, dtype=spec.dtype, device=device)
+                self.inputs[i] = tensor
+            assert peer is not None
+            return peer, tensor, TAG_ACT
+        peer = self.prev_rank if sending else self.next_rank
+        if sending:
+            grad = self.inputs.pop(i).grad
+            assert grad is not None
+            tensor = grad
+        else:
+            spec = self.spec_out
+            assert spec is not None
+            tensor = self.grads_in[i] = torch.empty(spec.shape, dtype=spec.dtype, device=device)
+        assert peer is not None
+        return peer, tensor, TAG_GRAD

@@ -1,0 +1,180 @@
+"""ZeRO-1 as a strategy: the local compute of data parallelism, the sharded update and recovery
+of :class:`~elaswave.runtime.strategies.zero.ZeroState` (its module says how a step commits and
+how shards survive a loss)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from elaswave.planning.plan import Plan
+from elaswave.planning.shards import ShardLayout
+from elaswave.runtime.durable.checkpoints import DurableState
+from elaswave.runtime.strategies.base import DP, Whole
+from elaswave.runtime.strategies.replicated import Replicated
+from elaswave.runtime.strategies.zero import ShardLost, ZeroState
+
+if TYPE_CHECKING:
+    from elaswave.runtime.durable.restore import DurableSource
+    from elaswave.runtime.state import RankContext
+
+__all__ = ["Zero1"]
+
+
+class Zero1(Replicated):
+    """Data parallelism with Adam's moments sharded over the ranks (parameters replicated)."""
+
+    sharded = True
+
+    def __init__(self, ctx: RankContext, durable: DurableSource) -> None:
+        super().__init__(ctx, durable)
+        st = ctx.state
+        self.zero = ZeroState(st.flat, st.opt.hyper, st.segments)
+        self.zero.snapshot_every = ctx.cfg.snapshot_every
+
+    def reduce_update(
+        self,
+        step: int,
+        buf: torch.Tensor,
+        broken: Callable[[], bool],
+        before_update: Callable[[], None],
+    ) -> float:
+        """Stage the shard update, replicate it, then the commit barrier."""
+        z, st, comm = self.zero, self.state, self.ctx.comm
+        n = st.flat.numel
+        z.stage(comm, buf[:n], step, broken, before_update=before_update)
+        assert z.staged is not None
+        z.staged.reached_barrier = True
+        tail = buf[n:].to(torch.float64)
+        comm.allreduce(DP, tail, broken)
+        st.last_loss = float(tail[0]) / self.ctx.cfg.train.global_batch
+        z.commit(st.last_loss)  # every rank staged (and replicated) this step: committed
+        st.step = step
+        return float(tail[1])
+
+    def sync(self, plan: Plan, broken: Callable[[], bool]) -> dict[str, Any]:
+        """Agree on the resume step, settle staged state, move shards to the new layout."""
+        z, st, comm = self.zero, self.state, self.ctx.comm
+        rank = comm.rank(DP)
+        committed, staged = z.info()
+        loss = z.snap_loss if z.keeps_params else st.last_loss  # K > 1: the snapshot's
+        mine = torch.tensor(
+            [committed, staged, float(z.layout_epoch), loss, float(st.step)], dtype=torch.float64
+        )
+        rows = [r.tolist() for r in comm.allgather(DP, mine, broken)]
+        with_state = [i for i, r in enumerate(rows) if r[0] >= 0]
+        if not with_state:  # a fresh start: nobody holds optimizer state yet
+            start = self.durable.start_over(plan, broken)
+            if start is not None:
+                return self.restore(plan, broken, *start)
+            stats = z.reshard(
+                comm, (), None, plan.workers, rank, 0, plan.epoch, broken, new_hosts=plan.hosts
+            )
+            return {
+                "resume_step": 0,
+                "source_rank": 0,
+                "steps": [0] * len(rows),
+                "replica_holders": self.holders(),
+                **stats,
+            }
+        resume = int(max(rows[i][0] for i in with_state))
+        newest = int(max(rows[i][4] for i in with_state))  # committed, incl. rolled back
+        try:
+            source, stats = self._reshard(plan, broken, rows, with_state, resume)
+        except ShardLost as exc:  # both in-memory copies gone: the durable checkpoint, if any
+            chosen = self.durable.newest(broken)
+            if not chosen:  # every rank sees the same choice, so all raise together
+                raise
+            return self.restore(plan, broken, Path(chosen), newest, str(exc))
+        st.step, st.last_loss = resume, float(rows[source][3])
+        z.snap_loss = st.last_loss
+        return {
+            "replica_holders": self.holders(),
+            "resume_step": resume,
+            "redone_steps": newest - resume,  # committed steps rolled back to the snapshot (K > 1)
+            "source_rank": source,
+            "steps": [int(r[0]) for r in rows],
+            **stats,
+        }
+
+    def _reshard(
+        self,
+        plan: Plan,
+        broken: Callable[[], bool],
+        rows: list[list[float]],
+        with_state: list[int],
+        resume: int,
+    ) -> tuple[int, dict[str, Any]]:
+        """Survivors roll back to ``resume`` and move their shards to the plan's layout; the
+        rank that the old layout comes from, and what moved."""
+        z, comm = self.zero, self.ctx.comm
+        if len({int(rows[i][2]) for i in with_state}) > 1:
+            raise ShardLost("ranks hold shards of different layouts (a fault while resharding)")
+        source = next(i for i in with_state if int(rows[i][0]) == resume)
+        z.settle(resume)
+        layout = z.layout.to_json() if z.layout is not None else []
+        old = comm.broadcast_json(
+            DP, {"workers": z.workers, "ranges": layout, "hosts": z.hosts}, source, broken
+        )
+        if len(with_state) < len(rows) and not z.keeps_params:
+            # newcomers: full parameters from the source (K > 1 rebuilds them from chunks)
+            comm.broadcast(DP, self.state.flat.data, source, broken)
+        stats = z.reshard(
+            comm, tuple(old["workers"]), ShardLayout.from_json(z.segments, old["ranges"]),
+            plan.workers, comm.rank(DP), resume, plan.epoch, broken,
+            old_hosts=tuple(old["hosts"]), new_hosts=plan.hosts,
+        )  # fmt: skip
+        return source, stats
+
+    def whole(self, broken: Callable[[], bool]) -> Whole:
+        """Parameters, and the moments all-gathered from the shards."""
+        exp_avg, exp_avg_sq = self.zero.full_state(self.ctx.comm, broken)
+        return Whole(self.state.flat.data, exp_avg, exp_avg_sq)
+
+    def adopt(self, state: DurableState, plan: Plan, broken: Callable[[], bool]) -> dict[str, Any]:
+        """The whole state in: parameters kept whole, the moments as this rank's shard of a
+        fresh even layout."""
+        st, comm = self.state, self.ctx.comm
+        st.flat.data.copy_(state.params)
+        self.zero.restore_full(
+            comm, plan.workers, comm.rank(DP), state.step,
+            state.exp_avg, state.exp_avg_sq, plan.epoch, broken, plan.hosts, state.loss,
+        )  # fmt: skip
+        st.step, st.last_loss = state.step, state.loss
+        return {}
+
+    def verify(self, step: int, broken: Callable[[], bool]) -> bool:
+        """Parameters voted like replicated state; every shard and replica piece against the
+        checksum it was written with, bad ones repaired from the other copy."""
+        z, plan = self.zero, self.ctx.plan
+        found, flags = self.vote(
+            [self.state.flat.data], step, broken, z.verify_own(), z.verify_replicas()
+        )
+        bad_own = [r for r, f in enumerate(flags) if not f[0]]
+        bad_replica = [r for r, f in enumerate(flags) if not f[1]]
+        if not bad_own and not bad_replica:
+            return found
+        workers = plan.workers if plan else ()
+        ranks = bad_own + bad_replica
+        self.say(
+            "sdc_detected", step=step, what="zero shard copy",
+            ranks=ranks, workers=[workers[r] for r in ranks],
+        )  # fmt: skip
+        z.repair(self.ctx.comm, bad_own, bad_replica, broken)
+        self.say("sdc_repaired", step=step, what="zero shard copy")
+        return True
+
+    def corrupt_target(self, target: str) -> tuple[torch.Tensor, str]:
+        if target == "snapshot" and self.zero.own is not None:
+            return self.zero.corrupt_target()
+        return super().corrupt_target(target)
+
+    def holders(self) -> dict[str, list[int]]:
+        """Owner rank -> ranks that keep pieces of its replica (for events and tests)."""
+        out: dict[str, set[int]] = {}
+        for p in self.zero.placement:
+            out.setdefault(str(p.owner), set()).add(p.holder)
+        return {owner: sorted(holders) for owner, holders in out.items()}

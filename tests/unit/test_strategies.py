@@ -1,0 +1,178 @@
+"""The strategies over a fake communicator (ranks are threads): properties of one step and of a
+plan change that are easy to state without processes."""
+
+from __future__ import annotations
+
+import math
+import threading
+from typing import Any
+
+import pytest
+import torch
+
+from elaswave.config import JobConfig
+from elaswave.planning.plan import Plan, assign_microbatches
+from elaswave.runtime.durable.restore import DurableSource
+from elaswave.runtime.state import RankContext, TrainState
+from elaswave.runtime.strategies.base import Strategy
+from elaswave.runtime.strategies.replicated import Replicated
+from elaswave.runtime.strategies.select import strategy_for
+from elaswave.runtime.strategies.sharded import Zero1
+from elaswave.runtime.workload.data import microbatches
+from tests.unit.threadcomm import Hub, ThreadComm, run_ranks
+
+GLOBAL_BATCH, MICRO = 16, 2
+# The ranks are threads of one process and share torch's default generator, which the runtime
+# seeds around every layer build and call (inits keyed by layer; dropout masks by step,
+# micro-batch and layer): build and compute one rank at a time, as separate processes would
+# without sharing it.
+COMPUTE = threading.Lock()
+
+
+def _cfg(zero: int = 0, reduce_dtype: str = "float64") -> JobConfig:
+    return JobConfig.from_dict(
+        {
+            "zero": zero,
+            "model": {
+                "source": "module",
+                "factory": "examples.mlp_classifier:mlp_classifier",
+                "args": {"features": 8, "hidden": 16, "depth": 2, "classes": 3, "dropout": 0.1},
+            },
+            "train": {
+                "global_batch": GLOBAL_BATCH,
+                "micro_batch_size": MICRO,
+                "seed": 7,
+                "reduce_dtype": reduce_dtype,
+            },
+        }
+    )
+
+
+def _plan(world: int, epoch: int = 1, committed: int = 0) -> Plan:
+    workers = tuple(f"w{r}" for r in range(world))
+    return Plan(
+        epoch=epoch,
+        workers=workers,
+        hosts=tuple(f"h{r}" for r in range(world)),
+        microbatches=assign_microbatches(GLOBAL_BATCH // MICRO, [1.0] * world),
+        store="",
+        committed=committed,
+    )
+
+
+def _strategy(cfg: JobConfig, comm: ThreadComm, plan: Plan) -> tuple[Strategy, list[Any]]:
+    events: list[Any] = []
+    with COMPUTE:
+        state = TrainState.build(cfg)
+    ctx = RankContext(
+        state, cfg, comm, f"w{comm.me}",
+        lambda kind, **f: events.append((kind, f)), events.append, lambda phase: None,
+        lambda workers: False, plan,
+    )  # fmt: skip
+    return strategy_for(ctx, DurableSource(ctx, None)), events
+
+
+def _train(strategy: Strategy, steps: int) -> None:
+    """What the engine's loop does, without faults and reports."""
+    st, n = strategy.state, strategy.state.flat.numel
+    dtype = torch.float64 if strategy.ctx.cfg.train.reduce_dtype == "float64" else torch.float32
+    buf = torch.zeros(n + 3, dtype=dtype)
+    for step in range(st.step + 1, st.step + 1 + steps):
+        buf.zero_()
+        every = microbatches(7, step, GLOBAL_BATCH, MICRO, len(st.dataset))
+        with COMPUTE:
+            strategy.compute(step, every, buf, 0.0)
+        strategy.reduce_update(step, buf, lambda: False, lambda: None)
+
+
+def _whole(strategy: Strategy) -> torch.Tensor:
+    return strategy.whole(lambda: False).copy()
+
+
+def _run(world: int, zero: int, steps: int) -> list[torch.Tensor]:
+    cfg, plan = _cfg(zero), _plan(world)
+
+    def body(rank: int, comm: ThreadComm) -> torch.Tensor:
+        strategy, _ = _strategy(cfg, comm, plan)
+        strategy.sync(plan, lambda: False)
+        _train(strategy, steps)
+        assert strategy.state.step == steps
+        return _whole(strategy)
+
+    return run_ranks(world, body)
+
+
+def test_the_strategy_follows_the_config() -> None:
+    def body(rank: int, comm: ThreadComm) -> list[type]:
+        return [type(_strategy(_cfg(z), comm, _plan(1))[0]) for z in (0, 1)]
+
+    assert run_ranks(1, body)[0] == [Replicated, Zero1]
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_every_rank_ends_with_the_same_state_as_one_rank_alone(zero: int) -> None:
+    """A rank's share of the fixed batch never changes the update: 1, 2 and 4 ranks (float64
+    reduction), replicated or ZeRO-1, reach the same whole state bit for bit."""
+    alone = _run(1, 0, 3)[0]
+    for world in (2, 4):
+        wholes = _run(world, zero, 3)
+        assert all(torch.equal(w, wholes[0]) for w in wholes)
+        assert torch.equal(wholes[0], alone)
+        assert not torch.equal(wholes[0], _run(1, 0, 2)[0])  # the steps did change the state
+
+
+def test_ranks_behind_take_the_most_advanced_rank_state() -> None:
+    """Replicated sync: a newcomer and a rank whose step failed copy the most advanced rank
+    (parameters, moments, step, loss); bytes are counted where they arrive."""
+    cfg = _cfg()
+
+    def body(rank: int, comm: ThreadComm) -> tuple[torch.Tensor, int, float, dict[str, Any]]:
+        strategy, _ = _strategy(cfg, comm, _plan(3))
+        # rank 1 trained 3 steps, rank 2 one, rank 0 is new (steps run alone, world of one)
+        alone, _ = _strategy(cfg, _SoloComm(), _plan(1))
+        _train(alone, {0: 0, 1: 3, 2: 1}[rank])
+        strategy.state.flat.data.copy_(alone.state.flat.data)
+        mine, theirs = strategy.state.opt, alone.state.opt
+        mine.exp_avg.copy_(theirs.exp_avg)
+        mine.exp_avg_sq.copy_(theirs.exp_avg_sq)
+        mine.step_count = theirs.step_count
+        strategy.state.step, strategy.state.last_loss = alone.state.step, alone.state.last_loss
+        info = strategy.sync(_plan(3, epoch=2, committed=3), lambda: False)
+        st = strategy.state
+        return _whole(strategy), st.step, st.last_loss, info
+
+    out = run_ranks(3, body)
+    assert all(torch.equal(o[0], out[1][0]) for o in out)
+    assert [o[1] for o in out] == [3, 3, 3]
+    assert len({o[2] for o in out}) == 1 and not math.isnan(out[0][2])
+    assert [o[3]["source_rank"] for o in out] == [1, 1, 1]
+    assert [o[3]["steps"] for o in out] == [[0, 3, 1]] * 3
+    assert out[1][3]["bytes"] == 0 and out[0][3]["bytes"] > 0 and out[2][3]["bytes"] > 0
+
+
+def test_a_flipped_replica_is_voted_out_and_repaired() -> None:
+    """verify(): the majority's copy wins; the bad rank is reported once, by rank 0."""
+    cfg = _cfg()
+
+    def body(rank: int, comm: ThreadComm) -> tuple[bool, torch.Tensor, list[Any]]:
+        strategy, events = _strategy(cfg, comm, _plan(3))
+        strategy.sync(_plan(3), lambda: False)
+        _train(strategy, 1)
+        if rank == 2:
+            tensor, _ = strategy.corrupt_target("parameters")
+            tensor[5] += 1.0
+        return strategy.verify(1, lambda: False), _whole(strategy), events
+
+    out = run_ranks(3, body)
+    assert [o[0] for o in out] == [True, True, True]
+    assert all(torch.equal(o[1], out[0][1]) for o in out)
+    detected = [f for kind, f in out[0][2] if kind == "sdc_detected"]
+    assert [d["ranks"] for d in detected] == [[2]]
+    assert out[1][2] == [] and out[2][2] == []
+
+
+class _SoloComm(ThreadComm):
+    """A group of one, for a rank's private history in a test."""
+
+    def __init__(self) -> None:
+        super().__init__(Hub(1), 0)
