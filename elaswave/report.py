@@ -240,6 +240,40 @@ def _incident(
     start = fault or exit_ev
     assert start is not None
     t0 = start["t"]
+    plan, detected = _answer(t0, fault, exit_ev, worker, host, events, plans)
+    inc: dict[str, Any] = {
+        "kind": (fault or {}).get("fault", {}).get("kind", "host" if host else "crash"),
+        "host": host,
+        "worker": worker,
+        "rank": start.get("rank"),
+        "fault_step": start.get("step"),
+        "fault_t": t0,
+        "reason": plan["reason"] if plan else _detected_reason(exit_ev, host),
+        "epoch": plan["epoch"] if plan else None,
+        "world_after": plan["world"] if plan else None,
+    }
+    recovery, commit, redone = _recovery(t0, detected, plan, events, metrics)
+    inc.update(recovery)
+    _note_rollback(inc, t0, redone, events)
+    inc["first_commit_step"] = commit["step"] if commit else None
+    inc["mttr_s"] = round(commit["time"] - t0, 6) if commit else None
+    return inc
+
+
+def _answer(
+    t0: float,
+    fault: dict[str, Any] | None,
+    exit_ev: dict[str, Any] | None,
+    worker: str | None,
+    host: str | None,
+    events: list[dict[str, Any]],
+    plans: list[dict[str, Any]],
+) -> tuple[dict[str, Any] | None, float | None]:
+    """The plan that answered an incident that started at ``t0`` (the first plan since then in
+    which the lost worker or host departed) and when the incident was detected, each ``None`` if
+    never.
+    A straggler is detected by the leader's verdict instead, and answered by the plan of that
+    verdict (a re-share or an eviction)."""
     detected = exit_ev["t"] if exit_ev else None
 
     def departed(p: dict[str, Any]) -> bool:
@@ -252,7 +286,6 @@ def _incident(
 
     plan = _first(plans, lambda p: p["t"] >= t0 and departed(p))
     if (fault or {}).get("fault", {}).get("kind") == "slow":
-        # A straggler is detected by the leader's verdict, answered by a re-share or an eviction.
         verdict = _first(
             events,
             lambda e: (
@@ -264,28 +297,32 @@ def _incident(
         detected = verdict["t"] if verdict else None
         answer = verdict["plan_reason"] if verdict else None
         plan = _first(plans, lambda p: p["t"] >= t0 and p.get("reason") == answer)
-    inc: dict[str, Any] = {
-        "kind": (fault or {}).get("fault", {}).get("kind", "host" if host else "crash"),
-        "host": host,
-        "worker": worker,
-        "rank": start.get("rank"),
-        "fault_step": start.get("step"),
-        "fault_t": t0,
-        "reason": plan["reason"] if plan else _detected_reason(exit_ev, host),
-        "epoch": plan["epoch"] if plan else None,
-        "world_after": plan["world"] if plan else None,
-    }
+    return plan, detected
+
+
+def _recovery(
+    t0: float,
+    detected: float | None,
+    plan: dict[str, Any] | None,
+    events: list[dict[str, Any]],
+    metrics: list[dict[str, Any]],
+) -> tuple[dict[str, Any], dict[str, Any] | None, int]:
+    """How the job recovered under ``plan``: (the incident's comm and state fields then its
+    phases, the first step committed under the plan, the committed steps redone after a
+    rollback to a snapshot). Without a plan, only the detection phase is known (if detected)."""
+    fields: dict[str, Any] = dict.fromkeys(
+        (
+            "comm_rebuild_max_s",
+            "state_bytes",
+            "state_resume_step",
+            "state_pairs",
+            "state_max_over_mean",
+            "state_promoted_bytes",
+        )
+    )
     phases: dict[str, float | None] = dict.fromkeys(PHASES)
     if detected is not None:  # known even if no plan ever answered the fault
         phases["detection_s"] = round(detected - t0, 6)
-    inc.update(
-        comm_rebuild_max_s=None,
-        state_bytes=None,
-        state_resume_step=None,
-        state_pairs=None,
-        state_max_over_mean=None,
-        state_promoted_bytes=None,
-    )
     commit = None
     redone = 0  # committed steps rolled back to a snapshot (``--snapshot-every K > 1``)
     if plan is not None:
@@ -298,27 +335,46 @@ def _incident(
         marks = [t0, detected, plan["t"], t_comm, t_state, commit["time"] if commit else None]
         for name, a, b in zip(PHASES, marks, marks[1:], strict=False):
             phases[name] = round(b - a, 6) if a is not None and b is not None else None
-        inc["comm_rebuild_max_s"] = max((e.get("seconds", 0.0) for e in comm), default=None)
-        # ZeRO ranks each report the whole plan's transfer totals; replicated sync reports
-        # what each receiving rank got.
-        planned = [e["bytes"] for e in state if "transfers" in e]
-        inc["state_bytes"] = max(planned) if planned else sum(e.get("bytes", 0) for e in state)
-        inc["state_pairs"] = max((e.get("pairs", 0) for e in state), default=0)
-        inc["state_max_over_mean"] = max((e.get("max_over_mean", 1.0) for e in state), default=None)
-        inc["state_resume_step"] = state[0].get("resume_step") if state else None
-        modes = {e["migration"] for e in state if "migration" in e}
-        if modes:  # pipelines: layers of a lost stage moved (async: while training went on)
-            inc["migration"] = modes.pop()
-            done = _first(events, lambda e: e["kind"] == "migration_done" and e["epoch"] == epoch)
-            inc["migration_s"] = (
-                done["seconds"]
-                if done
-                else max((e.get("migration_seconds", 0.0) for e in state), default=None)
-            )
-        promoted = [e["promoted_bytes"] for e in state if "promoted_bytes" in e]  # ZeRO only
-        inc["state_promoted_bytes"] = max(promoted) if promoted else None
+        fields["comm_rebuild_max_s"] = max((e.get("seconds", 0.0) for e in comm), default=None)
+        fields.update(_state_sync(epoch, state, events))
         redone = max((e.get("redone_steps", 0) for e in state), default=0)
-    inc.update(phases)
+    fields.update(phases)
+    return fields, commit, redone
+
+
+def _state_sync(
+    epoch: int, state: list[dict[str, Any]], events: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """The state fields of an incident from the ``state_synced`` records of ``epoch``: bytes
+    moved, pairs, balance, resume step, the pipelines' layer migration, ZeRO's promoted bytes."""
+    fields: dict[str, Any] = {}
+    # ZeRO ranks each report the whole plan's transfer totals; replicated sync reports
+    # what each receiving rank got.
+    planned = [e["bytes"] for e in state if "transfers" in e]
+    fields["state_bytes"] = max(planned) if planned else sum(e.get("bytes", 0) for e in state)
+    fields["state_pairs"] = max((e.get("pairs", 0) for e in state), default=0)
+    fields["state_max_over_mean"] = max((e.get("max_over_mean", 1.0) for e in state), default=None)
+    fields["state_resume_step"] = state[0].get("resume_step") if state else None
+    modes = {e["migration"] for e in state if "migration" in e}
+    if modes:  # pipelines: layers of a lost stage moved (async: while training went on)
+        fields["migration"] = modes.pop()
+        done = _first(events, lambda e: e["kind"] == "migration_done" and e["epoch"] == epoch)
+        fields["migration_s"] = (
+            done["seconds"]
+            if done
+            else max((e.get("migration_seconds", 0.0) for e in state), default=None)
+        )
+    promoted = [e["promoted_bytes"] for e in state if "promoted_bytes" in e]  # ZeRO only
+    fields["state_promoted_bytes"] = max(promoted) if promoted else None
+    return fields
+
+
+def _note_rollback(
+    inc: dict[str, Any], t0: float, redone: int, events: list[dict[str, Any]]
+) -> None:
+    """Record in ``inc`` the steps computed again after the incident: from a durable checkpoint
+    when the in-memory copies were lost (the first restore since ``t0``), else the ``redone``
+    steps after a rollback to a snapshot."""
     restored = _first(
         events,
         lambda e: e["kind"] == "durable_restored" and e["t"] >= t0 and e.get("reason") != "resume",
@@ -334,9 +390,6 @@ def _incident(
             f"; in-memory copies lost, restored checkpoint step {restored['step']}, "
             f"{restored['recomputed_steps']} step(s) recomputed"
         )
-    inc["first_commit_step"] = commit["step"] if commit else None
-    inc["mttr_s"] = round(commit["time"] - t0, 6) if commit else None
-    return inc
 
 
 def _detected_reason(exit_ev: dict[str, Any] | None, host: str | None) -> str:

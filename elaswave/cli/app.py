@@ -10,7 +10,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
@@ -20,7 +20,8 @@ from rich.table import Table
 from elaswave.errors import ConfigError, ElasWaveError, FaultSpecError, JobStopped
 
 if TYPE_CHECKING:
-    from elaswave.config import EtcdTLSConfig
+    from elaswave.config import EtcdTLSConfig, JobConfig
+    from elaswave.daemon.etcd import EtcdSecurity
 
 app = typer.Typer(
     name="elaswave",
@@ -41,132 +42,210 @@ def _fail(exc: ElasWaveError) -> typer.Exit:
     return typer.Exit(exc.exit_code)
 
 
-@app.command()
-def launch(
-    ctx: typer.Context,
-    config: Path | None = typer.Argument(
-        None, help="Job config YAML (defaults apply without one)."
+# ``launch``'s argument and options, one ``Annotated`` alias each (typer reads the option from
+# the parameter's annotation; the default stays in the signature). The config key each option
+# sets is in config.LAUNCH_FLAGS.
+_Config = Annotated[
+    Path | None, typer.Argument(help="Job config YAML (defaults apply without one).")
+]
+_NprocPerNode = Annotated[
+    int | None, typer.Option("--nproc-per-node", help="Workers on this host.")
+]
+_Nnodes = Annotated[str | None, typer.Option("--nnodes", help="Hosts: N or MIN:MAX.")]
+_Etcd = Annotated[
+    str | None, typer.Option("--etcd", help="host:port[,host:port]; default: embedded etcd.")
+]
+_EtcdPort = Annotated[
+    int | None, typer.Option("--etcd-port", help="Client port of the embedded etcd.")
+]
+_EtcdCacert = Annotated[
+    Path | None,
+    typer.Option("--etcd-cacert", help="CA of etcd's server certificate (turns TLS on)."),
+]
+_EtcdCert = Annotated[
+    Path | None,
+    typer.Option("--etcd-cert", help="Client certificate for etcd (with --etcd-key)."),
+]
+_EtcdKey = Annotated[Path | None, typer.Option("--etcd-key", help="Client key for etcd.")]
+_EtcdServerCert = Annotated[
+    Path | None,
+    typer.Option("--etcd-server-cert", help="Embedded etcd: serve TLS with this certificate."),
+]
+_EtcdServerKey = Annotated[
+    Path | None,
+    typer.Option("--etcd-server-key", help="Embedded etcd: key of --etcd-server-cert."),
+]
+_JobId = Annotated[str | None, typer.Option("--job-id")]
+_RunDir = Annotated[Path | None, typer.Option("--run-dir", help="Default runs/<job-id>.")]
+_Steps = Annotated[int | None, typer.Option("--steps")]
+_MaxRestarts = Annotated[
+    int | None, typer.Option("--max-restarts", help="Respawns of crashed workers.")
+]
+_Fault = Annotated[
+    list[str], typer.Option("--fault", help="e.g. kill,rank=1,at_step=15 (repeatable).")
+]
+_HostId = Annotated[str | None, typer.Option("--host-id")]
+_HostAddr = Annotated[
+    str | None, typer.Option("--host-addr", help="Address peers reach this host on.")
+]
+_Zero = Annotated[
+    int | None,
+    typer.Option(
+        "--zero", help="1: ZeRO-1 sharded optimizer state (with --pp: inside each stage)."
     ),
-    nproc_per_node: int | None = typer.Option(
-        None, "--nproc-per-node", help="Workers on this host."
-    ),
-    nnodes: str | None = typer.Option(None, "--nnodes", help="Hosts: N or MIN:MAX."),
-    etcd: str | None = typer.Option(
-        None, "--etcd", help="host:port[,host:port]; default: embedded etcd."
-    ),
-    etcd_port: int | None = typer.Option(
-        None, "--etcd-port", help="Client port of the embedded etcd."
-    ),
-    etcd_cacert: Path | None = typer.Option(
-        None, "--etcd-cacert", help="CA of etcd's server certificate (turns TLS on)."
-    ),
-    etcd_cert: Path | None = typer.Option(
-        None, "--etcd-cert", help="Client certificate for etcd (with --etcd-key)."
-    ),
-    etcd_key: Path | None = typer.Option(None, "--etcd-key", help="Client key for etcd."),
-    etcd_server_cert: Path | None = typer.Option(
-        None, "--etcd-server-cert", help="Embedded etcd: serve TLS with this certificate."
-    ),
-    etcd_server_key: Path | None = typer.Option(
-        None, "--etcd-server-key", help="Embedded etcd: key of --etcd-server-cert."
-    ),
-    job_id: str | None = typer.Option(None, "--job-id"),
-    run_dir: Path | None = typer.Option(None, "--run-dir", help="Default runs/<job-id>."),
-    steps: int | None = typer.Option(None, "--steps"),
-    max_restarts: int | None = typer.Option(
-        None, "--max-restarts", help="Respawns of crashed workers."
-    ),
-    fault: list[str] = typer.Option(
-        [], "--fault", help="e.g. kill,rank=1,at_step=15 (repeatable)."
-    ),
-    host_id: str | None = typer.Option(None, "--host-id"),
-    host_addr: str | None = typer.Option(
-        None, "--host-addr", help="Address peers reach this host on."
-    ),
-    zero: int | None = typer.Option(
-        None, "--zero", help="1: ZeRO-1 sharded optimizer state (with --pp: inside each stage)."
-    ),
-    pp: int | None = typer.Option(None, "--pp", help="Pipeline stages per replica."),
-    dp: int | None = typer.Option(None, "--dp", help="Data-parallel replicas (default world/pp)."),
-    migration: str | None = typer.Option(
-        None, "--migration", help="Pipelines: move a lost stage's layers async | blocking."
-    ),
-    stage_loss: str | None = typer.Option(
-        None, "--stage-loss", help="Pipelines: reshard the replica | drop it (baseline)."
-    ),
-    dvfs: str | None = typer.Option(
-        None, "--dvfs", help="Pipelines: frequency actuator off | sim | nvml | npu."
-    ),
-    durable_every: int | None = typer.Option(
-        None, "--durable-every", help="Durable checkpoint every N steps (0: never)."
-    ),
-    durable_dir: Path | None = typer.Option(
-        None, "--durable-dir", help="Default RUN_DIR/checkpoints."
-    ),
-    resume: Path | None = typer.Option(
-        None, "--resume", help="Start from the newest durable checkpoint in this directory."
-    ),
-    snapshot_every: int | None = typer.Option(
-        None, "--snapshot-every", help="ZeRO replicas every K steps (1: every step, 0: none)."
-    ),
-    verify_every: int | None = typer.Option(
-        None, "--verify-every", help="Compare replicas' checksums every K steps (0: never)."
-    ),
-    hang_timeout: float | None = typer.Option(
-        None, "--hang-timeout", help="Seconds without progress before a worker counts as hung."
-    ),
-    straggler_threshold: float | None = typer.Option(
-        None,
+]
+_Pp = Annotated[int | None, typer.Option("--pp", help="Pipeline stages per replica.")]
+_Dp = Annotated[int | None, typer.Option("--dp", help="Data-parallel replicas (default world/pp).")]
+_Migration = Annotated[
+    str | None,
+    typer.Option("--migration", help="Pipelines: move a lost stage's layers async | blocking."),
+]
+_StageLoss = Annotated[
+    str | None,
+    typer.Option("--stage-loss", help="Pipelines: reshard the replica | drop it (baseline)."),
+]
+_Dvfs = Annotated[
+    str | None,
+    typer.Option("--dvfs", help="Pipelines: frequency actuator off | sim | nvml | npu."),
+]
+_DurableEvery = Annotated[
+    int | None,
+    typer.Option("--durable-every", help="Durable checkpoint every N steps (0: never)."),
+]
+_DurableDir = Annotated[
+    Path | None, typer.Option("--durable-dir", help="Default RUN_DIR/checkpoints.")
+]
+_Resume = Annotated[
+    Path | None,
+    typer.Option("--resume", help="Start from the newest durable checkpoint in this directory."),
+]
+_SnapshotEvery = Annotated[
+    int | None,
+    typer.Option("--snapshot-every", help="ZeRO replicas every K steps (1: every step, 0: none)."),
+]
+_VerifyEvery = Annotated[
+    int | None,
+    typer.Option("--verify-every", help="Compare replicas' checksums every K steps (0: never)."),
+]
+_HangTimeout = Annotated[
+    float | None,
+    typer.Option("--hang-timeout", help="Seconds without progress before a worker counts as hung."),
+]
+_StragglerThreshold = Annotated[
+    float | None,
+    typer.Option(
         "--straggler-threshold",
         help="Evict a rank this many times slower than the median (0: never evict).",
     ),
-    loop_breaker: int | None = typer.Option(
-        None,
+]
+_LoopBreaker = Annotated[
+    int | None,
+    typer.Option(
         "--loop-breaker",
         help="Stop the job after N failures without a committed step (0: never).",
     ),
-    quiet: bool = typer.Option(False, "--quiet", help="No MTTR summary at the end."),
+]
+_Quiet = Annotated[bool, typer.Option("--quiet", help="No MTTR summary at the end.")]
+
+
+@app.command()
+def launch(
+    ctx: typer.Context,
+    config: _Config = None,
+    nproc_per_node: _NprocPerNode = None,
+    nnodes: _Nnodes = None,
+    etcd: _Etcd = None,
+    etcd_port: _EtcdPort = None,
+    etcd_cacert: _EtcdCacert = None,
+    etcd_cert: _EtcdCert = None,
+    etcd_key: _EtcdKey = None,
+    etcd_server_cert: _EtcdServerCert = None,
+    etcd_server_key: _EtcdServerKey = None,
+    job_id: _JobId = None,
+    run_dir: _RunDir = None,
+    steps: _Steps = None,
+    max_restarts: _MaxRestarts = None,
+    fault: _Fault = [],  # noqa: B006 - typer's way to repeat an option
+    host_id: _HostId = None,
+    host_addr: _HostAddr = None,
+    zero: _Zero = None,
+    pp: _Pp = None,
+    dp: _Dp = None,
+    migration: _Migration = None,
+    stage_loss: _StageLoss = None,
+    dvfs: _Dvfs = None,
+    durable_every: _DurableEvery = None,
+    durable_dir: _DurableDir = None,
+    resume: _Resume = None,
+    snapshot_every: _SnapshotEvery = None,
+    verify_every: _VerifyEvery = None,
+    hang_timeout: _HangTimeout = None,
+    straggler_threshold: _StragglerThreshold = None,
+    loop_breaker: _LoopBreaker = None,
+    quiet: _Quiet = False,
 ) -> None:
     """Run a job on this host in the foreground (one launch per host).
 
     etcd user and password, when etcd has auth on, come from ELASWAVE_ETCD_USER and
     ELASWAVE_ETCD_PASSWORD only.
     """
-    from elaswave.config import LAUNCH_FLAGS, load_config
-    from elaswave.daemon.etcd import EtcdSecurity
+    from elaswave.config import load_config
     from elaswave.daemon.launch import launch as run_launch
-    from elaswave.faults import FaultSpec
-    from elaswave.report import build_report, render_markdown
 
     try:
-        flags = {k: v for k, v in ctx.params.items() if k in LAUNCH_FLAGS}
-        overrides: dict[str, Any] = {
-            LAUNCH_FLAGS[name]: _flag_value(name, value) for name, value in flags.items()
-        }
-        if fault:
-            try:
-                overrides["faults"] = [FaultSpec.parse(f) for f in fault]
-            except FaultSpecError as exc:
-                raise ConfigError(str(exc)) from None
-        cfg = load_config(config, overrides=overrides)
-        if cfg.model.source == "module":  # a factory that cannot build: one line, before start
-            from elaswave.runtime.workload.load import load_workload
-
-            load_workload(cfg)
-        if cfg.etcd:
-            from elaswave.daemon.etcd import parse_endpoints
-
-            parse_endpoints(cfg.etcd)
-        security = EtcdSecurity.load(cfg.etcd_tls)  # bad files / credentials: fail before start
+        cfg = load_config(config, overrides=_launch_overrides(ctx.params, fault))
+        security = _preflight(cfg)
         start = time.time()
         code = run_launch(cfg, host_addr=host_addr, security=security)
     except ElasWaveError as exc:
         raise _fail(exc) from None
     if code == 0 and not quiet:
-        report = build_report(cfg.resolved_run_dir)
-        out.print(render_markdown(report), highlight=False)
-        out.print(f"run directory: {cfg.resolved_run_dir}  ({time.time() - start:.1f} s)")
+        _print_summary(cfg, start)
     raise typer.Exit(code)
+
+
+def _launch_overrides(params: dict[str, Any], faults: list[str]) -> dict[str, Any]:
+    """The config overrides of ``launch``'s flags (``params``: every flag, set or not) and its
+    ``--fault`` specs; a bad fault spec is a ConfigError."""
+    from elaswave.config import LAUNCH_FLAGS
+    from elaswave.faults import FaultSpec
+
+    flags = {k: v for k, v in params.items() if k in LAUNCH_FLAGS}
+    overrides: dict[str, Any] = {
+        LAUNCH_FLAGS[name]: _flag_value(name, value) for name, value in flags.items()
+    }
+    if faults:
+        try:
+            overrides["faults"] = [FaultSpec.parse(f) for f in faults]
+        except FaultSpecError as exc:
+            raise ConfigError(str(exc)) from None
+    return overrides
+
+
+def _preflight(cfg: JobConfig) -> EtcdSecurity:
+    """Check before the job starts what would otherwise fail in it, each as one error line: a
+    model factory that cannot build, malformed etcd endpoints, bad TLS files or credentials.
+    Returns the etcd security the job runs with."""
+    from elaswave.daemon.etcd import EtcdSecurity
+
+    if cfg.model.source == "module":  # a factory that cannot build: one line, before start
+        from elaswave.runtime.workload.load import load_workload
+
+        load_workload(cfg)
+    if cfg.etcd:
+        from elaswave.daemon.etcd import parse_endpoints
+
+        parse_endpoints(cfg.etcd)
+    return EtcdSecurity.load(cfg.etcd_tls)  # bad files / credentials: fail before start
+
+
+def _print_summary(cfg: JobConfig, start: float) -> None:
+    """The MTTR report of the finished run, its directory and how long it ran since ``start``."""
+    from elaswave.report import build_report, render_markdown
+
+    report = build_report(cfg.resolved_run_dir)
+    out.print(render_markdown(report), highlight=False)
+    out.print(f"run directory: {cfg.resolved_run_dir}  ({time.time() - start:.1f} s)")
 
 
 @app.command()

@@ -124,110 +124,17 @@ def partition_layers(
     bottleneck, then the lexicographically smallest ``bounds``.
 
     Three dynamic programs over (stage, boundary), each O(L^2 * S) at worst and about
-    O(L^2) in practice (a scan stops at the first stage that is too slow): the optimum, the
-    fewest moves (and then the lowest bottleneck) under the slack, and a suffix table that lets
-    the smallest boundaries be picked front to back.
+    O(L^2) in practice (a scan stops at the first stage that is too slow): the optimum
+    (:func:`_lowest_bottleneck`), the fewest moves and then the lowest bottleneck under the slack
+    (:func:`_fewest_moves`), and a suffix table that lets the smallest boundaries be picked front
+    to back (:func:`_smallest_bounds`).
     """
     _check_inputs(layer_costs, stage_speeds, current, slack)
-    costs = [float(c) for c in layer_costs]
-    speeds = [float(v) for v in stage_speeds]
-    n_layers, n_stages = len(costs), len(speeds)
-
-    # span[a][e] = cost of layers [a, e), summed left to right so every table sees the same value.
-    span = [[0.0] * (n_layers + 1) for _ in range(n_layers + 1)]
-    for a in range(n_layers):
-        acc = 0.0
-        for e in range(a + 1, n_layers + 1):
-            acc += costs[e - 1]
-            span[a][e] = acc
-
-    # kept[s][i] = layers among the first i that stage s holds now (so they need not move).
-    kept = [[0] * (n_layers + 1) for _ in range(n_stages)]
-    if current is not None:
-        for s in range(n_stages):
-            row = kept[s]
-            for i, c in enumerate(current):
-                row[i + 1] = row[i] + (1 if c == s else 0)
-
-    def time(s: int, a: int, e: int) -> float:
-        return span[a][e] / speeds[s]
-
-    def moves(s: int, a: int, e: int) -> int:
-        if current is None:
-            return 0
-        return (e - a) - (kept[s][e] - kept[s][a])
-
-    def ends(s: int) -> range:  # where stage s may end, leaving a layer for every later stage
-        return range(s + 1, n_layers - (n_stages - 1 - s) + 1)
-
-    def starts(s: int, e: int) -> range:  # where stage s may start if it ends at e, latest first
-        return range(e - 1, s - 1, -1)
-
-    # Costs are >= 0, so a stage's time only grows as its start moves left or its end right
-    # (float rounding is monotone too): each scan below stops at the first segment too slow.
-
-    # 1. Minimax: best[e] = lowest bottleneck of stages 0..s covering layers [0, e).
-    best = [_INF] * (n_layers + 1)
-    for e in ends(0):
-        best[e] = time(0, 0, e)
-    for s in range(1, n_stages):
-        nxt = [_INF] * (n_layers + 1)
-        for e in ends(s):
-            for a in starts(s, e):
-                t = time(s, a, e)
-                if t >= nxt[e]:
-                    break
-                nxt[e] = min(nxt[e], max(best[a], t))
-        best = nxt
-    optimum = best[n_layers]
-    limit = optimum * (1.0 + slack)
-
-    # 2. Under the limit, lexicographic (moved, bottleneck). Adding a stage keeps that order
-    #    (sums and maxima are monotone), so the best prefix per boundary suffices.
-    prefix: list[tuple[float, float]] = [(_INF, _INF)] * (n_layers + 1)
-    for e in ends(0):
-        if time(0, 0, e) <= limit:
-            prefix[e] = (moves(0, 0, e), time(0, 0, e))
-    for s in range(1, n_stages):
-        nxt_p: list[tuple[float, float]] = [(_INF, _INF)] * (n_layers + 1)
-        for e in ends(s):
-            for a in starts(s, e):
-                t = time(s, a, e)
-                if t > limit:
-                    break
-                if prefix[a][0] != _INF:
-                    cand = (prefix[a][0] + moves(s, a, e), max(prefix[a][1], t))
-                    nxt_p[e] = min(nxt_p[e], cand)
-        prefix = nxt_p
-    fewest, lowest = prefix[n_layers]
-    fewest = int(fewest)
-
-    # 3. Suffix table under the chosen bottleneck: rest[s][a] = fewest moves for stages s.. on
-    #    layers [a, L). Then walk front to back taking the smallest end that still completes.
-    rest = [[_INF] * (n_layers + 1) for _ in range(n_stages + 1)]
-    rest[n_stages][n_layers] = 0
-    for s in range(n_stages - 1, -1, -1):
-        last = n_layers - (n_stages - 1 - s)
-        for a in range(s, last):
-            for e in range(a + 1, last + 1):
-                if time(s, a, e) > lowest:
-                    break
-                if rest[s + 1][e] != _INF:
-                    rest[s][a] = min(rest[s][a], moves(s, a, e) + rest[s + 1][e])
-    bounds = [0]
-    used = 0
-    for s in range(n_stages):
-        a = bounds[-1]
-        for e in range(a + 1, n_layers + 1):
-            if time(s, a, e) > lowest:
-                break
-            step = moves(s, a, e)
-            if used + step + rest[s + 1][e] == fewest:
-                bounds.append(e)
-                used += step
-                break
-    assert len(bounds) == n_stages + 1 and used == fewest, (bounds, used, fewest)
-    stage_times = tuple(time(s, bounds[s], bounds[s + 1]) for s in range(n_stages))
+    seg = _Segments.build(layer_costs, stage_speeds, current)
+    optimum = _lowest_bottleneck(seg)
+    fewest, lowest = _fewest_moves(seg, optimum * (1.0 + slack))
+    bounds, used = _smallest_bounds(seg, fewest, lowest)
+    stage_times = tuple(seg.time(s, bounds[s], bounds[s + 1]) for s in range(seg.n_stages))
     return Partition(
         bounds=tuple(bounds),
         stage_times=stage_times,
@@ -235,6 +142,150 @@ def partition_layers(
         optimum=optimum,
         moved=used,
     )
+
+
+@dataclass(frozen=True)
+class _Segments:
+    """The time and the moves of every candidate segment: stage ``s`` holding layers ``[a, e)``.
+
+    Costs are >= 0, so a stage's time only grows as its start moves left or its end right (float
+    rounding is monotone too): the scans over segments stop at the first one too slow.
+    """
+
+    speeds: list[float]
+    current: Sequence[int] | None
+    span: list[list[float]]  # span[a][e] = cost of layers [a, e)
+    kept: list[list[int]]  # kept[s][i] = layers among the first i that stage s holds now
+
+    @classmethod
+    def build(
+        cls,
+        layer_costs: Sequence[float],
+        stage_speeds: Sequence[float],
+        current: Sequence[int] | None,
+    ) -> _Segments:
+        costs = [float(c) for c in layer_costs]
+        speeds = [float(v) for v in stage_speeds]
+        n_layers, n_stages = len(costs), len(speeds)
+        # Summed left to right so every table sees the same value.
+        span = [[0.0] * (n_layers + 1) for _ in range(n_layers + 1)]
+        for a in range(n_layers):
+            acc = 0.0
+            for e in range(a + 1, n_layers + 1):
+                acc += costs[e - 1]
+                span[a][e] = acc
+        kept = [[0] * (n_layers + 1) for _ in range(n_stages)]
+        if current is not None:
+            for s in range(n_stages):
+                row = kept[s]
+                for i, c in enumerate(current):
+                    row[i + 1] = row[i] + (1 if c == s else 0)
+        return cls(speeds=speeds, current=current, span=span, kept=kept)
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.span) - 1
+
+    @property
+    def n_stages(self) -> int:
+        return len(self.speeds)
+
+    def time(self, s: int, a: int, e: int) -> float:
+        return self.span[a][e] / self.speeds[s]
+
+    def moves(self, s: int, a: int, e: int) -> int:
+        """Layers of ``[a, e)`` that stage ``s`` does not hold now (0 without a placement)."""
+        if self.current is None:
+            return 0
+        return (e - a) - (self.kept[s][e] - self.kept[s][a])
+
+    def ends(self, s: int) -> range:
+        """Where stage ``s`` may end, leaving a layer for every later stage."""
+        return range(s + 1, self.n_layers - (self.n_stages - 1 - s) + 1)
+
+    def starts(self, s: int, e: int) -> range:
+        """Where stage ``s`` may start if it ends at ``e``, latest first."""
+        return range(e - 1, s - 1, -1)
+
+
+def _lowest_bottleneck(seg: _Segments) -> float:
+    """The optimum: the lowest bottleneck of any cut (minimax over the stages' times).
+
+    ``best[e]`` is the lowest bottleneck of stages ``0..s`` covering layers ``[0, e)``.
+    """
+    best = [_INF] * (seg.n_layers + 1)
+    for e in seg.ends(0):
+        best[e] = seg.time(0, 0, e)
+    for s in range(1, seg.n_stages):
+        nxt = [_INF] * (seg.n_layers + 1)
+        for e in seg.ends(s):
+            for a in seg.starts(s, e):
+                t = seg.time(s, a, e)
+                if t >= nxt[e]:
+                    break
+                nxt[e] = min(nxt[e], max(best[a], t))
+        best = nxt
+    return best[seg.n_layers]
+
+
+def _fewest_moves(seg: _Segments, limit: float) -> tuple[int, float]:
+    """The fewest moved layers of a cut whose stages all take at most ``limit``, and the lowest
+    bottleneck among the cuts that move that few.
+
+    Lexicographic (moved, bottleneck) per boundary: adding a stage keeps that order (sums and
+    maxima are monotone), so the best prefix per boundary suffices.
+    """
+    prefix: list[tuple[float, float]] = [(_INF, _INF)] * (seg.n_layers + 1)
+    for e in seg.ends(0):
+        if seg.time(0, 0, e) <= limit:
+            prefix[e] = (seg.moves(0, 0, e), seg.time(0, 0, e))
+    for s in range(1, seg.n_stages):
+        nxt_p: list[tuple[float, float]] = [(_INF, _INF)] * (seg.n_layers + 1)
+        for e in seg.ends(s):
+            for a in seg.starts(s, e):
+                t = seg.time(s, a, e)
+                if t > limit:
+                    break
+                if prefix[a][0] != _INF:
+                    cand = (prefix[a][0] + seg.moves(s, a, e), max(prefix[a][1], t))
+                    nxt_p[e] = min(nxt_p[e], cand)
+        prefix = nxt_p
+    fewest, lowest = prefix[seg.n_layers]
+    return int(fewest), lowest
+
+
+def _smallest_bounds(seg: _Segments, fewest: int, lowest: float) -> tuple[list[int], int]:
+    """The lexicographically smallest boundaries of a cut that moves ``fewest`` layers with no
+    stage slower than ``lowest``, and the layers it moves.
+
+    A suffix table ``rest[s][a]`` (fewest moves for stages ``s..`` on layers ``[a, L)``) lets a
+    walk front to back take, stage by stage, the smallest end that still completes.
+    """
+    n_layers, n_stages = seg.n_layers, seg.n_stages
+    rest = [[_INF] * (n_layers + 1) for _ in range(n_stages + 1)]
+    rest[n_stages][n_layers] = 0
+    for s in range(n_stages - 1, -1, -1):
+        last = n_layers - (n_stages - 1 - s)
+        for a in range(s, last):
+            for e in range(a + 1, last + 1):
+                if seg.time(s, a, e) > lowest:
+                    break
+                if rest[s + 1][e] != _INF:
+                    rest[s][a] = min(rest[s][a], seg.moves(s, a, e) + rest[s + 1][e])
+    bounds = [0]
+    used = 0
+    for s in range(n_stages):
+        a = bounds[-1]
+        for e in range(a + 1, n_layers + 1):
+            if seg.time(s, a, e) > lowest:
+                break
+            step = seg.moves(s, a, e)
+            if used + step + rest[s + 1][e] == fewest:
+                bounds.append(e)
+                used += step
+                break
+    assert len(bounds) == n_stages + 1 and used == fewest, (bounds, used, fewest)
+    return bounds, used
 
 
 def moved_layers(old_assignment: Sequence[int], new_assignment: Sequence[int]) -> list[int]:

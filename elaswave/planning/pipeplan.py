@@ -157,36 +157,140 @@ def next_pipeline_plan(
     if pp < 1:
         raise ValueError(f"pp must be >= 1, got {pp}")
     live = {m.worker_id: m for m in members}
+    groups, bounds, notes = _surviving_replicas(prev, live, costs, policy)
     prev_workers = set(prev.workers) if prev else set()
-    groups: list[list[str]] = []
-    bounds: list[tuple[int, ...]] = []
-    notes: list[str] = []
-    if prev is not None and prev.replicas:
-        for d, ranks in enumerate(prev.replicas):
-            stages = [prev.workers[r] for r in ranks]
-            alive = [w for w in stages if w in live]
-            if not alive:
-                notes.append(f"replica {d} gone")
-                continue
-            if len(alive) < len(stages) and policy == "drop":
-                notes.append(f"replica {d} dropped (lost {len(stages) - len(alive)} stage(s))")
-                continue
-            cut = prev.bounds[d]
-            if len(alive) < len(stages):
-                assignment = _assignment(cut)
-                for s in reversed(range(len(stages))):  # highest first: indices stay valid
-                    if stages[s] not in live:
-                        speeds = [1.0] * (max(assignment) if assignment else 0)
-                        assignment = list(takeover(assignment, s, costs, speeds).assignment())
-                cut = _bounds(assignment, len(alive))
-                notes.append(f"replica {d}: {len(stages)}→{len(alive)} stages, layers {list(cut)}")
-            groups.append(alive)
-            bounds.append(tuple(cut))
-    admitted = sum(len(g) for g in groups)
     newcomers = sorted(
         (m for m in members if m.worker_id not in prev_workers), key=lambda m: m.order
     )
-    fresh = [m.worker_id for m in newcomers]
+    _admit_newcomers(
+        groups,
+        bounds,
+        notes,
+        [m.worker_id for m in newcomers],
+        pp=pp,
+        costs=costs,
+        num_microbatches=num_microbatches,
+        max_workers=max_workers,
+        policy=policy,
+    )
+    if not groups:
+        return None
+    workers = tuple(w for g in groups for w in g)
+    replicas, start = [], 0
+    for g in groups:
+        replicas.append(tuple(range(start, start + len(g))))
+        start += len(g)
+    shares = balanced_shares(num_microbatches, [_bottleneck(costs, b) for b in bounds],
+                             [len(b) - 1 for b in bounds])  # fmt: skip
+    plan_bounds = tuple(bounds)
+    if prev is not None and workers == prev.workers and plan_bounds == prev.bounds:
+        return None
+    epoch = (prev.epoch if prev else 0) + 1
+    reason = _change_reason(
+        epoch, groups, num_microbatches, shares, notes, started=prev is None, pp=pp, cause=cause
+    )
+    return Plan(
+        epoch=epoch,
+        workers=workers,
+        hosts=tuple(live[w].host for w in workers),
+        microbatches=tuple(shares[d] for d, g in enumerate(groups) for _ in g),
+        store=store,
+        reason=reason,
+        created=now,
+        departed=tuple(w for w in (prev.workers if prev else ()) if w not in workers),
+        replicas=tuple(replicas),
+        bounds=plan_bounds,
+        shares=shares,
+    )
+
+
+def _change_reason(
+    epoch: int,
+    groups: Sequence[Sequence[str]],
+    num_microbatches: int,
+    shares: Sequence[int],
+    notes: Sequence[str],
+    *,
+    started: bool,
+    pp: int,
+    cause: str,
+) -> str:
+    """A pipeline plan's reason: the new layout (``dp × pp`` at the start, else every replica's
+    stage count), how the micro-batches are shared, the notes on replicas changed or gone, all
+    after ``cause`` if given."""
+    grid = "×".join(str(len(g)) for g in groups)
+    change = f"start: dp {len(groups)} × pp {pp}" if started else f"stages {grid}"
+    reason = f"epoch {epoch}: {change}, micro-batches {num_microbatches} → {list(shares)}"
+    if notes:
+        reason += " (" + "; ".join(notes) + ")"
+    if cause:
+        reason = f"{cause} → {reason}"
+    return reason
+
+
+def _surviving_replicas(
+    prev: Plan | None, live: Mapping[str, Member], costs: Sequence[float], policy: str
+) -> tuple[list[list[str]], list[tuple[int, ...]], list[str]]:
+    """The replicas of ``prev`` that stay in service: (their live workers in stage order, their
+    layer bounds, a note per replica changed or gone), in ``prev``'s replica order.
+
+    A replica with no live stage is gone; one that lost some is dropped under ``policy="drop"``,
+    or else keeps its survivors with the lost layers taken over (:func:`_taken_over`).
+    """
+    groups: list[list[str]] = []
+    bounds: list[tuple[int, ...]] = []
+    notes: list[str] = []
+    if prev is None or not prev.replicas:
+        return groups, bounds, notes
+    for d, ranks in enumerate(prev.replicas):
+        stages = [prev.workers[r] for r in ranks]
+        alive = [w for w in stages if w in live]
+        if not alive:
+            notes.append(f"replica {d} gone")
+            continue
+        if len(alive) < len(stages) and policy == "drop":
+            notes.append(f"replica {d} dropped (lost {len(stages) - len(alive)} stage(s))")
+            continue
+        cut = prev.bounds[d]
+        if len(alive) < len(stages):
+            cut = _taken_over(cut, stages, alive, costs)
+            notes.append(f"replica {d}: {len(stages)}→{len(alive)} stages, layers {list(cut)}")
+        groups.append(alive)
+        bounds.append(tuple(cut))
+    return groups, bounds, notes
+
+
+def _taken_over(
+    cut: Sequence[int], stages: Sequence[str], alive: Sequence[str], costs: Sequence[float]
+) -> tuple[int, ...]:
+    """The bounds of a replica after its ``alive`` stages took over the layers of the others
+    (``stages``: its workers in stage order, ``cut``: its bounds before the loss)."""
+    assignment = _assignment(cut)
+    for s in reversed(range(len(stages))):  # highest first: indices stay valid
+        if stages[s] not in alive:
+            speeds = [1.0] * (max(assignment) if assignment else 0)
+            assignment = list(takeover(assignment, s, costs, speeds).assignment())
+    return _bounds(assignment, len(alive))
+
+
+def _admit_newcomers(
+    groups: list[list[str]],
+    bounds: list[tuple[int, ...]],
+    notes: list[str],
+    fresh: list[str],
+    *,
+    pp: int,
+    costs: Sequence[float],
+    num_microbatches: int,
+    max_workers: int,
+    policy: str,
+) -> None:
+    """Place the ``fresh`` workers (in join order), extending ``groups``, ``bounds`` and
+    ``notes`` in place: under ``policy="reshard"`` they first refill replicas short of ``pp``
+    stages (appended as the last stage, layers re-cut moving the fewest), then form new full
+    replicas, while the job stays within ``max_workers`` and has a micro-batch per replica.
+    Those left over wait as standbys."""
+    admitted = sum(len(g) for g in groups)
     if policy == "reshard":  # refill short replicas first
         for d, group in enumerate(groups):
             while len(group) < pp and fresh and admitted < max_workers:
@@ -202,39 +306,6 @@ def next_pipeline_plan(
         bounds.append(full)
         del fresh[:pp]
         admitted += pp
-    if not groups:
-        return None
-    workers = tuple(w for g in groups for w in g)
-    replicas, start = [], 0
-    for g in groups:
-        replicas.append(tuple(range(start, start + len(g))))
-        start += len(g)
-    shares = balanced_shares(num_microbatches, [_bottleneck(costs, b) for b in bounds],
-                             [len(b) - 1 for b in bounds])  # fmt: skip
-    plan_bounds = tuple(bounds)
-    if prev is not None and workers == prev.workers and plan_bounds == prev.bounds:
-        return None
-    epoch = (prev.epoch if prev else 0) + 1
-    grid = "×".join(str(len(g)) for g in groups)
-    change = f"start: dp {len(groups)} × pp {pp}" if prev is None else f"stages {grid}"
-    reason = f"epoch {epoch}: {change}, micro-batches {num_microbatches} → {list(shares)}"
-    if notes:
-        reason += " (" + "; ".join(notes) + ")"
-    if cause:
-        reason = f"{cause} → {reason}"
-    return Plan(
-        epoch=epoch,
-        workers=workers,
-        hosts=tuple(live[w].host for w in workers),
-        microbatches=tuple(shares[d] for d, g in enumerate(groups) for _ in g),
-        store=store,
-        reason=reason,
-        created=now,
-        departed=tuple(w for w in (prev.workers if prev else ()) if w not in workers),
-        replicas=tuple(replicas),
-        bounds=plan_bounds,
-        shares=shares,
-    )
 
 
 def stage_speeds(plan: Plan, speeds: Mapping[str, float]) -> list[list[float]]:

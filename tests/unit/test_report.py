@@ -132,6 +132,65 @@ def test_kill_incident_fields(kill_run: Path) -> None:
     assert inc["state_resume_step"] == 14
 
 
+ZERO = {"transfers": 3, "bytes": 3000, "pairs": 2, "max_over_mean": 1.25, "promoted_bytes": 512}
+ROLLED_BACK = "; rolled back to snapshot step 14, 2 step(s) redone"
+RESTORED = "; in-memory copies lost, restored checkpoint step 10, 5 step(s) recomputed"
+
+
+def restore(reason: str) -> dict[str, Any]:
+    return {"t": 100.05, "kind": "durable_restored", "step": 10, "recomputed_steps": 5,
+            "reason": reason}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("state_extra", "more_events", "expected"),
+    [
+        # replicated sync: the bytes each rank received add up
+        ({}, [], {"state_bytes": 2500, "state_pairs": 0, "state_max_over_mean": 1.0,
+                  "state_promoted_bytes": None, "recomputed_steps": 0, "reason": PLAN2_REASON}),
+        # ZeRO: every rank reports the whole plan's totals
+        ({r: ZERO for r in range(3)}, [],
+         {"state_bytes": 3000, "state_pairs": 2, "state_max_over_mean": 1.25,
+          "state_promoted_bytes": 512}),
+        ({1: {**ZERO, "promoted_bytes": 64}, 2: {"promoted_bytes": 128}}, [],
+         {"state_bytes": 3000, "state_promoted_bytes": 128}),
+        # pipelines: the migration's own record, else the longest rank's
+        ({1: {"migration": "async", "migration_seconds": 0.3}},
+         [{"t": 100.3, "kind": "migration_done", "epoch": 2, "seconds": 0.25}],
+         {"migration": "async", "migration_s": 0.25}),
+        ({0: {"migration": "blocking", "migration_seconds": 0.2},
+          2: {"migration": "blocking", "migration_seconds": 0.4}}, [],
+         {"migration": "blocking", "migration_s": 0.4}),
+        ({1: {"migration": "async"}}, [], {"migration": "async", "migration_s": 0.0}),
+        # rolled back to a snapshot, or restored from a durable checkpoint (which wins)
+        ({1: {"redone_steps": 2}}, [],
+         {"recomputed_steps": 2, "reason": PLAN2_REASON + ROLLED_BACK}),
+        ({1: {"redone_steps": 2}}, [restore("lost")],
+         {"recomputed_steps": 5, "reason": PLAN2_REASON + RESTORED}),
+        ({}, [restore("lost")], {"recomputed_steps": 5, "reason": PLAN2_REASON + RESTORED}),
+        ({}, [restore("resume")], {"recomputed_steps": 0, "reason": PLAN2_REASON}),
+    ],
+)  # fmt: skip
+def test_kill_incident_state_and_rollback_table(
+    tmp_path: Path,
+    state_extra: dict[int, dict[str, Any]],
+    more_events: list[dict[str, Any]],
+    expected: dict[str, Any],
+) -> None:
+    events = kill_events() + more_events
+    for ev in events:
+        if ev["kind"] == "state_synced":
+            ev.update(state_extra.get(ev["rank"], {}))
+    inc = build_report(write_run(tmp_path / "run", start_events() + events, metrics()))[
+        "incidents"
+    ][0]
+    assert {k: inc.get(k, "absent") for k in expected} == expected
+    assert "_restored_t" not in inc
+    if "migration" not in expected:
+        assert "migration" not in inc and "migration_s" not in inc
+    assert inc["mttr_s"] == pytest.approx(0.1, abs=1e-6)
+
+
 def test_kill_totals(kill_run: Path) -> None:
     totals = build_report(kill_run)["totals"]
     assert totals["committed_steps"] == 40
