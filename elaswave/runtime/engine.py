@@ -44,7 +44,7 @@ from elaswave.runtime.integrity.checker import Integrity
 from elaswave.runtime.integrity.checksums import host_bytes
 from elaswave.runtime.integrity.inject import FaultInjector
 from elaswave.runtime.state import RankContext, TrainState
-from elaswave.runtime.strategies.base import DP, Strategy
+from elaswave.runtime.strategies.base import DP, EPOCH, Strategy, reduction_buffer
 from elaswave.runtime.strategies.select import strategy_for
 from elaswave.runtime.strategies.zero import ShardLost
 from elaswave.runtime.workload.data import microbatches
@@ -84,9 +84,8 @@ class Engine:
         torch.set_num_threads(t.threads_per_worker)
         self.state = TrainState.build(cfg)
         self.num_samples = len(self.state.dataset)
-        dtype = torch.float64 if t.reduce_dtype == "float64" else torch.float32
-        # [gradients | loss sum | newest epoch seen | pipeline: migrations ready]
-        self.buffer = self.state.flat.data.new_zeros(self.state.flat.numel + 3, dtype=dtype)
+        # [gradient sums | loss sum, newest epoch seen, a strategy's flag, loss count]
+        self.buffer = reduction_buffer(self.state, t.reduce_dtype)
         self.comm = Communicator(
             me=worker_id,
             host_addr=host_addr,
@@ -202,7 +201,7 @@ class Engine:
         self.faults.fire(step, "forward")
         every = microbatches(t.seed, step, t.global_batch, t.micro_batch_size, self.num_samples)
         per_mb = self.strategy.compute(step, every, buf, self.faults.slowdown(step))
-        buf[n + 1] = self.control.latest_epoch
+        buf[n + EPOCH] = self.control.latest_epoch
         self.faults.fire(step, "reduce")
         self._enter("collective")
         epochs = self.strategy.reduce_update(

@@ -66,17 +66,14 @@ class TrainState:
         """The workload's (inputs, targets) for these global sample ids."""
         return self.workload.collate([self.dataset[i] for i in sample_ids])
 
-    def loss(self, output: torch.Tensor, targets: Any, samples: int) -> torch.Tensor:
-        """The workload's loss sum of one micro-batch. The gradient is normalised by the fixed
-        global batch, so every sample must count once (a count per token comes with workloads
-        that need it)."""
+    def loss(self, output: torch.Tensor, targets: Any) -> tuple[torch.Tensor, int]:
+        """The workload's (loss sum, count) of one micro-batch; the strategies backpropagate the
+        sum and divide the reduced gradient by the batch's reduced count."""
         total, count = self.workload.loss(output, targets)
-        if int(count) != samples:
-            raise ValueError(
-                f"the workload's loss counted {int(count)} for a micro-batch of {samples} "
-                "samples: losses are normalised per sample"
-            )
-        return total
+        count = int(count)
+        if count < 0:
+            raise ValueError(f"the workload's loss counted {count} terms (must be >= 0)")
+        return total, count
 
 
 @dataclass(eq=False)

@@ -9,16 +9,18 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from elaswave.config import JobConfig
 from elaswave.planning.plan import Plan, assign_microbatches
 from elaswave.runtime.durable.restore import DurableSource
 from elaswave.runtime.state import RankContext, TrainState
-from elaswave.runtime.strategies.base import Strategy
+from elaswave.runtime.strategies.base import Strategy, mean_gradient, reduction_buffer
 from elaswave.runtime.strategies.replicated import Replicated
 from elaswave.runtime.strategies.select import strategy_for
 from elaswave.runtime.strategies.sharded import Zero1
 from elaswave.runtime.workload.data import microbatches
+from examples.mlp_classifier import MLPClassifier
 from tests.unit.threadcomm import Hub, ThreadComm, run_ranks
 
 GLOBAL_BATCH, MICRO = 16, 2
@@ -29,13 +31,30 @@ GLOBAL_BATCH, MICRO = 16, 2
 COMPUTE = threading.Lock()
 
 
-def _cfg(zero: int = 0, reduce_dtype: str = "float64") -> JobConfig:
+class CountsSomeLabels(MLPClassifier):
+    """Its loss ignores the samples of class 0 (as a language model ignores padding): every
+    micro-batch counts a different number of terms."""
+
+    def loss(self, output: torch.Tensor, targets: Any) -> tuple[torch.Tensor, int]:
+        keep = targets != 0
+        return F.cross_entropy(output[keep], targets[keep], reduction="sum"), int(keep.sum())
+
+
+def counts_some_labels(**args: Any) -> CountsSomeLabels:
+    return CountsSomeLabels(num_samples=4096, **args)
+
+
+def _cfg(
+    zero: int = 0,
+    reduce_dtype: str = "float64",
+    factory: str = "examples.mlp_classifier:mlp_classifier",
+) -> JobConfig:
     return JobConfig.from_dict(
         {
             "zero": zero,
             "model": {
                 "source": "module",
-                "factory": "examples.mlp_classifier:mlp_classifier",
+                "factory": factory,
                 "args": {"features": 8, "hidden": 16, "depth": 2, "classes": 3, "dropout": 0.1},
             },
             "train": {
@@ -74,9 +93,8 @@ def _strategy(cfg: JobConfig, comm: ThreadComm, plan: Plan) -> tuple[Strategy, l
 
 def _train(strategy: Strategy, steps: int) -> None:
     """What the engine's loop does, without faults and reports."""
-    st, n = strategy.state, strategy.state.flat.numel
-    dtype = torch.float64 if strategy.ctx.cfg.train.reduce_dtype == "float64" else torch.float32
-    buf = torch.zeros(n + 3, dtype=dtype)
+    st = strategy.state
+    buf = reduction_buffer(st, strategy.ctx.cfg.train.reduce_dtype)
     for step in range(st.step + 1, st.step + 1 + steps):
         buf.zero_()
         every = microbatches(7, step, GLOBAL_BATCH, MICRO, len(st.dataset))
@@ -89,8 +107,8 @@ def _whole(strategy: Strategy) -> torch.Tensor:
     return strategy.whole(lambda: False).copy()
 
 
-def _run(world: int, zero: int, steps: int) -> list[torch.Tensor]:
-    cfg, plan = _cfg(zero), _plan(world)
+def _run(world: int, zero: int, steps: int, factory: str = "") -> list[torch.Tensor]:
+    cfg, plan = _cfg(zero, factory=factory or _cfg().model.factory), _plan(world)
 
     def body(rank: int, comm: ThreadComm) -> torch.Tensor:
         strategy, _ = _strategy(cfg, comm, plan)
@@ -119,6 +137,47 @@ def test_every_rank_ends_with_the_same_state_as_one_rank_alone(zero: int) -> Non
         assert all(torch.equal(w, wholes[0]) for w in wholes)
         assert torch.equal(wholes[0], alone)
         assert not torch.equal(wholes[0], _run(1, 0, 2)[0])  # the steps did change the state
+
+
+COUNTING = "tests.unit.test_strategies:counts_some_labels"
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_a_loss_that_counts_terms_is_a_mean_over_the_whole_batch(zero: int) -> None:
+    """Micro-batches that count different numbers of terms: 1, 2 and 4 ranks still reach the
+    same state bit for bit (the count is reduced with the gradient, divided once)."""
+    alone = _run(1, 0, 3, COUNTING)[0]
+    for world in (2, 4):
+        assert all(torch.equal(w, alone) for w in _run(world, zero, 3, COUNTING))
+    assert not torch.equal(alone, _run(1, 0, 3)[0])  # the ignored terms changed the training
+
+
+def test_the_reduced_gradient_is_that_of_the_batch_mean() -> None:
+    """mean_gradient(buffer) equals autograd of (sum of every micro-batch's loss sum) / (sum of
+    their counts), taken directly over the same micro-batches."""
+    cfg = _cfg(factory=COUNTING)
+
+    def body(rank: int, comm: ThreadComm) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        strategy, _ = _strategy(cfg, comm, _plan(1))
+        st = strategy.state
+        every = microbatches(7, 1, GLOBAL_BATCH, MICRO, len(st.dataset))
+        buf = reduction_buffer(st, "float64")
+        with COMPUTE:
+            strategy.compute(1, every, buf, 0.0)
+        grad, _ = mean_gradient(buf, st.flat.numel)
+        total, counts = torch.zeros(()), []
+        with COMPUTE:
+            for mb in every:
+                inputs, targets = st.microbatch(mb.sample_ids)
+                loss, count = st.loss(st.model(inputs, 1, mb.id), targets)
+                total, counts = total + loss, [*counts, count]
+            (total / sum(counts)).backward()
+        return grad.clone(), st.flat.collect_grads().clone(), counts
+
+    reduced, direct, counts = run_ranks(1, body)[0]
+    assert len(set(counts)) > 1  # the micro-batches did count differently
+    assert torch.allclose(reduced, direct, rtol=1e-5, atol=1e-7)
+    assert reduced.abs().sum() > 0
 
 
 def test_ranks_behind_take_the_most_advanced_rank_state() -> None:

@@ -35,11 +35,40 @@ from elaswave.runtime.workload.data import MicroBatch
 
 if TYPE_CHECKING:
     from elaswave.runtime.durable.restore import DurableSource
-    from elaswave.runtime.state import RankContext
+    from elaswave.runtime.state import RankContext, TrainState
 
 DP = "dp"  # the training group: every rank of the plan
 
-__all__ = ["DP", "Strategy", "Whole"]
+# The step's reduction buffer is [gradient sums (numel) | tail]; the tail's slots, past numel:
+LOSS = 0  # the sum of the micro-batches' loss sums
+EPOCH = 1  # the newest plan epoch each rank has seen (summed: the engine compares)
+FLAG = 2  # a strategy's flag (pipelines: migrations ready)
+COUNT = 3  # the loss terms counted (samples, tokens): gradient and loss are divided by it
+TAIL = 4
+
+__all__ = [
+    "COUNT", "DP", "EPOCH", "FLAG", "LOSS", "TAIL",
+    "Strategy", "Whole", "mean_gradient", "reduction_buffer",
+]  # fmt: skip
+
+
+def reduction_buffer(state: TrainState, reduce_dtype: str) -> torch.Tensor:
+    """A zeroed step buffer for ``state`` on its device, in the configured reduction dtype."""
+    dtype = torch.float64 if reduce_dtype == "float64" else torch.float32
+    return state.flat.data.new_zeros(state.flat.numel + TAIL, dtype=dtype)
+
+
+def mean_gradient(buf: torch.Tensor, n: int) -> tuple[torch.Tensor, float]:
+    """After the reduction: the gradient of the batch's mean loss (float32, divided in place by
+    the reduced count) and the mean loss. Every rank divides the same sums by the same count,
+    so every rank's update is the same whatever its share of the batch."""
+    count = float(buf[n + COUNT])
+    if count <= 0:
+        raise ValueError("the workload's loss counted nothing in the whole batch")
+    grad = buf[:n].div_(count)
+    return (grad if grad.dtype == torch.float32 else grad.to(torch.float32)), float(
+        buf[n + LOSS]
+    ) / count
 
 
 @dataclass
@@ -58,8 +87,8 @@ class Whole:
 
 
 class Strategy(ABC):
-    """How one rank trains. ``buf`` is the step's reduction buffer: [gradients | loss sum |
-    newest epoch seen | a strategy's flag], the size of the whole model."""
+    """How one rank trains. ``buf`` is the step's reduction buffer: [gradient sums | tail]
+    (``LOSS``, ``EPOCH``, ``FLAG``, ``COUNT``), the size of the whole model."""
 
     sharded = False  # the update has a phase of its own (ZeRO): faults can aim at it
 
@@ -73,9 +102,10 @@ class Strategy(ABC):
     def compute(
         self, step: int, every: Sequence[MicroBatch], buf: torch.Tensor, slowdown: float
     ) -> float | None:
-        """Forward and backward over this rank's share of ``every`` (the step's micro-batches),
-        gradients and loss sums added into ``buf``; ``slowdown``: extra seconds an injected slow
-        fault adds to the step. Returns this rank's compute seconds per micro-batch."""
+        """Forward and backward over this rank's share of ``every`` (the step's micro-batches):
+        the gradients of the loss sums, the loss sums and their counts added into ``buf``;
+        ``slowdown``: extra seconds an injected slow fault adds to the step. Returns this rank's
+        compute seconds per micro-batch."""
 
     @abstractmethod
     def reduce_update(

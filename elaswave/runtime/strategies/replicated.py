@@ -19,7 +19,7 @@ from elaswave.planning.plan import Plan
 from elaswave.runtime.durable.checkpoints import DurableState
 from elaswave.runtime.integrity.checksums import digest
 from elaswave.runtime.integrity.verify import judge
-from elaswave.runtime.strategies.base import DP, Strategy, Whole
+from elaswave.runtime.strategies.base import COUNT, DP, EPOCH, LOSS, Strategy, Whole, mean_gradient
 from elaswave.runtime.timing import busy_mark, busy_since
 from elaswave.runtime.workload.data import MicroBatch
 
@@ -40,13 +40,14 @@ class Replicated(Strategy):
         slow = slowdown * plan.world_size / len(every)  # per micro-batch
         for mb in (every[i] for i in mine):
             inputs, targets = st.microbatch(mb.sample_ids)
-            loss = st.loss(st.model(inputs, step, mb.id), targets, len(mb.sample_ids))
-            (loss / t.global_batch).backward()
+            loss, count = st.loss(st.model(inputs, step, mb.id), targets)
+            loss.backward()
             if t.device_time:
                 time.sleep(t.device_time)  # emulated accelerator time (benchmarks)
             grad = st.flat.collect_grads()
             buf[:n].add_(grad)
-            buf[n] += loss.item()
+            buf[n + LOSS] += loss.item()
+            buf[n + COUNT] += count
             grad.zero_()
             if slow:
                 time.sleep(slow)
@@ -65,11 +66,10 @@ class Replicated(Strategy):
         self.ctx.comm.allreduce(DP, buf, broken)
         # -- the reduction succeeded: every rank now holds the identical full-batch gradient.
         self.ctx.enter("compute")
-        grad = buf[:n] if buf.dtype == torch.float32 else buf[:n].to(torch.float32)
+        grad, st.last_loss = mean_gradient(buf, n)
         st.opt.step(st.flat.data, grad)
         st.step = step
-        st.last_loss = float(buf[n]) / self.ctx.cfg.train.global_batch
-        return float(buf[n + 1])
+        return float(buf[n + EPOCH])
 
     def sync(self, plan: Plan, broken: Callable[[], bool]) -> dict[str, Any]:
         """Ranks behind (a newcomer, a failed reduction) copy the most advanced one."""

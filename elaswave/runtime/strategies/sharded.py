@@ -13,7 +13,7 @@ import torch
 from elaswave.planning.plan import Plan
 from elaswave.planning.shards import ShardLayout
 from elaswave.runtime.durable.checkpoints import DurableState
-from elaswave.runtime.strategies.base import DP, Whole
+from elaswave.runtime.strategies.base import COUNT, DP, EPOCH, LOSS, Whole
 from elaswave.runtime.strategies.replicated import Replicated
 from elaswave.runtime.strategies.zero import ShardLost, ZeroState
 
@@ -45,15 +45,15 @@ class Zero1(Replicated):
         """Stage the shard update, replicate it, then the commit barrier."""
         z, st, comm = self.zero, self.state, self.ctx.comm
         n = st.flat.numel
-        z.stage(comm, buf[:n], step, broken, before_update=before_update)
+        count = z.stage(comm, buf[:n], step, broken, before_update, float(buf[n + COUNT]))
         assert z.staged is not None
         z.staged.reached_barrier = True
         tail = buf[n:].to(torch.float64)
         comm.allreduce(DP, tail, broken)
-        st.last_loss = float(tail[0]) / self.ctx.cfg.train.global_batch
+        st.last_loss = float(tail[LOSS]) / count
         z.commit(st.last_loss)  # every rank staged (and replicated) this step: committed
         st.step = step
-        return float(tail[1])
+        return float(tail[EPOCH])
 
     def sync(self, plan: Plan, broken: Callable[[], bool]) -> dict[str, Any]:
         """Agree on the resume step, settle staged state, move shards to the new layout."""

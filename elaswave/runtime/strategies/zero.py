@@ -180,17 +180,28 @@ class ZeroState:
         step: int,
         abort: Callable[[], bool],
         before_update: Callable[[], None],
-    ) -> None:
-        """Steps 1–3 of the docstring: reduce-scatter, staged update, all-gather, replicate."""
+        count: float = 1.0,
+    ) -> float:
+        """Steps 1–3 of the docstring: reduce-scatter, staged update, all-gather, replicate.
+        ``grads`` are this rank's gradient sums and ``count`` the loss terms they count; the
+        shard is updated with the batch's sum divided by the batch's count (returned)."""
         assert self.layout is not None and self.own is not None
         world, size = len(self.workers), self.size
-        rank_major = self._ext(grads)[self.index].view(world, size)
+        reduced = grads.new_empty(world * size + 1)  # [rank-major gradient sums | count]
+        torch.index_select(self._ext(grads), 0, self.index, out=reduced[:-1])
+        reduced[-1] = count
         if self.native_reduce_scatter:
             mine = grads.new_empty(size)
-            comm.reduce_scatter(DP, list(rank_major.unbind(0)), mine, abort)
+            comm.reduce_scatter(DP, list(reduced[:-1].view(world, size).unbind(0)), mine, abort)
+            total = reduced[-1:].clone()
+            comm.allreduce(DP, total, abort)  # the count, beside the gradient
         else:  # same sum, each rank keeps its part (see ``native_reduce_scatter``)
-            comm.allreduce(DP, rank_major.reshape(-1), abort)
-            mine = rank_major[self.rank]
+            comm.allreduce(DP, reduced, abort)
+            mine, total = reduced[:-1].view(world, size)[self.rank], reduced[-1:]
+        batch_count = float(total)
+        if batch_count <= 0:
+            raise ValueError("the workload's loss counted nothing in the whole batch")
+        mine = mine.div_(batch_count)
         grad = mine.to(torch.float32) if mine.dtype != torch.float32 else mine
         before_update()
         param = self._ext(self.flat.data)[self._my_index()].clone()
@@ -208,6 +219,7 @@ class ZeroState:
             self.staged = Staged(
                 step, gathered, Shard(step, opt.exp_avg, opt.exp_avg_sq, None), None
             )
+        return batch_count
 
     def commit(self, loss: float = math.nan) -> None:
         """Step 4, after the barrier returned: the staged state becomes the live state (and, on

@@ -88,10 +88,12 @@ class Workload(abc.ABC):
 
     @abc.abstractmethod
     def loss(self, output: torch.Tensor, targets: Any) -> tuple[torch.Tensor, int]:
-        """(sum of the per-sample losses of the micro-batch, number of samples).
+        """(sum of the micro-batch's losses, how many terms that sum counts).
 
-        The runtime divides by the step's global count, so a rank's share of the batch never
-        changes the gradient."""
+        Count what the loss averages over: samples for a classifier, target tokens for a
+        language model (padding and ignored labels not counted). The runtime sums both over
+        the whole global batch and divides once, after the reduction: the gradient is that of
+        the mean over every counted term of the batch, whatever share of it each rank ran."""
 
     def layer_costs(self) -> Sequence[float] | None:
         """Relative cost of each layer for the pipeline partitioner, or ``None``: equal costs until

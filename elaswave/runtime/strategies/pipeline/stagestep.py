@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from elaswave.planning.schedule import Comm, Compute, schedule_1f1b
+from elaswave.runtime.strategies.base import COUNT, LOSS
 from elaswave.runtime.timing import busy_mark, busy_since
 from elaswave.runtime.workload import call_layer
 from elaswave.runtime.workload.data import MicroBatch
@@ -62,7 +63,7 @@ class StageStep:
         self.inputs: dict[int, torch.Tensor] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.grads_in: dict[int, torch.Tensor] = {}
-        self.loss_sum = 0.0
+        self.loss_sum, self.count = 0.0, 0
 
     def run(self, slow: float) -> float | None:
         """The whole schedule; returns busy seconds per micro-batch (``None``: no micro-batch).
@@ -86,7 +87,9 @@ class StageStep:
             else:
                 self.exchange(item)
         if self.last:
-            self.buf[ctx.state.flat.numel] += self.loss_sum
+            n = ctx.state.flat.numel
+            self.buf[n + LOSS] += self.loss_sum
+            self.buf[n + COUNT] += self.count
         pipe.timer.end(len(self.mbs), [pipe.cost_share(range(i, i + 1)) for i in self.layers])
         return busy / len(self.mbs) if self.mbs else None
 
@@ -105,9 +108,10 @@ class StageStep:
         with timer.pause():
             self.pipe.device_pause(self.layers, backward=False)
         if self.last:
-            loss = st.loss(h, targets, len(mb.sample_ids))
+            loss, count = st.loss(h, targets)
             self.loss_sum += loss.item()
-            self.outputs[i] = loss / t.global_batch
+            self.count += count
+            self.outputs[i] = loss  # its gradient is divided by the batch's count later
         else:
             self.outputs[i] = h
 

@@ -15,7 +15,7 @@ from elaswave.planning.plan import Plan
 from elaswave.planning.stageshards import LayersLost
 from elaswave.runtime.durable.checkpoints import DurableState
 from elaswave.runtime.integrity import stageverify
-from elaswave.runtime.strategies.base import DP, Strategy, Whole
+from elaswave.runtime.strategies.base import DP, EPOCH, FLAG, Strategy, Whole, mean_gradient
 from elaswave.runtime.strategies.pipeline.stage import MIG, Pipeline
 from elaswave.runtime.workload.data import MicroBatch
 
@@ -50,7 +50,7 @@ class PipelineStages(Strategy):
         self.state.flat.grad.zero_()
         slow = slowdown * len(plan.replicas) / len(every)  # per micro-batch
         per_mb = self.pipe.run_step(step, buf, list(every), self._broken, slow=slow)
-        buf[self.state.flat.numel + 2] = self.pipe.ready_flag
+        buf[self.state.flat.numel + FLAG] = self.pipe.ready_flag
         return per_mb
 
     def reduce_update(
@@ -63,16 +63,15 @@ class PipelineStages(Strategy):
         st, n, pipe, ctx = self.state, self.state.flat.numel, self.pipe, self.ctx
         ctx.comm.allreduce(DP, buf, broken)
         ctx.enter("compute")
-        grad = buf[:n] if buf.dtype == torch.float32 else buf[:n].to(torch.float32)
+        grad, loss = mean_gradient(buf, n)
         pipe.update(step, grad, broken, before_update)
-        st.step = step
-        st.last_loss = float(buf[n]) / ctx.cfg.train.global_batch
-        switched = pipe.after_step(step, float(buf[n + 2]))
+        st.step, st.last_loss = step, loss
+        switched = pipe.after_step(step, float(buf[n + FLAG]))
         if switched is not None:
             assert ctx.plan is not None
             self.say("migration_done", epoch=ctx.plan.epoch, **switched)
             self._set_clocks()
-        return float(buf[n + 1])
+        return float(buf[n + EPOCH])
 
     def _broken(self) -> bool:
         return self.ctx.broken()
