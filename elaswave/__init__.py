@@ -8,7 +8,7 @@ pay for torch.
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["Dataset", "TensorSpec", "Workload"]
+__all__ = ["Dataset", "ParamRef", "TensorSpec", "Workload"]
 
 
 def __getattr__(name: str) -> Any:

@@ -201,6 +201,7 @@ class Engine:
         self.faults.fire(step, "forward")
         every = microbatches(t.seed, step, t.global_batch, t.micro_batch_size, self.num_samples)
         per_mb = self.strategy.compute(step, every, buf, self.faults.slowdown(step))
+        self.state.tie_gradients(buf[:n])
         buf[n + EPOCH] = self.control.latest_epoch
         self.faults.fire(step, "reduce")
         self._enter("collective")

@@ -38,6 +38,7 @@ class TrainState:
     dataset: Dataset
     step: int = 0  # the last step whose update this rank has applied
     last_loss: float = math.nan
+    ties: tuple[tuple[slice, slice], ...] = ()  # flat ranges of copies of one logical weight
 
     @classmethod
     def build(cls, cfg: JobConfig) -> TrainState:
@@ -50,7 +51,20 @@ class TrainState:
             lr=t.lr, beta1=t.beta1, beta2=t.beta2, eps=t.eps, weight_decay=t.weight_decay
         )
         opt = FlatAdamW(0 if cfg.zero else flat.numel, hyper, flat.data.device)  # ZeRO: shards
-        return cls(workload, model, flat, opt, workload.dataset(t.seed))
+        ties = []
+        for a, b in workload.tied():
+            sa, sb = model.param_slice(a), model.param_slice(b)
+            if sa.stop - sa.start != sb.stop - sb.start:
+                raise ValueError(f"tied parameters {a} and {b} differ in size")
+            ties.append((sa, sb))
+        return cls(workload, model, flat, opt, workload.dataset(t.seed), ties=tuple(ties))
+
+    def tie_gradients(self, grads: torch.Tensor) -> None:
+        """Before the reduction: both copies of a tied weight hold the sum of their gradients
+        (summed over ranks, every copy then gets the whole weight's gradient)."""
+        for a, b in self.ties:
+            grads[a].add_(grads[b])
+            grads[b].copy_(grads[a])
 
     @property
     def device(self) -> torch.device:

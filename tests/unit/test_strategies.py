@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from elaswave.config import JobConfig
 from elaswave.planning.plan import Plan, assign_microbatches
@@ -42,6 +43,44 @@ class CountsSomeLabels(MLPClassifier):
 
 def counts_some_labels(**args: Any) -> CountsSomeLabels:
     return CountsSomeLabels(num_samples=4096, **args)
+
+
+class _OutputOfTied(nn.Module):
+    """The output layer reading layer 0's input matrix (hidden × features) transposed."""
+
+    def __init__(self, hidden: int, classes: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(hidden, classes))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h @ self.weight
+
+
+class TiedEnds(MLPClassifier):
+    """features == classes: layer 0's input weight and the output layer's weight are one logical
+    matrix (as tied input/output embeddings are)."""
+
+    def build_layer(self, index: int, seed: int) -> nn.Module:
+        # The tied matrix comes from its own stream, so both layers build the same values.
+        tied = torch.randn(
+            self.hidden, self.features, generator=torch.Generator().manual_seed(seed)
+        )
+        if index == self.num_layers - 1:
+            layer = _OutputOfTied(self.hidden, self.classes)
+            layer.weight.data.copy_(tied * 0.1)
+            return layer
+        layer = super().build_layer(index, seed)
+        if index == 0:
+            layer[0].weight.data.copy_(tied * 0.1)
+        return layer
+
+    def tied(self) -> list[tuple[tuple[int, str], tuple[int, str]]]:
+        return [((0, "0.weight"), (self.num_layers - 1, "weight"))]
+
+
+def tied_ends(**args: Any) -> TiedEnds:
+    args["classes"] = args["features"]
+    return TiedEnds(num_samples=4096, **args)
 
 
 def _cfg(
@@ -100,6 +139,7 @@ def _train(strategy: Strategy, steps: int) -> None:
         every = microbatches(7, step, GLOBAL_BATCH, MICRO, len(st.dataset))
         with COMPUTE:
             strategy.compute(step, every, buf, 0.0)
+        st.tie_gradients(buf[: st.flat.numel])
         strategy.reduce_update(step, buf, lambda: False, lambda: None)
 
 
@@ -178,6 +218,42 @@ def test_the_reduced_gradient_is_that_of_the_batch_mean() -> None:
     assert len(set(counts)) > 1  # the micro-batches did count differently
     assert torch.allclose(reduced, direct, rtol=1e-5, atol=1e-7)
     assert reduced.abs().sum() > 0
+
+
+TIED = "tests.unit.test_strategies:tied_ends"
+
+
+def _copies(world: int, zero: int, steps: int, tie: bool = True) -> list[torch.Tensor]:
+    """Every rank's [layer 0's copy, the output layer's copy] of the tied weight after ``steps``."""
+    cfg, plan = _cfg(zero, factory=TIED), _plan(world)
+
+    def body(rank: int, comm: ThreadComm) -> torch.Tensor:
+        strategy, _ = _strategy(cfg, comm, plan)
+        st = strategy.state
+        if not tie:
+            st.ties = ()
+        strategy.sync(plan, lambda: False)
+        _train(strategy, steps)
+        (a, b), *_ = st.workload.tied()
+        return torch.stack(
+            [st.flat.data[st.model.param_slice(a)], st.flat.data[st.model.param_slice(b)]]
+        )
+
+    return run_ranks(world, body)
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_tied_copies_stay_identical(zero: int) -> None:
+    """Both copies of a tied weight get the whole weight's gradient: identical after every step
+    on 1, 2 and 4 ranks, and the same on every rank count; untied, they drift apart."""
+    start = _copies(1, 0, 0)[0]
+    assert torch.equal(start[0], start[1])
+    alone = _copies(1, 0, 3)[0]
+    assert torch.equal(alone[0], alone[1]) and not torch.equal(alone[0], start[0])
+    for world in (2, 4):
+        assert all(torch.equal(c, alone) for c in _copies(world, zero, 3))
+    untied = _copies(1, 0, 3, tie=False)[0]
+    assert not torch.equal(untied[0], untied[1])
 
 
 def test_ranks_behind_take_the_most_advanced_rank_state() -> None:

@@ -28,6 +28,7 @@ from elaswave.runtime.workload.rng import stream_seed
 __all__ = [
     "Dataset",
     "KeyedLayers",
+    "ParamRef",
     "TensorSpec",
     "Workload",
     "build_layers",
@@ -42,6 +43,9 @@ class Dataset(Protocol):
     def __len__(self) -> int: ...
 
     def __getitem__(self, sample_id: int) -> Any: ...
+
+
+ParamRef = tuple[int, str]  # (layer index, parameter name inside that layer)
 
 
 @dataclass(frozen=True)
@@ -100,6 +104,13 @@ class Workload(abc.ABC):
         measured (``layer_costs: profile`` or ``online``)."""
         return None
 
+    def tied(self) -> Sequence[tuple[ParamRef, ParamRef]]:
+        """Pairs of parameters in different layers that are one logical weight (tied input and
+        output embeddings). Each layer owns a copy, built with the same initial values; the
+        runtime sums their gradients before the reduction, so every copy gets the same update
+        and stays identical, on whichever ranks and stages hold them. Default: none."""
+        return ()
+
 
 def layer_seed(seed: int, step: int, microbatch: int, layer: int) -> int:
     """The seed of the default generators while ``layer`` runs for (step, micro-batch)."""
@@ -155,6 +166,18 @@ class KeyedLayers(nn.Module):
                 index=index,
             )  # fmt: skip
         return x
+
+    def param_slice(self, ref: ParamRef) -> slice:
+        """Where parameter ``(layer, name)`` lies in the flat buffer of every layer's parameters."""
+        index, name = ref
+        offset = self.segments()[index][0]
+        for pname, p in self.layers[index].named_parameters():
+            if not p.requires_grad:
+                continue
+            if pname == name:
+                return slice(offset, offset + p.numel())
+            offset += p.numel()
+        raise KeyError(f"layer {index} has no trainable parameter {name!r}")
 
     def segments(self) -> tuple[tuple[int, int], ...]:
         """(offset, length) of each layer's trainable parameters in a flat buffer of them all."""
