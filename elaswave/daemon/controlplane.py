@@ -28,7 +28,7 @@ from elaswave.daemon.outbox import Outbox
 from elaswave.errors import ElasWaveError, EtcdUnavailable, LeaseExpired
 
 if TYPE_CHECKING:
-    from elaswave.daemon.supervisor import HostDaemon
+    from elaswave.daemon.host import Host
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ RESTART_TRIES = 3  # failed restarts of an embedded etcd before the job is told 
 
 
 class ControlPlane:
-    def __init__(self, d: HostDaemon) -> None:
+    def __init__(self, d: Host) -> None:
         self.d = d
         self.up = asyncio.Event()  # set while etcd answers
         self.outbox = Outbox(self.up, self.lost)
@@ -122,9 +122,7 @@ class ControlPlane:
         holds only if no plan was published since the plan was read."""
         d = self.d
         self.registered.clear()
-        d.is_leader = False  # the leader key went with the lease
-        if d.planner is not None:
-            d.planner.changed.set()  # it notices and steps down
+        d.leadership.revoke()  # the leader key went with the lease: a planner steps down
         d.events.emit("lease_expired", host=d.host_id, step=d.worker_step)
         d.lease = await d.etcd.lease(d.cfg.timeouts.lease_ttl)
         await d.etcd.put(d.keys.host(d.host_id), json.dumps(d.host_info()), lease=d.lease)

@@ -15,17 +15,16 @@ import contextlib
 import logging
 import os
 import signal
-import time
-import uuid
 from typing import TYPE_CHECKING
 
 from elaswave.daemon.etcd import Etcd
+from elaswave.daemon.jobstore import JobStore
 from elaswave.errors import ElasWaveError
 from elaswave.faults import FaultKind, FaultSpec, decode_request
 from elaswave.keys import JobKeys
 
 if TYPE_CHECKING:
-    from elaswave.daemon.supervisor import HostDaemon
+    from elaswave.daemon.host import Host
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +32,7 @@ log = logging.getLogger(__name__)
 class FaultRelay:
     """The daemon's fault requests: read from etcd, checked, and sent where they belong."""
 
-    def __init__(self, d: HostDaemon) -> None:
+    def __init__(self, d: Host) -> None:
         self.d = d
         self._pending_faults: dict[str, FaultSpec] = {}
         self._repeat_sent: dict[str, set[str]] = {}  # repeat fault key -> workers it went to
@@ -159,13 +158,7 @@ class FaultRelay:
                 os.kill(pid, signal.SIGKILL)
         os.kill(os.getpid(), signal.SIGKILL)
 
-    async def submit_config_faults(self) -> None:
-        d = self.d
-        for fault in d.cfg.faults:
-            await submit_fault(d.etcd, d.keys, fault)
-
 
 async def submit_fault(etcd: Etcd, keys: JobKeys, fault: FaultSpec) -> str:
-    fault_id = f"{time.time_ns()}-{uuid.uuid4().hex[:8]}"
-    await etcd.put_json(keys.fault(fault_id), fault.to_dict())
-    return fault_id
+    """Request ``fault`` in the job of ``keys``; its request id."""
+    return await JobStore(etcd, keys).submit_fault(fault)

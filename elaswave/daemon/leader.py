@@ -13,18 +13,25 @@ a host fault ≈ the lease TTL).
 A leader whose own lease expired (its host was cut off, or its daemon paused) may not know it yet:
 every plan is published in a transaction that also requires the leader key to still name this
 host, so a former leader can never publish; it steps down and campaigns again.
+
+The campaign and the planner know nothing of the daemon: they read and write the job's keys
+through a :class:`~elaswave.daemon.jobstore.JobStore` and get what else they need (the config,
+this host's id and store, the event log, its leadership, whether it is stopping) as a
+:class:`Candidate`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
-from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from typing import Any
 
+from elaswave.config import JobConfig
+from elaswave.daemon.jobstore import Change, JobStore
 from elaswave.errors import EtcdUnavailable
 from elaswave.planning.pipeplan import measured_layers, next_pipeline_plan, plan_costs
 from elaswave.planning.plan import Member, Plan, next_plan, reshared_plan
@@ -37,52 +44,82 @@ from elaswave.planning.verdicts import (
     straggler_verdict,
 )
 
-if TYPE_CHECKING:
-    from elaswave.daemon.supervisor import HostDaemon
-
 log = logging.getLogger(__name__)
 
 MAX_INCIDENTS = 20
 JOIN_SETTLE_S = 0.5  # how long a grow waits for further joiners before it is planned
 
+Emit = Callable[..., Any]  # records an event: emit(kind, **fields)
 
-async def campaign(d: HostDaemon) -> None:
+
+class Leadership:
+    """Whether this host leads. The campaign takes it when it wins and gives it up when its
+    planner returns; the control plane revokes it when the host's lease expired (the leader
+    key went with it), which wakes a running planner so that it steps down."""
+
+    def __init__(self) -> None:
+        self.held = False
+        self._wake: asyncio.Event | None = None  # the running planner's change event
+
+    def revoke(self) -> None:
+        self.held = False
+        if self._wake is not None:
+            self._wake.set()
+
+    @contextlib.contextmanager
+    def planning(self, wake: asyncio.Event) -> Iterator[None]:
+        """While a planner runs: ``wake`` is set when leadership is revoked."""
+        self._wake = wake
+        try:
+            yield
+        finally:
+            if self._wake is wake:
+                self._wake = None
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A host standing for leader: what its campaign and, once it wins, its planner need."""
+
+    store: JobStore
+    cfg: JobConfig
+    host_id: str
+    store_address: str  # the TCP store of this host (written into every plan it makes)
+    emit: Emit
+    leadership: Leadership
+    registered: asyncio.Event  # set while this host's keys live under its lease
+    lease: Callable[[], Any]  # the host's current lease (a new one after an expiry)
+    stopping: Callable[[], bool]  # the host is shutting down
+
+    async def holds_leader(self) -> bool:
+        """Whether the leader key names this host (and its keys are registered)."""
+        return await self.store.leader() == self.host_id and self.registered.is_set()
+
+
+async def campaign(c: Candidate) -> None:
     """Win the election (or wait for the current leader to go), then lead until stopped, the
     job is done, or this host's lease expires (then campaign again under the new one)."""
-    while not d.stopping:
-        await d.cp.registered.wait()
-        if await d.etcd.get(d.keys.done) is not None:
+    while not c.stopping():
+        await c.registered.wait()
+        if await c.store.is_done():
             return  # the job is over: hosts leaving now need no new leader
-        won = await d.etcd.create(d.keys.leader, d.host_id, lease=d.lease)
-        if won or await _holds(d, d.keys.leader):  # held already: an outage ran this again
+        won = await c.store.claim_leader(c.host_id, lease=c.lease())
+        if won or await c.holds_leader():  # held already: an outage ran this again
             if won:
-                d.events.emit("leader_elected", host=d.host_id)
-            d.is_leader = True
-            await Planner(d).run()
-            d.is_leader = False
+                c.emit("leader_elected", host=c.host_id)
+            c.leadership.held = True
+            await Planner(c).run()
+            c.leadership.held = False
             continue
-        await _wait_for_key_gone(d, d.keys.leader)
-
-
-async def _holds(d: HostDaemon, key: str) -> bool:
-    kv = await d.etcd.get(key)
-    return kv is not None and kv.value.decode() == d.host_id and d.cp.registered.is_set()
-
-
-async def _wait_for_key_gone(d: HostDaemon, key: str) -> None:
-    rev = await d.etcd.revision()
-    if await d.etcd.get(key) is None:
-        return
-    async for ev in d.etcd.watch_prefix(key, start_revision=rev + 1):
-        if ev.key == key and ev.kind == "delete":
-            return
+        await c.store.wait_leader_gone()
 
 
 class Planner:
-    def __init__(self, d: HostDaemon) -> None:
-        self.d = d
+    def __init__(self, c: Candidate) -> None:
+        self.c = c
+        self.store = c.store
+        self.cfg = cfg = c.cfg
         self.changed = asyncio.Event()
-        cfg = d.cfg
         lo, hi = cfg.elastic.nnodes_range
         self.expected = lo * cfg.elastic.nproc_per_node
         self.max_workers = hi * cfg.elastic.nproc_per_node
@@ -104,66 +141,64 @@ class Planner:
         """Plan until the job is done or stops, or this host stops leading. An etcd outage
         raises :class:`EtcdUnavailable` (from a call, or from the watch): the daemon runs the
         campaign again once etcd answers, and a new planner starts from a fresh read."""
-        d = self.d
-        rev = await d.etcd.revision()
+        rev = await self.store.revision()
         watcher = asyncio.create_task(self._watch(rev + 1))
-        d.planner = self
         try:
-            current, plan_rev = await self._read_plan()
-            if current is None:
-                await self._await_initial_members()
-            elif await d.etcd.get(d.keys.done) is None:
-                live = {
-                    kv.key.removeprefix(d.keys.hosts)
-                    for kv in await d.etcd.get_prefix(d.keys.hosts)
-                }
-                for host in lost_hosts(current.hosts, live):
-                    self._host_lost(host, "not registered when this leader took over")
-            if current is not None:
-                self.evicted.update(current.evicted)
-            while not d.stopping and d.is_leader:
-                self.changed.clear()
-                if await d.etcd.get(d.keys.done) is not None:
-                    return  # the last step is committed: leaving workers change nothing
-                members, causes = await self._read_members()
-                causes, self.host_causes = self.host_causes + causes, []
-                if current is None:
-                    causes = self.early_causes + causes
-                if current is not None and not causes and self._only_joins(current, members):
-                    # Newcomers arrive one by one; admit those that come together in one plan.
-                    await asyncio.sleep(JOIN_SETTLE_S)
-                    members, more = await self._read_members()
-                    causes += more
-                    if await d.etcd.get(d.keys.done) is not None:
-                        return
-                if current is not None and causes and await self._loop_breaker(len(causes)):
-                    return
-                plan = self._next(current, members, "; ".join(causes))
-                if plan is None and current is not None:
-                    if current.is_pipeline:
-                        plan = self._pipeline_straggler_plan(current, members)
-                    else:
-                        plan = self._straggler_plan(current)
-                if plan is not None:
-                    plan = replace(plan, committed=await self._committed())
-                    if await self._publish(plan, plan_rev):
-                        self._published(plan)
-                        await self._record_incident(plan, bool(causes) or bool(plan.evicted))
-                        if current is None:
-                            await d.faults.submit_config_faults()
-                    elif not await _holds(d, d.keys.leader):
-                        log.warning("no longer the leader (this host's lease expired)")
-                        return
-                    current, plan_rev = await self._read_plan()
-                    self.hysteresis.reset()
-                    continue  # re-check: membership may have moved while we published
-                await self._wait_change(watcher)
+            with self.c.leadership.planning(self.changed):
+                await self._lead(watcher)
         finally:
-            if d.planner is self:
-                d.planner = None
             watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await watcher
+
+    async def _lead(self, watcher: asyncio.Task[None]) -> None:
+        c, store = self.c, self.store
+        current, plan_rev = await store.read_plan()
+        if current is None:
+            await self._await_initial_members()
+        elif not await store.is_done():
+            for host in lost_hosts(current.hosts, await store.live_hosts()):
+                self._host_lost(host, "not registered when this leader took over")
+        if current is not None:
+            self.evicted.update(current.evicted)
+        while not c.stopping() and c.leadership.held:
+            self.changed.clear()
+            if await store.is_done():
+                return  # the last step is committed: leaving workers change nothing
+            members, causes = await self._read_members()
+            causes, self.host_causes = self.host_causes + causes, []
+            if current is None:
+                causes = self.early_causes + causes
+            if current is not None and not causes and self._only_joins(current, members):
+                # Newcomers arrive one by one; admit those that come together in one plan.
+                await asyncio.sleep(JOIN_SETTLE_S)
+                members, more = await self._read_members()
+                causes += more
+                if await store.is_done():
+                    return
+            if current is not None and causes and await self._loop_breaker(len(causes)):
+                return
+            plan = self._next(current, members, "; ".join(causes))
+            if plan is None and current is not None:
+                if current.is_pipeline:
+                    plan = self._pipeline_straggler_plan(current, members)
+                else:
+                    plan = self._straggler_plan(current)
+            if plan is not None:
+                plan = replace(plan, committed=await store.committed_step())
+                if await store.publish_plan(plan, mod_revision=plan_rev, leader=c.host_id):
+                    self._published(plan)
+                    await self._record_incident(plan, bool(causes) or bool(plan.evicted))
+                    if current is None:
+                        for fault in self.cfg.faults:
+                            await store.submit_fault(fault)
+                elif not await c.holds_leader():
+                    log.warning("no longer the leader (this host's lease expired)")
+                    return
+                current, plan_rev = await store.read_plan()
+                self.hysteresis.reset()
+                continue  # re-check: membership may have moved while we published
+            await self._wait_change(watcher)
 
     async def _wait_change(self, watcher: asyncio.Task[None]) -> None:
         """Until something changed; a watch that failed (etcd went away) raises its error."""
@@ -174,25 +209,8 @@ class Planner:
             watcher.result()  # raises what ended it
             raise EtcdUnavailable("the leader's watch on etcd ended")
 
-    async def _publish(self, plan: Plan, plan_rev: int) -> bool:
-        """Compare-and-set the plan. A write whose answer was lost (the etcd member went away
-        after applying it and the retry's compare failed) is recognised in etcd's history."""
-        d = self.d
-        data = plan.to_json()
-        if await d.etcd.compare_and_put(
-            d.keys.plan, data, mod_revision=plan_rev, holder=(d.keys.leader, d.host_id)
-        ):
-            return True
-        landed = await d.etcd.first_put_after(d.keys.plan, plan_rev)
-        return landed is not None and landed.decode() == data
-
-    async def _committed(self) -> int:
-        """The job's newest committed step as etcd knows it (its progress record)."""
-        kv = await self.d.etcd.get(self.d.keys.progress)
-        return int(kv.json().get("step", 0)) if kv is not None else 0
-
     def _next(self, current: Plan | None, members: list[Member], cause: str) -> Plan | None:
-        cfg = self.d.cfg
+        cfg = self.cfg
         if cfg.pp > 1:
             costs, self.cost_source = plan_costs(
                 cfg.layer_costs, self.estimate, self.profiles, self.online
@@ -205,7 +223,7 @@ class Planner:
                 costs=costs,
                 num_microbatches=self.num_microbatches,
                 max_workers=self.max_workers,
-                store=self.d.store_address,
+                store=self.c.store_address,
                 now=time.time(),
                 cause=cause,
                 policy=cfg.stage_loss,
@@ -215,13 +233,13 @@ class Planner:
             members,
             num_microbatches=self.num_microbatches,
             max_workers=self.max_workers,
-            store=self.d.store_address,
+            store=self.c.store_address,
             now=time.time(),
             cause=cause,
         )
 
     def _published(self, plan: Plan) -> None:
-        self.d.events.emit(
+        self.c.emit(
             "plan_published",
             t=plan.created,  # decided then; workers may see it before CAS returns
             epoch=plan.epoch,
@@ -260,8 +278,8 @@ class Planner:
             self._samples(current),
             current=current,
             costs=self.costs,
-            threshold=self.d.cfg.elastic.straggler_threshold,
-            store=self.d.store_address,
+            threshold=self.cfg.elastic.straggler_threshold,
+            store=self.c.store_address,
             now=time.time(),
         )
         if not self.hysteresis.observe(verdict.key):
@@ -289,7 +307,7 @@ class Planner:
             self._samples(current),
             workers=current.workers,
             current=current.microbatches,
-            threshold=self.d.cfg.elastic.straggler_threshold,
+            threshold=self.cfg.elastic.straggler_threshold,
         )
         if not self.hysteresis.observe(verdict.key):
             return None
@@ -299,7 +317,7 @@ class Planner:
             current,
             verdict.microbatches,
             evict=verdict.evict,
-            store=self.d.store_address,
+            store=self.c.store_address,
             now=time.time(),
             cause=verdict.reason,
         )
@@ -310,7 +328,7 @@ class Planner:
         self, current: Plan, verdict: StragglerVerdict | PipelineVerdict, plan: Plan, **extra: Any
     ) -> None:
         """The event of a straggler plan (data-parallel or pipeline verdict)."""
-        self.d.events.emit(
+        self.c.emit(
             "straggler_detected",
             epoch=current.epoch,
             stragglers=list(verdict.stragglers),
@@ -323,15 +341,13 @@ class Planner:
 
     async def _loop_breaker(self, failures: int) -> bool:
         """Count failures against committed progress; stop the whole job in a restart loop."""
-        d = self.d
-        kv = await d.etcd.get(d.keys.progress)
-        committed = int(kv.json()["step"]) if kv else 0
+        committed = await self.store.committed_step()
         self.failure_steps += [committed] * failures
-        reason = loop_verdict(self.failure_steps, committed, d.cfg.elastic.loop_breaker)
+        reason = loop_verdict(self.failure_steps, committed, self.cfg.elastic.loop_breaker)
         if reason is None:
             return False
-        d.events.emit("loop_breaker", reason=reason, committed=committed)
-        await d.etcd.put_json(d.keys.stop, {"reason": reason, "t": time.time()})
+        self.c.emit("loop_breaker", reason=reason, committed=committed)
+        await self.store.stop_job(reason)
         return True
 
     @staticmethod
@@ -341,81 +357,51 @@ class Planner:
 
     async def _watch(self, start_revision: int) -> None:
         # Worker keys change on ready/exit; departures also cover workers that died before ready.
-        keys = self.d.keys
-        async for ev in self.d.etcd.watch_prefix(keys.prefix, start_revision=start_revision):
-            if ev.key == keys.done:
+        async for change in self.store.changes(start_revision):
+            if change.kind is Change.DONE:
                 self.job_done = True  # hosts leaving from now on are finishing, not lost
-            elif ev.key.startswith(keys.hosts) and ev.kind == "delete" and not self.job_done:
-                host = ev.key.removeprefix(keys.hosts)
-                current, _ = await self._read_plan()
-                if current is not None and host in current.hosts:  # else it had no rank left
-                    self._host_lost(host, "its lease expired")
+            elif change.kind is Change.HOST_GONE and not self.job_done:
+                current, _ = await self.store.read_plan()
+                if current is not None and change.host in current.hosts:  # else it had no rank
+                    self._host_lost(change.host, "its lease expired")
                 self.changed.set()
-            elif ev.key.startswith(keys.workers) or (
-                ev.key.startswith(keys.departures) and ev.kind == "put"
-            ):
+            elif change.kind is Change.MEMBERSHIP:
                 self.changed.set()
-            elif ev.key.startswith(keys.speed):
-                host = ev.key[len(keys.speed) :]
-                if ev.kind == "put":
-                    self.speeds[host] = json.loads(ev.value)
-                    self.changed.set()
-                else:
-                    self.speeds.pop(host, None)
+            elif change.kind is Change.SPEED:
+                self.speeds[change.host] = change.speeds
+                self.changed.set()
+            elif change.kind is Change.SPEED_GONE:
+                self.speeds.pop(change.host, None)
 
     def _host_lost(self, host: str, why: str) -> None:
         """A host key vanished without the job being done: the host died or is cut off."""
-        if host == self.d.host_id:
+        if host == self.c.host_id:
             return
         self.host_causes.append(f"host {host} lost ({why})")
-        self.d.events.emit("host_lost", host=host, leader=self.d.host_id, reason=why)
-
-    async def _read_plan(self) -> tuple[Plan | None, int]:
-        kv = await self.d.etcd.get(self.d.keys.plan)
-        if kv is None:
-            return None, 0
-        return Plan.from_json(kv.value), kv.mod_revision
+        self.c.emit("host_lost", host=host, leader=self.c.host_id, reason=why)
 
     async def _read_members(self) -> tuple[list[Member], list[str]]:
-        d = self.d
+        """The live members (without the evicted), and why workers left since the last read.
+        Pipelines also take the workers' cost profiles and, online, their measurements."""
         members = []
         self.profiles = []
-        for kv in await d.etcd.get_prefix(d.keys.workers):
-            info = kv.json()
-            if info["worker_id"] in self.evicted:
+        for rec in await self.store.workers():
+            if rec.worker_id in self.evicted:
                 continue  # its daemon is stopping it
-            if info.get("layer_seconds"):
-                self.profiles.append(info["layer_seconds"])
-            if info.get("layer_estimate"):  # every worker builds the same workload
-                self.estimate = info["layer_estimate"]
-            members.append(
-                Member(worker_id=info["worker_id"], host=info["host"], order=kv.create_revision)
-            )
-        if d.cfg.pp > 1 and d.cfg.layer_costs == "online":
-            self.online = await self._read_online_costs({m.worker_id for m in members})
-        causes = []
-        for kv in await d.etcd.get_prefix(d.keys.departures):
-            causes.append(kv.value.decode())
-            await d.etcd.delete(kv.key)
-        return members, causes
-
-    async def _read_online_costs(self, live: set[str]) -> list[dict[str, float]]:
-        """The newest per-layer seconds every live member measured while training (published
-        per host by its daemon)."""
-        out = []
-        for kv in await self.d.etcd.get_prefix(self.d.keys.costs):
-            per_worker = kv.json()
-            for wid, record in per_worker.items() if isinstance(per_worker, dict) else ():
-                seconds = record.get("layer_seconds") if isinstance(record, dict) else None
-                if wid in live and isinstance(seconds, dict):
-                    out.append(seconds)
-        return out
+            if rec.layer_seconds:
+                self.profiles.append(rec.layer_seconds)
+            if rec.layer_estimate:  # every worker builds the same workload
+                self.estimate = rec.layer_estimate
+            members.append(rec.member)
+        if self.cfg.pp > 1 and self.cfg.layer_costs == "online":
+            self.online = await self.store.online_costs({m.worker_id for m in members})
+        return members, await self.store.take_departures()
 
     async def _await_initial_members(self) -> None:
         """Initial rendezvous: wait for MIN hosts' workers, or the rendezvous timeout."""
-        d = self.d
-        deadline = time.monotonic() + d.cfg.timeouts.rendezvous
-        while not d.stopping:
+        cfg = self.cfg
+        deadline = time.monotonic() + cfg.timeouts.rendezvous
+        while not self.c.stopping():
             self.changed.clear()  # before reading: a change after the read must wake us
             members, causes = await self._read_members()
             self.early_causes += causes  # workers that died before ready: do not wait for them
@@ -423,21 +409,18 @@ class Planner:
                 return
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                if len(members) >= d.cfg.elastic.min_workers:
+                if len(members) >= cfg.elastic.min_workers:
                     return
-                deadline = time.monotonic() + d.cfg.timeouts.rendezvous
+                deadline = time.monotonic() + cfg.timeouts.rendezvous
                 continue
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.changed.wait(), remaining)
 
     async def _record_incident(self, plan: Plan, is_incident: bool) -> None:
-        d = self.d
-        kv = await d.etcd.get(d.keys.incidents)
-        incidents = json.loads(kv.value) if kv else []
-        incidents.append(
-            {"t": plan.created, "epoch": plan.epoch, "reason": plan.reason, "fault": is_incident}
+        await self.store.record_incident(
+            {"t": plan.created, "epoch": plan.epoch, "reason": plan.reason, "fault": is_incident},
+            keep=MAX_INCIDENTS,
         )
-        await d.etcd.put_json(d.keys.incidents, incidents[-MAX_INCIDENTS:])
 
 
 def lost_hosts(plan_hosts: tuple[str, ...], live_hosts: set[str]) -> list[str]:

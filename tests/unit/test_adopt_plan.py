@@ -30,8 +30,10 @@ def _daemon(current: Plan, live: list[str]) -> tuple[Any, list[list[str]]]:
         conns={},
         faults=SimpleNamespace(dispatch=lambda: None),
     )
-    d._fence = lambda workers, plan: fenced.append([w.worker_id for w in workers])
-    d._evict = lambda wid, plan: None
+    d.pool = SimpleNamespace(
+        fence=lambda workers, plan: fenced.append([w.worker_id for w in workers]),
+        evict=lambda wid, plan: None,
+    )
     return d, fenced
 
 

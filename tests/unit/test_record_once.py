@@ -9,7 +9,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from elaswave.daemon.etcd import KV
-from elaswave.daemon.supervisor import HostDaemon
+from elaswave.daemon.records import StepRecords
 
 KEY = "progress"
 
@@ -51,14 +51,16 @@ def _daemon(etcd: FakeEtcd) -> tuple[Any, list[dict[str, Any]]]:
     lines: list[dict[str, Any]] = []
     d = SimpleNamespace(etcd=etcd, keys=SimpleNamespace(progress=KEY))
     d.metrics = SimpleNamespace(write=lines.append)
-    d._progress_landed = lambda kv, writer, tried: HostDaemon._progress_landed(d, kv, writer, tried)
+    d._progress_landed = lambda kv, writer, tried: StepRecords._progress_landed(
+        d, kv, writer, tried
+    )
     return d, lines
 
 
 def _land(d: Any, step: int, writer: str, tried: list[int] | None = None) -> None:
     record = {"step": step}
     progress = {"step": step, "writer": writer}
-    asyncio.run(HostDaemon._land_record(d, record, progress, [] if tried is None else tried))
+    asyncio.run(StepRecords._land_record(d, record, progress, [] if tried is None else tried))
 
 
 def test_the_write_that_moves_progress_writes_the_line() -> None:

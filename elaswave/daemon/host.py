@@ -1,0 +1,55 @@
+"""What the per-host daemon's parts see of it.
+
+The control plane, the fault relay and the worker pool each work for one
+:class:`~elaswave.daemon.supervisor.HostDaemon`; they are typed against this protocol instead, so
+no module of the daemon imports the supervisor back.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    import asyncio
+    from pathlib import Path
+
+    from elaswave.config import JobConfig
+    from elaswave.daemon.control_server import ControlServer, WorkerConn
+    from elaswave.daemon.etcd import Etcd
+    from elaswave.daemon.etcd_server import EmbeddedEtcd
+    from elaswave.daemon.leader import Leadership
+    from elaswave.daemon.outbox import Outbox
+    from elaswave.daemon.workers import WorkerProc
+    from elaswave.events import EventLog
+    from elaswave.keys import JobKeys
+    from elaswave.planning.plan import Plan
+
+
+class Host(Protocol):
+    cfg: JobConfig
+    host_id: str
+    keys: JobKeys
+    etcd: Etcd
+    lease: Any  # the host lease its keys live under (a new one after an expiry)
+    events: EventLog
+    outbox: Outbox
+    control: ControlServer
+    run_dir: Path
+    embedded: EmbeddedEtcd | None
+    plan: Plan | None  # the newest plan this host adopted
+    workers: dict[str, WorkerProc]
+    conns: dict[str, WorkerConn]
+    leadership: Leadership
+    stopping: bool
+    unrecoverable: str | None
+    finished: asyncio.Event  # set once every worker process of this host has exited
+
+    @property
+    def is_leader(self) -> bool: ...
+
+    @property
+    def worker_step(self) -> int: ...
+
+    def host_info(self) -> dict[str, Any]: ...
+
+    def adopt_json(self, value: bytes) -> None: ...

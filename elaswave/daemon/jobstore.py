@@ -1,0 +1,210 @@
+"""One job's keys in etcd, as its leader's planner reads and writes them.
+
+:class:`JobStore` is a small typed facade over a job's :class:`~elaswave.keys.JobKeys`: the
+election key, the plan (read, and published with a compare-and-set that only the current leader
+can win), the ready workers and the departures of the others, the committed progress, the hosts'
+shared compute times and layer costs, the incident list, fault requests and the job's end (done,
+or stopped by the leader). It holds an :class:`~elaswave.daemon.etcd.Etcd` client and the key
+names, nothing of a daemon.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from elaswave.daemon.etcd import Etcd
+from elaswave.faults import FaultSpec
+from elaswave.keys import JobKeys
+from elaswave.planning.plan import Member, Plan
+
+
+@dataclass(frozen=True)
+class WorkerRecord:
+    """A ready worker's key (it lives under its host's lease), as its daemon registered it."""
+
+    worker_id: str
+    host: str
+    order: int  # the key's create revision: workers that became ready earlier come first
+    layer_seconds: list[float] | None = None  # pipelines: its start-up profile, per layer
+    layer_estimate: list[float] | None = None  # pipelines: the workload's estimate, per layer
+
+    @property
+    def member(self) -> Member:
+        return Member(worker_id=self.worker_id, host=self.host, order=self.order)
+
+
+class Change(enum.Enum):
+    """What moved under a job's prefix, as far as planning cares."""
+
+    DONE = "done"  # the done key was written or removed
+    HOST_GONE = "host_gone"  # a host key vanished: its lease expired, or the host left
+    MEMBERSHIP = "membership"  # a worker key came or went, or a departure was recorded
+    SPEED = "speed"  # a host shared its workers' compute times
+    SPEED_GONE = "speed_gone"  # a host's compute times went (with its lease)
+
+
+@dataclass(frozen=True)
+class JobChange:
+    kind: Change
+    host: str = ""  # HOST_GONE, SPEED, SPEED_GONE: which host
+    speeds: Any = None  # SPEED: worker -> {"epoch": ..., "per_mb": [...]}, as the host wrote it
+
+
+class JobStore:
+    """A job's keys in etcd, read and written with typed values."""
+
+    def __init__(self, etcd: Etcd, keys: JobKeys) -> None:
+        self.etcd = etcd
+        self.keys = keys
+
+    async def revision(self) -> int:
+        """The store's current revision (a watch from the one after misses nothing)."""
+        return await self.etcd.revision()
+
+    # ---- the election -------------------------------------------------------------------------
+    async def claim_leader(self, host_id: str, *, lease: Any) -> bool:
+        """Create the leader key for ``host_id`` under ``lease``; False if someone holds it."""
+        return await self.etcd.create(self.keys.leader, host_id, lease=lease)
+
+    async def leader(self) -> str | None:
+        """The host the leader key names (None: nobody leads)."""
+        kv = await self.etcd.get(self.keys.leader)
+        return kv.value.decode() if kv is not None else None
+
+    async def wait_leader_gone(self) -> None:
+        """Until the leader key is deleted (at once if there is none)."""
+        key = self.keys.leader
+        rev = await self.etcd.revision()
+        if await self.etcd.get(key) is None:
+            return
+        async for ev in self.etcd.watch_prefix(key, start_revision=rev + 1):
+            if ev.key == key and ev.kind == "delete":
+                return
+
+    # ---- the plan -----------------------------------------------------------------------------
+    async def read_plan(self) -> tuple[Plan | None, int]:
+        """The current plan and its key's mod revision ((None, 0): no plan yet)."""
+        kv = await self.etcd.get(self.keys.plan)
+        if kv is None:
+            return None, 0
+        return Plan.from_json(kv.value), kv.mod_revision
+
+    async def publish_plan(self, plan: Plan, *, mod_revision: int, leader: str) -> bool:
+        """Put ``plan`` only if the plan key's mod revision is still ``mod_revision`` (0: no
+        plan yet) and the leader key still names ``leader``. True if this write landed, also
+        when its answer was lost (the etcd member went away after applying it and the retry's
+        compare failed): that write is recognised in etcd's history."""
+        data = plan.to_json()
+        if await self.etcd.compare_and_put(
+            self.keys.plan, data, mod_revision=mod_revision, holder=(self.keys.leader, leader)
+        ):
+            return True
+        landed = await self.etcd.first_put_after(self.keys.plan, mod_revision)
+        return landed is not None and landed.decode() == data
+
+    # ---- membership ---------------------------------------------------------------------------
+    async def live_hosts(self) -> set[str]:
+        """The hosts registered now (their keys live under their leases)."""
+        hosts = self.keys.hosts
+        return {kv.key.removeprefix(hosts) for kv in await self.etcd.get_prefix(hosts)}
+
+    async def workers(self) -> list[WorkerRecord]:
+        """The ready workers' keys, in key order."""
+        out = []
+        for kv in await self.etcd.get_prefix(self.keys.workers):
+            info = kv.json()
+            out.append(
+                WorkerRecord(
+                    worker_id=info["worker_id"],
+                    host=info["host"],
+                    order=kv.create_revision,
+                    layer_seconds=info.get("layer_seconds") or None,
+                    layer_estimate=info.get("layer_estimate") or None,
+                )
+            )
+        return out
+
+    async def take_departures(self) -> list[str]:
+        """Why workers left since the last call (each departure is read once, then deleted)."""
+        reasons = []
+        for kv in await self.etcd.get_prefix(self.keys.departures):
+            reasons.append(kv.value.decode())
+            await self.etcd.delete(kv.key)
+        return reasons
+
+    # ---- progress, measurements ---------------------------------------------------------------
+    async def committed_step(self) -> int:
+        """The job's newest committed step as its progress record says (0: none yet)."""
+        kv = await self.etcd.get(self.keys.progress)
+        return int(kv.json().get("step", 0)) if kv is not None else 0
+
+    async def share_speeds(self, host_id: str, speeds: dict[str, Any], *, lease: Any) -> None:
+        """A host's workers' compute seconds per micro-batch (worker -> {epoch, per_mb})."""
+        await self.etcd.put_json(self.keys.speed + host_id, speeds, lease=lease)
+
+    async def share_layer_costs(self, host_id: str, costs: dict[str, Any], *, lease: Any) -> None:
+        """A host's workers' measured seconds per layer (worker -> {step, epoch, layer_seconds})."""
+        await self.etcd.put_json(self.keys.costs + host_id, costs, lease=lease)
+
+    async def online_costs(self, live: set[str]) -> list[dict[str, float]]:
+        """The newest per-layer seconds every worker in ``live`` measured while training, as its
+        host shared them; anything malformed is skipped."""
+        out = []
+        for kv in await self.etcd.get_prefix(self.keys.costs):
+            per_worker = kv.json()
+            for wid, record in per_worker.items() if isinstance(per_worker, dict) else ():
+                seconds = record.get("layer_seconds") if isinstance(record, dict) else None
+                if wid in live and isinstance(seconds, dict):
+                    out.append(seconds)
+        return out
+
+    # ---- the job's record and its end ---------------------------------------------------------
+    async def record_incident(self, incident: dict[str, Any], *, keep: int) -> None:
+        """Append ``incident`` to the job's incident list, keeping the newest ``keep``."""
+        kv = await self.etcd.get(self.keys.incidents)
+        incidents = json.loads(kv.value) if kv else []
+        incidents.append(incident)
+        await self.etcd.put_json(self.keys.incidents, incidents[-keep:])
+
+    async def submit_fault(self, fault: FaultSpec) -> str:
+        """Request ``fault`` (as ``inject-fault`` does); its request id."""
+        fault_id = f"{time.time_ns()}-{uuid.uuid4().hex[:8]}"
+        await self.etcd.put_json(self.keys.fault(fault_id), fault.to_dict())
+        return fault_id
+
+    async def is_done(self) -> bool:
+        """Whether the job has committed its last step."""
+        return await self.etcd.get(self.keys.done) is not None
+
+    async def stop_job(self, reason: str) -> None:
+        """The leader's verdict that ends the whole job: every host stops."""
+        await self.etcd.put_json(self.keys.stop, {"reason": reason, "t": time.time()})
+
+    # ---- changes ------------------------------------------------------------------------------
+    async def changes(self, start_revision: int) -> AsyncIterator[JobChange]:
+        """What planning reacts to under the job's prefix, from ``start_revision`` on: the done
+        key, hosts that vanish, worker keys and new departures, the hosts' compute times.
+        Anything else (the plan itself, progress, requests) is skipped."""
+        k = self.keys
+        async for ev in self.etcd.watch_prefix(k.prefix, start_revision=start_revision):
+            if ev.key == k.done:
+                yield JobChange(Change.DONE)
+            elif ev.key.startswith(k.hosts):
+                if ev.kind == "delete":
+                    yield JobChange(Change.HOST_GONE, host=ev.key.removeprefix(k.hosts))
+            elif ev.key.startswith(k.workers) or (
+                ev.key.startswith(k.departures) and ev.kind == "put"
+            ):
+                yield JobChange(Change.MEMBERSHIP)
+            elif ev.key.startswith(k.speed):
+                host = ev.key.removeprefix(k.speed)
+                if ev.kind == "put":
+                    yield JobChange(Change.SPEED, host=host, speeds=json.loads(ev.value))
+                else:
+                    yield JobChange(Change.SPEED_GONE, host=host)

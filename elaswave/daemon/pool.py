@@ -1,0 +1,171 @@
+"""A host's worker processes, one per device slot, as its daemon supervises them.
+
+Every exit becomes an event and a departure in etcd within milliseconds (queued in the outbox: with
+etcd away it lands, and is planned for, once etcd answers) and, within the restart budget, a new
+worker in the same slot. Workers a newer plan dropped are fenced (killed and replaced by new ones
+that join like any newcomer); workers the leader evicted are stopped for good.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import TYPE_CHECKING
+
+from elaswave.daemon.workers import WorkerProc, spawn
+from elaswave.planning.verdicts import respawn_verdict
+
+if TYPE_CHECKING:
+    from elaswave.daemon.host import Host
+    from elaswave.planning.plan import Plan
+
+
+class WorkerPool:
+    def __init__(self, d: Host) -> None:
+        self.d = d
+        self.restarts_used = 0
+        self.replacing = 0  # fenced workers whose replacements are being spawned
+
+    @property
+    def next_incarnation(self) -> int:
+        """The first worker incarnation a replacement may use (fresh worker ids)."""
+        return 1 + max((w.incarnation for w in self.d.workers.values()), default=-1)
+
+    async def spawn(self, slot: int, incarnation: int) -> WorkerProc:
+        d = self.d
+        w = await spawn(
+            host_id=d.host_id,
+            slot=slot,
+            incarnation=incarnation,
+            control_path=d.control.path,
+            log_dir=d.run_dir / "logs",
+        )
+        d.workers[w.worker_id] = w
+        w.waiter = asyncio.create_task(self._watch_exit(w))
+        d.events.emit(
+            "worker_spawned",
+            host=d.host_id,
+            worker=w.worker_id,
+            pid=w.pid,
+            incarnation=incarnation,
+        )
+        return w
+
+    async def _watch_exit(self, w: WorkerProc) -> None:
+        d = self.d
+        w.exit_code = await w.proc.wait()
+        if w.done or w.stopping or d.stopping:
+            self.check_finished()
+            return
+        if w.detect_delay:  # a fault that asks for a slow detector: the survivors meanwhile
+            await asyncio.sleep(w.detect_delay)  # meet the dead peer in the transport alone
+        rank = d.plan.rank_of(w.worker_id) if d.plan else None
+        reason = f"worker {w.worker_id} (rank {rank}) {w.describe_exit()}"
+        d.events.emit(
+            "worker_exit",
+            host=d.host_id,
+            worker=w.worker_id,
+            rank=rank,
+            pid=w.pid,
+            exit_code=w.exit_code,
+            reason=reason,
+        )
+        # Queued: with etcd away, the departure lands (and is planned for) once it answers.
+        d.outbox.put(
+            f"departure of {w.worker_id}",
+            lambda: d.etcd.put_and_delete(
+                d.keys.departures + w.worker_id,
+                reason,
+                d.keys.worker(w.worker_id),
+                lease=d.lease,
+            ),
+        )
+        if (
+            respawn_verdict(
+                w.exit_code, self.restarts_used, d.cfg.elastic.max_restarts, d.unrecoverable
+            )
+            and not d.stopping
+        ):
+            self.restarts_used += 1
+            nw = await self.spawn(w.slot, w.incarnation + 1)
+            d.events.emit(
+                "worker_respawned", host=d.host_id, worker=nw.worker_id, replaces=w.worker_id
+            )
+        self.check_finished()
+
+    def check_finished(self) -> None:
+        """This host is finished once every worker process has exited (standbys are told to stop
+        by :meth:`stop_unfinished` when the job commits its last step)."""
+        if not self.replacing and all(
+            w.proc.returncode is not None for w in self.d.workers.values()
+        ):
+            self.d.finished.set()
+
+    def fence(self, workers: list[WorkerProc], plan: Plan) -> None:
+        """A newer plan dropped these live workers (their host was cut off, or paused, and the
+        others moved on): their state is stale. They are SIGKILLed and replaced by new workers
+        (new ids) that join like any newcomer."""
+        d = self.d
+        pids = []
+        for w in workers:
+            w.stopping = True  # its exit is ours: no departure, no respawn
+            pids.append(w.pid)
+            with contextlib.suppress(ProcessLookupError):
+                w.proc.kill()
+        d.events.emit(
+            "host_fenced",
+            host=d.host_id,
+            reason=f"plan epoch {plan.epoch} dropped {len(workers)} live worker(s): {plan.reason}",
+            killed=pids,
+            workers=[w.worker_id for w in workers],
+            epoch=plan.epoch,
+        )
+        for w in workers:  # gone with an expired lease, as a rule; if not, gone now
+            key = d.keys.worker(w.worker_id)
+            d.outbox.put(f"fenced {w.worker_id}", lambda key=key: d.etcd.delete(key))
+        self.replacing += 1
+        asyncio.create_task(self._replace(workers))
+
+    async def _replace(self, workers: list[WorkerProc]) -> None:
+        try:
+            for w in workers:
+                if w.waiter is not None:
+                    await asyncio.wait([w.waiter])
+            incarnation = self.next_incarnation
+            if not self.d.stopping:
+                for w in workers:
+                    await self.spawn(w.slot, incarnation)
+        finally:
+            self.replacing -= 1
+            self.check_finished()
+
+    def evict(self, wid: str, plan: Plan) -> None:
+        """Stop a worker the leader evicted (too slow): cleanly, and without a respawn."""
+        d = self.d
+        w = d.workers.get(wid)
+        if w is None or w.stopping or w.proc.returncode is not None:
+            return
+        w.stopping = True  # its exit is not a failure: no departure, no respawn
+        d.events.emit(
+            "worker_evicted", host=d.host_id, worker=wid, epoch=plan.epoch, reason=plan.reason
+        )
+        conn = d.conns.get(wid)
+        if conn is not None:
+            conn.send({"type": "stop"})
+        else:
+            w.proc.terminate()
+        d.outbox.put(f"eviction of {wid}", lambda: d.etcd.delete(d.keys.worker(wid)))
+
+    def stop_unfinished(self) -> None:
+        """The job is done: whoever has not finished (a standby, a late joiner) has nothing left
+        to do and is told to stop."""
+        d = self.d
+        for w in d.workers.values():
+            if w.proc.returncode is None and not w.done:
+                w.stopping = True
+                conn = d.conns.get(w.worker_id)
+                if conn is not None:
+                    conn.send({"type": "stop"})
+                else:
+                    w.proc.terminate()
+        self.check_finished()

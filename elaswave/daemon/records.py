@@ -1,0 +1,139 @@
+"""The records of committed steps: ``metrics.jsonl`` lines and the job's progress record.
+
+Rank 0 reports every step it commits to its daemon. Each step's line is written once across the
+whole job (by the host whose write moves the progress record in etcd to that step), after the
+lines before it: the writes go through the daemon's outbox, in order, and a line whose progress
+write never lands (etcd never came back) is written locally instead.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any
+
+from elaswave.daemon.etcd import KV, Etcd
+from elaswave.daemon.outbox import Outbox
+from elaswave.events import JsonlWriter
+from elaswave.keys import JobKeys
+
+
+class StepRecords:
+    def __init__(
+        self,
+        etcd: Etcd,
+        keys: JobKeys,
+        metrics: JsonlWriter,
+        outbox: Outbox,
+        *,
+        host_id: str,
+        total_steps: int,
+    ) -> None:
+        self.etcd = etcd
+        self.keys = keys
+        self.metrics = metrics
+        self.outbox = outbox
+        self.host_id = host_id
+        self.total_steps = total_steps
+        self.last_metric_step = 0
+        self.commit_times: list[tuple[float, int]] = []
+        self.final_step = 0  # the newest step a worker of this host committed or finished at
+
+    def finished_at(self, step: int) -> None:
+        """A worker of this host finished the job at ``step``."""
+        self.final_step = max(self.final_step, step)
+
+    def commit(self, msg: dict[str, Any]) -> None:
+        """A step rank 0 committed: its record, written once across the whole job (see
+        ``_land_record``), after the records before it."""
+        step = int(msg["step"])
+        if step <= self.last_metric_step:
+            return  # a re-report after recovery, or a redone step: already recorded here
+        self.last_metric_step = step
+        self.final_step = max(self.final_step, step)
+        record = {
+            "step": step,
+            "loss": msg["loss"],
+            "epoch": msg["epoch"],
+            "world_size": msg["world"],
+            "samples": msg["samples"],
+            "step_seconds": msg.get("step_seconds"),
+            "time": msg["t"],
+        }
+        self.commit_times.append((float(msg["t"]), int(msg["samples"])))
+        self.commit_times = self.commit_times[-20:]
+        rate = 0.0
+        if len(self.commit_times) >= 2:
+            (t0, s0), (t1, s1) = self.commit_times[0], self.commit_times[-1]
+            rate = (s1 - s0) / max(t1 - t0, 1e-9)
+        progress = {
+            **record, "samples_per_s": rate, "total_steps": self.total_steps,
+            "writer": f"{self.host_id}/{uuid.uuid4().hex}",  # this record's write, and no other
+        }  # fmt: skip
+        tried: list[int] = []  # revisions of the progress record a write of it was sent against
+        self.outbox.put(
+            f"record of step {step}",
+            lambda: self._land_record(record, progress, tried),
+            fallback=lambda: self.metrics.write(record),
+        )
+        if step >= self.total_steps:
+            done = {"step": step, "t": time.time()}
+            self.outbox.put("done", lambda: self.etcd.put_json(self.keys.done, done))
+
+    async def _land_record(
+        self, record: dict[str, Any], progress: dict[str, Any], tried: list[int]
+    ) -> None:
+        """Write a step's record if this host is the one that moves the job's progress record
+        (in etcd, outside every lease) to that step. Rank 0 re-reports its resume step after a
+        change; when rank 0 moved to this host, its old host may have recorded the step already
+        (and, cut off from etcd, may do so later): whoever advances the progress record first
+        writes the line, the other drops its copy. Never a step recorded twice, across hosts.
+
+        A write whose answer was lost (the etcd member went away after applying it; the call was
+        retried on another member and its compare failed) is recognised by its ``writer`` token
+        in etcd's history, so its line is written: never a step recorded nowhere either."""
+        while True:
+            kv = await self.etcd.get(self.keys.progress)
+            if kv is not None and int(kv.json().get("step", 0)) >= record["step"]:
+                if await self._progress_landed(kv, progress["writer"], tried):
+                    self.metrics.write(record)
+                return  # recorded by another host (or redone after a recovery)
+            rev = kv.mod_revision if kv is not None else 0
+            tried.append(rev)
+            if await self.etcd.compare_and_put(
+                self.keys.progress, json.dumps(progress, sort_keys=True), mod_revision=rev
+            ):
+                self.metrics.write(record)
+                return
+
+    async def _progress_landed(self, kv: KV, writer: str, tried: list[int]) -> bool:
+        """Whether the progress record ``kv`` is (or was, right after one of the revisions a
+        write was sent against) the write tagged ``writer``."""
+        if kv.json().get("writer") == writer:
+            return True
+        for rev in tried:
+            value = await self.etcd.first_put_after(self.keys.progress, rev)
+            if value is not None and json.loads(value).get("writer") == writer:
+                return True
+        return False
+
+    def roll_back(self, step: int) -> None:
+        """Silent corruption rolled the job back to ``step``: the steps after it are redone, and
+        their first records (computed from a corrupt state) give way to the redone ones. In the
+        outbox's order: records of steps before the rollback land (or are dropped) first."""
+        if step >= self.last_metric_step:
+            return
+        self.last_metric_step = step
+        self.commit_times.clear()
+        progress = {"step": step, "rolled_back": True, "time": time.time()}
+
+        async def roll_back() -> None:
+            self.metrics.keep_only(lambda r: int(r.get("step", 0)) <= step)
+            await self.etcd.put_json(self.keys.progress, progress)
+
+        self.outbox.put(
+            f"rollback to step {step}",
+            roll_back,
+            fallback=lambda: self.metrics.keep_only(lambda r: int(r.get("step", 0)) <= step),
+        )

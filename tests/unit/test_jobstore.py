@@ -1,0 +1,342 @@
+"""The job's keys as the planner sees them (:class:`JobStore`), against a real etcd: the plan's
+compare-and-set (one winner, a stale or deposed writer loses, a lost answer is recognised),
+the election key, members and departures, progress, shared measurements and the change feed."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any, TypeVar
+
+import pytest
+
+from elaswave.daemon.etcd import Etcd
+from elaswave.daemon.etcd_server import EmbeddedEtcd
+from elaswave.daemon.jobstore import Change, JobChange, JobStore
+from elaswave.faults import FaultKind, FaultSpec, decode_request
+from elaswave.keys import JobKeys
+from elaswave.planning.plan import Plan
+
+T = TypeVar("T")
+_jobs = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def endpoint() -> Iterator[str]:
+    with EmbeddedEtcd() as etcd:
+        yield etcd.endpoint
+
+
+def run(endpoint: str, body: Callable[[JobStore], Awaitable[T]]) -> T:
+    """``body`` on a store of a fresh job (its own prefix) in this module's etcd."""
+
+    async def main() -> T:
+        keys = JobKeys(f"jobstore-{next(_jobs)}")
+        etcd = await Etcd.connect([endpoint], prefix=keys.prefix, timeout=5.0)
+        try:
+            return await asyncio.wait_for(body(JobStore(etcd, keys)), 30)
+        finally:
+            await etcd.close()
+
+    return asyncio.run(main())
+
+
+def _plan(epoch: int, workers: list[str]) -> Plan:
+    return Plan(
+        epoch=epoch, workers=tuple(workers), hosts=tuple(w.split(".")[0] for w in workers),
+        microbatches=(1,) * len(workers), store="h0:1",
+    )  # fmt: skip
+
+
+# ---- the plan ------------------------------------------------------------------------------
+def test_the_first_plan_is_published_once_by_the_leader(endpoint: str) -> None:
+    async def body(s: JobStore) -> None:
+        assert await s.read_plan() == (None, 0)
+        assert await s.claim_leader("h0", lease=None)
+        first = _plan(1, ["h0.w0"])
+        assert await s.publish_plan(first, mod_revision=0, leader="h0")
+        plan, rev = await s.read_plan()
+        assert plan == first and rev > 0
+        # Against the same (now stale) revision, even the leader's next plan loses.
+        assert not await s.publish_plan(_plan(2, ["h0.w0", "h0.w1"]), mod_revision=0, leader="h0")
+        assert await s.read_plan() == (first, rev)
+        second = _plan(2, ["h0.w0", "h0.w1"])
+        assert await s.publish_plan(second, mod_revision=rev, leader="h0")
+        plan, rev2 = await s.read_plan()
+        assert plan == second and rev2 > rev
+
+    run(endpoint, body)
+
+
+def test_concurrent_publishers_one_wins(endpoint: str) -> None:
+    async def body(s: JobStore) -> None:
+        assert await s.claim_leader("h0", lease=None)
+        plans = [_plan(1, [f"h0.w{i}"]) for i in range(6)]
+        won = await asyncio.gather(*(s.publish_plan(p, mod_revision=0, leader="h0") for p in plans))
+        assert sum(won) == 1, won
+        stored, _ = await s.read_plan()
+        assert stored == plans[won.index(True)]
+
+    run(endpoint, body)
+
+
+def test_a_writer_that_came_first_wins_over_a_stale_revision(endpoint: str) -> None:
+    async def body(s: JobStore) -> None:
+        assert await s.claim_leader("h0", lease=None)
+        assert await s.publish_plan(_plan(1, ["h0.w0"]), mod_revision=0, leader="h0")
+        _, rev = await s.read_plan()
+        theirs = _plan(2, ["h0.w0", "h1.w0"])
+        assert await s.publish_plan(theirs, mod_revision=rev, leader="h0")  # the other writer
+        mine = _plan(2, ["h0.w0", "h2.w0"])
+        assert not await s.publish_plan(mine, mod_revision=rev, leader="h0")
+        assert (await s.read_plan())[0] == theirs
+
+    run(endpoint, body)
+
+
+def test_only_the_host_the_leader_key_names_can_publish(endpoint: str) -> None:
+    async def body(s: JobStore) -> None:
+        assert not await s.publish_plan(_plan(1, ["h1.w0"]), mod_revision=0, leader="h1")
+        assert await s.claim_leader("h0", lease=None)
+        assert not await s.claim_leader("h1", lease=None)
+        assert await s.leader() == "h0"
+        assert not await s.publish_plan(_plan(1, ["h1.w0"]), mod_revision=0, leader="h1")
+        assert await s.read_plan() == (None, 0)
+
+    run(endpoint, body)
+
+
+class _LostAnswer:
+    """An etcd client whose compare-and-put applies the write, then answers False (the member
+    went away after applying it; the retry elsewhere found the revision moved on)."""
+
+    def __init__(self, etcd: Etcd, meanwhile: Callable[[], Awaitable[Any]] | None = None):
+        self._etcd = etcd
+        self._meanwhile = meanwhile
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._etcd, name)
+
+    async def compare_and_put(self, *args: Any, **kwargs: Any) -> bool:
+        assert await self._etcd.compare_and_put(*args, **kwargs)
+        if self._meanwhile is not None:
+            await self._meanwhile()
+        return False
+
+
+def test_a_publish_whose_answer_was_lost_is_recognised(endpoint: str) -> None:
+    async def body(s: JobStore) -> None:
+        assert await s.claim_leader("h0", lease=None)
+        assert await s.publish_plan(_plan(1, ["h0.w0"]), mod_revision=0, leader="h0")
+        _, rev = await s.read_plan()
+        mine = _plan(2, ["h0.w0", "h0.w1"])
+        flaky = JobStore(_LostAnswer(s.etcd), s.keys)  # type: ignore[arg-type]
+        assert await flaky.publish_plan(mine, mod_revision=rev, leader="h0")
+        assert (await s.read_plan())[0] == mine
+
+    run(endpoint, body)
+
+
+def test_a_lost_answer_is_found_in_the_history_after_a_later_write(endpoint: str) -> None:
+    async def body(s: JobStore) -> None:
+        assert await s.claim_leader("h0", lease=None)
+        mine, later = _plan(1, ["h0.w0"]), _plan(2, ["h0.w0", "h1.w0"])
+
+        async def overtaken() -> None:
+            _, rev = await s.read_plan()
+            assert await s.publish_plan(later, mod_revision=rev, leader="h0")
+
+        flaky = JobStore(_LostAnswer(s.etcd, overtaken), s.keys)  # type: ignore[arg-type]
+        assert await flaky.publish_plan(mine, mod_revision=0, leader="h0")
+        assert (await s.read_plan())[0] == later
+
+    run(endpoint, body)
+
+
+def test_a_write_that_did_not_land_is_not_taken_for_ours(endpoint: str) -> None:
+    async def body(s: JobStore) -> None:
+        assert await s.claim_leader("h0", lease=None)
+        assert await s.publish_plan(_plan(1, ["h0.w0"]), mod_revision=0, leader="h0")
+        _, rev = await s.read_plan()
+        theirs = _plan(2, ["h0.w0", "h1.w0"])
+        assert await s.publish_plan(theirs, mod_revision=rev, leader="h0")
+        # Our write against ``rev`` lost: the first put after ``rev`` is theirs, not ours.
+        assert not await s.publish_plan(_plan(2, ["h2.w0"]), mod_revision=rev, leader="h0")
+
+    run(endpoint, body)
+
+
+# ---- the election --------------------------------------------------------------------------
+def test_the_leader_key_lives_under_the_winners_lease(endpoint: str) -> None:
+    async def body(s: JobStore) -> None:
+        assert await s.leader() is None
+        await asyncio.wait_for(s.wait_leader_gone(), 2)  # nobody leads: at once
+        lease = await s.etcd.lease(30)
+        claims = await asyncio.gather(*(s.claim_leader(h, lease=lease) for h in ("a", "b", "c")))
+        assert sorted(claims) == [False, False, True]
+        winner = "abc"[claims.index(True)]
+        assert await s.leader() == winner
+        waiter = asyncio.create_task(s.wait_leader_gone())
+        await asyncio.sleep(0.2)
+        await s.etcd.put(s.keys.leader, winner, lease=lease)  # written again: still there
+        await asyncio.sleep(0.2)
+        assert not waiter.done()
+        await s.etcd.revoke_lease(lease)  # its host went away
+        await asyncio.wait_for(waiter, 5)
+        assert await s.leader() is None
+
+    run(endpoint, body)
+
+
+# ---- membership ----------------------------------------------------------------------------
+def test_workers_are_listed_with_their_registration_order(endpoint: str) -> None:
+    async def body(s: JobStore) -> None:
+        assert await s.workers() == []
+        profile = [0.5, 1.5]
+        for wid, extra in (("h1.w0", {}), ("h0.w1", {"layer_seconds": profile}), ("h0.w0", {})):
+            info = {"worker_id": wid, "host": wid.split(".")[0], "pid": 1, "slot": 0, **extra}
+            await s.etcd.put_json(s.keys.worker(wid), info)
+        await s.etcd.put_json(s.keys.worker("h0.w2"), {"worker_id": "h0.w2", "host": "h0",
+                                                        "layer_estimate": []})  # fmt: skip
+        # Registered again (its host renewed an expired lease): it keeps its place.
+        await s.etcd.put_json(s.keys.worker("h1.w0"), {"worker_id": "h1.w0", "host": "h1"})
+        records = {r.worker_id: r for r in await s.workers()}
+        assert set(records) == {"h0.w0", "h0.w1", "h0.w2", "h1.w0"}
+        by_order = sorted(records.values(), key=lambda r: r.order)
+        assert [r.worker_id for r in by_order] == ["h1.w0", "h0.w1", "h0.w0", "h0.w2"]
+        assert records["h0.w1"].layer_seconds == profile
+        assert records["h0.w0"].layer_seconds is None
+        assert records["h0.w2"].layer_estimate is None  # empty: no estimate
+        member = records["h1.w0"].member
+        assert (member.worker_id, member.host, member.order) == ("h1.w0", "h1", by_order[0].order)
+
+    run(endpoint, body)
+
+
+def test_departures_are_taken_once(endpoint: str) -> None:
+    async def body(s: JobStore) -> None:
+        await s.etcd.put(s.keys.departures + "h0.w1", "worker h0.w1 (rank 1) exit code 1")
+        await s.etcd.put(s.keys.departures + "h1.w0", "worker h1.w0 (rank 2) killed by SIGKILL")
+        taken = await s.take_departures()
+        assert sorted(taken) == [
+            "worker h0.w1 (rank 1) exit code 1",
+            "worker h1.w0 (rank 2) killed by SIGKILL",
+        ]
+        assert await s.take_departures() == []
+        assert await s.etcd.get_prefix(s.keys.departures) == []
+
+    run(endpoint, body)
+
+
+def test_live_hosts_go_with_their_lease(endpoint: str) -> None:
+    async def body(s: JobStore) -> set[str]:
+        assert await s.live_hosts() == set()
+        lease = await s.etcd.lease(30)
+        await s.etcd.put(s.keys.host("h0"), "{}", lease=lease)
+        await s.etcd.put(s.keys.host("h1"), "{}")
+        assert await s.live_hosts() == {"h0", "h1"}
+        await s.etcd.revoke_lease(lease)
+        return await s.live_hosts()
+
+    assert run(endpoint, body) == {"h1"}
+
+
+# ---- progress and measurements -------------------------------------------------------------
+def test_committed_step_follows_the_progress_record(endpoint: str) -> None:
+    async def body(s: JobStore) -> list[int]:
+        seen = [await s.committed_step()]
+        await s.etcd.put_json(s.keys.progress, {"step": 7, "loss": 1.0, "writer": "h0/x"})
+        seen.append(await s.committed_step())
+        await s.etcd.put_json(s.keys.progress, {"step": 3, "rolled_back": True})
+        seen.append(await s.committed_step())
+        return seen
+
+    assert run(endpoint, body) == [0, 7, 3]
+
+
+def test_online_costs_of_live_workers_only(endpoint: str) -> None:
+    async def body(s: JobStore) -> list[dict[str, float]]:
+        await s.share_layer_costs(
+            "h0",
+            {
+                "h0.w0": {"step": 4, "epoch": 1, "layer_seconds": {"0": 0.1, "1": 0.2}},
+                "h0.w1": {"step": 4, "epoch": 1, "layer_seconds": {"0": 0.3}},  # not live
+                "h0.w2": {"step": 4, "epoch": 1, "layer_seconds": [0.1]},  # malformed
+            },
+            lease=None,
+        )
+        await s.etcd.put(s.keys.costs + "h1", json.dumps(["not", "a", "mapping"]))
+        return await s.online_costs({"h0.w0", "h0.w2", "h1.w0"})
+
+    assert run(endpoint, body) == [{"0": 0.1, "1": 0.2}]
+
+
+def test_incidents_keep_the_newest(endpoint: str) -> None:
+    async def body(s: JobStore) -> Any:
+        for epoch in range(1, 6):
+            await s.record_incident({"epoch": epoch}, keep=3)
+        kv = await s.etcd.get(s.keys.incidents)
+        return kv.json() if kv else None
+
+    assert run(endpoint, body) == [{"epoch": 3}, {"epoch": 4}, {"epoch": 5}]
+
+
+def test_faults_stop_and_done(endpoint: str) -> None:
+    async def body(s: JobStore) -> None:
+        fault = FaultSpec(kind=FaultKind.KILL, rank=1)
+        fault_id = await s.submit_fault(fault)
+        kv = await s.etcd.get(s.keys.fault(fault_id))
+        assert kv is not None and decode_request(kv.value) == fault
+        assert not await s.is_done()
+        await s.etcd.put_json(s.keys.done, {"step": 10})
+        assert await s.is_done()
+        await s.stop_job("restart loop")
+        kv = await s.etcd.get(s.keys.stop)
+        assert kv is not None and kv.json()["reason"] == "restart loop"
+
+    run(endpoint, body)
+
+
+# ---- the change feed -----------------------------------------------------------------------
+def test_changes_name_what_planning_reacts_to(endpoint: str) -> None:
+    async def body(s: JobStore) -> list[JobChange]:
+        k = s.keys
+        lease = await s.etcd.lease(30)
+        await s.etcd.put(k.host("h1"), "{}", lease=lease)
+        rev = await s.revision()
+        seen: list[JobChange] = []
+
+        async def collect() -> None:
+            async for change in s.changes(rev + 1):
+                seen.append(change)
+                if change.kind is Change.DONE:
+                    return
+
+        task = asyncio.create_task(collect())
+        await s.etcd.put(k.host("h2"), "{}")  # a host joins: nothing to plan
+        await s.etcd.put_json(k.worker("h1.w0"), {"worker_id": "h1.w0", "host": "h1"}, lease=lease)
+        await s.etcd.put(k.departures + "h1.w1", "gone")
+        await s.etcd.delete(k.departures + "h1.w1")  # taken by the planner: nothing
+        await s.share_speeds("h1", {"h1.w0": {"epoch": 1, "per_mb": [0.5]}}, lease=lease)
+        await s.etcd.put(k.plan, _plan(1, ["h1.w0"]).to_json())  # the plan itself: nothing
+        await s.etcd.put_json(k.progress, {"step": 1})  # progress: nothing
+        await s.etcd.revoke_lease(lease)  # h1 goes: its host, worker and speed keys
+        await s.etcd.put_json(k.done, {"step": 1})
+        await asyncio.wait_for(task, 10)
+        return seen
+
+    seen = run(endpoint, body)
+    kinds = [(c.kind, c.host) for c in seen]
+    assert kinds[:3] == [
+        (Change.MEMBERSHIP, ""),  # the worker registered
+        (Change.MEMBERSHIP, ""),  # the departure
+        (Change.SPEED, "h1"),
+    ]
+    assert seen[2].speeds == {"h1.w0": {"epoch": 1, "per_mb": [0.5]}}
+    # The lease's keys go in one revision, in key order: hosts/, speed/, workers/.
+    assert sorted(kinds[3:6], key=str) == sorted(
+        [(Change.HOST_GONE, "h1"), (Change.SPEED_GONE, "h1"), (Change.MEMBERSHIP, "")], key=str
+    )
+    assert kinds[6:] == [(Change.DONE, "")]
