@@ -29,11 +29,13 @@ class ComputeTimes:
         self._costs_dirty = False
 
     def measured(self, wid: str, msg: dict[str, Any]) -> None:
-        """A worker's ``compute`` report: its seconds per micro-batch under a plan epoch."""
+        """A worker's ``compute`` report: its seconds per micro-batch under a plan epoch, one
+        step's or several (workers batch them), oldest first."""
         epoch, samples = self.per_mb.get(wid, (0, []))
         if int(msg["epoch"]) != epoch:
             epoch, samples = int(msg["epoch"]), []  # speeds under another plan do not count
-        samples = [*samples, float(msg["per_mb"])][-WINDOW:]
+        got = msg["per_mb"] if isinstance(msg["per_mb"], list) else [msg["per_mb"]]
+        samples = [*samples, *(float(x) for x in got)][-WINDOW:]
         self.per_mb[wid] = (epoch, samples)
         self._per_mb_dirty = True
 

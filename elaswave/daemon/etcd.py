@@ -444,6 +444,30 @@ class Etcd:
         ok, _ = await self._call(op)
         return bool(ok)
 
+    async def compare_and_put_get(
+        self, key: str, value: bytes | str, *, mod_revision: int
+    ) -> tuple[bool, KV | None]:
+        """:meth:`compare_and_put`, and the key as it is right after, in one round trip: the
+        value just written when the compare held, the value that made it fail otherwise."""
+        data = value.encode() if isinstance(value, str) else value
+        k = self._own(key)
+
+        def op(c: aetcd.Client) -> Awaitable[Any]:
+            tx = c.transactions
+            return c.transaction(
+                compare=[tx.mod(k) == mod_revision],
+                success=[tx.put(k, data), tx.get(k)],
+                failure=[tx.get(k)],
+            )
+
+        ok, responses = await self._call(op)
+        ranges = [r for r in responses if isinstance(r, list)]
+        found = ranges[-1] if ranges else []
+        if not found:
+            return bool(ok), None
+        got, meta = found[0]
+        return bool(ok), KV(key, got, meta.create_revision, meta.mod_revision)
+
     async def put_all_if(
         self, puts: dict[str, bytes | str], *, key: str, mod_revision: int, lease: Any = None
     ) -> bool:

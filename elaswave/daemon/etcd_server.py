@@ -204,6 +204,7 @@ class EmbeddedEtcd:
             "--heartbeat-interval", "50",
             "--election-timeout", "250",
             "--listen-metrics-urls", self.metrics_url,
+            "--unsafe-no-fsync",
         ]  # fmt: skip
         if self.tls is not None:
             self.args += self.tls.args()

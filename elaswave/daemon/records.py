@@ -37,6 +37,9 @@ class StepRecords:
         self.host_id = host_id
         self.total_steps = total_steps
         self.last_metric_step = 0
+        # The progress record as this host last wrote or read it: the revision the next write
+        # compares against first, which saves a read per step while this host records them all.
+        self._progress: KV | None = None
         self.commit_times: list[tuple[float, int]] = []
         self.final_step = 0  # the newest step a worker of this host committed or finished at
 
@@ -92,18 +95,26 @@ class StepRecords:
 
         A write whose answer was lost (the etcd member went away after applying it; the call was
         retried on another member and its compare failed) is recognised by its ``writer`` token
-        in etcd's history, so its line is written: never a step recorded nowhere either."""
+        in etcd's history, so its line is written: never a step recorded nowhere either.
+
+        The first compare is against the record as this host last saw it (no read): if nobody
+        else wrote since, that is the read's answer; if somebody did, the failed compare returns
+        the current record, and the decision is taken on it as after a read."""
+        kv = self._progress
+        if kv is None or int(kv.json().get("step", 0)) >= record["step"]:
+            kv = await self.etcd.get(self.keys.progress)  # only a fresh read may drop a line
         while True:
-            kv = await self.etcd.get(self.keys.progress)
             if kv is not None and int(kv.json().get("step", 0)) >= record["step"]:
                 if await self._progress_landed(kv, progress["writer"], tried):
                     self.metrics.write(record)
                 return  # recorded by another host (or redone after a recovery)
             rev = kv.mod_revision if kv is not None else 0
             tried.append(rev)
-            if await self.etcd.compare_and_put(
+            ok, kv = await self.etcd.compare_and_put_get(
                 self.keys.progress, json.dumps(progress, sort_keys=True), mod_revision=rev
-            ):
+            )
+            self._progress = kv
+            if ok:
                 self.metrics.write(record)
                 return
 
@@ -130,6 +141,7 @@ class StepRecords:
 
         async def roll_back() -> None:
             self.metrics.keep_only(lambda r: int(r.get("step", 0)) <= step)
+            self._progress = None
             await self.etcd.put_json(self.keys.progress, progress)
 
         self.outbox.put(

@@ -107,6 +107,8 @@ class Engine:
             sharded=self.strategy.sharded,
         )  # fmt: skip
         self.integrity = Integrity(self.ctx, self.strategy, self.durable, self.faults)
+        self._speeds: list[float] = []  # compute seconds per micro-batch not yet reported
+        self._speeds_epoch, self._speeds_sent = 0, 0.0
         control.start_heartbeat(cfg.timeouts.heartbeat, self._heartbeat)
 
     @property
@@ -166,14 +168,7 @@ class Engine:
     def commit_step(self, result: StepResult) -> None:
         assert self.plan is not None
         if result.compute_per_mb is not None:  # every rank: the straggler detector's input
-            self.control.send(
-                {
-                    "type": "compute",
-                    "step": result.step,
-                    "epoch": self.plan.epoch,
-                    "per_mb": result.compute_per_mb,
-                }
-            )
+            self._report_speed(result.step, result.compute_per_mb)
         self.strategy.after_commit(result.step)
         if self.comm.rank(DP) == 0:
             self.control.send(
@@ -188,6 +183,25 @@ class Engine:
                     "t": time.time(),
                 }
             )
+
+    def _report_speed(self, step: int, per_mb: float) -> None:
+        """Compute times go to the daemon in batches, at most one message per heartbeat interval
+        (the daemon shares them with the leader every half second anyway); a new plan epoch
+        sends what the old one measured first."""
+        assert self.plan is not None
+        epoch, now = self.plan.epoch, time.monotonic()
+        if self._speeds and self._speeds_epoch != epoch:
+            self._send_speeds(step - 1)
+        self._speeds.append(per_mb)
+        self._speeds_epoch = epoch
+        if now - self._speeds_sent >= self.cfg.timeouts.heartbeat:
+            self._send_speeds(step)
+
+    def _send_speeds(self, step: int) -> None:
+        self.control.send(
+            {"type": "compute", "step": step, "epoch": self._speeds_epoch, "per_mb": self._speeds}
+        )
+        self._speeds, self._speeds_sent = [], time.monotonic()
 
     # ---- one step ---------------------------------------------------------------------------
     def train_step(self, step: int) -> StepResult:

@@ -340,3 +340,25 @@ def test_changes_name_what_planning_reacts_to(endpoint: str) -> None:
         [(Change.HOST_GONE, "h1"), (Change.SPEED_GONE, "h1"), (Change.MEMBERSHIP, "")], key=str
     )
     assert kinds[6:] == [(Change.DONE, "")]
+
+
+# ---- the client's one-round-trip compare-and-set -------------------------------------------
+def test_compare_and_put_get_returns_the_key_as_it_is_after(endpoint: str) -> None:
+    """Held: the value just written with its new revision; failed: the value that made the
+    compare fail (what a read would have returned)."""
+
+    async def body(s: JobStore) -> None:
+        etcd, k = s.etcd, s.keys.progress
+        ok, kv = await etcd.compare_and_put_get(k, "one", mod_revision=0)
+        assert ok and kv is not None and kv.value == b"one"
+        now = await etcd.get(k)
+        assert now is not None and now.mod_revision == kv.mod_revision
+        ok, stale = await etcd.compare_and_put_get(k, "two", mod_revision=kv.mod_revision - 1)
+        assert not ok and stale is not None and stale.value == b"one"
+        assert stale.mod_revision == kv.mod_revision
+        ok, kv2 = await etcd.compare_and_put_get(k, "two", mod_revision=kv.mod_revision)
+        assert ok and kv2 is not None and kv2.value == b"two"
+        assert kv2.mod_revision > kv.mod_revision
+        assert kv2.create_revision == kv.create_revision
+
+    run(endpoint, body)

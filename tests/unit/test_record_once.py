@@ -43,6 +43,12 @@ class FakeEtcd:
             return False
         return True
 
+    async def compare_and_put_get(
+        self, key: str, value: str, *, mod_revision: int
+    ) -> tuple[bool, KV | None]:
+        ok = await self.compare_and_put(key, value, mod_revision=mod_revision)
+        return ok, await self.get(key)
+
     async def first_put_after(self, key: str, revision: int) -> bytes | None:
         return next((v for rev, v in self.history if rev > revision), None)
 
@@ -51,6 +57,7 @@ def _daemon(etcd: FakeEtcd) -> tuple[Any, list[dict[str, Any]]]:
     lines: list[dict[str, Any]] = []
     d = SimpleNamespace(etcd=etcd, keys=SimpleNamespace(progress=KEY))
     d.metrics = SimpleNamespace(write=lines.append)
+    d._progress = None
     d._progress_landed = lambda kv, writer, tried: StepRecords._progress_landed(
         d, kv, writer, tried
     )
@@ -104,3 +111,52 @@ def test_found_in_the_history_when_a_later_record_came_first() -> None:
     _land(d, 5, "mine", tried)
     assert lines == [{"step": 5}]
     assert tried == [11]
+
+
+class CountingEtcd(FakeEtcd):
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads = self.writes = 0
+
+    async def get(self, key: str) -> KV | None:
+        self.reads += 1
+        return await super().get(key)
+
+    async def compare_and_put_get(
+        self, key: str, value: str, *, mod_revision: int
+    ) -> tuple[bool, KV | None]:
+        self.writes += 1
+        ok = await self.compare_and_put(key, value, mod_revision=mod_revision)
+        return ok, await FakeEtcd.get(self, key)
+
+
+def test_consecutive_records_take_one_round_trip_each() -> None:
+    etcd = CountingEtcd()
+    d, lines = _daemon(etcd)
+    for step in range(1, 6):
+        _land(d, step, f"a{step}")
+    assert lines == [{"step": s} for s in range(1, 6)]
+    assert (etcd.reads, etcd.writes) == (1, 5)
+
+
+def test_a_stale_guess_never_records_a_step_twice() -> None:
+    """This host's last view is step 1; another host recorded step 2 meanwhile: the compare
+    against the stale revision fails, returns the current record, and the line is dropped."""
+    etcd = FakeEtcd()
+    d, lines = _daemon(etcd)
+    _land(d, 1, "a1")
+    etcd.put({"step": 2, "writer": "other host"})
+    _land(d, 2, "a2")
+    assert lines == [{"step": 1}]
+
+
+def test_after_another_host_rolled_back_a_fresh_read_decides() -> None:
+    """This host last saw step 3; another host rolled the job back to step 1. The redone step 2
+    is written: a view that already covers the step is never trusted to drop a line."""
+    etcd = FakeEtcd()
+    d, lines = _daemon(etcd)
+    for step in (1, 2, 3):
+        _land(d, step, f"a{step}")
+    etcd.put({"step": 1, "rolled_back": True})
+    _land(d, 2, "a2-redone")
+    assert lines == [{"step": 1}, {"step": 2}, {"step": 3}, {"step": 2}]

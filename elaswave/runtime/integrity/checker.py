@@ -6,7 +6,9 @@ compares the copies through the strategy (``Strategy.verify``: replicated votes,
 copies, pipeline layer holders) and repairs bad ones. A *seal* — the CRC of the parameters a rank
 computes with, taken at commit and checked before the next step — catches flips that the next
 step would wash out of the copies. When anything was found, every rank rolls back to the known-good
-state (``rollback_verdict``) and the main loop redoes the steps since.
+state (``rollback_verdict``) and the main loop redoes the steps since. Only strategies whose
+parameters are overwritten from peers every step (``Strategy.sealed``: ZeRO) pay for the seal:
+elsewhere a flip stays in the copy it hit, and the next check finds it.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ class Integrity:
             self._tainted = True  # changed at rest: the next check rolls everyone back
 
     def reseal(self) -> None:
-        if self.every and self.ctx.plan is not None:
+        if self.every and self.strategy.sealed and self.ctx.plan is not None:
             self._seal = fast_checksum(self.strategy.computes_with())
 
     def _seal_broken(self) -> bool:

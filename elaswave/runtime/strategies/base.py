@@ -91,6 +91,10 @@ class Strategy(ABC):
     (``LOSS``, ``EPOCH``, ``FLAG``, ``COUNT``), the size of the whole model."""
 
     sharded = False  # the update has a phase of its own (ZeRO): faults can aim at it
+    # Parameters are overwritten from peers after every update (ZeRO gathers them): a bit flipped
+    # at rest is gone from the copies a step later and only the seal can see it. Without that,
+    # a flip stays in the copy it hit until the next check compares the copies.
+    sealed = False
 
     def __init__(self, ctx: RankContext, durable: DurableSource) -> None:
         self.ctx = ctx

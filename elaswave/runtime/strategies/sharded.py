@@ -28,6 +28,7 @@ class Zero1(Replicated):
     """Data parallelism with Adam's moments sharded over the ranks (parameters replicated)."""
 
     sharded = True
+    sealed = True
 
     def __init__(self, ctx: RankContext, durable: DurableSource) -> None:
         super().__init__(ctx, durable)

@@ -33,6 +33,7 @@ class PipelineStages(Strategy):
         super().__init__(ctx, durable)
         self.pipe = Pipeline(ctx)
         self.sharded = bool(ctx.cfg.zero)  # ZeRO inside the stages: an optimizer phase
+        self.sealed = self.sharded  # and the parameters it does not keep come from peers
 
     def ready(self) -> dict[str, Any]:
         """The leader partitions with the workload's estimate, or with what the layers measured."""
