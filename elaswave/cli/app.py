@@ -224,11 +224,11 @@ def _launch_overrides(params: dict[str, Any], faults: list[str]) -> dict[str, An
 
 def _preflight(cfg: JobConfig) -> EtcdSecurity:
     """Check before the job starts what would otherwise fail in it, each as one error line: a
-    model factory that cannot build, malformed etcd endpoints, bad TLS files or credentials.
+    model that cannot build (a factory, an HF config or directory), malformed etcd endpoints, bad TLS files or credentials.
     Returns the etcd security the job runs with."""
     from elaswave.daemon.etcd import EtcdSecurity
 
-    if cfg.model.source == "module":  # a factory that cannot build: one line, before start
+    if cfg.model.source in ("module", "hf"):  # a model that cannot build: one line, first
         from elaswave.runtime.workload.load import load_workload
 
         load_workload(cfg)

@@ -1,4 +1,5 @@
-"""From a job config to its workload: the built-in GPT, or a user factory."""
+"""From a job config to its workload: the built-in GPT, a Hugging Face causal LM, or a user
+factory."""
 
 from __future__ import annotations
 
@@ -51,6 +52,29 @@ def load_workload(cfg: JobConfig) -> Workload:
             gpt, data_source=d.source, data_path=d.path, data_dtype=d.dtype,
             num_samples=d.num_samples,
         )  # fmt: skip
+    workload = _hf_workload(cfg) if m.source == "hf" else _factory_workload(cfg)
+    if cfg.pp > workload.num_layers:
+        raise ConfigError(
+            f"pp={cfg.pp} stages but the workload has only {workload.num_layers} layers"
+        )
+    return workload
+
+
+def _hf_workload(cfg: JobConfig) -> Workload:
+    """``model.source: hf``: a Hugging Face causal LM. Its module imports transformers, an
+    optional dependency, so it is imported only here."""
+    from elaswave.runtime.workload.hf import HFCausalLM
+
+    m, d = cfg.model, cfg.data
+    return HFCausalLM(
+        hf=m.hf or None, pretrained=m.pretrained, seq_len=m.seq_len, data_source=d.source,
+        data_path=d.path, data_dtype=d.dtype, num_samples=d.num_samples,
+    )  # fmt: skip
+
+
+def _factory_workload(cfg: JobConfig) -> Workload:
+    """``model.source: module``: what the user's factory returns, checked to be a workload."""
+    m = cfg.model
     assert m.factory is not None
     factory = resolve_factory(m.factory)
     try:
@@ -66,10 +90,6 @@ def load_workload(cfg: JobConfig) -> Workload:
         )
     if workload.num_layers < 1:
         raise ConfigError(f"model.factory {m.factory!r}: the workload has no layers")
-    if cfg.pp > workload.num_layers:
-        raise ConfigError(
-            f"pp={cfg.pp} stages but the workload has only {workload.num_layers} layers"
-        )
     return workload
 
 

@@ -1,0 +1,550 @@
+"""Hugging Face causal language models as a workload (``model.source: hf``).
+
+A transformers causal LM (llama, gpt2, qwen2, mistral, ...) is cut into the runtime's layers:
+
+* layer 0, the embedding: the base model's input embedding, plus what the family registers
+  before its decoder blocks (gpt2: learned positions ``wpe`` and dropout ``drop``). Token ids
+  ``(mb, seq)`` int64 in, hidden states ``(mb, seq, hidden)`` float32 out;
+* one layer per decoder block (the base model's one ``nn.ModuleList``). A block layer recomputes
+  what the base model's forward would hand its blocks: position ids, the rotary
+  ``position_embeddings`` (from its own copy of the base model's ``rotary_emb``, which has no
+  trainable parameters) and causal masking (``attention_mask=None`` under ``sdpa`` attention is
+  what the base model itself passes for unpadded input: ``sdpa`` then runs with ``is_causal``);
+* the last layer, the head: what the base model registers after its blocks (the final norm)
+  and the LM head: logits ``(mb, seq, vocab)`` float32.
+
+The cut is generic: it reads the module tree (``base_model_prefix``, ``get_input_embeddings``,
+``get_output_embeddings``) rather than a per-family table, and refuses, with a
+:class:`ConfigError`, a tree it cannot read. Families whose base-model forward does more than
+the above between the pieces (embedding scaling outside a module, ALiBi, logit soft-capping,
+sliding windows shorter than ``seq_len``) are not covered.
+
+Each layer is built alone: the full model is built once on the ``meta`` device (no memory, no
+compute), and a layer deep-copies only its own submodules from it, materialises them on the CPU
+and initialises them with the model's own ``_init_weights``, with the default generator seeded
+from (seed, layer), so its values are a function of (seed, layer) alone on every rank. With
+``model.pretrained`` the layer's parameters are then read from the directory's safetensors files
+(only the tensors that layer needs). Parameters keep their HF names under the layer module;
+:meth:`HFCausalLM.hf_names` maps them back to the HF state-dict keys.
+
+transformers is an optional dependency (``pip install 'elaswave[hf]'``): it is imported only
+when this workload is constructed.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from elaswave.errors import ConfigError
+from elaswave.runtime.workload.base import (
+    INIT_STEP,
+    Dataset,
+    ParamRef,
+    TensorSpec,
+    Workload,
+    layer_seed,
+)
+from elaswave.runtime.workload.data import SyntheticTokens, TokenFile
+
+__all__ = ["BlockLayer", "EmbeddingLayer", "HFCausalLM", "HeadLayer"]
+
+IGNORE_INDEX = -100  # labels with this value are not predicted, nor counted (HF's convention)
+_MISSING = "model.source: hf needs transformers: pip install 'elaswave[hf]'"
+
+
+def _transformers() -> Any:
+    """The transformers package, or the one-line config error that says how to install it."""
+    try:
+        import transformers
+    except ImportError:
+        raise ConfigError(_MISSING) from None
+    return transformers
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+# -- the layers ------------------------------------------------------------------------------------
+
+
+class EmbeddingLayer(nn.Module):
+    """Layer 0: int64 token ids ``(mb, seq)`` -> hidden states ``(mb, seq, hidden)`` float32.
+
+    Holds the input embedding and the modules the family registers before its blocks, each under
+    its HF name: the token embedding, then every other ``nn.Embedding`` (learned positions,
+    indexed ``0 .. seq - 1``) added to it, then the remaining modules (dropout, an embedding
+    norm) applied in order.
+    """
+
+    def __init__(self, parts: Mapping[str, nn.Module], token: str) -> None:
+        super().__init__()
+        for name, module in parts.items():
+            self.add_module(name, module)
+        self._token = token
+        self._positions = [
+            n for n, m in parts.items() if n != token and isinstance(m, nn.Embedding)
+        ]
+        self._after = [
+            n for n, m in parts.items() if n != token and not isinstance(m, nn.Embedding)
+        ]
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = getattr(self, self._token)(ids)
+        if self._positions:
+            positions = torch.arange(ids.shape[1], device=ids.device)
+            for name in self._positions:
+                h = h + getattr(self, name)(positions)
+        for name in self._after:
+            h = getattr(self, name)(h)
+        return h.float()
+
+
+class BlockLayer(nn.Module):
+    """One decoder block, fed what the base model's forward would give it.
+
+    Position ids ``0 .. seq - 1``; rotary ``position_embeddings`` from this layer's own copy of
+    the base model's rotary module (buffers only); ``attention_mask=None``, which ``sdpa``
+    attention turns into ``is_causal=True`` (as the base model does for unpadded input).
+    """
+
+    def __init__(self, block: nn.Module, rotary: nn.Module | None = None) -> None:
+        super().__init__()
+        self.block = block
+        self.rotary_emb = rotary
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+        kwargs: dict[str, Any] = {"attention_mask": None, "position_ids": positions}
+        if self.rotary_emb is not None:
+            kwargs["position_embeddings"] = self.rotary_emb(h, positions)
+        out = self.block(h, **kwargs)
+        return out[0] if isinstance(out, tuple) else out
+
+
+class HeadLayer(nn.Module):
+    """The last layer: the modules registered after the blocks (final norm), then the LM head;
+    hidden states ``(mb, seq, hidden)`` -> logits ``(mb, seq, vocab)`` float32."""
+
+    def __init__(self, parts: Mapping[str, nn.Module]) -> None:
+        super().__init__()
+        for name, module in parts.items():
+            self.add_module(name, module)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        for module in self.children():
+            h = module(h)
+        return h.float()
+
+
+# -- the cut ---------------------------------------------------------------------------------------
+
+
+def _post_order(module: nn.Module) -> Iterator[nn.Module]:
+    """Children before parents, as transformers' ``initialize_weights`` visits modules (a parent's
+    init may overwrite a child's: gpt2 rescales ``c_proj`` in its attention and MLP init)."""
+    for child in module.children():
+        yield from _post_order(child)
+    yield module
+
+
+def _child_name(parent: nn.Module, target: nn.Module) -> str | None:
+    return next((n for n, c in parent.named_children() if c is target), None)
+
+
+def _cut(model: nn.Module) -> tuple[list[list[tuple[str, str]]], str, str | None]:
+    """The layers of ``model`` as lists of (local name, HF module path), the input embedding's
+    local name and the HF path of the rotary module (or ``None``).
+
+    Reads the tree: the base model (``base_model_prefix``), its one ``nn.ModuleList`` of blocks,
+    what comes before it (embedding layer), after it (head, with the output embedding), and a
+    parameter-free rotary module anywhere (copied into each block layer)."""
+    kind = type(model).__name__
+    prefix = model.base_model_prefix
+    base = getattr(model, prefix, None)
+    if not isinstance(base, nn.Module) or base is model:
+        raise ConfigError(f"model.source: hf: cannot find the base model of {kind}")
+    head, token = model.get_output_embeddings(), base.get_input_embeddings()
+    head_name, token_name = _child_name(model, head), _child_name(base, token)
+    if head_name is None or token_name is None:
+        raise ConfigError(f"model.source: hf: cannot find the embeddings and LM head of {kind}")
+    extra = [n for n, c in model.named_children() if c is not base and n != head_name]
+    if any(p for n in extra for p in getattr(model, n).parameters()):
+        raise ConfigError(f"model.source: hf: {kind} has modules outside its base model: {extra}")
+    if any(True for m in (model, base) for _ in m.parameters(recurse=False)):
+        raise ConfigError(f"model.source: hf: {kind} has parameters outside its modules")
+    lists = [n for n, c in base.named_children() if isinstance(c, nn.ModuleList)]
+    if len(lists) != 1:
+        raise ConfigError(f"model.source: hf: {kind} needs one list of decoder blocks, has {lists}")
+    before: list[tuple[str, str]] = []
+    after: list[tuple[str, str]] = []
+    rotary, side = None, before
+    for name, child in base.named_children():
+        if name == lists[0]:
+            side = after
+        elif (
+            not any(True for _ in child.parameters()) and "rotary" in f"{name}{type(child)}".lower()
+        ):
+            rotary = f"{prefix}.{name}"
+        elif isinstance(child, nn.Dropout) or any(True for _ in child.parameters()):
+            side.append((name, f"{prefix}.{name}"))
+        else:
+            raise ConfigError(f"model.source: hf: {kind}: cannot place module {prefix}.{name}")
+    if token_name not in dict(before):
+        raise ConfigError(f"model.source: hf: {kind}: the input embedding is not before the blocks")
+    blocks = getattr(base, lists[0])
+    layers = [before]
+    layers += [[("block", f"{prefix}.{lists[0]}.{i}")] for i in range(len(blocks))]
+    layers.append([*after, (head_name, head_name)])
+    return layers, token_name, rotary
+
+
+def _checkpoint_index(directory: Path) -> dict[str, Path]:
+    """Tensor name -> the safetensors file that holds it (file headers only, no tensor data)."""
+    from safetensors import safe_open
+
+    index: dict[str, Path] = {}
+    for path in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            index.update((key, path) for key in f.keys())  # noqa: SIM118 (not a dict)
+    if not index:
+        raise ConfigError(
+            f"model.pretrained {str(directory)!r} has no *.safetensors weights "
+            "(write it with save_pretrained)"
+        )
+    return index
+
+
+# -- the workload ----------------------------------------------------------------------------------
+
+
+class HFCausalLM(Workload):
+    """A transformers causal LM on token data (``model.source: hf``).
+
+    Exactly one of ``hf`` (``AutoConfig.for_model(**hf)``, random init; needs ``model_type``)
+    or ``pretrained`` (a local directory written by ``save_pretrained``: config.json and
+    safetensors weights, to fine-tune). Samples are ``seq_len + 1`` tokens from the synthetic
+    corpus or a token file; the model sees the first ``seq_len`` and predicts the next token at
+    each position.
+    """
+
+    def __init__(
+        self, *, hf: Mapping[str, Any] | None = None, pretrained: str | None = None,
+        seq_len: int, data_source: str = "synthetic", data_path: str | None = None,
+        data_dtype: str = "uint16", num_samples: int = 8192,
+    ) -> None:  # fmt: skip
+        transformers = _transformers()
+        if (not hf) == (pretrained is None):
+            raise ConfigError("model.source: hf needs exactly one of model.hf or model.pretrained")
+        self.seq_len, self.num_samples = int(seq_len), num_samples
+        self.data_source, self.data_path, self.data_dtype = data_source, data_path, data_dtype
+        self.pretrained = None if pretrained is None else Path(pretrained)
+        self.config = self._hf_config(transformers, dict(hf or {}))
+        self._check_lengths()
+        self._model = self._meta_model(transformers)
+        self._parts, self._token, self._rotary = _cut(self._model)
+        self._tied_to = self._find_tied()
+        self._index = None if self.pretrained is None else _checkpoint_index(self.pretrained)
+
+    def _hf_config(self, transformers: Any, hf: dict[str, Any]) -> Any:
+        """The HF config: from ``model.hf`` or from the pretrained directory's config.json."""
+        if self.pretrained is not None:
+            if not self.pretrained.is_dir():
+                raise ConfigError(f"model.pretrained {str(self.pretrained)!r} is not a directory")
+            if not (self.pretrained / "config.json").is_file():
+                raise ConfigError(
+                    f"model.pretrained {str(self.pretrained)!r} has no config.json "
+                    "(write it with save_pretrained)"
+                )
+            try:
+                return transformers.AutoConfig.from_pretrained(
+                    str(self.pretrained), local_files_only=True
+                )
+            except Exception as exc:  # a broken or unknown config.json: one line
+                raise ConfigError(f"model.pretrained: {_first_line(exc)}") from None
+        model_type = hf.pop("model_type", None)
+        if model_type is None:
+            raise ConfigError("model.hf needs a model_type key (e.g. llama, gpt2)")
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+        if model_type not in CONFIG_MAPPING:
+            raise ConfigError(
+                f"model.hf.model_type {model_type!r} is not a model type of transformers "
+                f"{transformers.__version__}"
+            )
+        try:
+            return transformers.AutoConfig.for_model(model_type, **hf)
+        except Exception as exc:  # an invalid combination of config values: one line
+            raise ConfigError(f"model.hf: {_first_line(exc)}") from None
+
+    def _check_lengths(self) -> None:
+        """``seq_len`` within the model's positions, and no sliding window it would exceed (the
+        block layers mask causally, not by window)."""
+        c = self.config
+        most = getattr(c, "max_position_embeddings", None)
+        if most is not None and self.seq_len > most:
+            raise ConfigError(
+                f"model.seq_len {self.seq_len} exceeds the model's max_position_embeddings {most}"
+            )
+        window = getattr(c, "sliding_window", None)
+        if window is not None and getattr(c, "use_sliding_window", True) and self.seq_len > window:
+            raise ConfigError(
+                f"model.seq_len {self.seq_len} exceeds the model's sliding_window {window} "
+                "(sliding-window attention is not supported)"
+            )
+
+    def _meta_model(self, transformers: Any) -> nn.Module:
+        """The whole model on the meta device, float32, ``sdpa`` attention: the template each
+        layer copies its modules from (building it allocates and computes nothing)."""
+        try:
+            with torch.device("meta"):
+                return transformers.AutoModelForCausalLM.from_config(
+                    self.config, attn_implementation="sdpa", dtype=torch.float32
+                )
+        except Exception as exc:  # not a causal LM, or no sdpa support: one line
+            raise ConfigError(
+                f"model.source: hf: cannot build {self.config.model_type} as a causal LM with "
+                f"sdpa attention: {_first_line(exc)}"
+            ) from None
+
+    # -- names and ties ----------------------------------------------------------------------------
+
+    def _module(self, path: str) -> nn.Module:
+        return self._model.get_submodule(path)
+
+    def hf_names(self, index: int) -> dict[str, str]:
+        """Layer ``index``'s parameter names (as ``layer.named_parameters()`` gives them) -> the
+        HF model's state-dict keys."""
+        self._check_index(index)
+        return {
+            f"{local}.{name}": f"{path}.{name}"
+            for local, path in self._parts[index]
+            for name, _ in self._module(path).named_parameters(remove_duplicate=False)
+        }
+
+    def _buffer_names(self, index: int) -> dict[str, str]:
+        """Layer ``index``'s persistent buffers (those checkpoints hold) -> HF state-dict keys."""
+        out = {}
+        for local, path in self._parts[index]:
+            module = self._module(path)
+            params = {name for name, _ in module.named_parameters(remove_duplicate=False)}
+            for key in module.state_dict(keep_vars=True):
+                if key not in params:
+                    out[f"{local}.{key}"] = f"{path}.{key}"
+        return out
+
+    def _find_tied(self) -> dict[int, dict[str, ParamRef]]:
+        """Per layer: its parameters that are a copy of one in an earlier layer (the owner).
+
+        Ties come from the meta model itself (transformers ties ``lm_head.weight`` to the input
+        embedding when ``tie_word_embeddings``): two HF names, one parameter object."""
+        where = {
+            hf: (index, local)
+            for index in range(len(self._parts))
+            for local, hf in self.hf_names(index).items()
+        }
+        groups: dict[int, list[ParamRef]] = {}
+        for name, param in self._model.named_parameters(remove_duplicate=False):
+            groups.setdefault(id(param), []).append(where[name])
+        tied: dict[int, dict[str, ParamRef]] = {}
+        for refs in groups.values():
+            owner = min(refs)
+            for index, local in refs:
+                if index != owner[0]:
+                    tied.setdefault(index, {})[local] = owner
+        return tied
+
+    def tied(self) -> list[tuple[ParamRef, ParamRef]]:
+        """((owner layer, name), (copy layer, name)) for each parameter that is one logical
+        weight held by two layers (gpt2: layer 0's ``wte.weight`` and the head's
+        ``lm_head.weight``)."""
+        return [
+            (owner, (index, local))
+            for index, refs in sorted(self._tied_to.items())
+            for local, owner in sorted(refs.items())
+        ]
+
+    # -- building layers ---------------------------------------------------------------------------
+
+    @property
+    def num_layers(self) -> int:
+        return len(self._parts)
+
+    def _check_index(self, index: int) -> None:
+        if not 0 <= index < len(self._parts):
+            raise IndexError(f"layer {index} out of range [0, {len(self._parts)})")
+
+    def build_layer(self, index: int, seed: int) -> nn.Module:
+        """Layer ``index`` on the CPU: its modules copied from the meta model, initialised by the
+        model's own init from (seed, index) (a tied copy: from its owner's (seed, owner)), then,
+        with ``model.pretrained``, its parameters read from the checkpoint."""
+        self._check_index(index)
+        layer = self._initialised(index, seed)
+        if self._index is not None:
+            self._load(layer, index)
+        else:
+            params = dict(layer.named_parameters())
+            for local, (owner, owner_local) in self._tied_to.get(index, {}).items():
+                source = dict(self._initialised(owner, seed).named_parameters())[owner_local]
+                with torch.no_grad():
+                    params[local].copy_(source)
+        self._check_set(layer, index)
+        return layer.train()
+
+    def _initialised(self, index: int, seed: int) -> nn.Module:
+        """Layer ``index`` materialised and initialised with the default generator seeded from
+        (seed, index), as the runtime seeds it around :meth:`build_layer`."""
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(layer_seed(seed, INIT_STEP, INIT_STEP, index))
+            memo = {id(self.config): self.config}  # share the config, copy the modules
+            parts = {
+                local: copy.deepcopy(self._module(path), memo) for local, path in self._parts[index]
+            }
+            rotary = None
+            if 0 < index < len(self._parts) - 1 and self._rotary is not None:
+                rotary = copy.deepcopy(self._module(self._rotary), memo)
+            modules = [*parts.values(), *([rotary] if rotary is not None else [])]
+            with torch.no_grad():
+                for module in modules:
+                    module.to_empty(device="cpu")
+                    _poison(module)
+                for module in modules:
+                    for sub in _post_order(module):
+                        self._model._init_weights(sub)
+        if index == 0:
+            return EmbeddingLayer(parts, token=self._token)
+        if index == len(self._parts) - 1:
+            return HeadLayer(parts)
+        return BlockLayer(parts["block"], rotary)
+
+    def _load(self, layer: nn.Module, index: int) -> None:
+        """Overwrite layer ``index``'s parameters (and persistent buffers) with the checkpoint's
+        tensors, reading only those; a tied copy absent from the checkpoint (``save_pretrained``
+        writes one name of a tie) is read under its owner's name."""
+        assert self._index is not None and self.pretrained is not None
+        params = self.hf_names(index)
+        wanted = {**params, **self._buffer_names(index)}
+        owners = {
+            local: self.hf_names(owner)[owner_local]
+            for local, (owner, owner_local) in self._tied_to.get(index, {}).items()
+        }
+        by_file: dict[Path, list[tuple[str, str]]] = {}
+        for local, key in wanted.items():
+            found = self._find_key(key, owners.get(local))
+            if found is None:
+                if local not in params:
+                    continue  # a buffer the checkpoint leaves to init: already set
+                raise ConfigError(f"model.pretrained {str(self.pretrained)!r} has no {key!r}")
+            by_file.setdefault(self._index[found], []).append((local, found))
+        state = layer.state_dict(keep_vars=True)
+        from safetensors import safe_open
+
+        with torch.no_grad():
+            for path, items in by_file.items():
+                with safe_open(str(path), framework="pt") as f:
+                    for local, key in items:
+                        tensor = f.get_tensor(key)
+                        if tuple(tensor.shape) != tuple(state[local].shape):
+                            raise ConfigError(
+                                f"model.pretrained: {key!r} has shape {tuple(tensor.shape)}, "
+                                f"the model expects {tuple(state[local].shape)}"
+                            )
+                        state[local].copy_(tensor.to(state[local].dtype))
+
+    def _find_key(self, key: str, owner_key: str | None) -> str | None:
+        """``key`` as the checkpoint names it: itself, its tie owner's name, or without the
+        base-model prefix (a checkpoint of the base model alone)."""
+        assert self._index is not None
+        prefix = self._model.base_model_prefix + "."
+        for candidate in (key, owner_key):
+            if candidate is None:
+                continue
+            if candidate in self._index:
+                return candidate
+            if candidate.startswith(prefix) and candidate[len(prefix) :] in self._index:
+                return candidate[len(prefix) :]
+        return None
+
+    def _check_set(self, layer: nn.Module, index: int) -> None:
+        """Refuse a layer that still holds a tensor neither the init nor the checkpoint wrote."""
+        for name, tensor in layer.state_dict(keep_vars=True).items():
+            if not _is_set(tensor):
+                raise ConfigError(
+                    f"model.source: hf: {self.config.model_type}: {name} of layer {index} is "
+                    "neither initialised by the model's _init_weights nor read from a checkpoint"
+                )
+
+    # -- data and loss -----------------------------------------------------------------------------
+
+    def dataset(self, seed: int) -> Dataset:
+        if self.data_source == "tokens":
+            assert self.data_path is not None
+            return TokenFile(self.data_path, seq_len=self.seq_len, dtype=self.data_dtype)
+        return SyntheticTokens(
+            seed=seed, vocab_size=self.config.vocab_size, seq_len=self.seq_len,
+            num_samples=self.num_samples,
+        )  # fmt: skip
+
+    def collate(self, samples: Sequence[Any]) -> tuple[torch.Tensor, Any]:
+        """Windows of ``seq_len + 1`` tokens -> (input ids: the first ``seq_len``, labels: the
+        next token at each position). Labels are already shifted: :meth:`loss` does not shift."""
+        seqs = torch.stack(list(samples))
+        return seqs[:, :-1].contiguous(), seqs[:, 1:].contiguous()
+
+    def loss(self, output: torch.Tensor, targets: Any) -> tuple[torch.Tensor, int]:
+        """(summed token cross-entropy, number of labels that are not ``IGNORE_INDEX``)."""
+        vocab = output.shape[-1]
+        total = F.cross_entropy(
+            output.reshape(-1, vocab).float(), targets.reshape(-1), reduction="sum",
+            ignore_index=IGNORE_INDEX,
+        )  # fmt: skip
+        return total, int((targets != IGNORE_INDEX).sum())
+
+    def boundary(self, index: int, micro_batch_size: int) -> TensorSpec:
+        self._check_index(index)
+        last = index == len(self._parts) - 1
+        width = self.config.vocab_size if last else self.config.hidden_size
+        return TensorSpec((micro_batch_size, self.seq_len, width), torch.float32)
+
+    def layer_costs(self) -> Sequence[float]:
+        """Forward FLOPs per sample: 2·T per parameter of a layer, plus 4·T²·d of attention for a
+        block; the embedding is a gather (≈ 2·T·d)."""
+        t, d = self.seq_len, self.config.hidden_size
+        costs = []
+        for index, parts in enumerate(self._parts):
+            n = sum(p.numel() for _, path in parts for p in self._module(path).parameters())
+            if index == 0:
+                costs.append(2.0 * t * d)
+            elif index == len(self._parts) - 1:
+                costs.append(2.0 * t * n)
+            else:
+                costs.append(2.0 * t * n + 4.0 * t * t * d)
+        return costs
+
+
+def _poison(module: nn.Module) -> None:
+    """Fill freshly materialised (uninitialised) tensors with a marker that :func:`_is_set`
+    recognises, so a tensor that no init writes is caught instead of training on garbage."""
+    for tensor in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
+        if tensor.is_floating_point():
+            tensor.fill_(float("nan"))
+        elif tensor.dtype != torch.bool and not tensor.is_complex():
+            tensor.fill_(torch.iinfo(tensor.dtype).min)
+    for child in module.children():
+        _poison(child)
+
+
+def _is_set(tensor: torch.Tensor) -> bool:
+    if tensor.is_floating_point():
+        return not bool(torch.isnan(tensor).any())
+    if tensor.dtype == torch.bool or tensor.is_complex():
+        return True
+    return not bool((tensor == torch.iinfo(tensor.dtype).min).any())
