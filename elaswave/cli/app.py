@@ -224,8 +224,8 @@ def _launch_overrides(params: dict[str, Any], faults: list[str]) -> dict[str, An
 
 def _preflight(cfg: JobConfig) -> EtcdSecurity:
     """Check before the job starts what would otherwise fail in it, each as one error line: a
-    model that cannot build (a factory, an HF config or directory), malformed etcd endpoints, bad TLS files or credentials.
-    Returns the etcd security the job runs with."""
+    model that cannot build (a factory, an HF config or directory), malformed etcd endpoints,
+    bad TLS files or credentials. Returns the etcd security the job runs with."""
     from elaswave.daemon.etcd import EtcdSecurity
 
     if cfg.model.source in ("module", "hf"):  # a model that cannot build: one line, first

@@ -92,6 +92,7 @@ class Engine:
             rendezvous_timeout=cfg.timeouts.rendezvous,
             collective_timeout=cfg.timeouts.collective,
             waker=control.wake_on_message,
+            device=self.state.device,
         )
         self.ctx = RankContext(
             self.state, cfg, self.comm, worker_id, control.event, control.send, self._enter,

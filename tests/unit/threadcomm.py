@@ -32,6 +32,7 @@ class ThreadComm:
     """One rank's view of a :class:`Hub` (every group name is the same group)."""
 
     broadcast_json = Communicator.broadcast_json
+    device = torch.device("cpu")
 
     def __init__(self, hub: Hub, rank: int) -> None:
         self.hub, self.me = hub, rank

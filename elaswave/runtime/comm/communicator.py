@@ -62,15 +62,17 @@ class Communicator:
         rendezvous_timeout: float,
         collective_timeout: float,
         waker: Waker,
+        device: torch.device | None = None,
     ) -> None:
         self.me = me
+        self.device = device or torch.device("cpu")  # where the tensors it makes itself live
         self.host_addr = host_addr
         self.rendezvous_timeout = rendezvous_timeout
         self.collective_timeout = collective_timeout
         self._waker = waker
         self._groups: dict[str, _Group] = {}
         self._graveyard: list[object] = []  # abandoned groups/threads, kept alive on purpose
-        self._device = dist.ProcessGroupGloo.create_device(hostname=host_addr)
+        self._gloo_device = dist.ProcessGroupGloo.create_device(hostname=host_addr)
 
     # ---- groups -----------------------------------------------------------------------------
     def configure(
@@ -119,7 +121,7 @@ class Communicator:
         # connection, which is a transport error like any other (the next plan moves the store).
         prefix = dist.PrefixStore(f"epoch{epoch}/{name}", self._connect_store(store))
         opts = dist.ProcessGroupGloo._Options()
-        opts._devices = [self._device]
+        opts._devices = [self._gloo_device]
         opts._timeout = datetime.timedelta(seconds=self.collective_timeout)
         result: dict[str, object] = {}
         done, wake = threading.Event(), threading.Event()
@@ -194,9 +196,9 @@ class Communicator:
         """Send a small JSON document from ``root`` to every rank of the group (length, then
         bytes); every rank returns the root's document."""
         data = json.dumps(obj).encode() if self.rank(name) == root else b""
-        size = torch.tensor([len(data)], dtype=torch.int64)
+        size = torch.tensor([len(data)], dtype=torch.int64, device=self.device)
         self.broadcast(name, size, root, abort)
-        buf = torch.zeros(int(size.item()), dtype=torch.uint8)
+        buf = torch.zeros(int(size.item()), dtype=torch.uint8, device=self.device)
         if data:
             buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
         self.broadcast(name, buf, root, abort)

@@ -91,10 +91,10 @@ class Integrity:
         rank's parameters changed at rest): keep the state as known good when every rank is
         clean; otherwise roll every rank back to the known-good state (True)."""
         ctx = self.ctx
-        plan = ctx.plan
+        plan, dev = ctx.plan, ctx.state.device
         assert plan is not None
         good = self.good.step if self.good is not None else NONE
-        mine = torch.tensor([int(tainted), int(found), good], dtype=torch.int64)
+        mine = torch.tensor([int(tainted), int(found), good], dtype=torch.int64, device=dev)
         rows = [r.tolist() for r in ctx.comm.allgather(DP, mine, ctx.broken)]
         hit = [r for r, row in enumerate(rows) if row[0]]
         found_any = any(row[1] for row in rows)
@@ -128,10 +128,10 @@ class Integrity:
         are redone by the main loop."""
         ctx = self.ctx
         assert ctx.plan is not None
-        broken, start = ctx.broken, time.perf_counter()
+        broken, start, dev = ctx.broken, time.perf_counter(), ctx.state.device
         if any(k != target for k in kept):  # newcomers receive it from a rank that keeps it
             n = ctx.state.flat.numel
-            meta = torch.tensor([float(target), math.nan], dtype=torch.float64)
+            meta = torch.tensor([float(target), math.nan], dtype=torch.float64, device=dev)
             whole = ctx.state.flat.data.new_empty(3 * n)
             if self.good is not None and self.good.step == target:
                 meta[1], whole = self.good.loss, self.good.whole

@@ -80,7 +80,7 @@ def verify(pipe: Pipeline, step: int, broken: Callable[[], bool]) -> list[dict[s
     units = universe(pipe)
     mine = kept(pipe)
     valid = pipe.recorded_step == step
-    row = torch.full((2 * len(units),), -1, dtype=torch.int64)
+    row = torch.full((2 * len(units),), -1, dtype=torch.int64, device=pipe.e.state.device)
     for i, u in enumerate(units):
         if u in mine:
             crc = fast_checksum(*tensors(pipe, u))

@@ -75,7 +75,7 @@ class Replicated(Strategy):
         """Ranks behind (a newcomer, a failed reduction) copy the most advanced one."""
         st, comm = self.state, self.ctx.comm
         rank = comm.rank(DP)
-        mine = torch.tensor([float(st.step)], dtype=torch.float64)
+        mine = torch.tensor([float(st.step)], dtype=torch.float64, device=st.device)
         steps = [int(x.item()) for x in comm.allgather(DP, mine, broken)]
         start = self.durable.start_over(plan, broken) if max(steps) == 0 else None
         if start is not None:
@@ -86,7 +86,9 @@ class Replicated(Strategy):
         if min(steps) != target:
             state = torch.cat([st.flat.data, st.opt.exp_avg, st.opt.exp_avg_sq])
             meta = torch.tensor(
-                [float(st.step), float(st.opt.step_count), st.last_loss], dtype=torch.float64
+                [float(st.step), float(st.opt.step_count), st.last_loss],
+                dtype=torch.float64,
+                device=st.device,
             )
             comm.broadcast(DP, meta, source, broken)
             comm.broadcast(DP, state, source, broken)
@@ -130,7 +132,8 @@ class Replicated(Strategy):
         """Checksum ``parts`` on every rank; the majority's copy overwrites any disagreeing one
         (rank 0 reports it). Returns whether some copy disagreed, and every rank's ``flags``."""
         comm, plan = self.ctx.comm, self.ctx.plan
-        mine = torch.tensor([digest(*parts), *map(int, flags)], dtype=torch.int64)
+        dev = self.state.device
+        mine = torch.tensor([digest(*parts), *map(int, flags)], dtype=torch.int64, device=dev)
         rows = [r.tolist() for r in comm.allgather(DP, mine, broken)]
         verdict = judge([r[0] for r in rows])
         workers = plan.workers if plan else ()

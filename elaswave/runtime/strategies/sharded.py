@@ -63,7 +63,9 @@ class Zero1(Replicated):
         committed, staged = z.info()
         loss = z.snap_loss if z.keeps_params else st.last_loss  # K > 1: the snapshot's
         mine = torch.tensor(
-            [committed, staged, float(z.layout_epoch), loss, float(st.step)], dtype=torch.float64
+            [committed, staged, float(z.layout_epoch), loss, float(st.step)],
+            dtype=torch.float64,
+            device=st.device,
         )
         rows = [r.tolist() for r in comm.allgather(DP, mine, broken)]
         with_state = [i for i, r in enumerate(rows) if r[0] >= 0]

@@ -141,7 +141,7 @@ class ZeroState:
         self.layout, self.workers, self.rank, self.layout_epoch = layout, workers, rank, epoch
         self.hosts = tuple(hosts) if len(hosts) == len(workers) else ()
         self.placement = place_replicas(layout, self.hosts)
-        self.index = layout.gather_index()
+        self.index = layout.gather_index().to(self.flat.data.device)
         mine = layout.pieces(rank)
         self._send_spans = defaultdict(list)
         self._recv_sizes = defaultdict(int)
@@ -243,7 +243,9 @@ class ZeroState:
         for holder, spans in sorted(self._send_spans.items()):
             parts = shard.cut(spans)
             # One message: the tensors as 32-bit words, then step and checksum as int64 halves.
-            meta = torch.tensor([shard.step, fast_checksum(*parts)], dtype=torch.int64)
+            meta = torch.tensor(
+                [shard.step, fast_checksum(*parts)], dtype=torch.int64, device=self.flat.data.device
+            )
             sends.append(
                 (holder, torch.cat([p.view(torch.int32) for p in parts] + [meta.view(torch.int32)]))
             )
@@ -524,8 +526,10 @@ class ZeroState:
             problem = str(exc.args[0])
         except ShardLost as exc:
             problem = str(exc)
-        flags = torch.zeros(len(new_workers), dtype=torch.int64)
-        comm.allgather_into(DP, flags, torch.tensor([0 if problem else 1]), abort)
+        dev = self.flat.data.device
+        flags = torch.zeros(len(new_workers), dtype=torch.int64, device=dev)
+        mine = torch.tensor([0 if problem else 1], dtype=torch.int64, device=dev)
+        comm.allgather_into(DP, flags, mine, abort)
         if not bool(flags.all()):
             first = int((flags == 0).nonzero()[0])
             raise ShardLost(

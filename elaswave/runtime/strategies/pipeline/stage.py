@@ -357,7 +357,7 @@ class Pipeline:
         e = self.e
         n = e.state.flat.numel
         rank = e.comm.rank("dp")
-        sums = torch.full((self.num_layers,), -1, dtype=torch.int64)
+        sums = torch.full((self.num_layers,), -1, dtype=torch.int64, device=e.state.device)
         for layer in self.held or ():
             r = self.span(range(layer, layer + 1))
             sums[layer] = digest(
@@ -400,6 +400,7 @@ class Pipeline:
         mine = torch.tensor(
             [float(e.state.step), float(self.fresh), *bounds_of(self.held), *bounds_of(undo_held)],
             dtype=torch.float64,
+            device=e.state.device,
         )
         rows = [r.tolist() for r in e.comm.allgather("dp", mine, broken)]
         veterans = [int(r[0]) for r in rows if not r[1]]

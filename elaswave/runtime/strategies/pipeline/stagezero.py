@@ -223,7 +223,9 @@ def _agree_resume(
     """The resume step (the oldest step a veteran rank holds) and the ranks rolled back to it;
     when every rank is fresh and there is a checkpoint to start from, the restore's details."""
     e = pipe.e
-    mine = torch.tensor([float(e.state.step), float(pipe.fresh)], dtype=torch.float64)
+    mine = torch.tensor(
+        [float(e.state.step), float(pipe.fresh)], dtype=torch.float64, device=e.state.device
+    )
     rows = [r.tolist() for r in e.comm.allgather("dp", mine, broken)]
     veterans = [int(r[0]) for r in rows if not r[1]]
     fresh = start_from() if not veterans and start_from is not None else None
@@ -245,7 +247,7 @@ def _what_ranks_have(
     newcomer = pipe.fresh and resume > 0  # its initial state is not the job's
     held = None if newcomer else pipe.held
     kept = [] if newcomer else pipe.store.intervals
-    row = torch.full((3 + 4 * pipe.num_layers,), -1.0, dtype=torch.float64)
+    row = torch.full((3 + 4 * pipe.num_layers,), -1.0, dtype=torch.float64, device=e.state.device)
     row[0:2] = torch.tensor(bounds_of(held))
     row[2] = len(kept)
     for i, (a, b) in enumerate(kept):
@@ -341,7 +343,7 @@ def assemble(pipe: Pipeline, broken: Callable[[], bool]) -> tuple[torch.Tensor, 
     n = e.state.flat.numel
     rank = e.comm.rank("dp")
     units = [pipe.span(range(layer, layer + 1)) for layer in range(pipe.num_layers)]
-    sums = torch.full((len(units) + len(pipe.parts),), -1, dtype=torch.int64)
+    sums = torch.full((len(units) + len(pipe.parts),), -1, dtype=torch.int64, device=e.state.device)
     for layer in pipe.held or ():
         sums[layer] = digest(e.state.flat.data[units[layer]])
     for j, ((a, b), keepers) in enumerate(pipe.parts):
