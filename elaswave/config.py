@@ -116,6 +116,14 @@ class TrainConfig:
     global_batch: int = 32
     micro_batch_size: int = 2
     lr: float = 3e-3
+    # The learning rate of step s is a pure function of s (a redone step gets the same one):
+    # constant, or linear warmup over warmup_steps then cosine decay to min_lr at the last step.
+    lr_schedule: str = "constant"  # "constant" | "cosine"
+    warmup_steps: int = 0
+    min_lr: float = 0.0
+    # Gradient clipping by the global norm of the batch's mean gradient over the whole model
+    # (every replica and stage see the same reduced gradient, so the same factor); 0: off.
+    grad_clip: float = 0.0
     weight_decay: float = 0.0
     beta1: float = 0.9
     beta2: float = 0.95
@@ -153,6 +161,16 @@ class TrainConfig:
                 raise ConfigError(f"train.{name} must be >= 0, got {getattr(self, name)}")
         if not self.lr > 0:  # also rejects NaN
             raise ConfigError(f"train.lr must be > 0, got {self.lr}")
+        if self.lr_schedule not in ("constant", "cosine"):
+            raise ConfigError(
+                f"train.lr_schedule must be constant or cosine, got {self.lr_schedule!r}"
+            )
+        if self.warmup_steps < 0:
+            raise ConfigError(f"train.warmup_steps must be >= 0, got {self.warmup_steps}")
+        if not 0 <= self.min_lr <= self.lr:  # also rejects NaN
+            raise ConfigError(f"train.min_lr must be in [0, train.lr], got {self.min_lr}")
+        if not self.grad_clip >= 0:  # also rejects NaN
+            raise ConfigError(f"train.grad_clip must be >= 0 (0: off), got {self.grad_clip}")
 
     @property
     def num_microbatches(self) -> int:

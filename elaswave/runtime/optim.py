@@ -8,6 +8,7 @@ update is element-wise, so its result does not depend on how the buffer is laid 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -51,6 +52,20 @@ class FlatParams:
         return self.grad
 
 
+def learning_rate(
+    step: int, *, lr: float, schedule: str, warmup: int, total: int, min_lr: float
+) -> float:
+    """The learning rate of ``step`` (from 1): linear warmup to ``lr`` over ``warmup`` steps,
+    then ``lr`` (constant) or a cosine from ``lr`` down to ``min_lr`` at step ``total``. A pure
+    function of the step: a redone step, on any rank, gets the same rate."""
+    if warmup and step <= warmup:
+        return lr * step / warmup
+    if schedule == "constant":
+        return lr
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_lr + 0.5 * (lr - min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
 @dataclass
 class AdamWHyper:
     lr: float
@@ -58,6 +73,16 @@ class AdamWHyper:
     beta2: float = 0.95
     eps: float = 1e-8
     weight_decay: float = 0.0
+    schedule: str = "constant"  # "constant" | "cosine" (see learning_rate)
+    warmup: int = 0
+    total: int = 0  # the step the cosine reaches min_lr at
+    min_lr: float = 0.0
+
+    def lr_at(self, step: int) -> float:
+        return learning_rate(
+            step, lr=self.lr, schedule=self.schedule, warmup=self.warmup, total=self.total,
+            min_lr=self.min_lr,
+        )  # fmt: skip
 
 
 class FlatAdamW:
@@ -82,13 +107,30 @@ def adamw_(
     step: int,
     h: AdamWHyper,
 ) -> None:
-    """One AdamW update in place (``step`` counts from 1). Element-wise: applying it to a slice
-    gives the same values as applying it to the whole buffer."""
+    """One AdamW update in place (``step`` counts from 1, the learning rate is the schedule's at
+    ``step``). Element-wise: applying it to a slice gives the same values as applying it to the
+    whole buffer."""
+    lr = h.lr_at(step)
     exp_avg.mul_(h.beta1).add_(grad, alpha=1 - h.beta1)
     exp_avg_sq.mul_(h.beta2).addcmul_(grad, grad, value=1 - h.beta2)
     bias1 = 1 - h.beta1**step
     bias2 = 1 - h.beta2**step
     if h.weight_decay:
-        param.mul_(1 - h.lr * h.weight_decay)
+        param.mul_(1 - lr * h.weight_decay)
     denom = (exp_avg_sq.sqrt() / math.sqrt(bias2)).add_(h.eps)
-    param.addcdiv_(exp_avg, denom, value=-h.lr / bias1)
+    param.addcdiv_(exp_avg, denom, value=-lr / bias1)
+
+
+def clip_factor(
+    mean: torch.Tensor, max_norm: float, ties: Sequence[tuple[slice, slice]] = ()
+) -> float:
+    """``min(1, max_norm / ‖mean‖)`` for the whole model's mean gradient in flat order (the
+    second copy of a tied weight not counted twice); 1 when clipping is off. The norm is taken
+    over the same numbers in the same order on every rank and under every strategy, so the
+    deterministic mode stays bit-identical with clipping on."""
+    if not max_norm:
+        return 1.0
+    sq = float(torch.linalg.vector_norm(mean, dtype=torch.float64)) ** 2
+    for _, b in ties:
+        sq -= float(torch.linalg.vector_norm(mean[b], dtype=torch.float64)) ** 2
+    return min(1.0, max_norm / (math.sqrt(max(sq, 0.0)) + 1e-6))

@@ -48,8 +48,9 @@ class TrainState:
         model.train()
         flat = FlatParams(model)
         hyper = AdamWHyper(
-            lr=t.lr, beta1=t.beta1, beta2=t.beta2, eps=t.eps, weight_decay=t.weight_decay
-        )
+            lr=t.lr, beta1=t.beta1, beta2=t.beta2, eps=t.eps, weight_decay=t.weight_decay,
+            schedule=t.lr_schedule, warmup=t.warmup_steps, total=t.steps, min_lr=t.min_lr,
+        )  # fmt: skip
         opt = FlatAdamW(0 if cfg.zero else flat.numel, hyper, flat.data.device)  # ZeRO: shards
         ties = []
         for a, b in workload.tied():

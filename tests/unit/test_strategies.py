@@ -87,6 +87,7 @@ def _cfg(
     zero: int = 0,
     reduce_dtype: str = "float64",
     factory: str = "examples.mlp_classifier:mlp_classifier",
+    **train: Any,
 ) -> JobConfig:
     return JobConfig.from_dict(
         {
@@ -101,6 +102,7 @@ def _cfg(
                 "micro_batch_size": MICRO,
                 "seed": 7,
                 "reduce_dtype": reduce_dtype,
+                **train,
             },
         }
     )
@@ -147,8 +149,8 @@ def _whole(strategy: Strategy) -> torch.Tensor:
     return strategy.whole(lambda: False).copy()
 
 
-def _run(world: int, zero: int, steps: int, factory: str = "") -> list[torch.Tensor]:
-    cfg, plan = _cfg(zero, factory=factory or _cfg().model.factory), _plan(world)
+def _run(world: int, zero: int, steps: int, factory: str = "", **train: Any) -> list[torch.Tensor]:
+    cfg, plan = _cfg(zero, factory=factory or _cfg().model.factory, **train), _plan(world)
 
     def body(rank: int, comm: ThreadComm) -> torch.Tensor:
         strategy, _ = _strategy(cfg, comm, plan)
@@ -254,6 +256,20 @@ def test_tied_copies_stay_identical(zero: int) -> None:
         assert all(torch.equal(c, alone) for c in _copies(world, zero, 3))
     untied = _copies(1, 0, 3, tie=False)[0]
     assert not torch.equal(untied[0], untied[1])
+
+
+CLIPPED = {"grad_clip": 0.05, "lr_schedule": "cosine", "warmup_steps": 1, "min_lr": 1e-4}
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_clipping_and_a_schedule_keep_every_share_bit_identical(zero: int) -> None:
+    """The clip factor comes from the whole model's mean gradient in flat order, the rate from
+    the step alone: 1, 2 and 4 ranks, replicated or ZeRO-1, still reach the same bits."""
+    alone = _run(1, 0, 3, **CLIPPED)[0]
+    for world in (2, 4):
+        assert all(torch.equal(w, alone) for w in _run(world, zero, 3, **CLIPPED))
+    assert not torch.equal(alone, _run(1, 0, 3)[0])  # clipping and the schedule did act
+    assert not torch.equal(alone, _run(1, 0, 3, **{**CLIPPED, "grad_clip": 0.0})[0])
 
 
 def test_ranks_behind_take_the_most_advanced_rank_state() -> None:

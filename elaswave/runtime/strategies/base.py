@@ -31,6 +31,7 @@ import torch
 
 from elaswave.planning.plan import Plan
 from elaswave.runtime.durable.checkpoints import DurableState
+from elaswave.runtime.optim import clip_factor
 from elaswave.runtime.workload.data import MicroBatch
 
 if TYPE_CHECKING:
@@ -58,17 +59,22 @@ def reduction_buffer(state: TrainState, reduce_dtype: str) -> torch.Tensor:
     return state.flat.data.new_zeros(state.flat.numel + TAIL, dtype=dtype)
 
 
-def mean_gradient(buf: torch.Tensor, n: int) -> tuple[torch.Tensor, float]:
+def mean_gradient(
+    buf: torch.Tensor, n: int, max_norm: float = 0.0, ties: Sequence[tuple[slice, slice]] = ()
+) -> tuple[torch.Tensor, float]:
     """After the reduction: the gradient of the batch's mean loss (float32, divided in place by
-    the reduced count) and the mean loss. Every rank divides the same sums by the same count,
-    so every rank's update is the same whatever its share of the batch."""
+    the reduced count, clipped to ``max_norm`` by its global norm when that is set) and the
+    mean loss. Every rank divides the same sums by the same count, so every rank's update is
+    the same whatever its share of the batch."""
     count = float(buf[n + COUNT])
     if count <= 0:
         raise ValueError("the workload's loss counted nothing in the whole batch")
-    grad = buf[:n].div_(count)
-    return (grad if grad.dtype == torch.float32 else grad.to(torch.float32)), float(
-        buf[n + LOSS]
-    ) / count
+    mean = buf[:n].div_(count)
+    factor = clip_factor(mean, max_norm, ties)
+    grad = mean if mean.dtype == torch.float32 else mean.to(torch.float32)
+    if factor < 1.0:
+        grad.mul_(factor)
+    return grad, float(buf[n + LOSS]) / count
 
 
 @dataclass

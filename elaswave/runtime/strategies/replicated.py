@@ -66,7 +66,7 @@ class Replicated(Strategy):
         self.ctx.comm.allreduce(DP, buf, broken)
         # -- the reduction succeeded: every rank now holds the identical full-batch gradient.
         self.ctx.enter("compute")
-        grad, st.last_loss = mean_gradient(buf, n)
+        grad, st.last_loss = mean_gradient(buf, n, self.ctx.cfg.train.grad_clip, st.ties)
         st.opt.step(st.flat.data, grad)
         st.step = step
         return float(buf[n + EPOCH])

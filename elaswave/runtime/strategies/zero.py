@@ -48,7 +48,7 @@ from elaswave.planning.shards import (
 )
 from elaswave.runtime.comm.communicator import Communicator
 from elaswave.runtime.integrity.checksums import fast_checksum
-from elaswave.runtime.optim import AdamWHyper, FlatAdamW, FlatParams
+from elaswave.runtime.optim import AdamWHyper, FlatAdamW, FlatParams, clip_factor
 
 DP = "dp"
 
@@ -181,6 +181,7 @@ class ZeroState:
         abort: Callable[[], bool],
         before_update: Callable[[], None],
         count: float = 1.0,
+        clip: tuple[float, Sequence[tuple[slice, slice]]] = (0.0, ()),
     ) -> float:
         """Steps 1–3 of the docstring: reduce-scatter, staged update, all-gather, replicate.
         ``grads`` are this rank's gradient sums and ``count`` the loss terms they count; the
@@ -201,8 +202,11 @@ class ZeroState:
         batch_count = float(total)
         if batch_count <= 0:
             raise ValueError("the workload's loss counted nothing in the whole batch")
+        factor = self._clip_factor(reduced, batch_count, *clip)
         mine = mine.div_(batch_count)
         grad = mine.to(torch.float32) if mine.dtype != torch.float32 else mine
+        if factor < 1.0:  # after the conversion, as replicated data parallelism does
+            grad.mul_(factor)
         before_update()
         param = self._ext(self.flat.data)[self._my_index()].clone()
         opt = FlatAdamW(0, self.hyper)  # update copies of the moments; the live ones stay put
@@ -220,6 +224,24 @@ class ZeroState:
                 step, gathered, Shard(step, opt.exp_avg, opt.exp_avg_sq, None), None
             )
         return batch_count
+
+    def _clip_factor(
+        self,
+        reduced: torch.Tensor,
+        count: float,
+        max_norm: float,
+        ties: Sequence[tuple[slice, slice]],
+    ) -> float:
+        """Gradient clipping: the whole model's mean gradient back in flat order (the same
+        numbers, in the same order, as replicated data parallelism takes its norm over)."""
+        if not max_norm:
+            return 1.0
+        if self.native_reduce_scatter:  # each rank holds only its part of the sums
+            raise ValueError("train.grad_clip with a native reduce-scatter is not supported yet")
+        n = self.flat.numel
+        flat = reduced.new_zeros(n + 1)
+        flat.index_copy_(0, self.index, reduced[:-1])  # padding (zeros) lands on index n
+        return clip_factor(flat[:n].div_(count), max_norm, ties)
 
     def commit(self, loss: float = math.nan) -> None:
         """Step 4, after the barrier returned: the staged state becomes the live state (and, on

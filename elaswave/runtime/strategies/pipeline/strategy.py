@@ -64,7 +64,7 @@ class PipelineStages(Strategy):
         st, n, pipe, ctx = self.state, self.state.flat.numel, self.pipe, self.ctx
         ctx.comm.allreduce(DP, buf, broken)
         ctx.enter("compute")
-        grad, loss = mean_gradient(buf, n)
+        grad, loss = mean_gradient(buf, n, ctx.cfg.train.grad_clip, st.ties)
         pipe.update(step, grad, broken, before_update)
         st.step, st.last_loss = step, loss
         switched = pipe.after_step(step, float(buf[n + FLAG]))
