@@ -109,6 +109,23 @@ class DataConfig:
 
 
 @dataclass(kw_only=True)
+class ParamGroup:
+    """Parameters whose global name (``layers.<index>.<name>``) matches one of ``params``
+    (shell-style globs) get this weight decay; the first matching group wins."""
+
+    params: list[str]
+    weight_decay: float
+
+    def __post_init__(self) -> None:
+        if not self.params:
+            raise ConfigError("train.param_groups: a group needs at least one params pattern")
+        if not self.weight_decay >= 0:  # also rejects NaN
+            raise ConfigError(
+                f"train.param_groups: weight_decay must be >= 0, got {self.weight_decay}"
+            )
+
+
+@dataclass(kw_only=True)
 class TrainConfig:
     """The optimisation problem. ``global_batch`` is fixed whatever the membership does."""
 
@@ -124,11 +141,20 @@ class TrainConfig:
     # Gradient clipping by the global norm of the batch's mean gradient over the whole model
     # (every replica and stage see the same reduced gradient, so the same factor); 0: off.
     grad_clip: float = 0.0
+    optimizer: str = "adamw"  # "adamw" | "sgd" (with momentum, as torch.optim.SGD)
+    momentum: float = 0.9  # sgd only
+    # AdamW: decoupled; SGD: L2 added to the gradient. By default biases, norm scales and
+    # positional tables get none; param_groups set it by parameter name (first match wins).
     weight_decay: float = 0.0
+    param_groups: list[ParamGroup] = field(default_factory=list)
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
     seed: int = 1234
+    # Keep the final state (a durable checkpoint of the last step, written by rank 0 once the
+    # job ends) so that ``elaswave export`` can write the trained model without checkpoints
+    # every K steps.
+    save_final: bool = True
     # Gradients are accumulated and reduced in this dtype. float32 (default) keeps losses within
     # ~1e-7 of the fault-free run after a resize; float64 is the deterministic mode: the sum no
     # longer depends on how micro-batches are spread over ranks, so losses and parameters are
@@ -169,6 +195,14 @@ class TrainConfig:
             raise ConfigError(f"train.warmup_steps must be >= 0, got {self.warmup_steps}")
         if not 0 <= self.min_lr <= self.lr:  # also rejects NaN
             raise ConfigError(f"train.min_lr must be in [0, train.lr], got {self.min_lr}")
+        if self.optimizer not in ("adamw", "sgd"):
+            raise ConfigError(f"train.optimizer must be adamw or sgd, got {self.optimizer!r}")
+        if not 0 <= self.momentum < 1:  # also rejects NaN
+            raise ConfigError(f"train.momentum must be in [0, 1), got {self.momentum}")
+        if not self.weight_decay >= 0:  # also rejects NaN
+            raise ConfigError(f"train.weight_decay must be >= 0, got {self.weight_decay}")
+        if len({g.weight_decay for g in self.param_groups} | {self.weight_decay, 0.0}) > 255:
+            raise ConfigError("train.param_groups: at most 253 distinct weight decays")
         if not self.grad_clip >= 0:  # also rejects NaN
             raise ConfigError(f"train.grad_clip must be >= 0 (0: off), got {self.grad_clip}")
 
@@ -538,6 +572,14 @@ def _build(cls: type, data: dict[str, Any], where: str) -> Any:
         raise ConfigError(
             f"unknown config key {where + unknown[0]!r} (known: {', '.join(sorted(names))})"
         )
+    required = [
+        f.name
+        for f in dataclasses.fields(cls)
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
+    missing = [name for name in required if name not in data]
+    if missing:
+        raise ConfigError(f"config key {where + missing[0]!r} is required")
     kwargs: dict[str, Any] = {}
     for name, value in data.items():
         kwargs[name] = _coerce(value, hints[name], where + name)

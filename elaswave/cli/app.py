@@ -224,14 +224,13 @@ def _launch_overrides(params: dict[str, Any], faults: list[str]) -> dict[str, An
 
 def _preflight(cfg: JobConfig) -> EtcdSecurity:
     """Check before the job starts what would otherwise fail in it, each as one error line: a
-    model that cannot build (a factory, an HF config or directory), malformed etcd endpoints,
+    model that cannot build (a factory, an HF config or directory), a token file it cannot
+    train on (too short, token ids past its vocabulary), malformed etcd endpoints,
     bad TLS files or credentials. Returns the etcd security the job runs with."""
     from elaswave.daemon.etcd import EtcdSecurity
+    from elaswave.runtime.workload.load import check_data, load_workload
 
-    if cfg.model.source in ("module", "hf"):  # a model that cannot build: one line, first
-        from elaswave.runtime.workload.load import load_workload
-
-        load_workload(cfg)
+    check_data(cfg, load_workload(cfg))  # a model that cannot build, then unusable data
     if cfg.etcd:
         from elaswave.daemon.etcd import parse_endpoints
 
@@ -425,6 +424,29 @@ def report(
         out_file.write_text(text)
     else:
         sys.stdout.write(text)
+
+
+@app.command()
+def export(
+    run_dir: Path = typer.Option(..., "--run-dir", help="The run's directory."),
+    out_path: Path = typer.Option(
+        ..., "--out", help="HF models: a directory; others: a .safetensors file."
+    ),
+    step: int | None = typer.Option(None, "--step", help="A checkpointed step; default: newest."),
+) -> None:
+    """Write a run's trained model: for model.source hf a directory that
+    AutoModelForCausalLM.from_pretrained loads, otherwise one safetensors file."""
+    from elaswave.export import export_model
+
+    try:
+        done = export_model(run_dir, out_path, step)
+    except ElasWaveError as exc:
+        raise _fail(exc) from None
+    out.print(
+        f"exported step {done.step} (loss {done.loss:.4f}) from {done.checkpoint} to {done.out}",
+        highlight=False,
+        soft_wrap=True,
+    )
 
 
 def _flag_value(name: str, value: Any) -> Any:

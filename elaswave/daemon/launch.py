@@ -61,6 +61,7 @@ def launch(
         cfg.resume = str(Path(cfg.resume).resolve())
     run_dir = cfg.resolved_run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
+    write_run_config(cfg, run_dir)
     _log_to(run_dir / "daemon.log")
     embedded: EmbeddedEtcd | None = None
     endpoints = list(cfg.etcd)
@@ -114,6 +115,23 @@ def launch(
     finally:
         if embedded is not None:
             embedded.stop()
+
+
+RUN_CONFIG = "config.json"
+
+
+def write_run_config(cfg: JobConfig, run_dir: Path) -> None:
+    """The job's config as it runs, in ``<run_dir>/config.json`` (what ``elaswave export``
+    rebuilds the model from), its paths made absolute so it reads the same from anywhere."""
+    record = cfg.to_dict()
+    for section, key in (("model", "pretrained"), ("data", "path")):
+        if record[section][key]:
+            record[section][key] = str(Path(record[section][key]).resolve())
+    record["run_dir"] = str(run_dir.resolve())
+    record["durable_dir"] = str(cfg.resolved_durable_dir.resolve())
+    tmp = run_dir / f".{RUN_CONFIG}.tmp"
+    tmp.write_text(json.dumps(record, indent=1))
+    os.replace(tmp, run_dir / RUN_CONFIG)
 
 
 def tls_paths(cfg: JobConfig) -> dict[str, str]:

@@ -44,7 +44,7 @@ from elaswave.runtime.integrity.checker import Integrity
 from elaswave.runtime.integrity.checksums import host_bytes
 from elaswave.runtime.integrity.inject import FaultInjector
 from elaswave.runtime.state import RankContext, TrainState
-from elaswave.runtime.strategies.base import DP, EPOCH, Strategy, reduction_buffer
+from elaswave.runtime.strategies.base import DP, EPOCH, Strategy, Whole, reduction_buffer
 from elaswave.runtime.strategies.select import strategy_for
 from elaswave.runtime.strategies.zero import ShardLost
 from elaswave.runtime.workload.data import microbatches
@@ -98,8 +98,10 @@ class Engine:
             self.state, cfg, self.comm, worker_id, control.event, control.send, self._enter,
             control.removes_any,
         )  # fmt: skip
-        store = DurableCheckpoints(cfg.resolved_durable_dir) if cfg.durable_every else None
-        self.durable = DurableSource(self.ctx, store)
+        every, final = cfg.durable_every, cfg.train.save_final
+        store = DurableCheckpoints(cfg.resolved_durable_dir) if every or final else None
+        self.durable = DurableSource(self.ctx, store if every else None)
+        self.final_store = store if final else None  # the last step's state, at the end
         self.strategy: Strategy = strategy_for(self.ctx, self.durable)
         self.replan = True  # apply a (newer) plan before the next step
         self.phase, self.phase_since = "idle", time.monotonic()
@@ -330,6 +332,20 @@ class Engine:
             # checkpoint was committed by an earlier run or is about to be recomputed: not here.
             self.commit_step(StepResult(self.state.step, self.state.last_loss, 0.0))
 
+    def _save_final(self, whole: Whole) -> None:
+        """``train.save_final``: rank 0 writes the last step's whole state as a durable
+        checkpoint (what ``elaswave export`` reads), unless ``durable_every`` just did."""
+        step, every = self.state.step, self.cfg.durable_every
+        if self.final_store is None or self.comm.rank(DP) != 0 or (every and step % every == 0):
+            return
+
+        def saved(path: Any, seconds: float) -> None:
+            self.control.event("final_saved", step=step, path=str(path), seconds=round(seconds, 4))
+
+        self.final_store.save_async(
+            step, self.state.last_loss, whole.params, whole.exp_avg, whole.exp_avg_sq, saved
+        )
+
     def _farewell(self) -> None:
         """Final best-effort barrier so no rank exits while a peer still reads its last bytes."""
         if self.plan is None:
@@ -342,12 +358,14 @@ class Engine:
             params, exp_avg, exp_avg_sq, checks = (
                 whole.params, whole.exp_avg, whole.exp_avg_sq, whole.checks,
             )  # fmt: skip
+            self._save_final(whole)
             token = self.state.flat.data.new_zeros(1)
             self.comm.allreduce(DP, token, self.ctx.broken)
         except (CommError, Interrupted):
             pass
-        if self.durable.checkpoints is not None:
-            self.durable.checkpoints.flush()  # the last checkpoint is on disk before "done"
+        for store in (self.durable.checkpoints, self.final_store):
+            if store is not None:
+                store.flush()  # the last checkpoint is on disk before "done"
         digest = hashlib.sha256(host_bytes(params))
         digest.update(host_bytes(exp_avg))
         digest.update(host_bytes(exp_avg_sq))

@@ -1,13 +1,16 @@
 """Parameters and optimizer state as flat buffers.
 
-Keeping every parameter, gradient and Adam moment in one contiguous tensor makes a whole rank's
-state one buffer to snapshot, checksum, broadcast to a joining peer, or shard (ZeRO). The AdamW
-update is element-wise, so its result does not depend on how the buffer is laid out or split.
+Keeping every parameter, gradient and optimizer moment in one contiguous tensor makes a whole
+rank's state one buffer to snapshot, checksum, broadcast to a joining peer, or shard (ZeRO). The
+AdamW and SGD updates are element-wise (parameter groups are a per-element group index), so
+their result does not depend on how the buffer is laid out or split.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -66,17 +69,31 @@ def learning_rate(
     return min_lr + 0.5 * (lr - min_lr) * (1.0 + math.cos(math.pi * progress))
 
 
+OPTIMIZERS = ("adamw", "sgd")
+
+
 @dataclass
-class AdamWHyper:
+class OptimHyper:
+    """The optimizer and its hyper-parameters. AdamW keeps both moments; SGD with momentum keeps
+    its momentum buffer in the first-moment slot and leaves the second at zero, so the state
+    stays ``[params | exp_avg | exp_avg_sq]`` under every strategy (one layout to snapshot,
+    shard, migrate and checkpoint, at the cost of one unused buffer with SGD)."""
+
     lr: float
+    optimizer: str = "adamw"  # see OPTIMIZERS
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
-    weight_decay: float = 0.0
+    momentum: float = 0.9  # SGD
+    weight_decay: float = 0.0  # every parameter's, unless ``groups`` says otherwise
     schedule: str = "constant"  # "constant" | "cosine" (see learning_rate)
     warmup: int = 0
     total: int = 0  # the step the cosine reaches min_lr at
     min_lr: float = 0.0
+    # Parameter groups: the weight decay of each group, and the group of every element of the
+    # flat buffer (uint8; None: one group with ``weight_decay``). See :func:`decay_groups`.
+    group_decay: tuple[float, ...] = ()
+    groups: torch.Tensor | None = None
 
     def lr_at(self, step: int) -> float:
         return learning_rate(
@@ -84,41 +101,135 @@ class AdamWHyper:
             min_lr=self.min_lr,
         )  # fmt: skip
 
+    def groups_of(self, where: slice | torch.Tensor) -> torch.Tensor | None:
+        """The group of each element of ``flat[where]`` (a slice, or the index a ZeRO shard
+        gathers with, where index ``numel`` is padding), or None with one group."""
+        if self.groups is None:
+            return None
+        if isinstance(where, slice):
+            return self.groups[where]
+        return torch.cat([self.groups, self.groups.new_zeros(1)])[where]
 
-class FlatAdamW:
-    """AdamW over a flat parameter buffer (or any slice of one: ZeRO shards reuse it)."""
 
-    def __init__(self, numel: int, hyper: AdamWHyper, device: torch.device | None = None) -> None:
+class FlatOptimizer:
+    """The optimizer's moments over a flat parameter buffer (or any slice of one: ZeRO shards
+    reuse it)."""
+
+    def __init__(self, numel: int, hyper: OptimHyper, device: torch.device | None = None) -> None:
         self.hyper = hyper
         self.exp_avg = torch.zeros(numel, dtype=torch.float32, device=device)
         self.exp_avg_sq = torch.zeros(numel, dtype=torch.float32, device=device)
         self.step_count = 0
 
-    def step(self, param: torch.Tensor, grad: torch.Tensor) -> None:
+    def step(
+        self, param: torch.Tensor, grad: torch.Tensor, groups: torch.Tensor | None = None
+    ) -> None:
         self.step_count += 1
-        adamw_(param, grad, self.exp_avg, self.exp_avg_sq, self.step_count, self.hyper)
+        update_(param, grad, self.exp_avg, self.exp_avg_sq, self.step_count, self.hyper, groups)
 
 
-def adamw_(
+def update_(
     param: torch.Tensor,
     grad: torch.Tensor,
     exp_avg: torch.Tensor,
     exp_avg_sq: torch.Tensor,
     step: int,
-    h: AdamWHyper,
+    h: OptimHyper,
+    groups: torch.Tensor | None = None,
 ) -> None:
-    """One AdamW update in place (``step`` counts from 1, the learning rate is the schedule's at
-    ``step``). Element-wise: applying it to a slice gives the same values as applying it to the
-    whole buffer."""
+    """One optimizer update in place (``step`` counts from 1; the learning rate is the
+    schedule's at ``step``; ``groups``: each element's parameter group, from
+    :meth:`OptimHyper.groups_of`). Element-wise: applying it to a slice gives the same values as
+    applying it to the whole buffer. The arithmetic is PyTorch's single-tensor AdamW and SGD
+    (``torch.optim``), operation for operation."""
     lr = h.lr_at(step)
-    exp_avg.mul_(h.beta1).add_(grad, alpha=1 - h.beta1)
+    if h.optimizer == "sgd":
+        _sgd_(param, grad, exp_avg, step, lr, h, groups)
+    else:
+        _adamw_(param, grad, exp_avg, exp_avg_sq, step, lr, h, groups)
+
+
+def _per_group(values: Sequence[float], groups: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Each element's value of its group (the values rounded to ``like``'s dtype once, as a
+    Python scalar is when it multiplies a tensor)."""
+    return torch.tensor(list(values), dtype=like.dtype, device=like.device)[groups.long()]
+
+
+def _adamw_(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    step: int,
+    lr: float,
+    h: OptimHyper,
+    groups: torch.Tensor | None,
+) -> None:
+    if groups is not None:
+        param.mul_(_per_group([1 - lr * wd for wd in h.group_decay], groups, param))
+    elif h.weight_decay:
+        param.mul_(1 - lr * h.weight_decay)
+    exp_avg.lerp_(grad, 1 - h.beta1)
     exp_avg_sq.mul_(h.beta2).addcmul_(grad, grad, value=1 - h.beta2)
     bias1 = 1 - h.beta1**step
     bias2 = 1 - h.beta2**step
-    if h.weight_decay:
-        param.mul_(1 - lr * h.weight_decay)
     denom = (exp_avg_sq.sqrt() / math.sqrt(bias2)).add_(h.eps)
     param.addcdiv_(exp_avg, denom, value=-lr / bias1)
+
+
+def _sgd_(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    buf: torch.Tensor,
+    step: int,
+    lr: float,
+    h: OptimHyper,
+    groups: torch.Tensor | None,
+) -> None:
+    """SGD with momentum (no dampening) and L2 weight decay added to the gradient, as
+    ``torch.optim.SGD``; the momentum buffer starts as the first step's gradient."""
+    if groups is not None:
+        grad = grad + _per_group(h.group_decay, groups, param) * param
+    elif h.weight_decay:
+        grad = grad.add(param, alpha=h.weight_decay)
+    if h.momentum:
+        if step == 1:
+            buf.copy_(grad)
+        else:
+            buf.mul_(h.momentum).add_(grad)
+        grad = buf
+    param.add_(grad, alpha=-lr)
+
+
+_POSITIONAL = re.compile(r"(^|\.)(wpe|pos|pos_emb|pos_embed|position_embeddings|embed_positions)$")
+
+
+def no_decay_by_default(name: str, ndim: int, embedding: str | None) -> bool:
+    """Whether parameter ``name`` (global name, ``ndim`` dimensions; ``embedding``: the name of
+    the ``nn.Embedding`` module it belongs to, or None) skips weight decay unless a group says
+    otherwise: biases and norm scales (one dimension) and positional tables (an embedding module
+    named for positions: ``wpe``, ``pos``, ``embed_positions`` ...). Token embeddings decay."""
+    del name
+    return ndim < 2 or (embedding is not None and bool(_POSITIONAL.search(embedding)))
+
+
+def decay_groups(
+    params: Sequence[tuple[str, int, str | None]],
+    weight_decay: float,
+    rules: Sequence[tuple[Sequence[str], float]] = (),
+) -> list[float]:
+    """The weight decay of each parameter, from ``(global name, ndim, embedding module name)``:
+    the first rule whose glob patterns match the name sets it; otherwise ``weight_decay``, or 0
+    for what :func:`no_decay_by_default` exempts."""
+    out = []
+    for name, ndim, embedding in params:
+        for patterns, wd in rules:
+            if any(fnmatch.fnmatchcase(name, p) for p in patterns):
+                out.append(float(wd))
+                break
+        else:
+            out.append(0.0 if no_decay_by_default(name, ndim, embedding) else float(weight_decay))
+    return out
 
 
 def clip_factor(

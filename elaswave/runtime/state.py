@@ -19,7 +19,7 @@ import torch
 from elaswave.config import JobConfig
 from elaswave.planning.plan import Plan
 from elaswave.runtime.comm.communicator import Communicator
-from elaswave.runtime.optim import AdamWHyper, FlatAdamW, FlatParams
+from elaswave.runtime.optim import FlatOptimizer, FlatParams, OptimHyper, decay_groups
 from elaswave.runtime.workload import Dataset, KeyedLayers, Workload, build_layers
 from elaswave.runtime.workload.load import load_workload
 
@@ -34,7 +34,7 @@ class TrainState:
     workload: Workload
     model: KeyedLayers
     flat: FlatParams
-    opt: FlatAdamW
+    opt: FlatOptimizer
     dataset: Dataset
     step: int = 0  # the last step whose update this rank has applied
     last_loss: float = math.nan
@@ -47,11 +47,13 @@ class TrainState:
         model = build_layers(workload, t.seed)
         model.train()
         flat = FlatParams(model)
-        hyper = AdamWHyper(
-            lr=t.lr, beta1=t.beta1, beta2=t.beta2, eps=t.eps, weight_decay=t.weight_decay,
-            schedule=t.lr_schedule, warmup=t.warmup_steps, total=t.steps, min_lr=t.min_lr,
+        hyper = OptimHyper(
+            lr=t.lr, optimizer=t.optimizer, beta1=t.beta1, beta2=t.beta2, eps=t.eps,
+            momentum=t.momentum, weight_decay=t.weight_decay, schedule=t.lr_schedule,
+            warmup=t.warmup_steps, total=t.steps, min_lr=t.min_lr,
         )  # fmt: skip
-        opt = FlatAdamW(0 if cfg.zero else flat.numel, hyper, flat.data.device)  # ZeRO: shards
+        hyper.group_decay, hyper.groups = param_groups(model, flat, cfg)
+        opt = FlatOptimizer(0 if cfg.zero else flat.numel, hyper, flat.data.device)  # ZeRO: shards
         ties = []
         for a, b in workload.tied():
             sa, sb = model.param_slice(a), model.param_slice(b)
@@ -89,6 +91,33 @@ class TrainState:
         if count < 0:
             raise ValueError(f"the workload's loss counted {count} terms (must be >= 0)")
         return total, count
+
+
+def param_groups(
+    model: KeyedLayers, flat: FlatParams, cfg: JobConfig
+) -> tuple[tuple[float, ...], torch.Tensor | None]:
+    """The weight decay of each parameter group and each flat element's group (None when every
+    element decays alike: the optimizer then takes one scalar)."""
+    embeddings = {
+        id(p): name
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Embedding)
+        for p in module.parameters(recurse=False)
+    }
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    rules = [(g.params, g.weight_decay) for g in cfg.train.param_groups]
+    decays = decay_groups(
+        [(n, p.dim(), embeddings.get(id(p))) for n, p in named], cfg.train.weight_decay, rules
+    )
+    values = tuple(sorted(set(decays)))
+    if len(values) <= 1:
+        return values, None
+    groups = torch.empty(flat.numel, dtype=torch.uint8, device=flat.data.device)
+    offset = 0
+    for (_, p), wd in zip(named, decays, strict=True):
+        groups[offset : offset + p.numel()] = values.index(wd)
+        offset += p.numel()
+    return values, groups
 
 
 @dataclass(eq=False)

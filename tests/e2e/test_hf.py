@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 import yaml
 from conftest import F64, ROOT, Run, assert_clean_run, elaswave_cmd
 
@@ -28,6 +29,13 @@ FAMILIES: dict[str, dict[str, Any]] = {
               "vocab_size": 256, "max_position_embeddings": 64},
     "gpt2": {"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 256,
              "n_positions": 64},
+}  # fmt: skip
+# llama: AdamW, weight decay (not on norms), clipping, a warmup the kill at step 6 falls in,
+# then cosine; gpt2: SGD with momentum and weight decay (not on biases, norms, positions).
+TRAIN: dict[str, dict[str, Any]] = {
+    "llama": {"lr": 0.003, "weight_decay": 0.1, "grad_clip": 1.0, "lr_schedule": "cosine",
+              "warmup_steps": 8, "min_lr": 0.0003},
+    "gpt2": {"optimizer": "sgd", "lr": 0.05, "momentum": 0.9, "weight_decay": 0.01},
 }  # fmt: skip
 
 
@@ -43,8 +51,8 @@ def configs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             "job_id": f"hf-{family}",
             "model": {"source": "hf", "seq_len": 32, "hf": hf},
             "data": {"source": "tokens", "path": str(tokens), "dtype": "uint16"},
-            "train": {"steps": STEPS, "global_batch": 16, "micro_batch_size": 2, "lr": 0.003,
-                      "seed": 5},
+            "train": {"steps": STEPS, "global_batch": 16, "micro_batch_size": 2, "seed": 5,
+                      **TRAIN[family]},
             "elastic": {"nproc_per_node": 4, "nnodes": "1:1", "max_restarts": 0},
         }  # fmt: skip
         out[family] = base / f"{family}.yaml"
@@ -52,8 +60,8 @@ def configs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return out
 
 
-def _launch(config: Path, run_dir: Path, state: Path, *args: str) -> Run:
-    env = {**os.environ, "ELASWAVE_STATE_DIR": str(state), **F64}
+def _launch(config: Path, run_dir: Path, state: Path, *args: str, f64: bool = True) -> Run:
+    env = {**os.environ, "ELASWAVE_STATE_DIR": str(state), **(F64 if f64 else {})}
     cmd = elaswave_cmd("launch", str(config), "--run-dir", str(run_dir), "--quiet", *args)
     r = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -119,3 +127,140 @@ def test_gpt2_tied_across_stages_survives_a_stage_loss(
     first, second = state.params[model.param_slice(a)], state.params[model.param_slice(b)]
     initial = dict(model.layers[a[0]].named_parameters())[a[1]].detach().reshape(-1)
     assert first.equal(second) and not first.equal(initial)  # one weight, and trained
+
+
+def _step_batches(cfg: Any, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The micro-batches of ``step`` as the job draws them: (input ids, next-token labels)."""
+    from elaswave.runtime.workload.data import TokenFile, microbatches
+
+    t, data = cfg.train, TokenFile(cfg.data.path, seq_len=cfg.model.seq_len)
+    out = []
+    for mb in microbatches(t.seed, step, t.global_batch, t.micro_batch_size, len(data)):
+        window = torch.stack([data[i] for i in mb.sample_ids])
+        out.append((window[:, :-1].contiguous(), window[:, 1:].contiguous()))
+    return out
+
+
+def _hf_loss(model: Any, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    """The HF model's own causal-LM loss (``labels=``) over a whole batch of micro-batches."""
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for x, y in batches:
+            out = model(input_ids=x, labels=y, shift_labels=y, num_items_in_batch=1)
+            total, count = total + float(out.loss), count + y.numel()
+    return total / count
+
+
+def test_export_loads_with_from_pretrained_and_fine_tuning_continues(
+    configs: dict[str, Path], llama_reference: Run, tmp_path: Path
+) -> None:
+    """``elaswave export`` of the fault-free llama run (its final state, kept by save_final):
+    ``from_pretrained`` scores a batch as the run's final layers do, and a job that fine-tunes
+    that directory starts from that loss."""
+    import transformers
+
+    from elaswave.config import load_config
+    from elaswave.runtime.durable.checkpoints import latest, load
+    from elaswave.runtime.optim import FlatParams
+    from elaswave.runtime.workload.load import build_model, load_workload
+
+    out = tmp_path / "llama-out"
+    r = subprocess.run(
+        elaswave_cmd("export", "--run-dir", str(llama_reference.dir), "--out", str(out)),
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert f"exported step {STEPS}" in r.stdout
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    cfg = load_config(configs["llama"], env={})
+    batches = _step_batches(cfg, 1)
+    # The run's final state, through the runtime's own layers and loss.
+    workload, layers = load_workload(cfg), build_model(cfg).eval()
+    flat = FlatParams(layers)
+    path = latest(llama_reference.dir / "checkpoints")
+    assert path is not None
+    flat.data.copy_(load(path, flat.numel).params)
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for x, y in batches:
+            s, c = workload.loss(layers(x, 1, 0), y)
+            total, count = total + float(s), count + c
+    exported = _hf_loss(model, batches)
+    assert abs(exported - total / count) <= 1e-6 * exported
+    # Fine-tune the exported directory: its first step scores the same batch from that state.
+    tune = yaml.safe_load(configs["llama"].read_text())
+    tune["model"] = {"source": "hf", "seq_len": 32, "pretrained": str(out)}
+    tune["train"]["steps"] = 2
+    config = tmp_path / "tune.yaml"
+    config.write_text(yaml.safe_dump(tune))
+    run = _launch(config, tmp_path / "tune", tmp_path / "s", "--job-id", "llama-tune")
+    assert abs(run.losses[1] - exported) <= 1e-6 * exported
+    assert run.losses[1] < llama_reference.losses[1]  # it did start from the trained weights
+
+
+def test_one_worker_is_a_plain_training_loop(configs: dict[str, Path], tmp_path: Path) -> None:
+    """One worker, float32: ElasWave's final weights are bit for bit those of a plain
+    loop over the same HF model (same initial weights: a ``save_pretrained`` directory) fed the
+    same batches with ``labels=``, with torch.optim.AdamW (weight decay on matrices only),
+    the same warmup + cosine rates and clipping by the global norm of the batch's mean
+    gradient; its per-step losses agree within 1e-6 (the job sums the reported loss in
+    float32)."""
+    import transformers
+
+    from elaswave.config import load_config
+    from elaswave.runtime.optim import clip_factor, learning_rate
+
+    init = tmp_path / "init"
+    torch.manual_seed(0)
+    hf = dict(FAMILIES["llama"])
+    config_obj = transformers.AutoConfig.for_model(hf.pop("model_type"), **hf)
+    transformers.AutoModelForCausalLM.from_config(config_obj).save_pretrained(str(init))
+    job = yaml.safe_load(configs["llama"].read_text())
+    job["model"] = {"source": "hf", "seq_len": 32, "pretrained": str(init)}
+    job["elastic"]["nproc_per_node"] = 1
+    config = tmp_path / "one.yaml"
+    config.write_text(yaml.safe_dump(job))
+    run = _launch(config, tmp_path / "run", tmp_path / "s", "--job-id", "llama-one", f64=False)
+    out = tmp_path / "trained"
+    r = subprocess.run(
+        elaswave_cmd("export", "--run-dir", str(tmp_path / "run"), "--out", str(out)),
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+
+    cfg, t = load_config(config, env={}), job["train"]
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(init), attn_implementation="sdpa")
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(
+        [{"params": [p for p in params if p.dim() >= 2], "weight_decay": t["weight_decay"]},
+         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+        lr=t["lr"], betas=(0.9, 0.95), eps=1e-8, foreach=False,
+    )  # fmt: skip
+    losses = {}
+    for step in range(1, STEPS + 1):
+        total, count = 0.0, 0
+        for x, y in _step_batches(cfg, step):  # sum-loss backward per micro-batch, / count
+            out_ = model(input_ids=x, labels=y, shift_labels=y, num_items_in_batch=1)
+            out_.loss.backward()
+            total, count = total + float(out_.loss.detach()), count + y.numel()
+        for p in params:
+            p.grad.div_(count)
+        factor = clip_factor(torch.cat([p.grad.reshape(-1) for p in params]), t["grad_clip"])
+        for p in params:
+            p.grad.mul_(factor)
+        rate = learning_rate(
+            step, lr=t["lr"], schedule="cosine", warmup=t["warmup_steps"], total=STEPS,
+            min_lr=t["min_lr"],
+        )  # fmt: skip
+        for group in opt.param_groups:
+            group["lr"] = rate
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        losses[step] = total / count
+    assert sorted(run.losses) == list(range(1, STEPS + 1))
+    for step, loss in losses.items():
+        assert abs(run.losses[step] - loss) <= 1e-6 * loss, (step, run.losses[step], loss)
+    trained = transformers.AutoModelForCausalLM.from_pretrained(str(out)).state_dict()
+    for key, value in model.state_dict().items():  # the same float32 arithmetic: the same bits
+        assert torch.equal(trained[key], value), key

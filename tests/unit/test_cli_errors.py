@@ -187,3 +187,62 @@ def test_valid_launch_reaches_the_guard() -> None:
     result = runner.invoke(app, ["launch", "--steps", "3", "--fault", "kill,rank=1,at_step=2"])
     assert isinstance(result.exception, AssertionError), result.output
     assert "before anything is started" in str(result.exception)
+
+
+def _token_job(tmp_path: Path, tokens: list[int], dtype: str = "uint16", **model: object) -> Path:
+    import numpy as np
+
+    path = tmp_path / "tokens.bin"
+    np.asarray(tokens, dtype=dtype).tofile(path)
+    cfg = {
+        "model": {"vocab_size": 256, "seq_len": 8, **model},
+        "data": {"source": "tokens", "path": str(path), "dtype": dtype},
+    }
+    config = tmp_path / "job.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    return config
+
+
+@pytest.mark.parametrize(
+    ("tokens", "fragment"),
+    [
+        (list(range(8)), "8 tokens is too short for one sample of seq_len 8"),
+        ([1, 2, 3, 300, 4, 5, 6, 7, 8, 9], "token 300 at position 3 is not below"),
+        ([255] * 20 + [256], "token 256 at position 20 is not below the model's vocab_size 256"),
+    ],
+)
+def test_launch_refuses_unusable_token_data(
+    tmp_path: Path, tokens: list[int], fragment: str
+) -> None:
+    """Before anything starts: fewer tokens than one sample, or an id past the vocabulary."""
+    result = runner.invoke(app, ["launch", str(_token_job(tmp_path, tokens))])
+    line = one_error_line(result)
+    assert line.startswith("error: data: ") and fragment in line, line
+
+
+def test_launch_refuses_a_missing_token_file(tmp_path: Path) -> None:
+    config = _token_job(tmp_path, list(range(20)))
+    (tmp_path / "tokens.bin").unlink()
+    assert "is not a file" in one_error_line(runner.invoke(app, ["launch", str(config)]))
+
+
+def test_launch_takes_token_data_within_the_vocabulary(tmp_path: Path) -> None:
+    result = runner.invoke(app, ["launch", str(_token_job(tmp_path, [255] * 20))])
+    assert isinstance(result.exception, AssertionError), result.output  # reached the guard
+
+
+@pytest.mark.parametrize(
+    ("train", "fragment"),
+    [
+        ({"optimizer": "lion"}, "train.optimizer must be adamw or sgd, got 'lion'"),
+        ({"momentum": 1.0}, "train.momentum must be in [0, 1)"),
+        ({"weight_decay": -0.1}, "train.weight_decay must be >= 0"),
+        ({"param_groups": [{"params": [], "weight_decay": 0.1}]}, "needs at least one params"),
+        ({"param_groups": [{"params": ["*"]}]}, "train.param_groups[0].weight_decay' is required"),
+    ],
+)
+def test_launch_refuses_a_bad_optimizer(tmp_path: Path, train: dict, fragment: str) -> None:
+    config = tmp_path / "job.yaml"
+    config.write_text(yaml.safe_dump({"train": train}))
+    line = one_error_line(runner.invoke(app, ["launch", str(config)]))
+    assert fragment in line, line

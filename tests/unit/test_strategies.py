@@ -272,6 +272,24 @@ def test_clipping_and_a_schedule_keep_every_share_bit_identical(zero: int) -> No
     assert not torch.equal(alone, _run(1, 0, 3, **{**CLIPPED, "grad_clip": 0.0})[0])
 
 
+SGD_GROUPS = {
+    "optimizer": "sgd", "momentum": 0.8, "weight_decay": 0.05,
+    "param_groups": [{"params": ["layers.0.*"], "weight_decay": 0.2}],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_sgd_and_parameter_groups_keep_every_share_bit_identical(zero: int) -> None:
+    """SGD with momentum and per-parameter weight decay (a group by name, biases exempt): each
+    rank's share of the update, replicated or a ZeRO-1 shard, gives the same bits as one rank."""
+    alone = _run(1, 0, 3, **SGD_GROUPS)[0]
+    for world in (2, 4):
+        assert all(torch.equal(w, alone) for w in _run(world, zero, 3, **SGD_GROUPS))
+    assert not torch.equal(alone, _run(1, 0, 3, **{**SGD_GROUPS, "param_groups": []})[0])
+    n = alone.numel() // 3
+    assert torch.equal(alone[2 * n :], torch.zeros(n))  # SGD leaves the second moment unused
+
+
 def test_ranks_behind_take_the_most_advanced_rank_state() -> None:
     """Replicated sync: a newcomer and a rank whose step failed copy the most advanced rank
     (parameters, moments, step, loss); bytes are counted where they arrive."""

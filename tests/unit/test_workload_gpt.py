@@ -138,3 +138,19 @@ def test_loss_falls_on_synthetic_tokens() -> None:
         losses.append(loss.item())
     assert abs(losses[0] - math.log(64)) < 0.2
     assert losses[-1] < 0.8 * losses[0]
+
+
+def test_export_writes_every_parameter_under_its_global_name(tmp_path) -> None:
+    """The default export: one safetensors file, a key per parameter (``layers.<i>.<name>``),
+    holding its values, readable without the runtime."""
+    from safetensors.torch import load_file
+
+    from elaswave.runtime.optim import FlatParams
+
+    model = _model()
+    FlatParams(model)  # as export builds it: parameters viewing one flat buffer
+    GPTWorkload(CFG).export(model, tmp_path / "m.safetensors")
+    saved = load_file(str(tmp_path / "m.safetensors"))
+    named = dict(model.named_parameters())
+    assert sorted(saved) == sorted(named) and "layers.0.tok.weight" in saved
+    assert all(torch.equal(saved[k], p.detach()) for k, p in named.items())

@@ -192,6 +192,29 @@ def test_pretrained_layers_hold_the_saved_weights(kind: str, tmp_path: Path) -> 
     torch.testing.assert_close(_run(layers, inputs), saved.eval()(inputs).logits)
 
 
+@torch.no_grad()
+def test_export_is_a_directory_from_pretrained_loads(workload: HFCausalLM, tmp_path: Path) -> None:
+    """Trained-looking layers (perturbed from init) exported: ``from_pretrained`` gives a model
+    whose loss on a batch is the layers' loss, bit for bit, and whose tied weights (gpt2) are one
+    tensor again."""
+    w = workload
+    model = build_layers(w, 3)
+    for p in model.parameters():
+        p.add_(torch.randn_like(p) * 0.01)
+    for (a, a_name), (b, b_name) in w.tied():  # tied copies stay equal, as training keeps them
+        dict(model.layers[b].named_parameters())[b_name].copy_(
+            dict(model.layers[a].named_parameters())[a_name]
+        )
+    w.export(model, tmp_path / "out")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out")).eval()
+    inputs, labels = _batch(w)
+    total, count = w.loss(_run(model.layers.eval(), inputs), labels)
+    theirs = loaded(input_ids=inputs, labels=labels, shift_labels=labels).loss
+    assert float(total / count) == float(theirs)  # both a float32 mean
+    if w.tied():
+        assert loaded.get_output_embeddings().weight is loaded.get_input_embeddings().weight
+
+
 def test_token_file_data(tmp_path: Path) -> None:
     path = tmp_path / "tokens.bin"
     write_token_file(path, list(range(200)))

@@ -67,7 +67,7 @@ class Replicated(Strategy):
         # -- the reduction succeeded: every rank now holds the identical full-batch gradient.
         self.ctx.enter("compute")
         grad, st.last_loss = mean_gradient(buf, n, self.ctx.cfg.train.grad_clip, st.ties)
-        st.opt.step(st.flat.data, grad)
+        st.opt.step(st.flat.data, grad, st.opt.hyper.groups)
         st.step = step
         return float(buf[n + EPOCH])
 

@@ -48,7 +48,7 @@ from elaswave.planning.shards import (
 )
 from elaswave.runtime.comm.communicator import Communicator
 from elaswave.runtime.integrity.checksums import fast_checksum
-from elaswave.runtime.optim import AdamWHyper, FlatAdamW, FlatParams, clip_factor
+from elaswave.runtime.optim import FlatOptimizer, FlatParams, OptimHyper, clip_factor
 
 DP = "dp"
 
@@ -107,7 +107,7 @@ class ZeroState:
     peers' snapshots, and what a step has staged."""
 
     flat: FlatParams
-    hyper: AdamWHyper
+    hyper: OptimHyper
     segments: tuple[tuple[int, int], ...]
     layout: ShardLayout | None = None
     workers: tuple[str, ...] = ()  # rank order of ``layout``
@@ -209,10 +209,10 @@ class ZeroState:
             grad.mul_(factor)
         before_update()
         param = self._ext(self.flat.data)[self._my_index()].clone()
-        opt = FlatAdamW(0, self.hyper)  # update copies of the moments; the live ones stay put
+        opt = FlatOptimizer(0, self.hyper)  # update copies of the moments; the live ones stay put
         opt.exp_avg, opt.exp_avg_sq = self.own.exp_avg.clone(), self.own.exp_avg_sq.clone()
         opt.step_count = step - 1
-        opt.step(param, grad)
+        opt.step(param, grad, self.hyper.groups_of(self._my_index()))
         gathered = self.flat.data.new_empty(world * size)
         comm.allgather_into(DP, gathered, param, abort)
         if self.is_snapshot(step):

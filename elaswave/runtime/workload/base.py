@@ -18,6 +18,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -110,6 +111,15 @@ class Workload(abc.ABC):
         runtime sums their gradients before the reduction, so every copy gets the same update
         and stays identical, on whichever ranks and stages hold them. Default: none."""
         return ()
+
+    def export(self, model: KeyedLayers, out: Path) -> None:
+        """Write the trained ``model`` (every layer, as :func:`build_layers` builds it, holding
+        the trained parameters) to ``out``. Default: one safetensors file of every parameter
+        keyed by its global name (``layers.<index>.<name>``; both copies of a tied weight)."""
+        from safetensors.torch import save_file
+
+        tensors = {n: p.detach().cpu().contiguous().clone() for n, p in model.named_parameters()}
+        save_file(tensors, str(out), metadata={"format": "pt"})
 
 
 def layer_seed(seed: int, step: int, microbatch: int, layer: int) -> int:

@@ -132,6 +132,28 @@ class TokenFile:
         return torch.from_numpy(window.astype(np.int64))
 
 
+def check_token_file(
+    path: str | os.PathLike[str], *, seq_len: int, dtype: str, vocab_size: int | None
+) -> None:
+    """Refuse, with a one-line ValueError, a token file a job cannot train on: missing, not whole
+    tokens of ``dtype``, fewer tokens than one sample (``seq_len + 1``), or a token id the
+    model's embedding has no row for (``>= vocab_size``; read in chunks, one pass)."""
+    if not os.path.isfile(path):
+        raise ValueError(f"data.path {os.fspath(path)!r} is not a file")
+    tokens = TokenFile(path, seq_len=seq_len, dtype=dtype)._tokens
+    if vocab_size is None:
+        return
+    chunk = 1 << 24
+    for start in range(0, len(tokens), chunk):
+        top = int(tokens[start : start + chunk].max())
+        if top >= vocab_size:
+            at = start + int(np.argmax(tokens[start : start + chunk] >= vocab_size))
+            raise ValueError(
+                f"{os.fspath(path)}: token {int(tokens[at])} at position {at} is not below the "
+                f"model's vocab_size {vocab_size}"
+            )
+
+
 def _numpy_dtype(dtype: str) -> type[np.unsignedinteger]:
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")

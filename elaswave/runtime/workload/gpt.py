@@ -153,6 +153,11 @@ class GPTWorkload(Workload):
     def num_layers(self) -> int:
         return self.cfg.n_layer + 2
 
+    @property
+    def vocab_size(self) -> int:
+        """Token ids must be below this (checked on a token file before a job starts)."""
+        return self.cfg.vocab_size
+
     def build_layer(self, index: int, seed: int) -> nn.Module:
         if index == 0:
             return _init(Embedding(self.cfg))

@@ -378,6 +378,11 @@ class HFCausalLM(Workload):
     def num_layers(self) -> int:
         return len(self._parts)
 
+    @property
+    def vocab_size(self) -> int:
+        """Token ids must be below this (checked on a token file before a job starts)."""
+        return int(self.config.vocab_size)
+
     def _check_index(self, index: int) -> None:
         if not 0 <= index < len(self._parts):
             raise IndexError(f"layer {index} out of range [0, {len(self._parts)})")
@@ -481,6 +486,27 @@ class HFCausalLM(Workload):
                     f"model.source: hf: {self.config.model_type}: {name} of layer {index} is "
                     "neither initialised by the model's _init_weights nor read from a checkpoint"
                 )
+
+    # -- export ------------------------------------------------------------------------------------
+
+    def export(self, model: nn.Module, out: Path) -> None:
+        """The trained layers as an HF model directory (config.json + safetensors, written by
+        ``save_pretrained``) that ``AutoModelForCausalLM.from_pretrained(out)`` loads: every
+        layer's parameters and persistent buffers under their HF state-dict keys."""
+        transformers = _transformers()
+        state: dict[str, torch.Tensor] = {}
+        for index, layer in enumerate(model.layers):
+            local = layer.state_dict()
+            for name, key in {**self.hf_names(index), **self._buffer_names(index)}.items():
+                state[key] = local[name].detach().cpu()
+        with torch.device("meta"):
+            hf_model = transformers.AutoModelForCausalLM.from_config(
+                self.config, dtype=torch.float32
+            )
+        hf_model.load_state_dict(state, strict=True, assign=True)
+        hf_model.tie_weights()
+        transformers.utils.logging.disable_progress_bar()
+        hf_model.save_pretrained(str(out))
 
     # -- data and loss -----------------------------------------------------------------------------
 

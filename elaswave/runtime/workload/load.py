@@ -12,6 +12,7 @@ from typing import Any
 from elaswave.config import JobConfig
 from elaswave.errors import ConfigError
 from elaswave.runtime.workload.base import KeyedLayers, Workload, build_layers
+from elaswave.runtime.workload.data import check_token_file
 from elaswave.runtime.workload.gpt import GPTConfig, GPTWorkload
 
 __all__ = ["build_model", "load_workload", "resolve_factory"]
@@ -91,6 +92,20 @@ def _factory_workload(cfg: JobConfig) -> Workload:
     if workload.num_layers < 1:
         raise ConfigError(f"model.factory {m.factory!r}: the workload has no layers")
     return workload
+
+
+def check_data(cfg: JobConfig, workload: Workload) -> None:
+    """Before any worker starts: a token file the model cannot train on is a config error
+    (see :func:`check_token_file`); the vocabulary is the workload's ``vocab_size`` where it
+    has one (the built-in GPT, HF models)."""
+    d = cfg.data
+    if d.source != "tokens" or d.path is None:
+        return
+    vocab = getattr(workload, "vocab_size", None)
+    try:
+        check_token_file(d.path, seq_len=cfg.model.seq_len, dtype=d.dtype, vocab_size=vocab)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"data: {str(exc).splitlines()[0]}") from None
 
 
 def build_model(cfg: JobConfig) -> KeyedLayers:

@@ -57,7 +57,7 @@ from elaswave.planning.stageshards import (
 from elaswave.runtime.durable.checkpoints import DurableState
 from elaswave.runtime.integrity import stageverify
 from elaswave.runtime.integrity.checksums import digest
-from elaswave.runtime.optim import adamw_
+from elaswave.runtime.optim import update_
 from elaswave.runtime.strategies.pipeline import stagezero
 from elaswave.runtime.strategies.pipeline.clocks import SimActuator, make_actuator
 from elaswave.runtime.strategies.pipeline.stagestate import (
@@ -264,7 +264,8 @@ class Pipeline:
                 self.undo.restore()
                 raise
         else:
-            adamw_(params[held], grad[held], *moments, step, e.state.opt.hyper)
+            h = e.state.opt.hyper
+            update_(params[held], grad[held], *moments, step, h, h.groups_of(held))
         m = self.migration  # regions a migration brings up to date: replayed once caught up
         if m is not None and m.replay:
             grads = [grad[r] for r, _ in m.replay]
@@ -347,7 +348,8 @@ class Pipeline:
             else:
                 moments = m.store.view(region.start, region.stop)
             params = e.state.flat.data[region] if own else e.state.flat.data[region].clone()
-            adamw_(params, g, *moments, step, e.state.opt.hyper)
+            h = e.state.opt.hyper
+            update_(params, g, *moments, step, h, h.groups_of(region))
 
     def assemble(self, broken: Callable[[], bool]) -> tuple[torch.Tensor, bool]:
         """The whole model's [params | exp_avg | exp_avg_sq] on every rank (each layer from its

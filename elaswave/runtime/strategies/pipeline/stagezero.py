@@ -37,7 +37,7 @@ from elaswave.planning.stageshards import (
 )
 from elaswave.runtime.durable.checkpoints import DurableState
 from elaswave.runtime.integrity.checksums import digest
-from elaswave.runtime.optim import AdamWHyper, adamw_
+from elaswave.runtime.optim import OptimHyper, update_
 from elaswave.runtime.strategies.pipeline.stagestate import (
     Migration,
     bounds_of,
@@ -108,13 +108,13 @@ class MomentStore:
                     v.copy_(ov)
 
     def update(
-        self, params: torch.Tensor, grad: torch.Tensor, step: int, hyper: AdamWHyper
+        self, params: torch.Tensor, grad: torch.Tensor, step: int, hyper: OptimHyper
     ) -> None:
         """AdamW on every kept element (element-wise: the other keeper of a part computes the
         same bits from the same all-reduced gradient)."""
         for a, b in self.intervals:
             m, v = self.view(a, b)
-            adamw_(params[a:b], grad[a:b], m, v, step, hyper)
+            update_(params[a:b], grad[a:b], m, v, step, hyper, hyper.groups_of(slice(a, b)))
 
 
 def gather_messages(
