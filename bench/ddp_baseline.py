@@ -6,8 +6,12 @@ config's hyper-parameters. Each of the W processes runs its contiguous share of 
 micro-batches with ``no_sync()`` for all but the last, so there is one gradient all-reduce per
 step (DDP's bucketed float32 all-reduce, overlapped with the last backward).
 
-Loss scaling: ElasWave backpropagates ``loss_sum / global_batch`` and SUMs gradients; DDP
-*averages* them over W ranks, so the loss is multiplied by W to yield the same gradient.
+Loss scaling: ElasWave sums gradients of the micro-batches' loss sums and divides by the
+batch's count of loss terms (samples for the GPT, target tokens for a language model); DDP
+*averages* over W ranks, so each micro-batch's loss sum is multiplied by W / (the batch's
+count) to yield the same gradient. The workload's own ``loss`` gives (sum, count); every
+micro-batch of these benchmark workloads counts the same number of terms (checked).
+``train.autocast: bf16`` runs the layers under bf16 autocast, as ElasWave's workers do.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ def run_ddp(config: Path, *, steps: int, world: int, out_dir: Path) -> dict[str,
 
 def _worker(rank: int, world: int, port: int, config: str, steps: int, out: str) -> None:
     from elaswave.config import load_config
+    from elaswave.runtime.state import AUTOCAST
     from elaswave.runtime.workload.data import microbatches
     from elaswave.runtime.workload.load import build_model, load_workload
 
@@ -57,6 +62,7 @@ def _worker(rank: int, world: int, port: int, config: str, steps: int, out: str)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     try:
         model = build_model(cfg)
+        model.autocast = AUTOCAST[t.autocast]
         model.train()
         ddp = torch.nn.parallel.DistributedDataParallel(model)
         opt = torch.optim.AdamW(
@@ -68,7 +74,7 @@ def _worker(rank: int, world: int, port: int, config: str, steps: int, out: str)
         per_rank = t.num_microbatches // world
         assert per_rank * world == t.num_microbatches, "micro-batches must divide evenly"
         mine = range(rank * per_rank, (rank + 1) * per_rank)
-        scale = world / t.global_batch  # DDP averages over ranks; see the module docstring
+        per_mb_count: list[int] = []  # each micro-batch's count of loss terms (all equal)
         ends, inner, local_loss = [], [], []
         dist.barrier()
         ends.append(time.perf_counter())  # "step 0" end: all ranks leave the barrier together
@@ -82,8 +88,11 @@ def _worker(rank: int, world: int, port: int, config: str, steps: int, out: str)
                 last = k == len(mine) - 1
                 with contextlib.nullcontext() if last else ddp.no_sync():
                     logits = ddp(tokens, step, mb.id)
-                    loss = _loss_sum(logits, targets)
-                    (loss * scale).backward()
+                    loss, count = workload.loss(logits, targets)
+                    per_mb_count.append(int(count))
+                    assert per_mb_count[-1] == per_mb_count[0], "uneven counts per micro-batch"
+                    # DDP averages over ranks; the batch counts count × num_microbatches terms
+                    (loss * (world / (per_mb_count[0] * t.num_microbatches))).backward()
                 loss_sum += loss.item()
             opt.step()
             opt.zero_grad()
@@ -97,7 +106,7 @@ def _worker(rank: int, world: int, port: int, config: str, steps: int, out: str)
             result = {
                 "step_ends": ends,
                 "step_seconds": inner,
-                "loss": (losses / t.global_batch).tolist(),
+                "loss": (losses / (per_mb_count[0] * t.num_microbatches)).tolist(),
                 "world": world,
                 "reducer": "DDP float32 bucketed all-reduce (average)",
             }
@@ -116,9 +125,3 @@ def _shutdown(store: dist.TCPStore, rank: int, world: int) -> None:
     deadline = time.monotonic() + 30.0
     while rank == 0 and store.add("exited", 0) < world and time.monotonic() < deadline:
         time.sleep(0.01)
-
-
-def _loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    from elaswave.runtime.workload.gpt import per_sample_loss
-
-    return per_sample_loss(logits, targets).sum()  # == GPT.loss_sum, through DDP's forward

@@ -119,14 +119,14 @@ def run(repeat: int, config: Path) -> dict[str, Any]:
 def _run_variant(name: str, config: Path, out: Path, job: str) -> dict[str, Any]:
     out.mkdir()
     if name == "ddp":
-        return _measure(run_ddp(config, steps=STEPS, world=WORLD, out_dir=out))
+        return measure(run_ddp(config, steps=STEPS, world=WORLD, out_dir=out))
     dtype = "float64" if name == "elaswave_fp64" else "float32"
     env = bench_env(out.parent / "state", {"ELASWAVE_TRAIN__REDUCE_DTYPE": dtype})
     job_id = f"bench-ovh-{os.getpid()}-{job.replace('_', '-')}"
     began, ended = elaswave_launch(
         config, out / "run", job_id, env=env, extra_args=["--steps", str(STEPS)]
     )
-    result = _measure_elaswave(out / "run")
+    result = measure_elaswave(out / "run")
     # Not part of the comparison; recorded because launch time varies a lot on a busy machine.
     result["launch_s"] = round(ended - began, 3)
     result["launch_to_first_commit_s"] = round(result.pop("first_end") - began, 3)
@@ -134,21 +134,25 @@ def _run_variant(name: str, config: Path, out: Path, job: str) -> dict[str, Any]
     return result
 
 
-def _measure_elaswave(run_dir: Path) -> dict[str, Any]:
+def measure_elaswave(run_dir: Path, steps: int = STEPS, warmup: int = WARMUP) -> dict[str, Any]:
+    """Step timings of a finished ElasWave run (see the module docstring)."""
     metrics = sorted(read_jsonl(run_dir / "metrics.jsonl"), key=lambda m: m["step"])
-    assert [m["step"] for m in metrics] == list(range(1, STEPS + 1)), f"{run_dir}: steps missing"
+    assert [m["step"] for m in metrics] == list(range(1, steps + 1)), f"{run_dir}: steps missing"
     ends = [m["time"] for m in metrics]
     raw = {"step_ends": ends, "step_seconds": [m["step_seconds"] for m in metrics]}
     raw["loss"] = [m["loss"] for m in metrics]
-    return {**_measure(raw, first_end_is_step=1), "first_end": ends[0], "last_end": ends[-1]}
+    timed = measure(raw, first_end_is_step=1, steps=steps, warmup=warmup)
+    return {**timed, "first_end": ends[0], "last_end": ends[-1]}
 
 
-def _measure(raw: dict[str, Any], first_end_is_step: int = 0) -> dict[str, Any]:
-    """Median of the intervals ending at steps WARMUP+1..STEPS (and of in-step times alike)."""
-    ends = raw["step_ends"][WARMUP - first_end_is_step :]
+def measure(
+    raw: dict[str, Any], first_end_is_step: int = 0, steps: int = STEPS, warmup: int = WARMUP
+) -> dict[str, Any]:
+    """Median of the intervals ending at steps warmup+1..steps (and of in-step times alike)."""
+    ends = raw["step_ends"][warmup - first_end_is_step :]
     steady = diffs(ends)
-    inner = raw["step_seconds"][WARMUP:]
-    assert len(steady) == len(inner) == STEPS - WARMUP
+    inner = raw["step_seconds"][warmup:]
+    assert len(steady) == len(inner) == steps - warmup
     s, i = summarize(steady), summarize(inner)
     between = summarize(a - b for a, b in zip(steady, inner, strict=True))
     return {

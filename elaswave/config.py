@@ -97,6 +97,9 @@ class DataConfig:
     path: str | None = None  # flat uint16/uint32 token file for source=tokens
     dtype: str = "uint16"
     num_samples: int = 8192  # synthetic data set size
+    # Held out for evaluation (train.eval_every): the data set's last eval_samples samples,
+    # which training never draws.
+    eval_samples: int = 0
 
     def __post_init__(self) -> None:
         if self.source not in ("synthetic", "tokens"):
@@ -106,6 +109,8 @@ class DataConfig:
         if self.dtype not in ("uint16", "uint32"):
             raise ConfigError(f"data.dtype must be 'uint16' or 'uint32', got {self.dtype!r}")
         _positive("data.num_samples", self.num_samples)
+        if self.eval_samples < 0:
+            raise ConfigError(f"data.eval_samples must be >= 0, got {self.eval_samples}")
 
 
 @dataclass(kw_only=True)
@@ -155,6 +160,12 @@ class TrainConfig:
     # job ends) so that ``elaswave export`` can write the trained model without checkpoints
     # every K steps.
     save_final: bool = True
+    # bf16: layers run under torch.autocast(bfloat16); parameters, gradients, the reduction and
+    # the optimizer state stay float32 (or the reduce_dtype). off: float32 throughout.
+    autocast: str = "off"
+    # Every eval_every committed steps, the loss on the held-out samples (data.eval_samples) is
+    # a metrics.jsonl line of its own ({"kind": "eval", "step", "eval_loss", ...}); 0: never.
+    eval_every: int = 0
     # Gradients are accumulated and reduced in this dtype. float32 (default) keeps losses within
     # ~1e-7 of the fault-free run after a resize; float64 is the deterministic mode: the sum no
     # longer depends on how micro-batches are spread over ranks, so losses and parameters are
@@ -195,6 +206,10 @@ class TrainConfig:
             raise ConfigError(f"train.warmup_steps must be >= 0, got {self.warmup_steps}")
         if not 0 <= self.min_lr <= self.lr:  # also rejects NaN
             raise ConfigError(f"train.min_lr must be in [0, train.lr], got {self.min_lr}")
+        if self.autocast not in ("off", "bf16"):
+            raise ConfigError(f"train.autocast must be off or bf16, got {self.autocast!r}")
+        if self.eval_every < 0:
+            raise ConfigError(f"train.eval_every must be >= 0, got {self.eval_every}")
         if self.optimizer not in ("adamw", "sgd"):
             raise ConfigError(f"train.optimizer must be adamw or sgd, got {self.optimizer!r}")
         if not 0 <= self.momentum < 1:  # also rejects NaN
@@ -356,6 +371,13 @@ class JobConfig:
         if self.zero not in (0, 1):
             raise ConfigError(f"zero must be 0 or 1, got {self.zero}")
         self._check_pipeline()
+        if self.train.eval_every and not self.data.eval_samples:
+            raise ConfigError("train.eval_every needs held-out samples: set data.eval_samples")
+        if self.data.source == "synthetic" and self.data.eval_samples >= self.data.num_samples:
+            raise ConfigError(
+                f"data.eval_samples ({self.data.eval_samples}) leaves no training samples of "
+                f"data.num_samples ({self.data.num_samples})"
+            )
         if not 0 <= self.etcd_port < 65536:
             raise ConfigError(f"etcd_port must be in 0..65535, got {self.etcd_port}")
         if self.etcd_tls.server_cert and self.etcd:
@@ -513,13 +535,19 @@ def load_config(
 
 
 class _YamlLoader(yaml.SafeLoader):
-    """``yaml.SafeLoader`` without YAML 1.1 base-60 numbers, so ``nnodes: 1:2`` stays ``"1:2"``."""
+    """``yaml.SafeLoader`` without YAML 1.1 base-60 numbers, so ``nnodes: 1:2`` stays ``"1:2"``,
+    and with only ``true``/``false`` as booleans (YAML 1.2), so ``autocast: off`` is ``"off"``."""
 
     def resolve(self, kind: Any, value: Any, implicit: Any) -> str:
         tag = super().resolve(kind, value, implicit)
         if kind is yaml.ScalarNode and ":" in str(value) and tag.endswith((":int", ":float")):
             return "tag:yaml.org,2002:str"
+        if kind is yaml.ScalarNode and tag.endswith(":bool") and value.lower() not in BOOLS:
+            return "tag:yaml.org,2002:str"
         return tag
+
+
+BOOLS = ("true", "false")
 
 
 # Environment variables that are not config fields (read by :func:`state_dir` and

@@ -37,7 +37,8 @@ def build_report(run_dir: str | Path, *more: str | Path) -> dict[str, Any]:
     events = sorted(
         (e for d in dirs for e in read_jsonl(d / EVENTS_FILE)), key=lambda e: e.get("t", 0.0)
     )
-    metrics = [m for d in dirs for m in read_jsonl(d / METRICS_FILE)]
+    lines = [m for d in dirs for m in read_jsonl(d / METRICS_FILE)]
+    metrics = [m for m in lines if m.get("kind") != "eval"]  # committed steps only
     if more:
         metrics.sort(key=lambda m: m.get("time", 0.0))
     plans = [e for e in events if e["kind"] == "plan_published"]
@@ -75,11 +76,11 @@ def build_report(run_dir: str | Path, *more: str | Path) -> dict[str, Any]:
             claimed.add(t)
     for n, inc in enumerate(incidents, 1):
         inc["id"] = n
-    return {
-        "run_dir": ", ".join(str(d) for d in dirs),
-        "incidents": incidents,
-        "totals": _totals(events, metrics, incidents),
-    }
+    totals = _totals(events, metrics, incidents)
+    evals = sorted((m for m in lines if m.get("kind") == "eval"), key=lambda m: m["step"])
+    if evals:
+        totals["eval_loss"] = {"step": evals[-1]["step"], "loss": evals[-1]["eval_loss"]}
+    return {"run_dir": ", ".join(str(d) for d in dirs), "incidents": incidents, "totals": totals}
 
 
 CONTROL_PLANE = "control plane"
@@ -492,6 +493,9 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"final loss {t['final_loss']}; wall {t['wall_s']} s; "
         f"median MTTR {_ms(t['mttr_median_s'])}.",
     ]
+    if t.get("eval_loss"):
+        e = t["eval_loss"]
+        lines.append(f"Held-out loss {e['loss']:.4f} at step {e['step']}.")
     if t.get("evicted"):
         lines.append(f"Evicted as stragglers: {', '.join(t['evicted'])}.")
     if t.get("stopped"):

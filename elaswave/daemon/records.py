@@ -84,6 +84,24 @@ class StepRecords:
             done = {"step": step, "t": time.time()}
             self.outbox.put("done", lambda: self.etcd.put_json(self.keys.done, done))
 
+    def evaluated(self, msg: dict[str, Any]) -> None:
+        """A held-out evaluation rank 0 made after committing a step: a line of its own, in the
+        outbox's order (after that step's record)."""
+        record = {
+            "kind": "eval",
+            "step": int(msg["step"]),
+            "eval_loss": msg["loss"],
+            "eval_samples": msg["samples"],
+            "time": msg["t"],
+        }
+
+        async def write() -> None:
+            self.metrics.write(record)
+
+        self.outbox.put(
+            f"eval of step {record['step']}", write, fallback=lambda: self.metrics.write(record)
+        )
+
     async def _land_record(
         self, record: dict[str, Any], progress: dict[str, Any], tried: list[int]
     ) -> None:

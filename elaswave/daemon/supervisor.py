@@ -417,6 +417,8 @@ class HostDaemon:
             w.step = int(msg.get("step", w.step))
         elif kind == "commit":
             self.records.commit(msg)
+        elif kind == "eval":
+            self.records.evaluated(msg)
         elif kind == "rollback":
             self.records.roll_back(int(msg["step"]))
         elif kind == "compute":

@@ -40,6 +40,7 @@ from elaswave.runtime.comm.communicator import CommError, Communicator, Interrup
 from elaswave.runtime.comm.control_client import ControlClient
 from elaswave.runtime.durable.checkpoints import DurableCheckpoints
 from elaswave.runtime.durable.restore import DurableSource
+from elaswave.runtime.evaluate import evaluate, training_samples
 from elaswave.runtime.integrity.checker import Integrity
 from elaswave.runtime.integrity.checksums import host_bytes
 from elaswave.runtime.integrity.inject import FaultInjector
@@ -83,7 +84,7 @@ class Engine:
         t = cfg.train
         torch.set_num_threads(t.threads_per_worker)
         self.state = TrainState.build(cfg)
-        self.num_samples = len(self.state.dataset)
+        self.num_samples = training_samples(len(self.state.dataset), cfg.data.eval_samples)
         # [gradient sums | loss sum, newest epoch seen, a strategy's flag, loss count]
         self.buffer = reduction_buffer(self.state, t.reduce_dtype)
         self.comm = Communicator(
@@ -231,13 +232,28 @@ class Engine:
         return StepResult(step, self.state.last_loss, time.perf_counter() - start, per_mb)
 
     def _after_commit(self, step: int) -> None:
-        """Corruption checks (they may roll every rank back), then the durable checkpoint."""
+        """Corruption checks (they may roll every rank back), then the durable checkpoint, then
+        the held-out evaluation, when due."""
         if self.integrity.after_commit(step):
             return  # the main loop redoes the steps since the known-good state
         if self.durable.checkpoints is not None and step % self.cfg.durable_every == 0:
             self._enter("collective")
             self._save_durable(step)
             self._enter("idle")
+        if self.cfg.train.eval_every and step % self.cfg.train.eval_every == 0:
+            self._enter("compute")
+            loss, samples = evaluate(self.ctx, self.strategy, self.ctx.broken)
+            self._enter("idle")
+            if self.comm.rank(DP) == 0:
+                self.control.send(
+                    {
+                        "type": "eval",
+                        "step": step,
+                        "loss": loss,
+                        "samples": samples,
+                        "t": time.time(),
+                    }
+                )
 
     def _save_durable(self, step: int) -> None:
         """Rank 0 writes the whole state in the background (a collective before: ZeRO gathers

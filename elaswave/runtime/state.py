@@ -23,7 +23,9 @@ from elaswave.runtime.optim import FlatOptimizer, FlatParams, OptimHyper, decay_
 from elaswave.runtime.workload import Dataset, KeyedLayers, Workload, build_layers
 from elaswave.runtime.workload.load import load_workload
 
-__all__ = ["RankContext", "TrainState"]
+__all__ = ["AUTOCAST", "RankContext", "TrainState"]
+
+AUTOCAST = {"off": None, "bf16": torch.bfloat16}  # train.autocast -> the layers' compute dtype
 
 
 @dataclass(eq=False)
@@ -45,6 +47,7 @@ class TrainState:
         t = cfg.train
         workload = load_workload(cfg)
         model = build_layers(workload, t.seed)
+        model.autocast = AUTOCAST[t.autocast]
         model.train()
         flat = FlatParams(model)
         hyper = OptimHyper(

@@ -59,7 +59,9 @@ class Run:
 
     def __init__(self, run_dir: Path, *more: Path) -> None:
         self.dir = run_dir
-        self.metrics = [m for d in (run_dir, *more) for m in read_jsonl(d / "metrics.jsonl")]
+        lines = [m for d in (run_dir, *more) for m in read_jsonl(d / "metrics.jsonl")]
+        self.metrics = [m for m in lines if m.get("kind") != "eval"]  # committed steps
+        self.evals = [m for m in lines if m.get("kind") == "eval"]  # held-out losses
         self.events = [e for d in (run_dir, *more) for e in read_jsonl(d / "events.jsonl")]
         if more:
             self.metrics.sort(key=lambda m: m["time"])

@@ -6,7 +6,12 @@ data parallelism and ZeRO-1, and a gpt2-style model — its input embedding and 
 different pipeline stages — survives a stage loss in dp=2 × pp=2: every loss and the final state
 bit-identical to the fault-free run, every step recorded once. The gpt2 pipeline run also gives
 the same bits as replicated data parallelism, and both copies of its tied weight are identical
-in its final durable checkpoint.
+in its final durable checkpoint. The runs use the trainer's features: AdamW with weight-decay
+groups, clipping, warmup (the kill falls in it) and cosine (llama), SGD with momentum (gpt2),
+and a held-out evaluation every 4 steps, whose losses match bit for bit too.
+
+With one worker (float32) the job is a plain PyTorch loop over the same HF model; a run exported
+with ``elaswave export`` loads with ``from_pretrained`` and fine-tunes from where it ended.
 """
 
 from __future__ import annotations
@@ -32,10 +37,13 @@ FAMILIES: dict[str, dict[str, Any]] = {
 }  # fmt: skip
 # llama: AdamW, weight decay (not on norms), clipping, a warmup the kill at step 6 falls in,
 # then cosine; gpt2: SGD with momentum and weight decay (not on biases, norms, positions).
+# Both score the last EVAL_SAMPLES samples (held out from training) every 4 steps.
+EVAL_SAMPLES = 8
 TRAIN: dict[str, dict[str, Any]] = {
     "llama": {"lr": 0.003, "weight_decay": 0.1, "grad_clip": 1.0, "lr_schedule": "cosine",
-              "warmup_steps": 8, "min_lr": 0.0003},
-    "gpt2": {"optimizer": "sgd", "lr": 0.05, "momentum": 0.9, "weight_decay": 0.01},
+              "warmup_steps": 8, "min_lr": 0.0003, "eval_every": 4},
+    "gpt2": {"optimizer": "sgd", "lr": 0.05, "momentum": 0.9, "weight_decay": 0.01,
+             "eval_every": 4},
 }  # fmt: skip
 
 
@@ -50,7 +58,8 @@ def configs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         cfg = {
             "job_id": f"hf-{family}",
             "model": {"source": "hf", "seq_len": 32, "hf": hf},
-            "data": {"source": "tokens", "path": str(tokens), "dtype": "uint16"},
+            "data": {"source": "tokens", "path": str(tokens), "dtype": "uint16",
+                     "eval_samples": EVAL_SAMPLES},
             "train": {"steps": STEPS, "global_batch": 16, "micro_batch_size": 2, "seed": 5,
                       **TRAIN[family]},
             "elastic": {"nproc_per_node": 4, "nnodes": "1:1", "max_restarts": 0},
@@ -60,8 +69,15 @@ def configs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return out
 
 
-def _launch(config: Path, run_dir: Path, state: Path, *args: str, f64: bool = True) -> Run:
-    env = {**os.environ, "ELASWAVE_STATE_DIR": str(state), **(F64 if f64 else {})}
+def _launch(
+    config: Path,
+    run_dir: Path,
+    state: Path,
+    *args: str,
+    f64: bool = True,
+    env: dict[str, str] | None = None,
+) -> Run:
+    env = {**os.environ, "ELASWAVE_STATE_DIR": str(state), **(F64 if f64 else {}), **(env or {})}
     cmd = elaswave_cmd("launch", str(config), "--run-dir", str(run_dir), "--quiet", *args)
     r = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -71,6 +87,9 @@ def _launch(config: Path, run_dir: Path, state: Path, *args: str, f64: bool = Tr
 def _same_run(run: Run, reference: Run) -> None:
     assert_clean_run(run, STEPS, reference)
     assert run.losses == reference.losses  # bit for bit, step by step
+    evals = [(e["step"], e["eval_loss"]) for e in run.evals]
+    assert [s for s, _ in evals] == [4, 8, 12]  # every eval_every steps, once each
+    assert evals == [(e["step"], e["eval_loss"]) for e in reference.evals]  # bit for bit
     for key in ("params_sha256", "state_sha256"):
         assert {f[key] for f in run.of("final_state")} == {
             f[key] for f in reference.of("final_state")
@@ -98,6 +117,20 @@ def test_llama_survives_a_kill_bit_identical(
                   "llama-kill", *strategy, "--fault", "kill,rank=1,at_step=6")  # fmt: skip
     _killed(run)
     _same_run(run, llama_reference)
+
+
+def test_llama_bf16_survives_a_kill_during_warmup(configs: dict[str, Path], tmp_path: Path) -> None:
+    """bf16 autocast (float32 master weights and optimizer): a kill at step 6, inside the
+    warmup, under ZeRO-1 keeps every loss and the final state on the fault-free bf16 run."""
+    flags = ["--zero", "1"]
+    ref = _launch(configs["llama"], tmp_path / "ref", tmp_path / "s0", "--job-id", "bf16-ref",
+                  *flags, env={"ELASWAVE_TRAIN__AUTOCAST": "bf16"})  # fmt: skip
+    run = _launch(configs["llama"], tmp_path / "kill", tmp_path / "s1", "--job-id", "bf16-kill",
+                  *flags, "--fault", "kill,rank=1,at_step=6",
+                  env={"ELASWAVE_TRAIN__AUTOCAST": "bf16"})  # fmt: skip
+    _killed(run)
+    _same_run(run, ref)
+    assert ref.losses[STEPS] < ref.losses[1]
 
 
 def test_gpt2_tied_across_stages_survives_a_stage_loss(
@@ -134,8 +167,9 @@ def _step_batches(cfg: Any, step: int) -> list[tuple[torch.Tensor, torch.Tensor]
     from elaswave.runtime.workload.data import TokenFile, microbatches
 
     t, data = cfg.train, TokenFile(cfg.data.path, seq_len=cfg.model.seq_len)
+    n = len(data) - cfg.data.eval_samples  # the last samples are held out
     out = []
-    for mb in microbatches(t.seed, step, t.global_batch, t.micro_batch_size, len(data)):
+    for mb in microbatches(t.seed, step, t.global_batch, t.micro_batch_size, n):
         window = torch.stack([data[i] for i in mb.sample_ids])
         out.append((window[:, :-1].contiguous(), window[:, 1:].contiguous()))
     return out
@@ -162,6 +196,7 @@ def test_export_loads_with_from_pretrained_and_fine_tuning_continues(
     from elaswave.config import load_config
     from elaswave.runtime.durable.checkpoints import latest, load
     from elaswave.runtime.optim import FlatParams
+    from elaswave.runtime.workload.data import TokenFile
     from elaswave.runtime.workload.load import build_model, load_workload
 
     out = tmp_path / "llama-out"
@@ -187,6 +222,12 @@ def test_export_loads_with_from_pretrained_and_fine_tuning_continues(
             total, count = total + float(s), count + c
     exported = _hf_loss(model, batches)
     assert abs(exported - total / count) <= 1e-6 * exported
+    # The run's last held-out loss: the exported model's on the held-out samples, in eval mode.
+    data = TokenFile(cfg.data.path, seq_len=cfg.model.seq_len)
+    held = [torch.stack([data[i] for i in range(len(data) - EVAL_SAMPLES, len(data))])]
+    held_out = _hf_loss(model, [(w[:, :-1].contiguous(), w[:, 1:].contiguous()) for w in held])
+    last = llama_reference.evals[-1]
+    assert last["step"] == STEPS and abs(last["eval_loss"] - held_out) <= 1e-6 * held_out
     # Fine-tune the exported directory: its first step scores the same batch from that state.
     tune = yaml.safe_load(configs["llama"].read_text())
     tune["model"] = {"source": "hf", "seq_len": 32, "pretrained": str(out)}

@@ -238,6 +238,8 @@ def test_launch_takes_token_data_within_the_vocabulary(tmp_path: Path) -> None:
         ({"momentum": 1.0}, "train.momentum must be in [0, 1)"),
         ({"weight_decay": -0.1}, "train.weight_decay must be >= 0"),
         ({"param_groups": [{"params": [], "weight_decay": 0.1}]}, "needs at least one params"),
+        ({"eval_every": 5}, "train.eval_every needs held-out samples: set data.eval_samples"),
+        ({"eval_every": -1}, "train.eval_every must be >= 0"),
         ({"param_groups": [{"params": ["*"]}]}, "train.param_groups[0].weight_decay' is required"),
     ],
 )
@@ -246,3 +248,16 @@ def test_launch_refuses_a_bad_optimizer(tmp_path: Path, train: dict, fragment: s
     config.write_text(yaml.safe_dump({"train": train}))
     line = one_error_line(runner.invoke(app, ["launch", str(config)]))
     assert fragment in line, line
+
+
+def test_launch_refuses_holding_out_every_sample(tmp_path: Path) -> None:
+    config = tmp_path / "job.yaml"
+    config.write_text(yaml.safe_dump({"data": {"num_samples": 64, "eval_samples": 64}}))
+    line = one_error_line(runner.invoke(app, ["launch", str(config)]))
+    assert "data.eval_samples (64) leaves no training samples" in line, line
+    tokens = _token_job(tmp_path, list(range(40)))  # 40 tokens: 4 samples of 8 (+1)
+    cfg = yaml.safe_load(tokens.read_text())
+    cfg["data"]["eval_samples"] = 4
+    tokens.write_text(yaml.safe_dump(cfg))
+    line = one_error_line(runner.invoke(app, ["launch", str(tokens)]))
+    assert "leaves none of the token file's 4 samples for training" in line, line

@@ -15,6 +15,7 @@ from torch import nn
 from elaswave.config import JobConfig
 from elaswave.planning.plan import Plan, assign_microbatches
 from elaswave.runtime.durable.restore import DurableSource
+from elaswave.runtime.evaluate import eval_microbatches, evaluate, training_samples
 from elaswave.runtime.state import RankContext, TrainState
 from elaswave.runtime.strategies.base import Strategy, mean_gradient, reduction_buffer
 from elaswave.runtime.strategies.replicated import Replicated
@@ -138,7 +139,8 @@ def _train(strategy: Strategy, steps: int) -> None:
     buf = reduction_buffer(st, strategy.ctx.cfg.train.reduce_dtype)
     for step in range(st.step + 1, st.step + 1 + steps):
         buf.zero_()
-        every = microbatches(7, step, GLOBAL_BATCH, MICRO, len(st.dataset))
+        n = training_samples(len(st.dataset), strategy.ctx.cfg.data.eval_samples)  # as the engine
+        every = microbatches(7, step, GLOBAL_BATCH, MICRO, n)
         with COMPUTE:
             strategy.compute(step, every, buf, 0.0)
         st.tie_gradients(buf[: st.flat.numel])
@@ -290,6 +292,63 @@ def test_sgd_and_parameter_groups_keep_every_share_bit_identical(zero: int) -> N
     assert torch.equal(alone[2 * n :], torch.zeros(n))  # SGD leaves the second moment unused
 
 
+def test_the_held_out_loss_is_the_same_bits_on_any_number_of_ranks() -> None:
+    """Evaluation after 2 steps: 1, 2, 3 and 4 ranks (replicated or ZeRO-1) report the same
+    held-out loss bit for bit: the mean over the held-out samples of the model in eval mode
+    (dropout off)."""
+    held = 20
+
+    def body(world: int, zero: int) -> float:
+        cfg = _cfg(zero)
+        cfg.data.eval_samples = held
+        plan = _plan(world)
+
+        def rank(r: int, comm: ThreadComm) -> float:
+            strategy, _ = _strategy(cfg, comm, plan)
+            strategy.sync(plan, lambda: False)
+            _train(strategy, 2)
+            loss, samples = evaluate(strategy.ctx, strategy, lambda: False)
+            assert samples == held
+            return loss
+
+        losses = run_ranks(world, rank)
+        assert len(set(losses)) == 1
+        return losses[0]
+
+    alone = body(1, 0)
+    assert all(body(w, z) == alone for w, z in ((2, 0), (3, 0), (4, 0), (2, 1), (4, 1)))
+    # The same number from the trained model directly, in eval mode.
+    cfg = _cfg()
+    cfg.data.eval_samples = held
+
+    def direct(r: int, comm: ThreadComm) -> float:
+        strategy, _ = _strategy(cfg, comm, _plan(1))
+        strategy.sync(_plan(1), lambda: False)
+        _train(strategy, 2)
+        st = strategy.state
+        st.model.eval()
+        total, count = 0.0, 0
+        with torch.no_grad():
+            for ids in eval_microbatches(len(st.dataset), held, MICRO):
+                inputs, targets = st.microbatch(ids)
+                loss, n = st.loss(st.model(inputs, 0, 0), targets)
+                total, count = total + float(loss), count + n
+        return total / count
+
+    assert abs(run_ranks(1, direct)[0] - alone) <= 1e-12 * abs(alone)
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_bf16_autocast_keeps_every_share_bit_identical(zero: int) -> None:
+    """Layers under bf16 autocast compute each micro-batch the same on any rank; the float32
+    master weights, the reduction and the update keep 1, 2 and 4 ranks at the same bits."""
+    alone = _run(1, 0, 3, autocast="bf16")[0]
+    for world in (2, 4):
+        assert all(torch.equal(w, alone) for w in _run(world, zero, 3, autocast="bf16"))
+    assert alone.dtype == torch.float32
+    assert not torch.equal(alone, _run(1, 0, 3)[0])  # bf16 did act
+
+
 def test_ranks_behind_take_the_most_advanced_rank_state() -> None:
     """Replicated sync: a newcomer and a rank whose step failed copy the most advanced rank
     (parameters, moments, step, loss); bytes are counted where they arrive."""
@@ -345,3 +404,21 @@ class _SoloComm(ThreadComm):
 
     def __init__(self) -> None:
         super().__init__(Hub(1), 0)
+
+
+@pytest.mark.parametrize(
+    ("total", "held", "micro", "expected"),
+    [
+        (10, 3, 2, [[7, 8], [9]]),  # the last samples, in micro-batches (the last one short)
+        (10, 4, 2, [[6, 7], [8, 9]]),
+        (10, 0, 2, []),
+    ],
+)
+def test_eval_microbatches(total: int, held: int, micro: int, expected: list) -> None:
+    assert eval_microbatches(total, held, micro) == expected
+    assert training_samples(total, held) == total - held  # training draws ids below them
+
+
+def test_no_training_samples_left_is_an_error() -> None:
+    with pytest.raises(ValueError, match="leaves none of the data set's 10 samples"):
+        training_samples(10, 10)

@@ -154,3 +154,20 @@ def test_export_writes_every_parameter_under_its_global_name(tmp_path) -> None:
     named = dict(model.named_parameters())
     assert sorted(saved) == sorted(named) and "layers.0.tok.weight" in saved
     assert all(torch.equal(saved[k], p.detach()) for k, p in named.items())
+
+
+def test_bf16_autocast_layers_pass_float32_and_split_like_the_whole() -> None:
+    """Under bf16 autocast every layer hands on float32 (what stages exchange), the result
+    differs from float32 compute, gradients stay float32, and running the layers in two pieces
+    (two pipeline stages) gives the whole model's bits."""
+    model = _model()
+    x = _tokens()
+    plain = model(x, 1, 0)
+    model.autocast = torch.bfloat16
+    whole = model(x, 1, 0)
+    assert whole.dtype == torch.float32 and not torch.equal(whole, plain)
+    for index in range(len(model)):
+        assert model(x, 1, 0, 0, index + 1).dtype in (torch.float32,)
+    assert torch.equal(model(model(x, 1, 0, 0, 2), 1, 0, 2), whole)
+    whole.float().sum().backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters())

@@ -153,6 +153,11 @@ class Strategy(ABC):
     def whole(self, broken: Callable[[], bool]) -> Whole:
         """The whole training state (a collective: every rank of the plan calls it)."""
 
+    def eval_params(self, broken: Callable[[], bool]) -> torch.Tensor | None:
+        """The whole model's parameters for an evaluation when this rank's flat buffer does not
+        hold every layer up to date (pipeline stages: a collective), else None."""
+        return None
+
     @abstractmethod
     def adopt(self, state: DurableState, plan: Plan, broken: Callable[[], bool]) -> dict[str, Any]:
         """Take a whole training state (a durable checkpoint) into this rank."""

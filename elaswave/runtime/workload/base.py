@@ -128,11 +128,27 @@ def layer_seed(seed: int, step: int, microbatch: int, layer: int) -> int:
 
 
 def call_layer(
-    layer: nn.Module, x: torch.Tensor, *, seed: int, step: int, microbatch: int, index: int
+    layer: nn.Module,
+    x: torch.Tensor,
+    *,
+    seed: int,
+    step: int,
+    microbatch: int,
+    index: int,
+    autocast: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """Run one layer with the default generators keyed by (seed, step, micro-batch, layer)."""
+    """Run one layer with the default generators keyed by (seed, step, micro-batch, layer).
+
+    With ``autocast`` (bf16), the layer runs under ``torch.autocast`` (its matrix products in
+    that dtype; parameters, their gradients and the optimizer stay float32) and an output in
+    that dtype comes back as float32, so what passes between layers and stages keeps its
+    declared dtype. The same inputs give the same bits on whichever rank runs the layer."""
     torch.manual_seed(layer_seed(seed, step, microbatch, index))
-    return layer(x)
+    if autocast is None:
+        return layer(x)
+    with torch.autocast(device_type=x.device.type, dtype=autocast):
+        out = layer(x)
+    return out.float() if out.dtype == autocast else out
 
 
 INIT_STEP = -1  # the (step, micro-batch) key of layer initialisation: never a training step
@@ -152,10 +168,13 @@ def build_layers(workload: Workload, seed: int) -> KeyedLayers:
 class KeyedLayers(nn.Module):
     """A workload's layers in order, run with keyed randomness (:func:`call_layer`)."""
 
-    def __init__(self, layers: Sequence[nn.Module], *, seed: int) -> None:
+    def __init__(
+        self, layers: Sequence[nn.Module], *, seed: int, autocast: torch.dtype | None = None
+    ) -> None:
         super().__init__()
         self.layers = nn.ModuleList(layers)
         self.seed = int(seed)
+        self.autocast = autocast  # run the layers under torch.autocast in this dtype (bf16)
 
     def __len__(self) -> int:
         return len(self.layers)
@@ -173,7 +192,7 @@ class KeyedLayers(nn.Module):
         for index in range(start, stop):
             x = call_layer(
                 self.layers[index], x, seed=self.seed, step=step, microbatch=microbatch,
-                index=index,
+                index=index, autocast=self.autocast,
             )  # fmt: skip
         return x
 

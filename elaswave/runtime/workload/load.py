@@ -103,9 +103,16 @@ def check_data(cfg: JobConfig, workload: Workload) -> None:
         return
     vocab = getattr(workload, "vocab_size", None)
     try:
-        check_token_file(d.path, seq_len=cfg.model.seq_len, dtype=d.dtype, vocab_size=vocab)
+        samples = check_token_file(
+            d.path, seq_len=cfg.model.seq_len, dtype=d.dtype, vocab_size=vocab
+        )
     except (OSError, ValueError) as exc:
         raise ConfigError(f"data: {str(exc).splitlines()[0]}") from None
+    if d.eval_samples >= samples:
+        raise ConfigError(
+            f"data: data.eval_samples ({d.eval_samples}) leaves none of the token file's "
+            f"{samples} samples for training"
+        )
 
 
 def build_model(cfg: JobConfig) -> KeyedLayers:

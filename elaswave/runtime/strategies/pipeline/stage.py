@@ -134,7 +134,10 @@ class Pipeline:
             for index, layer in enumerate(e.state.model.layers):
                 x = h.detach().requires_grad_(h.is_floating_point())
                 start = time.perf_counter()
-                h = call_layer(layer, x, seed=t.seed, step=0, microbatch=0, index=index)
+                h = call_layer(
+                    layer, x, seed=t.seed, step=0, microbatch=0, index=index,
+                    autocast=e.state.model.autocast,
+                )  # fmt: skip
                 h.float().sum().backward()
                 times.append(time.perf_counter() - start)
             runs.append(times)

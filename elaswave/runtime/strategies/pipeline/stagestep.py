@@ -103,7 +103,7 @@ class StageStep:
             with timer.forward(index):
                 h = call_layer(
                     st.model.layers[index], h, seed=t.seed, step=self.step, microbatch=mb.id,
-                    index=index,
+                    index=index, autocast=st.model.autocast,
                 )  # fmt: skip
         with timer.pause():
             self.pipe.device_pause(self.layers, backward=False)

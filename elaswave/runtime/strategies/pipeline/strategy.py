@@ -134,6 +134,9 @@ class PipelineStages(Strategy):
         params, exp_avg, exp_avg_sq = whole.chunk(3)
         return Whole(params, exp_avg, exp_avg_sq, {"holders_agree": agree})
 
+    def eval_params(self, broken: Callable[[], bool]) -> torch.Tensor:
+        return self.whole(broken).params
+
     def adopt(self, state: DurableState, plan: Plan, broken: Callable[[], bool]) -> dict[str, Any]:
         return self.pipe.restore_whole(plan, state)
 

@@ -1,0 +1,70 @@
+"""Held-out evaluation (``train.eval_every``, ``data.eval_samples``).
+
+The data set's last ``eval_samples`` samples are held out: training draws only from the ones
+before them. Every ``eval_every`` committed steps the ranks score those samples with the
+model in eval mode (no dropout), without gradients, in fixed micro-batches: micro-batch ``i``
+on rank ``i mod world``. Each rank writes its micro-batches' (loss sum, count) into its own
+slots of one float64 vector, zeros elsewhere; the sum over ranks of a slot is then exact (one
+value plus zeros), and the loss is summed over the slots in their fixed order. So the eval
+loss is the same number whichever ranks, and how many, computed it.
+
+Pipeline stages do not hold every layer up to date: they evaluate on the whole model assembled
+from the holders (:meth:`Strategy.eval_params`), put back afterwards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from elaswave.runtime.state import RankContext
+from elaswave.runtime.strategies.base import DP, Strategy
+
+__all__ = ["eval_microbatches", "evaluate", "training_samples"]
+
+EVAL_STEP = -2  # the (step) key of an evaluation's layer calls: never a training step
+
+
+def training_samples(total: int, held_out: int) -> int:
+    """How many samples (ids ``0 .. n - 1``) training draws from, the rest held out."""
+    if held_out >= total:
+        raise ValueError(
+            f"data.eval_samples ({held_out}) leaves none of the data set's {total} samples "
+            "for training"
+        )
+    return total - held_out
+
+
+def eval_microbatches(total: int, held_out: int, micro: int) -> list[list[int]]:
+    """The held-out sample ids (the last ``held_out`` of ``total``) in micro-batches."""
+    ids = list(range(total - held_out, total))
+    return [ids[i : i + micro] for i in range(0, len(ids), micro)]
+
+
+def evaluate(ctx: RankContext, strategy: Strategy, broken: Callable[[], bool]) -> tuple[float, int]:
+    """(mean held-out loss, samples scored), the same on every rank; a collective."""
+    st, cfg, comm = ctx.state, ctx.cfg, ctx.comm
+    batches = eval_microbatches(len(st.dataset), cfg.data.eval_samples, cfg.train.micro_batch_size)
+    rank, world = comm.rank(DP), comm.size(DP)
+    slots = torch.zeros(2 * len(batches), dtype=torch.float64, device=st.device)
+    whole = strategy.eval_params(broken)
+    kept = st.flat.data.clone() if whole is not None else None
+    try:
+        if whole is not None:
+            st.flat.data.copy_(whole)
+        st.model.eval()
+        with torch.no_grad():
+            for i in range(rank, len(batches), world):
+                inputs, targets = st.microbatch(batches[i])
+                total, count = st.loss(st.model(inputs, EVAL_STEP, i), targets)
+                slots[2 * i], slots[2 * i + 1] = float(total), float(count)
+    finally:
+        st.model.train()
+        if kept is not None:
+            st.flat.data.copy_(kept)
+    comm.allreduce(DP, slots, broken)
+    count = float(slots[1::2].sum())
+    if count <= 0:
+        raise ValueError("the held-out samples count no loss terms")
+    return float(slots[0::2].sum()) / count, sum(len(b) for b in batches)
