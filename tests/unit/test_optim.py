@@ -156,3 +156,29 @@ def test_decay_groups(
     name: str, ndim: int, embedding: str | None, rules: list, expected: float
 ) -> None:
     assert decay_groups([(name, ndim, embedding)], 0.1, rules) == [expected]
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_the_cpu_chunks_give_the_single_pass_bits(
+    optimizer: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The update over cache-sized chunks (with groups cut at chunk edges) equals one pass over
+    the whole buffer, bit for bit."""
+    from elaswave.runtime import optim
+
+    n = 3 * optim.CPU_CHUNK + 123
+    index = (torch.arange(n) % 7 == 0).to(torch.uint8)  # groups change inside every chunk
+    hyper = OptimHyper(lr=0.1, optimizer=optimizer, group_decay=(0.1, 0.0), groups=index)
+    g = torch.Generator().manual_seed(0)
+    grads = [torch.randn(n, generator=g) for _ in range(3)]
+
+    def run() -> torch.Tensor:
+        param = torch.linspace(-1.0, 1.0, n)
+        opt = FlatOptimizer(n, hyper)
+        for grad in grads:
+            opt.step(param, grad, hyper.groups)
+        return torch.cat([param, opt.exp_avg, opt.exp_avg_sq])
+
+    chunked = run()
+    monkeypatch.setattr(optim, "CPU_CHUNK", n)
+    assert torch.equal(chunked, run())

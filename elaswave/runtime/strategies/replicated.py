@@ -38,22 +38,33 @@ class Replicated(Strategy):
         n = st.flat.numel
         mine = plan.microbatch_range(self.ctx.comm.rank(DP))
         slow = slowdown * plan.world_size / len(every)  # per micro-batch
+        # In the reduction's own dtype the gradients accumulate where autograd puts them and
+        # join the buffer once (the same float32 sums, in the same order); a wider reduction
+        # (float64) takes each micro-batch's gradient as it comes.
+        each = buf.dtype != st.flat.grad.dtype
         for mb in (every[i] for i in mine):
             inputs, targets = st.microbatch(mb.sample_ids)
             loss, count = st.loss(st.model(inputs, step, mb.id), targets)
             loss.backward()
             if t.device_time:
                 time.sleep(t.device_time)  # emulated accelerator time (benchmarks)
-            grad = st.flat.collect_grads()
-            buf[:n].add_(grad)
+            if each:
+                self._collect(buf[:n])
             buf[n + LOSS] += loss.item()
             buf[n + COUNT] += count
-            grad.zero_()
             if slow:
                 time.sleep(slow)
+        if not each and len(mine):
+            self._collect(buf[:n])
         # Time this rank needed, without the time its thread sat waiting for a CPU: on a shared
         # host that measures the neighbours, not this rank (sleeps and stalls still count).
         return busy_since(mark) / max(len(mine), 1)
+
+    def _collect(self, into: torch.Tensor) -> None:
+        """Add the gradients autograd accumulated to ``into`` and zero them."""
+        grad = self.state.flat.collect_grads()
+        into.add_(grad)
+        grad.zero_()
 
     def reduce_update(
         self,
