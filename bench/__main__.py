@@ -19,7 +19,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=None, help="runs / rounds (scenario default)")
     parser.add_argument("--json", type=Path, default=None, metavar="OUT",
                         help="result file (default bench/results/<scenario>.json)")  # fmt: skip
-    parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help=argparse.SUPPRESS)
+    parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG,
+                        help="job config (default configs/gpt-tiny.yaml; hf: its own)")  # fmt: skip
     args = parser.parse_args(argv)
     if args.list:
         for name, module in sorted(SCENARIOS.items()):
