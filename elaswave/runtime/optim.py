@@ -69,9 +69,6 @@ def learning_rate(
     return min_lr + 0.5 * (lr - min_lr) * (1.0 + math.cos(math.pi * progress))
 
 
-OPTIMIZERS = ("adamw", "sgd")
-
-
 @dataclass
 class OptimHyper:
     """The optimizer and its hyper-parameters. AdamW keeps both moments; SGD with momentum keeps
@@ -80,7 +77,7 @@ class OptimHyper:
     shard, migrate and checkpoint, at the cost of one unused buffer with SGD)."""
 
     lr: float
-    optimizer: str = "adamw"  # see OPTIMIZERS
+    optimizer: str = "adamw"  # "adamw" | "sgd"
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8

@@ -95,24 +95,32 @@ def _factory_workload(cfg: JobConfig) -> Workload:
 
 
 def check_data(cfg: JobConfig, workload: Workload) -> None:
-    """Before any worker starts: a token file the model cannot train on is a config error
-    (see :func:`check_token_file`); the vocabulary is the workload's ``vocab_size`` where it
-    has one (the built-in GPT, HF models)."""
+    """Before any worker starts: a token file the model cannot train on (see
+    :func:`check_token_file`; the vocabulary is the workload's ``vocab_size`` where it has one:
+    the built-in GPT, HF models), or held-out samples that leave none to train on, is a config
+    error. A ``module`` workload's data is its own: only the held-out count is checked."""
     d = cfg.data
-    if d.source != "tokens" or d.path is None:
-        return
-    vocab = getattr(workload, "vocab_size", None)
-    try:
-        samples = check_token_file(
-            d.path, seq_len=cfg.model.seq_len, dtype=d.dtype, vocab_size=vocab
-        )
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"data: {str(exc).splitlines()[0]}") from None
-    if d.eval_samples >= samples:
-        raise ConfigError(
-            f"data: data.eval_samples ({d.eval_samples}) leaves none of the token file's "
-            f"{samples} samples for training"
-        )
+    if d.source == "tokens" and d.path is not None and cfg.model.source != "module":
+        vocab = getattr(workload, "vocab_size", None)
+        try:
+            check_token_file(d.path, seq_len=cfg.model.seq_len, dtype=d.dtype, vocab_size=vocab)
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"data: {str(exc).splitlines()[0]}") from None
+    if d.eval_samples:
+        try:
+            samples = len(workload.dataset(cfg.train.seed))
+        except Exception as exc:  # the workload's own code: its error, on one line
+            raise ConfigError(f"data: the workload's data set: {_first_line(exc)}") from None
+        if d.eval_samples >= samples:
+            raise ConfigError(
+                f"data: data.eval_samples ({d.eval_samples}) leaves none of the data set's "
+                f"{samples} samples for training"
+            )
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
 
 
 def build_model(cfg: JobConfig) -> KeyedLayers:
