@@ -2,13 +2,14 @@
 
 The token file is this repository's README as bytes (a byte-level vocabulary of 256). In the
 deterministic mode (float64 reduction) a llama-style model survives a SIGKILL under replicated
-data parallelism and ZeRO-1, and a gpt2-style model — its input embedding and LM head tied, on
-different pipeline stages — survives a stage loss in dp=2 × pp=2: every loss and the final state
-bit-identical to the fault-free run, every step recorded once. The gpt2 pipeline run also gives
-the same bits as replicated data parallelism, and both copies of its tied weight are identical
-in its final durable checkpoint. The runs use the trainer's features: AdamW with weight-decay
-groups, clipping, warmup (the kill falls in it) and cosine (llama), SGD with momentum (gpt2),
-and a held-out evaluation every 4 steps, whose losses match bit for bit too.
+data parallelism, ZeRO-1 and dp=2 × pp=2 (a stage loss), and a gpt2-style model — its input
+embedding and LM head tied, on different pipeline stages — survives a ZeRO-1 kill and a stage
+loss in dp=2 × pp=2: every loss and the final state bit-identical to the fault-free run (stages
+and replicas give the same bits as data parallelism), every step recorded once; both copies of
+gpt2's tied weight are identical in its final durable checkpoint. The runs use the trainer's
+features: AdamW with weight-decay groups, clipping, warmup (the kill falls in it) and cosine
+(llama), SGD with momentum (gpt2), and a held-out evaluation every 4 steps, whose losses match
+bit for bit too.
 
 With one worker (float32) the job is a plain PyTorch loop over the same HF model; a run exported
 with ``elaswave export`` loads with ``from_pretrained`` and fine-tunes from where it ended.
@@ -109,7 +110,10 @@ def llama_reference(configs: dict[str, Path], tmp_path_factory: pytest.TempPathF
     return run
 
 
-@pytest.mark.parametrize("strategy", [[], ["--zero", "1"]], ids=["replicated", "zero1"])
+@pytest.mark.parametrize(
+    "strategy", [[], ["--zero", "1"], ["--pp", "2", "--dp", "2"]],
+    ids=["replicated", "zero1", "stage-loss"],
+)  # fmt: skip
 def test_llama_survives_a_kill_bit_identical(
     configs: dict[str, Path], llama_reference: Run, tmp_path: Path, strategy: list[str]
 ) -> None:
@@ -140,14 +144,16 @@ def test_gpt2_tied_across_stages_survives_a_stage_loss(
     from elaswave.runtime.durable.checkpoints import latest, load
     from elaswave.runtime.workload.load import build_model, load_workload
 
-    dp = _launch(configs["gpt2"], tmp_path / "dp", tmp_path / "s0", "--job-id", "gpt2-dp")
     flags = ["--pp", "2", "--dp", "2", "--durable-every", str(STEPS)]
     pp = _launch(configs["gpt2"], tmp_path / "pp", tmp_path / "s1", "--job-id", "gpt2-pp", *flags)
-    _same_run(pp, dp)  # stages and replicas: the same bits as replicated data parallelism
+    zero = _launch(configs["gpt2"], tmp_path / "zero", tmp_path / "s0", "--job-id", "gpt2-zero",
+                   "--zero", "1", "--fault", "kill,rank=1,at_step=6")  # fmt: skip
+    _killed(zero)
+    _same_run(zero, pp)  # a ZeRO-1 kill: the same bits as the fault-free stages and replicas
     killed = _launch(configs["gpt2"], tmp_path / "kill", tmp_path / "s2", "--job-id", "gpt2-kill",
                      *flags, "--fault", "kill,rank=1,at_step=6")  # fmt: skip
     _killed(killed)
-    _same_run(killed, dp)
+    _same_run(killed, pp)
     assert {f["holders_agree"] for f in killed.of("final_state")} == {True}
     # Both copies of the tied weight (embedding on the first stage, head on the last): equal.
     cfg = load_config(configs["gpt2"], env={})
