@@ -45,11 +45,6 @@ def find_checkpoint(directory: Path, step: int | None) -> Path:
     """The checkpoint of ``step`` under ``directory``, or the newest one (``LATEST``)."""
     from elaswave.runtime.durable.checkpoints import latest
 
-    have = sorted(
-        int(p.name.removeprefix("step-"))
-        for p in directory.glob("step-*")
-        if (p / ".metadata").is_file()
-    )
     if step is None:
         path = latest(directory)
         if path is None:
@@ -58,10 +53,14 @@ def find_checkpoint(directory: Path, step: int | None) -> Path:
                 "durable checkpoints, or ran with train.save_final: false"
             )
         return path
-    if step not in have:
+    path = directory / f"step-{step:08d}"
+    if not (path / ".metadata").is_file():
+        have = sorted(
+            int(m.parent.name.removeprefix("step-")) for m in directory.glob("step-*/.metadata")
+        )
         listed = ", ".join(map(str, have)) or "none"
         raise ElasWaveError(f"no checkpoint of step {step} in {directory} (steps kept: {listed})")
-    return directory / f"step-{step:08d}"
+    return path
 
 
 def export_model(run_dir: Path, out: Path, step: int | None = None) -> Exported:

@@ -99,10 +99,13 @@ class Engine:
             self.state, cfg, self.comm, worker_id, control.event, control.send, self._enter,
             control.removes_any,
         )  # fmt: skip
-        every, final = cfg.durable_every, cfg.train.save_final
-        store = DurableCheckpoints(cfg.resolved_durable_dir) if every or final else None
-        self.durable = DurableSource(self.ctx, store if every else None)
-        self.final_store = store if final else None  # the last step's state, at the end
+        every = cfg.durable_every
+        # One writer for the periodic checkpoints and the final state (train.save_final);
+        # recovery reads checkpoints only when periodic ones are on.
+        self.store = (
+            DurableCheckpoints(cfg.resolved_durable_dir) if every or cfg.train.save_final else None
+        )
+        self.durable = DurableSource(self.ctx, self.store if every else None)
         self.strategy: Strategy = strategy_for(self.ctx, self.durable)
         self.replan = True  # apply a (newer) plan before the next step
         self.phase, self.phase_since = "idle", time.monotonic()
@@ -238,7 +241,7 @@ class Engine:
             return  # the main loop redoes the steps since the known-good state
         if self.durable.checkpoints is not None and step % self.cfg.durable_every == 0:
             self._enter("collective")
-            self._save_durable(step)
+            self._save_durable(step, self.strategy.whole(self.ctx.broken), "durable_saved")
             self._enter("idle")
         if self.cfg.train.eval_every and step % self.cfg.train.eval_every == 0:
             self._enter("compute")
@@ -255,19 +258,17 @@ class Engine:
                     }
                 )
 
-    def _save_durable(self, step: int) -> None:
-        """Rank 0 writes the whole state in the background (a collective before: ZeRO gathers
-        the moments, pipelines assemble the model from the stages)."""
-        store = self.durable.checkpoints
+    def _save_durable(self, step: int, whole: Whole, event: str) -> None:
+        """Rank 0 writes the whole state (from ``Strategy.whole``, a collective: ZeRO gathers the
+        moments, pipelines assemble the model from the stages) in the background; ``event``
+        names the record of it."""
+        store = self.store
         assert store is not None
-        whole = self.strategy.whole(self.ctx.broken)
         if self.comm.rank(DP) != 0:
             return
 
         def saved(path: Any, seconds: float) -> None:
-            self.control.event(
-                "durable_saved", step=step, path=str(path), seconds=round(seconds, 4)
-            )
+            self.control.event(event, step=step, path=str(path), seconds=round(seconds, 4))
 
         store.save_async(
             step, self.state.last_loss, whole.params, whole.exp_avg, whole.exp_avg_sq, saved
@@ -348,20 +349,6 @@ class Engine:
             # checkpoint was committed by an earlier run or is about to be recomputed: not here.
             self.commit_step(StepResult(self.state.step, self.state.last_loss, 0.0))
 
-    def _save_final(self, whole: Whole) -> None:
-        """``train.save_final``: rank 0 writes the last step's whole state as a durable
-        checkpoint (what ``elaswave export`` reads), unless ``durable_every`` just did."""
-        step, every = self.state.step, self.cfg.durable_every
-        if self.final_store is None or self.comm.rank(DP) != 0 or (every and step % every == 0):
-            return
-
-        def saved(path: Any, seconds: float) -> None:
-            self.control.event("final_saved", step=step, path=str(path), seconds=round(seconds, 4))
-
-        self.final_store.save_async(
-            step, self.state.last_loss, whole.params, whole.exp_avg, whole.exp_avg_sq, saved
-        )
-
     def _farewell(self) -> None:
         """Final best-effort barrier so no rank exits while a peer still reads its last bytes."""
         if self.plan is None:
@@ -374,14 +361,15 @@ class Engine:
             params, exp_avg, exp_avg_sq, checks = (
                 whole.params, whole.exp_avg, whole.exp_avg_sq, whole.checks,
             )  # fmt: skip
-            self._save_final(whole)
+            every = self.cfg.durable_every
+            if self.cfg.train.save_final and not (every and self.state.step % every == 0):
+                self._save_durable(self.state.step, whole, "final_saved")  # export reads it
             token = self.state.flat.data.new_zeros(1)
             self.comm.allreduce(DP, token, self.ctx.broken)
         except (CommError, Interrupted):
             pass
-        for store in (self.durable.checkpoints, self.final_store):
-            if store is not None:
-                store.flush()  # the last checkpoint is on disk before "done"
+        if self.store is not None:
+            self.store.flush()  # the last checkpoint is on disk before "done"
         digest = hashlib.sha256(host_bytes(params))
         digest.update(host_bytes(exp_avg))
         digest.update(host_bytes(exp_avg_sq))

@@ -12,7 +12,7 @@ import fnmatch
 import math
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -91,6 +91,7 @@ class OptimHyper:
     # flat buffer (uint8; None: one group with ``weight_decay``). See :func:`decay_groups`.
     group_decay: tuple[float, ...] = ()
     groups: torch.Tensor | None = None
+    _padded: torch.Tensor | None = field(default=None, init=False, repr=False)
 
     def lr_at(self, step: int) -> float:
         return learning_rate(
@@ -105,7 +106,9 @@ class OptimHyper:
             return None
         if isinstance(where, slice):
             return self.groups[where]
-        return torch.cat([self.groups, self.groups.new_zeros(1)])[where]
+        if self._padded is None or self._padded.numel() != self.groups.numel() + 1:
+            self._padded = torch.cat([self.groups, self.groups.new_zeros(1)])  # once, not per step
+        return self._padded[where]
 
 
 class FlatOptimizer:
@@ -212,12 +215,11 @@ def _sgd_(
 _POSITIONAL = re.compile(r"(^|\.)(wpe|pos|pos_emb|pos_embed|position_embeddings|embed_positions)$")
 
 
-def no_decay_by_default(name: str, ndim: int, embedding: str | None) -> bool:
-    """Whether parameter ``name`` (global name, ``ndim`` dimensions; ``embedding``: the name of
-    the ``nn.Embedding`` module it belongs to, or None) skips weight decay unless a group says
+def no_decay_by_default(ndim: int, embedding: str | None) -> bool:
+    """Whether a parameter of ``ndim`` dimensions (``embedding``: the name of the
+    ``nn.Embedding`` module it belongs to, or None) skips weight decay unless a group says
     otherwise: biases and norm scales (one dimension) and positional tables (an embedding module
     named for positions: ``wpe``, ``pos``, ``embed_positions`` ...). Token embeddings decay."""
-    del name
     return ndim < 2 or (embedding is not None and bool(_POSITIONAL.search(embedding)))
 
 
@@ -236,7 +238,7 @@ def decay_groups(
                 out.append(float(wd))
                 break
         else:
-            out.append(0.0 if no_decay_by_default(name, ndim, embedding) else float(weight_decay))
+            out.append(0.0 if no_decay_by_default(ndim, embedding) else float(weight_decay))
     return out
 
 

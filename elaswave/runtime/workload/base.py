@@ -190,11 +190,16 @@ class KeyedLayers(nn.Module):
         """Layers ``start .. stop - 1`` on ``x`` for (step, micro-batch)."""
         stop = len(self.layers) if stop is None else stop
         for index in range(start, stop):
-            x = call_layer(
-                self.layers[index], x, seed=self.seed, step=step, microbatch=microbatch,
-                index=index, autocast=self.autocast,
-            )  # fmt: skip
+            x = self.run_layer(index, x, step, microbatch)
         return x
+
+    def run_layer(self, index: int, x: torch.Tensor, step: int, microbatch: int) -> torch.Tensor:
+        """Layer ``index`` alone on ``x`` for (step, micro-batch): keyed randomness and this
+        model's autocast, as :meth:`forward` runs it (pipeline stages time layers one by one)."""
+        return call_layer(
+            self.layers[index], x, seed=self.seed, step=step, microbatch=microbatch, index=index,
+            autocast=self.autocast,
+        )  # fmt: skip
 
     def param_slice(self, ref: ParamRef) -> slice:
         """Where parameter ``(layer, name)`` lies in the flat buffer of every layer's parameters."""

@@ -134,17 +134,15 @@ class TokenFile:
 
 def check_token_file(
     path: str | os.PathLike[str], *, seq_len: int, dtype: str, vocab_size: int | None
-) -> int:
+) -> None:
     """Refuse, with a one-line ValueError, a token file a job cannot train on: missing, not whole
     tokens of ``dtype``, fewer tokens than one sample (``seq_len + 1``), or a token id the
-    model's embedding has no row for (``>= vocab_size``; read in chunks, one pass). Returns how
-    many samples it holds."""
+    model's embedding has no row for (``>= vocab_size``; read in chunks, one pass)."""
     if not os.path.isfile(path):
         raise ValueError(f"data.path {os.fspath(path)!r} is not a file")
-    data = TokenFile(path, seq_len=seq_len, dtype=dtype)
-    tokens = data._tokens
+    tokens = TokenFile(path, seq_len=seq_len, dtype=dtype)._tokens
     if vocab_size is None:
-        return len(data)
+        return
     chunk = 1 << 24
     for start in range(0, len(tokens), chunk):
         top = int(tokens[start : start + chunk].max())
@@ -154,7 +152,6 @@ def check_token_file(
                 f"{os.fspath(path)}: token {int(tokens[at])} at position {at} is not below the "
                 f"model's vocab_size {vocab_size}"
             )
-    return len(data)
 
 
 def _numpy_dtype(dtype: str) -> type[np.unsignedinteger]:

@@ -81,10 +81,7 @@ def _factory_workload(cfg: JobConfig) -> Workload:
     try:
         workload = factory(**m.args)
     except Exception as exc:  # the user's code: its error, on one line
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        raise ConfigError(
-            f"model.factory {m.factory!r} failed: {type(exc).__name__}: {first}"
-        ) from None
+        raise ConfigError(f"model.factory {m.factory!r} failed: {_first_line(exc)}") from None
     if not isinstance(workload, Workload):
         raise ConfigError(
             f"model.factory {m.factory!r} returned {type(workload).__name__}, not a Workload"

@@ -73,7 +73,6 @@ from elaswave.runtime.strategies.pipeline.stagezero import (
     MomentStore,
     gather_messages,
 )
-from elaswave.runtime.workload import call_layer
 from elaswave.runtime.workload.data import MicroBatch
 
 if TYPE_CHECKING:
@@ -131,13 +130,10 @@ class Pipeline:
         for _ in range(repeats + 1):  # the first run warms up kernels and allocator; dropped
             h: torch.Tensor = inputs
             times = []
-            for index, layer in enumerate(e.state.model.layers):
+            for index in range(len(e.state.model)):
                 x = h.detach().requires_grad_(h.is_floating_point())
                 start = time.perf_counter()
-                h = call_layer(
-                    layer, x, seed=t.seed, step=0, microbatch=0, index=index,
-                    autocast=e.state.model.autocast,
-                )  # fmt: skip
+                h = e.state.model.run_layer(index, x, 0, 0)
                 h.float().sum().backward()
                 times.append(time.perf_counter() - start)
             runs.append(times)

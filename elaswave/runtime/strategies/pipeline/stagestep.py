@@ -18,7 +18,6 @@ import torch
 from elaswave.planning.schedule import Comm, Compute, schedule_1f1b
 from elaswave.runtime.strategies.base import COUNT, LOSS
 from elaswave.runtime.timing import busy_mark, busy_since
-from elaswave.runtime.workload import call_layer
 from elaswave.runtime.workload.data import MicroBatch
 
 if TYPE_CHECKING:
@@ -94,17 +93,14 @@ class StageStep:
         return busy / len(self.mbs) if self.mbs else None
 
     def forward(self, i: int) -> None:
-        st, t, timer = self.ctx.state, self.ctx.cfg.train, self.pipe.timer
+        st, timer = self.ctx.state, self.pipe.timer
         mb = self.mbs[i]
         # Only the first stage needs the inputs and only the last the targets.
         data, targets = st.microbatch(mb.sample_ids) if self.first or self.last else (None, None)
         h = data if self.first else self.inputs[i]
         for index in self.layers:
             with timer.forward(index):
-                h = call_layer(
-                    st.model.layers[index], h, seed=t.seed, step=self.step, microbatch=mb.id,
-                    index=index, autocast=st.model.autocast,
-                )  # fmt: skip
+                h = st.model.run_layer(index, h, self.step, mb.id)
         with timer.pause():
             self.pipe.device_pause(self.layers, backward=False)
         if self.last:
