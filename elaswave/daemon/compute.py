@@ -61,6 +61,8 @@ class ComputeTimes:
         measurement is written again."""
         while True:
             await asyncio.sleep(COMPUTE_PUBLISH_S)
+            if not (self._per_mb_dirty or self._costs_dirty):
+                continue  # nothing new: no scan of the workers
             live = alive()
             if self._per_mb_dirty:
                 self._per_mb_dirty = False

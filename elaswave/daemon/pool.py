@@ -145,15 +145,10 @@ class WorkerPool:
         w = d.workers.get(wid)
         if w is None or w.stopping or w.proc.returncode is not None:
             return
-        w.stopping = True  # its exit is not a failure: no departure, no respawn
         d.events.emit(
             "worker_evicted", host=d.host_id, worker=wid, epoch=plan.epoch, reason=plan.reason
         )
-        conn = d.conns.get(wid)
-        if conn is not None:
-            conn.send({"type": "stop"})
-        else:
-            w.proc.terminate()
+        self._ask_to_stop(w)
         d.outbox.put(f"eviction of {wid}", lambda: d.etcd.delete(d.keys.worker(wid)))
 
     def stop_unfinished(self) -> None:
@@ -162,10 +157,15 @@ class WorkerPool:
         d = self.d
         for w in d.workers.values():
             if w.proc.returncode is None and not w.done:
-                w.stopping = True
-                conn = d.conns.get(w.worker_id)
-                if conn is not None:
-                    conn.send({"type": "stop"})
-                else:
-                    w.proc.terminate()
+                self._ask_to_stop(w)
         self.check_finished()
+
+    def _ask_to_stop(self, w: WorkerProc) -> None:
+        """A clean stop: its exit is not a failure (no departure, no respawn); over its
+        connection when it has one, else SIGTERM."""
+        w.stopping = True
+        conn = self.d.conns.get(w.worker_id)
+        if conn is not None:
+            conn.send({"type": "stop"})
+        else:
+            w.proc.terminate()

@@ -119,10 +119,10 @@ class StepRecords:
         else wrote since, that is the read's answer; if somebody did, the failed compare returns
         the current record, and the decision is taken on it as after a read."""
         kv = self._progress
-        if kv is None or int(kv.json().get("step", 0)) >= record["step"]:
+        if kv is None or _covers(kv, record["step"]):
             kv = await self.etcd.get(self.keys.progress)  # only a fresh read may drop a line
         while True:
-            if kv is not None and int(kv.json().get("step", 0)) >= record["step"]:
+            if kv is not None and _covers(kv, record["step"]):
                 if await self._progress_landed(kv, progress["writer"], tried):
                     self.metrics.write(record)
                 return  # recorded by another host (or redone after a recovery)
@@ -167,3 +167,8 @@ class StepRecords:
             roll_back,
             fallback=lambda: self.metrics.keep_only(lambda r: int(r.get("step", 0)) <= step),
         )
+
+
+def _covers(kv: KV, step: int) -> bool:
+    """Whether the progress record ``kv`` is at ``step`` or past it."""
+    return int(kv.json().get("step", 0)) >= step
