@@ -171,6 +171,10 @@ class TrainConfig:
     # longer depends on how micro-batches are spread over ranks, so losses and parameters are
     # bit-identical to the fault-free run, at ~10% step time on CPU (twice the reduced bytes).
     reduce_dtype: str = "float32"
+    # A fault in the middle of a step: survivors keep the micro-batches they finished and only
+    # the lost ones are computed again (data parallelism and ZeRO-1; pipelines redo the step).
+    # false: the whole step is redone (for comparisons).
+    partial_redo: bool = True
     threads_per_worker: int = 1
     # Emulated accelerator seconds per micro-batch (forward + backward through the whole model):
     # each worker sleeps its share, so that N workers on fewer cores behave like N devices.

@@ -9,6 +9,11 @@ comm       plan → the last rank rebuilt its process groups
 state      comm → the last rank agreed on the resume step and received any missing state
 redo       state → the first committed step after the change (the redone in-flight step)
 
+An interrupted step is redone in part where the strategy can: the report says how many of its
+micro-batches the survivors kept and how many were computed again, by whom
+(``kept_microbatches``, ``redone_microbatches``, ``redone_by``; ``None`` where the strategy does
+not report it, e.g. pipelines, which redo the whole step).
+
 Control-plane outages (etcd unreachable or restarted, a daemon paused) are incidents too, with
 their downtime and the steps trained meanwhile instead of phases: training does not stop for them,
 so they have no MTTR.
@@ -319,6 +324,9 @@ def _recovery(
             "state_pairs",
             "state_max_over_mean",
             "state_promoted_bytes",
+            "kept_microbatches",
+            "redone_microbatches",
+            "redone_by",
         )
     )
     phases: dict[str, float | None] = dict.fromkeys(PHASES)
@@ -367,6 +375,12 @@ def _state_sync(
         )
     promoted = [e["promoted_bytes"] for e in state if "promoted_bytes" in e]  # ZeRO only
     fields["state_promoted_bytes"] = max(promoted) if promoted else None
+    redo = _first(state, lambda e: "redo_microbatches" in e)  # every rank reports the same
+    if redo is not None:
+        by = {w: len(ids) for w, ids in redo["redo_microbatches"].items()}
+        fields["redone_by"] = by
+        fields["redone_microbatches"] = sum(by.values())
+        fields["kept_microbatches"] = sum(redo["kept_microbatches"].values())
     return fields
 
 
@@ -427,7 +441,8 @@ def _totals(
 CSV_FIELDS = [
     "id", "kind", "host", "worker", "rank", "fault_step", "epoch", "world_after", *PHASES,
     "mttr_s", "first_commit_step", "state_bytes", "state_promoted_bytes", "state_max_over_mean",
-    "recomputed_steps", "downtime_s", "steps_trained", "reason",
+    "recomputed_steps", "kept_microbatches", "redone_microbatches", "downtime_s",
+    "steps_trained", "reason",
 ]  # fmt: skip
 
 
@@ -482,7 +497,12 @@ def render_markdown(report: dict[str, Any]) -> str:
                     f"{inc['state_promoted_bytes']} B promoted locally, per-rank max/mean "
                     f"{inc['state_max_over_mean']:.3f})"
                 )
-            lines.append(f"- incident {inc['id']}: {inc['reason']}{state}")
+            redo = ""
+            if inc.get("redone_by"):
+                kept, again = inc["kept_microbatches"], inc["redone_microbatches"]
+                by = ", ".join(f"{w} {n}" for w, n in inc["redone_by"].items())
+                redo = f"; redone {again} of {kept + again} micro-batches ({by})"
+            lines.append(f"- incident {inc['id']}: {inc['reason']}{state}{redo}")
         lines.append("")
     else:
         lines += ["No incidents.", ""]

@@ -100,6 +100,38 @@ def assert_clean_run(run: Run, steps: int, reference: Run) -> None:
     assert_no_orphans(run)
 
 
+def assert_redid_only(
+    run: Run, epoch: int, lost: set[str], *, may_have_committed: bool = False
+) -> dict[str, list[int]]:
+    """The step interrupted before ``epoch`` was redone in part: every rank of the plan agrees
+    that the survivors kept their micro-batches and computed only those of the ``lost``
+    workers' shares under the previous plan (each exactly once). Returns who redid what.
+
+    ``may_have_committed``: a fault at an arbitrary time (a host killed) may land after some
+    survivor's reduction completed; that survivor committed the step, the others copy it and
+    nothing is redone (the sync's steps show it)."""
+    plans = {p["epoch"]: p for p in run.of("plan_published")}
+    before, after = plans[epoch - 1], plans[epoch]
+    start, old = 0, {}
+    for worker, n in zip(before["workers"], before["microbatches"], strict=True):
+        old[worker] = list(range(start, start + n))
+        start += n
+    synced = [e for e in run.of("state_synced") if e["epoch"] == epoch]
+    assert len(synced) == after["world"], "every rank reports its sync"
+    if may_have_committed and all("redo_microbatches" not in e for e in synced):
+        steps = synced[0]["steps"]
+        assert min(steps) < max(steps) == synced[0]["resume_step"], synced[0]
+        return {}
+    (redo,) = {json.dumps(e["redo_microbatches"], sort_keys=True) for e in synced}
+    (kept,) = {json.dumps(e["kept_microbatches"], sort_keys=True) for e in synced}
+    redone, kept_by = json.loads(redo), json.loads(kept)
+    assert kept_by == {w: len(old.get(w, [])) for w in after["workers"]}, kept_by
+    done = sorted(i for ids in redone.values() for i in ids)
+    assert done == sorted(i for w in lost for i in old[w]), (redone, lost)
+    assert set(redone) <= set(after["workers"]) - lost
+    return redone
+
+
 def assert_no_orphans(run: Run) -> None:
     pids = [e["pid"] for e in run.of("worker_spawned")]
     pids += [e["embedded_etcd_pid"] for e in run.of("host_joined") if e.get("embedded_etcd_pid")]

@@ -9,7 +9,15 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import CONFIG, Run, assert_clean_run, elaswave_cmd, launch, wait_for
+from conftest import (
+    CONFIG,
+    Run,
+    assert_clean_run,
+    assert_redid_only,
+    elaswave_cmd,
+    launch,
+    wait_for,
+)
 
 from elaswave.events import read_jsonl
 from elaswave.report import build_report
@@ -46,6 +54,7 @@ def test_kill_one_worker_at_step_15(
     assert {e["rank"] for e in run.of("comm_rebuilt") if e["epoch"] == 2} == {0, 1, 2}
     synced = [e for e in run.of("state_synced") if e["epoch"] == 2]
     assert {e["resume_step"] for e in synced} == {14}, "only the in-flight step is redone"
+    assert_redid_only(run, 2, {fault["worker"]})  # and of it only the dead rank's 4 micro-batches
     assert [m["world_size"] for m in run.metrics] == [4] * 14 + [3] * 26
     assert all(m["samples"] == 32 * m["step"] for m in run.metrics)
 
@@ -55,6 +64,7 @@ def test_kill_one_worker_at_step_15(
     for phase in ("detection_s", "plan_s", "comm_s", "state_s", "redo_s", "mttr_s"):
         assert inc[phase] is not None, phase
     assert 0 < inc["mttr_s"] < 30
+    assert (inc["kept_microbatches"], inc["redone_microbatches"]) == (12, 4)
     assert report["totals"]["duplicate_steps"] == [] and report["totals"]["missing_steps"] == []
 
 
@@ -145,6 +155,8 @@ def test_deterministic_mode_is_bit_identical_to_the_fault_free_run(
     assert clean.returncode == 0 and faulty.returncode == 0, faulty.stderr[-2000:]
     a, b = Run(tmp_path / "clean"), Run(tmp_path / "faulty")
     assert b.metrics[-1]["world_size"] == 3
+    (fault,) = b.of("fault_injected")
+    assert_redid_only(b, 2, {fault["worker"]})
     assert a.losses == b.losses
     assert {f["params_sha256"] for f in a.of("final_state")} == {
         f["params_sha256"] for f in b.of("final_state")
@@ -167,4 +179,5 @@ def test_hang_is_detected_and_recovered_within_the_timeout(
     assert detected["worker"] == fault["worker"] and "heartbeat" in detected["reason"]
     (inc,) = build_report(run.dir)["incidents"]
     assert inc["kind"] == "hang" and "hung" in inc["reason"]
+    assert_redid_only(run, 2, {fault["worker"]})
     assert inc["mttr_s"] <= timeout + 1.0, inc

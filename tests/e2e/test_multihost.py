@@ -11,7 +11,7 @@ import time
 from typing import Any
 
 import pytest
-from conftest import Run, assert_clean_run, wait_for
+from conftest import Run, assert_clean_run, assert_redid_only, wait_for
 from netbed import NetBed, netbed_fixture  # noqa: F401 - provides the netbed_factory fixture
 
 from elaswave.events import read_jsonl
@@ -120,6 +120,9 @@ def test_host_loss(
     assert [p["world"] for p in plans] == [6, 4]
     assert f"host {victim} lost" in plans[1]["reason"]
     assert all(m["world_size"] == 4 for m in run.metrics if m["time"] > lost["t"])
+    gone = {w for w in plans[0]["workers"] if w.startswith(victim + ".")}
+    assert len(gone) == 2 and set(plans[1]["departed"]) == gone
+    assert_redid_only(run, 2, gone, may_have_committed=True)  # both ranks' micro-batches
     records = run.of("fault_injected") + run.of("fault_requested")  # the victim's, the leader's
     t0 = min(e["t"] for e in records if e["fault"]["kind"] == "host")
     _assert_host_incident(bed, "host", victim, t0, lost["t"])

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import Run, assert_clean_run, launch
+from conftest import Run, assert_clean_run, assert_redid_only, launch
 
 pytestmark = pytest.mark.e2e
 
@@ -31,6 +31,8 @@ def test_zero_kill_restores_the_shard_from_the_replica_pieces(
     assert all(e["transfers"] == 0 and e["bytes"] == 0 for e in synced), "nothing is sent"
     (promoted,) = {e["promoted_bytes"] for e in synced}
     assert promoted > 0 and all(e["max_over_mean"] < 1.001 for e in synced), "balanced"
+    # Even after the reduction (phase optimizer) the survivors' own sums are intact.
+    assert_redid_only(run, 2, {fault["worker"]})
 
 
 def test_zero_deterministic_mode_matches_the_replicated_run_bit_for_bit(
@@ -44,6 +46,8 @@ def test_zero_deterministic_mode_matches_the_replicated_run_bit_for_bit(
                   "--fault", "kill,rank=3,at_step=7,phase=optimizer", env=env)  # fmt: skip
     assert plain.returncode == 0 and zero.returncode == 0, zero.stderr[-2000:]
     a, b = Run(tmp_path / "plain"), Run(tmp_path / "zero")
+    (fault,) = b.of("fault_injected")
+    assert_redid_only(b, 2, {fault["worker"]})
     assert a.losses == b.losses
     assert {f["state_sha256"] for f in a.of("final_state")} == {
         f["state_sha256"] for f in b.of("final_state")

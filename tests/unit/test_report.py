@@ -132,6 +132,11 @@ def test_kill_incident_fields(kill_run: Path) -> None:
     assert inc["state_resume_step"] == 14
 
 
+REDO = {
+    "redo_step": 15,
+    "kept_microbatches": {"w0": 4, "w2": 4, "w3": 4},
+    "redo_microbatches": {"w0": [4, 5], "w2": [6], "w3": [7]},
+}
 ZERO = {"transfers": 3, "bytes": 3000, "pairs": 2, "max_over_mean": 1.25, "promoted_bytes": 512}
 ROLLED_BACK = "; rolled back to snapshot step 14, 2 step(s) redone"
 RESTORED = "; in-memory copies lost, restored checkpoint step 10, 5 step(s) recomputed"
@@ -169,6 +174,12 @@ def restore(reason: str) -> dict[str, Any]:
          {"recomputed_steps": 5, "reason": PLAN2_REASON + RESTORED}),
         ({}, [restore("lost")], {"recomputed_steps": 5, "reason": PLAN2_REASON + RESTORED}),
         ({}, [restore("resume")], {"recomputed_steps": 0, "reason": PLAN2_REASON}),
+        # a partial redo: what the survivors kept and who computed the lost micro-batches
+        ({r: REDO for r in range(3)}, [],
+         {"kept_microbatches": 12, "redone_microbatches": 4, "redone_by": {"w0": 2, "w2": 1,
+                                                                          "w3": 1}}),
+        # a strategy that does not say (pipelines)
+        ({}, [], {"kept_microbatches": None, "redone_microbatches": None, "redone_by": None}),
     ],
 )  # fmt: skip
 def test_kill_incident_state_and_rollback_table(
@@ -189,6 +200,18 @@ def test_kill_incident_state_and_rollback_table(
     if "migration" not in expected:
         assert "migration" not in inc and "migration_s" not in inc
     assert inc["mttr_s"] == pytest.approx(0.1, abs=1e-6)
+
+
+def test_the_markdown_says_what_was_redone(tmp_path: Path) -> None:
+    events = kill_events()
+    for ev in events:
+        if ev["kind"] == "state_synced":
+            ev.update(REDO)
+    report = build_report(write_run(tmp_path / "run", start_events() + events, metrics()))
+    text = render(report, "md")
+    assert "redone 4 of 16 micro-batches (w0 2, w2 1, w3 1)" in text
+    row = next(csv.DictReader(io.StringIO(render(report, "csv"))))
+    assert (row["kept_microbatches"], row["redone_microbatches"]) == ("12", "4")
 
 
 def test_kill_totals(kill_run: Path) -> None:

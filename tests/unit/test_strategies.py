@@ -422,3 +422,66 @@ def test_eval_microbatches(total: int, held: int, micro: int, expected: list) ->
 def test_no_training_samples_left_is_an_error() -> None:
     with pytest.raises(ValueError, match="leaves none of the data set's 10 samples"):
         training_samples(10, 10)
+
+
+def _survive(zero: int, partial_redo: bool = True) -> tuple[list[torch.Tensor], list[Any]]:
+    """Four ranks train two steps; in step 3 rank 1 dies after its compute and the others'
+    reduction fails (the buffer it held is garbage). The three survivors apply the next plan
+    and train steps 3 and 4: their whole states and sync reports."""
+    cfg = _cfg(zero, partial_redo=partial_redo)
+    plan = _plan(4)
+
+    def before(rank: int, comm: ThreadComm) -> Strategy:
+        strategy, _ = _strategy(cfg, comm, plan)
+        strategy.sync(plan, lambda: False)
+        strategy.ctx.plan = plan
+        _train(strategy, 2)
+        st = strategy.state
+        buf = reduction_buffer(st, "float64")
+        every = microbatches(7, 3, GLOBAL_BATCH, MICRO, len(st.dataset))
+        with COMPUTE:
+            strategy.compute(3, every, buf, 0.0)
+        buf.fill_(math.nan)  # what an abandoned collective may leave in the buffer
+        return strategy
+
+    survivors = [s for r, s in enumerate(run_ranks(4, before)) if r != 1]
+    after = Plan(
+        epoch=2, workers=("w0", "w2", "w3"), hosts=("h0", "h2", "h3"),
+        microbatches=assign_microbatches(GLOBAL_BATCH // MICRO, [1.0] * 3), store="",
+        committed=2, departed=("w1",),
+    )  # fmt: skip
+
+    def body(rank: int, comm: ThreadComm) -> tuple[torch.Tensor, dict[str, Any]]:
+        strategy = survivors[rank]
+        strategy.ctx.comm = comm
+        info = strategy.sync(after, lambda: False)
+        strategy.ctx.plan = after
+        _train(strategy, 2)
+        return _whole(strategy), info
+
+    out = run_ranks(3, body)
+    return [o[0] for o in out], [o[1] for o in out]
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_survivors_compute_only_the_lost_micro_batches(zero: int) -> None:
+    """A rank lost in the middle of a step: the survivors keep the micro-batches they finished
+    (0-1, 4-5, 6-7), compute only the lost rank's (2-3, shared by plan weight) and end bit for
+    bit where one rank alone does (float64 reduction), replicated or ZeRO-1."""
+    wholes, infos = _survive(zero)
+    alone = _run(1, 0, 4)[0]
+    assert all(torch.equal(w, alone) for w in wholes)
+    for info in infos:
+        assert info["resume_step"] == 2 and info["redo_step"] == 3
+        assert info["kept_microbatches"] == {"w0": 2, "w2": 2, "w3": 2}
+        assert info["redo_microbatches"] == {"w0": [2], "w2": [3]}
+
+
+def test_without_partial_redo_the_whole_step_is_computed_again() -> None:
+    """train.partial_redo false: nothing is kept, the plan's shares are computed, and the
+    state is the same."""
+    wholes, infos = _survive(0, partial_redo=False)
+    assert all(torch.equal(w, _run(1, 0, 4)[0]) for w in wholes)
+    for info in infos:
+        assert info["kept_microbatches"] == {"w0": 0, "w2": 0, "w3": 0}
+        assert info["redo_microbatches"] == {"w0": [0, 1, 2], "w2": [3, 4, 5], "w3": [6, 7]}

@@ -5,17 +5,25 @@ micro-batches (each with RNG keyed by (seed, step, micro-batch, layer), loss sca
 one SUM all-reduce of [gradients | loss sum | newest epoch seen] and the same AdamW update on every
 rank. A new plan: ranks behind (a newcomer, a rank whose reduction failed) copy the most advanced
 one.
+
+Partial redo: the micro-batches a rank finished are summed in an accumulator of its own (autograd's
+flat gradient, or a float64 one in the deterministic mode) and only copied into the step's
+reduction buffer, so a reduction that fails cannot touch them. A survivor keeps them; the next
+plan's ranks agree which micro-batches nobody keeps (:func:`~elaswave.planning.redo.redo_shares`)
+and compute only those before the step is reduced once.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from elaswave.planning.plan import Plan
+from elaswave.planning.redo import redo_shares
 from elaswave.runtime.durable.checkpoints import DurableState
 from elaswave.runtime.integrity.checksums import digest
 from elaswave.runtime.integrity.verify import judge
@@ -23,11 +31,32 @@ from elaswave.runtime.strategies.base import COUNT, DP, EPOCH, LOSS, Strategy, W
 from elaswave.runtime.timing import busy_mark, busy_since
 from elaswave.runtime.workload.data import MicroBatch
 
+if TYPE_CHECKING:
+    from elaswave.runtime.durable.restore import DurableSource
+    from elaswave.runtime.state import RankContext
+
 __all__ = ["Replicated"]
+
+
+@dataclass
+class Partial:
+    """What this rank finished of a step that is not committed yet: the micro-batches summed in
+    its accumulator, and their loss sum and count (in the reduction's dtype, as the buffer
+    holds them)."""
+
+    step: int
+    sums: torch.Tensor  # [loss sum, count]
+    done: list[int] = field(default_factory=list)  # micro-batch indices, in computed order
 
 
 class Replicated(Strategy):
     """Data parallelism with the whole state on every rank."""
+
+    def __init__(self, ctx: RankContext, durable: DurableSource) -> None:
+        super().__init__(ctx, durable)
+        self.partial: Partial | None = None
+        self.redo: tuple[int, tuple[int, ...]] | None = None  # (step, my micro-batches)
+        self._acc: torch.Tensor | None = None  # the float64 accumulator (deterministic mode)
 
     def compute(
         self, step: int, every: Sequence[MicroBatch], buf: torch.Tensor, slowdown: float
@@ -36,35 +65,97 @@ class Replicated(Strategy):
         assert plan is not None
         mark = busy_mark()
         n = st.flat.numel
-        mine = plan.microbatch_range(self.ctx.comm.rank(DP))
+        redo = self.redo is not None and self.redo[0] == step
+        mine = self.redo[1] if self.redo and redo else plan.microbatch_range(self.ctx.comm.rank(DP))
         slow = slowdown * plan.world_size / len(every)  # per micro-batch
-        # In the reduction's own dtype the gradients accumulate where autograd puts them and
-        # join the buffer once (the same float32 sums, in the same order); a wider reduction
-        # (float64) takes each micro-batch's gradient as it comes.
-        each = buf.dtype != st.flat.grad.dtype
-        for mb in (every[i] for i in mine):
+        acc, part = self._accumulator(step, buf)
+        # In the reduction's own dtype the gradients accumulate where autograd puts them (the
+        # same float32 sums, in the same order); a wider reduction (float64) takes each
+        # micro-batch's gradient as it comes.
+        each = acc is not None
+        for i in mine:
+            mb = every[i]
             inputs, targets = st.microbatch(mb.sample_ids)
             loss, count = st.loss(st.model(inputs, step, mb.id), targets)
             loss.backward()
             if t.device_time:
                 time.sleep(t.device_time)  # emulated accelerator time (benchmarks)
-            if each:
-                self._collect(buf[:n])
-            buf[n + LOSS] += loss.item()
-            buf[n + COUNT] += count
+            if acc is not None:
+                grad = st.flat.collect_grads()
+                acc.add_(grad)
+                grad.zero_()
+            part.sums[0] += loss.item()
+            part.sums[1] += count
+            part.done.append(i)
             if slow:
                 time.sleep(slow)
-        if not each and len(mine):
-            self._collect(buf[:n])
+        buf[:n].copy_(acc if each else st.flat.collect_grads())
+        buf[n + LOSS], buf[n + COUNT] = part.sums[0], part.sums[1]
+        if redo or not len(mine):
+            return None  # a redone step's share says nothing about this rank's speed
         # Time this rank needed, without the time its thread sat waiting for a CPU: on a shared
         # host that measures the neighbours, not this rank (sleeps and stalls still count).
-        return busy_since(mark) / max(len(mine), 1)
+        return busy_since(mark) / len(mine)
 
-    def _collect(self, into: torch.Tensor) -> None:
-        """Add the gradients autograd accumulated to ``into`` and zero them."""
-        grad = self.state.flat.collect_grads()
-        into.add_(grad)
-        grad.zero_()
+    def _accumulator(self, step: int, buf: torch.Tensor) -> tuple[torch.Tensor | None, Partial]:
+        """The float64 accumulator (None: autograd's flat gradient is the accumulator) and the
+        step's partial sums: the kept ones when this step was interrupted, else zeroed."""
+        st = self.state
+        acc = None
+        if buf.dtype != st.flat.grad.dtype:
+            if self._acc is None or self._acc.dtype != buf.dtype:
+                self._acc = buf.new_zeros(st.flat.numel)
+            acc = self._acc
+        if self.partial is None or self.partial.step != step:
+            (acc if acc is not None else st.flat.collect_grads()).zero_()
+            self.partial = Partial(step, buf.new_zeros(2))
+        return acc, self.partial
+
+    def forget_partial(self) -> None:
+        """The state changed under the kept sums (a copy, a restore, a rollback): drop them."""
+        self.partial, self.redo = None, None
+
+    def partial_row(self) -> list[float]:
+        """What this rank tells its peers at a sync about the step it keeps sums of:
+        [step (-1: none), then 1.0 for each micro-batch index it finished]."""
+        t = self.ctx.cfg.train
+        row = [-1.0] + [0.0] * (t.global_batch // t.micro_batch_size)
+        if self.partial is not None:
+            row[0] = float(self.partial.step)
+            for i in self.partial.done:
+                row[1 + i] = 1.0
+        return row
+
+    def plan_redo(
+        self, plan: Plan, resume: int, steps: list[int], rows: list[list[float]]
+    ) -> dict[str, Any]:
+        """Agree (every rank, from the same rows of ``partial_row``) which micro-batches of step
+        ``resume + 1`` each rank computes: only those no rank kept (``train.partial_redo``),
+        else all of them as the plan shares them. ``steps``: each rank's step before the sync
+        (kept sums are usable only if computed from the resume step's parameters). What is
+        redone, for the event: nothing when no step was interrupted."""
+        total = len(rows[0]) - 1
+        kept = [
+            [i for i in range(total) if row[1 + i]]
+            if int(row[0]) == resume + 1 and steps[r] == resume
+            else None
+            for r, row in enumerate(rows)
+        ]
+        me, interrupted = self.ctx.comm.rank(DP), any(kept)
+        shares = redo_shares(total, kept, plan.microbatches)
+        if not self.ctx.cfg.train.partial_redo or shares is None:
+            shares, kept = None, [None] * len(kept)
+        if kept[me] is None:
+            self.partial = None  # the step starts from zero
+        self.redo = (resume + 1, shares[me]) if shares is not None else None
+        if not interrupted:
+            return {}
+        every = shares or [tuple(plan.microbatch_range(r)) for r in range(len(rows))]
+        return {
+            "redo_step": resume + 1,
+            "kept_microbatches": {plan.workers[r]: len(k or ()) for r, k in enumerate(kept)},
+            "redo_microbatches": {plan.workers[r]: list(s) for r, s in enumerate(every) if s},
+        }
 
     def reduce_update(
         self,
@@ -76,6 +167,7 @@ class Replicated(Strategy):
         st, n = self.state, self.state.flat.numel
         self.ctx.comm.allreduce(DP, buf, broken)
         # -- the reduction succeeded: every rank now holds the identical full-batch gradient.
+        self.forget_partial()
         self.ctx.enter("compute")
         grad, st.last_loss = mean_gradient(buf, n, self.ctx.cfg.train.grad_clip, st.ties)
         st.opt.step(st.flat.data, grad, st.opt.hyper.groups)
@@ -83,11 +175,15 @@ class Replicated(Strategy):
         return float(buf[n + EPOCH])
 
     def sync(self, plan: Plan, broken: Callable[[], bool]) -> dict[str, Any]:
-        """Ranks behind (a newcomer, a failed reduction) copy the most advanced one."""
+        """Ranks behind (a newcomer, a failed reduction) copy the most advanced one; the
+        micro-batches of an interrupted step that survivors kept are not computed again."""
         st, comm = self.state, self.ctx.comm
         rank = comm.rank(DP)
-        mine = torch.tensor([float(st.step)], dtype=torch.float64, device=st.device)
-        steps = [int(x.item()) for x in comm.allgather(DP, mine, broken)]
+        mine = torch.tensor(
+            [float(st.step), *self.partial_row()], dtype=torch.float64, device=st.device
+        )
+        rows = [r.tolist() for r in comm.allgather(DP, mine, broken)]
+        steps = [int(r[0]) for r in rows]
         start = self.durable.start_over(plan, broken) if max(steps) == 0 else None
         if start is not None:
             return {"steps": steps, **self.restore(plan, broken, *start)}
@@ -117,6 +213,7 @@ class Replicated(Strategy):
             "source_rank": source,
             "steps": steps,
             "bytes": moved if rank != source else 0,
+            **self.plan_redo(plan, target, steps, [r[1:] for r in rows]),
         }
 
     def whole(self, broken: Callable[[], bool]) -> Whole:
@@ -125,6 +222,7 @@ class Replicated(Strategy):
 
     def adopt(self, state: DurableState, plan: Plan, broken: Callable[[], bool]) -> dict[str, Any]:
         st = self.state
+        self.forget_partial()
         st.flat.data.copy_(state.params)
         st.opt.exp_avg.copy_(state.exp_avg)
         st.opt.exp_avg_sq.copy_(state.exp_avg_sq)

@@ -54,6 +54,7 @@ class Zero1(Replicated):
         comm.allreduce(DP, tail, broken)
         st.last_loss = float(tail[LOSS]) / count
         z.commit(st.last_loss)  # every rank staged (and replicated) this step: committed
+        self.forget_partial()
         st.step = step
         return float(tail[EPOCH])
 
@@ -64,7 +65,7 @@ class Zero1(Replicated):
         committed, staged = z.info()
         loss = z.snap_loss if z.keeps_params else st.last_loss  # K > 1: the snapshot's
         mine = torch.tensor(
-            [committed, staged, float(z.layout_epoch), loss, float(st.step)],
+            [committed, staged, float(z.layout_epoch), loss, float(st.step), *self.partial_row()],
             dtype=torch.float64,
             device=st.device,
         )
@@ -95,7 +96,9 @@ class Zero1(Replicated):
             return self.restore(plan, broken, Path(chosen), newest, str(exc))
         st.step, st.last_loss = resume, float(rows[source][3])
         z.snap_loss = st.last_loss
+        steps = [int(r[4]) for r in rows]
         return {
+            **self.plan_redo(plan, resume, steps, [r[5:] for r in rows]),
             "replica_holders": self.holders(),
             "resume_step": resume,
             "redone_steps": newest - resume,  # committed steps rolled back to the snapshot (K > 1)
@@ -142,6 +145,7 @@ class Zero1(Replicated):
         """The whole state in: parameters kept whole, the moments as this rank's shard of a
         fresh even layout."""
         st, comm = self.state, self.ctx.comm
+        self.forget_partial()
         st.flat.data.copy_(state.params)
         self.zero.restore_full(
             comm, plan.workers, comm.rank(DP), state.step,
