@@ -4,8 +4,9 @@ The victim dies before its step's first forward, and its daemon reports the deat
 (``detect_delay``, a slow detector): until the new plan arrives the survivors meet the dead peer
 in the transport alone — a send posted to a closed connection raises at once, a receive or a
 collective fails its wait. Every one of those errors must latch (the step is dropped and redone
-under the next plan), for data parallelism, ZeRO-1 and a dp × pp pipeline with ZeRO inside its
-stages; in the deterministic mode the run ends bit-identical to the fault-free one.
+under the next plan: data parallelism and ZeRO-1 compute only the victim's micro-batches again, a
+dp × pp pipeline with ZeRO inside its stages the whole step); in the deterministic mode the run
+ends bit-identical to the fault-free one.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import F64, Run, assert_clean_run, float64_run, launch
+from conftest import F64, Run, assert_clean_run, assert_redid_only, float64_run, launch
 
 pytestmark = pytest.mark.e2e
 
@@ -47,6 +48,8 @@ def test_survivors_latch_transport_errors_from_a_dead_peer(
     (fault,) = run.of("fault_injected")
     exits = run.of("worker_exit")
     assert [e["worker"] for e in exits] == [fault["worker"]], "only the victim may exit"
+    if "--pp" not in flags:  # it computed nothing of step 5: its whole share, and only it
+        assert_redid_only(run, 2, {fault["worker"]})
     # The survivors met the dead peer in the transport before any plan told them.
     failed = [e for e in run.of("step_aborted") if "interrupted" not in e["reason"]]
     assert failed, run.of("step_aborted")
