@@ -334,6 +334,9 @@ class JobConfig:
     run_dir: str | None = None  # default runs/<job_id>
     etcd: list[str] = field(default_factory=list)  # empty: start an embedded etcd
     etcd_port: int = 0  # embedded etcd client port (0 = any free port)
+    # Each daemon serves Prometheus metrics on this port (0: a free one, printed and recorded
+    # in events.jsonl); None: no metrics server.
+    metrics_port: int | None = None
     etcd_tls: EtcdTLSConfig = field(default_factory=EtcdTLSConfig)
     zero: int = 0  # 1: ZeRO-1, optimizer state sharded over the data-parallel ranks (with
     #                pp > 1: over each layer's holders, two live copies, no snapshots)
@@ -372,6 +375,8 @@ class JobConfig:
             raise ConfigError(f"cost_every must be >= 1, got {self.cost_every}")
         if self.verify_every < 0:
             raise ConfigError(f"verify_every must be >= 0, got {self.verify_every}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ConfigError(f"metrics_port must be 0..65535, got {self.metrics_port}")
         if self.zero not in (0, 1):
             raise ConfigError(f"zero must be 0 or 1, got {self.zero}")
         self._check_pipeline()
@@ -467,6 +472,7 @@ LAUNCH_FLAGS: dict[str, str] = {
     "run_dir": "run_dir",
     "etcd": "etcd",
     "etcd_port": "etcd_port",
+    "metrics_port": "metrics_port",
     "etcd_cacert": "etcd_tls.cacert",
     "etcd_cert": "etcd_tls.cert",
     "etcd_key": "etcd_tls.key",

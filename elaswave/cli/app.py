@@ -145,7 +145,17 @@ _LoopBreaker = Annotated[
         help="Stop the job after N failures without a committed step (0: never).",
     ),
 ]
-_Quiet = Annotated[bool, typer.Option("--quiet", help="No MTTR summary at the end.")]
+_Quiet = Annotated[
+    bool, typer.Option("--quiet", help="No live progress, no MTTR summary at the end.")
+]
+_MetricsPort = Annotated[
+    int | None,
+    typer.Option("--metrics-port", help="Serve Prometheus /metrics here (0: a free port)."),
+]
+_ProgressEvery = Annotated[
+    float,
+    typer.Option("--progress-every", help="Not on a terminal: a progress line every N seconds."),
+]
 
 
 @app.command()
@@ -182,23 +192,40 @@ def launch(
     hang_timeout: _HangTimeout = None,
     straggler_threshold: _StragglerThreshold = None,
     loop_breaker: _LoopBreaker = None,
+    metrics_port: _MetricsPort = None,
     quiet: _Quiet = False,
+    progress_every: _ProgressEvery = 10.0,
 ) -> None:
     """Run a job on this host in the foreground (one launch per host).
 
     etcd user and password, when etcd has auth on, come from ELASWAVE_ETCD_USER and
     ELASWAVE_ETCD_PASSWORD only.
     """
+    from elaswave.cli.progress import LiveProgress
     from elaswave.config import load_config
     from elaswave.daemon.launch import launch as run_launch
 
+    view, code = None, None
     try:
         cfg = load_config(config, overrides=_launch_overrides(ctx.params, fault))
         security = _preflight(cfg)
         start = time.time()
-        code = run_launch(cfg, host_addr=host_addr, security=security)
+        if not quiet:
+            if not progress_every > 0:
+                raise ConfigError(f"--progress-every must be > 0, got {progress_every}")
+            view = LiveProgress(
+                cfg.job_id, cfg.train.steps, cfg.resolved_run_dir, out,
+                interactive=out.is_terminal, every=progress_every,
+            )  # fmt: skip
+        code = run_launch(
+            cfg, host_addr=host_addr, security=security,
+            on_etcd=view.attach if view is not None else None,
+        )  # fmt: skip
     except ElasWaveError as exc:
         raise _fail(exc) from None
+    finally:
+        if view is not None:
+            view.stop(code)
     if code == 0 and not quiet:
         _print_summary(cfg, start)
     raise typer.Exit(code)
@@ -259,36 +286,62 @@ def status(
     ),
     etcd_key: Path | None = typer.Option(None, "--etcd-key", help="Client key for etcd."),
     as_json: bool = typer.Option(False, "--json"),
-    watch: bool = typer.Option(False, "--watch", help="Refresh every second until Ctrl-C."),
+    watch: bool = typer.Option(
+        False, "--watch", help="Refresh in place every second until the job ends or Ctrl-C."
+    ),
 ) -> None:
     """Membership, ranks, epoch, step, throughput and recent incidents of a running job."""
     from elaswave.cli.jobs import job_status
 
-    while True:
-        try:
-            tls = _client_tls(etcd_cacert, etcd_cert, etcd_key)
-            st = job_status(job_id, etcd, tls=tls)
-        except ElasWaveError as exc:
-            raise _fail(exc) from None
-        if as_json:
-            out.print_json(json.dumps(st))
-        else:
-            _print_status(st)
-        if not watch:
-            return
-        time.sleep(1.0)
+    try:
+        if watch and as_json:
+            raise ConfigError("--watch and --json do not go together: --json is one document")
+        tls = _client_tls(etcd_cacert, etcd_cert, etcd_key)
+        st = job_status(job_id, etcd, tls=tls)
+    except ElasWaveError as exc:
+        raise _fail(exc) from None
+    if as_json:
+        out.print_json(json.dumps(st))
+    elif not watch:
+        out.print(_status_view(st))
+    else:
+        _watch_status(st, lambda: job_status(job_id, etcd, tls=tls))
 
 
-def _print_status(st: dict[str, Any]) -> None:
+def _watch_status(st: dict[str, Any], read: Any) -> None:
+    """``status --watch``: one view redrawn in place until the job is done (or gone), Ctrl-C."""
+    from rich.live import Live
+
+    from elaswave.errors import JobNotFound
+
+    try:
+        with Live(_status_view(st), console=out, auto_refresh=False) as live:
+            while not st["done"]:
+                time.sleep(1.0)
+                try:
+                    st = read()
+                except JobNotFound:  # its launcher ended since the last look
+                    out.print(f"job {escape(st['job_id'])}: no longer running", highlight=False)
+                    break
+                except ElasWaveError as exc:
+                    raise _fail(exc) from None
+                live.update(_status_view(st), refresh=True)
+    except KeyboardInterrupt:
+        raise typer.Exit(130) from None
+
+
+def _status_view(st: dict[str, Any]) -> Any:
+    from rich.console import Group
+    from rich.text import Text
+
     prog = st["progress"] or {}
     head = (
-        f"job [bold]{st['job_id']}[/bold]  epoch {st['epoch']}  world {st['world_size']}  "
+        f"job [bold]{escape(st['job_id'])}[/bold]  epoch {st['epoch']}  world {st['world_size']}  "
         f"leader {st['leader']}  step {prog.get('step', 0)}/{prog.get('total_steps', '?')}  "
         f"loss {prog.get('loss', float('nan')):.4f}  {prog.get('samples_per_s', 0.0):.1f} samples/s"
     )
     if st["done"]:
         head += "  [green]done[/green]"
-    out.print(head)
     grid = any("replica" in m for m in st["members"])
     columns = ["rank", "worker", "host", "pid", "micro-batches", "state"]
     table = Table(*(columns[:1] + ["replica·stage", "layers"] + columns[1:] if grid else columns))
@@ -305,12 +358,11 @@ def _print_status(st: dict[str, Any]) -> None:
         )
     for wid in st["standby"]:
         table.add_row("–", wid, "", "", "0", "standby")
-    out.print(table)
-    for inc in st["incidents"][-5:]:
-        out.print(
-            f"  {time.strftime('%H:%M:%S', time.localtime(inc['t']))}  {inc['reason']}",
-            highlight=False,
-        )
+    lines = [
+        Text(f"  {time.strftime('%H:%M:%S', time.localtime(inc['t']))}  {inc['reason']}")
+        for inc in st["incidents"][-5:]
+    ]
+    return Group(head, table, *lines)
 
 
 @app.command("inject-fault")
@@ -407,17 +459,32 @@ def report(
     run_dirs: list[Path] = typer.Option(  # noqa: B006 - typer's way to repeat an option
         [], "--run-dir", help="A run directory; repeat it for each host's of a multi-host job."
     ),
-    fmt: str = typer.Option("md", "--format", help="json | csv | md"),
+    fmt: str = typer.Option("md", "--format", help="json | csv | md | html"),
     out_file: Path | None = typer.Option(None, "--out"),
+    baseline: list[Path] = typer.Option(  # noqa: B006 - typer's way to repeat an option
+        [], "--baseline", help="html: a fault-free run's directory to overlay (repeatable)."
+    ),
 ) -> None:
-    """MTTR report of a run: one row per incident with its phases, plus run totals."""
+    """MTTR report of a run: one row per incident with its phases, plus run totals; html adds
+    the plots (phases, loss with the faults marked, throughput, world size) in one file."""
     from elaswave.report import build_report, render
 
     try:
-        if fmt not in ("json", "csv", "md"):
-            raise ConfigError(f"unknown --format {fmt!r}: use json, csv or md")
+        if fmt not in ("json", "csv", "md", "html"):
+            raise ConfigError(f"unknown --format {fmt!r}: use json, csv, md or html")
+        if baseline and fmt != "html":
+            raise ConfigError("--baseline is for --format html")
         directories = _report_dirs(job_id, run_dirs)
-        text = render(build_report(*directories), fmt)
+        for d in baseline:
+            if not (d / "metrics.jsonl").is_file():
+                raise ConfigError(f"--baseline {d}: not a run directory (no metrics.jsonl)")
+        report_ = build_report(*directories)
+        if fmt == "html":
+            from elaswave.report_html import render_html
+
+            text = render_html(directories, baseline, report_)
+        else:
+            text = render(report_, fmt)
     except ElasWaveError as exc:
         raise _fail(exc) from None
     if out_file:

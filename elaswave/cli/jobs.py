@@ -42,17 +42,26 @@ async def _status(
     keys = JobKeys(job_id)
     db = await Etcd.connect(endpoints, prefix=keys.prefix, timeout=timeout, security=security)
     try:
-        hosts = [kv.json() for kv in await db.get_prefix(keys.hosts)]
-        workers = {kv.json()["worker_id"]: kv.json() for kv in await db.get_prefix(keys.workers)}
-        plan_kv = await db.get(keys.plan)
-        progress_kv = await db.get(keys.progress)
-        incidents_kv = await db.get(keys.incidents)
-        leader_kv = await db.get(keys.leader)
-        done_kv = await db.get(keys.done)
+        st = await read_status(db, job_id)
     finally:
         await db.close()
-    if not hosts and plan_kv is None:
+    if st is None:
         raise JobNotFound(f"no job {job_id!r} in etcd at {', '.join(endpoints)}")
+    return st
+
+
+async def read_status(db: Etcd, job_id: str) -> dict[str, Any] | None:
+    """The status document of ``job_id`` through an open connection (None: no such job)."""
+    keys = JobKeys(job_id)
+    hosts = [kv.json() for kv in await db.get_prefix(keys.hosts)]
+    workers = {kv.json()["worker_id"]: kv.json() for kv in await db.get_prefix(keys.workers)}
+    plan_kv = await db.get(keys.plan)
+    progress_kv = await db.get(keys.progress)
+    incidents_kv = await db.get(keys.incidents)
+    leader_kv = await db.get(keys.leader)
+    done_kv = await db.get(keys.done)
+    if not hosts and plan_kv is None:
+        return None
     plan = Plan.from_json(plan_kv.value) if plan_kv else None
     members = []
     if plan is not None:

@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import signal
+from collections.abc import Callable
 from pathlib import Path
 
 from elaswave.config import JobConfig, state_dir
@@ -48,9 +49,16 @@ def find_job(job_id: str) -> dict:
 
 
 def launch(
-    cfg: JobConfig, *, host_addr: str | None = None, security: EtcdSecurity | None = None
+    cfg: JobConfig,
+    *,
+    host_addr: str | None = None,
+    security: EtcdSecurity | None = None,
+    on_etcd: Callable[[list[str], EtcdSecurity], Callable[[], None]] | None = None,
 ) -> int:
-    """Run this host's part of the job; ``security`` defaults to ``cfg.etcd_tls`` + environment."""
+    """Run this host's part of the job; ``security`` defaults to ``cfg.etcd_tls`` + environment.
+    ``on_etcd(endpoints, security)`` is told where the job's etcd is once it is known (the
+    live progress display reads the job from there); what it returns is called when the
+    daemon is done, before an embedded etcd stops."""
     if security is None:
         security = EtcdSecurity.load(cfg.etcd_tls)
     if cfg.resume:
@@ -107,9 +115,12 @@ def launch(
                     }
                 )
             )
+        detach = on_etcd(endpoints, security) if on_etcd is not None else None
         try:
             return asyncio.run(_run(daemon))
         finally:
+            if detach is not None:
+                detach()
             if owns_record:
                 disc.unlink(missing_ok=True)
     finally:

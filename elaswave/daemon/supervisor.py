@@ -44,6 +44,7 @@ from elaswave.daemon.faultrelay import FaultRelay
 from elaswave.daemon.hangs import detect_hangs
 from elaswave.daemon.jobstore import JobStore
 from elaswave.daemon.leader import Candidate, Leadership, campaign
+from elaswave.daemon.metrics import DaemonMetrics, worker_state
 from elaswave.daemon.netns import current_netns
 from elaswave.daemon.pool import WorkerPool
 from elaswave.daemon.records import StepRecords
@@ -120,6 +121,7 @@ class HostDaemon:
         self.faults = FaultRelay(self)  # fault requests from etcd to this host's workers
         self.cp = ControlPlane(self)  # etcd outages, the outbox, the lease, the embedded etcd
         self.outbox = self.cp.outbox
+        self.prom: DaemonMetrics | None = None  # launch --metrics-port
 
     # ---- lifecycle --------------------------------------------------------------------------
     async def run(self) -> int:
@@ -168,6 +170,9 @@ class HostDaemon:
                 "done": self._watch_done,
                 "stop": self._watch_stop,
             }
+            if self.cfg.metrics_port is not None:
+                self._serve_metrics(self.cfg.metrics_port)
+                resilient["progress"] = self._watch_progress
             self._tasks = [
                 asyncio.create_task(self.cp.keep_alive(), name="keep-alive"),
                 asyncio.create_task(self.outbox.run(), name="outbox"),
@@ -193,8 +198,49 @@ class HostDaemon:
             return await self._finish()
         finally:
             await self._cleanup()
+            if self.prom is not None:
+                self.prom.close()
             self.events.close()
             self.metrics.close()
+
+    def _serve_metrics(self, port: int) -> None:
+        """Prometheus ``/metrics`` on ``port`` (0: a free one, printed and recorded)."""
+        prom = DaemonMetrics(
+            self.cfg.job_id, self.host_id, leading=lambda: self.is_leader,
+            workers=self._worker_states,
+        )  # fmt: skip
+        try:
+            bound = prom.serve(port)
+        except OSError as exc:
+            raise ElasWaveError(f"--metrics-port {port}: cannot serve metrics ({exc})") from None
+        self.prom = prom
+        url = f"http://{self.host_addr}:{bound}/metrics"
+        self.events.emit("metrics_serving", host=self.host_id, port=bound, url=url)
+        print(f"elaswave: metrics at {url}", file=sys.stderr, flush=True)
+
+    def _worker_states(self) -> list[str]:
+        """This host's workers by state, for the metrics (read from the server's thread)."""
+        plan = self.plan
+        return [
+            worker_state(
+                exited=w.proc.returncode is not None,
+                ready=w.ready,
+                in_plan=plan is not None and wid in plan.workers,
+            )  # fmt: skip
+            for wid, w in dict(self.workers).items()
+        ]
+
+    async def _watch_progress(self) -> None:
+        """The job's progress record, every write of it, into the metrics."""
+        assert self.prom is not None
+        rev = await self.etcd.revision()
+        kv = await self.etcd.get(self.keys.progress)
+        if kv is not None:
+            self.prom.progress(kv.json())
+        async for ev in self.etcd.watch_prefix(self.keys.progress, start_revision=rev + 1):
+            if ev.key == self.keys.progress and ev.kind == "put":
+                with contextlib.suppress(ValueError):
+                    self.prom.progress(json.loads(ev.value))
 
     @property
     def worker_step(self) -> int:
@@ -484,6 +530,8 @@ class HostDaemon:
         before = self.plan.workers if self.plan is not None else ()
         gone = dict.fromkeys([*plan.departed, *(wid for wid in before if wid not in plan.workers)])
         self.plan = plan
+        if self.prom is not None:
+            self.prom.plan(plan)
         dropped = [
             w
             for wid in gone

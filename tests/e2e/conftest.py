@@ -32,18 +32,22 @@ def state_env(tmp_path: Path) -> dict[str, str]:
     return env
 
 
-def launch_cmd(run_dir: Path, *args: str) -> list[str]:
-    """``elaswave launch`` of the test config into ``run_dir``, quiet, with ``args``."""
-    return elaswave_cmd("launch", str(CONFIG), "--run-dir", str(run_dir), "--quiet", *args)
+def launch_cmd(run_dir: Path, *args: str, quiet: bool = True) -> list[str]:
+    """``elaswave launch`` of the test config into ``run_dir`` (quiet: no progress, no
+    summary), with ``args``."""
+    return elaswave_cmd(
+        "launch", str(CONFIG), "--run-dir", str(run_dir), *(["--quiet"] if quiet else []), *args
+    )
 
 
 def launch(
-    run_dir: Path, *args: str, env: dict[str, str], timeout: float = 180
+    run_dir: Path, *args: str, env: dict[str, str], timeout: float = 180, quiet: bool = True
 ) -> subprocess.CompletedProcess[str]:
     """Run a job to completion."""
     return subprocess.run(
-        launch_cmd(run_dir, *args), env=env, capture_output=True, text=True, timeout=timeout
-    )
+        launch_cmd(run_dir, *args, quiet=quiet),
+        env=env, capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
 
 
 def start(run_dir: Path, env: dict[str, str], *args: str) -> subprocess.Popen[str]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import time
@@ -37,11 +38,23 @@ def test_kill_one_worker_at_step_15(
     tmp_path: Path, state_env: dict[str, str], reference: Run
 ) -> None:
     r = launch(
-        tmp_path / "run", "--job-id", "kill15", "--fault", "kill,rank=1,at_step=15", env=state_env
-    )
+        tmp_path / "run", "--job-id", "kill15", "--fault", "kill,rank=1,at_step=15",
+        "--progress-every", "0.5", env=state_env, quiet=False,
+    )  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     run = Run(tmp_path / "run")
     assert_clean_run(run, 40, reference)
+    # Not on a terminal: plain progress lines, the incident and its MTTR as they happen.
+    lines = r.stdout.splitlines()
+    progress = [ln for ln in lines if ln.startswith("step ")]
+    assert (
+        progress and progress[-1].startswith("step 40/40 ") and "world 3  epoch 2" in progress[-1]
+    )
+    assert any("world 4  epoch 1" in ln for ln in progress), progress
+    (incident,) = [i for i, ln in enumerate(lines) if ln.startswith("incident: ")]
+    assert "(rank 1) killed by SIGKILL" in lines[incident] and "epoch 2" in lines[incident]
+    (recovered,) = [ln for ln in lines[incident:] if ln.startswith("recovered: ")]
+    assert re.fullmatch(r"recovered: epoch 2, step 15 committed; MTTR \d+ ms", recovered)
 
     (fault,) = run.of("fault_injected")
     assert fault["step"] == 15 and fault["rank"] == 1

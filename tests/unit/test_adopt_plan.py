@@ -28,6 +28,7 @@ def _daemon(current: Plan, live: list[str]) -> tuple[Any, list[list[str]]]:
             for wid in live
         },  # fmt: skip
         conns={},
+        prom=None,  # no metrics server
         faults=SimpleNamespace(dispatch=lambda: None),
     )
     d.pool = SimpleNamespace(

@@ -97,6 +97,8 @@ def test_launch_unknown_config_key(tmp_path: Path) -> None:
         (["--straggler-threshold", "0.9"], "straggler_threshold"),
         (["--loop-breaker", "-2"], "loop_breaker"),
         (["--snapshot-every", "-1"], "snapshot_every must be >= 0"),
+        (["--metrics-port", "70000"], "metrics_port must be 0..65535"),
+        (["--progress-every", "0"], "--progress-every must be > 0"),
     ],
 )
 def test_launch_bad_flags(args: list[str], fragment: str) -> None:
@@ -127,6 +129,24 @@ def test_report_unknown_format(tmp_path: Path, fmt: str) -> None:
     result = runner.invoke(app, ["report", "--format", fmt, "--run-dir", str(tmp_path / "X")])
     line = one_error_line(result)
     assert "--format" in line
+
+
+def test_report_baseline_is_for_html_and_must_be_a_run(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "events.jsonl").write_text(json.dumps({"t": 1.0, "kind": "host_joined"}) + "\n")
+    (run / "metrics.jsonl").write_text("")
+    base = ["--run-dir", str(run), "--baseline", str(tmp_path / "nothing")]
+    assert "--baseline is for --format html" in one_error_line(
+        runner.invoke(app, ["report", *base])
+    )
+    line = one_error_line(runner.invoke(app, ["report", "--format", "html", *base]))
+    assert "not a run directory" in line
+
+
+def test_status_watch_is_not_json() -> None:
+    line = one_error_line(runner.invoke(app, ["status", "--job-id", "x", "--watch", "--json"]))
+    assert "--watch and --json" in line
 
 
 def test_report_needs_a_run() -> None:

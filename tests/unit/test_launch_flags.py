@@ -12,7 +12,7 @@ import pytest
 from elaswave.cli.app import launch
 from elaswave.config import LAUNCH_FLAGS, schema_type
 
-NOT_CONFIG = {"ctx", "config", "fault", "host_addr", "quiet"}  # not config keys (faults: parsed)
+NOT_CONFIG = {"ctx", "config", "fault", "host_addr", "quiet", "progress_every"}  # not config keys
 
 
 def _flag_type(name: str) -> type:
