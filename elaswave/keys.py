@@ -28,6 +28,7 @@ class JobKeys:
         self.speed = self.prefix + "speed/"  # speed/<host_id>: its workers' compute times, lease
         self.stop = self.prefix + "stop"  # the leader's verdict that ends the job (a reason)
         self.costs = self.prefix + "costs/"  # costs/<host_id>: its workers' layer seconds, lease
+        self.memory = self.prefix + "memory/"  # memory/<host_id>: its workers' bytes, lease
 
     def host(self, host_id: str) -> str:
         return self.hosts + host_id

@@ -82,10 +82,23 @@ def build_report(run_dir: str | Path, *more: str | Path) -> dict[str, Any]:
     for n, inc in enumerate(incidents, 1):
         inc["id"] = n
     totals = _totals(events, metrics, incidents)
+    totals["memory"] = memory_by_worker(events)
     evals = sorted((m for m in lines if m.get("kind") == "eval"), key=lambda m: m["step"])
     if evals:
         totals["eval_loss"] = {"step": evals[-1]["step"], "loss": evals[-1]["eval_loss"]}
     return {"run_dir": ", ".join(str(d) for d in dirs), "incidents": incidents, "totals": totals}
+
+
+MEMORY_FIELDS = ("param_bytes", "grad_bytes", "optimizer_bytes", "replica_bytes")
+
+
+def memory_by_worker(events: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
+    """What each worker last said it holds (bytes by purpose, and the epoch it said it under)."""
+    out: dict[str, dict[str, int]] = {}
+    for e in events:
+        if e["kind"] == "memory" and e.get("worker"):
+            out[e["worker"]] = {k: e[k] for k in ("epoch", *MEMORY_FIELDS) if k in e}
+    return out
 
 
 CONTROL_PLANE = "control plane"

@@ -330,6 +330,16 @@ def _watch_status(st: dict[str, Any], read: Any) -> None:
         raise typer.Exit(130) from None
 
 
+def _held(member: dict[str, Any]) -> str:
+    """A rank's bytes (parameters, gradients, optimizer state, recovery copies) in MiB."""
+    from elaswave.report import MEMORY_FIELDS
+
+    parts = [member.get(k) for k in MEMORY_FIELDS]
+    if any(p is None for p in parts):
+        return "–"
+    return f"{sum(parts) / 2**20:.1f} MiB"
+
+
 def _status_view(st: dict[str, Any]) -> Any:
     from rich.console import Group
     from rich.text import Text
@@ -343,7 +353,7 @@ def _status_view(st: dict[str, Any]) -> Any:
     if st["done"]:
         head += "  [green]done[/green]"
     grid = any("replica" in m for m in st["members"])
-    columns = ["rank", "worker", "host", "pid", "micro-batches", "state"]
+    columns = ["rank", "worker", "host", "pid", "micro-batches", "holds", "state"]
     table = Table(*(columns[:1] + ["replica·stage", "layers"] + columns[1:] if grid else columns))
     for m in st["members"]:
         place = [f"{m['replica']}·{m['stage']}", "[{}, {})".format(*m["layers"])] if grid else []
@@ -354,10 +364,11 @@ def _status_view(st: dict[str, Any]) -> Any:
             m["host"],
             str(m["pid"] or "–"),
             str(m["microbatches"]),
+            _held(m),
             "[green]alive[/green]" if m["alive"] else "[red]gone[/red]",
         )
     for wid in st["standby"]:
-        table.add_row("–", wid, "", "", "0", "standby")
+        table.add_row("–", wid, "", "", "0", "", "standby")
     lines = [
         Text(f"  {time.strftime('%H:%M:%S', time.localtime(inc['t']))}  {inc['reason']}")
         for inc in st["incidents"][-5:]

@@ -16,6 +16,7 @@ from elaswave.errors import FaultSpecError, JobNotFound
 from elaswave.faults import FaultKind, FaultSpec
 from elaswave.keys import JobKeys
 from elaswave.planning.plan import Plan
+from elaswave.report import MEMORY_FIELDS  # null per rank until its worker reports under a plan
 
 
 def resolve_etcd(
@@ -55,6 +56,9 @@ async def read_status(db: Etcd, job_id: str) -> dict[str, Any] | None:
     keys = JobKeys(job_id)
     hosts = [kv.json() for kv in await db.get_prefix(keys.hosts)]
     workers = {kv.json()["worker_id"]: kv.json() for kv in await db.get_prefix(keys.workers)}
+    memory: dict[str, Any] = {}
+    for kv in await db.get_prefix(keys.memory):
+        memory.update(kv.json())
     plan_kv = await db.get(keys.plan)
     progress_kv = await db.get(keys.progress)
     incidents_kv = await db.get(keys.incidents)
@@ -76,6 +80,8 @@ async def read_status(db: Etcd, job_id: str) -> dict[str, Any] | None:
                     "alive": wid in workers,
                     "microbatches": plan.microbatches[rank],
                     **_stage(plan, rank),
+                    **dict.fromkeys(MEMORY_FIELDS),
+                    **{k: v for k, v in memory.get(wid, {}).items() if k in MEMORY_FIELDS},
                 }
             )
     standby = [w for w in workers if plan is None or w not in plan.workers]

@@ -122,6 +122,7 @@ class HostDaemon:
         self.cp = ControlPlane(self)  # etcd outages, the outbox, the lease, the embedded etcd
         self.outbox = self.cp.outbox
         self.prom: DaemonMetrics | None = None  # launch --metrics-port
+        self.memory: dict[str, dict[str, int]] = {}  # worker -> bytes it holds, by purpose
 
     # ---- lifecycle --------------------------------------------------------------------------
     async def run(self) -> int:
@@ -469,11 +470,24 @@ class HostDaemon:
             self.records.roll_back(int(msg["step"]))
         elif kind == "compute":
             self.compute.measured(w.worker_id, msg)
+        elif kind == "memory":
+            self._share_memory(w.worker_id, msg)
         elif kind == "layer_costs":  # pipelines, layer_costs: online
             self.compute.measured_layers(w.worker_id, msg)
         elif kind == "done":
             w.done = True
             self.records.finished_at(int(msg.get("step", 0)))
+
+    def _share_memory(self, wid: str, msg: dict[str, Any]) -> None:
+        """A worker's bytes by purpose under its newest plan, in ``memory/<host>`` (what
+        ``status`` shows per rank), with those of this host's other running workers."""
+        self.memory[wid] = {k: int(v) for k, v in msg.items() if k.endswith("_bytes")}
+        live = self._running()
+        record = {w: m for w, m in self.memory.items() if w in live}
+        key = self.keys.memory + self.host_id
+        self.outbox.put(
+            f"memory of {wid}", lambda: self.etcd.put_json(key, record, lease=self.lease)
+        )
 
     def _on_disconnect(self, conn: WorkerConn) -> None:
         if conn.worker_id and self.conns.get(conn.worker_id) is conn:

@@ -45,7 +45,14 @@ from elaswave.runtime.integrity.checker import Integrity
 from elaswave.runtime.integrity.checksums import host_bytes
 from elaswave.runtime.integrity.inject import FaultInjector
 from elaswave.runtime.state import RankContext, TrainState
-from elaswave.runtime.strategies.base import DP, EPOCH, Strategy, Whole, reduction_buffer
+from elaswave.runtime.strategies.base import (
+    DP,
+    EPOCH,
+    Strategy,
+    Whole,
+    nbytes,
+    reduction_buffer,
+)
 from elaswave.runtime.strategies.select import strategy_for
 from elaswave.runtime.strategies.zero import ShardLost
 from elaswave.runtime.workload.data import microbatches
@@ -116,6 +123,7 @@ class Engine:
         self.integrity = Integrity(self.ctx, self.strategy, self.durable, self.faults)
         self._speeds: list[float] = []  # compute seconds per micro-batch not yet reported
         self._speeds_epoch, self._speeds_sent = 0, 0.0
+        self._memory_epoch = 0  # the plan whose memory this rank reported last
         control.start_heartbeat(cfg.timeouts.heartbeat, self._heartbeat)
 
     @property
@@ -176,6 +184,9 @@ class Engine:
         assert self.plan is not None
         if result.compute_per_mb is not None:  # every rank: the straggler detector's input
             self._report_speed(result.step, result.compute_per_mb)
+        if self._memory_epoch != self.plan.epoch and result.seconds:  # a step, not a re-report
+            self._memory_epoch = self.plan.epoch
+            self._report_memory(self.plan)
         self.strategy.after_commit(result.step)
         if self.comm.rank(DP) == 0:
             self.control.send(
@@ -348,6 +359,21 @@ class Engine:
             # its only record (the daemon drops duplicates). A step restored from a durable
             # checkpoint was committed by an earlier run or is about to be recomputed: not here.
             self.commit_step(StepResult(self.state.step, self.state.last_loss, 0.0))
+
+    def memory(self) -> dict[str, int]:
+        """Bytes this rank holds by purpose (the strategy's, plus the step's reduction buffer
+        as gradient bytes)."""
+        out = self.strategy.memory()
+        out["grad_bytes"] += nbytes(self.buffer)
+        return out
+
+    def _report_memory(self, plan: Plan) -> None:
+        """What this rank holds under ``plan`` once it has trained a step under it (the copies a
+        step keeps exist by then): an event (the report) and a message (the daemon shares it in
+        etcd, where ``status`` reads it)."""
+        memory = self.memory()
+        self.control.event("memory", worker=self.me, epoch=plan.epoch, **memory)
+        self.control.send({"type": "memory", "epoch": plan.epoch, **memory})
 
     def _farewell(self) -> None:
         """Final best-effort barrier so no rank exits while a peer still reads its last bytes."""

@@ -38,6 +38,11 @@ def test_status_and_inject_fault_through_etcd(tmp_path: Path, state_env: dict[st
         assert st is not None and st["world_size"] == 4 and st["epoch"] == 1
         assert [m["rank"] for m in st["members"]] == [0, 1, 2, 3]
         assert all(m["alive"] and m["pid"] for m in st["members"])
+        # Each rank says what it holds: replicated data parallelism, the whole model each.
+        held = {(m["param_bytes"], m["optimizer_bytes"], m["replica_bytes"]) for m in st["members"]}
+        ((params, moments, replicas),) = held
+        assert params > 0 and moments == 2 * params and replicas == 0
+        assert all(m["grad_bytes"] >= 2 * params for m in st["members"])  # autograd's + buffer
         victim = st["members"][2]
 
         bad = cli(
@@ -74,8 +79,12 @@ def test_status_and_inject_fault_through_etcd(tmp_path: Path, state_env: dict[st
         proc.wait(timeout=60)
     assert proc.returncode == 128 + signal.SIGINT
     run = Run(tmp_path / "run")
-    (inc,) = build_report(run.dir)["incidents"]
+    report = build_report(run.dir)
+    (inc,) = report["incidents"]
     assert inc["worker"] == victim["worker"] and inc["mttr_s"] is not None
+    memory = report["totals"]["memory"]
+    assert set(memory) == {m["worker"] for m in st["members"]}
+    assert {m["epoch"] for w, m in memory.items() if w != victim["worker"]} == {2}
     assert_no_orphans(run)
     assert not (Path(state_env["ELASWAVE_STATE_DIR"]) / "jobs" / "live.json").exists()
     # The job is gone: the CLI says so in one line.

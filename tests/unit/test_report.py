@@ -214,6 +214,19 @@ def test_the_markdown_says_what_was_redone(tmp_path: Path) -> None:
     assert (row["kept_microbatches"], row["redone_microbatches"]) == ("12", "4")
 
 
+def test_the_totals_say_what_each_worker_last_held(tmp_path: Path) -> None:
+    held = {"param_bytes": 400, "grad_bytes": 416, "optimizer_bytes": 800, "replica_bytes": 0}
+    events = start_events() + [
+        {"t": 90.8, "kind": "memory", "worker": f"w{r}", "epoch": 1, **held} for r in range(4)
+    ] + kill_events() + [
+        {"t": 100.05, "kind": "memory", "worker": "w2", "epoch": 2, **held, "grad_bytes": 9}
+    ]  # fmt: skip
+    memory = build_report(write_run(tmp_path / "run", events, metrics()))["totals"]["memory"]
+    assert memory["w0"] == {"epoch": 1, **held}
+    assert memory["w2"] == {"epoch": 2, **held, "grad_bytes": 9}, "the newest report wins"
+    assert set(memory) == {"w0", "w1", "w2", "w3"}
+
+
 def test_kill_totals(kill_run: Path) -> None:
     totals = build_report(kill_run)["totals"]
     assert totals["committed_steps"] == 40

@@ -485,3 +485,31 @@ def test_without_partial_redo_the_whole_step_is_computed_again() -> None:
     for info in infos:
         assert info["kept_microbatches"] == {"w0": 0, "w2": 0, "w3": 0}
         assert info["redo_microbatches"] == {"w0": [0, 1, 2], "w2": [3, 4, 5], "w3": [6, 7]}
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_each_rank_says_what_it_holds(zero: int) -> None:
+    """memory(): replicated ranks hold the whole model's parameters, gradients and both moments;
+    ZeRO-1 ranks one shard of the moments (a quarter each of 4) and pieces of their peers'."""
+
+    def body(rank: int, comm: ThreadComm) -> tuple[int, int, dict[str, int]]:
+        strategy, _ = _strategy(_cfg(zero), comm, _plan(4))
+        strategy.sync(_plan(4), lambda: False)
+        _train(strategy, 1)
+        shard = strategy.zero.size if isinstance(strategy, Zero1) else 0  # padded
+        return strategy.state.flat.numel, shard, strategy.memory()
+
+    out = run_ranks(4, body)
+    n = out[0][0]
+    for _, shard, mem in out:
+        assert mem["param_bytes"] == 4 * n
+        assert mem["grad_bytes"] == 4 * n + 8 * n  # autograd's float32, the float64 sums
+        if zero:
+            assert n / 4 <= shard < n / 2
+            assert mem["optimizer_bytes"] == 8 * shard  # both moments of its shard
+            assert mem["replica_bytes"] > 0
+        else:
+            assert (mem["optimizer_bytes"], mem["replica_bytes"]) == (8 * n, 0)
+    if zero:  # every shard's moments kept twice over the ranks: once owned, once in pieces
+        owned, pieces = (sum(m[k] for *_, m in out) for k in ("optimizer_bytes", "replica_bytes"))
+        assert 8 * n <= pieces <= owned

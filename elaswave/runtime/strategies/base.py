@@ -49,8 +49,18 @@ TAIL = 4
 
 __all__ = [
     "COUNT", "DP", "EPOCH", "FLAG", "LOSS", "TAIL",
-    "Strategy", "Whole", "mean_gradient", "reduction_buffer",
+    "Strategy", "Whole", "mean_gradient", "nbytes", "reduction_buffer",
 ]  # fmt: skip
+
+
+def nbytes(*tensors: torch.Tensor | None) -> int:
+    """Bytes of ``tensors``' storages, each storage counted once (views share one)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if t is not None and t.numel():
+            storage = t.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
 
 
 def reduction_buffer(state: TrainState, reduce_dtype: str) -> torch.Tensor:
@@ -147,6 +157,18 @@ class Strategy(ABC):
     def ready(self) -> dict[str, Any]:
         """What the worker's ready message tells the leader before the first plan."""
         return {}
+
+    def memory(self) -> dict[str, int]:
+        """Bytes this rank holds, by purpose: parameters, gradients (the engine adds its
+        reduction buffer), optimizer state, and copies kept for recovery (``replica_bytes``:
+        ZeRO replica pieces of peers' shards, a pipeline's pre-update copies)."""
+        st = self.state
+        return {
+            "param_bytes": nbytes(st.flat.data),
+            "grad_bytes": nbytes(st.flat.grad),
+            "optimizer_bytes": nbytes(st.opt.exp_avg, st.opt.exp_avg_sq),
+            "replica_bytes": 0,
+        }
 
     # ---- whole state: integrity and durability ------------------------------------------------
     @abstractmethod

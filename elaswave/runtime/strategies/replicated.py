@@ -27,7 +27,16 @@ from elaswave.planning.redo import redo_shares
 from elaswave.runtime.durable.checkpoints import DurableState
 from elaswave.runtime.integrity.checksums import digest
 from elaswave.runtime.integrity.verify import judge
-from elaswave.runtime.strategies.base import COUNT, DP, EPOCH, LOSS, Strategy, Whole, mean_gradient
+from elaswave.runtime.strategies.base import (
+    COUNT,
+    DP,
+    EPOCH,
+    LOSS,
+    Strategy,
+    Whole,
+    mean_gradient,
+    nbytes,
+)
 from elaswave.runtime.timing import busy_mark, busy_since
 from elaswave.runtime.workload.data import MicroBatch
 
@@ -65,14 +74,13 @@ class Replicated(Strategy):
         assert plan is not None
         mark = busy_mark()
         n = st.flat.numel
-        redo = self.redo is not None and self.redo[0] == step
-        mine = self.redo[1] if self.redo and redo else plan.microbatch_range(self.ctx.comm.rank(DP))
+        redo = self.redo[1] if self.redo is not None and self.redo[0] == step else None
+        mine = redo if redo is not None else plan.microbatch_range(self.ctx.comm.rank(DP))
         slow = slowdown * plan.world_size / len(every)  # per micro-batch
-        acc, part = self._accumulator(step, buf)
         # In the reduction's own dtype the gradients accumulate where autograd puts them (the
         # same float32 sums, in the same order); a wider reduction (float64) takes each
-        # micro-batch's gradient as it comes.
-        each = acc is not None
+        # micro-batch's gradient as it comes, into ``acc``.
+        acc, part = self._accumulator(step, buf)
         for i in mine:
             mb = every[i]
             inputs, targets = st.microbatch(mb.sample_ids)
@@ -89,9 +97,9 @@ class Replicated(Strategy):
             part.done.append(i)
             if slow:
                 time.sleep(slow)
-        buf[:n].copy_(acc if each else st.flat.collect_grads())
+        buf[:n].copy_(acc if acc is not None else st.flat.collect_grads())
         buf[n + LOSS], buf[n + COUNT] = part.sums[0], part.sums[1]
-        if redo or not len(mine):
+        if redo is not None or not len(mine):
             return None  # a redone step's share says nothing about this rank's speed
         # Time this rank needed, without the time its thread sat waiting for a CPU: on a shared
         # host that measures the neighbours, not this rank (sleeps and stalls still count).
@@ -110,6 +118,11 @@ class Replicated(Strategy):
             (acc if acc is not None else st.flat.collect_grads()).zero_()
             self.partial = Partial(step, buf.new_zeros(2))
         return acc, self.partial
+
+    def memory(self) -> dict[str, int]:
+        out = super().memory()
+        out["grad_bytes"] += nbytes(self._acc)  # the deterministic mode's float64 sums
+        return out
 
     def forget_partial(self) -> None:
         """The state changed under the kept sums (a copy, a restore, a rollback): drop them."""

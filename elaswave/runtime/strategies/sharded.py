@@ -13,7 +13,7 @@ import torch
 from elaswave.planning.plan import Plan
 from elaswave.planning.shards import ShardLayout
 from elaswave.runtime.durable.checkpoints import DurableState
-from elaswave.runtime.strategies.base import COUNT, DP, EPOCH, LOSS, Whole
+from elaswave.runtime.strategies.base import COUNT, DP, EPOCH, LOSS, Whole, nbytes
 from elaswave.runtime.strategies.replicated import Replicated
 from elaswave.runtime.strategies.zero import ShardLost, ZeroState
 
@@ -179,6 +179,16 @@ class Zero1(Replicated):
         if target == "snapshot" and self.zero.own is not None:
             return self.zero.corrupt_target()
         return super().corrupt_target(target)
+
+    def memory(self) -> dict[str, int]:
+        """The shard's moments (and the snapshot, where it is a copy of its own) as optimizer
+        state; the pieces of peers' shards as replicas."""
+        out = super().memory()
+        z = self.zero
+        own = [t for shard in (z.own, z.snap) if shard is not None for t in shard.tensors()]
+        out["optimizer_bytes"] += nbytes(*own)
+        out["replica_bytes"] = nbytes(*(t for r in z.replicas.values() for t in r.tensors()))
+        return out
 
     def holders(self) -> dict[str, list[int]]:
         """Owner rank -> ranks that keep pieces of its replica (for events and tests)."""

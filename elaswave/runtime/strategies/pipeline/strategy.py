@@ -15,7 +15,15 @@ from elaswave.planning.plan import Plan
 from elaswave.planning.stageshards import LayersLost
 from elaswave.runtime.durable.checkpoints import DurableState
 from elaswave.runtime.integrity import stageverify
-from elaswave.runtime.strategies.base import DP, EPOCH, FLAG, Strategy, Whole, mean_gradient
+from elaswave.runtime.strategies.base import (
+    DP,
+    EPOCH,
+    FLAG,
+    Strategy,
+    Whole,
+    mean_gradient,
+    nbytes,
+)
 from elaswave.runtime.strategies.pipeline.stage import MIG, Pipeline
 from elaswave.runtime.workload.data import MicroBatch
 
@@ -40,6 +48,16 @@ class PipelineStages(Strategy):
         out: dict[str, Any] = {"layer_estimate": list(self.pipe.costs)}
         if self.ctx.cfg.layer_costs in ("profile", "online"):
             out["layer_seconds"] = self.pipe.profile_layers()
+        return out
+
+    def memory(self) -> dict[str, int]:
+        """ZeRO inside the stages: the moments of the parts this rank keeps; the pre-update
+        copies of the held layers (a rollback's source) as copies kept for recovery."""
+        out = super().memory()
+        pipe = self.pipe
+        out["optimizer_bytes"] += nbytes(pipe.store.exp_avg, pipe.store.exp_avg_sq)
+        undo = pipe.undo
+        out["replica_bytes"] = nbytes(*(copy for _, copy in undo.saved)) if undo else 0
         return out
 
     # ---- one step -----------------------------------------------------------------------------

@@ -1,0 +1,155 @@
+"""Memory per pipeline rank: what each worker holds at pp = 1, 2, 4 on a ~60 M-parameter
+Llama-style model (transformers, random init), 4 workers.
+
+For each pp, one short fault-free launch. Per rank, from the report (``totals.memory``: what
+each worker says it holds, by purpose) and from the operating system (peak resident set of each
+worker process, sampled while it runs): parameter, gradient, optimizer and recovery-copy bytes,
+against the model's size and its stage share (model / pp). The gradient bytes a rank sends per
+step are computed for today's reduction (gloo's ring all-reduce of the whole [gradient | tail]
+buffer over all W ranks: 2 (W - 1) / W of it). This is the baseline of stage-local pipelines:
+today every rank allocates the whole model whatever pp is.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.common import (
+    REPO_ROOT,
+    BenchError,
+    bench_env,
+    console,
+    print_table,
+    read_jsonl,
+    write_config,
+)
+
+DESCRIPTION = "memory per pipeline rank at pp = 1, 2, 4 (60 M llama): bytes held and peak RSS"
+DEFAULT_REPEAT = 1
+WORLD = 4
+STEPS = 3
+PPS = (1, 2, 4)
+CONFIG = Path(__file__).with_name("llama-10m.yaml")
+MODEL = {  # ~60 M parameters: 2 x 32000 x 512 embeddings + 8 blocks of ~3.4 M
+    "hf": {"vocab_size": 32000, "hidden_size": 512, "intermediate_size": 1536,
+           "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 8},
+}  # fmt: skip
+FIELDS = ("param_bytes", "grad_bytes", "optimizer_bytes", "replica_bytes")
+
+
+def run(repeat: int, config: Path) -> dict[str, Any]:
+    tmp = Path(tempfile.mkdtemp(prefix="elaswave-bench-stagemem-"))
+    env = bench_env(tmp / "state")
+    cfg = write_config(
+        tmp / "config.yaml",
+        CONFIG,
+        {
+            "model": MODEL,
+            "train": {"steps": STEPS, "global_batch": 8, "micro_batch_size": 1},
+            "elastic": {"nproc_per_node": WORLD},
+        },
+    )
+    cells = {}
+    for pp in PPS:
+        for i in range(1, repeat + 1):
+            run_dir = tmp / f"pp{pp}-{i}"
+            peaks = _launch(cfg, run_dir, f"bench-stagemem-{os.getpid()}-{pp}-{i}", pp, env)
+            cells.setdefault(str(pp), []).append(_cell(run_dir, peaks, pp))
+            c = cells[str(pp)][-1]
+            console.print(
+                f"pp={pp} run {i}/{repeat}: params {c['param_mb']:.1f} MB / rank "
+                f"(stage share {c['stage_share_mb']:.1f}), peak RSS {c['peak_rss_mb']:.0f} MB"
+            )
+    shutil.rmtree(tmp, ignore_errors=True)
+    return {
+        "scenario": "stagemem",
+        "command": "python -m bench stagemem",
+        "world": WORLD,
+        "model": MODEL,
+        "cells": cells,
+    }
+
+
+def _launch(cfg: Path, run_dir: Path, job_id: str, pp: int, env: dict[str, str]) -> list[int]:
+    """Run the job; the peak resident bytes of each worker process (sampled every 0.1 s)."""
+    cmd = [sys.executable, "-m", "elaswave.cli.app", "launch", str(cfg), "--run-dir",
+           str(run_dir), "--job-id", job_id, "--pp", str(pp), "--quiet"]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    peaks: dict[int, int] = {}
+    done = threading.Event()
+
+    def sample() -> None:
+        import psutil
+
+        while not done.is_set():
+            events = run_dir / "events.jsonl"
+            pids = (
+                [e["pid"] for e in read_jsonl(events) if e["kind"] == "worker_spawned"]
+                if events.exists()
+                else []
+            )
+            for pid in pids:
+                try:
+                    rss = psutil.Process(pid).memory_info().rss
+                except psutil.Error:
+                    continue
+                peaks[pid] = max(peaks.get(pid, 0), rss)
+            time.sleep(0.1)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    out, _ = proc.communicate(timeout=1800)
+    done.set()
+    sampler.join()
+    if proc.returncode != 0:
+        raise BenchError(f"{' '.join(cmd)} exited {proc.returncode}:\n{out[-2000:]}")
+    return list(peaks.values())
+
+
+def _cell(run_dir: Path, peaks: list[int], pp: int) -> dict[str, Any]:
+    from elaswave.report import build_report
+
+    memory = build_report(run_dir)["totals"]["memory"]
+    if len(memory) != WORLD:
+        raise BenchError(f"{run_dir}: {len(memory)} workers reported their memory, not {WORLD}")
+    per_field = {f: statistics.median(m[f] for m in memory.values()) for f in FIELDS}
+    model = per_field["param_bytes"]  # every rank holds the whole model's parameters today
+    buffer = per_field["grad_bytes"] - model  # the step's reduction buffer (float32)
+    mb = 1 / 2**20
+    return {
+        **{f.replace("_bytes", "_mb"): v * mb for f, v in per_field.items()},
+        "stage_share_mb": model / pp * mb,
+        "param_plus_optimizer_over_share": (per_field["param_bytes"] + per_field["optimizer_bytes"])
+        / (3 * model / pp),
+        "peak_rss_mb": statistics.median(peaks) * mb if peaks else 0.0,
+        "peak_rss_max_mb": max(peaks) * mb if peaks else 0.0,
+        "grad_sent_mb_per_step": 2 * (WORLD - 1) / WORLD * buffer * mb,
+    }
+
+
+def show(result: dict[str, Any]) -> None:
+    rows = []
+    for pp, cells in result["cells"].items():
+        c = {k: statistics.median(x[k] for x in cells) for k in cells[0]}
+        rows.append(
+            (pp, f"{c['param_mb']:.1f}", f"{c['stage_share_mb']:.1f}", f"{c['grad_mb']:.1f}",
+             f"{c['optimizer_mb']:.1f}", f"{c['replica_mb']:.1f}",
+             f"{c['param_plus_optimizer_over_share']:.2f}", f"{c['peak_rss_mb']:.0f}",
+             f"{c['grad_sent_mb_per_step']:.1f}")
+        )  # fmt: skip
+    print_table(
+        f"Memory per rank, {result['world']} workers (MB, median over ranks)",
+        ("pp", "params", "stage share", "grads", "optimizer", "recovery copies",
+         "(params+opt)/(share x 3)", "peak RSS", "grad sent/step"),
+        rows,
+    )  # fmt: skip
