@@ -40,8 +40,9 @@ STEPS = 3
 PPS = (1, 2, 4)
 CONFIG = Path(__file__).with_name("llama-10m.yaml")
 MODEL = {  # ~60 M parameters: 2 x 32000 x 512 embeddings + 8 blocks of ~3.4 M
-    "hf": {"vocab_size": 32000, "hidden_size": 512, "intermediate_size": 1536,
-           "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 8},
+    "hf": {"model_type": "llama", "vocab_size": 32000, "hidden_size": 512,
+           "intermediate_size": 1536, "num_hidden_layers": 8, "num_attention_heads": 8,
+           "num_key_value_heads": 8, "max_position_embeddings": 256},
 }  # fmt: skip
 FIELDS = ("param_bytes", "grad_bytes", "optimizer_bytes", "replica_bytes")
 
