@@ -74,6 +74,13 @@ def test_status_and_inject_fault_through_etcd(tmp_path: Path, state_env: dict[st
         assert victim["worker"] not in [m["worker"] for m in after["members"]]
         text = cli("status", "--job-id", "live", env=state_env)
         assert text.returncode == 0 and "epoch 2" in text.stdout
+        # A rank reports what it holds after its first step under a plan: let the three
+        # survivors train one before the job is stopped.
+        wait_for(
+            lambda: len({e["worker"] for e in Run(tmp_path / "run").of("memory")
+                         if e["epoch"] == 2}) == 3,
+            timeout=60,
+        )  # fmt: skip
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=60)

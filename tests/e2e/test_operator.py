@@ -22,7 +22,7 @@ from elaswave.events import read_jsonl
 
 pytestmark = pytest.mark.e2e
 
-STEPS = 70
+STEPS = 100
 FAULT_STEP = 30
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
