@@ -184,9 +184,6 @@ class Engine:
         assert self.plan is not None
         if result.compute_per_mb is not None:  # every rank: the straggler detector's input
             self._report_speed(result.step, result.compute_per_mb)
-        if self._memory_epoch != self.plan.epoch and result.seconds:  # a step, not a re-report
-            self._memory_epoch = self.plan.epoch
-            self._report_memory(self.plan)
         self.strategy.after_commit(result.step)
         if self.comm.rank(DP) == 0:
             self.control.send(
@@ -247,7 +244,11 @@ class Engine:
 
     def _after_commit(self, step: int) -> None:
         """Corruption checks (they may roll every rank back), then the durable checkpoint, then
-        the held-out evaluation, when due."""
+        the held-out evaluation, when due. Before them, once per plan: what this rank holds."""
+        assert self.plan is not None
+        if self._memory_epoch != self.plan.epoch:
+            self._memory_epoch = self.plan.epoch
+            self._report_memory(self.plan)
         if self.integrity.after_commit(step):
             return  # the main loop redoes the steps since the known-good state
         if self.durable.checkpoints is not None and step % self.cfg.durable_every == 0:
