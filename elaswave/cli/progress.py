@@ -166,7 +166,7 @@ class LiveProgress:
             for epoch in sorted(self._pending):  # recovered since the last read, or never
                 inc = self._reported(epoch)
                 if inc is not None:
-                    self._emit(recovered_line(epoch, inc["first_commit_step"], inc["mttr_s"], None))
+                    self._emit_recovered(epoch, inc)
             last = self._last
             if code == 0 and last is not None:
                 last = self._final(last)
@@ -255,10 +255,13 @@ class LiveProgress:
                 continue
             del self._pending[epoch]
             if inc is not None:
-                self._emit(recovered_line(epoch, inc["first_commit_step"], inc["mttr_s"], None))
+                self._emit_recovered(epoch, inc)
             else:
                 since = float(prog.get("time", now)) - planned
                 self._emit(recovered_line(epoch, snap.step, None, since))
+
+    def _emit_recovered(self, epoch: int, inc: dict[str, Any]) -> None:
+        self._emit(recovered_line(epoch, inc["first_commit_step"], inc["mttr_s"], None))
 
     def _reported(self, epoch: int) -> dict[str, Any] | None:
         """The incident of ``epoch`` with its MTTR, from this host's run directory (None until
