@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import (
-    BenchError,
     bench_env,
     console,
     elaswave_launch,
@@ -31,6 +30,7 @@ from bench.common import (
     summarize,
     write_config,
 )
+from bench.mttr import _check as check_recovered  # one recovered incident, no step lost
 
 DESCRIPTION = "partial vs whole-step redo: crash MTTR at 4 and 8 workers, ~1 s steps (N each)"
 DEFAULT_REPEAT = 3
@@ -67,8 +67,8 @@ def run(repeat: int, config: Path) -> dict[str, Any]:
             for i in range(1, repeat + 1):
                 run_dir = tmp / f"run-{world}-{mode}-{i}"
                 job_id = f"bench-redo-{os.getpid()}-{world}-{mode}-{i}"
-                elaswave_launch(cfg, run_dir, job_id, env=env, extra_args=extra)
-                runs.append(_incident(run_dir))
+                began, ended = elaswave_launch(cfg, run_dir, job_id, env=env, extra_args=extra)
+                runs.append(check_recovered(run_dir, STEPS, ended - began))
                 inc = runs[-1]
                 console.print(
                     f"{world} workers, {mode}: run {i}/{repeat}: MTTR {ms(inc['mttr_s'])} ms, "
@@ -101,28 +101,6 @@ def run(repeat: int, config: Path) -> dict[str, Any]:
         "microbatches": MICROBATCHES,
         "cells": cells,
         "goal": goals,
-    }
-
-
-def _incident(run_dir: Path) -> dict[str, Any]:
-    from elaswave.report import build_report
-
-    report = build_report(run_dir)
-    totals, incidents = report["totals"], report["incidents"]
-    problems = []
-    if totals["duplicate_steps"] or totals["missing_steps"] or totals["last_step"] != STEPS:
-        problems.append(f"steps: {totals}")
-    if len(incidents) != 1 or incidents[0]["mttr_s"] is None:
-        problems.append(f"expected one recovered incident, got {incidents}")
-    if problems:
-        raise BenchError(f"{run_dir}: " + "; ".join(problems))
-    inc = incidents[0]
-    keys = ("detection_s", "plan_s", "comm_s", "state_s", "redo_s", "mttr_s")
-    return {
-        **{k: inc[k] for k in keys},
-        "kept_microbatches": inc["kept_microbatches"],
-        "redone_microbatches": inc["redone_microbatches"],
-        "redone_by": inc["redone_by"],
     }
 
 
