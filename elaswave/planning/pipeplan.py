@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections import deque
 from collections.abc import Mapping, Sequence
+from heapq import heapify, heapreplace
 from typing import Any
 
-from elaswave.planning.partition import partition_layers, takeover
-from elaswave.planning.plan import Member, Plan
+from elaswave.planning.partition import Partition, partition_layers, takeover
+from elaswave.planning.plan import LISTED, Member, Plan, capped, gone, listed
 
 POLICIES = ("reshard", "drop")
 Observation = Mapping[Any, float]  # a worker's {layer: seconds}; JSON gives the keys as strings
@@ -180,11 +182,12 @@ def next_pipeline_plan(
     for g in groups:
         replicas.append(tuple(range(start, start + len(g))))
         start += len(g)
-    shares = balanced_shares(num_microbatches, [_bottleneck(costs, b) for b in bounds],
-                             [len(b) - 1 for b in bounds])  # fmt: skip
     plan_bounds = tuple(bounds)
     if prev is not None and workers == prev.workers and plan_bounds == prev.bounds:
         return None
+    slowest = {b: _bottleneck(costs, b) for b in set(bounds)}  # most replicas are cut alike
+    shares = balanced_shares(num_microbatches, [slowest[b] for b in bounds],
+                             [len(b) - 1 for b in bounds])  # fmt: skip
     epoch = (prev.epoch if prev else 0) + 1
     reason = _change_reason(
         epoch, groups, num_microbatches, shares, notes, started=prev is None, pp=pp, cause=cause
@@ -197,7 +200,7 @@ def next_pipeline_plan(
         store=store,
         reason=reason,
         created=now,
-        departed=tuple(w for w in (prev.workers if prev else ()) if w not in workers),
+        departed=gone(prev.workers if prev else (), workers),
         replicas=tuple(replicas),
         bounds=plan_bounds,
         shares=shares,
@@ -218,11 +221,12 @@ def _change_reason(
     """A pipeline plan's reason: the new layout (``dp × pp`` at the start, else every replica's
     stage count), how the micro-batches are shared, the notes on replicas changed or gone, all
     after ``cause`` if given."""
-    grid = "×".join(str(len(g)) for g in groups)
+    sizes = [len(g) for g in groups]
+    grid = "×".join(map(str, sizes)) if len(sizes) <= LISTED else listed(sizes)
     change = f"start: dp {len(groups)} × pp {pp}" if started else f"stages {grid}"
-    reason = f"epoch {epoch}: {change}, micro-batches {num_microbatches} → {list(shares)}"
+    reason = f"epoch {epoch}: {change}, micro-batches {num_microbatches} → {listed(shares)}"
     if notes:
-        reason += " (" + "; ".join(notes) + ")"
+        reason += " (" + "; ".join(capped(notes)) + ")"
     if cause:
         reason = f"{cause} → {reason}"
     return reason
@@ -291,20 +295,20 @@ def _admit_newcomers(
     replicas, while the job stays within ``max_workers`` and has a micro-batch per replica.
     Those left over wait as standbys."""
     admitted = sum(len(g) for g in groups)
+    queue = deque(fresh)  # popped from the front: a list would shift all the rest each time
     if policy == "reshard":  # refill short replicas first
         for d, group in enumerate(groups):
-            while len(group) < pp and fresh and admitted < max_workers:
-                group.append(fresh.pop(0))
+            while len(group) < pp and queue and admitted < max_workers:
+                group.append(queue.popleft())
                 admitted += 1
                 current = _assignment(bounds[d]) if len(group) > 1 else None
                 part = partition_layers(costs, [1.0] * len(group), current=current)
                 bounds[d] = part.bounds
                 notes.append(f"replica {d} refilled to {len(group)} stages")
     full = partition_layers(costs, [1.0] * pp).bounds
-    while len(fresh) >= pp and admitted + pp <= max_workers and len(groups) < num_microbatches:
-        groups.append(fresh[:pp])
+    while len(queue) >= pp and admitted + pp <= max_workers and len(groups) < num_microbatches:
+        groups.append([queue.popleft() for _ in range(pp)])
         bounds.append(full)
-        del fresh[:pp]
         admitted += pp
 
 
@@ -351,10 +355,13 @@ def respeed_pipeline_plan(
         raise ValueError("not a pipeline plan")
     per_stage = stage_speeds(current, speeds)
     bounds, bottlenecks = [], []
+    recut: dict[tuple[tuple[int, ...], tuple[float, ...]], Partition] = {}  # replicas alike
     for cut, v in zip(current.bounds, per_stage, strict=True):
-        part = partition_layers(costs, v, current=_assignment(cut))
-        bounds.append(part.bounds)
-        bottlenecks.append(part.bottleneck)
+        key = (tuple(cut), tuple(v))
+        if key not in recut:
+            recut[key] = partition_layers(costs, v, current=_assignment(cut))
+        bounds.append(recut[key].bounds)
+        bottlenecks.append(recut[key].bottleneck)
     total = sum(current.shares)
     shares = balanced_shares(total, bottlenecks, [len(v) for v in per_stage])
     plan_bounds = tuple(bounds)
@@ -366,8 +373,8 @@ def respeed_pipeline_plan(
         for d, (old, new) in enumerate(zip(current.bounds, plan_bounds, strict=True))
         if old != new
     ]
-    reason = f"epoch {epoch}: stages re-cut for speed, micro-batches {total} → {list(shares)}" + (
-        " (" + "; ".join(moved) + ")" if moved else ""
+    reason = f"epoch {epoch}: stages re-cut for speed, micro-batches {total} → {listed(shares)}" + (
+        " (" + "; ".join(capped(moved)) + ")" if moved else ""
     )
     if cause:
         reason = f"{cause} → {reason}"
@@ -394,17 +401,60 @@ def balanced_shares(
     micro-batches in ``(m + S - 1) · b``. Handing out micro-batches one at a time, each to the
     replica that would finish it soonest, minimises the maximum of these increasing functions.
     Ties go to the lower replica index; a replica of infinite bottleneck gets nothing.
+
+    At scale (200,000 micro-batches over 6,250 replicas) the hand-out starts from the
+    micro-batches it surely gives (:func:`_sure_counts`) and a heap of (finish time of a
+    replica's next micro-batch, replica) hands out the rest, one in O(log replicas) each.
     """
     if not bottlenecks or len(bottlenecks) != len(stages):
         raise ValueError("need one bottleneck and one stage count per replica")
-    counts = [0] * len(bottlenecks)
-    for _ in range(total):
-        finish = [(counts[d] + stages[d]) * bottlenecks[d] for d in range(len(counts))]
-        best = min(range(len(counts)), key=lambda d: (finish[d], d))
-        if finish[best] == float("inf"):
+    counts = _sure_counts(total, bottlenecks, stages)
+    heap = [((counts[d] + stages[d]) * bottlenecks[d], d) for d in range(len(counts))]
+    heapify(heap)
+    for _ in range(total - sum(counts)):
+        finish, best = heap[0]
+        if finish == float("inf"):
             raise ValueError("no replica can run micro-batches")
         counts[best] += 1
+        heapreplace(heap, ((counts[best] + stages[best]) * bottlenecks[best], best))
     return tuple(counts)
+
+
+def _sure_counts(total: int, bottlenecks: Sequence[float], stages: Sequence[int]) -> list[int]:
+    """Micro-batches that :func:`balanced_shares` surely gives each replica: those that finish
+    before a level where, over all replicas, at most ``total`` do.
+
+    The hand-out takes finish times ``(k + stages[d]) · bottlenecks[d]`` in increasing order (a
+    replica's only grow with ``k``), so those all come first, whatever the ties. The level is
+    where the replicas' finish times would share ``total`` evenly, less one micro-batch each;
+    the count is checked exactly, and with any doubt (a zero or infinite bottleneck, a count
+    too high) nothing is sure and the heap hands out everything."""
+    nothing = [0] * len(bottlenecks)
+    if total <= 0 or not all(0.0 < b < math.inf for b in bottlenecks):
+        return nothing
+    rate = sum(1.0 / b for b in bottlenecks)
+    for extra in (sum(stages), 0):  # the level if every replica is busy, then a safe one
+        level = (total - len(stages) + extra) / rate
+        counts = [
+            _finished_below(level, b, s, total) for b, s in zip(bottlenecks, stages, strict=True)
+        ]
+        if all(c >= 0 for c in counts) and sum(counts) <= total:
+            return counts
+    return nothing
+
+
+def _finished_below(level: float, bottleneck: float, stages: int, cap: int) -> int:
+    """How many ``k >= 0`` have ``(k + stages) · bottleneck < level``, as floats compute it;
+    -1 when that is clearly more than ``cap`` (or no number at all)."""
+    estimate = level / bottleneck
+    if not estimate <= cap + stages + 1:
+        return -1
+    k = max(0, math.floor(estimate) - stages)
+    while k > 0 and (k - 1 + stages) * bottleneck >= level:
+        k -= 1
+    while (k + stages) * bottleneck < level:
+        k += 1
+    return k
 
 
 def serving_shares(plan: Plan, serving: Sequence[bool], costs: Sequence[float]) -> tuple[int, ...]:

@@ -7,9 +7,14 @@ apply it at a step boundary (or at once, after a collective error). Nothing here
 
 from __future__ import annotations
 
-import json
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+from heapq import heapify, heappop, heappush
+from itertools import accumulate, groupby
+from typing import Any
+
+LISTED = 16  # a reason lists at most this many values (or runs of equal values, or notes)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,6 +37,11 @@ class Plan:
     ``workers[r]`` is the worker with rank ``r``; ``microbatches[r]`` how many of the step's
     micro-batches it computes (contiguous ids, in rank order). The sum is always the configured
     number of micro-batches, so the global batch never changes.
+
+    Lookups by worker, rank or replica (:meth:`rank_of`, :meth:`position`,
+    :meth:`microbatch_range`) use indexes built on first use and kept on the instance (not
+    fields: equality, hashing and the wire format ignore them), so that a host that looks up
+    all its ranks of a 100,000-rank plan does not scan the plan each time.
     """
 
     epoch: int
@@ -58,10 +68,7 @@ class Plan:
         return len(self.workers)
 
     def rank_of(self, worker_id: str) -> int | None:
-        try:
-            return self.workers.index(worker_id)
-        except ValueError:
-            return None
+        return self._ranks.get(worker_id)
 
     @property
     def is_pipeline(self) -> bool:
@@ -69,12 +76,12 @@ class Plan:
 
     def position(self, rank: int) -> tuple[int, int]:
         """(replica, stage) of a rank; pure data parallelism is one stage per replica."""
-        for d, ranks in enumerate(self.replicas):
-            if rank in ranks:
-                return d, ranks.index(rank)
-        if self.replicas:
+        if not self.replicas:
+            return rank, 0
+        where = self._positions.get(rank)
+        if where is None:
             raise ValueError(f"rank {rank} is in no pipeline replica of epoch {self.epoch}")
-        return rank, 0
+        return where
 
     def stage_layers(self, rank: int) -> range:
         """The layers a pipeline rank owns."""
@@ -84,32 +91,44 @@ class Plan:
     def microbatch_range(self, rank: int) -> range:
         if self.replicas:  # every stage of a replica runs the replica's micro-batches
             d, _ = self.position(rank)
-            start = sum(self.shares[:d])
-            return range(start, start + self.shares[d])
-        start = sum(self.microbatches[:rank])
-        return range(start, start + self.microbatches[rank])
+            return range(self._starts[d], self._starts[d] + self.shares[d])
+        rank = range(self.world_size)[rank]  # IndexError and negative ranks as a tuple has them
+        return range(self._starts[rank], self._starts[rank] + self.microbatches[rank])
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True)
+        """The plan as etcd holds it (:mod:`~elaswave.planning.planwire`, compact at any scale)."""
+        from elaswave.planning import planwire  # the codec imports this module
+
+        return planwire.encode(self)
 
     @classmethod
     def from_json(cls, text: str | bytes) -> Plan:
-        d = json.loads(text)
-        return cls(
-            epoch=int(d["epoch"]),
-            workers=tuple(d["workers"]),
-            hosts=tuple(d["hosts"]),
-            microbatches=tuple(int(x) for x in d["microbatches"]),
-            store=d["store"],
-            reason=d.get("reason", ""),
-            created=float(d.get("created", 0.0)),
-            departed=tuple(d.get("departed", ())),
-            replicas=tuple(tuple(int(r) for r in rep) for rep in d.get("replicas", ())),
-            bounds=tuple(tuple(int(b) for b in bs) for bs in d.get("bounds", ())),
-            shares=tuple(int(x) for x in d.get("shares", ())),
-            evicted=tuple(d.get("evicted", ())),
-            committed=int(d.get("committed", 0)),
-        )
+        """The plan :meth:`to_json` wrote, or one in the plain format of before."""
+        from elaswave.planning import planwire  # the codec imports this module
+
+        return planwire.decode(text)
+
+    @cached_property
+    def _ranks(self) -> dict[str, int]:
+        """Worker id → its rank (the first, should a plan list a worker twice)."""
+        ranks: dict[str, int] = {}
+        for r, w in enumerate(self.workers):
+            ranks.setdefault(w, r)
+        return ranks
+
+    @cached_property
+    def _positions(self) -> dict[int, tuple[int, int]]:
+        """Rank → (replica, stage), the first replica and stage that list it."""
+        where: dict[int, tuple[int, int]] = {}
+        for d, ranks in enumerate(self.replicas):
+            for s, r in enumerate(ranks):
+                where.setdefault(r, (d, s))
+        return where
+
+    @cached_property
+    def _starts(self) -> list[int]:
+        """The first micro-batch id of every replica (pipelines) or rank (data parallelism)."""
+        return list(accumulate(self.shares if self.replicas else self.microbatches, initial=0))
 
 
 def assign_microbatches(total: int, weights: Sequence[float]) -> tuple[int, ...]:
@@ -128,14 +147,31 @@ def assign_microbatches(total: int, weights: Sequence[float]) -> tuple[int, ...]
     by_remainder = sorted(range(len(weights)), key=lambda r: (-(exact[r] - counts[r]), r))
     for r in by_remainder[: total - sum(counts)]:
         counts[r] += 1
-    # Guarantee a share to every positive-weight rank, taking from the largest (stable).
-    for r, w in enumerate(weights):
-        if w > 0 and counts[r] == 0:
-            donor = max(range(len(counts)), key=lambda i: (counts[i], -i))
-            if counts[donor] > 1:
-                counts[donor] -= 1
-                counts[r] += 1
+    _one_each(counts, [r for r, w in enumerate(weights) if w > 0 and counts[r] == 0])
     return tuple(counts)
+
+
+def _one_each(counts: list[int], needy: Sequence[int]) -> None:
+    """Give each rank of ``needy`` (in order) one micro-batch from the rank that has the most at
+    that moment (the lowest such rank on ties), while that one has more than one.
+
+    A heap of (-count, rank) finds that rank in O(log n), where a scan per needy rank made the
+    split quadratic. A donor's count only falls, so an entry whose count is not the rank's count
+    now is stale and skipped."""
+    if not needy:
+        return
+    heap = [(-c, i) for i, c in enumerate(counts)]
+    heapify(heap)
+    for r in needy:
+        while -heap[0][0] != counts[heap[0][1]]:
+            heappop(heap)
+        most, donor = -heap[0][0], heap[0][1]
+        if most <= 1:
+            return  # counts never rise above 1 again: nobody can give any more
+        counts[donor] -= 1
+        counts[r] += 1
+        heappush(heap, (-counts[donor], donor))
+        heappush(heap, (-counts[r], r))
 
 
 def order_members(prev: Plan | None, members: Sequence[Member]) -> list[Member]:
@@ -169,13 +205,13 @@ def next_plan(
     if prev is not None and workers == prev.workers:
         return None
     counts = assign_microbatches(num_microbatches, [1.0] * len(workers))
-    departed = tuple(w for w in (prev.workers if prev else ()) if w not in workers)
+    departed = gone(prev.workers if prev else (), workers)
     epoch = (prev.epoch if prev else 0) + 1
     if prev is None:
         change = f"start: dp {len(workers)}"
     else:
         change = f"dp {prev.world_size}→{len(workers)}"
-    reason = f"epoch {epoch}: {change}, micro-batches {num_microbatches} → {list(counts)}"
+    reason = f"epoch {epoch}: {change}, micro-batches {num_microbatches} → {listed(counts)}"
     if cause:
         reason = f"{cause} → {reason}"
     return Plan(
@@ -205,23 +241,25 @@ def reshared_plan(
     membership. ``microbatches`` are the shares of the remaining ranks; their sum must stay the
     configured number of micro-batches.
     """
-    workers = tuple(w for w in prev.workers if w not in evict)
+    leaving = set(evict)
+    workers = tuple(w for w in prev.workers if w not in leaving)
     if len(microbatches) != len(workers) or sum(microbatches) != sum(prev.microbatches):
         raise ValueError(
-            f"shares {list(microbatches)} do not fit {len(workers)} ranks and "
+            f"shares {listed(microbatches)} do not fit {len(workers)} ranks and "
             f"{sum(prev.microbatches)} micro-batches"
         )
     if not workers:
         raise ValueError("cannot evict every worker")
-    hosts = tuple(h for w, h in zip(prev.workers, prev.hosts, strict=True) if w not in evict)
+    hosts = tuple(h for w, h in zip(prev.workers, prev.hosts, strict=True) if w not in leaving)
     epoch = prev.epoch + 1
     change = f"dp {prev.world_size}→{len(workers)}" if evict else f"dp {len(workers)}"
     reason = (
-        f"epoch {epoch}: {change}, micro-batches {list(prev.microbatches)} → {list(microbatches)}"
+        f"epoch {epoch}: {change}, micro-batches {listed(prev.microbatches)} → "
+        f"{listed(microbatches)}"
     )
     if cause:
         reason = f"{cause} → {reason}"
-    departed = tuple(w for w in prev.workers if w in evict)
+    departed = tuple(w for w in prev.workers if w in leaving)
     return Plan(
         epoch=epoch,
         workers=workers,
@@ -233,3 +271,33 @@ def reshared_plan(
         departed=departed,
         evicted=departed,
     )
+
+
+def gone(before: Sequence[str], after: Sequence[str]) -> tuple[str, ...]:
+    """The workers of ``before`` (in its order) that ``after`` lacks; a set, not a scan of
+    ``after`` per worker, so that it stays linear at 100,000 ranks."""
+    kept = set(after)
+    return tuple(w for w in before if w not in kept)
+
+
+def listed(values: Sequence[object], *, limit: int = LISTED) -> str:
+    """``values`` for a reason, short at any scale: as Python prints a list while there are at
+    most ``limit`` (``[6, 5, 5]``), else as runs ``count×value`` of equal values
+    (``[16×3, 99976×2]``), the first ``limit`` of them and then how many more."""
+    if len(values) <= limit:
+        return str(list(values))
+    runs = [f"{n}×{v}" if n > 1 else f"{v}" for v, n in run_lengths(values)]
+    more = [f"… {len(runs) - limit} more runs"] if len(runs) > limit else []
+    return "[" + ", ".join(runs[:limit] + more) + "]"
+
+
+def capped(notes: Sequence[str], *, limit: int = LISTED) -> list[str]:
+    """The first ``limit`` of ``notes``, then ``… and N more`` for the rest."""
+    if len(notes) <= limit:
+        return list(notes)
+    return [*notes[:limit], f"… and {len(notes) - limit} more"]
+
+
+def run_lengths(values: Iterable[Any]) -> list[tuple[Any, int]]:
+    """``values`` as (value, how many times in a row): ``[3, 3, 2] → [(3, 2), (2, 1)]``."""
+    return [(v, sum(1 for _ in run)) for v, run in groupby(values)]

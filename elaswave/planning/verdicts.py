@@ -8,17 +8,23 @@
 - :func:`loop_verdict`: whether the job keeps failing without committing a step.
 - :func:`hang_verdict` and :func:`silence`: whether a worker is hung, judged only on silence the
   daemon was there to hear; :func:`respawn_verdict`: whether a worker that exited is replaced.
+
+The leader runs the straggler verdicts whenever a host reports its workers' speeds, so at 100,000
+ranks they must stay (near) linear: ranks are looked up in dicts and sets, never by scanning the
+plan per worker, and a reason names at most ``LISTED`` workers, then how many more.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
-from collections.abc import Hashable, Mapping, Sequence
+from collections import Counter
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from elaswave.errors import EXIT_STATE_LOST
 from elaswave.planning.pipeplan import predicted_step, respeed_pipeline_plan, stage_speeds
-from elaswave.planning.plan import Plan, assign_microbatches
+from elaswave.planning.plan import Plan, assign_microbatches, capped
 
 WINDOW = 8  # samples per rank the speed estimate looks at (the newest)
 MIN_SAMPLES = 4  # samples every rank needs under the current plan before anything is decided
@@ -81,7 +87,9 @@ def straggler_verdict(
     total = sum(current)
     missing = [w for w in workers if len(compute_time_per_mb.get(w, ())) < min_samples]
     if missing:
-        return StragglerVerdict(None, reason=f"waiting for {min_samples} samples from {missing}")
+        return StragglerVerdict(
+            None, reason=f"waiting for {min_samples} samples from {_names(missing)}"
+        )
     per_mb = {w: statistics.median(list(compute_time_per_mb[w])[-window:]) for w in workers}
     ref = statistics.median(per_mb.values())
     if ref <= 0:
@@ -91,12 +99,10 @@ def straggler_verdict(
     slow = tuple(w for w in workers if slowdown[w] > outlier)
     evict = tuple(w for w in workers if threshold > 0 and slowdown[w] > threshold)
     if evict and len(evict) < len(workers):
-        kept = [w for w in workers if w not in evict]
+        leaving = set(evict)
+        kept = [w for w in workers if w not in leaving]
         shares = assign_microbatches(total, [1.0 / est[w] for w in kept])
-        who = ", ".join(
-            f"worker {w} (rank {workers.index(w)}) {slowdown[w]:.1f}× the median compute time"
-            for w in evict
-        )
+        who = _who(evict, _first_ranks(workers).get, slowdown, digits=1)
         return StragglerVerdict(
             shares, evict, f"straggler: {who} (threshold {threshold:g}×) → evicted", slowdown, slow
         )
@@ -106,10 +112,7 @@ def straggler_verdict(
     if tuple(proposed) == tuple(current) or new_s > (1.0 - min_gain) * now_s:
         return StragglerVerdict(None, reason="balanced", slowdown=slowdown, stragglers=slow)
     who = (
-        ", ".join(
-            f"worker {w} (rank {workers.index(w)}) {slowdown[w]:.2f}× the median compute time"
-            for w in slow
-        )
+        _who(slow, _first_ranks(workers).get, slowdown, digits=2)
         or "no rank slower than the median any more"
     )
     return StragglerVerdict(
@@ -188,12 +191,15 @@ def pipeline_straggler_verdict(
     slowdown, slow = base.slowdown, base.stragglers
     if base.evict and len(base.evict) < current.world_size:
         return PipelineVerdict(None, base.evict, base.reason, slowdown, slow)
-    alone = [w for w in current.workers if list(layers.values()).count(layers[w]) < 2]
-    if alone:  # their speed is unknown: a re-cut would pretend it is nominal, and could flap
+    runs = Counter(layers.values())  # how many ranks run each stage's layers
+    if any(runs[layers[w]] < 2 for w in current.workers):
+        # a rank without peers: its speed is unknown, a re-cut would pretend it is nominal and
+        # could flap
         return PipelineVerdict(
             reason="no peers to compare with", slowdown=slowdown, stragglers=slow
         )
-    speeds = {w: 1.0 / slowdown[w] if w in slow else 1.0 for w in current.workers}
+    straggling = set(slow)
+    speeds = {w: 1.0 / slowdown[w] if w in straggling else 1.0 for w in current.workers}
     plan = respeed_pipeline_plan(current, speeds, costs, store=store, now=now)
     if plan is None:
         return PipelineVerdict(reason="balanced", slowdown=slowdown, stragglers=slow)
@@ -203,12 +209,7 @@ def pipeline_straggler_verdict(
     if new_s > (1.0 - min_gain) * now_s:
         return PipelineVerdict(reason="balanced", slowdown=slowdown, stragglers=slow)
     who = (
-        ", ".join(
-            f"worker {w} (rank {current.workers.index(w)}) {slowdown[w]:.2f}× the median "
-            "compute time"
-            for w in slow
-        )
-        or "no rank slower than the median any more"
+        _who(slow, current.rank_of, slowdown, digits=2) or "no rank slower than the median any more"
     )
     reason = (
         f"straggler: {who} → re-cut for speed, predicted step "
@@ -223,18 +224,76 @@ def peer_relative(
 ) -> dict[str, list[float]]:
     """Each worker's samples over the typical time (median of the newest ``window``) of the
     fastest worker in its group (same ``groups`` value); 1.0 is as fast as the best peer. A
-    worker alone in its group gets 1.0 throughout: nobody to compare it with."""
+    worker alone in its group gets 1.0 throughout: nobody to compare it with.
+
+    Each group's size and fastest time are found once (:func:`_fastest_by_group`), where a scan
+    of every worker for each worker's peers made this quadratic in the ranks."""
     typical = {
         w: statistics.median(xs[-window:]) for w, xs in samples.items() if xs and w in groups
     }
+    sizes = Counter(groups[w] for w in typical)
+    fastest = _fastest_by_group(typical, groups)
     out: dict[str, list[float]] = {}
     for w, t in typical.items():
-        peers = [typical[v] for v in typical if v != w and groups[v] == groups[w]]
-        best = min([t, *peers])
+        best = min(t, fastest[groups[w]])
         out[w] = (
-            [1.0] * len(samples[w]) if not peers or best <= 0 else [x / best for x in samples[w]]
+            [1.0] * len(samples[w])
+            if sizes[groups[w]] < 2 or best <= 0
+            else [x / best for x in samples[w]]
         )
     return out
+
+
+def _fastest_by_group(
+    typical: Mapping[str, float], groups: Mapping[str, Hashable]
+) -> dict[Hashable, float]:
+    """The smallest typical time in each group, ``inf`` for a group of only NaN.
+
+    NaN is left out because ``min`` leaves it out unless it comes first: the minimum over a
+    worker and its peers, worker first, is then ``min(its time, this)`` whatever the peers'
+    order (NaN for a NaN worker, as before)."""
+    fastest: dict[Hashable, float] = {}
+    for w, t in typical.items():
+        g = groups[w]
+        fastest.setdefault(g, math.inf)
+        if t == t and t < fastest[g]:  # t == t: not NaN
+            fastest[g] = t
+    return fastest
+
+
+def _first_ranks(workers: Sequence[str]) -> dict[str, int]:
+    """Worker → its rank (the first, as ``workers.index`` finds it), built once instead of a
+    scan of the ranks per worker named."""
+    ranks: dict[str, int] = {}
+    for r, w in enumerate(workers):
+        ranks.setdefault(w, r)
+    return ranks
+
+
+def _who(
+    named: Sequence[str],
+    rank_of: Callable[[str], int | None],
+    slowdown: Mapping[str, float],
+    *,
+    digits: int,
+) -> str:
+    """A reason's list of slow workers, each with its rank and slowdown: at most ``LISTED`` of
+    them, then how many more (:func:`~elaswave.planning.plan.capped`), so that a reason stays
+    short when thousands of ranks are slow. Empty when none is named."""
+    return ", ".join(
+        capped(
+            [
+                f"worker {w} (rank {rank_of(w)}) {slowdown[w]:.{digits}f}× the median compute time"
+                for w in named
+            ]
+        )
+    )
+
+
+def _names(workers: Sequence[str]) -> str:
+    """Worker names as Python prints a list (``['a', 'b']``), at most ``LISTED`` of them, then
+    how many more."""
+    return "[" + ", ".join(capped([repr(w) for w in workers])) + "]"
 
 
 @dataclass

@@ -8,7 +8,15 @@ import random
 
 import pytest
 
-from elaswave.planning.plan import Member, Plan, assign_microbatches, next_plan, order_members
+from elaswave.planning.plan import (
+    Member,
+    Plan,
+    assign_microbatches,
+    capped,
+    listed,
+    next_plan,
+    order_members,
+)
 
 # ---- assign_microbatches ---------------------------------------------------------------------
 
@@ -30,6 +38,8 @@ from elaswave.planning.plan import Member, Plan, assign_microbatches, next_plan,
         (1, [1, 1, 1], (1, 0, 0)),  # fewer micro-batches than ranks
         (6, [100, 1], (5, 1)),  # every positive weight gets at least one
         (4, [1, 1e-9, 1e-9, 1e-9], (1, 1, 1, 1)),
+        (6, [10, 1, 1, 1, 1, 1], (1, 1, 1, 1, 1, 1)),  # one donor, drained down to one
+        (4, [5, 1, 1, 1, 1, 1], (1, 1, 1, 1, 0, 0)),  # nobody left with more than one to give
     ],
 )
 def test_assign_table(total: int, weights: list[float], expected: tuple[int, ...]) -> None:
@@ -302,8 +312,8 @@ def test_plan_json_round_trip(plan: Plan) -> None:
     text = plan.to_json()
     assert Plan.from_json(text) == plan
     assert Plan.from_json(text.encode()) == plan
-    assert json.loads(text)["workers"] == list(plan.workers)
-    assert plan.to_json() == text  # stable (sorted keys)
+    assert json.loads(text)["v"] == 2  # the compact wire format (test_planwire.py has the rest)
+    assert plan.to_json() == text  # stable
 
 
 def test_plan_from_minimal_json_uses_defaults() -> None:
@@ -313,3 +323,32 @@ def test_plan_from_minimal_json_uses_defaults() -> None:
     plan = Plan.from_json(text)
     assert (plan.reason, plan.created, plan.departed) == ("", 0.0, ())
     assert plan.microbatch_range(0) == range(0, 4)
+
+
+# ---- reasons stay short ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("values", "text"),
+    [
+        ([6, 5, 5], "[6, 5, 5]"),
+        ([2] * 16, str([2] * 16)),  # up to 16 values: as they are
+        ([3] * 16 + [2] * 99_976, "[16×3, 99976×2]"),
+        ([5, 5, 4, *[2] * 20], "[2×5, 4, 20×2]"),
+        (list(range(40)), "[" + ", ".join(map(str, range(16))) + ", … 24 more runs]"),
+    ],
+)
+def test_listed(values: list[int], text: str) -> None:
+    assert listed(values) == text
+
+
+@pytest.mark.parametrize(
+    ("count", "shown"),
+    [
+        (0, []),
+        (16, [f"n{i}" for i in range(16)]),
+        (20, [*(f"n{i}" for i in range(16)), "… and 4 more"]),
+    ],
+)
+def test_capped(count: int, shown: list[str]) -> None:
+    assert capped([f"n{i}" for i in range(count)]) == shown

@@ -4,8 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from elaswave.planning.plan import Plan, reshared_plan
-from elaswave.planning.verdicts import Hysteresis, loop_verdict, straggler_verdict
+from elaswave.planning.pipeplan import next_pipeline_plan
+from elaswave.planning.plan import Plan, next_plan, reshared_plan
+from elaswave.planning.scaleplans import synthetic_members
+from elaswave.planning.verdicts import (
+    Hysteresis,
+    loop_verdict,
+    pipeline_straggler_verdict,
+    straggler_verdict,
+)
 
 W = ("a", "b", "c", "d")
 EVEN = (4, 4, 4, 4)
@@ -164,3 +171,49 @@ def test_hysteresis_key_ignores_one_micro_batch_of_noise() -> None:
     b = straggler_verdict(times(0.02, 0.02, 0.02, 0.03), workers=W, current=EVEN, threshold=3)
     assert a.acts and b.acts and a.microbatches != b.microbatches
     assert a.key == b.key
+
+
+def test_straggler_verdicts_at_100k_ranks() -> None:
+    """At 100,000 ranks (12,500 hosts × 8; pp=16: 6,250 replicas) the verdicts name exactly the
+    three ranks that are twice as slow, keep the global batch, and give reasons of a few lines.
+    Nothing is timed, but the test is only fast because the verdicts are linear: scans of every
+    rank per rank (a worker's peers, its rank, the eviction list) took minutes here."""
+    ranks, microbatches, costs = 100_000, 200_000, (1.0,) * 32
+    members = synthetic_members(12_500, 8)
+    dp = next_plan(
+        None, members, num_microbatches=microbatches, max_workers=ranks, store="s:1", now=0.0
+    )
+    pp = next_pipeline_plan(
+        None, members, pp=16, costs=costs, num_microbatches=microbatches,
+        max_workers=ranks, store="s:1", now=0.0,
+    )  # fmt: skip
+    assert dp is not None and pp is not None and dp.workers == pp.workers
+    slow_ranks = (17, 50_000, ranks - 1)  # with pp=16: stages 1, 0 and 15 of their replicas
+    slow = tuple(dp.workers[r] for r in slow_ranks)
+    samples = {w: [0.04 if w in slow else 0.02] * 4 for w in dp.workers}
+
+    shared = straggler_verdict(samples, workers=dp.workers, current=dp.microbatches, threshold=3)
+    assert shared.stragglers == slow and shared.evict == () and shared.microbatches is not None
+    assert sum(shared.microbatches) == microbatches
+    assert [shared.microbatches[r] for r in slow_ranks] == [1, 1, 1]  # from 2 each
+
+    evicted = straggler_verdict(samples, workers=dp.workers, current=dp.microbatches, threshold=1.5)
+    assert evicted.evict == slow and evicted.microbatches is not None
+    assert len(evicted.microbatches) == ranks - 3 and sum(evicted.microbatches) == microbatches
+
+    one_host = {w: samples[w] for w in dp.workers[:8]}  # just after a plan: one host reported
+    waiting = straggler_verdict(one_host, workers=dp.workers, current=dp.microbatches, threshold=3)
+    assert not waiting.acts and waiting.reason.endswith("… and 99976 more]")
+
+    recut = pipeline_straggler_verdict(
+        samples, current=pp, costs=costs, threshold=3, store="s:1", now=1.0
+    )
+    assert recut.stragglers == slow and recut.evict == () and recut.plan is not None
+    assert recut.slowdown[slow[0]] == pytest.approx(2.0) and recut.slowdown[dp.workers[0]] == 1.0
+    assert sum(recut.plan.shares) == microbatches
+    for r in slow_ranks:
+        assert len(recut.plan.stage_layers(r)) < len(pp.stage_layers(r)), "fewer layers if slow"
+
+    for v in (shared, evicted, waiting, recut):
+        assert len(v.reason) < 2_000
+    assert recut.plan.reason.startswith(recut.reason) and len(recut.plan.reason) < 4_000
