@@ -20,6 +20,8 @@ class JobKeys:
         self.departures = self.prefix + "departures/"  # departures/<worker_id>: why it left
         self.leader = self.prefix + "leader"  # host_id of the elected leader, under its lease
         self.plan = self.prefix + "plan"  # the current Plan; written by the leader with a CAS
+        self.delta = self.prefix + "delta"  # the same plan as a change to the one before (hosts
+        #                                     follow this small key; same transaction as plan)
         self.faults = self.prefix + "faults/"  # faults/<id>: fault requests from inject-fault
         self.progress = self.prefix + "progress"  # last committed step, throughput
         self.incidents = self.prefix + "incidents"  # recent incidents (a bounded JSON list)

@@ -20,6 +20,7 @@ import contextlib
 import json
 import logging
 import os
+import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -222,6 +223,27 @@ _MEMBER_LOST = (
 )
 
 
+def start_order(endpoints: list[str], client: str) -> list[str]:
+    """The endpoints in the order a client named ``client`` tries them: rotated by a stable
+    hash of the name, so that the hosts of a large job start on different members and their
+    reads, watches and keep-alives spread over the cluster instead of all landing on the first
+    endpoint ("" keeps the given order)."""
+    if not client or len(endpoints) < 2:
+        return list(endpoints)
+    i = zlib.crc32(client.encode()) % len(endpoints)
+    return endpoints[i:] + endpoints[:i]
+
+
+# How a kept stream fails when its member goes away (or the channel under it is closed).
+_STREAM_LOST = (
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+)
+
+
 def failover_order(endpoints: list[str], current: str) -> list[str]:
     """The other endpoints to try after ``current`` failed, starting with the one after it."""
     if current not in endpoints:
@@ -265,6 +287,8 @@ class Etcd:
         self.endpoints = endpoints
         self._open = opener
         self._switch = asyncio.Lock()
+        self._refreshing = asyncio.Lock()  # one refresh at a time on the kept stream
+        self._keepalive: tuple[aetcd.Client, Any] | None = None  # (client, its open stream)
 
     @classmethod
     async def connect(
@@ -274,7 +298,10 @@ class Etcd:
         prefix: str,
         timeout: float = 5.0,
         security: EtcdSecurity | None = None,
+        client: str = "",
     ) -> Etcd:
+        """Connect to the first of ``endpoints`` that answers, in :func:`start_order` for a
+        client named ``client`` (a host id)."""
         security = security or EtcdSecurity()
         credentials = None
         if security.tls:
@@ -305,7 +332,7 @@ class Etcd:
                 raise
             return client
 
-        names = [f"{h}:{p}" for h, p in parse_endpoints(endpoints)]
+        names = start_order([f"{h}:{p}" for h, p in parse_endpoints(endpoints)], client)
         errors = []
         for name in names:
             try:
@@ -385,9 +412,15 @@ class Etcd:
         return KV(key, r.value, r.create_revision, r.mod_revision)
 
     async def get_prefix(self, prefix: str) -> list[KV]:
+        return (await self.get_prefix_at(prefix))[0]
+
+    async def get_prefix_at(self, prefix: str) -> tuple[list[KV], int]:
+        """The keys under ``prefix`` and the store revision they were read at (a watch from the
+        one after continues exactly where this read ends)."""
         p = self._own(prefix)
         r = await self._call(lambda c: c.get_prefix(p))
-        return [KV(kv.key.decode(), kv.value, kv.create_revision, kv.mod_revision) for kv in r]
+        kvs = [KV(kv.key.decode(), kv.value, kv.create_revision, kv.mod_revision) for kv in r]
+        return kvs, int(r.header.revision)
 
     async def put(self, key: str, value: bytes | str, *, lease: Any = None) -> int:
         data = value.encode() if isinstance(value, str) else value
@@ -420,6 +453,30 @@ class Etcd:
         ok, _ = await self._call(op)
         return bool(ok)
 
+    async def create_or_get(
+        self, key: str, value: bytes | str, *, lease: Any = None
+    ) -> tuple[bool, KV | None]:
+        """:meth:`create`, and when the key existed, the key as it is, in one round trip."""
+        data = value.encode() if isinstance(value, str) else value
+        k = self._own(key)
+
+        def op(c: aetcd.Client) -> Awaitable[Any]:
+            tx = c.transactions
+            return c.transaction(
+                compare=[tx.create(k) == 0],
+                success=[tx.put(k, data, lease=lease)],
+                failure=[tx.get(k)],
+            )
+
+        ok, responses = await self._call(op)
+        if ok:
+            return True, None
+        found = next((r for r in responses if isinstance(r, list) and r), [])
+        if not found:
+            return False, None
+        got, meta = found[0]
+        return False, KV(key, got, meta.create_revision, meta.mod_revision)
+
     async def compare_and_put(
         self,
         key: str,
@@ -427,19 +484,24 @@ class Etcd:
         *,
         mod_revision: int,
         holder: tuple[str, str] | None = None,
+        also: dict[str, bytes | str] | None = None,
     ) -> bool:
         """Put ``key`` only if its mod revision is still ``mod_revision`` (0: key absent) and,
-        given ``holder = (key, value)``, that key still holds that value (a leader's key)."""
+        given ``holder = (key, value)``, that key still holds that value (a leader's key); the
+        keys of ``also`` are put in the same transaction."""
         data = value.encode() if isinstance(value, str) else value
         k = self._own(key)
         hk = self._own(holder[0]) if holder else b""
+        more = [(self._own(ak), v.encode() if isinstance(v, str) else v) for ak, v in
+                (also or {}).items()]  # fmt: skip
 
         def op(c: aetcd.Client) -> Awaitable[Any]:
             tx = c.transactions
             compare = [tx.mod(k) == mod_revision]
             if holder:
                 compare.append(tx.value(hk) == holder[1].encode())
-            return c.transaction(compare=compare, success=[tx.put(k, data)], failure=[])
+            puts = [tx.put(k, data), *(tx.put(ak, v) for ak, v in more)]
+            return c.transaction(compare=compare, success=puts, failure=[])
 
         ok, _ = await self._call(op)
         return bool(ok)
@@ -506,9 +568,51 @@ class Etcd:
         return await self._call(lambda c: c.lease(ttl))
 
     async def refresh_lease(self, lease: Any) -> int:
-        """Refresh ``lease`` once (through whichever member answers); its remaining TTL."""
-        r = await self._call(lambda c: c.refresh_lease(lease.id))
+        """Refresh ``lease`` once (through whichever member answers); its remaining TTL (0 or
+        less: etcd dropped it).
+
+        Refreshes go over one LeaseKeepAlive stream kept open between them, as etcd's own
+        clients do: a new stream per refresh costs this process (and etcd) three times the CPU,
+        0.38 against 0.12 ms here, a third of a core at a thousand hosts' keep-alives. A stream
+        that fails or is abandoned (its member went away, the refresh timed out) is dropped; the
+        next refresh opens one on the member the connection uses then."""
+        async with self._refreshing:
+            r = await self._call(lambda c: self._refresh_on(c, int(lease.id)))
         return int(r.TTL)
+
+    @_handle_errors
+    async def _refresh_on(self, client: aetcd.Client, lease_id: int) -> Any:
+        kept = self._keepalive
+        if kept is None or kept[0] is not client:
+            self._drop_keepalive()
+            await client.connect()
+            kept = self._keepalive = (
+                client,
+                client.leasestub.LeaseKeepAlive(metadata=client.metadata),
+            )
+        try:
+            await kept[1].write(aetcd.rpc.LeaseKeepAliveRequest(ID=lease_id))
+            reply = await kept[1].read()
+        except asyncio.CancelledError:
+            self._drop_keepalive()  # never reuse a stream a refresh gave up on
+            raise
+        except grpc.aio.AioRpcError as exc:
+            self._drop_keepalive()
+            if exc.code() in _STREAM_LOST:
+                raise aetcd.exceptions.ConnectionFailedError(str(exc.details())) from None
+            raise  # translated by _handle_errors (lease not found, permission denied)
+        except Exception as exc:  # gRPC could not even send on it: the member is gone
+            self._drop_keepalive()
+            raise aetcd.exceptions.ConnectionFailedError(str(exc)) from None
+        if reply is grpc.aio.EOF:  # the member closed it
+            self._drop_keepalive()
+            raise aetcd.exceptions.ConnectionFailedError("the lease keep-alive stream ended")
+        return reply
+
+    def _drop_keepalive(self) -> None:
+        if self._keepalive is not None:
+            self._keepalive[1].cancel()
+            self._keepalive = None
 
     async def revoke_lease(self, lease: Any) -> None:
         """Revoke ``lease`` (deleting its keys); a lease etcd already dropped is fine."""
@@ -585,5 +689,6 @@ class Etcd:
         return int(r.header.revision)
 
     async def close(self) -> None:
+        self._drop_keepalive()
         with contextlib.suppress(Exception):
             await self._client.close()

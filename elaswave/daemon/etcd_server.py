@@ -154,6 +154,7 @@ class EmbeddedEtcd:
         self.name = name
         self.client_port = 0
         self.metrics_url = ""
+        self.peer_url = ""
         self.args: list[str] = []
         self.data_dir: str | None = None
         self.proc: subprocess.Popen[bytes] | None = None
@@ -181,33 +182,8 @@ class EmbeddedEtcd:
     def _start(self, timeout: float) -> EmbeddedEtcd:
         if self.requested_port:
             check_port_free(self.requested_port, self.host)
-        if self.tls is not None:
-            self.tls.check()
-        binary = etcd_binary()
-        self.client_port = self.requested_port or free_port(self.host)
-        peer_port = free_port(self.host)
-        self.metrics_url = f"http://{self.host}:{free_port(self.host)}"
-        self.data_dir = tempfile.mkdtemp(prefix="elaswave-etcd-")
-        scheme = "https" if self.tls is not None else "http"
-        client_url = f"{scheme}://{self.host}:{self.client_port}"
-        peer_url = f"http://{self.host}:{peer_port}"
-        self.args = [
-            binary,
-            "--name", self.name,
-            "--data-dir", self.data_dir,
-            "--listen-client-urls", client_url,
-            "--advertise-client-urls", client_url,
-            "--listen-peer-urls", peer_url,
-            "--initial-advertise-peer-urls", peer_url,
-            "--initial-cluster", f"{self.name}={peer_url}",
-            "--log-level", "error",
-            "--heartbeat-interval", "50",
-            "--election-timeout", "250",
-            "--listen-metrics-urls", self.metrics_url,
-            "--unsafe-no-fsync",
-        ]  # fmt: skip
-        if self.tls is not None:
-            self.args += self.tls.args()
+        self.prepare()
+        self.configure(f"{self.name}={self.peer_url}")
         self.spawn()
         try:
             self.wait_healthy(timeout)
@@ -216,6 +192,38 @@ class EmbeddedEtcd:
             raise
         log.info("embedded etcd up at %s (data dir %s)", self.endpoint, self.data_dir)
         return self
+
+    def prepare(self) -> None:
+        """Choose this member's free ports and data directory (its peer URL is known after)."""
+        if self.tls is not None:
+            self.tls.check()
+        self.client_port = self.requested_port or free_port(self.host)
+        self.peer_url = f"http://{self.host}:{free_port(self.host)}"
+        self.metrics_url = f"http://{self.host}:{free_port(self.host)}"
+        self.data_dir = tempfile.mkdtemp(prefix="elaswave-etcd-")
+
+    def configure(self, initial_cluster: str, election_ms: int = 250) -> None:
+        """The command line: this member in ``initial_cluster`` (``name=peer-url,...``)."""
+        assert self.data_dir is not None, "prepare() first"
+        scheme = "https" if self.tls is not None else "http"
+        client_url = f"{scheme}://{self.host}:{self.client_port}"
+        self.args = [
+            etcd_binary(),
+            "--name", self.name,
+            "--data-dir", self.data_dir,
+            "--listen-client-urls", client_url,
+            "--advertise-client-urls", client_url,
+            "--listen-peer-urls", self.peer_url,
+            "--initial-advertise-peer-urls", self.peer_url,
+            "--initial-cluster", initial_cluster,
+            "--log-level", "error",
+            "--heartbeat-interval", "50",
+            "--election-timeout", str(election_ms),
+            "--listen-metrics-urls", self.metrics_url,
+            "--unsafe-no-fsync",
+        ]  # fmt: skip
+        if self.tls is not None:
+            self.args += self.tls.args()
 
     def spawn(self) -> None:
         """Start the etcd process (again: same data directory, same ports)."""
@@ -277,6 +285,49 @@ class EmbeddedEtcd:
             self.data_dir = None
 
     def __enter__(self) -> EmbeddedEtcd:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class EtcdCluster:
+    """``size`` etcd members on loopback forming one cluster (free ports, private data
+    directories): what the failover tests and the scale benchmark run against. A member can be
+    killed (:meth:`kill`) and the others go on while they keep a quorum."""
+
+    def __init__(self, size: int = 3, *, host: str = "127.0.0.1", election_ms: int = 500) -> None:
+        self.members = [EmbeddedEtcd(host=host, name=f"m{i}") for i in range(size)]
+        self.election_ms = election_ms
+
+    @property
+    def endpoints(self) -> list[str]:
+        return [m.endpoint for m in self.members]
+
+    def start(self, timeout: float = 30.0) -> EtcdCluster:
+        for m in self.members:
+            m.prepare()
+        initial = ",".join(f"{m.name}={m.peer_url}" for m in self.members)
+        try:
+            for m in self.members:
+                m.configure(initial, self.election_ms)
+                m.spawn()
+            for m in self.members:  # healthy only once a quorum has formed
+                m.wait_healthy(timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def kill(self, index: int) -> None:
+        """SIGKILL member ``index`` (its data directory stays, as a crashed host's would)."""
+        self.members[index].kill()
+
+    def stop(self) -> None:
+        for m in self.members:
+            m.stop(grace=2.0)
+
+    def __enter__(self) -> EtcdCluster:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

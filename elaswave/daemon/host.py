@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from elaswave.daemon.control_server import ControlServer, WorkerConn
     from elaswave.daemon.etcd import Etcd
     from elaswave.daemon.etcd_server import EmbeddedEtcd
+    from elaswave.daemon.jobstore import JobStore
     from elaswave.daemon.leader import Leadership
     from elaswave.daemon.outbox import Outbox
     from elaswave.daemon.workers import WorkerProc
@@ -30,6 +31,7 @@ class Host(Protocol):
     host_id: str
     keys: JobKeys
     etcd: Etcd
+    jobstore: JobStore
     lease: Any  # the host lease its keys live under (a new one after an expiry)
     events: EventLog
     outbox: Outbox

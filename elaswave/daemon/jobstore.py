@@ -14,7 +14,7 @@ import enum
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +22,7 @@ from elaswave.daemon.etcd import Etcd
 from elaswave.faults import FaultSpec
 from elaswave.keys import JobKeys
 from elaswave.planning.plan import Member, Plan
+from elaswave.planning.plandelta import apply_delta, delta_epochs, encode_delta
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,17 @@ class WorkerRecord:
     @property
     def member(self) -> Member:
         return Member(worker_id=self.worker_id, host=self.host, order=self.order)
+
+    @classmethod
+    def parse(cls, value: bytes, create_revision: int) -> WorkerRecord:
+        info = json.loads(value)
+        return cls(
+            worker_id=info["worker_id"],
+            host=info["host"],
+            order=create_revision,
+            layer_seconds=info.get("layer_seconds") or None,
+            layer_estimate=info.get("layer_estimate") or None,
+        )
 
 
 class Change(enum.Enum):
@@ -54,6 +66,33 @@ class JobChange:
     kind: Change
     host: str = ""  # HOST_GONE, SPEED, SPEED_GONE: which host
     speeds: Any = None  # SPEED: worker -> {"epoch": ..., "per_mb": [...]}, as the host wrote it
+    worker: WorkerRecord | None = None  # MEMBERSHIP: a worker key written (registered)
+    gone: str = ""  # MEMBERSHIP: the worker whose key was deleted
+    revision: int = 0  # the change's etcd revision
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A bid for the leader key: won, or who holds it (and the revision it was written at)."""
+
+    won: bool
+    holder: str | None = None
+    revision: int = 0
+
+    def __bool__(self) -> bool:
+        return self.won
+
+
+class PlanError(ValueError):
+    """A plan in etcd that does not decode (the daemon never trusts what it reads there)."""
+
+
+def decode_plan(value: bytes) -> Plan | PlanError:
+    """The plan a value of the plan key holds, or why it holds none."""
+    try:
+        return Plan.from_json(value)
+    except (ValueError, KeyError, TypeError) as exc:
+        return PlanError(f"malformed plan ({type(exc).__name__})")
 
 
 class JobStore:
@@ -68,21 +107,28 @@ class JobStore:
         return await self.etcd.revision()
 
     # ---- the election -------------------------------------------------------------------------
-    async def claim_leader(self, host_id: str, *, lease: Any) -> bool:
-        """Create the leader key for ``host_id`` under ``lease``; False if someone holds it."""
-        return await self.etcd.create(self.keys.leader, host_id, lease=lease)
+    async def claim_leader(self, host_id: str, *, lease: Any) -> Claim:
+        """Create the leader key for ``host_id`` under ``lease``; if someone holds it, who and
+        since which revision (one round trip: when a leader dies every host claims at once)."""
+        won, kv = await self.etcd.create_or_get(self.keys.leader, host_id, lease=lease)
+        if won or kv is None:
+            return Claim(won)
+        return Claim(False, kv.value.decode(), kv.mod_revision)
 
     async def leader(self) -> str | None:
         """The host the leader key names (None: nobody leads)."""
         kv = await self.etcd.get(self.keys.leader)
         return kv.value.decode() if kv is not None else None
 
-    async def wait_leader_gone(self) -> None:
-        """Until the leader key is deleted (at once if there is none)."""
+    async def wait_leader_gone(self, since: int = 0) -> None:
+        """Until the leader key is deleted (at once if there is none). ``since``: a revision
+        at which the key was there (a lost claim's), to watch from without reading it again."""
         key = self.keys.leader
-        rev = await self.etcd.revision()
-        if await self.etcd.get(key) is None:
-            return
+        rev = since
+        if not rev:
+            rev = await self.etcd.revision()
+            if await self.etcd.get(key) is None:
+                return
         async for ev in self.etcd.watch_prefix(key, start_revision=rev + 1):
             if ev.key == key and ev.kind == "delete":
                 return
@@ -95,20 +141,77 @@ class JobStore:
             return None, 0
         return Plan.from_json(kv.value), kv.mod_revision
 
-    async def publish_plan(self, plan: Plan, *, mod_revision: int, leader: str) -> bool:
+    async def publish_plan(
+        self, plan: Plan, *, mod_revision: int, leader: str, base: Plan | None = None
+    ) -> bool:
         """Put ``plan`` only if the plan key's mod revision is still ``mod_revision`` (0: no
-        plan yet) and the leader key still names ``leader``. True if this write landed, also
-        when its answer was lost (the etcd member went away after applying it and the retry's
-        compare failed): that write is recognised in etcd's history."""
+        plan yet) and the leader key still names ``leader``; with it, in the same transaction,
+        the plan as a change to ``base`` (the plan it follows) for the hosts to follow. True if
+        this write landed, also when its answer was lost (the etcd member went away after
+        applying it and the retry's compare failed): that write is recognised in etcd's
+        history."""
         data = plan.to_json()
         if await self.etcd.compare_and_put(
-            self.keys.plan, data, mod_revision=mod_revision, holder=(self.keys.leader, leader)
+            self.keys.plan,
+            data,
+            mod_revision=mod_revision,
+            holder=(self.keys.leader, leader),
+            also={self.keys.delta: encode_delta(base, plan)},
         ):
             return True
         landed = await self.etcd.first_put_after(self.keys.plan, mod_revision)
         return landed is not None and landed.decode() == data
 
-    # ---- membership ---------------------------------------------------------------------------
+    # ---- membership: what a host's daemon writes --------------------------------------------
+    async def register_host(self, host_id: str, info: dict[str, Any], *, lease: Any) -> bool:
+        """Create this host's key under its lease; False if a live host holds that id."""
+        return await self.etcd.create(self.keys.host(host_id), json.dumps(info), lease=lease)
+
+    async def register_worker(self, info: dict[str, Any], *, lease: Any) -> None:
+        """A ready worker's key (``info["worker_id"]``, its host, costs), under the host lease."""
+        await self.etcd.put_json(self.keys.worker(info["worker_id"]), info, lease=lease)
+
+    async def record_departure(self, worker_id: str, reason: str, *, lease: Any) -> None:
+        """A worker left: why (read once by the leader), and its key removed, in one write."""
+        keys = self.keys
+        await self.etcd.put_and_delete(
+            keys.departures + worker_id, reason, keys.worker(worker_id), lease=lease
+        )
+
+    async def plans(self, held: Callable[[], Plan | None]) -> AsyncIterator[Plan | PlanError]:
+        """What a host follows: the plan now (if any), then every newer plan as it is
+        published. A host that holds (``held()``) the plan a new one follows applies the small
+        delta it watches; any other reads the whole plan. A plan that does not decode comes as
+        a :class:`PlanError` (the daemon records it and goes on)."""
+        rev = await self.etcd.revision()
+        kv = await self.etcd.get(self.keys.plan)
+        if kv is not None:
+            yield self.decode(kv.value)
+        async for ev in self.etcd.watch_prefix(self.keys.delta, start_revision=rev + 1):
+            if ev.key != self.keys.delta or ev.kind != "put":
+                continue
+            mine = held()
+            plan: Plan | PlanError | None = None
+            try:
+                base, epoch = delta_epochs(ev.value)
+                if mine is not None and mine.epoch >= epoch:
+                    continue  # read whole already (this host was behind)
+                if mine is not None and mine.epoch == base:
+                    plan = apply_delta(mine, ev.value)
+            except Exception:  # noqa: BLE001 - a delta that does not apply: the whole plan
+                plan = None
+            if plan is None:
+                kv = await self.etcd.get(self.keys.plan)
+                if kv is None:
+                    continue
+                plan = self.decode(kv.value)
+            yield plan
+
+    def decode(self, value: bytes) -> Plan | PlanError:
+        """A whole plan as read from the plan key."""
+        return decode_plan(value)
+
+    # ---- membership: what the leader reads ----------------------------------------------------
     async def live_hosts(self) -> set[str]:
         """The hosts registered now (their keys live under their leases)."""
         hosts = self.keys.hosts
@@ -116,27 +219,24 @@ class JobStore:
 
     async def workers(self) -> list[WorkerRecord]:
         """The ready workers' keys, in key order."""
-        out = []
-        for kv in await self.etcd.get_prefix(self.keys.workers):
-            info = kv.json()
-            out.append(
-                WorkerRecord(
-                    worker_id=info["worker_id"],
-                    host=info["host"],
-                    order=kv.create_revision,
-                    layer_seconds=info.get("layer_seconds") or None,
-                    layer_estimate=info.get("layer_estimate") or None,
-                )
-            )
-        return out
+        return (await self.workers_at())[0]
 
-    async def take_departures(self) -> list[str]:
-        """Why workers left since the last call (each departure is read once, then deleted)."""
-        reasons = []
+    async def workers_at(self) -> tuple[list[WorkerRecord], int]:
+        """The ready workers' keys, in key order, and the revision they were read at (the
+        leader keeps the list from there by watching the changes after it)."""
+        kvs, revision = await self.etcd.get_prefix_at(self.keys.workers)
+        return [WorkerRecord.parse(kv.value, kv.create_revision) for kv in kvs], revision
+
+    async def take_departures(self) -> tuple[list[str], int]:
+        """Why workers left since the last call (each departure is read once, then deleted),
+        and the newest departure's revision (0: none): its worker's key was deleted in that
+        same revision."""
+        reasons, newest = [], 0
         for kv in await self.etcd.get_prefix(self.keys.departures):
             reasons.append(kv.value.decode())
+            newest = max(newest, kv.mod_revision)
             await self.etcd.delete(kv.key)
-        return reasons
+        return reasons, newest
 
     # ---- progress, measurements ---------------------------------------------------------------
     async def committed_step(self) -> int:
@@ -194,17 +294,27 @@ class JobStore:
         k = self.keys
         async for ev in self.etcd.watch_prefix(k.prefix, start_revision=start_revision):
             if ev.key == k.done:
-                yield JobChange(Change.DONE)
+                yield JobChange(Change.DONE, revision=ev.mod_revision)
             elif ev.key.startswith(k.hosts):
                 if ev.kind == "delete":
-                    yield JobChange(Change.HOST_GONE, host=ev.key.removeprefix(k.hosts))
-            elif ev.key.startswith(k.workers) or (
-                ev.key.startswith(k.departures) and ev.kind == "put"
-            ):
-                yield JobChange(Change.MEMBERSHIP)
+                    host = ev.key.removeprefix(k.hosts)
+                    yield JobChange(Change.HOST_GONE, host=host, revision=ev.mod_revision)
+            elif ev.key.startswith(k.workers):
+                rev = ev.mod_revision
+                if ev.kind == "put":
+                    worker = WorkerRecord.parse(ev.value, ev.create_revision)
+                    yield JobChange(Change.MEMBERSHIP, worker=worker, revision=rev)
+                else:
+                    yield JobChange(Change.MEMBERSHIP, gone=ev.key.removeprefix(k.workers),
+                                    revision=rev)  # fmt: skip
+            elif ev.key.startswith(k.departures) and ev.kind == "put":
+                yield JobChange(Change.MEMBERSHIP, revision=ev.mod_revision)
             elif ev.key.startswith(k.speed):
                 host = ev.key.removeprefix(k.speed)
                 if ev.kind == "put":
-                    yield JobChange(Change.SPEED, host=host, speeds=json.loads(ev.value))
+                    speeds = json.loads(ev.value)
+                    yield JobChange(
+                        Change.SPEED, host=host, speeds=speeds, revision=ev.mod_revision
+                    )
                 else:
-                    yield JobChange(Change.SPEED_GONE, host=host)
+                    yield JobChange(Change.SPEED_GONE, host=host, revision=ev.mod_revision)

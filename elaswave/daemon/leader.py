@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from elaswave.config import JobConfig
-from elaswave.daemon.jobstore import Change, JobStore
+from elaswave.daemon.jobstore import Change, JobStore, WorkerRecord
 from elaswave.errors import EtcdUnavailable
 from elaswave.planning.pipeplan import measured_layers, next_pipeline_plan, plan_costs
 from elaswave.planning.plan import Member, Plan, next_plan, reshared_plan
@@ -48,6 +48,7 @@ log = logging.getLogger(__name__)
 
 MAX_INCIDENTS = 20
 JOIN_SETTLE_S = 0.5  # how long a grow waits for further joiners before it is planned
+CATCH_UP_S = 1.0  # how long a plan waits for the watch to bring a departure's change
 
 Emit = Callable[..., Any]  # records an event: emit(kind, **fields)
 
@@ -103,15 +104,16 @@ async def campaign(c: Candidate) -> None:
         await c.registered.wait()
         if await c.store.is_done():
             return  # the job is over: hosts leaving now need no new leader
-        won = await c.store.claim_leader(c.host_id, lease=c.lease())
-        if won or await c.holds_leader():  # held already: an outage ran this again
-            if won:
+        claim = await c.store.claim_leader(c.host_id, lease=c.lease())
+        # held already: an outage ran this again
+        if claim.won or (claim.holder == c.host_id and c.registered.is_set()):
+            if claim.won:
                 c.emit("leader_elected", host=c.host_id)
             c.leadership.held = True
             await Planner(c).run()
             c.leadership.held = False
             continue
-        await c.store.wait_leader_gone()
+        await c.store.wait_leader_gone(since=claim.revision)
 
 
 class Planner:
@@ -136,12 +138,18 @@ class Planner:
         self.failure_steps: list[int] = []  # last committed step at each worker failure
         self.host_causes: list[str] = []  # hosts whose lease expired since the last plan
         self.job_done = False
+        # The ready workers, read once and then kept by the watch (a plan reads no key per
+        # worker): worker id -> record, and the revision of the newest change applied to it.
+        self.roster: dict[str, WorkerRecord] = {}
+        self.applied = 0
+        self.snapshot = 0  # the revision the roster was last read at: older changes are in it
+        self.moved = asyncio.Event()  # set whenever the watch applied a change
 
     async def run(self) -> None:
         """Plan until the job is done or stops, or this host stops leading. An etcd outage
         raises :class:`EtcdUnavailable` (from a call, or from the watch): the daemon runs the
         campaign again once etcd answers, and a new planner starts from a fresh read."""
-        rev = await self.store.revision()
+        rev = await self._read_roster()
         watcher = asyncio.create_task(self._watch(rev + 1))
         try:
             with self.c.leadership.planning(self.changed):
@@ -165,6 +173,7 @@ class Planner:
             self.changed.clear()
             if await store.is_done():
                 return  # the last step is committed: leaving workers change nothing
+            read_at = time.perf_counter()
             members, causes = await self._read_members()
             causes, self.host_causes = self.host_causes + causes, []
             if current is None:
@@ -178,16 +187,23 @@ class Planner:
                     return
             if current is not None and causes and await self._loop_breaker(len(causes)):
                 return
+            plan_at = time.perf_counter()
             plan = self._next(current, members, "; ".join(causes))
             if plan is None and current is not None:
                 if current.is_pipeline:
                     plan = self._pipeline_straggler_plan(current, members)
                 else:
                     plan = self._straggler_plan(current)
+            timing = {
+                "read_s": round(plan_at - read_at, 6),  # the members (and costs) from etcd
+                "planning_s": round(time.perf_counter() - plan_at, 6),  # the pure planner
+            }
             if plan is not None:
                 plan = replace(plan, committed=await store.committed_step())
-                if await store.publish_plan(plan, mod_revision=plan_rev, leader=c.host_id):
-                    self._published(plan)
+                if await store.publish_plan(
+                    plan, mod_revision=plan_rev, leader=c.host_id, base=current
+                ):
+                    self._published(plan, **timing)
                     await self._record_incident(plan, bool(causes) or bool(plan.evicted))
                     if current is None:
                         for fault in self.cfg.faults:
@@ -238,11 +254,12 @@ class Planner:
             cause=cause,
         )
 
-    def _published(self, plan: Plan) -> None:
+    def _published(self, plan: Plan, **timing: float) -> None:
         self.c.emit(
             "plan_published",
             t=plan.created,  # decided then; workers may see it before CAS returns
             epoch=plan.epoch,
+            **timing,
             world=plan.world_size,
             workers=list(plan.workers),
             microbatches=list(plan.microbatches),
@@ -358,6 +375,13 @@ class Planner:
     async def _watch(self, start_revision: int) -> None:
         # Worker keys change on ready/exit; departures also cover workers that died before ready.
         async for change in self.store.changes(start_revision):
+            if change.revision > self.snapshot:  # else the roster was read after it
+                if change.worker is not None:
+                    self.roster[change.worker.worker_id] = change.worker
+                elif change.gone:
+                    self.roster.pop(change.gone, None)
+            self.applied = max(self.applied, change.revision)
+            self.moved.set()
             if change.kind is Change.DONE:
                 self.job_done = True  # hosts leaving from now on are finishing, not lost
             elif change.kind is Change.HOST_GONE and not self.job_done:
@@ -383,9 +407,10 @@ class Planner:
     async def _read_members(self) -> tuple[list[Member], list[str]]:
         """The live members (without the evicted), and why workers left since the last read.
         Pipelines also take the workers' cost profiles and, online, their measurements."""
+        causes = await self._take_departures()
         members = []
         self.profiles = []
-        for rec in await self.store.workers():
+        for _, rec in sorted(self.roster.items()):  # key order, as etcd lists them
             if rec.worker_id in self.evicted:
                 continue  # its daemon is stopping it
             if rec.layer_seconds:
@@ -395,21 +420,43 @@ class Planner:
             members.append(rec.member)
         if self.cfg.pp > 1 and self.cfg.layer_costs == "online":
             self.online = await self.store.online_costs({m.worker_id for m in members})
-        return members, await self.store.take_departures()
+        return members, causes
+
+    async def _take_departures(self) -> list[str]:
+        """Why workers left since the last call, once the roster the watch keeps has caught up
+        with them: a worker's departure and the deletion of its key are one revision, and no
+        plan may name a cause with its worker still in."""
+        causes, newest = await self.store.take_departures()
+        while self.applied < newest:
+            self.moved.clear()
+            try:
+                await asyncio.wait_for(self.moved.wait(), CATCH_UP_S)
+            except asyncio.TimeoutError:  # the watch lags (its etcd member went away, say):
+                await self._read_roster()  # read the roster as it is now instead
+        return causes
+
+    async def _read_roster(self) -> int:
+        """Read the ready workers from etcd; the watch's changes up to that revision are in."""
+        records, rev = await self.store.workers_at()
+        self.roster = {r.worker_id: r for r in records}
+        self.snapshot = rev
+        self.applied = max(self.applied, rev)
+        return rev
 
     async def _await_initial_members(self) -> None:
-        """Initial rendezvous: wait for MIN hosts' workers, or the rendezvous timeout."""
+        """Initial rendezvous: wait for MIN hosts' workers, or the rendezvous timeout. Counts
+        the roster (one key read per wake, whatever the job's size)."""
         cfg = self.cfg
         deadline = time.monotonic() + cfg.timeouts.rendezvous
         while not self.c.stopping():
             self.changed.clear()  # before reading: a change after the read must wake us
-            members, causes = await self._read_members()
-            self.early_causes += causes  # workers that died before ready: do not wait for them
-            if len(members) + len(self.early_causes) >= self.expected and members:
+            self.early_causes += await self._take_departures()  # died before ready: do not
+            ready = sum(1 for w in self.roster if w not in self.evicted)  # wait for them
+            if ready + len(self.early_causes) >= self.expected and ready:
                 return
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                if len(members) >= cfg.elastic.min_workers:
+                if ready >= cfg.elastic.min_workers:
                     return
                 deadline = time.monotonic() + cfg.timeouts.rendezvous
                 continue

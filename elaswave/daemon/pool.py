@@ -73,12 +73,7 @@ class WorkerPool:
         # Queued: with etcd away, the departure lands (and is planned for) once it answers.
         d.outbox.put(
             f"departure of {w.worker_id}",
-            lambda: d.etcd.put_and_delete(
-                d.keys.departures + w.worker_id,
-                reason,
-                d.keys.worker(w.worker_id),
-                lease=d.lease,
-            ),
+            lambda: d.jobstore.record_departure(w.worker_id, reason, lease=d.lease),
         )
         if (
             respawn_verdict(

@@ -42,7 +42,7 @@ from elaswave.daemon.etcd import Etcd, EtcdSecurity
 from elaswave.daemon.etcd_server import EmbeddedEtcd
 from elaswave.daemon.faultrelay import FaultRelay
 from elaswave.daemon.hangs import detect_hangs
-from elaswave.daemon.jobstore import JobStore
+from elaswave.daemon.jobstore import JobStore, PlanError, decode_plan
 from elaswave.daemon.leader import Candidate, Leadership, campaign
 from elaswave.daemon.metrics import DaemonMetrics, worker_state
 from elaswave.daemon.netns import current_netns
@@ -154,6 +154,7 @@ class HostDaemon:
             prefix=self.keys.prefix,
             timeout=self.cfg.timeouts.etcd_connect,
             security=self.security,
+            client=self.host_id,
         )
         self.jobstore = JobStore(self.etcd, self.keys)
         self.records = StepRecords(
@@ -306,9 +307,7 @@ class HostDaemon:
         self.store_address = f"{self.host_addr}:{self.store.port}"
         await self.control.start()
         self.started = time.time()
-        if not await self.etcd.create(
-            self.keys.host(self.host_id), json.dumps(self.host_info()), lease=self.lease
-        ):
+        if not await self.jobstore.register_host(self.host_id, self.host_info(), lease=self.lease):
             raise ElasWaveError(
                 f"host id {self.host_id!r} is already registered in job {self.cfg.job_id!r}"
             )
@@ -444,7 +443,7 @@ class HostDaemon:
             w.info = info
             self.outbox.put(
                 f"registration of {w.worker_id}",
-                lambda: self.etcd.put_json(self.keys.worker(w.worker_id), info, lease=self.lease),
+                lambda: self.jobstore.register_worker(info, lease=self.lease),
             )
             self.events.emit("worker_ready", host=self.host_id, worker=w.worker_id, pid=w.pid)
             if self.plan is not None:
@@ -519,20 +518,16 @@ class HostDaemon:
 
     # ---- plans and faults -------------------------------------------------------------------
     async def _watch_plans(self) -> None:
-        rev = await self.etcd.revision()
-        kv = await self.etcd.get(self.keys.plan)
-        if kv is not None:
-            self.adopt_json(kv.value)
-        async for ev in self.etcd.watch_prefix(self.keys.plan, start_revision=rev + 1):
-            if ev.key == self.keys.plan and ev.kind == "put":
-                self.adopt_json(ev.value)
+        async for plan in self.jobstore.plans(lambda: self.plan):
+            self._adopt_checked(plan)
 
     def adopt_json(self, value: bytes) -> None:
-        try:
-            plan = Plan.from_json(value)
-        except (ValueError, KeyError, TypeError) as exc:  # JSON only; a bad value is ignored
-            log.warning("ignoring a malformed plan in etcd: %s", exc)
-            self.events.emit("plan_rejected", reason=f"malformed plan ({type(exc).__name__})")
+        self._adopt_checked(decode_plan(value))
+
+    def _adopt_checked(self, plan: Plan | PlanError) -> None:
+        if isinstance(plan, PlanError):  # JSON only; a bad value is ignored
+            log.warning("ignoring a malformed plan in etcd: %s", plan)
+            self.events.emit("plan_rejected", reason=str(plan))
             return
         self._adopt(plan)
 

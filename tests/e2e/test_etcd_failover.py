@@ -9,20 +9,16 @@ for that, and the watch must go on from where it stopped, losing and repeating n
 from __future__ import annotations
 
 import asyncio
-import os
-import shutil
 import signal
 import subprocess
-import tempfile
 import time
-import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from elaswave.daemon.etcd import Etcd
-from elaswave.daemon.etcd_server import etcd_binary, free_port
+from elaswave.daemon.etcd_server import EtcdCluster
 
 PREFIX = "/elaswave/failover/"
 # Above a loaded 2-core machine's commit latency: a call to a slow but live member must not
@@ -30,70 +26,14 @@ PREFIX = "/elaswave/failover/"
 OP_TIMEOUT = 3.0
 
 
-def _healthy(metrics: str) -> bool:
-    try:
-        with urllib.request.urlopen(metrics + "/health", timeout=1.0) as resp:
-            return b'"health":"true"' in resp.read()
-    except OSError:
-        return False
-
-
 @pytest.fixture
 def cluster() -> Iterator[list[tuple[str, subprocess.Popen[bytes]]]]:
     """Three etcd members on 127.0.0.1: [(client endpoint, process)]."""
-    names = ["m0", "m1", "m2"]
-    ports = {n: (free_port(), free_port(), free_port()) for n in names}  # client, peer, metrics
-    initial = ",".join(f"{n}=http://127.0.0.1:{ports[n][1]}" for n in names)
-    data = tempfile.mkdtemp(prefix="elaswave-failover-")
-    members = []
-    for n in names:
-        client, peer, metrics = ports[n]
-        proc = subprocess.Popen(
-            [
-                etcd_binary(),
-                "--name",
-                n,
-                "--data-dir",
-                os.path.join(data, n),
-                "--listen-client-urls",
-                f"http://127.0.0.1:{client}",
-                "--advertise-client-urls",
-                f"http://127.0.0.1:{client}",
-                "--listen-peer-urls",
-                f"http://127.0.0.1:{peer}",
-                "--initial-advertise-peer-urls",
-                f"http://127.0.0.1:{peer}",
-                "--initial-cluster",
-                initial,
-                "--initial-cluster-state",
-                "new",
-                "--listen-metrics-urls",
-                f"http://127.0.0.1:{metrics}",
-                "--heartbeat-interval",
-                "50",
-                "--election-timeout",
-                "500",
-                "--log-level",
-                "error",
-            ],  # fmt: skip
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        members.append((f"127.0.0.1:{client}", proc))
-    try:
-        deadline = time.monotonic() + 30
-        for n in names:
-            while not _healthy(f"http://127.0.0.1:{ports[n][2]}"):
-                assert time.monotonic() < deadline, f"etcd member {n} did not become healthy"
-                time.sleep(0.1)
-        yield members
-    finally:
-        for _, proc in members:
-            proc.send_signal(signal.SIGCONT)
-            proc.kill()
-            proc.wait()
-        shutil.rmtree(data, ignore_errors=True)
+    with EtcdCluster(3) as members:
+        yield [(m.endpoint, m.proc) for m in members.members if m.proc is not None]
+        for m in members.members:  # a frozen member must wake to be stopped
+            if m.proc is not None:
+                m.proc.send_signal(signal.SIGCONT)
 
 
 def test_calls_and_a_watch_in_flight_survive_a_frozen_member(

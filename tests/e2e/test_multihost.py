@@ -14,6 +14,7 @@ import pytest
 from conftest import Run, assert_clean_run, assert_redid_only, wait_for
 from netbed import NetBed, netbed_fixture  # noqa: F401 - provides the netbed_factory fixture
 
+from elaswave.daemon.etcd import start_order
 from elaswave.events import read_jsonl
 from elaswave.report import build_report
 
@@ -173,13 +174,15 @@ def test_etcd_member_killed(
     state_env: dict[str, str],
     reference: Run,
 ) -> None:
-    """One member of a three-member etcd cluster dies (the one every daemon talks to first):
-    the daemons fail over to the others and training is not interrupted."""
+    """One member of a three-member etcd cluster dies (the one the leader's daemon talks to:
+    each daemon starts on the member its host id picks): the daemons on it fail over to the
+    others and training is not interrupted."""
     bed = netbed_factory(hosts=3, etcd_members=3)
     env = _env(state_env)
     _start(bed, "mh-etcd", env)
     _wait_step(bed, 6)
-    bed.kill_etcd(bed.members[0])
+    first = start_order(bed.endpoints.split(","), _leader(bed))[0]
+    bed.kill_etcd(next(m for m in bed.members if first.startswith(bed.addr[m] + ":")))
     codes = bed.wait(timeout=150)
     assert codes == {h: 0 for h in bed.hosts}, [bed.output(h) for h in bed.hosts]
     run = _merged(bed)

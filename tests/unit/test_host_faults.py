@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from elaswave.config import load_config
-from elaswave.daemon.etcd import failover_order
+from elaswave.daemon.etcd import failover_order, start_order
 from elaswave.daemon.etcd_server import port_candidates
 from elaswave.daemon.leader import lost_hosts
 from elaswave.errors import ConfigError
@@ -37,6 +37,26 @@ def test_lost_hosts(plan_hosts: tuple[str, ...], live: set[str], lost: list[str]
 )
 def test_failover_order(current: str, order: list[str]) -> None:
     assert failover_order(["a:1", "b:1", "c:1"], current) == order
+
+
+@pytest.mark.parametrize(
+    ("endpoints", "client", "order"),
+    [
+        (["a:1", "b:1", "c:1"], "", ["a:1", "b:1", "c:1"]),  # no name: as given
+        (["a:1"], "h0", ["a:1"]),
+        (["a:1", "b:1", "c:1"], "h1", ["a:1", "b:1", "c:1"]),  # crc32("h1") % 3 == 0
+        (["a:1", "b:1", "c:1"], "h0", ["b:1", "c:1", "a:1"]),  # 1
+        (["a:1", "b:1", "c:1"], "h3", ["c:1", "a:1", "b:1"]),  # 2
+    ],
+)
+def test_start_order(endpoints: list[str], client: str, order: list[str]) -> None:
+    assert start_order(endpoints, client) == order
+
+
+def test_start_order_spreads_many_hosts_over_the_members() -> None:
+    """A thousand hosts' first members: each of three takes a third, give or take 10 %."""
+    firsts = [start_order(["a:1", "b:1", "c:1"], f"node-{i:05d}")[0] for i in range(1000)]
+    assert all(300 <= firsts.count(m) <= 367 for m in ("a:1", "b:1", "c:1"))
 
 
 def test_partition_cannot_come_from_a_config() -> None:

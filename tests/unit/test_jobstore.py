@@ -8,13 +8,14 @@ import asyncio
 import itertools
 import json
 from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import pytest
 
 from elaswave.daemon.etcd import Etcd
 from elaswave.daemon.etcd_server import EmbeddedEtcd
-from elaswave.daemon.jobstore import Change, JobChange, JobStore
+from elaswave.daemon.jobstore import Change, JobChange, JobStore, PlanError
 from elaswave.faults import FaultKind, FaultSpec, decode_request
 from elaswave.keys import JobKeys
 from elaswave.planning.plan import Plan
@@ -175,10 +176,14 @@ def test_the_leader_key_lives_under_the_winners_lease(endpoint: str) -> None:
         await asyncio.wait_for(s.wait_leader_gone(), 2)  # nobody leads: at once
         lease = await s.etcd.lease(30)
         claims = await asyncio.gather(*(s.claim_leader(h, lease=lease) for h in ("a", "b", "c")))
-        assert sorted(claims) == [False, False, True]
-        winner = "abc"[claims.index(True)]
+        won = [c.won for c in claims]
+        assert sorted(won) == [False, False, True]
+        winner = "abc"[won.index(True)]
         assert await s.leader() == winner
-        waiter = asyncio.create_task(s.wait_leader_gone())
+        # the losers learn who won, and since when, from their own claim
+        lost = [c for c in claims if not c.won]
+        assert {c.holder for c in lost} == {winner} and len({c.revision for c in lost}) == 1
+        waiter = asyncio.create_task(s.wait_leader_gone(since=lost[0].revision))
         await asyncio.sleep(0.2)
         await s.etcd.put(s.keys.leader, winner, lease=lease)  # written again: still there
         await asyncio.sleep(0.2)
@@ -218,13 +223,16 @@ def test_workers_are_listed_with_their_registration_order(endpoint: str) -> None
 def test_departures_are_taken_once(endpoint: str) -> None:
     async def body(s: JobStore) -> None:
         await s.etcd.put(s.keys.departures + "h0.w1", "worker h0.w1 (rank 1) exit code 1")
-        await s.etcd.put(s.keys.departures + "h1.w0", "worker h1.w0 (rank 2) killed by SIGKILL")
-        taken = await s.take_departures()
+        last = await s.etcd.put(
+            s.keys.departures + "h1.w0", "worker h1.w0 (rank 2) killed by SIGKILL"
+        )
+        taken, newest = await s.take_departures()
         assert sorted(taken) == [
             "worker h0.w1 (rank 1) exit code 1",
             "worker h1.w0 (rank 2) killed by SIGKILL",
         ]
-        assert await s.take_departures() == []
+        assert newest == last  # the newest departure's revision
+        assert await s.take_departures() == ([], 0)
         assert await s.etcd.get_prefix(s.keys.departures) == []
 
     run(endpoint, body)
@@ -299,6 +307,73 @@ def test_faults_stop_and_done(endpoint: str) -> None:
     run(endpoint, body)
 
 
+# ---- following the plans ---------------------------------------------------------------------
+def test_a_host_follows_the_plans_by_their_deltas(endpoint: str) -> None:
+    """A host holding the plan a new one follows gets it from the small delta key; one that
+    missed an epoch, or holds nothing, reads the whole plan; a value that does not decode comes
+    as a PlanError, and the follower goes on."""
+
+    async def body(s: JobStore) -> tuple[list[Plan | PlanError], list[str]]:
+        assert await s.claim_leader("h0", lease=None)
+        p1 = _plan(1, ["h0.w0", "h0.w1", "h1.w0"])
+        p2 = replace(_plan(2, ["h0.w0", "h1.w0"]), departed=("h0.w1",))
+        p3 = _plan(3, ["h0.w0", "h1.w0", "h2.w0"])
+        p4 = _plan(4, ["h1.w0", "h2.w0"])
+        got: list[Plan | PlanError] = []
+        how: list[str] = []  # per plan: read "whole" or applied as a "delta"
+        held: list[Plan] = []
+
+        class Counting(JobStore):
+            decodes = 0
+
+            def decode(self, value: bytes) -> Plan | PlanError:
+                self.decodes += 1
+                return super().decode(value)
+
+        follower = Counting(s.etcd, s.keys)
+
+        async def follow() -> None:
+            decodes = 0
+            async for plan in follower.plans(lambda: held[-1] if held else None):
+                got.append(plan)
+                how.append("whole" if follower.decodes > decodes else "delta")
+                decodes = follower.decodes
+                if isinstance(plan, Plan):  # the host is made to miss epoch 2
+                    held.append(p1 if plan.epoch == 2 else plan)
+                if len(got) == 6:
+                    return
+
+        async def followed(n: int) -> None:  # each change is taken before the next is made
+            while len(got) < n:
+                await asyncio.sleep(0.01)
+
+        task = asyncio.create_task(follow())
+        rev = 0
+        for n, (base, plan) in enumerate(((None, p1), (p1, p2), (p2, p3)), 1):
+            assert await s.publish_plan(plan, mod_revision=rev, leader="h0", base=base)
+            _, rev = await s.read_plan()
+            await followed(n)
+        await s.etcd.put(s.keys.delta, b"not a delta")  # the whole plan again: p3
+        await followed(4)
+        await s.etcd.put(s.keys.plan, b"{broken")
+        await s.etcd.put(s.keys.delta, b"{}")
+        await followed(5)
+        kv = await s.etcd.get(s.keys.plan)
+        assert kv is not None
+        assert await s.publish_plan(p4, mod_revision=kv.mod_revision, leader="h0", base=p3)
+        await asyncio.wait_for(task, 10)
+        return got, how
+
+    got, how = run(endpoint, body)
+    plans = [p.epoch if isinstance(p, Plan) else "error" for p in got]
+    # p1: nothing held, the whole plan; p2: a delta onto p1; p3: its base p2 is not held (the
+    # host was made to miss it), the whole plan; a junk delta: the whole plan (p3 again: the
+    # daemon ignores a plan it holds); a broken plan key: its error; p4: a delta onto p3
+    assert plans == [1, 2, 3, 3, "error", 4]
+    assert how == ["whole", "delta", "whole", "whole", "whole", "delta"]
+    assert isinstance(got[4], PlanError) and "malformed plan" in str(got[4])
+
+
 # ---- the change feed -----------------------------------------------------------------------
 def test_changes_name_what_planning_reacts_to(endpoint: str) -> None:
     async def body(s: JobStore) -> list[JobChange]:
@@ -335,6 +410,11 @@ def test_changes_name_what_planning_reacts_to(endpoint: str) -> None:
         (Change.SPEED, "h1"),
     ]
     assert seen[2].speeds == {"h1.w0": {"epoch": 1, "per_mb": [0.5]}}
+    # what the leader keeps its roster with: the record registered, the worker whose key went
+    assert seen[0].worker is not None and seen[0].worker.worker_id == "h1.w0"
+    assert [c.gone for c in seen[3:6] if c.gone] == ["h1.w0"]
+    revisions = [c.revision for c in seen]
+    assert revisions == sorted(revisions) and revisions[0] > 0
     # The lease's keys go in one revision, in key order: hosts/, speed/, workers/.
     assert sorted(kinds[3:6], key=str) == sorted(
         [(Change.HOST_GONE, "h1"), (Change.SPEED_GONE, "h1"), (Change.MEMBERSHIP, "")], key=str
