@@ -21,6 +21,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="result file (default bench/results/<scenario>.json)")  # fmt: skip
     parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG,
                         help="job config (default configs/gpt-tiny.yaml; hf: its own)")  # fmt: skip
+    parser.add_argument("--hosts", type=_sizes, default=None, metavar="N,N,...",
+                        help="scale: simulated host counts (default 100,1000)")  # fmt: skip
     args = parser.parse_args(argv)
     if args.list:
         for name, module in sorted(SCENARIOS.items()):
@@ -36,7 +38,10 @@ def main(argv: list[str] | None = None) -> int:
     before = machine_info()
     start = time.time()
     try:
-        result = module.run(repeat, args.config.resolve())
+        extra = {"hosts": args.hosts} if args.hosts is not None else {}
+        if extra and args.scenario != "scale":
+            parser.error("--hosts is an option of the scale scenario only")
+        result = module.run(repeat, args.config.resolve(), **extra)
     except BenchError as exc:
         console.print(f"[red]benchmark failed:[/red] {exc}", highlight=False)
         return 1
@@ -49,6 +54,17 @@ def main(argv: list[str] | None = None) -> int:
     module.show(result)
     console.print(f"result: {out}  ({result['duration_s']:.0f} s)")
     return 0
+
+
+def _sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        msg = f"expected host counts like 100,1000, got {text!r}"
+        raise argparse.ArgumentTypeError(msg) from None
+    if not sizes or min(sizes) < 2:
+        raise argparse.ArgumentTypeError(f"host counts must be >= 2, got {text!r}")
+    return sizes
 
 
 if __name__ == "__main__":
