@@ -195,9 +195,20 @@ def _denied(endpoint: str, prefix: str) -> EtcdAccessDenied:
     )
 
 
+CLOSE_S = 1.0  # how long closing a client may wait for its watcher before the channel goes
+
+
 async def _close_quietly(client: aetcd.Client) -> None:
-    with contextlib.suppress(Exception):
-        await client.close()
+    """Close ``client``, bounded: aetcd's close first hands its watcher's request queue a stop
+    marker, and that queue (ten places) stays full once its stream is gone, so the close can
+    wait forever; then the gRPC channel is closed directly (that never waits)."""
+    try:
+        await asyncio.wait_for(client.close(), CLOSE_S)
+    except (Exception, asyncio.TimeoutError):
+        channel = getattr(client, "channel", None)
+        if channel is not None:
+            with contextlib.suppress(Exception):
+                await channel.close()
 
 
 def parse_endpoints(text: str | list[str]) -> list[tuple[str, int]]:
@@ -362,8 +373,7 @@ class Etcd:
                     continue
                 log.warning("etcd at %s stopped answering; now using %s", self.endpoint, name)
                 old, self._client, self.endpoint = self._client, client, name
-                with contextlib.suppress(Exception):
-                    await asyncio.wait_for(old.close(), 1.0)
+                await _close_quietly(old)
                 return True
             return False
 
@@ -690,5 +700,4 @@ class Etcd:
 
     async def close(self) -> None:
         self._drop_keepalive()
-        with contextlib.suppress(Exception):
-            await self._client.close()
+        await _close_quietly(self._client)
