@@ -304,7 +304,8 @@ class Planner:
         plan = verdict.plan
         if verdict.evict:
             self.evicted.update(verdict.evict)
-            kept = [m for m in members if m.worker_id not in verdict.evict]
+            evict = set(verdict.evict)  # a set: a tuple scan per member is quadratic
+            kept = [m for m in members if m.worker_id not in evict]
             plan = self._next(current, kept, verdict.reason)
             if plan is not None:
                 plan = replace(plan, evicted=verdict.evict)
