@@ -40,7 +40,7 @@ from elaswave.daemon.controlplane import ControlPlane
 from elaswave.daemon.etcd import Etcd
 from elaswave.daemon.etcd_server import EtcdCluster
 from elaswave.daemon.jobstore import JobStore, PlanError
-from elaswave.daemon.leader import Candidate, Leadership, campaign
+from elaswave.daemon.leader import Candidate, Leadership, campaign, succession_turn
 from elaswave.keys import JobKeys
 from elaswave.planning.plan import Plan
 from elaswave.planning.plandelta import encode_delta
@@ -149,6 +149,7 @@ class SimHost:
             registered=self.cp.registered,
             lease=lambda: self.lease,
             stopping=lambda: self.dead,
+            turn=lambda: succession_turn(self.host_id, self.plan.hosts if self.plan else ()),
         )
         self.tasks = [
             asyncio.create_task(self.cp.keep_alive()),

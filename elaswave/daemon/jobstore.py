@@ -10,6 +10,7 @@ names, nothing of a daemon.
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import json
 import time
@@ -120,18 +121,30 @@ class JobStore:
         kv = await self.etcd.get(self.keys.leader)
         return kv.value.decode() if kv is not None else None
 
-    async def wait_leader_gone(self, since: int = 0) -> None:
-        """Until the leader key is deleted (at once if there is none). ``since``: a revision
-        at which the key was there (a lost claim's), to watch from without reading it again."""
+    async def await_succession(
+        self, *, since: int = 0, patience: Callable[[], float] = lambda: 0.0
+    ) -> None:
+        """Until this host's turn to claim the leader key: the key is gone and nobody took it
+        within ``patience()`` seconds (at once if nobody leads). ``since``: a revision at which
+        the key was there (a lost claim's), else it is read. One watch throughout: a key taken
+        meanwhile is followed to its next deletion."""
         key = self.keys.leader
-        rev = since
-        if not rev:
-            rev = await self.etcd.revision()
+        if not since:
+            since = await self.etcd.revision()
             if await self.etcd.get(key) is None:
                 return
-        async for ev in self.etcd.watch_prefix(key, start_revision=rev + 1):
-            if ev.key == key and ev.kind == "delete":
-                return
+        events = aiter(self.etcd.watch_prefix(key, start_revision=since + 1))
+        gone = False
+        try:
+            while True:
+                try:
+                    ev = await asyncio.wait_for(anext(events), patience() if gone else None)
+                except asyncio.TimeoutError:
+                    return  # gone, and nobody before this host took it
+                if ev.key == key:
+                    gone = ev.kind == "delete"
+        finally:
+            await events.aclose()
 
     # ---- the plan -----------------------------------------------------------------------------
     async def read_plan(self) -> tuple[Plan | None, int]:

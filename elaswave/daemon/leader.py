@@ -26,7 +26,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -49,6 +49,8 @@ log = logging.getLogger(__name__)
 MAX_INCIDENTS = 20
 JOIN_SETTLE_S = 0.5  # how long a grow waits for further joiners before it is planned
 CATCH_UP_S = 1.0  # how long a plan waits for the watch to bring a departure's change
+SUCCESSION_STEP_S = 0.02  # a lost leader: each host in plan order claims this much later
+SUCCESSION_CAP_S = 1.0
 
 Emit = Callable[..., Any]  # records an event: emit(kind, **fields)
 
@@ -91,15 +93,32 @@ class Candidate:
     registered: asyncio.Event  # set while this host's keys live under its lease
     lease: Callable[[], Any]  # the host's current lease (a new one after an expiry)
     stopping: Callable[[], bool]  # the host is shutting down
+    turn: Callable[[], int] = lambda: 0  # its place in the succession (succession_turn)
 
     async def holds_leader(self) -> bool:
         """Whether the leader key names this host (and its keys are registered)."""
         return await self.store.leader() == self.host_id and self.registered.is_set()
 
 
+def succession_turn(host: str, plan_hosts: Sequence[str]) -> int:
+    """A host's place in the succession: the order of the hosts in the newest plan (rank
+    order), 0 without a plan; a host the plan does not name comes after all of them."""
+    order = dict.fromkeys(plan_hosts)
+    return list(order).index(host) if host in order else len(order)
+
+
+def succession_delay(turn: int) -> float:
+    """How long a host waits, once the leader key is gone, for an earlier host to take it
+    before it claims: ``SUCCESSION_STEP_S`` per place, at most ``SUCCESSION_CAP_S``. A host
+    that sees the key taken claims nothing: at a thousand hosts one or two claims reach etcd
+    instead of a thousand, and if the first in line is dead too the next follows a step later."""
+    return min(turn * SUCCESSION_STEP_S, SUCCESSION_CAP_S)
+
+
 async def campaign(c: Candidate) -> None:
-    """Win the election (or wait for the current leader to go), then lead until stopped, the
-    job is done, or this host's lease expires (then campaign again under the new one)."""
+    """Win the election (or wait for the current leader to go, and for its turn), then lead
+    until stopped, the job is done, or this host's lease expires (then campaign again under the
+    new one)."""
     while not c.stopping():
         await c.registered.wait()
         if await c.store.is_done():
@@ -113,7 +132,9 @@ async def campaign(c: Candidate) -> None:
             await Planner(c).run()
             c.leadership.held = False
             continue
-        await c.store.wait_leader_gone(since=claim.revision)
+        await c.store.await_succession(
+            since=claim.revision, patience=lambda: succession_delay(c.turn())
+        )
 
 
 class Planner:

@@ -43,7 +43,7 @@ from elaswave.daemon.etcd_server import EmbeddedEtcd
 from elaswave.daemon.faultrelay import FaultRelay
 from elaswave.daemon.hangs import detect_hangs
 from elaswave.daemon.jobstore import JobStore, PlanError, decode_plan
-from elaswave.daemon.leader import Candidate, Leadership, campaign
+from elaswave.daemon.leader import Candidate, Leadership, campaign, succession_turn
 from elaswave.daemon.metrics import DaemonMetrics, worker_state
 from elaswave.daemon.netns import current_netns
 from elaswave.daemon.pool import WorkerPool
@@ -265,6 +265,7 @@ class HostDaemon:
             registered=self.cp.registered,
             lease=lambda: self.lease,
             stopping=lambda: self.stopping,
+            turn=lambda: succession_turn(self.host_id, self.plan.hosts if self.plan else ()),
         )
 
     def _detect_hangs(self) -> Coroutine[Any, Any, None]:

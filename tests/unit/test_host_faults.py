@@ -1,4 +1,5 @@
-"""Decisions behind host-level faults, as tables: lost hosts, etcd failover order."""
+"""Decisions behind host-level faults, as tables: lost hosts, etcd endpoint orders, the
+leader succession."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 from elaswave.config import load_config
 from elaswave.daemon.etcd import failover_order, start_order
 from elaswave.daemon.etcd_server import port_candidates
-from elaswave.daemon.leader import lost_hosts
+from elaswave.daemon.leader import lost_hosts, succession_delay, succession_turn
 from elaswave.errors import ConfigError
 from elaswave.faults import FaultSpec
 
@@ -57,6 +58,22 @@ def test_start_order_spreads_many_hosts_over_the_members() -> None:
     """A thousand hosts' first members: each of three takes a third, give or take 10 %."""
     firsts = [start_order(["a:1", "b:1", "c:1"], f"node-{i:05d}")[0] for i in range(1000)]
     assert all(300 <= firsts.count(m) <= 367 for m in ("a:1", "b:1", "c:1"))
+
+
+@pytest.mark.parametrize(
+    ("host", "plan_hosts", "turn", "delay"),
+    [
+        ("a", (), 0, 0.0),  # no plan yet: everyone claims at once
+        ("a", ("a", "a", "b", "c"), 0, 0.0),  # the first host of the plan
+        ("b", ("a", "a", "b", "c"), 1, 0.02),  # hosts, not ranks, count
+        ("c", ("a", "a", "b", "c"), 2, 0.04),
+        ("d", ("a", "a", "b", "c"), 3, 0.06),  # not in the plan: after all of them
+        ("h99", tuple(f"h{i}" for i in range(100)), 99, 1.0),  # capped
+    ],
+)
+def test_succession(host: str, plan_hosts: tuple[str, ...], turn: int, delay: float) -> None:
+    assert succession_turn(host, plan_hosts) == turn
+    assert succession_delay(turn) == pytest.approx(delay)
 
 
 def test_partition_cannot_come_from_a_config() -> None:

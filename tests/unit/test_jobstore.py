@@ -173,7 +173,7 @@ def test_a_write_that_did_not_land_is_not_taken_for_ours(endpoint: str) -> None:
 def test_the_leader_key_lives_under_the_winners_lease(endpoint: str) -> None:
     async def body(s: JobStore) -> None:
         assert await s.leader() is None
-        await asyncio.wait_for(s.wait_leader_gone(), 2)  # nobody leads: at once
+        await asyncio.wait_for(s.await_succession(), 2)  # nobody leads: at once
         lease = await s.etcd.lease(30)
         claims = await asyncio.gather(*(s.claim_leader(h, lease=lease) for h in ("a", "b", "c")))
         won = [c.won for c in claims]
@@ -183,7 +183,7 @@ def test_the_leader_key_lives_under_the_winners_lease(endpoint: str) -> None:
         # the losers learn who won, and since when, from their own claim
         lost = [c for c in claims if not c.won]
         assert {c.holder for c in lost} == {winner} and len({c.revision for c in lost}) == 1
-        waiter = asyncio.create_task(s.wait_leader_gone(since=lost[0].revision))
+        waiter = asyncio.create_task(s.await_succession(since=lost[0].revision))
         await asyncio.sleep(0.2)
         await s.etcd.put(s.keys.leader, winner, lease=lease)  # written again: still there
         await asyncio.sleep(0.2)
@@ -191,6 +191,39 @@ def test_the_leader_key_lives_under_the_winners_lease(endpoint: str) -> None:
         await s.etcd.revoke_lease(lease)  # its host went away
         await asyncio.wait_for(waiter, 5)
         assert await s.leader() is None
+
+    run(endpoint, body)
+
+
+def test_a_successor_in_line_waits_and_one_taking_the_key_holds_back_the_others(
+    endpoint: str,
+) -> None:
+    """Once the leader key goes, the host whose turn is later waits its patience: if an
+    earlier one takes the key meanwhile it goes on waiting (for that leader to go), else it
+    claims."""
+
+    async def body(s: JobStore) -> tuple[bool, float]:
+        first = await s.etcd.lease(30)
+        assert await s.claim_leader("a", lease=first)
+        claim = await s.claim_leader("c", lease=None)
+        loop = asyncio.get_running_loop()
+        patient = asyncio.create_task(s.await_succession(since=claim.revision,
+                                                         patience=lambda: 0.5))  # fmt: skip
+        await asyncio.sleep(0.2)
+        await s.etcd.revoke_lease(first)  # the leader goes
+        await asyncio.sleep(0.1)
+        second = await s.etcd.lease(30)
+        assert await s.claim_leader("b", lease=second)  # b, earlier in line, takes it
+        await asyncio.sleep(0.8)  # past c's patience: c waits on, b leads
+        held_back = not patient.done()
+        gone_at = loop.time()
+        await s.etcd.revoke_lease(second)  # b goes too, nobody takes it: c's turn after 0.5 s
+        await asyncio.wait_for(patient, 5)
+        return held_back, loop.time() - gone_at
+
+    held_back, waited = run(endpoint, body)
+    assert held_back
+    assert 0.45 <= waited < 3.0
 
     run(endpoint, body)
 
