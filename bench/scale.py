@@ -26,7 +26,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import signal
 import statistics
+import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -138,13 +140,38 @@ def run(repeat: int, config: Path, hosts: list[int] | None = None) -> dict[str, 
     result: dict[str, Any] = {"per_host": PER_HOST, "sizes": [], "repeat": repeat}
     result["planners"] = planner_times()
     console.print(f"planners at {PLANNER_RANKS} ranks: {result['planners']}")
-    for n in hosts or SIZES:
-        size = asyncio.run(one_size(n, repeat))
-        result["sizes"].append(size)
+    # One event loop for every size: gRPC's asyncio poller stays bound to the loop it first
+    # ran on, so a second ``asyncio.run`` would never see a reply.
+    result["sizes"] = asyncio.run(_sizes(hosts or SIZES, repeat))
+    return result
+
+
+async def _sizes(hosts: list[int], repeat: int) -> list[dict[str, Any]]:
+    # ``kill -USR1 <pid>`` prints where every task of the harness waits (thousands of them).
+    asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, _print_tasks)
+    sizes = []
+    for n in hosts:
+        size = await one_size(n, repeat)
+        sizes.append(size)
         worst = max(f["seen_s"]["p99"] for f in size["faults"])
         console.print(f"{n} hosts: started in {size['register_s'] + size['first_plan_s']:.1f} s, "
                       f"worst p99 fault → every host holds the plan {worst:.3f} s")  # fmt: skip
-    return result
+    return sizes
+
+
+def _print_tasks() -> None:
+    """Where every task waits: its chain of awaited coroutines, innermost last."""
+    for task in asyncio.all_tasks():
+        where, coro = [], task.get_coro()
+        while coro is not None:
+            frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+            if frame is not None:
+                where.append(f"{frame.f_code.co_filename}:{frame.f_lineno} {frame.f_code.co_name}")
+            coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+        print(
+            f"{task.get_name()} cancelling={task.cancelling()}: " + " <- ".join(where),
+            file=sys.stderr,
+        )
 
 
 def show(result: dict[str, Any]) -> None:

@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from elaswave import wire
+from elaswave.daemon.aio import wait_for
 
 log = logging.getLogger(__name__)
 
@@ -85,5 +86,5 @@ class ControlServer:
         if self._server is not None:
             self._server.close()
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._server.wait_closed(), 1.0)
+                await wait_for(self._server.wait_closed(), 1.0)
         shutil.rmtree(self._dir, ignore_errors=True)

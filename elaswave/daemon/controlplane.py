@@ -24,6 +24,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
+from elaswave.daemon.aio import wait_for
 from elaswave.daemon.outbox import Outbox
 from elaswave.errors import ElasWaveError, EtcdUnavailable, LeaseExpired
 
@@ -60,7 +61,7 @@ class ControlPlane:
             await asyncio.sleep(interval if self.outage_since is None else RETRY_S)
             try:
                 try:
-                    remaining = await asyncio.wait_for(d.etcd.refresh_lease(d.lease), interval)
+                    remaining = await wait_for(d.etcd.refresh_lease(d.lease), interval)
                 except LeaseExpired:
                     remaining = 0
                 if remaining <= 0 or not self.registered.is_set():

@@ -35,6 +35,7 @@ import grpc  # noqa: E402
 from aetcd.client import _handle_errors  # noqa: E402
 
 from elaswave.config import EtcdTLSConfig, etcd_credentials  # noqa: E402
+from elaswave.daemon.aio import wait_for
 from elaswave.errors import (  # noqa: E402
     ConfigError,
     EtcdAccessDenied,
@@ -136,7 +137,7 @@ class _Client(aetcd.Client):
         if self._connected.is_set():
             return
         if self._is_connecting:
-            await asyncio.wait_for(self._connected.wait(), self._connect_wait_timeout)
+            await wait_for(self._connected.wait(), self._connect_wait_timeout)
             return
         try:
             self._is_connecting = True
@@ -203,7 +204,7 @@ async def _close_quietly(client: aetcd.Client) -> None:
     marker, and that queue (ten places) stays full once its stream is gone, so the close can
     wait forever; then the gRPC channel is closed directly (that never waits)."""
     try:
-        await asyncio.wait_for(client.close(), CLOSE_S)
+        await wait_for(client.close(), CLOSE_S)
     except (Exception, asyncio.TimeoutError):
         channel = getattr(client, "channel", None)
         if channel is not None:
@@ -337,7 +338,7 @@ class Etcd:
             )
             try:
                 # A read under the prefix: all that a user confined to the prefix may do.
-                await asyncio.wait_for(client.get((prefix + PROBE).encode()), wait)
+                await wait_for(client.get((prefix + PROBE).encode()), wait)
             except BaseException:
                 await _close_quietly(client)
                 raise
@@ -388,7 +389,7 @@ class Etcd:
         for attempt in (0, 1):
             client = self._client
             try:
-                return await asyncio.wait_for(op(client), self.op_timeout)
+                return await wait_for(op(client), self.op_timeout)
             except asyncio.CancelledError:
                 # Another call's failover closed the channel this one was waiting on: the
                 # member it was sent to did not answer either, so it goes to the new one.
@@ -668,7 +669,7 @@ class Etcd:
                 # Bounded: this runs while the owning task is being cancelled, and an unanswered
                 # cancel request must not keep the daemon from shutting down.
                 with contextlib.suppress(Exception, asyncio.TimeoutError):
-                    await asyncio.wait_for(watch.cancel(), 1.0)
+                    await wait_for(watch.cancel(), 1.0)
 
     async def first_put_after(
         self, key: str, revision: int, *, timeout: float = 5.0
@@ -688,7 +689,7 @@ class Etcd:
             now = await self.get(key)
             if now is None or now.mod_revision <= revision:
                 return None  # not changed since (a deleted key's history is not needed here)
-            return await asyncio.wait_for(first(), timeout)
+            return await wait_for(first(), timeout)
         except (asyncio.TimeoutError, EtcdUnavailable, aetcd.exceptions.ClientError):
             return None
 

@@ -17,6 +17,7 @@ import os
 import signal
 from typing import TYPE_CHECKING
 
+from elaswave.daemon.aio import wait_for
 from elaswave.daemon.etcd import Etcd
 from elaswave.daemon.jobstore import JobStore
 from elaswave.errors import ElasWaveError
@@ -148,7 +149,7 @@ class FaultRelay:
         as with a host that loses power: its lease expires and the leader plans without it."""
         d = self.d
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(d.etcd.delete(key), d.cfg.timeouts.etcd_connect)
+            await wait_for(d.etcd.delete(key), d.cfg.timeouts.etcd_connect)
         pids = [w.pid for w in d.workers.values() if w.proc.returncode is None]
         d.events.emit(
             "fault_injected", fault=fault.to_dict(), host=d.host_id, pid=os.getpid(), pids=pids

@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from elaswave.daemon.aio import wait_for
 from elaswave.daemon.etcd import Etcd
 from elaswave.faults import FaultSpec
 from elaswave.keys import JobKeys
@@ -138,7 +139,7 @@ class JobStore:
         try:
             while True:
                 try:
-                    ev = await asyncio.wait_for(anext(events), patience() if gone else None)
+                    ev = await wait_for(anext(events), patience() if gone else None)
                 except asyncio.TimeoutError:
                     return  # gone, and nobody before this host took it
                 if ev.key == key:

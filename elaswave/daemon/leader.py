@@ -31,6 +31,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from elaswave.config import JobConfig
+from elaswave.daemon.aio import wait_for
 from elaswave.daemon.jobstore import Change, JobStore, WorkerRecord
 from elaswave.errors import EtcdUnavailable
 from elaswave.planning.pipeplan import measured_layers, next_pipeline_plan, plan_costs
@@ -452,7 +453,7 @@ class Planner:
         while self.applied < newest:
             self.moved.clear()
             try:
-                await asyncio.wait_for(self.moved.wait(), CATCH_UP_S)
+                await wait_for(self.moved.wait(), CATCH_UP_S)
             except asyncio.TimeoutError:  # the watch lags (its etcd member went away, say):
                 await self._read_roster()  # read the roster as it is now instead
         return causes
@@ -483,7 +484,7 @@ class Planner:
                 deadline = time.monotonic() + cfg.timeouts.rendezvous
                 continue
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self.changed.wait(), remaining)
+                await wait_for(self.changed.wait(), remaining)
 
     async def _record_incident(self, plan: Plan, is_incident: bool) -> None:
         await self.store.record_incident(

@@ -15,6 +15,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from elaswave.daemon.aio import wait_for
 from elaswave.errors import EtcdUnavailable
 
 log = logging.getLogger(__name__)
@@ -77,7 +78,7 @@ class Outbox:
     async def drain(self, timeout: float) -> bool:
         """Wait until everything queued has landed (``False``: not within ``timeout``)."""
         try:
-            await asyncio.wait_for(self._idle.wait(), timeout)
+            await wait_for(self._idle.wait(), timeout)
         except asyncio.TimeoutError:
             return False
         return True

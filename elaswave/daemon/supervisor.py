@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from elaswave.config import JobConfig
+from elaswave.daemon.aio import wait_for
 from elaswave.daemon.compute import ComputeTimes
 from elaswave.daemon.control_server import ControlServer, WorkerConn
 from elaswave.daemon.controlplane import ControlPlane
@@ -396,7 +397,7 @@ class HostDaemon:
             for w in self.workers.values():
                 if w.waiter is not None:
                     with contextlib.suppress(BaseException):
-                        await asyncio.wait_for(w.waiter, 1.0)
+                        await wait_for(w.waiter, 1.0)
             await self.control.stop()
             if self.etcd is not None and not await self.outbox.drain(
                 self.cfg.timeouts.etcd_connect
