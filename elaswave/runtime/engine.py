@@ -339,6 +339,7 @@ class Engine:
             epoch=plan.epoch,
             rebuilt=stats.rebuilt,
             kept=stats.kept,
+            dropped=stats.dropped,
             seconds=round(stats.seconds, 6),
         )
         broken = lambda: self.control.removes_any(plan.workers)  # noqa: E731

@@ -8,6 +8,7 @@ their result does not depend on how the buffer is laid out or split.
 
 from __future__ import annotations
 
+import bisect
 import fnmatch
 import math
 import re
@@ -243,15 +244,46 @@ def decay_groups(
 
 
 def clip_factor(
-    mean: torch.Tensor, max_norm: float, ties: Sequence[tuple[slice, slice]] = ()
+    mean: torch.Tensor,
+    max_norm: float,
+    ties: Sequence[tuple[slice, slice]] = (),
+    segments: Sequence[tuple[int, int]] | None = None,
 ) -> float:
     """``min(1, max_norm / ‖mean‖)`` for the whole model's mean gradient in flat order (the
-    second copy of a tied weight not counted twice); 1 when clipping is off. The norm is taken
-    over the same numbers in the same order on every rank and under every strategy, so the
-    deterministic mode stays bit-identical with clipping on."""
+    second copy of a tied weight not counted twice); 1 when clipping is off. ``segments``:
+    (offset, length) of each layer (default: one layer of everything)."""
     if not max_norm:
         return 1.0
-    sq = float(torch.linalg.vector_norm(mean, dtype=torch.float64)) ** 2
+    return clip_from(layer_sumsq(mean, segments or ((0, mean.numel()),), ties), max_norm)
+
+
+def layer_sumsq(
+    mean: torch.Tensor,
+    segments: Sequence[tuple[int, int]],
+    ties: Sequence[tuple[slice, slice]] = (),
+    only: Sequence[bool] | None = None,
+) -> torch.Tensor:
+    """Each layer's squared gradient norm (float64), the second copy of a tied weight left out;
+    with ``only``, zero for the layers not marked (a pipeline rank counts the layers it is the
+    first holder of; an all-reduce then completes the vector). Every strategy takes the global
+    norm from these same numbers in layer order (:func:`clip_from`), so the deterministic mode
+    stays bit-identical with clipping on, whichever rank computed which layer."""
+    sq = torch.zeros(len(segments), dtype=torch.float64, device=mean.device)
+    for i, (offset, length) in enumerate(segments):
+        if length and (only is None or only[i]):
+            sq[i] = torch.linalg.vector_norm(mean[offset : offset + length], dtype=torch.float64)
+    sq.square_()
+    starts = [offset for offset, _ in segments]
     for _, b in ties:
-        sq -= float(torch.linalg.vector_norm(mean[b], dtype=torch.float64)) ** 2
-    return min(1.0, max_norm / (math.sqrt(max(sq, 0.0)) + 1e-6))
+        i = bisect.bisect_right(starts, b.start) - 1
+        if only is None or only[i]:
+            sq[i] -= torch.linalg.vector_norm(mean[b], dtype=torch.float64).square()
+    return sq
+
+
+def clip_from(sumsq: torch.Tensor, max_norm: float) -> float:
+    """The clipping factor from every layer's squared norm, summed in layer order."""
+    total = 0.0
+    for x in sumsq.tolist():
+        total += x
+    return min(1.0, max_norm / (math.sqrt(max(total, 0.0)) + 1e-6))

@@ -148,6 +148,36 @@ def assert_no_orphans(run: Run) -> None:
     assert not alive, f"worker processes left running: {alive}"
 
 
+def pipeline_groups(plan: dict) -> set[tuple[str, tuple[str, ...]]]:
+    """The process groups a pipeline plan needs: the training and migration groups of every
+    worker, and one group per set of two or more workers that hold one layer, each as (kind,
+    its workers in rank order)."""
+    workers = plan["workers"]
+    held: dict[int, range] = {}
+    for ranks, cut in zip(plan["replicas"], plan["bounds"], strict=True):
+        for s, r in enumerate(ranks):
+            held[r] = range(cut[s], cut[s + 1])
+    layers = plan["bounds"][0][-1]
+    holders = {tuple(workers[r] for r in sorted(held) if i in held[r]) for i in range(layers)}
+    return {("dp", tuple(workers)), ("mig", tuple(workers))} | {
+        ("grad", h) for h in holders if len(h) > 1
+    }
+
+
+def assert_groups_edited(run: Run, before: dict, after: dict) -> None:
+    """Every worker of ``after`` kept exactly the groups both plans need, built the new ones and
+    dropped the ones it no longer needs (the communicator is edited, not rebuilt)."""
+    old, new = pipeline_groups(before), pipeline_groups(after)
+    edits = {e["worker"]: e for e in run.of("comm_rebuilt") if e["epoch"] == after["epoch"]}
+    assert sorted(edits) == sorted(after["workers"])
+    for worker, e in edits.items():
+        was = {g for g in old if worker in g[1]}
+        now = {g for g in new if worker in g[1]}
+        assert len(e["kept"]) == len(was & now), (worker, e, was & now)
+        assert len(e["rebuilt"]) == len(now - was), (worker, e, now - was)
+        assert len(e["dropped"]) == len(was - now), (worker, e, was - now)
+
+
 def wait_for(predicate: Any, timeout: float, interval: float = 0.2) -> Any:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

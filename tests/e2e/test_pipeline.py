@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import Run, assert_clean_run, launch
+from conftest import Run, assert_clean_run, assert_groups_edited, launch, pipeline_groups
 
 STEPS = 16
 
@@ -99,6 +99,11 @@ def test_middle_stage_loss_blocking_is_bit_identical(tmp_path: Path, state_env: 
     assert receivers and all(
         e["migration_seconds"] >= e["bytes_received"] / 20e6 for e in receivers
     ), receivers
+    # The rank died before the reduction, after every collective it shared with the others:
+    # the holder sets that both layouts have keep their groups; only the new ones are built.
+    assert_groups_edited(run, *plans)
+    kept = pipeline_groups(plans[0]) & pipeline_groups(plans[1])
+    assert {kind for kind, _ in kept} == {"grad"}, kept
 
 
 @pytest.mark.parametrize("migration", ["async", "blocking"])

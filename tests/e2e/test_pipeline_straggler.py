@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import Run, assert_clean_run, launch
+from conftest import Run, assert_clean_run, assert_groups_edited, launch, pipeline_groups
 
 from elaswave.report import build_report
 
@@ -52,6 +52,18 @@ def test_slow_pipeline_stage_is_re_cut(tmp_path: Path, state_env: dict, referenc
     (resume,) = {e["resume_step"] for e in synced}
     assert resume > 0, "the ranks carried on from their committed state"
     assert all(f["holders_agree"] for f in run.of("final_state"))
+    # The communicator was edited, not rebuilt: a holder set that is in both layouts keeps its
+    # group, only the sets the re-cut created are built, and the training groups stay.
+    assert_groups_edited(run, start, recut)
+    before, after = pipeline_groups(start), pipeline_groups(recut)
+    if fewer_layers:  # replica 0 re-cut, replica 1 not: one new set, the layer where they differ
+        assert len(after - before) == 1 and len(before & after) == 4 and before <= after
+        edits = [e for e in run.of("comm_rebuilt") if e["epoch"] == recut["epoch"]]
+        assert sum(len(e["rebuilt"]) for e in edits) == 2  # its two members built it
+    # Each rank reduces only its layers' gradients: together, one model's worth per replica.
+    synced_bytes = [e["grad_reduce_bytes"] for e in synced]
+    first_bytes = [e["grad_reduce_bytes"] for e in run.of("state_synced") if e["epoch"] == 1]
+    assert sum(first_bytes) == sum(synced_bytes) and max(synced_bytes) < sum(synced_bytes) / 2
     inc = build_report(run.dir)["incidents"][0]
     assert inc["kind"] == "slow" and inc["reason"] == recut["reason"]
     assert inc["world_after"] == 4 and inc["first_commit_step"] is not None

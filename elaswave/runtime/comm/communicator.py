@@ -1,11 +1,19 @@
 """Process groups that are edited, not recreated: one gloo group per named member set.
 
 Each plan names its groups (``{"dp": (w0, w1, w2)}``). :meth:`Communicator.configure` keeps a
-group whose member tuple is unchanged and healthy, and builds only the others, over the epoch's
-rendezvous store. Every collective is interruptible: it returns when its work completes, or raises
-:class:`Interrupted` as soon as the control channel says a member of the group is gone, instead of
-waiting for a transport timeout. Abandoned groups are parked (never destroyed while a gloo thread
-may still block in them).
+group whose member tuple is unchanged and whose members agree it is sound, and builds only the
+others, over the epoch's rendezvous store. Every collective is interruptible: it returns when its
+work completes, or raises :class:`Interrupted` as soon as the control channel says a member of
+the group is gone, instead of waiting for a transport timeout. Abandoned groups are parked (never
+destroyed while a gloo thread may still block in them).
+
+Keeping a group across a fault. An interrupted step leaves each group in one of two states: every
+member issued the same collectives on it (those still running will complete: every member is
+alive and took part), or some member issued fewer (its peers wait in a collective it will never
+join). So before a group with unchanged members is reused, its members compare how many
+collectives each issued on it, through the epoch's store; equal counts keep it (after its
+unfinished collectives complete), anything else rebuilds it. A group with point-to-point messages
+abandoned in it, or an operation that failed on it, is always rebuilt.
 """
 
 from __future__ import annotations
@@ -36,8 +44,11 @@ class Interrupted(RuntimeError):
 
 @dataclass
 class GroupStats:
-    rebuilt: list[str] = field(default_factory=list)
+    """What one :meth:`Communicator.configure` did to this rank's groups, and how long it took."""
+
+    rebuilt: list[str] = field(default_factory=list)  # built (new, changed or broken before)
     kept: list[str] = field(default_factory=list)
+    dropped: list[str] = field(default_factory=list)  # held before, gone or replaced now
     seconds: float = 0.0
 
 
@@ -46,7 +57,18 @@ class _Group:
     members: tuple[str, ...]
     rank: int
     pg: dist.ProcessGroupGloo
-    healthy: bool = True
+    healthy: bool = True  # no operation failed on it
+    suspect: bool = False  # interrupted somewhere since its members last agreed on it
+    collectives: int = 0  # collectives this rank issued on it
+    p2p: bool = False  # point-to-point messages posted on it since its members last agreed
+    pending: list[dist.Work] = field(default_factory=list)  # interrupted: maybe unfinished
+
+    def standing(self) -> int:
+        """What this rank tells the other members when they decide whether to keep the group:
+        the collectives it issued on it, or -1 when it cannot be kept."""
+        if not self.healthy or (self.suspect and self.p2p):
+            return -1
+        return self.collectives
 
 
 # (wake event registration, abort predicate): supplied by the engine from its control channel.
@@ -71,6 +93,7 @@ class Communicator:
         self.collective_timeout = collective_timeout
         self._waker = waker
         self._groups: dict[str, _Group] = {}
+        self._configured = False  # a plan was configured before (this rank may hold groups)
         self._graveyard: list[object] = []  # abandoned groups/threads, kept alive on purpose
         self._gloo_device = dist.ProcessGroupGloo.create_device(hostname=host_addr)
 
@@ -83,20 +106,25 @@ class Communicator:
         epoch: int,
         abort: Callable[[], bool],
     ) -> GroupStats:
-        """Make the named groups match ``groups``; rebuild only what changed or broke."""
+        """Make the named groups match ``groups``: keep a group whose members are unchanged
+        and agree it is sound, build the others, drop what this rank no longer belongs to."""
         stats = GroupStats()
         start = time.perf_counter()
-        for name in list(self._groups):
-            if name not in groups:
+        for name, group in list(self._groups.items()):
+            if groups.get(name) != group.members:
                 self._bury(name)
-        for name, members in groups.items():
-            current = self._groups.get(name)
-            if current is not None and current.healthy and current.members == members:
+                stats.dropped.append(name)
+        # A newcomer's first plan: it holds no group, and none held elsewhere includes it.
+        keep = self._agree(groups, store, epoch, abort) if self._configured else set()
+        self._configured = True
+        for name, group in list(self._groups.items()):
+            if name in keep:
+                group.suspect, group.p2p, group.pending = False, False, []
                 stats.kept.append(name)
-                continue
-            if current is not None:
-                self._bury(name)
-            if self.me not in members:
+            else:
+                self._bury(name)  # unsound: built again below, under the same name
+        for name, members in groups.items():
+            if name in keep or self.me not in members:
                 continue
             rank = members.index(self.me)
             pg = self._build(name, members, rank, store=store, epoch=epoch, abort=abort)
@@ -104,6 +132,35 @@ class Communicator:
             stats.rebuilt.append(name)
         stats.seconds = time.perf_counter() - start
         return stats
+
+    def _agree(
+        self,
+        groups: dict[str, tuple[str, ...]],
+        store: str,
+        epoch: int,
+        abort: Callable[[], bool],
+    ) -> set[str]:
+        """Which of this rank's groups every member can keep: each member publishes, for every
+        group of the plan it belongs to, how many collectives it issued on it (-1: it does not
+        hold it, or cannot keep it), then reads the other members' counts of the groups it
+        holds. Equal counts: kept, once the collectives this rank left unfinished have completed
+        (every member issued them, so they do)."""
+        held = dict(self._groups)
+        mine = {name: m.index(self.me) for name, m in groups.items() if self.me in m}
+
+        def exchange() -> set[str]:
+            agree = dist.PrefixStore(f"epoch{epoch}/agree", self._connect_store(store))
+            for name, rank in mine.items():  # publish every count before waiting for any
+                g = held.get(name)
+                agree.set(f"{name}/{rank}", str(g.standing() if g is not None else -1))
+            keep = set()
+            for name, g in held.items():
+                counts = {int(agree.get(f"{name}/{r}")) for r in range(len(g.members))}
+                if len(counts) == 1 and min(counts) >= 0 and _finished(g.pending):
+                    keep.add(name)
+            return keep
+
+        return self._aside(exchange, abort, self.rendezvous_timeout, "agreeing on groups to keep")
 
     def _build(
         self,
@@ -123,24 +180,40 @@ class Communicator:
         opts = dist.ProcessGroupGloo._Options()
         opts._devices = [self._gloo_device]
         opts._timeout = datetime.timedelta(seconds=self.collective_timeout)
-        result: dict[str, object] = {}
+        return self._aside(
+            lambda: dist.ProcessGroupGloo(prefix, rank, len(members), opts),
+            abort,
+            self.rendezvous_timeout,
+            f"rendezvous of group {name!r}",
+        )
+
+    def _aside(
+        self, fn: Callable[[], _T], abort: Callable[[], bool], timeout: float, what: str
+    ) -> _T:
+        """Run ``fn`` (a blocking rendezvous) in a helper thread and wait for it interruptibly;
+        whatever it raises is a :class:`CommError`."""
+        result: dict[str, Any] = {}
         done, wake = threading.Event(), threading.Event()
 
-        def connect() -> None:
+        def run() -> None:
             try:
-                result["pg"] = dist.ProcessGroupGloo(prefix, rank, len(members), opts)
+                result["value"] = fn()
             except Exception as exc:  # reported to the waiting thread below
                 result["error"] = exc
             finally:
                 done.set()
                 wake.set()
 
-        thread = threading.Thread(target=connect, name=f"rendezvous-{name}", daemon=True)
+        thread = threading.Thread(target=run, name=what, daemon=True)
         thread.start()
-        self._wait(done, wake, abort, self.rendezvous_timeout, f"rendezvous of group {name!r}")
+        try:
+            self._wait(done, wake, abort, timeout, what)
+        except (Interrupted, CommError):
+            self._graveyard.append(thread)
+            raise
         if "error" in result:
-            raise CommError(f"rendezvous of group {name!r} failed: {_one_line(result['error'])}")
-        return result["pg"]  # type: ignore[return-value]
+            raise CommError(f"{what} failed: {_one_line(result['error'])}")
+        return result["value"]  # type: ignore[no-any-return]
 
     def _connect_store(self, address: str) -> dist.TCPStore:
         host, _, port = address.rpartition(":")
@@ -162,9 +235,10 @@ class Communicator:
         self._graveyard.append(group)
 
     def mark_broken(self) -> None:
-        """After an error or interrupt every current group is suspect: rebuild on next configure."""
+        """After an error or interrupt every current group is suspect: its members agree on it
+        before it is used again (:meth:`configure`)."""
         for group in self._groups.values():
-            group.healthy = False
+            group.suspect = True
 
     def rank(self, name: str) -> int:
         return self._groups[name].rank
@@ -176,6 +250,19 @@ class Communicator:
     def allreduce(self, name: str, tensor: torch.Tensor, abort: Callable[[], bool]) -> None:
         self._not_aborted(abort, f"allreduce on {name!r}")
         self._collective("allreduce", name, abort, lambda pg: pg.allreduce([tensor]))
+
+    def allreduce_many(
+        self, items: list[tuple[str, torch.Tensor]], abort: Callable[[], bool]
+    ) -> None:
+        """SUM-reduce each ``(group, tensor)`` in place: all are started, then all are waited
+        for, so ranks that share several groups never wait on each other in a cycle. Ranks that
+        share a group must list its items in the same order."""
+        self._not_aborted(abort, "allreduce")
+        started = [
+            self._issue(name, f"allreduce on {name!r}", lambda pg, t=tensor: pg.allreduce([t]))
+            for name, tensor in items
+        ]
+        self._await_all(started, abort)
 
     def allgather(
         self, name: str, tensor: torch.Tensor, abort: Callable[[], bool]
@@ -248,6 +335,7 @@ class Communicator:
         itself raises (``Connection closed by peer``), before any wait. That is a
         :class:`CommError` like a failed wait."""
         pg = self._pg(name)
+        self._groups[name].p2p = True
 
         def post_all() -> list[dist.Work]:
             works = [pg.send([t], peer, tag) for peer, t, tag in sends]
@@ -275,8 +363,35 @@ class Communicator:
     ) -> None:
         """Start a collective on group ``name`` and wait for it; any failure is a CommError."""
         what = f"{op} on {name!r}"
+        self._await_all([self._issue(name, what, start)], abort)
+
+    def _issue(
+        self, name: str, what: str, start: Callable[[dist.ProcessGroupGloo], dist.Work]
+    ) -> tuple[_Group, dist.Work, str]:
+        """Start a collective on group ``name``, counted (see :meth:`configure`)."""
         pg = self._pg(name)
-        self._finish(self._call(what, lambda: start(pg)), abort, what)
+        group = self._groups[name]
+        work = self._call(what, lambda: start(pg))
+        group.collectives += 1
+        return group, work, what
+
+    def _await_all(
+        self, started: list[tuple[_Group, dist.Work, str]], abort: Callable[[], bool]
+    ) -> None:
+        """Wait for started collectives in order. Interrupted: the unfinished ones are noted on
+        their groups; failed: that group is unusable."""
+        for i, (group, work, what) in enumerate(started):
+            try:
+                self._finish(work, abort, what)
+            except Interrupted:
+                for g, w, _ in started[i:]:
+                    g.pending.append(w)
+                raise
+            except CommError:
+                group.healthy = False
+                for g, w, _ in started[i + 1 :]:
+                    g.pending.append(w)
+                raise
 
     def _pg(self, name: str) -> dist.ProcessGroupGloo:
         group = self._groups.get(name)
@@ -369,6 +484,18 @@ class Communicator:
                 wake.clear()
         finally:
             unregister()
+
+
+def _finished(works: list[dist.Work]) -> bool:
+    """Wait for collectives every member issued; whether all completed. (One that fails leaves
+    this rank rebuilding a group its peers keep: their next collective on it times out, and
+    the plan after that rebuilds it everywhere.)"""
+    try:
+        for work in works:
+            work.wait()
+    except Exception:
+        return False
+    return True
 
 
 def _numbered(items: list[tuple[int, torch.Tensor]]) -> list[tuple[int, torch.Tensor, int]]:

@@ -31,7 +31,7 @@ import torch
 
 from elaswave.planning.plan import Plan
 from elaswave.runtime.durable.checkpoints import DurableState
-from elaswave.runtime.optim import clip_factor
+from elaswave.runtime.optim import clip_from, layer_sumsq
 from elaswave.runtime.workload.data import MicroBatch
 
 if TYPE_CHECKING:
@@ -70,17 +70,27 @@ def reduction_buffer(state: TrainState, reduce_dtype: str) -> torch.Tensor:
 
 
 def mean_gradient(
-    buf: torch.Tensor, n: int, max_norm: float = 0.0, ties: Sequence[tuple[slice, slice]] = ()
+    buf: torch.Tensor,
+    n: int,
+    max_norm: float = 0.0,
+    ties: Sequence[tuple[slice, slice]] = (),
+    segments: Sequence[tuple[int, int]] | None = None,
+    sumsq: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, float]:
     """After the reduction: the gradient of the batch's mean loss (float32, divided in place by
     the reduced count, clipped to ``max_norm`` by its global norm when that is set) and the
     mean loss. Every rank divides the same sums by the same count, so every rank's update is
-    the same whatever its share of the batch."""
+    the same whatever its share of the batch. ``sumsq``: each layer's squared norm of the mean
+    gradient (default: from this rank's whole buffer; a pipeline rank holds only its layers)."""
     count = float(buf[n + COUNT])
     if count <= 0:
         raise ValueError("the workload's loss counted nothing in the whole batch")
     mean = buf[:n].div_(count)
-    factor = clip_factor(mean, max_norm, ties)
+    factor = 1.0
+    if max_norm:
+        layers = segments or ((0, n),)
+        squares = sumsq(mean) if sumsq is not None else layer_sumsq(mean, layers, ties)
+        factor = clip_from(squares, max_norm)
     grad = mean if mean.dtype == torch.float32 else mean.to(torch.float32)
     if factor < 1.0:
         grad.mul_(factor)

@@ -182,7 +182,9 @@ class Replicated(Strategy):
         # -- the reduction succeeded: every rank now holds the identical full-batch gradient.
         self.forget_partial()
         self.ctx.enter("compute")
-        grad, st.last_loss = mean_gradient(buf, n, self.ctx.cfg.train.grad_clip, st.ties)
+        grad, st.last_loss = mean_gradient(
+            buf, n, self.ctx.cfg.train.grad_clip, st.ties, st.segments
+        )
         st.opt.step(st.flat.data, grad, st.opt.hyper.groups)
         st.step = step
         return float(buf[n + EPOCH])

@@ -46,7 +46,7 @@ class Zero1(Replicated):
         """Stage the shard update, replicate it, then the commit barrier."""
         z, st, comm = self.zero, self.state, self.ctx.comm
         n = st.flat.numel
-        clip = (self.ctx.cfg.train.grad_clip, st.ties)
+        clip = (self.ctx.cfg.train.grad_clip, st.ties, st.segments)
         count = z.stage(comm, buf[:n], step, broken, before_update, float(buf[n + COUNT]), clip)
         assert z.staged is not None
         z.staged.reached_barrier = True

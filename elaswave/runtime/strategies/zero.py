@@ -29,6 +29,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -181,7 +182,7 @@ class ZeroState:
         abort: Callable[[], bool],
         before_update: Callable[[], None],
         count: float = 1.0,
-        clip: tuple[float, Sequence[tuple[slice, slice]]] = (0.0, ()),
+        clip: tuple[Any, ...] = (0.0, (), None),
     ) -> float:
         """Steps 1–3 of the docstring: reduce-scatter, staged update, all-gather, replicate.
         ``grads`` are this rank's gradient sums and ``count`` the loss terms they count; the
@@ -231,6 +232,7 @@ class ZeroState:
         count: float,
         max_norm: float,
         ties: Sequence[tuple[slice, slice]],
+        segments: Sequence[tuple[int, int]] | None = None,
     ) -> float:
         """Gradient clipping: the whole model's mean gradient back in flat order (the same
         numbers, in the same order, as replicated data parallelism takes its norm over)."""
@@ -241,7 +243,7 @@ class ZeroState:
         n = self.flat.numel
         flat = reduced.new_zeros(n + 1)
         flat.index_copy_(0, self.index, reduced[:-1])  # padding (zeros) lands on index n
-        return clip_factor(flat[:n].div_(count), max_norm, ties)
+        return clip_factor(flat[:n].div_(count), max_norm, ties, segments)
 
     def commit(self, loss: float = math.nan) -> None:
         """Step 4, after the barrier returned: the staged state becomes the live state (and, on

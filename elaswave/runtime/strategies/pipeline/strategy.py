@@ -1,20 +1,33 @@
 """Pipeline stages as a strategy: the 1F1B step of this rank's stage
-(:class:`~elaswave.runtime.strategies.pipeline.stage.Pipeline`), one all-reduce of every layer's
-gradient, the update of the held layers (replicated or ZeRO stage state), and the takeover of
-layers on a new layout."""
+(:class:`~elaswave.runtime.strategies.pipeline.stage.Pipeline`), each layer's gradient summed
+among its holders (:mod:`~elaswave.planning.gradgroups`), the update of the held layers
+(replicated or ZeRO stage state), and the takeover of layers on a new layout.
+
+While an asynchronous migration runs, the ranks taking layers over replay the gradients of layers
+they do not hold yet: until the switch every layer's gradient is summed over every rank, as one
+all-reduce of the whole model."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from elaswave.planning.gradgroups import (
+    Reduction,
+    first_holders,
+    group_name,
+    reductions,
+    tie_copies,
+)
 from elaswave.planning.plan import Plan
-from elaswave.planning.stageshards import LayersLost
+from elaswave.planning.stageshards import Block, LayersLost, holder_blocks
 from elaswave.runtime.durable.checkpoints import DurableState
 from elaswave.runtime.integrity import stageverify
+from elaswave.runtime.optim import layer_sumsq
 from elaswave.runtime.strategies.base import (
     DP,
     EPOCH,
@@ -31,7 +44,48 @@ if TYPE_CHECKING:
     from elaswave.runtime.durable.restore import DurableSource
     from elaswave.runtime.state import RankContext
 
-__all__ = ["PipelineStages"]
+__all__ = ["GradLayout", "PipelineStages"]
+
+
+@dataclass(frozen=True)
+class GradLayout:
+    """How one plan's gradients are summed: the holder blocks of its layout, every reduction (in
+    the order all ranks issue them) and the process group of each."""
+
+    epoch: int
+    blocks: tuple[Block, ...]
+    reductions: tuple[Reduction, ...]
+    names: tuple[str, ...]  # the group of each reduction ("" for a single holder: no collective)
+    ties: tuple[tuple[tuple[int, int], tuple[int, int]], ...]
+
+    @classmethod
+    def of(
+        cls, plan: Plan, offsets: list[tuple[int, int]], ties: tuple[tuple[slice, slice], ...]
+    ) -> GradLayout:
+        targets = [plan.stage_layers(r) for r in range(plan.world_size)]
+        blocks = tuple(holder_blocks(targets, offsets))
+        pairs = tuple(((a.start, a.stop), (b.start, b.stop)) for a, b in ties)
+        reds = tuple(reductions(blocks, pairs))
+        names = tuple(
+            group_name([plan.workers[r] for r in red.members]) if len(red.members) > 1 else ""
+            for red in reds
+        )
+        return cls(plan.epoch, blocks, reds, names, pairs)
+
+    def groups(self, plan: Plan) -> dict[str, tuple[str, ...]]:
+        return {
+            name: tuple(plan.workers[r] for r in red.members)
+            for name, red in zip(self.names, self.reductions, strict=True)
+            if name
+        }
+
+    def mine(self, rank: int) -> list[tuple[str, Reduction]]:
+        """The reductions ``rank`` takes part in, in issue order."""
+        return [
+            (name, red)
+            for name, red in zip(self.names, self.reductions, strict=True)
+            if name and rank in red.members
+        ]
 
 
 class PipelineStages(Strategy):
@@ -42,6 +96,7 @@ class PipelineStages(Strategy):
         self.pipe = Pipeline(ctx)
         self.sharded = bool(ctx.cfg.zero)  # ZeRO inside the stages: an optimizer phase
         self.sealed = self.sharded  # and the parameters it does not keep come from peers
+        self.grads: GradLayout | None = None  # the newest plan's reductions
 
     def ready(self) -> dict[str, Any]:
         """The leader partitions with the workload's estimate, or with what the layers measured."""
@@ -80,9 +135,14 @@ class PipelineStages(Strategy):
         before_update: Callable[[], None],
     ) -> float:
         st, n, pipe, ctx = self.state, self.state.flat.numel, self.pipe, self.ctx
-        ctx.comm.allreduce(DP, buf, broken)
+        sumsq = None
+        if pipe.migration is None:
+            sumsq = self._reduce_among_holders(buf, broken)
+        else:  # receivers replay every layer they take over: the whole model's gradient
+            ctx.comm.allreduce(DP, buf, broken)
         ctx.enter("compute")
-        grad, loss = mean_gradient(buf, n, ctx.cfg.train.grad_clip, st.ties)
+        clip = ctx.cfg.train.grad_clip
+        grad, loss = mean_gradient(buf, n, clip, st.ties, st.segments, sumsq)
         pipe.update(step, grad, broken, before_update)
         st.step, st.last_loss = step, loss
         switched = pipe.after_step(step, float(buf[n + FLAG]))
@@ -95,10 +155,48 @@ class PipelineStages(Strategy):
     def _broken(self) -> bool:
         return self.ctx.broken()
 
+    def _reduce_among_holders(
+        self, buf: torch.Tensor, broken: Callable[[], bool]
+    ) -> Callable[[torch.Tensor], torch.Tensor]:
+        """Sum each held layer's gradient among its holders, and the step's tail (loss, count,
+        epochs, flag) over every rank, all at once. Returns how the clipping norm is completed:
+        each rank adds the layers it is the first holder of, an all-reduce adds the rest."""
+        ctx, st = self.ctx, self.state
+        n, rank, grads = st.flat.numel, ctx.comm.rank(DP), self.grads
+        assert grads is not None and ctx.plan is not None and grads.epoch == ctx.plan.epoch
+        items: list[tuple[str, torch.Tensor]] = [(DP, buf[n:])]
+        packed = []
+        for name, red in grads.mine(rank):
+            if len(red.spans) == 1:
+                ((a, b),) = red.spans
+                items.append((name, buf[a:b]))
+            else:  # a block with a tied copy inside it: its other elements, packed
+                t = torch.cat([buf[a:b] for a, b in red.spans])
+                packed.append((red, t))
+                items.append((name, t))
+        ctx.comm.allreduce_many(items, broken)
+        for red, t in packed:
+            offset = 0
+            for a, b in red.spans:
+                buf[a:b].copy_(t[offset : offset + b - a])
+                offset += b - a
+        for (a, b), (c, d) in tie_copies(grads.blocks, grads.ties, rank):
+            buf[c:d].copy_(buf[a:b])
+        counted = [first == rank for first in first_holders(grads.blocks, st.segments)]
+
+        def sumsq(mean: torch.Tensor) -> torch.Tensor:
+            squares = layer_sumsq(mean, st.segments, st.ties, only=counted)
+            ctx.comm.allreduce(DP, squares, broken)
+            return squares
+
+        return sumsq
+
     # ---- a new plan ---------------------------------------------------------------------------
     def groups(self, plan: Plan) -> dict[str, tuple[str, ...]]:
-        # asynchronous migrations run beside the training group
-        return {DP: plan.workers, MIG: plan.workers}
+        """The training group, the migrations' group beside it, and one group per holder set
+        (kept from plan to plan while its holders are the same)."""
+        self.grads = GradLayout.of(plan, self.pipe.offsets, self.state.ties)
+        return {DP: plan.workers, MIG: plan.workers, **self.grads.groups(plan)}
 
     def sync(self, plan: Plan, broken: Callable[[], bool]) -> dict[str, Any]:
         """The stage takeover; ``--resume`` and the durable fallback when every holder of some
@@ -109,13 +207,21 @@ class PipelineStages(Strategy):
             return self.durable.load(*start) if start is not None else None
 
         try:
-            return self.pipe.sync(plan, broken, self.ctx.cfg.migration == "async", start_from)
+            info = self.pipe.sync(plan, broken, self.ctx.cfg.migration == "async", start_from)
         except LayersLost as exc:
             chosen = self.durable.newest(broken)
             if not chosen:  # every rank sees the same choice, so all raise together
                 raise
             state = self.durable.load(Path(chosen), self.state.step, str(exc))
-            return self.pipe.restore_whole(plan, state)
+            info = self.pipe.restore_whole(plan, state)
+        assert self.grads is not None
+        mine = self.grads.mine(self.ctx.comm.rank(DP))
+        element = 8 if self.ctx.cfg.train.reduce_dtype == "float64" else 4
+        info.update(  # what this rank reduces each step once the layout is in force
+            grad_groups=len(mine),
+            grad_reduce_bytes=sum(red.numel for _, red in mine) * element,
+        )
+        return info
 
     def after_apply(self, plan: Plan) -> None:
         self._set_clocks()
