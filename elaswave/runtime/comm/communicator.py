@@ -93,7 +93,7 @@ class Communicator:
         self.collective_timeout = collective_timeout
         self._waker = waker
         self._groups: dict[str, _Group] = {}
-        self._configured = False  # a plan was configured before (this rank may hold groups)
+        self._store: tuple[str, dist.TCPStore] | None = None  # (address, connection)
         self._graveyard: list[object] = []  # abandoned groups/threads, kept alive on purpose
         self._gloo_device = dist.ProcessGroupGloo.create_device(hostname=host_addr)
 
@@ -114,9 +114,34 @@ class Communicator:
             if groups.get(name) != group.members:
                 self._bury(name)
                 stats.dropped.append(name)
-        # A newcomer's first plan: it holds no group, and none held elsewhere includes it.
-        keep = self._agree(groups, store, epoch, abort) if self._configured else set()
-        self._configured = True
+        try:
+            self._configure(groups, stats, store, epoch, abort)
+        except (Interrupted, CommError):
+            # An abandoned rendezvous may still block in the store connection, and must not
+            # hold up the next plan's (TCPStore clients serialise calls): a fresh one then.
+            self._store = None
+            raise
+        stats.seconds = time.perf_counter() - start
+        return stats
+
+    def _configure(
+        self,
+        groups: dict[str, tuple[str, ...]],
+        stats: GroupStats,
+        store: str,
+        epoch: int,
+        abort: Callable[[], bool],
+    ) -> None:
+        # One store connection, kept from plan to plan while the store stays where it is and
+        # nothing was abandoned in it (a connection costs a round trip or more). The store lives
+        # in the plan's first host's daemon: if that host died it refuses the connection, which
+        # is a transport error like any other (the next plan moves the store).
+        if self._store is None or self._store[0] != store:
+            self._store = (store, self._connect_store(store))
+        conn = self._store[1]
+        # Every rank takes part, a newcomer too: a worker respawned under its old id is in
+        # groups its peers still hold, and must tell them it does not.
+        keep = self._agree(groups, conn, epoch, abort)
         for name, group in list(self._groups.items()):
             if name in keep:
                 group.suspect, group.p2p, group.pending = False, False, []
@@ -127,16 +152,14 @@ class Communicator:
             if name in keep or self.me not in members:
                 continue
             rank = members.index(self.me)
-            pg = self._build(name, members, rank, store=store, epoch=epoch, abort=abort)
+            pg = self._build(name, members, rank, store=conn, epoch=epoch, abort=abort)
             self._groups[name] = _Group(members, rank, pg)
             stats.rebuilt.append(name)
-        stats.seconds = time.perf_counter() - start
-        return stats
 
     def _agree(
         self,
         groups: dict[str, tuple[str, ...]],
-        store: str,
+        store: dist.Store,
         epoch: int,
         abort: Callable[[], bool],
     ) -> set[str]:
@@ -148,8 +171,9 @@ class Communicator:
         held = dict(self._groups)
         mine = {name: m.index(self.me) for name, m in groups.items() if self.me in m}
 
+        agree = dist.PrefixStore(f"epoch{epoch}/agree", store)
+
         def exchange() -> set[str]:
-            agree = dist.PrefixStore(f"epoch{epoch}/agree", self._connect_store(store))
             for name, rank in mine.items():  # publish every count before waiting for any
                 g = held.get(name)
                 agree.set(f"{name}/{rank}", str(g.standing() if g is not None else -1))
@@ -168,15 +192,11 @@ class Communicator:
         members: tuple[str, ...],
         rank: int,
         *,
-        store: str,
+        store: dist.Store,
         epoch: int,
         abort: Callable[[], bool],
     ) -> dist.ProcessGroupGloo:
-        # A fresh store connection per build: an abandoned rendezvous may still block in its
-        # own connection, and must not hold up the next one (TCPStore clients serialise calls).
-        # The store lives in the plan's first host's daemon: if that host died it refuses the
-        # connection, which is a transport error like any other (the next plan moves the store).
-        prefix = dist.PrefixStore(f"epoch{epoch}/{name}", self._connect_store(store))
+        prefix = dist.PrefixStore(f"epoch{epoch}/{name}", store)
         opts = dist.ProcessGroupGloo._Options()
         opts._devices = [self._gloo_device]
         opts._timeout = datetime.timedelta(seconds=self.collective_timeout)
