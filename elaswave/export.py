@@ -43,7 +43,7 @@ def run_config(run_dir: Path) -> JobConfig:
 
 def find_checkpoint(directory: Path, step: int | None) -> Path:
     """The checkpoint of ``step`` under ``directory``, or the newest one (``LATEST``)."""
-    from elaswave.runtime.durable.checkpoints import latest
+    from elaswave.runtime.durable.checkpoints import complete, latest
 
     if step is None:
         path = latest(directory)
@@ -54,9 +54,9 @@ def find_checkpoint(directory: Path, step: int | None) -> Path:
             )
         return path
     path = directory / f"step-{step:08d}"
-    if not (path / ".metadata").is_file():
+    if not complete(path):
         have = sorted(
-            int(m.parent.name.removeprefix("step-")) for m in directory.glob("step-*/.metadata")
+            int(p.name.removeprefix("step-")) for p in directory.glob("step-*") if complete(p)
         )
         listed = ", ".join(map(str, have)) or "none"
         raise ElasWaveError(f"no checkpoint of step {step} in {directory} (steps kept: {listed})")

@@ -38,7 +38,7 @@ from elaswave.planning.plan import Plan
 from elaswave.planning.stageshards import LayersLost
 from elaswave.runtime.comm.communicator import CommError, Communicator, Interrupted
 from elaswave.runtime.comm.control_client import ControlClient
-from elaswave.runtime.durable.checkpoints import DurableCheckpoints
+from elaswave.runtime.durable.checkpoints import DurableCheckpoints, Piece
 from elaswave.runtime.durable.restore import DurableSource
 from elaswave.runtime.evaluate import evaluate, training_samples
 from elaswave.runtime.integrity.checker import Integrity
@@ -252,8 +252,12 @@ class Engine:
         if self.integrity.after_commit(step):
             return  # the main loop redoes the steps since the known-good state
         if self.durable.checkpoints is not None and step % self.cfg.durable_every == 0:
+            pieces = self.strategy.durable_pieces()
             self._enter("collective")
-            self._save_durable(step, self.strategy.whole(self.ctx.broken), "durable_saved")
+            if pieces is None:
+                self._save_durable(step, self.strategy.whole(self.ctx.broken), "durable_saved")
+            else:
+                self._save_pieces(step, pieces)
             self._enter("idle")
         if self.cfg.train.eval_every and step % self.cfg.train.eval_every == 0:
             self._enter("compute")
@@ -285,6 +289,24 @@ class Engine:
         store.save_async(
             step, self.state.last_loss, whole.params, whole.exp_avg, whole.exp_avg_sq, saved
         )
+
+    def _save_pieces(self, step: int, pieces: list[Piece]) -> None:
+        """Every rank writes the intervals it owns (pipelines: nothing assembled on one rank);
+        rank 0 commits the checkpoint once all are written and records ``durable_saved``."""
+        store, plan = self.store, self.plan
+        assert store is not None and plan is not None
+        rank = self.comm.rank(DP)
+
+        def saved(path: Any, seconds: float) -> None:
+            self.control.event(
+                "durable_saved", step=step, path=str(path), seconds=round(seconds, 4),
+                parts=plan.world_size,
+            )  # fmt: skip
+
+        store.save_pieces_async(
+            step, self.state.last_loss, rank=rank, world=plan.world_size,
+            attempt=f"e{plan.epoch}", pieces=pieces, on_done=saved if rank == 0 else None,
+        )  # fmt: skip
 
     # ---- recovery ---------------------------------------------------------------------------
     def _recover(self) -> None:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 
 import pytest
 from conftest import REL_TOL, Run, assert_clean_run, launch
 
 from elaswave.report import build_report
+from elaswave.runtime.durable.checkpoints import PIECES
 
 pytestmark = pytest.mark.e2e
 
@@ -112,10 +115,59 @@ def test_resume_a_data_parallel_checkpoint_into_zero_pipelines(
         env=state_env,
     )  # fmt: skip
     assert second.returncode == 0, second.stderr[-2000:]
-    run = Run(tmp_path / "b")
-    assert [m["step"] for m in run.metrics] == list(range(21, 27))
+    run = _resumed_on_the_curve(tmp_path / "b", reference, 21, 26)
+    assert all(f["holders_agree"] for f in run.of("final_state"))
+
+
+def _resumed_on_the_curve(run_dir: Path, reference: Run, first: int, last: int) -> Run:
+    """A resumed run trained steps ``first..last`` once each, every loss on the fault-free
+    curve, and its ranks ended with one model."""
+    run = Run(run_dir)
+    assert [m["step"] for m in run.metrics] == list(range(first, last + 1))
     for step, loss in run.losses.items():
         ref = reference.losses[step]
         assert abs(loss - ref) <= REL_TOL * abs(ref), f"step {step}: {loss} vs {ref}"
     assert len({f["params_sha256"] for f in run.of("final_state")}) == 1
-    assert all(f["holders_agree"] for f in run.of("final_state"))
+    return run
+
+
+@pytest.fixture(scope="module")
+def stage_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A dp=2 × pp=2 run of 20 steps with a durable checkpoint every 10: written per stage."""
+    base = tmp_path_factory.mktemp("stage-ckpt")
+    env = dict(os.environ, ELASWAVE_STATE_DIR=str(base / "state"))
+    r = launch(base / "run", "--job-id", "pp-ckpt", "--pp", "2", "--steps", "20",
+               "--durable-every", "10", env=env)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    run = Run(base / "run")
+    saved = [e for e in run.of("durable_saved") if e["step"] == 20]
+    assert len(saved) == 1 and saved[0]["parts"] == 4
+    return base / "run" / "checkpoints"
+
+
+def test_each_stage_writes_only_the_layers_it_owns(stage_checkpoints: Path) -> None:
+    """No rank assembles the model: the step-20 checkpoint is the parts of replica 0's two
+    stages (the first holder of every layer), which tile the model, and nothing else."""
+    path = stage_checkpoints / "step-00000020"
+    index = json.loads((path / PIECES).read_text())
+    assert {rank for _, _, rank in index["pieces"]} == {0, 1}
+    assert sorted(p.name for p in path.iterdir() if p.is_dir()) == ["rank-00000", "rank-00001"]
+    assert not (path / ".metadata").exists(), "a whole-state file was written too"
+    edges = [(a, b) for a, b, _ in index["pieces"]]
+    assert edges[0][0] == 0 and all(x[1] == y[0] for x, y in zip(edges, edges[1:], strict=False))
+    sizes = {rank: sum(b - a for a, b, r in index["pieces"] if r == rank) for rank in (0, 1)}
+    assert min(sizes.values()) > 0.25 * index["numel"], sizes  # each a real share, not all
+
+
+@pytest.mark.parametrize(("layout", "args"), [("dp3-pp1", ()), ("dp1-pp3", ("--pp", "3"))])
+def test_a_per_stage_checkpoint_resumes_on_another_layout(
+    tmp_path: Path, state_env: dict[str, str], reference: Run, stage_checkpoints: Path,
+    layout: str, args: tuple[str, ...],
+) -> None:  # fmt: skip
+    """The dp=2 × pp=2 checkpoint of step 20 resumes on three workers as plain data parallelism
+    and as one replica of three stages, on the fault-free curve."""
+    r = launch(tmp_path / "run", "--job-id", f"ckpt-{layout}", "--steps", "24",
+               "--nproc-per-node", "3", *args, "--resume", str(stage_checkpoints),
+               env=state_env)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    _resumed_on_the_curve(tmp_path / "run", reference, 21, 24)

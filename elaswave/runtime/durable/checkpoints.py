@@ -1,24 +1,40 @@
 """Durable checkpoints: the last resort when both in-memory copies of a shard are gone.
 
 Every ``durable_every`` committed steps the full training state (parameters and both Adam
-moments, gathered from the shards under ZeRO) is written with ``torch.distributed.checkpoint``
-by rank 0, from a background thread so the step loop does not wait for the disk. A checkpoint
-becomes visible only once complete (written under a temporary name, then renamed, then
-``LATEST`` updated atomically). Because it holds whole tensors, any number of workers can load it:
-that is how a job falls back after a double loss, and how ``--resume`` restarts on another size.
+moments) is written with ``torch.distributed.checkpoint``, from a background thread so the step
+loop does not wait for the disk, in one of two layouts:
+
+- *whole* (data parallelism, ZeRO-1): rank 0 writes the whole state (gathered from the shards
+  under ZeRO);
+- *per stage* (pipelines): each rank writes the element intervals it owns — the layers it is the
+  first holder of, or with ZeRO inside the stages the moment parts it is primary of — into a
+  directory of its own (``rank-00003/``, with ``rank-00003.json`` saying which intervals), and
+  nothing is assembled on one rank. Rank 0 commits the checkpoint once every rank of the plan has
+  written its part: ``pieces.json`` names the rank that wrote each interval. The checkpoint
+  directory must be one every host can reach (a shared filesystem).
+
+A checkpoint becomes visible only once complete (written under a temporary name, then renamed,
+then ``LATEST`` updated atomically). :func:`load` reads either layout into whole tensors, so any
+number of workers and any dp × pp, with or without ZeRO, can resume from it: that is how a job
+falls back after a double loss, how ``--resume`` restarts on another size, and what ``export``
+reads.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import os
 import shutil
 import time
 import warnings
-from collections.abc import Callable
+from collections import defaultdict
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -26,6 +42,13 @@ import torch.distributed.checkpoint as dcp
 log = logging.getLogger(__name__)
 
 LATEST = "LATEST"
+PIECES = "pieces.json"  # a per-stage checkpoint's index: which rank wrote which interval
+KINDS = ("params", "exp_avg", "exp_avg_sq")
+COMMIT_S = 120.0  # how long rank 0 waits for the other ranks' parts before giving up
+FLUSH_S = 10.0  # how long a flush waits for a commit still waiting on other ranks
+
+# (start, stop, parameters, exp_avg, exp_avg_sq) of one flat element interval a rank writes
+Piece = tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 @dataclass
@@ -41,11 +64,17 @@ class DurableState:
 class DurableCheckpoints:
     """Writes ``<dir>/step-00000010`` … and keeps the newest ``keep`` of them."""
 
-    def __init__(self, directory: str | os.PathLike[str], *, keep: int = 2) -> None:
+    def __init__(
+        self, directory: str | os.PathLike[str], *, keep: int = 2, commit_s: float = COMMIT_S
+    ) -> None:
         self.dir = Path(directory)
         self.keep = keep
+        self.commit_s = commit_s
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="durable")
-        self._pending: Future[Path] | None = None
+        self._committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="durable-commit")
+        self._pending: Future[Any] | None = None
+        self._committing: Future[Any] | None = None
+        self._discards = 0  # a commit queued before a discard must not land
 
     def save_async(
         self,
@@ -75,12 +104,103 @@ class DurableCheckpoints:
     ) -> Path:
         start = time.perf_counter()
         self.dir.mkdir(parents=True, exist_ok=True)
-        final = self.dir / f"step-{step:08d}"
-        tmp = self.dir / f".step-{step:08d}.tmp"
+        tmp = self.dir / f".step-{step:08d}.whole.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # "assuming a single process": it is
             dcp.save(state, checkpoint_id=str(tmp), no_dist=True)
+        final = self._publish(tmp, step)
+        if on_done is not None:
+            on_done(final, time.perf_counter() - start)
+        return final
+
+    def save_pieces_async(
+        self,
+        step: int,
+        loss: float,
+        *,
+        rank: int,
+        world: int,
+        attempt: str,
+        pieces: Sequence[Piece],
+        on_done: Callable[[Path, float], None] | None = None,
+    ) -> None:
+        """Snapshot this rank's ``pieces`` now (copies) and write them in the background, beside
+        the other ranks' parts of the same checkpoint (``attempt`` names the plan: every rank
+        of it passes the same, a redo under a later plan writes afresh). Rank 0 commits the
+        checkpoint once every one of the ``world`` ranks has written its part, and then calls
+        ``on_done``."""
+        state = {
+            f"{kind}/{a}-{b}": t.detach().clone()
+            for a, b, *tensors in pieces
+            for kind, t in zip(KINDS, tensors, strict=True)
+        }
+        intervals = [[a, b] for a, b, *_ in pieces]
+        if self._pending is not None:
+            self._pending.result()
+        tmp = self.dir / f".step-{step:08d}.{attempt}.tmp"
+        self._pending = self._pool.submit(self._write_part, tmp, rank, state, intervals)
+        if rank == 0:
+            if self._committing is not None:
+                self._committing.result()
+            self._committing = self._committer.submit(
+                self._commit, tmp, step, loss, world, self._pending, self._discards, on_done
+            )
+
+    def _write_part(
+        self, tmp: Path, rank: int, state: dict[str, torch.Tensor], intervals: list[list[int]]
+    ) -> None:
+        tmp.mkdir(parents=True, exist_ok=True)
+        name = f"rank-{rank:05d}"
+        if state:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # "assuming a single process"
+                dcp.save(state, checkpoint_id=str(tmp / name), no_dist=True)
+        _write_json(tmp / f"{name}.json", {"intervals": intervals})
+
+    def _commit(
+        self,
+        tmp: Path,
+        step: int,
+        loss: float,
+        world: int,
+        own: Future[Any],
+        discards: int,
+        on_done: Callable[[Path, float], None] | None,
+    ) -> Path | None:
+        """Rank 0: once every rank's part is written, index them and make the checkpoint
+        visible. A rank that died before writing its part leaves the checkpoint uncommitted
+        (the previous one stays the newest)."""
+        start = time.perf_counter()
+        own.result()
+        deadline = time.monotonic() + self.commit_s
+        while len(parts := sorted(tmp.glob("rank-*.json"))) < world:
+            if time.monotonic() > deadline:
+                log.warning("checkpoint of step %d: %d of %d parts", step, len(parts), world)
+                return None
+            time.sleep(0.05)
+        pieces = sorted(
+            [a, b, int(p.stem.removeprefix("rank-"))]
+            for p in parts
+            for a, b in json.loads(p.read_text())["intervals"]
+        )
+        numel = 0
+        for a, b, _ in pieces:  # the parts tile the model exactly
+            if a != numel:
+                log.warning("durable checkpoint of step %d: its parts do not tile the model", step)
+                return None
+            numel = b
+        if discards != self._discards:  # the state it holds was found corrupt meanwhile
+            return None
+        _write_json(tmp / PIECES, {"step": step, "loss": loss, "numel": numel, "pieces": pieces})
+        final = self._publish(tmp, step)
+        if on_done is not None:
+            on_done(final, time.perf_counter() - start)
+        return final
+
+    def _publish(self, tmp: Path, step: int) -> Path:
+        """Rename a complete checkpoint into place, point ``LATEST`` at it, drop older ones."""
+        final = self.dir / f"step-{step:08d}"
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         latest_tmp = self.dir / f".{LATEST}.tmp"
@@ -88,21 +208,31 @@ class DurableCheckpoints:
         os.replace(latest_tmp, self.dir / LATEST)
         for old in sorted(self.dir.glob("step-*"))[: -self.keep]:
             shutil.rmtree(old, ignore_errors=True)
-        if on_done is not None:
-            on_done(final, time.perf_counter() - start)
+        for stale in self.dir.glob(".step-*.tmp"):  # parts of checkpoints never committed
+            if _step_of(stale) <= step:
+                shutil.rmtree(stale, ignore_errors=True)
         return final
 
-    def flush(self) -> None:
+    def flush(self, *, commits: bool = True) -> None:
+        """Wait for this rank's writes and (``commits``) for a commit waiting on other ranks,
+        at most ``FLUSH_S`` for that one."""
         if self._pending is not None:
             self._pending.result()
             self._pending = None
+        if commits and self._committing is not None:
+            with contextlib.suppress(TimeoutError):
+                self._committing.result(timeout=FLUSH_S)
 
     def discard_after(self, step: int) -> None:
         """Remove the checkpoints newer than ``step`` (saved from a state a later check found
         corrupt) and point ``LATEST`` at the newest one left, if any."""
-        self.flush()
+        self._discards += 1
+        self.flush(commits=False)  # a commit still waiting will not land
         if not self.dir.is_dir():
             return
+        for stale in self.dir.glob(".step-*.tmp"):
+            if _step_of(stale) > step:
+                shutil.rmtree(stale, ignore_errors=True)
         left = []
         for path in sorted(self.dir.glob("step-*")):
             if int(path.name.removeprefix("step-")) > step:
@@ -124,13 +254,21 @@ def latest(directory: str | os.PathLike[str]) -> Path | None:
     marker = root / LATEST
     if marker.is_file():
         path = root / marker.read_text().strip()
-        if (path / ".metadata").is_file():
+        if complete(path):
             return path
     return None
 
 
+def complete(path: Path) -> bool:
+    """Whether ``path`` is a committed checkpoint (whole, or every stage's part indexed)."""
+    return (path / ".metadata").is_file() or (path / PIECES).is_file()
+
+
 def load(path: Path, numel: int) -> DurableState:
-    """Read a checkpoint written by :class:`DurableCheckpoints` (same model size)."""
+    """Read a checkpoint written by :class:`DurableCheckpoints`, whole or per stage, into whole
+    tensors (same model size)."""
+    if (path / PIECES).is_file():
+        return _load_pieces(path, numel)
     state = {
         "params": torch.zeros(numel),
         "exp_avg": torch.zeros(numel),
@@ -144,3 +282,34 @@ def load(path: Path, numel: int) -> DurableState:
     return DurableState(
         int(step), loss, state["params"], state["exp_avg"], state["exp_avg_sq"], path
     )
+
+
+def _load_pieces(path: Path, numel: int) -> DurableState:
+    index = json.loads((path / PIECES).read_text())
+    if index["numel"] != numel:
+        raise ValueError(
+            f"{path} holds a model of {index['numel']} parameters, this one has {numel}"
+        )
+    whole = {kind: torch.zeros(numel) for kind in KINDS}
+    by_rank: dict[int, list[tuple[int, int]]] = defaultdict(list)
+    for a, b, rank in index["pieces"]:
+        by_rank[rank].append((a, b))
+    for rank, intervals in sorted(by_rank.items()):
+        state = {f"{kind}/{a}-{b}": whole[kind][a:b] for kind in KINDS for a, b in intervals}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(state, checkpoint_id=str(path / f"rank-{rank:05d}"), no_dist=True)
+    return DurableState(
+        int(index["step"]), float(index["loss"]), whole["params"], whole["exp_avg"],
+        whole["exp_avg_sq"], path,
+    )  # fmt: skip
+
+
+def _write_json(path: Path, doc: dict[str, Any]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(doc))
+    os.replace(tmp, path)
+
+
+def _step_of(tmp: Path) -> int:
+    return int(tmp.name.split(".")[1].removeprefix("step-"))

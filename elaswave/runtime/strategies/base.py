@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from elaswave.planning.plan import Plan
-from elaswave.runtime.durable.checkpoints import DurableState
+from elaswave.runtime.durable.checkpoints import DurableState, Piece
 from elaswave.runtime.optim import clip_from, layer_sumsq
 from elaswave.runtime.workload.data import MicroBatch
 
@@ -184,6 +184,12 @@ class Strategy(ABC):
     @abstractmethod
     def whole(self, broken: Callable[[], bool]) -> Whole:
         """The whole training state (a collective: every rank of the plan calls it)."""
+
+    def durable_pieces(self) -> list[Piece] | None:
+        """What this rank writes of a durable checkpoint: the flat intervals it owns, with their
+        parameters and moments (every rank of the plan writes its own; pipelines), or None:
+        rank 0 writes the whole state from :meth:`whole` (the same answer on every rank)."""
+        return None
 
     def eval_params(self, broken: Callable[[], bool]) -> torch.Tensor | None:
         """The whole model's parameters for an evaluation when this rank's flat buffer does not

@@ -25,7 +25,7 @@ from elaswave.planning.gradgroups import (
 )
 from elaswave.planning.plan import Plan
 from elaswave.planning.stageshards import Block, LayersLost, holder_blocks
-from elaswave.runtime.durable.checkpoints import DurableState
+from elaswave.runtime.durable.checkpoints import DurableState, Piece
 from elaswave.runtime.integrity import stageverify
 from elaswave.runtime.optim import layer_sumsq
 from elaswave.runtime.strategies.base import (
@@ -217,9 +217,12 @@ class PipelineStages(Strategy):
         assert self.grads is not None
         mine = self.grads.mine(self.ctx.comm.rank(DP))
         element = 8 if self.ctx.cfg.train.reduce_dtype == "float64" else 4
-        info.update(  # what this rank reduces each step once the layout is in force
-            grad_groups=len(mine),
-            grad_reduce_bytes=sum(red.numel for _, red in mine) * element,
+        info.update(  # what this rank reduces each step once the layout is in force, and what
+            grad_groups=len(mine),  # a ring all-reduce sends for it: 2 (k - 1) / k of a group's
+            grad_reduce_bytes=sum(red.numel for _, red in mine) * element,  # bytes, k members
+            grad_sent_bytes=round(
+                sum(2 * (len(r.members) - 1) / len(r.members) * r.numel for _, r in mine) * element
+            ),
         )
         return info
 
@@ -257,6 +260,29 @@ class PipelineStages(Strategy):
         whole, agree = self.pipe.assemble(broken)
         params, exp_avg, exp_avg_sq = whole.chunk(3)
         return Whole(params, exp_avg, exp_avg_sq, {"holders_agree": agree})
+
+    def durable_pieces(self) -> list[Piece] | None:
+        """The layers this rank is the first holder of (with ZeRO inside the stages: the moment
+        parts it is primary of, with their parameters): each element written by one rank. While
+        an asynchronous migration runs the layout is in flux: the whole state, assembled."""
+        pipe, st, grads = self.pipe, self.state, self.grads
+        if pipe.migration is not None or grads is None:
+            return None
+        rank, params = self.ctx.comm.rank(DP), st.flat.data
+        if pipe.zero:
+            out = []
+            for (a, b), keepers in pipe.parts:
+                if keepers[0] == rank and b > a:
+                    m, v = pipe.store.view(a, b)
+                    out.append((a, b, params[a:b], m, v))
+            return out
+        m, v = st.opt.exp_avg, st.opt.exp_avg_sq
+        return [
+            (blk.start, blk.stop, params[blk.start : blk.stop], m[blk.start : blk.stop],
+             v[blk.start : blk.stop])
+            for blk in grads.blocks
+            if blk.holders[0] == rank
+        ]  # fmt: skip
 
     def eval_params(self, broken: Callable[[], bool]) -> torch.Tensor:
         return self.whole(broken).params
