@@ -5,9 +5,10 @@ For each pp, one short fault-free launch. Per rank, from the report (``totals.me
 each worker says it holds, by purpose) and from the operating system (peak resident set of each
 worker process, sampled while it runs): parameter, gradient, optimizer and recovery-copy bytes,
 against the model's size and its stage share (model / pp). The gradient bytes a rank sends per
-step are computed for today's reduction (gloo's ring all-reduce of the whole [gradient | tail]
-buffer over all W ranks: 2 (W - 1) / W of it). This is the baseline of stage-local pipelines:
-today every rank allocates the whole model whatever pp is.
+step are those of a ring all-reduce (2 (k - 1) / k of what k ranks reduce): at pp = 1 the whole
+[gradient | tail] buffer over all W ranks; in a pipeline each layer's gradient among its holders,
+as each rank reports it (``state_synced``'s ``grad_sent_bytes``). Stage-local parameters are
+not built yet: every rank allocates the whole model whatever pp is.
 """
 
 from __future__ import annotations
@@ -134,8 +135,17 @@ def _cell(run_dir: Path, peaks: list[int], pp: int) -> dict[str, Any]:
         / (3 * model / pp),
         "peak_rss_mb": statistics.median(peaks) * mb if peaks else 0.0,
         "peak_rss_max_mb": max(peaks) * mb if peaks else 0.0,
-        "grad_sent_mb_per_step": 2 * (WORLD - 1) / WORLD * buffer * mb,
+        "grad_sent_mb_per_step": _grad_sent(run_dir, pp, buffer) * mb,
     }
+
+
+def _grad_sent(run_dir: Path, pp: int, buffer: float) -> float:
+    """Bytes of gradient a rank sends per step (median over ranks)."""
+    if pp == 1:  # data parallelism: one all-reduce of the whole buffer over every rank
+        return 2 * (WORLD - 1) / WORLD * buffer
+    synced = [e for e in read_jsonl(run_dir / "events.jsonl") if e["kind"] == "state_synced"]
+    last = {e["worker"]: e["grad_sent_bytes"] for e in synced}  # the plan in force at the end
+    return statistics.median(last.values())
 
 
 def show(result: dict[str, Any]) -> None:
