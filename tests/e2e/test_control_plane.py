@@ -263,9 +263,12 @@ def test_run_directory_fills_up_and_space_returns(
     """The run directory fills up mid-run: one line on stderr, training goes on with the
     records held in memory, and they are all written once space returns."""
     steps = 100
+    # The final checkpoint (5.6 MB) goes elsewhere: on this 1 MiB disk it would fill the space
+    # that returned, racing the records this test is about.
     job = Job(
-        tmp_path, state_env, "--job-id", "full", "--steps", str(steps), run_dir=small_disk / "run"
-    )
+        tmp_path, state_env, "--job-id", "full", "--steps", str(steps),
+        "--durable-dir", str(tmp_path / "checkpoints"), run_dir=small_disk / "run",
+    )  # fmt: skip
     wait_for(lambda: job.step() >= 3, timeout=120)
     filler = _fill(small_disk)
     wait_for(lambda: "cannot write to the run directory" in job.stderr(), timeout=60)
@@ -285,7 +288,7 @@ def test_run_directory_stays_full(
     running), the file holds only whole lines, and the end says what was not written."""
     job = Job(
         tmp_path, state_env, "--job-id", "stayfull", "--steps", str(STEPS),
-        run_dir=small_disk / "run",
+        "--durable-dir", str(tmp_path / "checkpoints"), run_dir=small_disk / "run",
     )  # fmt: skip
     wait_for(lambda: job.step() >= 3, timeout=120)
     _fill(small_disk)
