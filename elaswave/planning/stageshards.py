@@ -4,8 +4,8 @@ Pure functions over element intervals of the flat parameter buffer (layers one a
 no tensors, no I/O. An interval is a half-open ``(start, stop)`` element range.
 
 Blocks. The ranks that hold a layer (its data-parallel peers: the replicas whose stage contains
-it) all receive its summed gradient from the all-reduce. A :class:`Block` is a maximal run of
-elements whose holder set is the same; after a takeover one replica's stage may span what two
+it) all receive its summed gradient (summed among exactly them). A :class:`Block` is a maximal
+run of elements whose holder set is the same; after a takeover one replica's stage may span what two
 stages of another replica hold, so one stage can lie across several blocks.
 
 Moments. Each block is cut into ``k = len(holders)`` near-equal parts; part ``i`` is kept by

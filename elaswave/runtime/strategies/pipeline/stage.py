@@ -3,9 +3,9 @@ layer state that a new layout needs.
 
 Layout. Every rank of a pipeline plan belongs to one replica and runs one stage of it: a
 contiguous range of the layer list. It *holds* (keeps current) the parameters and Adam moments
-of those layers only; the rest of its flat buffers is stale. Gradients are reduced with one SUM
-all-reduce over all ranks of a buffer the size of the whole model, in which each rank fills its
-own layers: every layer's gradient is then summed over the replicas that ran it, whatever their
+of those layers only; the rest of its flat buffers is stale. Each rank fills its own layers'
+gradients into a buffer the size of the whole model, and each layer's gradient is summed among
+the ranks that hold it (:mod:`~elaswave.planning.gradgroups`), whatever the replicas'
 partitions are (replicas may be cut differently after a loss).
 
 Commit and rollback. Before a rank updates its layers it keeps a copy of them (the local
@@ -17,7 +17,8 @@ from ranks that hold them (data-parallel peers in other replicas), planned as di
 (`plan_layer_transfers`). *Blocking* migration moves them before training resumes.
 *Asynchronous* migration takes the replicas that need layers out of service, lets the others run
 the whole global batch, and copies a snapshot of the layers in the background; a receiver then
-replays the gradients of the steps it missed (it gets every layer's gradient from the all-reduce)
+replays the gradients of the steps it missed (while a migration runs, every layer's gradient is
+all-reduced over every rank)
 and raises a flag in the all-reduce; when every receiver has, all ranks switch to the new layout
 at the same step boundary.
 

@@ -87,6 +87,26 @@ class GradLayout:
             if name and rank in red.members
         ]
 
+    def of_rank(self, rank: int, segments: Sequence[tuple[int, int]]) -> RankGrads:
+        """What ``rank`` does each step under this layout (computed once per plan)."""
+        return RankGrads(
+            self.epoch,
+            self.mine(rank),
+            tie_copies(self.blocks, self.ties, rank),
+            [first == rank for first in first_holders(self.blocks, segments)],
+        )
+
+
+@dataclass(frozen=True)
+class RankGrads:
+    """One rank's part of a :class:`GradLayout`: its reductions in issue order, the tied second
+    copies it fills from the first, and the layers it counts in the clipping norm."""
+
+    epoch: int
+    mine: list[tuple[str, Reduction]]
+    copies: list[tuple[tuple[int, int], tuple[int, int]]]
+    counted: list[bool]
+
 
 class PipelineStages(Strategy):
     """This rank runs one stage of one replica; layers are reduced over the replicas."""
@@ -97,6 +117,7 @@ class PipelineStages(Strategy):
         self.sharded = bool(ctx.cfg.zero)  # ZeRO inside the stages: an optimizer phase
         self.sealed = self.sharded  # and the parameters it does not keep come from peers
         self.grads: GradLayout | None = None  # the newest plan's reductions
+        self.my_grads: RankGrads | None = None  # this rank's part of them, once the plan applies
 
     def ready(self) -> dict[str, Any]:
         """The leader partitions with the workload's estimate, or with what the layers measured."""
@@ -162,11 +183,11 @@ class PipelineStages(Strategy):
         epochs, flag) over every rank, all at once. Returns how the clipping norm is completed:
         each rank adds the layers it is the first holder of, an all-reduce adds the rest."""
         ctx, st = self.ctx, self.state
-        n, rank, grads = st.flat.numel, ctx.comm.rank(DP), self.grads
-        assert grads is not None and ctx.plan is not None and grads.epoch == ctx.plan.epoch
+        n, mine = st.flat.numel, self.my_grads
+        assert mine is not None and ctx.plan is not None and mine.epoch == ctx.plan.epoch
         items: list[tuple[str, torch.Tensor]] = [(DP, buf[n:])]
         packed = []
-        for name, red in grads.mine(rank):
+        for name, red in mine.mine:
             if len(red.spans) == 1:
                 ((a, b),) = red.spans
                 items.append((name, buf[a:b]))
@@ -180,12 +201,11 @@ class PipelineStages(Strategy):
             for a, b in red.spans:
                 buf[a:b].copy_(t[offset : offset + b - a])
                 offset += b - a
-        for (a, b), (c, d) in tie_copies(grads.blocks, grads.ties, rank):
+        for (a, b), (c, d) in mine.copies:
             buf[c:d].copy_(buf[a:b])
-        counted = [first == rank for first in first_holders(grads.blocks, st.segments)]
 
         def sumsq(mean: torch.Tensor) -> torch.Tensor:
-            squares = layer_sumsq(mean, st.segments, st.ties, only=counted)
+            squares = layer_sumsq(mean, st.segments, st.ties, only=mine.counted)
             ctx.comm.allreduce(DP, squares, broken)
             return squares
 
@@ -215,7 +235,8 @@ class PipelineStages(Strategy):
             state = self.durable.load(Path(chosen), self.state.step, str(exc))
             info = self.pipe.restore_whole(plan, state)
         assert self.grads is not None
-        mine = self.grads.mine(self.ctx.comm.rank(DP))
+        self.my_grads = self.grads.of_rank(self.ctx.comm.rank(DP), self.state.segments)
+        mine = self.my_grads.mine
         element = 8 if self.ctx.cfg.train.reduce_dtype == "float64" else 4
         info.update(  # what this rank reduces each step once the layout is in force, and what
             grad_groups=len(mine),  # a ring all-reduce sends for it: 2 (k - 1) / k of a group's
