@@ -149,7 +149,7 @@ class SimHost:
             registered=self.cp.registered,
             lease=lambda: self.lease,
             stopping=lambda: self.dead,
-            turn=lambda: succession_turn(self.host_id, self.plan.hosts if self.plan else ()),
+            turn=lambda: succession_turn(self.host_id, self.plan),
         )
         self.tasks = [
             asyncio.create_task(self.cp.keep_alive()),

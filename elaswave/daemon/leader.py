@@ -26,7 +26,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -101,11 +101,11 @@ class Candidate:
         return await self.store.leader() == self.host_id and self.registered.is_set()
 
 
-def succession_turn(host: str, plan_hosts: Sequence[str]) -> int:
+def succession_turn(host: str, plan: Plan | None) -> int:
     """A host's place in the succession: the order of the hosts in the newest plan (rank
-    order), 0 without a plan; a host the plan does not name comes after all of them."""
-    order = dict.fromkeys(plan_hosts)
-    return list(order).index(host) if host in order else len(order)
+    order), 0 without a plan; a host the plan does not name comes after all of them. Asked at
+    every wake of an election, so the plan keeps the order (one pass per plan, not per ask)."""
+    return plan.host_place(host) if plan is not None else 0
 
 
 def succession_delay(turn: int) -> float:

@@ -266,7 +266,7 @@ class HostDaemon:
             registered=self.cp.registered,
             lease=lambda: self.lease,
             stopping=lambda: self.stopping,
-            turn=lambda: succession_turn(self.host_id, self.plan.hosts if self.plan else ()),
+            turn=lambda: succession_turn(self.host_id, self.plan),
         )
 
     def _detect_hangs(self) -> Coroutine[Any, Any, None]:

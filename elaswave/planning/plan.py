@@ -70,6 +70,11 @@ class Plan:
     def rank_of(self, worker_id: str) -> int | None:
         return self._ranks.get(worker_id)
 
+    def host_place(self, host: str) -> int:
+        """Where ``host`` comes in the plan's hosts, ordered by their first rank; a host with
+        no rank comes after all of them."""
+        return self._host_places.get(host, len(self._host_places))
+
     @property
     def is_pipeline(self) -> bool:
         return bool(self.replicas)
@@ -115,6 +120,10 @@ class Plan:
         for r, w in enumerate(self.workers):
             ranks.setdefault(w, r)
         return ranks
+
+    @cached_property
+    def _host_places(self) -> dict[str, int]:
+        return {h: i for i, h in enumerate(dict.fromkeys(self.hosts))}
 
     @cached_property
     def _positions(self) -> dict[int, tuple[int, int]]:

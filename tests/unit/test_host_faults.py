@@ -11,6 +11,7 @@ from elaswave.daemon.etcd_server import port_candidates
 from elaswave.daemon.leader import lost_hosts, succession_delay, succession_turn
 from elaswave.errors import ConfigError
 from elaswave.faults import FaultSpec
+from elaswave.planning.plan import Plan
 
 
 @pytest.mark.parametrize(
@@ -72,7 +73,18 @@ def test_start_order_spreads_many_hosts_over_the_members() -> None:
     ],
 )
 def test_succession(host: str, plan_hosts: tuple[str, ...], turn: int, delay: float) -> None:
-    assert succession_turn(host, plan_hosts) == turn
+    plan = None
+    if plan_hosts:
+        workers = tuple(f"{h}.w{i}" for i, h in enumerate(plan_hosts))
+        plan = Plan(
+            epoch=1,
+            workers=workers,
+            hosts=plan_hosts,
+            microbatches=(1,) * len(workers),
+            store="s:1",
+        )
+    assert succession_turn(host, plan) == turn
+    assert succession_turn(host, plan) == turn  # asked again: the plan's kept order
     assert succession_delay(turn) == pytest.approx(delay)
 
 
