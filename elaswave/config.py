@@ -130,6 +130,9 @@ class ParamGroup:
             )
 
 
+DEVICES = ("auto", "cpu", "cuda", "npu")  # train.device
+
+
 @dataclass(kw_only=True)
 class TrainConfig:
     """The optimisation problem. ``global_batch`` is fixed whatever the membership does."""
@@ -176,6 +179,9 @@ class TrainConfig:
     # false: the whole step is redone (for comparisons).
     partial_redo: bool = True
     threads_per_worker: int = 1
+    # Where workers compute: auto (an accelerator when the host has one, else the CPU), cpu,
+    # cuda (NCCL) or npu (HCCL, through torch_npu). One worker per device, pinned by its slot.
+    device: str = "auto"
     # Emulated accelerator seconds per micro-batch (forward + backward through the whole model):
     # each worker sleeps its share, so that N workers on fewer cores behave like N devices.
     # For benchmarks of post-change throughput on small machines; 0 (default) = off.
@@ -212,6 +218,9 @@ class TrainConfig:
             raise ConfigError(f"train.min_lr must be in [0, train.lr], got {self.min_lr}")
         if self.autocast not in ("off", "bf16"):
             raise ConfigError(f"train.autocast must be off or bf16, got {self.autocast!r}")
+        if self.device not in DEVICES:
+            choices = ", ".join(DEVICES)
+            raise ConfigError(f"train.device must be one of {choices}, got {self.device!r}")
         if self.eval_every < 0:
             raise ConfigError(f"train.eval_every must be >= 0, got {self.eval_every}")
         if self.optimizer not in ("adamw", "sgd"):
@@ -480,6 +489,7 @@ LAUNCH_FLAGS: dict[str, str] = {
     "etcd_server_key": "etcd_tls.server_key",
     "host_id": "host_id",
     "nproc_per_node": "elastic.nproc_per_node",
+    "device": "train.device",
     "nnodes": "elastic.nnodes",
     "max_restarts": "elastic.max_restarts",
     "straggler_threshold": "elastic.straggler_threshold",
@@ -520,6 +530,17 @@ def load_config(
     env: Mapping[str, str] | None = None,
 ) -> JobConfig:
     """Defaults < YAML at ``path`` < ``ELASWAVE_*`` env < ``overrides`` (``train.steps``)."""
+    return JobConfig.from_dict(config_values(path, overrides=overrides, env=env))
+
+
+def config_values(
+    path: str | os.PathLike[str] | None = None,
+    *,
+    overrides: Mapping[str, Any] | None = None,
+    env: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
+    """What :func:`load_config` builds the config from: the values the YAML, the environment
+    and the overrides give (nested by section), without the defaults."""
     merged: dict[str, Any] = {}
     if path is not None:
         p = Path(path)
@@ -541,7 +562,7 @@ def load_config(
     for dotted, value in (overrides or {}).items():
         if value is not None:
             _set_dotted(merged, dotted, value)
-    return JobConfig.from_dict(merged)
+    return merged
 
 
 class _YamlLoader(yaml.SafeLoader):

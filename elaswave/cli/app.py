@@ -49,7 +49,14 @@ _Config = Annotated[
     Path | None, typer.Argument(help="Job config YAML (defaults apply without one).")
 ]
 _NprocPerNode = Annotated[
-    int | None, typer.Option("--nproc-per-node", help="Workers on this host.")
+    int | None,
+    typer.Option(
+        "--nproc-per-node", help="Workers on this host (default: one per accelerator, else 4)."
+    ),
+]
+_Device = Annotated[
+    str | None,
+    typer.Option("--device", help="auto | cpu | cuda | npu (auto: an accelerator if present)."),
 ]
 _Nnodes = Annotated[str | None, typer.Option("--nnodes", help="Hosts: N or MIN:MAX.")]
 _Etcd = Annotated[
@@ -163,6 +170,7 @@ def launch(
     ctx: typer.Context,
     config: _Config = None,
     nproc_per_node: _NprocPerNode = None,
+    device: _Device = None,
     nnodes: _Nnodes = None,
     etcd: _Etcd = None,
     etcd_port: _EtcdPort = None,
@@ -202,12 +210,11 @@ def launch(
     ELASWAVE_ETCD_PASSWORD only.
     """
     from elaswave.cli.progress import LiveProgress
-    from elaswave.config import load_config
     from elaswave.daemon.launch import launch as run_launch
 
     view, code = None, None
     try:
-        cfg = load_config(config, overrides=_launch_overrides(ctx.params, fault))
+        cfg = _placed(config, _launch_overrides(ctx.params, fault))
         security = _preflight(cfg)
         start = time.time()
         if not quiet:
@@ -247,6 +254,25 @@ def _launch_overrides(params: dict[str, Any], faults: list[str]) -> dict[str, An
         except FaultSpecError as exc:
             raise ConfigError(str(exc)) from None
     return overrides
+
+
+def _placed(config: Path | None, overrides: dict[str, Any]) -> JobConfig:
+    """The job's config with ``train.device`` resolved on this host (auto: an accelerator if
+    present) and its workers per host: one per device unless given, never more."""
+    from elaswave.config import JobConfig, config_values
+    from elaswave.runtime.device import place, probe, workers_per_host
+
+    values = config_values(config, overrides=overrides)
+    cfg = JobConfig.from_dict(values)
+    placement = place(cfg.train.device, probe())
+    given = "nproc_per_node" in values.get("elastic", {})
+    nproc = workers_per_host(
+        placement, cfg.elastic.nproc_per_node if given else None,
+        cpu_default=cfg.elastic.nproc_per_node,
+    )  # fmt: skip
+    values.setdefault("train", {})["device"] = placement.kind
+    values.setdefault("elastic", {})["nproc_per_node"] = nproc
+    return JobConfig.from_dict(values)
 
 
 def _preflight(cfg: JobConfig) -> EtcdSecurity:

@@ -39,6 +39,7 @@ class WorkerPool:
             incarnation=incarnation,
             control_path=d.control.path,
             log_dir=d.run_dir / "logs",
+            device=d.cfg.train.device,
         )
         d.workers[w.worker_id] = w
         w.waiter = asyncio.create_task(self._watch_exit(w))

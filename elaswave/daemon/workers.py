@@ -9,6 +9,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from elaswave.runtime.device import nccl_environment
+
 
 @dataclass
 class WorkerProc:
@@ -59,13 +61,23 @@ def worker_id(host_id: str, slot: int, incarnation: int) -> str:
 
 
 async def spawn(
-    *, host_id: str, slot: int, incarnation: int, control_path: str, log_dir: Path
+    *,
+    host_id: str,
+    slot: int,
+    incarnation: int,
+    control_path: str,
+    log_dir: Path,
+    device: str = "cpu",
 ) -> WorkerProc:
+    """Start worker ``slot`` (its ``incarnation``-th life) on ``device`` (the resolved
+    ``train.device``): an accelerator worker takes the slot-th device."""
     wid = worker_id(host_id, slot, incarnation)
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{wid}.log"
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
+    if device != "cpu":  # cuda, or auto (which may be): NCCL's settings are inert without it
+        env = nccl_environment(env)
     for secret in ("ELASWAVE_ETCD_USER", "ELASWAVE_ETCD_PASSWORD"):
         env.pop(secret, None)  # workers never talk to etcd: keep its credentials in the daemon
     with open(log_path, "ab") as logf:
@@ -77,6 +89,8 @@ async def spawn(
             control_path,
             "--worker-id",
             wid,
+            "--slot",
+            str(slot),
             stdin=asyncio.subprocess.DEVNULL,
             stdout=logf,
             stderr=logf,

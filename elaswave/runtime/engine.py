@@ -55,6 +55,7 @@ from elaswave.runtime.strategies.base import (
 )
 from elaswave.runtime.strategies.select import strategy_for
 from elaswave.runtime.strategies.zero import ShardLost
+from elaswave.runtime.timing import DeviceClock, set_clock
 from elaswave.runtime.workload.data import microbatches
 
 log = logging.getLogger(__name__)
@@ -84,13 +85,25 @@ class StepResult:
 
 
 class Engine:
-    def __init__(self, cfg: JobConfig, control: ControlClient, *, worker_id: str, host_addr: str):
+    def __init__(
+        self,
+        cfg: JobConfig,
+        control: ControlClient,
+        *,
+        worker_id: str,
+        host_addr: str,
+        device: torch.device | None = None,
+    ):
         self.cfg = cfg
         self.control = control
         self.me = worker_id
         t = cfg.train
         torch.set_num_threads(t.threads_per_worker)
-        self.state = TrainState.build(cfg)
+        if device is not None and device.type == "cuda":
+            torch.cuda.set_device(device)  # NCCL and the caching allocator use the current one
+        if device is not None and device.type != "cpu":
+            set_clock(DeviceClock(device))  # compute times wait for the device's queued work
+        self.state = TrainState.build(cfg, device)
         self.num_samples = training_samples(len(self.state.dataset), cfg.data.eval_samples)
         # [gradient sums | loss sum, newest epoch seen, a strategy's flag, loss count]
         self.buffer = reduction_buffer(self.state, t.reduce_dtype)
@@ -363,6 +376,16 @@ class Engine:
             kept=stats.kept,
             dropped=stats.dropped,
             seconds=round(stats.seconds, 6),
+            backend=self.comm.backend,
+            **(
+                {
+                    "shrunk": stats.shrunk,  # in place, instead of aborted and rebuilt
+                    "shrink_seconds": round(stats.shrink_seconds, 6),
+                    "abort_seconds": round(stats.abort_seconds, 6),
+                }
+                if self.comm.backend != "gloo"
+                else {}
+            ),
         )
         broken = lambda: self.control.removes_any(plan.workers)  # noqa: E731
         start = time.perf_counter()

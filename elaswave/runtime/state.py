@@ -43,10 +43,14 @@ class TrainState:
     ties: tuple[tuple[slice, slice], ...] = ()  # flat ranges of copies of one logical weight
 
     @classmethod
-    def build(cls, cfg: JobConfig) -> TrainState:
+    def build(cls, cfg: JobConfig, device: torch.device | None = None) -> TrainState:
+        """The rank's state on ``device`` (default: the CPU). Layers are built on the CPU, where
+        their seeded initial values are the same on every kind of device, then moved."""
         t = cfg.train
         workload = load_workload(cfg)
         model = build_layers(workload, t.seed)
+        if device is not None:
+            model.to(device)
         model.autocast = AUTOCAST[t.autocast]
         model.train()
         flat = FlatParams(model)
@@ -83,8 +87,9 @@ class TrainState:
         return self.model.segments()
 
     def microbatch(self, sample_ids: Sequence[int]) -> tuple[torch.Tensor, Any]:
-        """The workload's (inputs, targets) for these global sample ids."""
-        return self.workload.collate([self.dataset[i] for i in sample_ids])
+        """The workload's (inputs, targets) for these global sample ids, on this rank's device."""
+        inputs, targets = self.workload.collate([self.dataset[i] for i in sample_ids])
+        return to_device(inputs, self.device), to_device(targets, self.device)
 
     def loss(self, output: torch.Tensor, targets: Any) -> tuple[torch.Tensor, int]:
         """The workload's (loss sum, count) of one micro-batch; the strategies backpropagate the
@@ -94,6 +99,17 @@ class TrainState:
         if count < 0:
             raise ValueError(f"the workload's loss counted {count} terms (must be >= 0)")
         return total, count
+
+
+def to_device(value: Any, device: torch.device) -> Any:
+    """Tensors (also inside tuples, lists and dicts) moved to ``device``; anything else as is."""
+    if isinstance(value, torch.Tensor):
+        return value if value.device == device else value.to(device, non_blocking=True)
+    if isinstance(value, (tuple, list)):
+        return type(value)(to_device(v, device) for v in value)
+    if isinstance(value, dict):
+        return {k: to_device(v, device) for k, v in value.items()}
+    return value
 
 
 def param_groups(

@@ -10,8 +10,17 @@ runtime reads a clock for these measurements.
 from __future__ import annotations
 
 import time
+from typing import Any
 
-__all__ = ["Clock", "busy_mark", "busy_since", "clock", "cpu_wait_seconds", "set_clock"]
+__all__ = [
+    "Clock",
+    "DeviceClock",
+    "busy_mark",
+    "busy_since",
+    "clock",
+    "cpu_wait_seconds",
+    "set_clock",
+]
 
 
 def cpu_wait_seconds() -> float:
@@ -32,6 +41,23 @@ class Clock:
 
     def waited(self) -> float:
         return cpu_wait_seconds()
+
+
+class DeviceClock(Clock):
+    """On an accelerator, work is queued and runs later: each reading first waits for the
+    device to finish what was queued, so that an interval times the work, not its launch."""
+
+    def __init__(self, device: Any) -> None:
+        self.device = device
+
+    def now(self) -> float:
+        from elaswave.runtime.device import synchronize
+
+        synchronize(self.device)
+        return time.perf_counter()
+
+    def waited(self) -> float:
+        return 0.0  # the device computes while this thread waits for a core: not subtracted
 
 
 _clock = Clock()

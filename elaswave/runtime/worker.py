@@ -13,6 +13,7 @@ import sys
 from elaswave.config import JobConfig
 from elaswave.procutil import die_with_parent
 from elaswave.runtime.comm.control_client import ControlClient
+from elaswave.runtime.device import place, probe, worker_device
 from elaswave.runtime.engine import Engine
 
 
@@ -20,6 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="elaswave-worker")
     parser.add_argument("--control", required=True, help="daemon control socket path")
     parser.add_argument("--worker-id", required=True)
+    parser.add_argument("--slot", type=int, default=0, help="local slot: the device index")
     args = parser.parse_args(argv)
     die_with_parent()  # never outlive the daemon, even if it is SIGKILLed
     logging.basicConfig(
@@ -33,7 +35,11 @@ def main(argv: list[str] | None = None) -> int:
         return 3
     assert control.config is not None
     cfg = JobConfig.from_dict(control.config["config"])
-    engine = Engine(cfg, control, worker_id=args.worker_id, host_addr=control.config["host_addr"])
+    device = worker_device(place(cfg.train.device, probe()).kind, args.slot)
+    engine = Engine(
+        cfg, control, worker_id=args.worker_id, host_addr=control.config["host_addr"],
+        device=device,
+    )  # fmt: skip
     ready: dict[str, object] = {"type": "ready", "worker_id": args.worker_id}
     ready.update(engine.strategy.ready())  # pipelines: the layer costs the leader cuts by
     control.send(ready)

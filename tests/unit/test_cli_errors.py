@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 import typer.testing
 import yaml
 from typer.testing import Result  # typer may vendor click: never import click itself
@@ -99,11 +100,24 @@ def test_launch_unknown_config_key(tmp_path: Path) -> None:
         (["--snapshot-every", "-1"], "snapshot_every must be >= 0"),
         (["--metrics-port", "70000"], "metrics_port must be 0..65535"),
         (["--progress-every", "0"], "--progress-every must be > 0"),
+        (["--device", "tpu"], "train.device must be one of auto, cpu, cuda, npu"),
     ],
 )
 def test_launch_bad_flags(args: list[str], fragment: str) -> None:
     line = one_error_line(runner.invoke(app, ["launch", *args]))
     assert fragment in line
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this host has a CUDA device")
+@pytest.mark.parametrize(
+    ("args", "line"),
+    [
+        (["--device", "cuda"], "error: --device cuda: no CUDA device on this host"),
+        (["--device", "npu"], "error: --device npu: no NPU device on this host"),
+    ],
+)
+def test_launch_on_a_device_this_host_lacks(args: list[str], line: str) -> None:
+    assert one_error_line(runner.invoke(app, ["launch", *args])) == line
 
 
 def test_launch_missing_config_file(tmp_path: Path) -> None:

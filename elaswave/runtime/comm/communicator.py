@@ -1,4 +1,5 @@
-"""Process groups that are edited, not recreated: one gloo group per named member set.
+"""Process groups that are edited, not recreated: one group per named member set, on the
+backend of the worker's device (gloo on the CPU, NCCL on CUDA, HCCL on Ascend NPUs).
 
 Each plan names its groups (``{"dp": (w0, w1, w2)}``). :meth:`Communicator.configure` keeps a
 group whose member tuple is unchanged and whose members agree it is sound, and builds only the
@@ -14,6 +15,14 @@ join). So before a group with unchanged members is reused, its members compare h
 collectives each issued on it, through the epoch's store; equal counts keep it (after its
 unfinished collectives complete), anything else rebuilds it. A group with point-to-point messages
 abandoned in it, or an operation that failed on it, is always rebuilt.
+
+Accelerators. An NCCL collective whose peer died never completes on the device, and a new group
+cannot be trusted to run while it spins; so every group of the old epoch that is not kept is
+aborted, all of them inside one NCCL group call (aborting communicators one by one can deadlock
+them), before new ones are built. Where the backend can shrink a communicator in place (NCCL
+2.27 and a PyTorch with ``shrink``, found at run time), a group whose new members are its old
+ones minus the lost ones, in the same order, is shrunk instead of rebuilt. On gloo, abandoned
+groups are parked instead (destroying one may block in a gloo thread).
 """
 
 from __future__ import annotations
@@ -30,8 +39,12 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from elaswave.runtime.device import backend_for
+
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
+
+DEVICE_POLL_S = 0.0005  # how often an accelerator's work is checked for completion
 
 
 class CommError(RuntimeError):
@@ -49,7 +62,10 @@ class GroupStats:
     rebuilt: list[str] = field(default_factory=list)  # built (new, changed or broken before)
     kept: list[str] = field(default_factory=list)
     dropped: list[str] = field(default_factory=list)  # held before, gone or replaced now
+    shrunk: list[str] = field(default_factory=list)  # accelerators: shrunk in place
     seconds: float = 0.0
+    abort_seconds: float = 0.0  # accelerators: aborting the old epoch's groups
+    shrink_seconds: float = 0.0
 
 
 @dataclass
@@ -95,6 +111,7 @@ class Communicator:
         self._groups: dict[str, _Group] = {}
         self._store: tuple[str, dist.TCPStore] | None = None  # (address, connection)
         self._graveyard: list[object] = []  # abandoned groups/threads, kept alive on purpose
+        self.backend = backend_for(self.device)  # gloo | nccl | hccl
         self._gloo_device = dist.ProcessGroupGloo.create_device(hostname=host_addr)
 
     # ---- groups -----------------------------------------------------------------------------
@@ -112,8 +129,7 @@ class Communicator:
         start = time.perf_counter()
         for name, group in list(self._groups.items()):
             if groups.get(name) != group.members:
-                self._bury(name)
-                stats.dropped.append(name)
+                stats.dropped.append(name)  # put aside: kept for a shrink, else aborted
         try:
             self._configure(groups, stats, store, epoch, abort)
         except (Interrupted, CommError):
@@ -141,15 +157,26 @@ class Communicator:
         conn = self._store[1]
         # Every rank takes part, a newcomer too: a worker respawned under its old id is in
         # groups its peers still hold, and must tell them it does not.
-        keep = self._agree(groups, conn, epoch, abort)
+        keep, shrink = self._agree(groups, conn, epoch, abort)
+        old = {}
         for name, group in list(self._groups.items()):
             if name in keep:
                 group.suspect, group.p2p, group.pending = False, False, []
                 stats.kept.append(name)
-            else:
-                self._bury(name)  # unsound: built again below, under the same name
+            else:  # unsound or changed: shrunk or built again below
+                old[name] = self._groups.pop(name)
+        t = time.perf_counter()
+        for name, excluded in shrink.items():  # before any abort: a shrink needs its parent
+            members = groups[name]
+            pg = self._shrink(name, old[name].pg, excluded, abort)
+            self._groups[name] = _Group(members, members.index(self.me), pg)
+            stats.shrunk.append(name)
+        stats.shrink_seconds = time.perf_counter() - t
+        t = time.perf_counter()
+        self._abort_all(list(old.values()))  # the old epoch's groups, together
+        stats.abort_seconds = time.perf_counter() - t
         for name, members in groups.items():
-            if name in keep or self.me not in members:
+            if name in keep or name in shrink or self.me not in members:
                 continue
             rank = members.index(self.me)
             pg = self._build(name, members, rank, store=conn, epoch=epoch, abort=abort)
@@ -162,27 +189,50 @@ class Communicator:
         store: dist.Store,
         epoch: int,
         abort: Callable[[], bool],
-    ) -> set[str]:
-        """Which of this rank's groups every member can keep: each member publishes, for every
-        group of the plan it belongs to, how many collectives it issued on it (-1: it does not
-        hold it, or cannot keep it), then reads the other members' counts of the groups it
-        holds. Equal counts: kept, once the collectives this rank left unfinished have completed
-        (every member issued them, so they do)."""
+    ) -> tuple[set[str], dict[str, list[int]]]:
+        """Which of this rank's groups every member can keep, and which it can shrink (with the
+        old ranks each excludes). Each member publishes, for every group of the plan it belongs
+        to, how many collectives it issued on it (-1: it does not hold it, or cannot keep it),
+        then reads the other members' counts of the groups it holds. Equal counts: kept, once
+        the collectives this rank left unfinished have completed (every member issued them, so
+        they do). A group whose members changed can be shrunk when the backend can and every new
+        member holds the old group with the same members (they say so in the same exchange)."""
         held = dict(self._groups)
         mine = {name: m.index(self.me) for name, m in groups.items() if self.me in m}
+        can_shrink = {
+            name: excluded
+            for name, rank in mine.items()
+            if name in held
+            and _shrinkable(held[name].pg)
+            and (excluded := shrink_exclusions(held[name].members, groups[name])) is not None
+        }
 
         agree = dist.PrefixStore(f"epoch{epoch}/agree", store)
 
-        def exchange() -> set[str]:
+        def exchange() -> tuple[set[str], dict[str, list[int]]]:
             for name, rank in mine.items():  # publish every count before waiting for any
                 g = held.get(name)
-                agree.set(f"{name}/{rank}", str(g.standing() if g is not None else -1))
-            keep = set()
+                if g is not None and g.members != groups[name]:
+                    said = "shrink:" + "/".join(g.members) if name in can_shrink else "-1"
+                else:
+                    said = str(g.standing() if g is not None else -1)
+                agree.set(f"{name}/{rank}", said)
+            keep, shrink = set(), {}
             for name, g in held.items():
-                counts = {int(agree.get(f"{name}/{r}")) for r in range(len(g.members))}
-                if len(counts) == 1 and min(counts) >= 0 and _finished(g.pending):
+                members = groups.get(name)
+                if members is None or self.me not in members:
+                    continue
+                said = {agree.get(f"{name}/{r}").decode() for r in range(len(members))}
+                if members != g.members:
+                    if name in can_shrink and said == {"shrink:" + "/".join(g.members)}:
+                        shrink[name] = can_shrink[name]
+                elif (
+                    len(said) == 1
+                    and _count(min(said)) >= 0
+                    and _finished(g.pending, poll=self.backend != "gloo")
+                ):
                     keep.add(name)
-            return keep
+            return keep, shrink
 
         return self._aside(exchange, abort, self.rendezvous_timeout, "agreeing on groups to keep")
 
@@ -197,15 +247,59 @@ class Communicator:
         abort: Callable[[], bool],
     ) -> dist.ProcessGroupGloo:
         prefix = dist.PrefixStore(f"epoch{epoch}/{name}", store)
-        opts = dist.ProcessGroupGloo._Options()
-        opts._devices = [self._gloo_device]
-        opts._timeout = datetime.timedelta(seconds=self.collective_timeout)
+        timeout = datetime.timedelta(seconds=self.collective_timeout)
+        if self.backend == "gloo":
+            opts = dist.ProcessGroupGloo._Options()
+            opts._devices = [self._gloo_device]
+            opts._timeout = timeout
+
+            def make() -> Any:
+                return dist.ProcessGroupGloo(prefix, rank, len(members), opts)
+
+        else:
+
+            def make() -> Any:
+                pg = _accelerator_group(self.backend, prefix, rank, len(members), timeout)
+                # NCCL (and HCCL) build the communicator at the first collective: do it here,
+                # so that a failed rendezvous fails this configure, not the next step.
+                one = torch.zeros(1, device=self.device)
+                pg.allreduce([one]).get_future().wait()
+                return pg
+
+        return self._aside(make, abort, self.rendezvous_timeout, f"rendezvous of group {name!r}")
+
+    def _shrink(
+        self, name: str, parent: Any, excluded: list[int], abort: Callable[[], bool]
+    ) -> Any:
+        """A new communicator of ``parent``'s members without the ``excluded`` ranks, made in
+        place by the backend (operations still running on the parent are aborted first)."""
+        flags = getattr(dist, "SHRINK_ABORT", 1)
         return self._aside(
-            lambda: dist.ProcessGroupGloo(prefix, rank, len(members), opts),
+            lambda: parent.shrink(excluded, flags, None),
             abort,
             self.rendezvous_timeout,
-            f"rendezvous of group {name!r}",
+            f"shrinking group {name!r}",
         )
+
+    def _abort_all(self, groups: list[_Group]) -> None:
+        """Give up the old epoch's groups that are not kept. On an accelerator every one is
+        aborted (its collectives stuck on a dead peer stop spinning on the device), all inside
+        one group call; on gloo they are parked (see the module docstring)."""
+        if not groups:
+            return
+        if self.backend == "gloo":
+            self._graveyard.extend(groups)
+            return
+        first = groups[0].pg
+        first._group_start()
+        try:
+            for g in groups:
+                try:
+                    g.pg.abort()
+                except Exception as exc:  # an abort that fails leaves a dead communicator
+                    log.warning("aborting a process group failed: %s", _one_line(exc))
+        finally:
+            first._group_end()
 
     def _aside(
         self, fn: Callable[[], _T], abort: Callable[[], bool], timeout: float, what: str
@@ -249,10 +343,6 @@ class Communicator:
         )
         self._graveyard.append(store)  # kept alive with the groups built on it
         return store
-
-    def _bury(self, name: str) -> None:
-        group = self._groups.pop(name)
-        self._graveyard.append(group)
 
     def mark_broken(self) -> None:
         """After an error or interrupt every current group is suspect: its members agree on it
@@ -341,7 +431,7 @@ class Communicator:
             [(peer, t, tag + k) for peer, t, k in _numbered(sends)],
             [(peer, t, tag + k) for peer, t, k in _numbered(recvs)],
         )
-        self._wait_in_thread(works, abort, f"send/recv on {name!r}")
+        self._wait_p2p(works, abort, f"send/recv on {name!r}")
 
     def post(
         self,
@@ -361,7 +451,19 @@ class Communicator:
             works = [pg.send([t], peer, tag) for peer, t, tag in sends]
             return works + [pg.recv([t], peer, tag) for peer, t, tag in recvs]
 
-        return self._call(f"send/recv on {name!r}", post_all)
+        def post_coalesced() -> list[dist.Work]:
+            # NCCL runs a communicator's operations in order on one stream: a send waits for
+            # its receive, so two ranks that both send first would wait on each other. One
+            # NCCL group call posts every message of the batch together.
+            pg._start_coalescing(self.device)
+            for peer, t, tag in sends:
+                pg.send([t], peer, tag)
+            for peer, t, tag in recvs:
+                pg.recv([t], peer, tag)
+            return [pg._end_coalescing(self.device)]
+
+        post = post_all if self.backend == "gloo" else post_coalesced
+        return self._call(f"send/recv on {name!r}", post)
 
     def p2p(
         self,
@@ -372,7 +474,16 @@ class Communicator:
     ) -> None:
         """Post sends and receives together, then wait for all of them (interruptibly)."""
         self._not_aborted(abort, f"send/recv on {name!r}")
-        self._wait_in_thread(self.post(name, sends, recvs), abort, f"send/recv on {name!r}")
+        self._wait_p2p(self.post(name, sends, recvs), abort, f"send/recv on {name!r}")
+
+    def _wait_p2p(self, works: list[dist.Work], abort: Callable[[], bool], what: str) -> None:
+        """Wait for posted point-to-point work: gloo progresses it only inside ``wait()`` (a
+        helper thread); an accelerator's completes on the device (its future)."""
+        if self.backend == "gloo":
+            self._wait_in_thread(works, abort, what)
+            return
+        for work in works:
+            self._finish(work, abort, what)
 
     def _collective(
         self,
@@ -437,6 +548,9 @@ class Communicator:
             raise Interrupted(f"{what} interrupted by a newer plan")
 
     def _finish(self, work: dist.Work, abort: Callable[[], bool], what: str) -> None:
+        if self.backend != "gloo":
+            self._finish_on_device(work, abort, what)
+            return
         done, wake = threading.Event(), threading.Event()
 
         def finished(_: object) -> None:
@@ -451,6 +565,37 @@ class Communicator:
         future.add_done_callback(finished)
         self._wait(done, wake, abort, self.collective_timeout, what)
         self._call(what, work.wait)
+
+    def _finish_on_device(self, work: dist.Work, abort: Callable[[], bool], what: str) -> None:
+        """An accelerator's work: its future completes once the work is queued, not done, so
+        this polls ``is_completed()`` (the device's event), interruptibly; then ``wait()``
+        orders this thread's stream after it and raises the error it ended with, if any."""
+        wake = threading.Event()  # set by every control message: abort() is checked at once
+        unregister = self._waker(wake)
+        deadline = time.monotonic() + self.collective_timeout
+        try:
+            while not self._call(what, work.is_completed):
+                if abort():
+                    self.mark_broken()
+                    raise Interrupted(f"{what} interrupted by a newer plan")
+                if time.monotonic() > deadline:
+                    self.mark_broken()
+                    raise CommError(f"{what} timed out after {self.collective_timeout:g}s")
+                wake.wait(DEVICE_POLL_S)
+                wake.clear()
+        finally:
+            unregister()
+        self._call(what, work.wait)
+
+    def wait_done(self, works: list[dist.Work]) -> None:
+        """Block until posted work has completed (a background thread's wait: a migration's
+        messages). Gloo progresses point-to-point work inside ``wait()``; an accelerator's is
+        polled until its device event completes."""
+        for work in works:
+            if self.backend != "gloo":
+                while not work.is_completed():
+                    time.sleep(DEVICE_POLL_S)
+            work.wait()
 
     def _wait_in_thread(self, works: list[dist.Work], abort: Callable[[], bool], what: str) -> None:
         """Gloo point-to-point work progresses only inside ``wait()``: run those waits in one
@@ -506,16 +651,67 @@ class Communicator:
             unregister()
 
 
-def _finished(works: list[dist.Work]) -> bool:
+def _finished(works: list[dist.Work], *, poll: bool, timeout: float = 60.0) -> bool:
     """Wait for collectives every member issued; whether all completed. (One that fails leaves
     this rank rebuilding a group its peers keep: their next collective on it times out, and
-    the plan after that rebuilds it everywhere.)"""
+    the plan after that rebuilds it everywhere.) ``poll``: an accelerator's ``wait()`` returns
+    once the work is queued, so its device event is polled until it completes (or
+    ``timeout``)."""
+    deadline = time.monotonic() + timeout
     try:
         for work in works:
+            while poll and not work.is_completed():
+                if time.monotonic() > deadline:
+                    return False
+                time.sleep(DEVICE_POLL_S)
             work.wait()
     except Exception:
         return False
     return True
+
+
+def _count(said: str) -> int:
+    """A member's collective count as the agreement exchange carries it (-1: cannot keep)."""
+    try:
+        return int(said)
+    except ValueError:
+        return -1
+
+
+def shrink_exclusions(old: tuple[str, ...], new: tuple[str, ...]) -> list[int] | None:
+    """The ranks of ``old`` a shrink excludes to get ``new``, when ``new`` is ``old`` without
+    some members, the rest in the same order (a shrink renumbers the survivors in order);
+    ``None`` when it is not (a member added, reordered, or none removed)."""
+    if len(new) >= len(old) or not new:
+        return None
+    kept = [i for i, m in enumerate(old) if m in set(new)]
+    if [old[i] for i in kept] != list(new):
+        return None
+    return [i for i in range(len(old)) if i not in set(kept)]
+
+
+def _shrinkable(pg: Any) -> bool:
+    """Whether the backend can shrink this communicator in place (found at run time: NCCL
+    2.27 and a PyTorch whose ProcessGroupNCCL has ``shrink``)."""
+    return bool(getattr(pg, "supports_shrinking", False)) and hasattr(pg, "shrink")
+
+
+def _accelerator_group(
+    backend: str, store: dist.Store, rank: int, size: int, timeout: datetime.timedelta
+) -> Any:
+    """A process group of ``backend`` (nccl, or hccl through torch_npu) over ``store``."""
+    if backend == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, size, opts)
+    if backend == "hccl":  # Ascend: torch_npu registers it (untested without the hardware)
+        import importlib
+
+        c10d = importlib.import_module("torch_npu._C._distributed_c10d")
+        opts = c10d.ProcessGroupHCCL.Options()
+        opts._timeout = timeout
+        return c10d.ProcessGroupHCCL(store, rank, size, opts)
+    raise ValueError(f"no process group for backend {backend!r}")
 
 
 def _numbered(items: list[tuple[int, torch.Tensor]]) -> list[tuple[int, torch.Tensor, int]]:

@@ -86,10 +86,10 @@ class DurableCheckpoints:
         on_done: Callable[[Path, float], None] | None = None,
     ) -> None:
         """Snapshot the tensors now (copies) and write them in the background."""
-        state = {
-            "params": params.detach().clone(),
-            "exp_avg": exp_avg.detach().clone(),
-            "exp_avg_sq": exp_avg_sq.detach().clone(),
+        state = {  # host copies: an accelerator's memory is not held until the write ends
+            "params": _host_copy(params),
+            "exp_avg": _host_copy(exp_avg),
+            "exp_avg_sq": _host_copy(exp_avg_sq),
             "meta": torch.tensor([float(step), loss], dtype=torch.float64),
         }
         if self._pending is not None:
@@ -131,7 +131,7 @@ class DurableCheckpoints:
         checkpoint once every one of the ``world`` ranks has written its part, and then calls
         ``on_done``."""
         state = {
-            f"{kind}/{a}-{b}": t.detach().clone()
+            f"{kind}/{a}-{b}": _host_copy(t)
             for a, b, *tensors in pieces
             for kind, t in zip(KINDS, tensors, strict=True)
         }
@@ -313,3 +313,8 @@ def _write_json(path: Path, doc: dict[str, Any]) -> None:
 
 def _step_of(tmp: Path) -> int:
     return int(tmp.name.split(".")[1].removeprefix("step-"))
+
+
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` in host memory (a clone on the CPU) for a background write."""
+    return t.detach().to("cpu", copy=True)

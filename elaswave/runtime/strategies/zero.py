@@ -306,6 +306,8 @@ class ZeroState:
             ShardLayout.even(self.segments, len(workers)), workers, rank, epoch, hosts
         )
         mine = self._my_index()
+        device = self.flat.data.device  # the checkpoint was read on the CPU
+        exp_avg, exp_avg_sq = exp_avg.to(device), exp_avg_sq.to(device)
         params = self._ext(self.flat.data)[mine].clone() if self.keeps_params else None
         own = Shard.of(
             step, self._ext(exp_avg)[mine].clone(), self._ext(exp_avg_sq)[mine].clone(), params

@@ -55,6 +55,7 @@ from elaswave.planning.stageshards import (
     moment_duty,
     part_keepers,
 )
+from elaswave.runtime.device import nvml_index
 from elaswave.runtime.durable.checkpoints import DurableState
 from elaswave.runtime.integrity import stageverify
 from elaswave.runtime.integrity.checksums import digest
@@ -74,6 +75,7 @@ from elaswave.runtime.strategies.pipeline.stagezero import (
     MomentStore,
     gather_messages,
 )
+from elaswave.runtime.timing import clock
 from elaswave.runtime.workload.data import MicroBatch
 
 if TYPE_CHECKING:
@@ -108,8 +110,8 @@ class Pipeline:
         self.migration: Migration | None = None
         self.costs = estimated_costs(ctx.state.workload.layer_costs(), self.num_layers)
         self.actuator = make_actuator(ctx.cfg.dvfs, **_actuator_options(ctx.cfg.dvfs))
-        self.clocks = _clock_range(self.actuator)
-        self.stage_key = 0  # what the actuator clocks: this worker's device
+        self.clocks = _clock_range(self.actuator, nvml_index(ctx.state.device))
+        self.stage_key = nvml_index(ctx.state.device)  # what the actuator clocks: this device
         # ZeRO-1 inside the stages: moments of the kept intervals only (the state has none),
         # and the parameter pieces this rank sends or receives after every update.
         self.zero = bool(ctx.cfg.zero)
@@ -133,10 +135,10 @@ class Pipeline:
             times = []
             for index in range(len(e.state.model)):
                 x = h.detach().requires_grad_(h.is_floating_point())
-                start = time.perf_counter()
+                start = clock().now()  # an accelerator's clock waits for its queued work
                 h = e.state.model.run_layer(index, x, 0, 0)
                 h.float().sum().backward()
-                times.append(time.perf_counter() - start)
+                times.append(clock().now() - start)
             runs.append(times)
         e.state.flat.grad.zero_()
         return [sorted(col)[len(col) // 2] for col in zip(*runs[1:], strict=True)]
@@ -562,8 +564,7 @@ class Pipeline:
 
         def wait() -> None:  # gloo progresses point-to-point work only inside wait()
             try:
-                for w in works:
-                    w.wait()
+                self.e.comm.wait_done(works)
                 self.link_pause([p for _, p, _ in recvs])
                 m.landed.extend(zip(lands, (p for _, p, _ in recvs), strict=True))
             except BaseException as exc:  # a fault: the next plan voids this migration
@@ -582,10 +583,10 @@ def _actuator_options(kind: str) -> dict[str, Any]:
     return {"f_nominal": SIM_CLOCKS[1]} if kind == "sim" else {}
 
 
-def _clock_range(actuator: Any) -> tuple[float, float, float]:
+def _clock_range(actuator: Any, device: int) -> tuple[float, float, float]:
     """(min, nominal, max) clocks in the actuator's unit."""
     if hasattr(actuator, "clock_range"):  # NVML: the device's own range, in MHz
-        return tuple(actuator.clock_range(0))  # type: ignore[return-value]
+        return tuple(actuator.clock_range(device))  # type: ignore[return-value]
     if hasattr(actuator, "time_scale") or not hasattr(actuator, "f_nominal"):
         return SIM_CLOCKS
     raise DvfsError("this DVFS actuator has no clock range the engine can plan with")

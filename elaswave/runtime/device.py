@@ -1,0 +1,181 @@
+"""Which device a worker computes on, and which backend carries its collectives.
+
+``train.device`` is ``auto`` (an accelerator when the host has one, else the CPU), ``cpu``,
+``cuda`` or ``npu``. The daemon resolves it once per host before it spawns workers
+(:func:`place`): every worker of a host gets the same kind, one device each, pinned by its local
+slot (:func:`worker_device`). On an accelerator a host runs at most one worker per device
+(:func:`workers_per_host`); without ``--nproc-per-node`` it runs one per device.
+
+Backends (:func:`backend_for`): gloo on the CPU, NCCL on CUDA, HCCL on Ascend NPUs (through
+``torch_npu``, imported only when asked for; untested without the hardware). The decisions here
+are pure functions of what :func:`probe` found, tested as tables.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from elaswave.errors import ConfigError
+
+if TYPE_CHECKING:  # torch is imported where a device is made: the daemon uses this module too
+    import torch
+
+__all__ = [
+    "DEVICE_KINDS",
+    "Accelerators",
+    "Placement",
+    "backend_for",
+    "nccl_environment",
+    "nvml_index",
+    "place",
+    "probe",
+    "synchronize",
+    "worker_device",
+    "workers_per_host",
+]
+
+DEVICE_KINDS = ("auto", "cpu", "cuda", "npu")
+BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+_NAMES = {"cuda": "CUDA", "npu": "NPU"}
+
+
+@dataclass(frozen=True)
+class Accelerators:
+    """How many devices of each accelerator kind this host has."""
+
+    cuda: int = 0
+    npu: int = 0
+
+    def count(self, kind: str) -> int:
+        return {"cuda": self.cuda, "npu": self.npu}.get(kind, 0)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a host's workers compute: the device kind, its backend and how many devices."""
+
+    kind: str  # cpu | cuda | npu
+    devices: int  # accelerators on this host (0 on the CPU)
+
+    @property
+    def backend(self) -> str:
+        return BACKENDS[self.kind]
+
+    @property
+    def accelerated(self) -> bool:
+        return self.kind != "cpu"
+
+
+def probe() -> Accelerators:
+    """The accelerators this process can see (``CUDA_VISIBLE_DEVICES`` applies). ``torch_npu``
+    is imported only if installed."""
+    import torch
+
+    cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    npu = 0
+    if importlib.util.find_spec("torch_npu") is not None:
+        importlib.import_module("torch_npu")  # registers torch.npu
+        npu_mod = getattr(torch, "npu", None)
+        npu = npu_mod.device_count() if npu_mod is not None and npu_mod.is_available() else 0
+    return Accelerators(cuda=cuda, npu=npu)
+
+
+def place(requested: str, found: Accelerators) -> Placement:
+    """The device kind ``train.device = requested`` means on a host with ``found``; an
+    accelerator asked for and absent is a one-line :class:`ConfigError`."""
+    if requested not in DEVICE_KINDS:
+        choices = ", ".join(DEVICE_KINDS)
+        raise ConfigError(f"train.device must be one of {choices}, got {requested!r}")
+    if requested == "auto":
+        for kind in ("cuda", "npu"):
+            if found.count(kind):
+                return Placement(kind, found.count(kind))
+        return Placement("cpu", 0)
+    if requested == "cpu":
+        return Placement("cpu", 0)
+    if not found.count(requested):
+        raise ConfigError(f"--device {requested}: no {_NAMES[requested]} device on this host")
+    return Placement(requested, found.count(requested))
+
+
+def workers_per_host(placement: Placement, nproc: int | None, *, cpu_default: int) -> int:
+    """Workers this host runs: ``nproc`` if given (refused above the device count on an
+    accelerator: two workers would share a device), else one per device, or ``cpu_default``
+    on the CPU."""
+    if nproc is None:
+        return placement.devices if placement.accelerated else cpu_default
+    if placement.accelerated and nproc > placement.devices:
+        raise ConfigError(
+            f"--nproc-per-node {nproc} exceeds the {placement.devices} "
+            f"{_NAMES[placement.kind]} device(s) of this host (one worker per device)"
+        )
+    return nproc
+
+
+def worker_device(kind: str, slot: int) -> torch.device:
+    """The device of the worker in local ``slot``: the slot-th accelerator, or the CPU."""
+    import torch
+
+    if kind == "cpu":
+        return torch.device("cpu")
+    return torch.device(kind, slot)
+
+
+def backend_for(device: torch.device) -> str:
+    """The collective backend for tensors on ``device``."""
+    return BACKENDS.get(device.type, "gloo")
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on ``device`` (a no-op on the CPU): before reading a clock
+    that times device work."""
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "npu":
+        torch.npu.synchronize(device)  # type: ignore[attr-defined]
+
+
+def nvml_index(device: torch.device, env: dict[str, str] | None = None) -> int:
+    """The NVML index of a CUDA ``device`` (0 on the CPU): NVML numbers every GPU of the host,
+    while CUDA numbers the ones ``CUDA_VISIBLE_DEVICES`` leaves, in its order."""
+    import os
+
+    if device.type != "cuda":
+        return 0
+    index = device.index or 0
+    visible = (env if env is not None else os.environ).get("CUDA_VISIBLE_DEVICES")
+    if not visible:
+        return index
+    listed = [v.strip() for v in visible.split(",") if v.strip()]
+    if index < len(listed) and listed[index].isdigit():
+        return int(listed[index])
+    return index  # UUIDs or an odd list: the CUDA index, as NVML most often agrees
+
+
+# The daemon, not NCCL, decides when a peer is gone: it sees a process exit at once and kills a
+# hung one after ``timeouts.hang``, then every survivor aborts its groups and builds new ones.
+# So NCCL's own failure handling must neither tear the worker down nor act first.
+NCCL_ENV = {
+    # The watchdog must not abort communicators and kill the process on an error or a timeout:
+    # the runtime aborts every group of the old epoch together (ncclGroupStart/End) itself.
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0",
+    # Waits are on futures in a thread the control channel can interrupt, never blocking.
+    "TORCH_NCCL_BLOCKING_WAIT": "0",
+    # The heartbeat monitor kills a process whose watchdog looks stuck (a hung collective
+    # is the daemon's call) and dumps traces on timeouts: both off.
+    "TORCH_NCCL_ENABLE_MONITORING": "0",
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
+}
+
+
+def nccl_environment(env: dict[str, str]) -> dict[str, str]:
+    """``env`` with the NCCL settings above, unless the user set them already."""
+    out = dict(env)
+    for key, value in NCCL_ENV.items():
+        out.setdefault(key, value)
+    return out
