@@ -353,6 +353,8 @@ class JobConfig:
     dp: int = 0  # data-parallel replicas (0: world / pp); dp × pp must be the starting world
     migration: str = "async"  # pipelines: layers of a lost stage move "async" or "blocking"
     stage_loss: str = "reshard"  # pipelines: "reshard" the replica, or "drop" it (TorchFT-like)
+    grad_reduce: str = "holders"  # pipelines: each layer's gradient summed among its "holders",
+    #                               or the whole model's over "all" ranks (for comparisons)
     dvfs: str = "off"  # pipelines: frequency actuator off | sim | nvml | npu
     layer_costs: str = "estimate"  # pipelines: partition by a FLOP "estimate", a start-up
     #                                "profile" of each layer's time (measured by every worker),
@@ -428,6 +430,7 @@ class JobConfig:
 
     def _check_pipeline(self) -> None:
         choices = {"migration": ("async", "blocking"), "stage_loss": ("reshard", "drop"),
+                   "grad_reduce": ("holders", "all"),
                    "dvfs": ("off", "sim", "nvml", "npu"),
                    "layer_costs": ("estimate", "profile", "online")}  # fmt: skip
         for name, allowed in choices.items():

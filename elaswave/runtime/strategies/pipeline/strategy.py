@@ -157,7 +157,7 @@ class PipelineStages(Strategy):
     ) -> float:
         st, n, pipe, ctx = self.state, self.state.flat.numel, self.pipe, self.ctx
         sumsq = None
-        if pipe.migration is None:
+        if pipe.migration is None and ctx.cfg.grad_reduce == "holders":
             sumsq = self._reduce_among_holders(buf, broken)
         else:  # receivers replay every layer they take over: the whole model's gradient
             ctx.comm.allreduce(DP, buf, broken)
@@ -236,14 +236,16 @@ class PipelineStages(Strategy):
             info = self.pipe.restore_whole(plan, state)
         assert self.grads is not None
         self.my_grads = self.grads.of_rank(self.ctx.comm.rank(DP), self.state.segments)
-        mine = self.my_grads.mine
         element = 8 if self.ctx.cfg.train.reduce_dtype == "float64" else 4
-        info.update(  # what this rank reduces each step once the layout is in force, and what
-            grad_groups=len(mine),  # a ring all-reduce sends for it: 2 (k - 1) / k of a group's
-            grad_reduce_bytes=sum(red.numel for _, red in mine) * element,  # bytes, k members
-            grad_sent_bytes=round(
-                sum(2 * (len(r.members) - 1) / len(r.members) * r.numel for _, r in mine) * element
-            ),
+        # What this rank reduces each step once the layout is in force (k members, n elements
+        # per group) and what a ring all-reduce sends for it: 2 (k - 1) / k of the group's bytes.
+        groups = [(len(r.members), r.numel) for _, r in self.my_grads.mine]
+        if self.ctx.cfg.grad_reduce == "all":  # one all-reduce of the whole buffer
+            groups = [(plan.world_size, self.state.flat.numel)]
+        info.update(
+            grad_groups=len(groups),
+            grad_reduce_bytes=sum(n for _, n in groups) * element,
+            grad_sent_bytes=round(sum(2 * (k - 1) / k * n for k, n in groups) * element),
         )
         return info
 
