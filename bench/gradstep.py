@@ -110,7 +110,8 @@ def show(result: dict[str, Any]) -> None:
         }  # fmt: skip
         h, a = med["holders"], med["all"]
         rows.append(
-            (str(pp), f"{h['step_s']:.3f}", f"{a['step_s']:.3f}", f"{a['step_s'] / h['step_s']:.2f}",
+            (str(pp), f"{h['step_s']:.3f}", f"{a['step_s']:.3f}",
+             f"{a['step_s'] / h['step_s']:.2f}",
              f"{h['grad_sent_mb']:.1f}", f"{a['grad_sent_mb']:.1f}",
              "yes" if h["final_loss"] == a["final_loss"] else "no")
         )  # fmt: skip

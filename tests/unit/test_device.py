@@ -144,6 +144,8 @@ def test_accelerator_groups_are_aborted_together() -> None:
     comm._abort_all(groups)
     assert log == ["group_start", "abort dp", "abort mig", "abort grad-1", "group_end"]
     assert comm._graveyard == []
+    comm._abort_all(groups)  # a failed configure gives up what it put aside: never twice
+    assert log == ["group_start", "abort dp", "abort mig", "abort grad-1", "group_end"]
 
 
 def test_gloo_groups_are_parked_not_aborted() -> None:

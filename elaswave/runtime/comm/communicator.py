@@ -78,6 +78,7 @@ class _Group:
     collectives: int = 0  # collectives this rank issued on it
     p2p: bool = False  # point-to-point messages posted on it since its members last agreed
     pending: list[dist.Work] = field(default_factory=list)  # interrupted: maybe unfinished
+    given_up: bool = False  # aborted (accelerators) or parked (gloo): never used again
 
     def standing(self) -> int:
         """What this rank tells the other members when they decide whether to keep the group:
@@ -127,15 +128,18 @@ class Communicator:
         and agree it is sound, build the others, drop what this rank no longer belongs to."""
         stats = GroupStats()
         start = time.perf_counter()
+        aside = {}  # changed or gone: shrunk if the backend can, else given up below
         for name, group in list(self._groups.items()):
             if groups.get(name) != group.members:
-                stats.dropped.append(name)  # put aside: kept for a shrink, else aborted
+                aside[name] = self._groups.pop(name)
+                stats.dropped.append(name)
         try:
-            self._configure(groups, stats, store, epoch, abort)
+            self._configure(groups, aside, stats, store, epoch, abort)
         except (Interrupted, CommError):
             # An abandoned rendezvous may still block in the store connection, and must not
             # hold up the next plan's (TCPStore clients serialise calls): a fresh one then.
             self._store = None
+            self._abort_all(list(aside.values()))
             raise
         stats.seconds = time.perf_counter() - start
         return stats
@@ -143,6 +147,7 @@ class Communicator:
     def _configure(
         self,
         groups: dict[str, tuple[str, ...]],
+        aside: dict[str, _Group],
         stats: GroupStats,
         store: str,
         epoch: int,
@@ -157,23 +162,22 @@ class Communicator:
         conn = self._store[1]
         # Every rank takes part, a newcomer too: a worker respawned under its old id is in
         # groups its peers still hold, and must tell them it does not.
-        keep, shrink = self._agree(groups, conn, epoch, abort)
-        old = {}
+        keep, shrink = self._agree(groups, aside, conn, epoch, abort)
         for name, group in list(self._groups.items()):
             if name in keep:
                 group.suspect, group.p2p, group.pending = False, False, []
                 stats.kept.append(name)
-            else:  # unsound or changed: shrunk or built again below
-                old[name] = self._groups.pop(name)
+            else:  # unsound: built again below, under the same name
+                aside[name] = self._groups.pop(name)
         t = time.perf_counter()
         for name, excluded in shrink.items():  # before any abort: a shrink needs its parent
             members = groups[name]
-            pg = self._shrink(name, old[name].pg, excluded, abort)
+            pg = self._shrink(name, aside[name].pg, excluded, abort)
             self._groups[name] = _Group(members, members.index(self.me), pg)
             stats.shrunk.append(name)
         stats.shrink_seconds = time.perf_counter() - t
         t = time.perf_counter()
-        self._abort_all(list(old.values()))  # the old epoch's groups, together
+        self._abort_all(list(aside.values()))  # the old epoch's groups, together
         stats.abort_seconds = time.perf_counter() - t
         for name, members in groups.items():
             if name in keep or name in shrink or self.me not in members:
@@ -186,6 +190,7 @@ class Communicator:
     def _agree(
         self,
         groups: dict[str, tuple[str, ...]],
+        aside: dict[str, _Group],
         store: dist.Store,
         epoch: int,
         abort: Callable[[], bool],
@@ -197,7 +202,7 @@ class Communicator:
         the collectives this rank left unfinished have completed (every member issued them, so
         they do). A group whose members changed can be shrunk when the backend can and every new
         member holds the old group with the same members (they say so in the same exchange)."""
-        held = dict(self._groups)
+        held = {**self._groups, **aside}
         mine = {name: m.index(self.me) for name, m in groups.items() if self.me in m}
         can_shrink = {
             name: excluded
@@ -221,7 +226,7 @@ class Communicator:
             for name, g in held.items():
                 members = groups.get(name)
                 if members is None or self.me not in members:
-                    continue
+                    continue  # this rank leaves the group
                 said = {agree.get(f"{name}/{r}").decode() for r in range(len(members))}
                 if members != g.members:
                     if name in can_shrink and said == {"shrink:" + "/".join(g.members)}:
@@ -285,6 +290,9 @@ class Communicator:
         """Give up the old epoch's groups that are not kept. On an accelerator every one is
         aborted (its collectives stuck on a dead peer stop spinning on the device), all inside
         one group call; on gloo they are parked (see the module docstring)."""
+        groups = [g for g in groups if not g.given_up]
+        for g in groups:
+            g.given_up = True
         if not groups:
             return
         if self.backend == "gloo":
