@@ -111,3 +111,88 @@ def test_pipeline_stage_loss_on_nccl(tmp_path: Path, gpu_reference: Run) -> None
     synced = [e for e in run.of("state_synced") if e["epoch"] == 2]
     assert synced and all(e["migration"] == "blocking" for e in synced)
     assert any(e["bytes_received"] > 0 for e in synced)
+
+
+SHRINK_SCRIPT = """
+import json, os, sys, threading, time
+import torch
+import torch.distributed as dist
+from elaswave.runtime.comm.communicator import CommError, Communicator, Interrupted
+
+never = lambda: False
+
+def waker(event):
+    stop = threading.Event()
+    def tick():
+        while not stop.wait(0.1):
+            event.set()
+    threading.Thread(target=tick, daemon=True).start()
+    return stop.set
+
+store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+address = f"127.0.0.1:{store.port}"
+out, errors, lost = {}, [], []
+
+def body(me, index):
+    try:
+        torch.cuda.set_device(index)
+        comm = Communicator(me=me, host_addr="127.0.0.1", rendezvous_timeout=60,
+                            collective_timeout=60, waker=waker,
+                            device=torch.device("cuda", index))
+        comm.configure({"dp": ("a", "b", "c")}, store=address, epoch=1, abort=never)
+        t = torch.ones(4, device=f"cuda:{index}")
+        comm.allreduce("dp", t, never)
+        first = float(t[0])
+        if me == "c":
+            out[me] = {"first": first}
+            lost.append(comm)  # lost, but its connections stay open: it just never answers
+            return
+        until = time.monotonic() + 1.0  # stuck on the device: c never joins
+        try:
+            comm.allreduce("dp", torch.ones(4, device=f"cuda:{index}"),
+                           lambda: time.monotonic() > until)
+        except (Interrupted, CommError):
+            pass
+        comm.mark_broken()
+        stats = comm.configure({"dp": ("a", "b")}, store=address, epoch=2, abort=never)
+        t = torch.ones(4, device=f"cuda:{index}")
+        comm.allreduce("dp", t, never)
+        out[me] = {"first": first, "sum": float(t[0]), "shrunk": stats.shrunk,
+                   "rebuilt": stats.rebuilt, "abort_s": stats.abort_seconds,
+                   "shrink_s": stats.shrink_seconds}
+    except BaseException as exc:
+        errors.append(f"{me}: {exc!r}")
+
+threads = [threading.Thread(target=body, args=(m, i)) for i, m in enumerate("abc")]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join(120)
+print(json.dumps({"out": out, "errors": errors}), flush=True)
+os._exit(0)
+"""
+
+
+@pytest.mark.skipif(GPUS < 3, reason="two survivors and a lost rank need three CUDA devices")
+def test_a_lost_member_is_shrunk_away_or_rebuilt() -> None:
+    """Three ranks on three GPUs; one is lost with a collective stuck on the others' devices.
+    The survivors' next configure shrinks the group in place where NCCL can (else aborts it and
+    builds a new one), and the new group sums correctly."""
+    import json
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", SHRINK_SCRIPT], capture_output=True, text=True,
+                       timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    result = json.loads(r.stdout.strip().splitlines()[-1])
+    assert result["errors"] == []
+    out = result["out"]
+    assert {m: e["first"] for m, e in out.items()} == {"a": 3.0, "b": 3.0, "c": 3.0}
+    for me in "ab":
+        e = out[me]
+        assert e["sum"] == 2.0, e  # the new group is exactly the survivors
+        if _shrinks():
+            assert e["shrunk"] == ["dp"] and e["rebuilt"] == [], e
+        else:
+            assert e["shrunk"] == [] and e["rebuilt"] == ["dp"], e
