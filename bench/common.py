@@ -65,6 +65,7 @@ def bench_env(state_dir: Path, extra: Mapping[str, str] | None = None) -> dict[s
     """
     env = {k: v for k, v in os.environ.items() if not k.startswith("ELASWAVE_") or k in _KEEP_ENV}
     env["ELASWAVE_STATE_DIR"] = str(state_dir)
+    env["ELASWAVE_TRAIN__DEVICE"] = "cpu"  # the numbers here are CPU ones, on any machine
     env.update(extra or {})
     return env
 

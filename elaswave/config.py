@@ -23,6 +23,7 @@ import yaml
 
 from elaswave.errors import ConfigError, FaultSpecError
 from elaswave.faults import FaultKind, FaultSpec
+from elaswave.runtime.device import DEVICE_KINDS
 
 ENV_PREFIX = "ELASWAVE_"
 
@@ -130,9 +131,6 @@ class ParamGroup:
             )
 
 
-DEVICES = ("auto", "cpu", "cuda", "npu")  # train.device
-
-
 @dataclass(kw_only=True)
 class TrainConfig:
     """The optimisation problem. ``global_batch`` is fixed whatever the membership does."""
@@ -218,8 +216,8 @@ class TrainConfig:
             raise ConfigError(f"train.min_lr must be in [0, train.lr], got {self.min_lr}")
         if self.autocast not in ("off", "bf16"):
             raise ConfigError(f"train.autocast must be off or bf16, got {self.autocast!r}")
-        if self.device not in DEVICES:
-            choices = ", ".join(DEVICES)
+        if self.device not in DEVICE_KINDS:
+            choices = ", ".join(DEVICE_KINDS)
             raise ConfigError(f"train.device must be one of {choices}, got {self.device!r}")
         if self.eval_every < 0:
             raise ConfigError(f"train.eval_every must be >= 0, got {self.eval_every}")

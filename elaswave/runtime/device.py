@@ -61,10 +61,6 @@ class Placement:
     devices: int  # accelerators on this host (0 on the CPU)
 
     @property
-    def backend(self) -> str:
-        return BACKENDS[self.kind]
-
-    @property
     def accelerated(self) -> bool:
         return self.kind != "cpu"
 
@@ -130,14 +126,15 @@ def backend_for(device: torch.device) -> str:
 
 
 def synchronize(device: torch.device) -> None:
-    """Wait for the work queued on ``device`` (a no-op on the CPU): before reading a clock
-    that times device work."""
+    """Wait for the work queued on ``device``'s current stream (a no-op on the CPU): before
+    reading a clock that times compute. Only that stream: NCCL's own streams (a migration's
+    transfers running beside the step) are not waited for."""
     import torch
 
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
+        torch.cuda.current_stream(device).synchronize()
     elif device.type == "npu":
-        torch.npu.synchronize(device)  # type: ignore[attr-defined]
+        torch.npu.current_stream(device).synchronize()  # type: ignore[attr-defined]
 
 
 def nvml_index(device: torch.device, env: dict[str, str] | None = None) -> int:
@@ -164,7 +161,8 @@ NCCL_ENV = {
     # The watchdog must not abort communicators and kill the process on an error or a timeout:
     # the runtime aborts every group of the old epoch together (ncclGroupStart/End) itself.
     "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0",
-    # Waits are on futures in a thread the control channel can interrupt, never blocking.
+    # Waits poll the work's device event where the control channel can interrupt them; a
+    # blocking wait could not be.
     "TORCH_NCCL_BLOCKING_WAIT": "0",
     # The heartbeat monitor kills a process whose watchdog looks stuck (a hung collective
     # is the daemon's call) and dumps traces on timeouts: both off.

@@ -101,6 +101,8 @@ class Engine:
         torch.set_num_threads(t.threads_per_worker)
         if device is not None and device.type == "cuda":
             torch.cuda.set_device(device)  # NCCL and the caching allocator use the current one
+        elif device is not None and device.type == "npu":
+            torch.npu.set_device(device)  # type: ignore[attr-defined]  # HCCL, likewise
         if device is not None and device.type != "cpu":
             set_clock(DeviceClock(device))  # compute times wait for the device's queued work
         self.state = TrainState.build(cfg, device)

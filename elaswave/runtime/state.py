@@ -105,10 +105,15 @@ def to_device(value: Any, device: torch.device) -> Any:
     """Tensors (also inside tuples, lists and dicts) moved to ``device``; anything else as is."""
     if isinstance(value, torch.Tensor):
         return value if value.device == device else value.to(device, non_blocking=True)
+    if device.type == "cpu":
+        return value  # every tensor a workload collates is on the CPU already
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
+        return type(value)(*(to_device(v, device) for v in value))
     if isinstance(value, (tuple, list)):
         return type(value)(to_device(v, device) for v in value)
     if isinstance(value, dict):
-        return {k: to_device(v, device) for k, v in value.items()}
+        moved = {k: to_device(v, device) for k, v in value.items()}
+        return moved if type(value) is dict else type(value)(moved)
     return value
 
 

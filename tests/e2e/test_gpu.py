@@ -39,11 +39,16 @@ def _env(base: Path) -> dict[str, str]:
 
 
 def _shrinks() -> bool:
-    """Whether this torch and NCCL can shrink a communicator in place (the runtime decides the
-    same at run time, per group)."""
-    nccl = getattr(torch.distributed, "ProcessGroupNCCL", None)
-    version = torch.cuda.nccl.version() if GPUS else (0, 0, 0)
-    return nccl is not None and hasattr(nccl, "shrink") and tuple(version) >= (2, 27, 0)
+    """Whether NCCL here can shrink a communicator in place, asked of an instance as the
+    runtime asks (NCCL 2.27 and a PyTorch that has it)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    opts = dist.ProcessGroupNCCL.Options()
+    opts._timeout = datetime.timedelta(seconds=30)
+    pg = dist.ProcessGroupNCCL(dist.HashStore(), 0, 1, opts)
+    return bool(getattr(pg, "supports_shrinking", False)) and hasattr(pg, "shrink")
 
 
 @pytest.fixture(scope="module")

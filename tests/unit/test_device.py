@@ -155,3 +155,176 @@ def test_gloo_groups_are_parked_not_aborted() -> None:
     groups = [_Group(("a", "b"), 0, _FakeNccl("dp", log))]
     comm._abort_all(groups)
     assert log == [] and comm._graveyard == groups
+
+
+class _Work:
+    """A fake accelerator work item: completes after ``polls`` checks (never if None)."""
+
+    def __init__(self, polls: int | None, log: list[str] | None = None) -> None:
+        self.polls, self.log = polls, log if log is not None else []
+
+    def is_completed(self) -> bool:
+        if self.polls is None:
+            return False
+        self.polls -= 1
+        return self.polls < 0
+
+    def wait(self) -> bool:
+        self.log.append("wait")  # orders the compute stream after the work
+        return True
+
+
+def _device_comm(timeout: float = 30.0) -> Communicator:
+    comm = Communicator.__new__(Communicator)
+    comm.backend, comm._graveyard, comm._groups = "nccl", [], {}
+    comm.collective_timeout = comm.rendezvous_timeout = timeout
+    comm.device = torch.device("cpu")
+    comm._waker = lambda event: lambda: None
+    return comm
+
+
+def test_device_work_is_polled_until_done_then_waited() -> None:
+    """An NCCL future completes when the work is queued: completion is its device event."""
+    log: list[str] = []
+    _device_comm()._finish_on_device(_Work(3, log), lambda: False, "allreduce")  # type: ignore[arg-type]
+    assert log == ["wait"]
+
+
+def test_device_work_stuck_on_a_dead_peer_is_interrupted_by_a_newer_plan() -> None:
+    from elaswave.runtime.comm.communicator import Interrupted
+
+    asked = []
+
+    def newer() -> bool:
+        asked.append(1)
+        return len(asked) > 5
+
+    log: list[str] = []
+    with pytest.raises(Interrupted):
+        _device_comm()._finish_on_device(_Work(None, log), newer, "allreduce")  # type: ignore[arg-type]
+    assert log == []  # never waited on: the stream must not depend on a dead collective
+
+
+def test_device_work_times_out_in_a_background_wait() -> None:
+    from elaswave.runtime.comm.communicator import CommError
+
+    with pytest.raises(CommError, match="timed out"):
+        _device_comm(timeout=0.05).wait_done([_Work(None)])  # type: ignore[list-item]
+    log: list[str] = []
+    _device_comm().wait_done([_Work(2, log), _Work(0, log)])  # type: ignore[list-item]
+    assert log == ["wait", "wait"]
+
+
+def test_pending_device_work_is_finished_only_once_done() -> None:
+    from elaswave.runtime.comm.communicator import _finished
+
+    assert _finished([_Work(2), _Work(1)], poll=True)  # type: ignore[list-item]
+    assert not _finished([_Work(None)], poll=True, timeout=0.05)  # type: ignore[list-item]
+
+
+class _FakeCoalescing:
+    """Records how point-to-point messages are posted on an accelerator group."""
+
+    def __init__(self, work: object) -> None:
+        self.calls: list[str] = []
+        self.work = work
+
+    def _start_coalescing(self) -> None:
+        self.calls.append("start")
+
+    def send(self, tensors: list[torch.Tensor], peer: int, tag: int) -> None:
+        self.calls.append(f"send {peer}")
+
+    def recv(self, tensors: list[torch.Tensor], peer: int, tag: int) -> None:
+        self.calls.append(f"recv {peer}")
+
+    def _end_coalescing(self) -> object:
+        self.calls.append("end")
+        return self.work
+
+
+def test_device_point_to_point_is_posted_as_one_group_call() -> None:
+    """Both ranks of a pair may send first: one NCCL group call posts the whole batch."""
+    comm = _device_comm()
+    work = object()
+    pg = _FakeCoalescing(work)
+    comm._groups["dp"] = _Group(("a", "b"), 0, pg)
+    t = torch.zeros(2)
+    posted = comm.post("dp", [(1, t, 0), (1, t, 1)], [(1, t, 0)])
+    assert pg.calls == ["start", "send 1", "send 1", "recv 1", "end"]
+    assert posted == [work]
+    assert comm.post("dp", [], []) == []  # nothing to post: no group call, no work
+    pg.work = None  # a backend that returns no work for the batch
+    assert comm.post("dp", [(1, t, 0)], []) == []
+
+
+class _ShrinkablePG:
+    """A fake accelerator group that can shrink: records its shrinks and aborts."""
+
+    supports_shrinking = True
+
+    def __init__(self, log: list[str], name: str, can: bool = True) -> None:
+        self.log, self.name = log, name
+        self.supports_shrinking = can
+
+    def shrink(self, excluded: list[int], flags: int, opts: object) -> _ShrinkablePG:
+        self.log.append(f"{self.name} shrink {excluded}")
+        return _ShrinkablePG(self.log, f"{self.name}'")
+
+    def abort(self) -> None:
+        self.log.append(f"{self.name} abort")
+
+
+def _configure_both(can_b: bool, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """Ranks a and b of a three-rank group whose c was lost configure the group without c."""
+    import datetime
+    import threading
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=30))  # fmt: skip
+    built: list[str] = []
+    monkeypatch.setattr(
+        Communicator, "_build", lambda self, name, *a, **k: built.append(self.me) or object()
+    )
+    out: dict[str, Any] = {"built": built}
+
+    def run(me: str, rank: int, can: bool) -> None:
+        comm = _device_comm()
+        comm.me, comm._store = me, None
+        log: list[str] = []
+        comm._groups["dp"] = _Group(("a", "b", "c"), rank, _ShrinkablePG(log, f"dp@{me}", can))
+        comm._groups["dp"].suspect = True
+        stats = comm.configure({"dp": ("a", "b")}, store=f"127.0.0.1:{store.port}", epoch=2,
+                               abort=lambda: False)  # fmt: skip
+        out[me] = {"stats": stats, "log": log}
+
+    threads = [threading.Thread(target=run, args=a) for a in (("a", 0, True), ("b", 1, can_b))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return out
+
+
+def test_a_group_that_lost_members_is_shrunk_when_every_survivor_can(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    out = _configure_both(True, monkeypatch)
+    for me in "ab":
+        stats, log = out[me]["stats"], out[me]["log"]
+        assert stats.shrunk == ["dp"] and stats.rebuilt == [] and stats.dropped == [], stats
+        assert log == [f"dp@{me} shrink [2]", f"dp@{me} abort"]  # the parent, after the shrink
+    assert out["built"] == []
+
+
+def test_a_group_is_rebuilt_when_one_survivor_cannot_shrink(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    out = _configure_both(False, monkeypatch)
+    for me in "ab":
+        stats, log = out[me]["stats"], out[me]["log"]
+        assert stats.shrunk == [] and stats.rebuilt == ["dp"] and stats.dropped == ["dp"], stats
+        assert log == [f"dp@{me} abort"]  # given up, never shrunk
+    assert sorted(out["built"]) == ["a", "b"]

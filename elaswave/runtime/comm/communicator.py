@@ -72,7 +72,7 @@ class GroupStats:
 class _Group:
     members: tuple[str, ...]
     rank: int
-    pg: dist.ProcessGroupGloo
+    pg: Any  # a gloo, NCCL or HCCL process group
     healthy: bool = True  # no operation failed on it
     suspect: bool = False  # interrupted somewhere since its members last agreed on it
     collectives: int = 0  # collectives this rank issued on it
@@ -139,8 +139,9 @@ class Communicator:
             # An abandoned rendezvous may still block in the store connection, and must not
             # hold up the next plan's (TCPStore clients serialise calls): a fresh one then.
             self._store = None
-            self._abort_all(list(aside.values()))
             raise
+        finally:  # what was put aside is never used again, whatever happened
+            self._abort_all(list(aside.values()))
         stats.seconds = time.perf_counter() - start
         return stats
 
@@ -169,16 +170,18 @@ class Communicator:
                 stats.kept.append(name)
             else:  # unsound: built again below, under the same name
                 aside[name] = self._groups.pop(name)
-        t = time.perf_counter()
-        for name, excluded in shrink.items():  # before any abort: a shrink needs its parent
-            members = groups[name]
-            pg = self._shrink(name, aside[name].pg, excluded, abort)
-            self._groups[name] = _Group(members, members.index(self.me), pg)
-            stats.shrunk.append(name)
-        stats.shrink_seconds = time.perf_counter() - t
-        t = time.perf_counter()
-        self._abort_all(list(aside.values()))  # the old epoch's groups, together
+        t = time.perf_counter()  # the old epoch's groups, together (a shrink keeps its parent)
+        self._abort_all([g for name, g in aside.items() if name not in shrink])
         stats.abort_seconds = time.perf_counter() - t
+        t = time.perf_counter()
+        for name in groups:  # in the plan's order on every rank: a shrink is collective
+            if name in shrink:
+                members = groups[name]
+                pg = self._shrink(name, aside[name].pg, shrink[name], abort)
+                self._groups[name] = _Group(members, members.index(self.me), pg)
+                stats.shrunk.append(name)
+                stats.dropped.remove(name)  # changed in place, not dropped
+        stats.shrink_seconds = time.perf_counter() - t
         for name, members in groups.items():
             if name in keep or name in shrink or self.me not in members:
                 continue
@@ -227,9 +230,11 @@ class Communicator:
                 members = groups.get(name)
                 if members is None or self.me not in members:
                     continue  # this rank leaves the group
+                if members != g.members and name not in can_shrink:
+                    continue  # changed, and no shrink: built again
                 said = {agree.get(f"{name}/{r}").decode() for r in range(len(members))}
                 if members != g.members:
-                    if name in can_shrink and said == {"shrink:" + "/".join(g.members)}:
+                    if said == {"shrink:" + "/".join(g.members)}:
                         shrink[name] = can_shrink[name]
                 elif (
                     len(said) == 1
@@ -250,7 +255,7 @@ class Communicator:
         store: dist.Store,
         epoch: int,
         abort: Callable[[], bool],
-    ) -> dist.ProcessGroupGloo:
+    ) -> Any:
         prefix = dist.PrefixStore(f"epoch{epoch}/{name}", store)
         timeout = datetime.timedelta(seconds=self.collective_timeout)
         if self.backend == "gloo":
@@ -278,7 +283,7 @@ class Communicator:
     ) -> Any:
         """A new communicator of ``parent``'s members without the ``excluded`` ranks, made in
         place by the backend (operations still running on the parent are aborted first)."""
-        flags = getattr(dist, "SHRINK_ABORT", 1)
+        flags = getattr(dist.distributed_c10d, "SHRINK_ABORT", 1)
         return self._aside(
             lambda: parent.shrink(excluded, flags, None),
             abort,
@@ -298,8 +303,11 @@ class Communicator:
         if self.backend == "gloo":
             self._graveyard.extend(groups)
             return
-        first = groups[0].pg
-        first._group_start()
+        # One NCCL group call around every abort (a backend without one, HCCL, aborts in turn).
+        start = getattr(groups[0].pg, "_group_start", None)
+        end = getattr(groups[0].pg, "_group_end", None)
+        if start is not None:
+            start()
         try:
             for g in groups:
                 try:
@@ -307,7 +315,8 @@ class Communicator:
                 except Exception as exc:  # an abort that fails leaves a dead communicator
                     log.warning("aborting a process group failed: %s", _one_line(exc))
         finally:
-            first._group_end()
+            if end is not None:
+                end()
 
     def _aside(
         self, fn: Callable[[], _T], abort: Callable[[], bool], timeout: float, what: str
@@ -463,12 +472,15 @@ class Communicator:
             # NCCL runs a communicator's operations in order on one stream: a send waits for
             # its receive, so two ranks that both send first would wait on each other. One
             # NCCL group call posts every message of the batch together.
-            pg._start_coalescing(self.device)
+            if not sends and not recvs:
+                return []
+            pg._start_coalescing()
             for peer, t, tag in sends:
                 pg.send([t], peer, tag)
             for peer, t, tag in recvs:
                 pg.recv([t], peer, tag)
-            return [pg._end_coalescing(self.device)]
+            work = pg._end_coalescing()
+            return [work] if work is not None else []
 
         post = post_all if self.backend == "gloo" else post_coalesced
         return self._call(f"send/recv on {name!r}", post)
@@ -498,14 +510,14 @@ class Communicator:
         op: str,
         name: str,
         abort: Callable[[], bool],
-        start: Callable[[dist.ProcessGroupGloo], dist.Work],
+        start: Callable[[Any], dist.Work],
     ) -> None:
         """Start a collective on group ``name`` and wait for it; any failure is a CommError."""
         what = f"{op} on {name!r}"
         self._await_all([self._issue(name, what, start)], abort)
 
     def _issue(
-        self, name: str, what: str, start: Callable[[dist.ProcessGroupGloo], dist.Work]
+        self, name: str, what: str, start: Callable[[Any], dist.Work]
     ) -> tuple[_Group, dist.Work, str]:
         """Start a collective on group ``name``, counted (see :meth:`configure`)."""
         pg = self._pg(name)
@@ -532,7 +544,7 @@ class Communicator:
                     g.pending.append(w)
                 raise
 
-    def _pg(self, name: str) -> dist.ProcessGroupGloo:
+    def _pg(self, name: str) -> Any:
         group = self._groups.get(name)
         if group is None:  # a rebuild of this group failed: nothing to run it on
             raise CommError(f"group {name!r} is not built (its rendezvous failed)")
@@ -597,12 +609,17 @@ class Communicator:
 
     def wait_done(self, works: list[dist.Work]) -> None:
         """Block until posted work has completed (a background thread's wait: a migration's
-        messages). Gloo progresses point-to-point work inside ``wait()``; an accelerator's is
-        polled until its device event completes."""
+        messages). Gloo progresses point-to-point work inside ``wait()`` (bounded by the
+        group's timeout); an accelerator's is polled until its device event completes, at most
+        the collective timeout (then :class:`CommError`: the next plan voids the migration)."""
+        deadline = time.monotonic() + self.collective_timeout
         for work in works:
-            if self.backend != "gloo":
-                while not work.is_completed():
-                    time.sleep(DEVICE_POLL_S)
+            while self.backend != "gloo" and not work.is_completed():
+                if time.monotonic() > deadline:
+                    raise CommError(
+                        f"point-to-point work timed out after {self.collective_timeout:g}s"
+                    )
+                time.sleep(DEVICE_POLL_S)
             work.wait()
 
     def _wait_in_thread(self, works: list[dist.Work], abort: Callable[[], bool], what: str) -> None:

@@ -27,9 +27,10 @@ def host_bytes(t: torch.Tensor) -> memoryview:
 def device_checksum(*tensors: torch.Tensor) -> int:
     """A checksum of tensors' bytes computed where they live: the bytes as 16-bit words, each
     times a weight set by its position, summed modulo a 61-bit prime (integer sums are exact,
-    so the result does not depend on the order the device adds in). Any single flipped bit
-    changes it (the change is a power of two under 2^16 times a weight under 2^24, never a
-    multiple of the prime), and so does swapping two different words."""
+    so the result does not depend on the order the device adds in): a number below 2^61. Any
+    single flipped bit changes it (the change is a power of two under 2^16 times a weight under
+    2^24, never a multiple of the prime), and so does swapping two different words whose
+    positions differ by less than the weights' period (2^24 - 3 words, 32 MiB)."""
     device = tensors[0].device if tensors else torch.device("cpu")
     total = torch.zeros((), dtype=torch.int64, device=device)
     position = 0
@@ -49,7 +50,7 @@ def _on_device(tensors: tuple[torch.Tensor, ...]) -> bool:
 
 
 def digest(*tensors: torch.Tensor) -> int:
-    """A 63-bit checksum of tensors' bytes (blake2b; on an accelerator
+    """A 63-bit checksum of tensors' bytes (blake2b; on an accelerator the 61-bit
     :func:`device_checksum`): for whole-model comparisons."""
     if _on_device(tensors):
         return device_checksum(*tensors)
