@@ -338,7 +338,7 @@ class Communicator:
         thread = threading.Thread(target=run, name=what, daemon=True)
         thread.start()
         try:
-            self._wait(done, wake, abort, timeout, what)
+            self._wait(done.is_set, wake, abort, timeout, what)
         except (Interrupted, CommError):
             self._graveyard.append(thread)
             raise
@@ -583,28 +583,15 @@ class Communicator:
             self._wait_in_thread([work], abort, what)
             return
         future.add_done_callback(finished)
-        self._wait(done, wake, abort, self.collective_timeout, what)
+        self._wait(done.is_set, wake, abort, self.collective_timeout, what)
         self._call(what, work.wait)
 
     def _finish_on_device(self, work: dist.Work, abort: Callable[[], bool], what: str) -> None:
         """An accelerator's work: its future completes once the work is queued, not done, so
         this polls ``is_completed()`` (the device's event), interruptibly; then ``wait()``
         orders this thread's stream after it and raises the error it ended with, if any."""
-        wake = threading.Event()  # set by every control message: abort() is checked at once
-        unregister = self._waker(wake)
-        deadline = time.monotonic() + self.collective_timeout
-        try:
-            while not self._call(what, work.is_completed):
-                if abort():
-                    self.mark_broken()
-                    raise Interrupted(f"{what} interrupted by a newer plan")
-                if time.monotonic() > deadline:
-                    self.mark_broken()
-                    raise CommError(f"{what} timed out after {self.collective_timeout:g}s")
-                wake.wait(DEVICE_POLL_S)
-                wake.clear()
-        finally:
-            unregister()
+        ready = lambda: self._call(what, work.is_completed)  # noqa: E731
+        self._wait(ready, threading.Event(), abort, self.collective_timeout, what, DEVICE_POLL_S)
         self._call(what, work.wait)
 
     def wait_done(self, works: list[dist.Work]) -> None:
@@ -614,12 +601,8 @@ class Communicator:
         the collective timeout (then :class:`CommError`: the next plan voids the migration)."""
         deadline = time.monotonic() + self.collective_timeout
         for work in works:
-            while self.backend != "gloo" and not work.is_completed():
-                if time.monotonic() > deadline:
-                    raise CommError(
-                        f"point-to-point work timed out after {self.collective_timeout:g}s"
-                    )
-                time.sleep(DEVICE_POLL_S)
+            if self.backend != "gloo" and not _completed_by(work, deadline):
+                raise CommError(f"point-to-point work timed out after {self.collective_timeout:g}s")
             work.wait()
 
     def _wait_in_thread(self, works: list[dist.Work], abort: Callable[[], bool], what: str) -> None:
@@ -641,7 +624,7 @@ class Communicator:
         thread = threading.Thread(target=run, name="p2p-wait", daemon=True)
         thread.start()
         try:
-            self._wait(done, wake, abort, self.collective_timeout, what)
+            self._wait(done.is_set, wake, abort, self.collective_timeout, what)
         except (Interrupted, CommError):
             self._graveyard.append(thread)
             raise
@@ -651,18 +634,20 @@ class Communicator:
 
     def _wait(
         self,
-        done: threading.Event,
+        ready: Callable[[], bool],
         wake: threading.Event,
         abort: Callable[[], bool],
         timeout: float,
         what: str,
+        poll: float | None = None,
     ) -> None:
-        """Wait for ``done``. ``wake`` is set by completion and by every control message, so that
-        ``abort()`` is re-checked the moment a new plan arrives."""
+        """Wait until ``ready()``. ``wake`` is set by completion and by every control message, so
+        that ``abort()`` is re-checked the moment a new plan arrives; ``poll``: also check
+        ``ready()`` this often (what nothing signals: an accelerator's device event)."""
         unregister = self._waker(wake)
         deadline = time.monotonic() + timeout
         try:
-            while not done.is_set():
+            while not ready():
                 if abort():
                     self.mark_broken()
                     raise Interrupted(f"{what} interrupted by a newer plan")
@@ -670,7 +655,7 @@ class Communicator:
                 if remaining <= 0:
                     self.mark_broken()
                     raise CommError(f"{what} timed out after {timeout:g}s")
-                wake.wait(remaining)
+                wake.wait(remaining if poll is None else min(poll, remaining))
                 wake.clear()
         finally:
             unregister()
@@ -685,13 +670,21 @@ def _finished(works: list[dist.Work], *, poll: bool, timeout: float = 60.0) -> b
     deadline = time.monotonic() + timeout
     try:
         for work in works:
-            while poll and not work.is_completed():
-                if time.monotonic() > deadline:
-                    return False
-                time.sleep(DEVICE_POLL_S)
+            if poll and not _completed_by(work, deadline):
+                return False
             work.wait()
     except Exception:
         return False
+    return True
+
+
+def _completed_by(work: dist.Work, deadline: float) -> bool:
+    """Poll an accelerator's ``work`` until its device event completes; False at ``deadline``
+    (``time.monotonic()``)."""
+    while not work.is_completed():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(DEVICE_POLL_S)
     return True
 
 
