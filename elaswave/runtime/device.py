@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -140,8 +141,6 @@ def synchronize(device: torch.device) -> None:
 def nvml_index(device: torch.device, env: dict[str, str] | None = None) -> int:
     """The NVML index of a CUDA ``device`` (0 on the CPU): NVML numbers every GPU of the host,
     while CUDA numbers the ones ``CUDA_VISIBLE_DEVICES`` leaves, in its order."""
-    import os
-
     if device.type != "cuda":
         return 0
     index = device.index or 0

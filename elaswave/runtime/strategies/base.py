@@ -63,9 +63,14 @@ def nbytes(*tensors: torch.Tensor | None) -> int:
     return sum(seen.values())
 
 
+def reduction_dtype(reduce_dtype: str) -> torch.dtype:
+    """The dtype gradients are summed in (``train.reduce_dtype``)."""
+    return torch.float64 if reduce_dtype == "float64" else torch.float32
+
+
 def reduction_buffer(state: TrainState, reduce_dtype: str) -> torch.Tensor:
     """A zeroed step buffer for ``state`` on its device, in the configured reduction dtype."""
-    dtype = torch.float64 if reduce_dtype == "float64" else torch.float32
+    dtype = reduction_dtype(reduce_dtype)
     return state.flat.data.new_zeros(state.flat.numel + TAIL, dtype=dtype)
 
 

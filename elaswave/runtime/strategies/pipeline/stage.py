@@ -110,8 +110,8 @@ class Pipeline:
         self.migration: Migration | None = None
         self.costs = estimated_costs(ctx.state.workload.layer_costs(), self.num_layers)
         self.actuator = make_actuator(ctx.cfg.dvfs, **_actuator_options(ctx.cfg.dvfs))
-        self.clocks = _clock_range(self.actuator, nvml_index(ctx.state.device))
         self.stage_key = nvml_index(ctx.state.device)  # what the actuator clocks: this device
+        self.clocks = _clock_range(self.actuator, self.stage_key)
         # ZeRO-1 inside the stages: moments of the kept intervals only (the state has none),
         # and the parameter pieces this rank sends or receives after every update.
         self.zero = bool(ctx.cfg.zero)

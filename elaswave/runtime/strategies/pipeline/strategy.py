@@ -36,6 +36,7 @@ from elaswave.runtime.strategies.base import (
     Whole,
     mean_gradient,
     nbytes,
+    reduction_dtype,
 )
 from elaswave.runtime.strategies.pipeline.stage import MIG, Pipeline
 from elaswave.runtime.workload.data import MicroBatch
@@ -236,7 +237,7 @@ class PipelineStages(Strategy):
             info = self.pipe.restore_whole(plan, state)
         assert self.grads is not None
         self.my_grads = self.grads.of_rank(self.ctx.comm.rank(DP), self.state.segments)
-        element = 8 if self.ctx.cfg.train.reduce_dtype == "float64" else 4
+        element = reduction_dtype(self.ctx.cfg.train.reduce_dtype).itemsize
         # What this rank reduces each step once the layout is in force (k members, n elements
         # per group) and what a ring all-reduce sends for it: 2 (k - 1) / k of the group's bytes.
         groups = [(len(r.members), r.numel) for _, r in self.my_grads.mine]
