@@ -28,7 +28,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import BenchError, console, free_port, ms, print_table, summarize
+from bench.common import (
+    BenchError,
+    console,
+    free_port,
+    ms,
+    print_table,
+    store_barrier,
+    summarize,
+)
 
 DESCRIPTION = "process-group recovery after a rank fails: full vs partial rebuild vs shrink"
 DEFAULT_REPEAT = 5
@@ -76,9 +84,7 @@ def _worker(rank: int, port: int, world: int, repeat: int) -> None:
             raise RuntimeError(f"allreduce gave {t[0].item()}, expected {size}")
 
     def barrier(key: str, count: int) -> None:
-        if store.add(f"{key}/n", 1) == count:
-            store.set(f"{key}/go", "1")
-        store.wait([f"{key}/go"])
+        store_barrier(store, key, count)
 
     mine = groups_of(rank, world)
     survivors = world - 1

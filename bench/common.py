@@ -100,6 +100,13 @@ def launch_command(config: Path, extra_args: Sequence[str] = ()) -> str:
     return " ".join(["elaswave launch", rel, "--run-dir DIR --job-id ID", *extra_args, "--quiet"])
 
 
+def store_barrier(store: Any, key: str, count: int) -> None:
+    """Wait until ``count`` processes reached ``key`` on a shared torch.distributed store."""
+    if store.add(f"{key}/n", 1) == count:
+        store.set(f"{key}/go", "1")
+    store.wait([f"{key}/go"])
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

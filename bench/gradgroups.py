@@ -25,7 +25,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import BenchError, console, free_port, ms, print_table, summarize
+from bench.common import (
+    BenchError,
+    console,
+    free_port,
+    ms,
+    print_table,
+    store_barrier,
+    summarize,
+)
 
 DESCRIPTION = "a pipeline's gradient groups after a stage loss: edit (keep, build new) vs build all"
 DEFAULT_REPEAT = 5
@@ -86,9 +94,7 @@ def _worker(rank: int, port: int, dp: int, pp: int, repeat: int) -> None:
                             collective_timeout=120.0, waker=lambda _: lambda: None)  # fmt: skip
 
     def barrier(key: str, count: int) -> None:
-        if store.add(f"{key}/n", 1) == count:
-            store.set(f"{key}/go", "1")
-        store.wait([f"{key}/go"])
+        store_barrier(store, key, count)
 
     never = threading.Event().is_set
     records = []

@@ -17,22 +17,19 @@ from __future__ import annotations
 import os
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 from bench.common import (
-    REPO_ROOT,
     BenchError,
     bench_env,
     console,
+    elaswave_launch,
     print_table,
     read_jsonl,
-    write_config,
 )
-from bench.stagemem import CONFIG, MODEL, WORLD
+from bench.stagemem import MODEL, WORLD, job_config
 
 DESCRIPTION = "pipeline step time: gradients among each layer's holders vs the whole model's"
 DEFAULT_REPEAT = 3
@@ -44,23 +41,18 @@ MODES = ("holders", "all")
 
 def run(repeat: int, config: Path) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="elaswave-bench-gradstep-"))
-    env = bench_env(tmp / "state")
-    cfg = write_config(
-        tmp / "config.yaml",
-        CONFIG,
-        {
-            "model": MODEL,
-            "train": {"steps": STEPS, "global_batch": 8, "micro_batch_size": 1},
-            "elastic": {"nproc_per_node": WORLD},
-        },
-    )
+    env = bench_env(tmp / "state", {"ELASWAVE_VERIFY_EVERY": "0"})  # the step alone
+    cfg = job_config(tmp / "config.yaml", STEPS)
     cells: dict[str, list[dict[str, float]]] = {}
     for pp in PPS:
         for i in range(1, repeat + 1):
             for mode in MODES:
                 run_dir = tmp / f"pp{pp}-{mode}-{i}"
                 job = f"bench-gradstep-{os.getpid()}-{pp}-{mode}-{i}"
-                _launch(cfg, run_dir, job, pp, mode, env)
+                elaswave_launch(
+                    cfg, run_dir, job, env={**env, "ELASWAVE_GRAD_REDUCE": mode},
+                    extra_args=("--pp", str(pp)), timeout=1800,
+                )  # fmt: skip
                 cell = _cell(run_dir)
                 cells.setdefault(f"{pp}/{mode}", []).append(cell)
                 console.print(
@@ -76,17 +68,6 @@ def run(repeat: int, config: Path) -> dict[str, Any]:
         "model": MODEL,
         "cells": cells,
     }
-
-
-def _launch(cfg: Path, run_dir: Path, job_id: str, pp: int, mode: str, env: dict[str, str]) -> None:
-    cmd = [sys.executable, "-m", "elaswave.cli.app", "launch", str(cfg), "--run-dir",
-           str(run_dir), "--job-id", job_id, "--pp", str(pp), "--quiet"]  # fmt: skip
-    r = subprocess.run(
-        cmd, cwd=REPO_ROOT, env={**env, "ELASWAVE_GRAD_REDUCE": mode, "ELASWAVE_VERIFY_EVERY": "0"},
-        capture_output=True, text=True, timeout=1800,
-    )  # fmt: skip
-    if r.returncode != 0:
-        raise BenchError(f"{' '.join(cmd)} exited {r.returncode}:\n{r.stderr[-2000:]}")
 
 
 def _cell(run_dir: Path) -> dict[str, float]:

@@ -48,18 +48,23 @@ MODEL = {  # ~60 M parameters: 2 x 32000 x 512 embeddings + 8 blocks of ~3.4 M
 FIELDS = ("param_bytes", "grad_bytes", "optimizer_bytes", "replica_bytes")
 
 
-def run(repeat: int, config: Path) -> dict[str, Any]:
-    tmp = Path(tempfile.mkdtemp(prefix="elaswave-bench-stagemem-"))
-    env = bench_env(tmp / "state")
-    cfg = write_config(
-        tmp / "config.yaml",
+def job_config(path: Path, steps: int) -> Path:
+    """The job these pipeline benchmarks run: ``MODEL`` on ``WORLD`` workers, ``steps`` steps."""
+    return write_config(
+        path,
         CONFIG,
         {
             "model": MODEL,
-            "train": {"steps": STEPS, "global_batch": 8, "micro_batch_size": 1},
+            "train": {"steps": steps, "global_batch": 8, "micro_batch_size": 1},
             "elastic": {"nproc_per_node": WORLD},
         },
     )
+
+
+def run(repeat: int, config: Path) -> dict[str, Any]:
+    tmp = Path(tempfile.mkdtemp(prefix="elaswave-bench-stagemem-"))
+    env = bench_env(tmp / "state")
+    cfg = job_config(tmp / "config.yaml", STEPS)
     cells = {}
     for pp in PPS:
         for i in range(1, repeat + 1):
