@@ -104,7 +104,7 @@ class Engine:
         elif device is not None and device.type == "npu":
             torch.npu.set_device(device)  # type: ignore[attr-defined]  # HCCL, likewise
         if device is not None and device.type != "cpu":
-            set_clock(DeviceClock(device))  # compute times wait for the device's queued work
+            set_clock(DeviceClock(device))  # compute times wait for the queued compute
         self.state = TrainState.build(cfg, device)
         self.num_samples = training_samples(len(self.state.dataset), cfg.data.eval_samples)
         # [gradient sums | loss sum, newest epoch seen, a strategy's flag, loss count]

@@ -45,7 +45,8 @@ class Clock:
 
 class DeviceClock(Clock):
     """On an accelerator, work is queued and runs later: each reading first waits for the
-    device to finish what was queued, so that an interval times the work, not its launch."""
+    compute stream to finish what was queued, so that an interval times the work, not its
+    launch."""
 
     def __init__(self, device: Any) -> None:
         self.device = device
