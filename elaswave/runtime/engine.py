@@ -48,6 +48,7 @@ from elaswave.runtime.state import RankContext, TrainState
 from elaswave.runtime.strategies.base import (
     DP,
     EPOCH,
+    TAIL,
     Strategy,
     Whole,
     nbytes,
@@ -138,7 +139,7 @@ class Engine:
         self.integrity = Integrity(self.ctx, self.strategy, self.durable, self.faults)
         self._speeds: list[float] = []  # compute seconds per micro-batch not yet reported
         self._speeds_epoch, self._speeds_sent = 0, 0.0
-        self._memory_epoch = 0  # the plan whose memory this rank reported last
+        self._memory: tuple[int, dict[str, int]] | None = None  # (epoch, bytes) reported last
         control.start_heartbeat(cfg.timeouts.heartbeat, self._heartbeat)
 
     @property
@@ -239,7 +240,11 @@ class Engine:
         plan = self.plan
         assert plan is not None
         start = time.perf_counter()
-        t, n, buf = self.cfg.train, self.state.flat.numel, self.buffer
+        self.strategy.before_step()  # a pipeline rank may change which layers it allocates
+        t, n = self.cfg.train, self.state.flat.numel
+        if self.buffer.numel() != n + TAIL:
+            self.buffer = reduction_buffer(self.state, t.reduce_dtype)
+        buf = self.buffer
         buf.zero_()
         self._enter("compute")
         self.faults.fire(step, "forward")
@@ -259,11 +264,13 @@ class Engine:
 
     def _after_commit(self, step: int) -> None:
         """Corruption checks (they may roll every rank back), then the durable checkpoint, then
-        the held-out evaluation, when due. Before them, once per plan: what this rank holds."""
+        the held-out evaluation, when due. Before them, under each plan and whenever it changed
+        (a pipeline rank frees the layers it gave away): what this rank holds."""
         assert self.plan is not None
-        if self._memory_epoch != self.plan.epoch:
-            self._memory_epoch = self.plan.epoch
-            self._report_memory(self.plan)
+        memory = self.memory()
+        if self._memory != (self.plan.epoch, memory):
+            self._memory = (self.plan.epoch, memory)
+            self._report_memory(self.plan, memory)
         if self.integrity.after_commit(step):
             return  # the main loop redoes the steps since the known-good state
         if self.durable.checkpoints is not None and step % self.cfg.durable_every == 0:
@@ -416,11 +423,10 @@ class Engine:
         out["grad_bytes"] += nbytes(self.buffer)
         return out
 
-    def _report_memory(self, plan: Plan) -> None:
+    def _report_memory(self, plan: Plan, memory: dict[str, int]) -> None:
         """What this rank holds under ``plan`` once it has trained a step under it (the copies a
         step keeps exist by then): an event (the report) and a message (the daemon shares it in
         etcd, where ``status`` reads it)."""
-        memory = self.memory()
         self.control.event("memory", worker=self.me, epoch=plan.epoch, **memory)
         self.control.send({"type": "memory", "epoch": plan.epoch, **memory})
 

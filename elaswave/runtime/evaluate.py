@@ -8,8 +8,8 @@ slots of one float64 vector, zeros elsewhere; the sum over ranks of a slot is th
 value plus zeros), and the loss is summed over the slots in their fixed order. So the eval
 loss is the same number whichever ranks, and how many, computed it.
 
-Pipeline stages do not hold every layer up to date: they evaluate on the whole model assembled
-from the holders (:meth:`Strategy.eval_params`), put back afterwards.
+Pipeline stages hold only their layers: they evaluate on a whole model built for the evaluation
+from the parameters assembled from the holders (:meth:`Strategy.eval_params`), then dropped.
 """
 
 from __future__ import annotations
@@ -49,20 +49,16 @@ def evaluate(ctx: RankContext, strategy: Strategy, broken: Callable[[], bool]) -
     rank, world = comm.rank(DP), comm.size(DP)
     slots = torch.zeros(2 * len(batches), dtype=torch.float64, device=st.device)
     whole = strategy.eval_params(broken)
-    kept = st.flat.data.clone() if whole is not None else None
+    model = st.model if whole is None else st.whole_model(whole)
     try:
-        if whole is not None:
-            st.flat.data.copy_(whole)
-        st.model.eval()
+        model.eval()
         with torch.no_grad():
             for i in range(rank, len(batches), world):
                 inputs, targets = st.microbatch(batches[i])
-                total, count = st.loss(st.model(inputs, EVAL_STEP, i), targets)
+                total, count = st.loss(model(inputs, EVAL_STEP, i), targets)
                 slots[2 * i], slots[2 * i + 1] = float(total), float(count)
     finally:
         st.model.train()
-        if kept is not None:
-            st.flat.data.copy_(kept)
     comm.allreduce(DP, slots, broken)
     count = float(slots[1::2].sum())
     if count <= 0:

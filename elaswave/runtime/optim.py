@@ -21,12 +21,26 @@ from torch import nn
 
 class FlatParams:
     """Re-points a module's parameters (and their grads) at views of two flat float32 buffers,
-    on the device the module's parameters live on."""
+    on the device the module's parameters live on.
 
-    def __init__(self, module: nn.Module) -> None:
+    The buffers may hold a window of a larger model's flat layout (a pipeline rank's layers):
+    element ``i`` of them is element ``base + i`` of the whole model's ``total``; :meth:`at`
+    translates the whole model's offsets."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        base: int = 0,
+        total: int | None = None,
+        device: torch.device | None = None,
+    ) -> None:
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.numel = sum(p.numel() for p in self.params)
-        device = self.params[0].device if self.params else torch.device("cpu")
+        self.base = base
+        self.total = self.numel if total is None else total
+        if device is None:
+            device = self.params[0].device if self.params else torch.device("cpu")
         self.data = torch.empty(self.numel, dtype=torch.float32, device=device)
         self.grad = torch.zeros(self.numel, dtype=torch.float32, device=device)
         offset = 0
@@ -36,6 +50,10 @@ class FlatParams:
             p.data = self.data[offset : offset + n].view_as(p)
             p.grad = self.grad[offset : offset + n].view_as(p)
             offset += n
+
+    def at(self, tensor: torch.Tensor) -> Spans:
+        """``tensor`` (laid out like these buffers) indexed by the whole model's offsets."""
+        return Spans(tensor, self.base)
 
     def grads_in_place(self) -> bool:
         """True while every ``p.grad`` still views ``self.grad`` (autograd accumulated in place)."""
@@ -54,6 +72,40 @@ class FlatParams:
                 p.grad = self.grad[offset : offset + n].view_as(p)
                 offset += n
         return self.grad
+
+
+class Spans:
+    """A tensor that holds the whole model's flat elements ``[base, base + numel)``, sliced by the
+    whole model's offsets: ``Spans(t, base)[a:b]`` is ``t[a - base : b - base]``. Slicing
+    elements the tensor does not hold is an error, never a silent empty view."""
+
+    __slots__ = ("base", "tensor")
+
+    def __init__(self, tensor: torch.Tensor, base: int = 0) -> None:
+        self.tensor = tensor
+        self.base = base
+
+    def __getitem__(self, where: slice) -> torch.Tensor:
+        start, stop = where.start - self.base, where.stop - self.base
+        if where.stop > where.start and (start < 0 or stop > self.tensor.numel()):
+            raise IndexError(
+                f"elements {where.start}:{where.stop} are not held here "
+                f"(this rank holds {self.base}:{self.base + self.tensor.numel()})"
+            )
+        return self.tensor[max(start, 0) : max(stop, 0)]
+
+    def holds(self, start: int, stop: int) -> bool:
+        return self.base <= start and stop <= self.base + self.tensor.numel()
+
+    @property
+    def device(self) -> torch.device:
+        return self.tensor.device
+
+    def new_empty(self, *size: int) -> torch.Tensor:
+        return self.tensor.new_empty(*size)
+
+    def new_zeros(self, *size: int) -> torch.Tensor:
+        return self.tensor.new_zeros(*size)
 
 
 def learning_rate(
@@ -89,9 +141,13 @@ class OptimHyper:
     total: int = 0  # the step the cosine reaches min_lr at
     min_lr: float = 0.0
     # Parameter groups: the weight decay of each group, and the group of every element of the
-    # flat buffer (uint8; None: one group with ``weight_decay``). See :func:`decay_groups`.
+    # flat buffer from element ``groups_base`` on (uint8; None: one group with ``weight_decay``).
+    # See :func:`decay_groups`. ``group_runs``: (start, stop, group) of the whole model's flat
+    # layout, what :meth:`hold_groups` cuts a pipeline rank's window from.
     group_decay: tuple[float, ...] = ()
     groups: torch.Tensor | None = None
+    group_runs: tuple[tuple[int, int, int], ...] = ()
+    groups_base: int = 0
     _padded: torch.Tensor | None = field(default=None, init=False, repr=False)
 
     def lr_at(self, step: int) -> float:
@@ -100,13 +156,26 @@ class OptimHyper:
             min_lr=self.min_lr,
         )  # fmt: skip
 
+    def hold_groups(self, base: int, numel: int, device: torch.device | None = None) -> None:
+        """Keep the groups of the whole model's flat elements ``[base, base + numel)`` only
+        (a pipeline rank's window), from ``group_runs``."""
+        if not self.group_runs:
+            return
+        groups = torch.zeros(numel, dtype=torch.uint8, device=device)
+        for a, b, g in self.group_runs:
+            lo, hi = max(a, base), min(b, base + numel)
+            if lo < hi and g:
+                groups[lo - base : hi - base] = g
+        self.groups, self.groups_base, self._padded = groups, base, None
+
     def groups_of(self, where: slice | torch.Tensor) -> torch.Tensor | None:
-        """The group of each element of ``flat[where]`` (a slice, or the index a ZeRO shard
-        gathers with, where index ``numel`` is padding), or None with one group."""
+        """The group of each element of ``flat[where]`` (a slice of the whole model's flat
+        offsets, or the index a ZeRO shard gathers with, where index ``numel`` is padding), or
+        None with one group."""
         if self.groups is None:
             return None
         if isinstance(where, slice):
-            return self.groups[where]
+            return self.groups[where.start - self.groups_base : where.stop - self.groups_base]
         if self._padded is None or self._padded.numel() != self.groups.numel() + 1:
             self._padded = torch.cat([self.groups, self.groups.new_zeros(1)])  # once, not per step
         return self._padded[where]

@@ -19,8 +19,14 @@ import torch
 from elaswave.config import JobConfig
 from elaswave.planning.plan import Plan
 from elaswave.runtime.comm.communicator import Communicator
-from elaswave.runtime.optim import FlatOptimizer, FlatParams, OptimHyper, decay_groups
-from elaswave.runtime.workload import Dataset, KeyedLayers, Workload, build_layers
+from elaswave.runtime.optim import FlatOptimizer, FlatParams, OptimHyper, Spans, decay_groups
+from elaswave.runtime.workload import (
+    Dataset,
+    KeyedLayers,
+    Workload,
+    build_layer,
+    build_layers,
+)
 from elaswave.runtime.workload.load import load_workload
 
 __all__ = ["AUTOCAST", "RankContext", "TrainState"]
@@ -30,8 +36,14 @@ AUTOCAST = {"off": None, "bf16": torch.bfloat16}  # train.autocast -> the layers
 
 @dataclass(eq=False)
 class TrainState:
-    """A rank's training state. ``opt`` holds the moments of the whole model (replicated data
-    parallelism and pipeline stages without ZeRO), or none (ZeRO keeps its shards itself)."""
+    """A rank's training state. ``opt`` holds the moments of the parameters the rank holds
+    (replicated data parallelism and pipeline stages without ZeRO), or none (ZeRO keeps its
+    shards itself).
+
+    ``window`` is the range of layers whose state this rank allocates: every layer, except on
+    a pipeline rank, which holds only the layers its stage needs (:meth:`set_window`); the
+    others stay on the meta device, with their shapes and no memory. The flat buffers then
+    hold the window's part of the whole model's flat layout (``flat.base`` onwards)."""
 
     workload: Workload
     model: KeyedLayers
@@ -41,40 +53,112 @@ class TrainState:
     step: int = 0  # the last step whose update this rank has applied
     last_loss: float = math.nan
     ties: tuple[tuple[slice, slice], ...] = ()  # flat ranges of copies of one logical weight
+    window: range = range(0)
+    zero: bool = False  # ZeRO keeps the moments in its shards: ``opt`` holds none
 
     @classmethod
     def build(cls, cfg: JobConfig, device: torch.device | None = None) -> TrainState:
         """The rank's state on ``device`` (default: the CPU). Layers are built on the CPU, where
-        their seeded initial values are the same on every kind of device, then moved."""
+        their seeded initial values are the same on every kind of device, then moved. A pipeline
+        rank (``pp > 1``) allocates no layer until its first plan says which it runs."""
         t = cfg.train
+        device = torch.device("cpu") if device is None else device
         workload = load_workload(cfg)
-        model = build_layers(workload, t.seed)
-        if device is not None:
-            model.to(device)
+        window = range(0) if cfg.pp > 1 else range(workload.num_layers)
+        model = build_layers(workload, t.seed, keep=window)
+        for index in window:
+            model.layers[index].to(device)
         model.autocast = AUTOCAST[t.autocast]
         model.train()
-        flat = FlatParams(model)
+        total = sum(length for _, length in model.segments())
+        flat = FlatParams(_layers(model, window), total=total, device=device)
         hyper = OptimHyper(
             lr=t.lr, optimizer=t.optimizer, beta1=t.beta1, beta2=t.beta2, eps=t.eps,
             momentum=t.momentum, weight_decay=t.weight_decay, schedule=t.lr_schedule,
             warmup=t.warmup_steps, total=t.steps, min_lr=t.min_lr,
         )  # fmt: skip
-        hyper.group_decay, hyper.groups = param_groups(model, flat, cfg)
-        opt = FlatOptimizer(0 if cfg.zero else flat.numel, hyper, flat.data.device)  # ZeRO: shards
+        hyper.group_decay, hyper.group_runs = param_groups(model, cfg)
+        hyper.hold_groups(flat.base, flat.numel, device)
+        opt = FlatOptimizer(0 if cfg.zero else flat.numel, hyper, device)  # ZeRO: shards
         ties = []
         for a, b in workload.tied():
             sa, sb = model.param_slice(a), model.param_slice(b)
             if sa.stop - sa.start != sb.stop - sb.start:
                 raise ValueError(f"tied parameters {a} and {b} differ in size")
             ties.append((sa, sb))
-        return cls(workload, model, flat, opt, workload.dataset(t.seed), ties=tuple(ties))
+        dataset = workload.dataset(t.seed)
+        return cls(
+            workload, model, flat, opt, dataset, ties=tuple(ties), window=window,
+            zero=bool(cfg.zero),
+        )  # fmt: skip
+
+    def set_window(self, layers: range) -> None:
+        """Allocate the state of exactly ``layers`` (a contiguous range). Layers that stay keep
+        their parameters and moments; layers that enter are built anew with their initial
+        values (a transfer or a restore overwrites them where the job is past step 0); layers
+        that leave go to the meta device and their memory is freed. Gradients start at zero."""
+        if layers == self.window:
+            return
+        model, old, flat, opt, device = self.model, self.window, self.flat, self.opt, self.device
+        for index in layers:
+            if index not in old:
+                layer = build_layer(self.workload, model.seed, index).to(device)
+                model.layers[index] = layer.train(model.training)
+        segments = self.segments
+        base = segments[layers.start][0] if layers else 0
+        new = FlatParams(_layers(model, layers), base=base, total=flat.total, device=device)
+        opt.hyper.hold_groups(base, new.numel, device)
+        if not self.zero:  # the moments of the window's layers, those that stay kept
+            lo, hi = max(old.start, layers.start), min(old.stop, layers.stop)
+            kept = slice(segments[lo][0], sum(segments[hi - 1])) if lo < hi else None
+            moments = []
+            for before in (opt.exp_avg, opt.exp_avg_sq):
+                moment = torch.zeros(new.numel, dtype=torch.float32, device=device)
+                if kept is not None:
+                    new.at(moment)[kept].copy_(flat.at(before)[kept])
+                moments.append(moment)
+            opt.exp_avg, opt.exp_avg_sq = moments
+        for index in old:
+            if index not in layers:
+                model.layers[index].to("meta")
+        self.flat, self.window = new, layers
+
+    @property
+    def params(self) -> Spans:
+        """The parameters this rank holds, sliced by the whole model's flat offsets."""
+        return self.flat.at(self.flat.data)
+
+    @property
+    def exp_avg(self) -> Spans:
+        return self.flat.at(self.opt.exp_avg)
+
+    @property
+    def exp_avg_sq(self) -> Spans:
+        return self.flat.at(self.opt.exp_avg_sq)
 
     def tie_gradients(self, grads: torch.Tensor) -> None:
         """Before the reduction: both copies of a tied weight hold the sum of their gradients
-        (summed over ranks, every copy then gets the whole weight's gradient)."""
+        (summed over ranks, every copy then gets the whole weight's gradient). ``grads`` is laid
+        out like the flat buffers; a pair of which this rank holds one copy is left as it is."""
+        at = self.flat.at(grads)
         for a, b in self.ties:
-            grads[a].add_(grads[b])
-            grads[b].copy_(grads[a])
+            if at.holds(a.start, a.stop) and at.holds(b.start, b.stop):
+                at[a].add_(at[b])
+                at[b].copy_(at[a])
+
+    def whole_model(self, params: torch.Tensor) -> KeyedLayers:
+        """Every layer, holding ``params`` (the whole model's flat parameters): what a rank that
+        holds a window of layers evaluates with. Built anew; the rank's state is untouched."""
+        model = build_layers(self.workload, self.model.seed)
+        model.to(self.device)
+        model.autocast = self.model.autocast
+        offset = 0
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.requires_grad:
+                    p.copy_(params[offset : offset + p.numel()].view_as(p))
+                    offset += p.numel()
+        return model
 
     @property
     def device(self) -> torch.device:
@@ -117,11 +201,16 @@ def to_device(value: Any, device: torch.device) -> Any:
     return value
 
 
+def _layers(model: KeyedLayers, window: range) -> torch.nn.Module:
+    return model.layers[window.start : window.stop]
+
+
 def param_groups(
-    model: KeyedLayers, flat: FlatParams, cfg: JobConfig
-) -> tuple[tuple[float, ...], torch.Tensor | None]:
-    """The weight decay of each parameter group and each flat element's group (None when every
-    element decays alike: the optimizer then takes one scalar)."""
+    model: KeyedLayers, cfg: JobConfig
+) -> tuple[tuple[float, ...], tuple[tuple[int, int, int], ...]]:
+    """The weight decay of each parameter group, and the runs of flat elements of each group
+    ((start, stop, group index); none when every element decays alike: the optimizer then takes
+    one scalar)."""
     embeddings = {
         id(p): name
         for name, module in model.named_modules()
@@ -135,13 +224,17 @@ def param_groups(
     )
     values = tuple(sorted(set(decays)))
     if len(values) <= 1:
-        return values, None
-    groups = torch.empty(flat.numel, dtype=torch.uint8, device=flat.data.device)
+        return values, ()
+    runs: list[tuple[int, int, int]] = []
     offset = 0
     for (_, p), wd in zip(named, decays, strict=True):
-        groups[offset : offset + p.numel()] = values.index(wd)
+        group = values.index(wd)
+        if runs and runs[-1][1] == offset and runs[-1][2] == group:
+            runs[-1] = (runs[-1][0], offset + p.numel(), group)
+        else:
+            runs.append((offset, offset + p.numel(), group))
         offset += p.numel()
-    return values, groups
+    return values, tuple(runs)
 
 
 @dataclass(eq=False)

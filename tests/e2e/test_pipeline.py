@@ -131,7 +131,8 @@ def test_clipping_by_the_global_norm_across_stages_is_bit_identical(
     synced = [e for e in run.of("state_synced") if e["epoch"] == 2]
     assert {e["migration"] for e in synced} == {"async"}
     first = [e for e in run.of("state_synced") if e["epoch"] == 1]
-    (params,) = {m["param_bytes"] for m in build_report(run.dir)["totals"]["memory"].values()}
+    dp_memory = build_report(tmp_path / "dp")["totals"]["memory"].values()
+    (params,) = {m["param_bytes"] for m in dp_memory}  # the whole model, on every dp rank
     whole = 2 * params  # the model's gradient in the float64 reduction
     if reduce == "all":  # one all-reduce of the whole model over the 4 ranks
         assert all(e["grad_groups"] == 1 and e["grad_reduce_bytes"] == whole for e in first)

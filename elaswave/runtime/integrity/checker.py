@@ -130,7 +130,7 @@ class Integrity:
         assert ctx.plan is not None
         broken, start, dev = ctx.broken, time.perf_counter(), ctx.state.device
         if any(k != target for k in kept):  # newcomers receive it from a rank that keeps it
-            n = ctx.state.flat.numel
+            n = ctx.state.flat.total
             meta = torch.tensor([float(target), math.nan], dtype=torch.float64, device=dev)
             whole = ctx.state.flat.data.new_empty(3 * n)
             if self.good is not None and self.good.step == target:

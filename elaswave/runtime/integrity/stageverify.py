@@ -58,10 +58,10 @@ def tensors(pipe: Pipeline, unit: Unit) -> list[torch.Tensor]:
     kind, a, b = unit
     e = pipe.e
     if kind == "p":
-        return [e.state.flat.data[a:b]]
+        return [e.state.params[a:b]]
     if pipe.zero:
         return list(pipe.store.view(a, b))
-    return [e.state.opt.exp_avg[a:b], e.state.opt.exp_avg_sq[a:b]]
+    return [e.state.exp_avg[a:b], e.state.exp_avg_sq[a:b]]
 
 
 def record(pipe: Pipeline, step: int) -> None:

@@ -119,7 +119,8 @@ class Whole:
 
 class Strategy(ABC):
     """How one rank trains. ``buf`` is the step's reduction buffer: [gradient sums | tail]
-    (``LOSS``, ``EPOCH``, ``FLAG``, ``COUNT``), the size of the whole model."""
+    (``LOSS``, ``EPOCH``, ``FLAG``, ``COUNT``), laid out like the state's flat buffers (the
+    whole model, or a pipeline rank's window of layers)."""
 
     sharded = False  # the update has a phase of its own (ZeRO): faults can aim at it
     # Parameters are overwritten from peers after every update (ZeRO gathers them): a bit flipped
@@ -153,6 +154,10 @@ class Strategy(ABC):
         """Reduce ``buf`` over the plan's ranks, apply the update, set the state's step and loss.
         Returns the reduced "newest epoch seen" sum (the engine switches plans when it says some
         rank saw a newer one)."""
+
+    def before_step(self) -> None:  # noqa: B027 (an optional hook)
+        """Before a step's buffer is sized and zeroed: the state may change its flat layout
+        (a pipeline rank frees layers it no longer needs)."""
 
     # ---- a new plan ---------------------------------------------------------------------------
     def groups(self, plan: Plan) -> dict[str, tuple[str, ...]]:

@@ -32,6 +32,7 @@ __all__ = [
     "ParamRef",
     "TensorSpec",
     "Workload",
+    "build_layer",
     "build_layers",
     "call_layer",
     "layer_seed",
@@ -154,14 +155,22 @@ def call_layer(
 INIT_STEP = -1  # the (step, micro-batch) key of layer initialisation: never a training step
 
 
-def build_layers(workload: Workload, seed: int) -> KeyedLayers:
-    """Every layer of ``workload``, each built with the default generators seeded from (seed,
-    layer): a layer's initial parameters do not depend on which other layers a rank builds."""
-    layers = []
+def build_layer(workload: Workload, seed: int, index: int) -> nn.Module:
+    """Layer ``index`` of ``workload``, built with the default generators seeded from (seed,
+    layer): its initial parameters do not depend on which other layers a rank builds."""
     with torch.random.fork_rng(devices=[]):
-        for index in range(workload.num_layers):
-            torch.manual_seed(layer_seed(seed, INIT_STEP, INIT_STEP, index))
-            layers.append(workload.build_layer(index, seed))
+        torch.manual_seed(layer_seed(seed, INIT_STEP, INIT_STEP, index))
+        return workload.build_layer(index, seed)
+
+
+def build_layers(workload: Workload, seed: int, keep: range | None = None) -> KeyedLayers:
+    """Every layer of ``workload`` (:func:`build_layer`). With ``keep``, the layers outside it
+    are moved to the meta device as soon as they are built: they keep their shapes (the flat
+    layout of the whole model) and hold no memory."""
+    layers = []
+    for index in range(workload.num_layers):
+        layer = build_layer(workload, seed, index)
+        layers.append(layer if keep is None or index in keep else layer.to("meta"))
     return KeyedLayers(layers, seed=seed)
 
 

@@ -3,10 +3,17 @@ layer state that a new layout needs.
 
 Layout. Every rank of a pipeline plan belongs to one replica and runs one stage of it: a
 contiguous range of the layer list. It *holds* (keeps current) the parameters and Adam moments
-of those layers only; the rest of its flat buffers is stale. Each rank fills its own layers'
-gradients into a buffer the size of the whole model, and each layer's gradient is summed among
-the ranks that hold it (:mod:`~elaswave.planning.gradgroups`), whatever the replicas'
-partitions are (replicas may be cut differently after a loss).
+of those layers only, and allocates only them (its state's *window*,
+:meth:`~elaswave.runtime.state.TrainState.set_window`): other layers stay on the meta device.
+Offsets everywhere are the whole model's flat offsets; the state translates them into its
+window. Each layer's gradient is summed among the ranks that hold it
+(:mod:`~elaswave.planning.gradgroups`), whatever the replicas' partitions are (replicas may be
+cut differently after a loss).
+
+The window is the held layers, the layers being taken over while a migration runs, and the
+layers the undo copy would restore (for one step after a re-cut they differ); every layer with
+``grad_reduce: all``. It changes only where nothing points into the old buffers: at a step's
+start (:meth:`Pipeline.fit_window`) and in a sync.
 
 Commit and rollback. Before a rank updates its layers it keeps a copy of them (the local
 snapshot). If the step fails on some rank after others updated, every rank that updated rolls
@@ -18,9 +25,8 @@ from ranks that hold them (data-parallel peers in other replicas), planned as di
 *Asynchronous* migration takes the replicas that need layers out of service, lets the others run
 the whole global batch, and copies a snapshot of the layers in the background; a receiver then
 replays the gradients of the steps it missed (while a migration runs, every layer's gradient is
-all-reduced over every rank)
-and raises a flag in the all-reduce; when every receiver has, all ranks switch to the new layout
-at the same step boundary.
+summed over every rank, a bounded chunk at a time) and raises a flag in the all-reduce; when
+every receiver has, all ranks switch to the new layout at the same step boundary.
 
 Beside this module: the pure schedule and transfer plans (:mod:`~elaswave.planning.schedule`),
 ZeRO-1 inside the stages (:mod:`~elaswave.runtime.strategies.pipeline.stagezero`, layout in
@@ -66,6 +72,7 @@ from elaswave.runtime.strategies.pipeline.stagestate import (
     Migration,
     Undo,
     bounds_of,
+    hull,
     range_of,
     unpack_into,
 )
@@ -125,23 +132,24 @@ class Pipeline:
     def profile_layers(self, repeats: int = 3) -> list[float]:
         """Seconds of forward + backward per layer for one micro-batch (median of ``repeats``).
 
-        Runs before the first plan on a throw-away micro-batch; gradients are discarded and no
-        parameter changes, so training is unaffected."""
+        Runs before the first plan on a throw-away micro-batch, one layer allocated at a time
+        (its initial values); gradients are discarded, so training is unaffected."""
         e, t = self.e, self.e.cfg.train
-        inputs, _ = e.state.microbatch(range(t.micro_batch_size))
-        runs: list[list[float]] = []
-        for _ in range(repeats + 1):  # the first run warms up kernels and allocator; dropped
-            h: torch.Tensor = inputs
+        h, _ = e.state.microbatch(range(t.micro_batch_size))
+        out = []
+        for index in range(self.num_layers):
+            e.state.set_window(range(index, index + 1))
             times = []
-            for index in range(len(e.state.model)):
+            for _ in range(repeats + 1):  # the first run warms up kernels and allocator; dropped
                 x = h.detach().requires_grad_(h.is_floating_point())
                 start = clock().now()  # an accelerator's clock waits for its queued work
-                h = e.state.model.run_layer(index, x, 0, 0)
-                h.float().sum().backward()
+                y = e.state.model.run_layer(index, x, 0, 0)
+                y.float().sum().backward()
                 times.append(clock().now() - start)
-            runs.append(times)
-        e.state.flat.grad.zero_()
-        return [sorted(col)[len(col) // 2] for col in zip(*runs[1:], strict=True)]
+            h = y
+            out.append(sorted(times[1:])[repeats // 2])
+        e.state.set_window(range(0))
+        return out
 
     def cost_share(self, layers: range) -> float:
         return sum(self.costs[i] for i in layers) / sum(self.costs)
@@ -204,6 +212,15 @@ class Pipeline:
             return slice(0, 0)
         return slice(self.offsets[layers.start][0], self.offsets[layers.stop - 1][1])
 
+    def fit_window(self) -> None:
+        """Allocate exactly the layers this rank needs now (see the module's docstring); constant
+        while a migration runs (held, target and the undo copy's layers do not change)."""
+        if self.e.cfg.grad_reduce == "all":
+            self.e.state.set_window(range(self.num_layers))
+        else:
+            undo = self.undo.held if self.undo else None
+            self.e.state.set_window(hull(self.held, self.target, undo))
+
     # ---- one step --------------------------------------------------------------------------
     def run_step(
         self,
@@ -244,21 +261,23 @@ class Pipeline:
         arrive from their keepers; if that gather fails this rank restores its undo copy at once,
         so it either applied the step completely or not at all."""
         e = self.e
+        st = e.state
         held = self.span(self.held) if self.held else slice(0, 0)
-        params = e.state.flat.data
+        params, grads = st.params, st.flat.at(grad)
         if self.zero:
-            moments = (self.store.exp_avg, self.store.exp_avg_sq)
+            store = self.store
+            moments = [lambda: store.exp_avg, lambda: store.exp_avg_sq]
         else:
-            moments = (e.state.opt.exp_avg[held], e.state.opt.exp_avg_sq[held])
+            moments = [lambda: st.exp_avg[held], lambda: st.exp_avg_sq[held]]
         self.undo = Undo(
-            step=e.state.step,
-            loss=e.state.last_loss,
+            step=st.step,
+            loss=st.last_loss,
             held=self.held,
-            saved=_saved(params[held], *moments),
+            saved=_saved(lambda: st.params[held], *moments),
             store=self.store if self.zero else None,
         )
         if self.zero:
-            self.store.update(params, grad, step, e.state.opt.hyper)
+            self.store.update(params, grads, step, st.opt.hyper)
             before_gather()  # where an ``phase=optimizer`` fault lands
             try:
                 self._gather(broken)
@@ -266,15 +285,18 @@ class Pipeline:
                 self.undo.restore()
                 raise
         else:
-            h = e.state.opt.hyper
-            update_(params[held], grad[held], *moments, step, h, h.groups_of(held))
+            h = st.opt.hyper
+            update_(
+                params[held], grads[held], st.exp_avg[held], st.exp_avg_sq[held], step, h,
+                h.groups_of(held),
+            )  # fmt: skip
         m = self.migration  # regions a migration brings up to date: replayed once caught up
         if m is not None and m.replay:
-            grads = [grad[r] for r, _ in m.replay]
+            missed = [grads[r] for r, _ in m.replay]
             if m.caught_up:
-                self._replay_step(m, step, grads)
+                self._replay_step(m, step, missed)
             else:
-                m.pending.append((step, [g.clone() for g in grads]))
+                m.pending.append((step, [g.clone() for g in missed]))
         self._written(step)
 
     def _written(self, step: int) -> None:
@@ -292,7 +314,7 @@ class Pipeline:
 
     def _gather(self, broken: Callable[[], bool]) -> None:
         """ZeRO: the parameters of the held layers this rank does not keep, from their keepers."""
-        params = self.e.state.flat.data
+        params = self.e.state.params
         sends, recvs, mine = gather_messages(self.gather, self.e.comm.rank("dp"), params)
         for piece, got in zip(mine, self.exchange(sends, recvs, broken), strict=True):
             params[piece.start : piece.stop].copy_(got)
@@ -346,10 +368,10 @@ class Pipeline:
         e = self.e
         for (region, own), g in zip(m.replay, grads, strict=True):
             if m.store is None:
-                moments = (e.state.opt.exp_avg[region], e.state.opt.exp_avg_sq[region])
+                moments = (e.state.exp_avg[region], e.state.exp_avg_sq[region])
             else:
                 moments = m.store.view(region.start, region.stop)
-            params = e.state.flat.data[region] if own else e.state.flat.data[region].clone()
+            params = e.state.params[region] if own else e.state.params[region].clone()
             h = e.state.opt.hyper
             update_(params, g, *moments, step, h, h.groups_of(region))
 
@@ -359,14 +381,12 @@ class Pipeline:
         if self.zero:
             return stagezero.assemble(self, broken)
         e = self.e
-        n = e.state.flat.numel
+        st, n = e.state, e.state.flat.total
         rank = e.comm.rank("dp")
         sums = torch.full((self.num_layers,), -1, dtype=torch.int64, device=e.state.device)
         for layer in self.held or ():
             r = self.span(range(layer, layer + 1))
-            sums[layer] = digest(
-                e.state.flat.data[r], e.state.opt.exp_avg[r], e.state.opt.exp_avg_sq[r]
-            )
+            sums[layer] = digest(st.params[r], st.exp_avg[r], st.exp_avg_sq[r])
         rows = [x.tolist() for x in e.comm.allgather("dp", sums, broken)]
         agree = all(
             len({row[layer] for row in rows if row[layer] >= 0}) == 1
@@ -377,9 +397,9 @@ class Pipeline:
             first = next((i for i, row in enumerate(rows) if row[layer] >= 0), None)
             if first == rank:
                 r = self.span(range(layer, layer + 1))
-                whole[r.start : r.stop] = e.state.flat.data[r]
-                whole[n + r.start : n + r.stop] = e.state.opt.exp_avg[r]
-                whole[2 * n + r.start : 2 * n + r.stop] = e.state.opt.exp_avg_sq[r]
+                whole[r.start : r.stop] = st.params[r]
+                whole[n + r.start : n + r.stop] = st.exp_avg[r]
+                whole[2 * n + r.start : 2 * n + r.stop] = st.exp_avg_sq[r]
         e.comm.allreduce("dp", whole, broken)
         return whole, agree
 
@@ -426,7 +446,8 @@ class Pipeline:
         if rank in rolled_back:
             self.roll_back(resume)
         targets, info = self.begin_layout(plan, resume, rolled_back)
-        transfers = plan_layer_transfers(holdings, targets, self.sizes)
+        # At step 0 every layer is its initial value, which any rank builds alone.
+        transfers = plan_layer_transfers(holdings, targets, self.sizes) if resume else []
         receivers = sorted({x.dst for x in transfers})
         serving = [all(r not in receivers for r in ranks) for ranks in plan.replicas]
         info.update(
@@ -436,20 +457,24 @@ class Pipeline:
         if not transfers:
             self.held = self.target
             self.serving, self.shares = [True] * len(plan.replicas), plan.shares
+            self.fit_window()
             return info
         if asynchronous and any(serving):
             self.held = holdings[rank]
             self.serving = serving
             self.shares = serving_shares(plan, serving, self.costs)
+            self.fit_window()  # the layers it holds and those it takes over, until the switch
             sends, recvs, regions = self._messages(transfers)
             m = Migration(transfers, [(r, True) for r in regions], len(receivers))
             self.start_migration(m, sends, recvs, [partial(self._land, r) for r in regions])
             info.update(migration="async", serving=serving, shares=list(self.shares))
             return info
         start = time.perf_counter()
+        e.state.set_window(hull(holdings[rank], self.target))
         nbytes = self._move_now(transfers, broken)
         self.held = self.target
         self.serving, self.shares = [True] * len(plan.replicas), plan.shares
+        self.fit_window()
         info.update(
             migration="blocking",
             migration_seconds=round(time.perf_counter() - start, 6),
@@ -465,6 +490,7 @@ class Pipeline:
         targets = [plan.stage_layers(r) for r in range(plan.world_size)]
         self.target = targets[self.e.comm.rank("dp")]
         self.fresh = False
+        self.undo = None  # older than the resume step, which no rank will go back before
         self.e.state.step = resume
         info = {
             "resume_step": resume,
@@ -479,7 +505,12 @@ class Pipeline:
         e = self.e
         rank = e.comm.rank("dp")
         targets = [plan.stage_layers(r) for r in range(plan.world_size)]
-        e.state.flat.data.copy_(state.params)
+        self.held = self.target = targets[rank]
+        self.migration, self.undo, self.fresh = None, None, False
+        self.fit_window()
+        flat = e.state.flat
+        window = slice(flat.base, flat.base + flat.numel)
+        e.state.params[window].copy_(state.params[window])
         if self.zero:
             blocks = holder_blocks(targets, self.offsets, plan.hosts)
             store = MomentStore(moment_duty(blocks, plan.world_size)[rank], e.state.device)
@@ -489,10 +520,8 @@ class Pipeline:
             self.parts = part_keepers(blocks)
             self.gather = [p for p in gather_plan(blocks) if rank in (p.src, p.dst)]
         else:
-            e.state.opt.exp_avg.copy_(state.exp_avg)
-            e.state.opt.exp_avg_sq.copy_(state.exp_avg_sq)
-        self.held = self.target = targets[rank]
-        self.migration, self.undo, self.fresh = None, None, False
+            e.state.exp_avg[window].copy_(state.exp_avg[window])
+            e.state.exp_avg_sq[window].copy_(state.exp_avg_sq[window])
         self.serving, self.shares = [True] * len(plan.replicas), plan.shares
         e.state.step, e.state.last_loss = state.step, state.loss
         return {
@@ -514,9 +543,9 @@ class Pipeline:
         e.state.step, e.state.last_loss = resume, undo.loss
 
     def _payload(self, t: LayerTransfer) -> torch.Tensor:
-        e = self.e
+        st = self.e.state
         r = self.span(range(t.start, t.stop))
-        return torch.cat([e.state.flat.data[r], e.state.opt.exp_avg[r], e.state.opt.exp_avg_sq[r]])
+        return torch.cat([st.params[r], st.exp_avg[r], st.exp_avg_sq[r]])
 
     def _messages(self, transfers: list[LayerTransfer]) -> tuple[list[Any], list[Any], list[slice]]:
         """This rank's part of ``transfers``: sends (a copy of the layers now), receive buffers,
@@ -540,15 +569,8 @@ class Pipeline:
         return sum(p.numel() * p.element_size() for p in received)
 
     def _land(self, region: slice, payload: torch.Tensor) -> None:
-        e = self.e
-        unpack_into(
-            payload,
-            (
-                e.state.flat.data[region],
-                e.state.opt.exp_avg[region],
-                e.state.opt.exp_avg_sq[region],
-            ),
-        )
+        st = self.e.state
+        unpack_into(payload, (st.params[region], st.exp_avg[region], st.exp_avg_sq[region]))
 
     def start_migration(
         self,
@@ -592,5 +614,9 @@ def _clock_range(actuator: Any, device: int) -> tuple[float, float, float]:
     raise DvfsError("this DVFS actuator has no clock range the engine can plan with")
 
 
-def _saved(*live: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return [(t, t.clone()) for t in live]
+def _saved(
+    *live: Callable[[], torch.Tensor],
+) -> list[tuple[Callable[[], torch.Tensor], torch.Tensor]]:
+    """(where each tensor lives, found again when restoring: the window may have moved since;
+    its copy now)."""
+    return [(where, where().clone()) for where in live]

@@ -47,12 +47,21 @@ class Undo:
     step: int
     loss: float
     held: range | None
-    saved: list[tuple[torch.Tensor, torch.Tensor]]  # (live view, its pre-update copy)
+    # (where the live tensor is, looked up when restoring; its pre-update copy)
+    saved: list[tuple[Callable[[], torch.Tensor], torch.Tensor]]
     store: MomentStore | None = None  # ZeRO: the moments it saved (a switch replaces the store)
 
     def restore(self) -> None:
         for live, copy in self.saved:
-            live.copy_(copy)
+            live().copy_(copy)
+
+
+def hull(*layers: range | None) -> range:
+    """The smallest range of layers that contains every one given (empty if none is)."""
+    given = [r for r in layers if r]
+    if not given:
+        return range(0)
+    return range(min(r.start for r in given), max(r.stop for r in given))
 
 
 def bounds_of(layers: range | None) -> tuple[float, float]:

@@ -120,9 +120,10 @@ class StageStep:
                 out.backward(self.grads_in.pop(i))
         with self.pipe.timer.pause():
             self.pipe.device_pause(self.layers, backward=True)
-        grad = self.ctx.state.flat.collect_grads()
-        self.buf[self.region].add_(grad[self.region])
-        grad[self.region].zero_()
+        flat = self.ctx.state.flat
+        grad = flat.at(flat.collect_grads())[self.region]
+        flat.at(self.buf)[self.region].add_(grad)
+        grad.zero_()
 
     def exchange(self, item: Comm) -> None:
         """Post this slot's sends and receives together; received activations need gradients."""

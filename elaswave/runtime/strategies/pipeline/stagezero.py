@@ -37,15 +37,17 @@ from elaswave.planning.stageshards import (
 )
 from elaswave.runtime.durable.checkpoints import DurableState
 from elaswave.runtime.integrity.checksums import digest
-from elaswave.runtime.optim import OptimHyper, update_
+from elaswave.runtime.optim import OptimHyper, Spans, update_
 from elaswave.runtime.strategies.pipeline.stagestate import (
     Migration,
     bounds_of,
+    hull,
     range_of,
     unpack_into,
 )
 
 if TYPE_CHECKING:
+    from elaswave.runtime.state import TrainState
     from elaswave.runtime.strategies.pipeline.stage import Pipeline
 
 TAG_PARAM, TAG_MOMENT = 4, 5
@@ -107,9 +109,7 @@ class MomentStore:
                     m.copy_(om)
                     v.copy_(ov)
 
-    def update(
-        self, params: torch.Tensor, grad: torch.Tensor, step: int, hyper: OptimHyper
-    ) -> None:
+    def update(self, params: Spans, grad: Spans, step: int, hyper: OptimHyper) -> None:
         """AdamW on every kept element (element-wise: the other keeper of a part computes the
         same bits from the same all-reduced gradient)."""
         for a, b in self.intervals:
@@ -118,7 +118,7 @@ class MomentStore:
 
 
 def gather_messages(
-    pieces: Sequence[Piece], rank: int, params: torch.Tensor
+    pieces: Sequence[Piece], rank: int, params: Spans
 ) -> tuple[list[Message], list[Message], list[Piece]]:
     """This rank's sends and receive buffers of a parameter gather, and the pieces received."""
     sends = [(p.dst, params[p.start : p.stop], TAG_PARAM) for p in pieces if p.src == rank]
@@ -171,6 +171,7 @@ def sync(
     if resume == 0:  # before the first update every moment is zero: nothing to move
         pipe.held = pipe.target
         pipe.serving, pipe.shares = [True] * len(plan.replicas), plan.shares
+        pipe.fit_window()  # the parameters are their initial values, which any rank builds
         adopt(MomentStore(duty[rank], e.state.device))
         return {**info, "moment_bytes": pipe.store.nbytes, "gather_bytes": _gather_bytes(pipe)}
     # Asynchronously, a rank brings up to date the layers it newly holds (parameters and
@@ -200,6 +201,7 @@ def sync(
         interim = plan_piece_transfers(have_moments, have_params)
         pipe.parts = coverage(have_moments)  # what verification and assembly see meanwhile
         pipe.gather = [p for p in interim if rank in (p.src, p.dst)]
+        pipe.fit_window()  # the layers it holds and those it takes over, until the switch
         receivers = len({p.dst for p in param_pieces + moment_pieces})
         _start_migration(
             pipe, param_pieces, moment_pieces, newly[rank], wanted[rank], duty[rank], adopt,
@@ -207,9 +209,11 @@ def sync(
         )  # fmt: skip
         return {**info, "migration": "async", "serving": serving, "shares": list(pipe.shares)}
     store = MomentStore(duty[rank], e.state.device)
+    e.state.set_window(hull(range_of(*held_bounds), pipe.target))
     moved = _move_blocking(pipe, param_pieces, moment_pieces, store, broken)
     pipe.held = pipe.target
     pipe.serving, pipe.shares = [True] * len(plan.replicas), plan.shares
+    pipe.fit_window()
     adopt(store)
     return {**info, **moved, "gather_bytes": _gather_bytes(pipe)}
 
@@ -274,12 +278,12 @@ def _move_blocking(
     rank = e.comm.rank("dp")
     start = time.perf_counter()
     store.fill_from(pipe.store)
-    sends_p, recvs_p, got_p = gather_messages(param_pieces, rank, e.state.flat.data)
+    sends_p, recvs_p, got_p = gather_messages(param_pieces, rank, e.state.params)
     sends_m, recvs_m, got_m = moment_messages(moment_pieces, rank, pipe.store)
     received = pipe.exchange(sends_p + sends_m, recvs_p + recvs_m, broken)
     pipe.link_pause(received)
     for piece, payload in zip(got_p, received[: len(got_p)], strict=True):
-        e.state.flat.data[piece.start : piece.stop].copy_(payload)
+        e.state.params[piece.start : piece.stop].copy_(payload)
     for piece, payload in zip(got_m, received[len(got_p) :], strict=True):
         store.unpack(piece.start, piece.stop, payload)
     return {
@@ -326,26 +330,31 @@ def _start_migration(
         adopt(store)
 
     m.switch = switch
-    params = e.state.flat.data
-    sends_p, recvs_p, got_p = gather_messages(param_pieces, rank, params)
+    sends_p, recvs_p, got_p = gather_messages(param_pieces, rank, e.state.params)
     sends_m, recvs_m, got_m = moment_messages(moment_pieces, rank, pipe.store)
     # Parameters are sent as a copy: training goes on while the message is in flight.
     sends = [(dst, t.clone(), tag) for dst, t, tag in sends_p] + sends_m
-    lands: list[Callable[[torch.Tensor], object]] = [params[p.start : p.stop].copy_ for p in got_p]
+    lands: list[Callable[[torch.Tensor], object]] = [
+        partial(_land_params, e.state, p.start, p.stop) for p in got_p
+    ]
     lands += [partial(m.store.unpack, p.start, p.stop) for p in got_m]
     pipe.start_migration(m, sends, recvs_p + recvs_m, lands)
+
+
+def _land_params(state: TrainState, start: int, stop: int, payload: torch.Tensor) -> None:
+    state.params[start:stop].copy_(payload)
 
 
 def assemble(pipe: Pipeline, broken: Callable[[], bool]) -> tuple[torch.Tensor, bool]:
     """ZeRO: as :meth:`assemble`, with each moment part from its lowest-rank keeper, and
     both keepers of every part compared as well as every layer's holders."""
     e = pipe.e
-    n = e.state.flat.numel
+    params, n = e.state.params, e.state.flat.total
     rank = e.comm.rank("dp")
     units = [pipe.span(range(layer, layer + 1)) for layer in range(pipe.num_layers)]
     sums = torch.full((len(units) + len(pipe.parts),), -1, dtype=torch.int64, device=e.state.device)
     for layer in pipe.held or ():
-        sums[layer] = digest(e.state.flat.data[units[layer]])
+        sums[layer] = digest(params[units[layer]])
     for j, ((a, b), keepers) in enumerate(pipe.parts):
         if rank in keepers:
             sums[len(units) + j] = digest(*pipe.store.view(a, b))
@@ -356,7 +365,7 @@ def assemble(pipe: Pipeline, broken: Callable[[], bool]) -> tuple[torch.Tensor, 
         if next((i for i, row in enumerate(rows) if row[u] >= 0), None) != rank:
             continue
         if u < len(units):
-            whole[units[u]] = e.state.flat.data[units[u]]
+            whole[units[u]] = params[units[u]]
         else:
             (a, b), _ = pipe.parts[u - len(units)]
             m, v = pipe.store.view(a, b)

@@ -4,8 +4,9 @@ among its holders (:mod:`~elaswave.planning.gradgroups`), the update of the held
 (replicated or ZeRO stage state), and the takeover of layers on a new layout.
 
 While an asynchronous migration runs, the ranks taking layers over replay the gradients of layers
-they do not hold yet: until the switch every layer's gradient is summed over every rank, as one
-all-reduce of the whole model."""
+they do not hold yet: until the switch every layer's gradient is summed over every rank, a
+bounded chunk of the model at a time (each rank brings the layers it allocates and zeros for the
+rest), so no rank allocates the whole model."""
 
 from __future__ import annotations
 
@@ -46,6 +47,10 @@ if TYPE_CHECKING:
     from elaswave.runtime.state import RankContext
 
 __all__ = ["GradLayout", "PipelineStages"]
+
+# While a migration runs the whole model's gradient is summed this many elements at a time (the
+# most a rank allocates beside its window for it: 32 MiB in the float64 reduction).
+MIGRATION_CHUNK = 1 << 22
 
 
 @dataclass(frozen=True)
@@ -109,6 +114,17 @@ class RankGrads:
     counted: list[bool]
 
 
+def chunks(total: int, size: int, lo: int, hi: int) -> list[tuple[int, int, int, int]]:
+    """``[0, total)`` in chunks of ``size`` elements: ``(a, b, x, y)`` for each chunk ``[a, b)``
+    with its overlap ``[x, y)`` with a window ``[lo, hi)`` (``x == y`` where they do not meet)."""
+    out = []
+    for a in range(0, total, size):
+        b = min(a + size, total)
+        x, y = max(a, lo), min(b, hi)
+        out.append((a, b, x, y) if x < y else (a, b, a, a))
+    return out
+
+
 class PipelineStages(Strategy):
     """This rank runs one stage of one replica; layers are reduced over the replicas."""
 
@@ -138,6 +154,9 @@ class PipelineStages(Strategy):
         return out
 
     # ---- one step -----------------------------------------------------------------------------
+    def before_step(self) -> None:
+        self.pipe.fit_window()
+
     def compute(
         self, step: int, every: Sequence[MicroBatch], buf: torch.Tensor, slowdown: float
     ) -> float | None:
@@ -158,10 +177,12 @@ class PipelineStages(Strategy):
     ) -> float:
         st, n, pipe, ctx = self.state, self.state.flat.numel, self.pipe, self.ctx
         sumsq = None
-        if pipe.migration is None and ctx.cfg.grad_reduce == "holders":
+        if ctx.cfg.grad_reduce == "all":  # the comparison mode: every rank holds every layer
+            ctx.comm.allreduce(DP, buf, broken)
+        elif pipe.migration is None:
             sumsq = self._reduce_among_holders(buf, broken)
         else:  # receivers replay every layer they take over: the whole model's gradient
-            ctx.comm.allreduce(DP, buf, broken)
+            sumsq = self._reduce_over_everyone(buf, broken)
         ctx.enter("compute")
         clip = ctx.cfg.train.grad_clip
         grad, loss = mean_gradient(buf, n, clip, st.ties, st.segments, sumsq)
@@ -186,27 +207,67 @@ class PipelineStages(Strategy):
         ctx, st = self.ctx, self.state
         n, mine = st.flat.numel, self.my_grads
         assert mine is not None and ctx.plan is not None and mine.epoch == ctx.plan.epoch
+        grads = st.flat.at(buf[:n])
+        # A tied weight's sum: a rank that holds only its second copy brings it in that slot.
+        second = {(a.start, a.stop): (b.start, b.stop) for a, b in st.ties}
         items: list[tuple[str, torch.Tensor]] = [(DP, buf[n:])]
         packed = []
         for name, red in mine.mine:
             if len(red.spans) == 1:
                 ((a, b),) = red.spans
-                items.append((name, buf[a:b]))
+                if not grads.holds(a, b) and (a, b) in second:
+                    a, b = second[(a, b)]
+                items.append((name, grads[a:b]))
             else:  # a block with a tied copy inside it: its other elements, packed
-                t = torch.cat([buf[a:b] for a, b in red.spans])
+                t = torch.cat([grads[a:b] for a, b in red.spans])
                 packed.append((red, t))
                 items.append((name, t))
         ctx.comm.allreduce_many(items, broken)
         for red, t in packed:
             offset = 0
             for a, b in red.spans:
-                buf[a:b].copy_(t[offset : offset + b - a])
+                grads[a:b].copy_(t[offset : offset + b - a])
                 offset += b - a
         for (a, b), (c, d) in mine.copies:
-            buf[c:d].copy_(buf[a:b])
+            if grads.holds(a, b):
+                grads[c:d].copy_(grads[a:b])
+        return self._norms(broken)
+
+    def _reduce_over_everyone(
+        self, buf: torch.Tensor, broken: Callable[[], bool]
+    ) -> Callable[[torch.Tensor], torch.Tensor]:
+        """While a migration runs: every layer's gradient summed over every rank, in chunks of
+        the whole model's flat layout (each rank brings what its window holds, zeros for the
+        rest), then each tied weight once (the copy a rank holds; both copies take the sum).
+        The clipping norm is completed as among holders: the plan's first holders count."""
+        ctx, st = self.ctx, self.state
+        n, flat = st.flat.numel, st.flat
+        grads = flat.at(buf[:n])
+        ties = []  # each tied weight's own sum, taken before the chunks overwrite its copies
+        for a, b in st.ties:
+            mine = [s for s in (a, b) if grads.holds(s.start, s.stop)]
+            own = grads[mine[0]].clone() if mine else buf.new_zeros(a.stop - a.start)
+            ties.append((mine, own))
+        ctx.comm.allreduce(DP, buf[n:], broken)
+        for a, b, x, y in chunks(flat.total, MIGRATION_CHUNK, flat.base, flat.base + n):
+            chunk = buf.new_zeros(b - a)
+            chunk[x - a : y - a] = grads[x:y]
+            ctx.comm.allreduce(DP, chunk, broken)
+            grads[x:y].copy_(chunk[x - a : y - a])
+        for mine, tied in ties:
+            ctx.comm.allreduce(DP, tied, broken)
+            for s in mine:
+                grads[s].copy_(tied)
+        return self._norms(broken)
+
+    def _norms(self, broken: Callable[[], bool]) -> Callable[[torch.Tensor], torch.Tensor]:
+        """How the clipping norm is completed: each rank adds the layers it is the first holder
+        of under the plan, an all-reduce adds the rest."""
+        ctx, st, mine = self.ctx, self.state, self.my_grads
+        assert mine is not None
 
         def sumsq(mean: torch.Tensor) -> torch.Tensor:
-            squares = layer_sumsq(mean, st.segments, st.ties, only=mine.counted)
+            squares = layer_sumsq(st.flat.at(mean), st.segments, st.ties, only=mine.counted)
             ctx.comm.allreduce(DP, squares, broken)
             return squares
 
@@ -242,7 +303,7 @@ class PipelineStages(Strategy):
         # per group) and what a ring all-reduce sends for it: 2 (k - 1) / k of the group's bytes.
         groups = [(len(r.members), r.numel) for _, r in self.my_grads.mine]
         if self.ctx.cfg.grad_reduce == "all":  # one all-reduce of the whole buffer
-            groups = [(plan.world_size, self.state.flat.numel)]
+            groups = [(plan.world_size, self.state.flat.total)]
         info.update(
             grad_groups=len(groups),
             grad_reduce_bytes=sum(n for _, n in groups) * element,
@@ -292,7 +353,7 @@ class PipelineStages(Strategy):
         pipe, st, grads = self.pipe, self.state, self.grads
         if pipe.migration is not None or grads is None:
             return None
-        rank, params = self.ctx.comm.rank(DP), st.flat.data
+        rank, params = self.ctx.comm.rank(DP), st.params
         if pipe.zero:
             out = []
             for (a, b), keepers in pipe.parts:
@@ -300,7 +361,7 @@ class PipelineStages(Strategy):
                     m, v = pipe.store.view(a, b)
                     out.append((a, b, params[a:b], m, v))
             return out
-        m, v = st.opt.exp_avg, st.opt.exp_avg_sq
+        m, v = st.exp_avg, st.exp_avg_sq
         return [
             (blk.start, blk.stop, params[blk.start : blk.stop], m[blk.start : blk.stop],
              v[blk.start : blk.stop])
@@ -333,7 +394,7 @@ class PipelineStages(Strategy):
 
     def computes_with(self) -> torch.Tensor:
         pipe = self.pipe
-        return self.state.flat.data[pipe.span(pipe.held) if pipe.held else slice(0, 0)]
+        return self.state.params[pipe.span(pipe.held) if pipe.held else slice(0, 0)]
 
     def corrupt_target(self, target: str) -> tuple[torch.Tensor, str]:
         """What this rank keeps current: its held layers (or their kept moments)."""
@@ -344,7 +405,7 @@ class PipelineStages(Strategy):
             return st.flat.data, "parameters"
         held = pipe.span(pipe.held)
         if target != "snapshot":
-            return st.flat.data[held], "parameters"
+            return st.params[held], "parameters"
         if pipe.zero:
             return pipe.store.exp_avg, "optimizer state (exp_avg)"
-        return st.opt.exp_avg[held], "optimizer state (exp_avg)"
+        return st.exp_avg[held], "optimizer state (exp_avg)"
