@@ -23,7 +23,6 @@ from peers, else from a durable checkpoint); the step is redone. Survivors are n
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import time
@@ -42,17 +41,18 @@ from elaswave.runtime.durable.checkpoints import DurableCheckpoints, Piece
 from elaswave.runtime.durable.restore import DurableSource
 from elaswave.runtime.evaluate import evaluate, training_samples
 from elaswave.runtime.integrity.checker import Integrity
-from elaswave.runtime.integrity.checksums import host_bytes
 from elaswave.runtime.integrity.inject import FaultInjector
 from elaswave.runtime.state import RankContext, TrainState
 from elaswave.runtime.strategies.base import (
     DP,
     EPOCH,
     TAIL,
+    Final,
     Strategy,
     Whole,
     nbytes,
     reduction_buffer,
+    state_digests,
 )
 from elaswave.runtime.strategies.select import strategy_for
 from elaswave.runtime.strategies.zero import ShardLost
@@ -312,16 +312,29 @@ class Engine:
             step, self.state.last_loss, whole.params, whole.exp_avg, whole.exp_avg_sq, saved
         )
 
-    def _save_pieces(self, step: int, pieces: list[Piece]) -> None:
+    def _save_final(self, final: Final) -> None:
+        """The final state as a durable checkpoint: the whole state the strategy assembled, or
+        each rank's own pieces (pipelines), or, while a migration runs, the whole assembled."""
+        step = self.state.step
+        if final.whole is not None:
+            self._save_durable(step, final.whole, "final_saved")
+            return
+        pieces = self.strategy.durable_pieces()
+        if pieces is None:
+            self._save_durable(step, self.strategy.whole(self.ctx.broken), "final_saved")
+        else:
+            self._save_pieces(step, pieces, "final_saved")
+
+    def _save_pieces(self, step: int, pieces: list[Piece], event: str = "durable_saved") -> None:
         """Every rank writes the intervals it owns (pipelines: nothing assembled on one rank);
-        rank 0 commits the checkpoint once all are written and records ``durable_saved``."""
+        rank 0 commits the checkpoint once all are written and records ``event``."""
         store, plan = self.store, self.plan
         assert store is not None and plan is not None
         rank = self.comm.rank(DP)
 
         def saved(path: Any, seconds: float) -> None:
             self.control.event(
-                "durable_saved", step=step, path=str(path), seconds=round(seconds, 4),
+                event, step=step, path=str(path), seconds=round(seconds, 4),
                 parts=plan.world_size,
             )  # fmt: skip
 
@@ -435,33 +448,26 @@ class Engine:
         if self.plan is None:
             return
         st = self.state
-        params, exp_avg, exp_avg_sq = st.flat.data, st.opt.exp_avg, st.opt.exp_avg_sq
-        checks: dict[str, bool] = {}
         try:  # the whole state compares across ranks (pipelines: assembled from the stages)
-            whole = self.strategy.whole(self.ctx.broken)
-            params, exp_avg, exp_avg_sq, checks = (
-                whole.params, whole.exp_avg, whole.exp_avg_sq, whole.checks,
-            )  # fmt: skip
+            final = self.strategy.final(self.ctx.broken)
             every = self.cfg.durable_every
             if self.cfg.train.save_final and not (every and self.state.step % every == 0):
-                self._save_durable(self.state.step, whole, "final_saved")  # export reads it
+                self._save_final(final)  # export reads it
             token = self.state.flat.data.new_zeros(1)
             self.comm.allreduce(DP, token, self.ctx.broken)
-        except (CommError, Interrupted):
-            pass
+        except (CommError, Interrupted):  # what this rank holds, then
+            mine = [(0, st.flat.data), (1, st.opt.exp_avg), (2, st.opt.exp_avg_sq)]
+            final = Final(*state_digests(mine), {})
         if self.store is not None:
             self.store.flush()  # the last checkpoint is on disk before "done"
-        digest = hashlib.sha256(host_bytes(params))
-        digest.update(host_bytes(exp_avg))
-        digest.update(host_bytes(exp_avg_sq))
         self.control.event(
             "final_state",
             worker=self.me,
             rank=self.comm.rank(DP),
             step=self.state.step,
             pid=os.getpid(),
-            params_sha256=hashlib.sha256(host_bytes(params)).hexdigest(),
-            state_sha256=digest.hexdigest(),
-            **checks,
+            params_sha256=final.params_sha256,
+            state_sha256=final.state_sha256,
+            **final.checks,
         )
         self.control.send({"type": "done", "step": self.state.step, "worker_id": self.me})

@@ -21,8 +21,9 @@ seal covers), ``corrupt_target`` (where an injected flip lands).
 
 from __future__ import annotations
 
+import hashlib
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -31,6 +32,7 @@ import torch
 
 from elaswave.planning.plan import Plan
 from elaswave.runtime.durable.checkpoints import DurableState, Piece
+from elaswave.runtime.integrity.checksums import host_bytes
 from elaswave.runtime.optim import clip_from, layer_sumsq
 from elaswave.runtime.workload.data import MicroBatch
 
@@ -49,7 +51,7 @@ TAIL = 4
 
 __all__ = [
     "COUNT", "DP", "EPOCH", "FLAG", "LOSS", "TAIL",
-    "Strategy", "Whole", "mean_gradient", "nbytes", "reduction_buffer",
+    "Final", "Strategy", "Whole", "mean_gradient", "nbytes", "reduction_buffer", "state_digests",
 ]  # fmt: skip
 
 
@@ -100,6 +102,31 @@ def mean_gradient(
     if factor < 1.0:
         grad.mul_(factor)
     return grad, float(buf[n + LOSS]) / count
+
+
+def state_digests(pieces: Iterable[tuple[int, torch.Tensor]]) -> tuple[str, str]:
+    """SHA-256 of the parameters and of [params | exp_avg | exp_avg_sq], from consecutive
+    pieces of the whole state in order: ``(part, tensor)``, part 0 parameters, 1 and 2 the
+    moments (any cut into pieces gives the same digests)."""
+    params, state = hashlib.sha256(), hashlib.sha256()
+    for part, tensor in pieces:
+        data = host_bytes(tensor)
+        if part == 0:
+            params.update(data)
+        state.update(data)
+    return params.hexdigest(), state.hexdigest()
+
+
+@dataclass
+class Final:
+    """The whole state's digests at the end of a run (the same on every rank), what the holders
+    agree on, and the whole state itself where the strategy assembled it (None: a pipeline
+    hashes it a chunk at a time and never holds it whole)."""
+
+    params_sha256: str
+    state_sha256: str
+    checks: dict[str, bool]
+    whole: Whole | None = None
 
 
 @dataclass
@@ -194,6 +221,14 @@ class Strategy(ABC):
     @abstractmethod
     def whole(self, broken: Callable[[], bool]) -> Whole:
         """The whole training state (a collective: every rank of the plan calls it)."""
+
+    def final(self, broken: Callable[[], bool]) -> Final:
+        """The whole state's digests at the end of a run (a collective)."""
+        whole = self.whole(broken)
+        params, state = state_digests(
+            [(0, whole.params), (1, whole.exp_avg), (2, whole.exp_avg_sq)]
+        )
+        return Final(params, state, whole.checks, whole)
 
     def durable_pieces(self) -> list[Piece] | None:
         """What this rank writes of a durable checkpoint: the flat intervals it owns, with their

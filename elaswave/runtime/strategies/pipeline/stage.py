@@ -79,6 +79,7 @@ from elaswave.runtime.strategies.pipeline.stagestate import (
 from elaswave.runtime.strategies.pipeline.stagestep import StageStep
 from elaswave.runtime.strategies.pipeline.stagetimes import StageTimer
 from elaswave.runtime.strategies.pipeline.stagezero import (
+    Contribution,
     MomentStore,
     gather_messages,
 )
@@ -378,10 +379,22 @@ class Pipeline:
     def assemble(self, broken: Callable[[], bool]) -> tuple[torch.Tensor, bool]:
         """The whole model's [params | exp_avg | exp_avg_sq] on every rank (each layer from its
         lowest-rank holder), and whether all holders of every layer agree bit for bit."""
+        pieces, agree = self.contributions(broken)
+        n = self.e.state.flat.total
+        whole = self.e.state.flat.data.new_zeros(3 * n)
+        for part, a, b, tensor in pieces:
+            whole[part * n + a : part * n + b] = tensor
+        self.e.comm.allreduce("dp", whole, broken)
+        return whole, agree
+
+    def contributions(self, broken: Callable[[], bool]) -> tuple[list[Contribution], bool]:
+        """What this rank brings to the whole state: ``(part, start, stop, tensor)``, part 0
+        the parameters and 1, 2 the moments, each layer from its lowest-rank holder; and
+        whether all holders of every layer agree bit for bit (a collective)."""
         if self.zero:
-            return stagezero.assemble(self, broken)
+            return stagezero.contributions(self, broken)
         e = self.e
-        st, n = e.state, e.state.flat.total
+        st = e.state
         rank = e.comm.rank("dp")
         sums = torch.full((self.num_layers,), -1, dtype=torch.int64, device=e.state.device)
         for layer in self.held or ():
@@ -392,16 +405,17 @@ class Pipeline:
             len({row[layer] for row in rows if row[layer] >= 0}) == 1
             for layer in range(self.num_layers)
         )
-        whole = e.state.flat.data.new_zeros(3 * n)
+        out: list[Contribution] = []
         for layer in range(self.num_layers):
             first = next((i for i, row in enumerate(rows) if row[layer] >= 0), None)
             if first == rank:
                 r = self.span(range(layer, layer + 1))
-                whole[r.start : r.stop] = st.params[r]
-                whole[n + r.start : n + r.stop] = st.exp_avg[r]
-                whole[2 * n + r.start : 2 * n + r.stop] = st.exp_avg_sq[r]
-        e.comm.allreduce("dp", whole, broken)
-        return whole, agree
+                out += [
+                    (0, r.start, r.stop, st.params[r]),
+                    (1, r.start, r.stop, st.exp_avg[r]),
+                    (2, r.start, r.stop, st.exp_avg_sq[r]),
+                ]
+        return out, agree
 
     # ---- recovery ----------------------------------------------------------------------------
     def sync(

@@ -52,6 +52,9 @@ if TYPE_CHECKING:
 
 TAG_PARAM, TAG_MOMENT = 4, 5
 Message = tuple[int, torch.Tensor, int]  # (peer, tensor, tag)
+# A piece of the whole state a rank brings: (part: 0 parameters, 1 exp_avg, 2 exp_avg_sq,
+# start, stop, its values)
+Contribution = tuple[int, int, int, torch.Tensor]
 
 
 class MomentStore:
@@ -345,11 +348,11 @@ def _land_params(state: TrainState, start: int, stop: int, payload: torch.Tensor
     state.params[start:stop].copy_(payload)
 
 
-def assemble(pipe: Pipeline, broken: Callable[[], bool]) -> tuple[torch.Tensor, bool]:
-    """ZeRO: as :meth:`assemble`, with each moment part from its lowest-rank keeper, and
-    both keepers of every part compared as well as every layer's holders."""
+def contributions(pipe: Pipeline, broken: Callable[[], bool]) -> tuple[list[Contribution], bool]:
+    """ZeRO: as :meth:`Pipeline.contributions`, with each moment part from its lowest-rank
+    keeper, and both keepers of every part compared as well as every layer's holders."""
     e = pipe.e
-    params, n = e.state.params, e.state.flat.total
+    params = e.state.params
     rank = e.comm.rank("dp")
     units = [pipe.span(range(layer, layer + 1)) for layer in range(pipe.num_layers)]
     sums = torch.full((len(units) + len(pipe.parts),), -1, dtype=torch.int64, device=e.state.device)
@@ -360,19 +363,17 @@ def assemble(pipe: Pipeline, broken: Callable[[], bool]) -> tuple[torch.Tensor, 
             sums[len(units) + j] = digest(*pipe.store.view(a, b))
     rows = [x.tolist() for x in e.comm.allgather("dp", sums, broken)]
     agree = all(len({row[u] for row in rows if row[u] >= 0}) == 1 for u in range(len(sums)))
-    whole = e.state.flat.data.new_zeros(3 * n)
+    out: list[Contribution] = []
     for u in range(len(sums)):
         if next((i for i, row in enumerate(rows) if row[u] >= 0), None) != rank:
             continue
         if u < len(units):
-            whole[units[u]] = params[units[u]]
+            out.append((0, units[u].start, units[u].stop, params[units[u]]))
         else:
             (a, b), _ = pipe.parts[u - len(units)]
             m, v = pipe.store.view(a, b)
-            whole[n + a : n + b] = m
-            whole[2 * n + a : 2 * n + b] = v
-    e.comm.allreduce("dp", whole, broken)
-    return whole, agree
+            out += [(1, a, b, m), (2, a, b, v)]
+    return out, agree
 
 
 def cut(intervals: list[Interval], at: list[Interval]) -> list[Interval]:

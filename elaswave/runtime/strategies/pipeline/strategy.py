@@ -10,7 +10,7 @@ rest), so no rank allocates the whole model."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -33,11 +33,13 @@ from elaswave.runtime.strategies.base import (
     DP,
     EPOCH,
     FLAG,
+    Final,
     Strategy,
     Whole,
     mean_gradient,
     nbytes,
     reduction_dtype,
+    state_digests,
 )
 from elaswave.runtime.strategies.pipeline.stage import MIG, Pipeline
 from elaswave.runtime.workload.data import MicroBatch
@@ -49,7 +51,8 @@ if TYPE_CHECKING:
 __all__ = ["GradLayout", "PipelineStages"]
 
 # While a migration runs the whole model's gradient is summed this many elements at a time (the
-# most a rank allocates beside its window for it: 32 MiB in the float64 reduction).
+# most a rank allocates beside its window for it: 32 MiB in the float64 reduction); the final
+# state is hashed in chunks of this size too.
 MIGRATION_CHUNK = 1 << 22
 
 
@@ -345,6 +348,25 @@ class PipelineStages(Strategy):
         whole, agree = self.pipe.assemble(broken)
         params, exp_avg, exp_avg_sq = whole.chunk(3)
         return Whole(params, exp_avg, exp_avg_sq, {"holders_agree": agree})
+
+    def final(self, broken: Callable[[], bool]) -> Final:
+        """The whole state hashed a chunk at a time: no rank ever holds all of it."""
+        pieces, agree = self.pipe.contributions(broken)
+        n, ctx = self.state.flat.total, self.ctx
+        dtype = self.state.flat.data.dtype
+
+        def chunks_of_whole() -> Iterator[tuple[int, torch.Tensor]]:
+            for part in range(3):
+                for a, b, _, _ in chunks(n, MIGRATION_CHUNK, 0, 0):
+                    chunk = torch.zeros(b - a, dtype=dtype, device=self.state.device)
+                    for p, x, y, tensor in pieces:
+                        lo, hi = max(a, x), min(b, y)
+                        if p == part and lo < hi:
+                            chunk[lo - a : hi - a] = tensor[lo - x : hi - x]
+                    ctx.comm.allreduce(DP, chunk, broken)
+                    yield part, chunk
+
+        return Final(*state_digests(chunks_of_whole()), {"holders_agree": agree})
 
     def durable_pieces(self) -> list[Piece] | None:
         """The layers this rank is the first holder of (with ZeRO inside the stages: the moment
