@@ -8,8 +8,9 @@ slots of one float64 vector, zeros elsewhere; the sum over ranks of a slot is th
 value plus zeros), and the loss is summed over the slots in their fixed order. So the eval
 loss is the same number whichever ranks, and how many, computed it.
 
-Pipeline stages hold only their layers: they evaluate on a whole model built for the evaluation
-from the parameters assembled from the holders (:meth:`Strategy.eval_params`), then dropped.
+Pipeline stages hold only their layers: micro-batch ``i`` goes through the stages of the
+serving replica ``i mod replicas``, which pass its activations on as in training
+(:meth:`Strategy.score`); the slots are the same.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from elaswave.runtime.strategies.base import DP, Strategy
 
 __all__ = ["eval_microbatches", "evaluate", "training_samples"]
 
-EVAL_STEP = -2  # the (step) key of an evaluation's layer calls: never a training step
 
 
 def training_samples(total: int, held_out: int) -> int:
@@ -46,17 +46,11 @@ def evaluate(ctx: RankContext, strategy: Strategy, broken: Callable[[], bool]) -
     """(mean held-out loss, samples scored), the same on every rank; a collective."""
     st, cfg, comm = ctx.state, ctx.cfg, ctx.comm
     batches = eval_microbatches(len(st.dataset), cfg.data.eval_samples, cfg.train.micro_batch_size)
-    rank, world = comm.rank(DP), comm.size(DP)
     slots = torch.zeros(2 * len(batches), dtype=torch.float64, device=st.device)
-    whole = strategy.eval_params(broken)
-    model = st.model if whole is None else st.whole_model(whole)
+    st.model.eval()
     try:
-        model.eval()
         with torch.no_grad():
-            for i in range(rank, len(batches), world):
-                inputs, targets = st.microbatch(batches[i])
-                total, count = st.loss(model(inputs, EVAL_STEP, i), targets)
-                slots[2 * i], slots[2 * i + 1] = float(total), float(count)
+            strategy.score(batches, slots, broken)
     finally:
         st.model.train()
     comm.allreduce(DP, slots, broken)

@@ -146,20 +146,6 @@ class TrainState:
                 at[a].add_(at[b])
                 at[b].copy_(at[a])
 
-    def whole_model(self, params: torch.Tensor) -> KeyedLayers:
-        """Every layer, holding ``params`` (the whole model's flat parameters): what a rank that
-        holds a window of layers evaluates with. Built anew; the rank's state is untouched."""
-        model = build_layers(self.workload, self.model.seed)
-        model.to(self.device)
-        model.autocast = self.model.autocast
-        offset = 0
-        with torch.no_grad():
-            for p in model.parameters():
-                if p.requires_grad:
-                    p.copy_(params[offset : offset + p.numel()].view_as(p))
-                    offset += p.numel()
-        return model
-
     @property
     def device(self) -> torch.device:
         """Where this rank's parameters live: tensors the runtime creates for it go there too."""

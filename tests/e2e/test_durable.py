@@ -171,3 +171,33 @@ def test_a_per_stage_checkpoint_resumes_on_another_layout(
                env=state_env)  # fmt: skip
     assert r.returncode == 0, r.stderr[-2000:]
     _resumed_on_the_curve(tmp_path / "run", reference, 21, 24)
+
+
+@pytest.mark.parametrize("zero", ["0", "1"])
+def test_a_checkpoint_taken_while_layers_migrate_is_written_per_stage(
+    tmp_path: Path, state_env: dict[str, str], reference: Run, zero: str
+) -> None:
+    """dp=2 × pp=2 (replicated stage state, and ZeRO inside the stages): a stage dies at step 6
+    and its layers migrate in the background over a link so slow that the run ends first. The
+    checkpoints of steps 8 and 10 are taken mid-migration, each rank writing what it holds until
+    the switch (nothing assembled on one rank); the last one resumes on three workers as data
+    parallelism, on the fault-free curve."""
+    env = {**state_env, "ELASWAVE_TRAIN__STATE_BANDWIDTH": "0.01"}  # MB/s: minutes for a layer
+    r = launch(tmp_path / "run", "--job-id", "pp-mid-migration", "--pp", "2", "--zero", zero,
+               "--steps", "10", "--migration", "async", "--durable-every", "2",
+               "--fault", "kill,rank=1,at_step=6", env=env)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    run = _resumed_on_the_curve(tmp_path / "run", reference, 1, 10)
+    assert [e["migration"] for e in run.of("state_synced") if e["epoch"] == 2] == ["async"] * 3
+    assert not run.of("migration_done")  # still migrating when the run ended
+    saved = {e["step"]: e for e in run.of("durable_saved")}
+    assert saved[8]["parts"] == 3 and saved[10]["parts"] == 3, saved
+    index = json.loads((tmp_path / "run" / "checkpoints" / "step-00000010" / PIECES).read_text())
+    edges = sorted((a, b) for a, b, _ in index["pieces"])
+    assert edges[0][0] == 0 and edges[-1][1] == index["numel"]
+    assert all(x[1] == y[0] for x, y in zip(edges, edges[1:], strict=False))  # a tiling
+    r = launch(tmp_path / "resumed", "--job-id", "pp-mid-migration-resumed", "--steps", "14",
+               "--nproc-per-node", "3", "--resume", str(tmp_path / "run" / "checkpoints"),
+               env=state_env)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    _resumed_on_the_curve(tmp_path / "resumed", reference, 11, 14)

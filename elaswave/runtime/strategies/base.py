@@ -34,6 +34,7 @@ from elaswave.planning.plan import Plan
 from elaswave.runtime.durable.checkpoints import DurableState, Piece
 from elaswave.runtime.integrity.checksums import host_bytes
 from elaswave.runtime.optim import clip_from, layer_sumsq
+from elaswave.runtime.workload.base import EVAL_STEP
 from elaswave.runtime.workload.data import MicroBatch
 
 if TYPE_CHECKING:
@@ -236,10 +237,17 @@ class Strategy(ABC):
         rank 0 writes the whole state from :meth:`whole` (the same answer on every rank)."""
         return None
 
-    def eval_params(self, broken: Callable[[], bool]) -> torch.Tensor | None:
-        """The whole model's parameters for an evaluation when this rank's flat buffer does not
-        hold every layer up to date (pipeline stages: a collective), else None."""
-        return None
+    def score(
+        self, batches: Sequence[Sequence[int]], slots: torch.Tensor, broken: Callable[[], bool]
+    ) -> None:
+        """Held-out evaluation (the model in eval mode, no gradients): the (loss sum, count)
+        of each micro-batch this rank scores into its slots ``2 i, 2 i + 1``; every slot is
+        filled by one rank. Here micro-batch ``i`` on rank ``i mod world``, whole model."""
+        st, rank, world = self.state, self.ctx.comm.rank(DP), self.ctx.comm.size(DP)
+        for i in range(rank, len(batches), world):
+            inputs, targets = st.microbatch(batches[i])
+            total, count = st.loss(st.model(inputs, EVAL_STEP, i), targets)
+            slots[2 * i], slots[2 * i + 1] = float(total), float(count)
 
     @abstractmethod
     def adopt(self, state: DurableState, plan: Plan, broken: Callable[[], bool]) -> dict[str, Any]:

@@ -153,6 +153,7 @@ def call_layer(
 
 
 INIT_STEP = -1  # the (step, micro-batch) key of layer initialisation: never a training step
+EVAL_STEP = -2  # the step key of an evaluation's layer calls: never a training step
 
 
 def build_layer(workload: Workload, seed: int, index: int) -> nn.Module:

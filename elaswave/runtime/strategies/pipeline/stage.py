@@ -84,6 +84,7 @@ from elaswave.runtime.strategies.pipeline.stagezero import (
     gather_messages,
 )
 from elaswave.runtime.timing import clock
+from elaswave.runtime.workload.base import EVAL_STEP
 from elaswave.runtime.workload.data import MicroBatch
 
 if TYPE_CHECKING:
@@ -91,6 +92,7 @@ if TYPE_CHECKING:
 
 MIG = "mig"  # the process group asynchronous migrations run on, beside the training group
 TAG_STATE = 3  # layer state moving to a new holder (activations and gradients: 1, 2)
+TAG_EVAL = 7  # an evaluation's activations (ZeRO's pieces: 4, 5; repairs: 6)
 
 
 def estimated_costs(costs: Sequence[float] | None, layers: int) -> tuple[float, ...]:
@@ -387,6 +389,37 @@ class Pipeline:
         self.e.comm.allreduce("dp", whole, broken)
         return whole, agree
 
+    def score(
+        self, batches: Sequence[Sequence[int]], slots: torch.Tensor, broken: Callable[[], bool]
+    ) -> None:
+        """Held-out evaluation through this rank's replica (see ``PipelineStages.score``): each
+        micro-batch's activations arrive from the previous stage and go to the next one, one
+        micro-batch at a time; the last stage fills the slots."""
+        e = self.e
+        plan, st = e.plan, e.state
+        assert plan is not None
+        rank = e.comm.rank("dp")
+        d, s = plan.position(rank)
+        serving = [r for r, on in enumerate(self.serving) if on]
+        if d not in serving:
+            return
+        ranks, layers = plan.replicas[d], plan.stage_layers(rank)
+        first, last = layers.start == 0, layers.stop == self.num_layers
+        for i in range(serving.index(d), len(batches), len(serving)):
+            inputs, targets = st.microbatch(batches[i]) if first or last else (None, None)
+            if first:
+                h = inputs
+            else:
+                spec = st.workload.boundary(layers.start - 1, len(batches[i]))
+                h = torch.empty(spec.shape, dtype=spec.dtype, device=st.device)
+                e.comm.p2p("dp", [], [(ranks[s - 1], h, TAG_EVAL)], broken)
+            h = st.model(h, EVAL_STEP, i, layers.start, layers.stop)
+            if last:
+                total, count = st.loss(h, targets)
+                slots[2 * i], slots[2 * i + 1] = float(total), float(count)
+            else:
+                e.comm.p2p("dp", [(ranks[s + 1], h, TAG_EVAL)], [], broken)
+
     def contributions(self, broken: Callable[[], bool]) -> tuple[list[Contribution], bool]:
         """What this rank brings to the whole state: ``(part, start, stop, tensor)``, part 0
         the parameters and 1, 2 the moments, each layer from its lowest-rank holder; and
@@ -479,7 +512,7 @@ class Pipeline:
             self.shares = serving_shares(plan, serving, self.costs)
             self.fit_window()  # the layers it holds and those it takes over, until the switch
             sends, recvs, regions = self._messages(transfers)
-            m = Migration(transfers, [(r, True) for r in regions], len(receivers))
+            m = Migration(transfers, [(r, True) for r in regions], len(receivers), holdings)
             self.start_migration(m, sends, recvs, [partial(self._land, r) for r in regions])
             info.update(migration="async", serving=serving, shares=list(self.shares))
             return info

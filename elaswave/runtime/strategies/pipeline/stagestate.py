@@ -27,6 +27,9 @@ class Migration:
     # come from the gather, so the replay updates a scratch copy).
     replay: list[tuple[slice, bool]]
     receivers: int  # ranks that receive something (every rank knows the same number)
+    # The layers each rank holds and keeps current until the switch (replicated stage state:
+    # what a durable checkpoint taken meanwhile is written from)
+    held_by: list[range | None] = field(default_factory=list)
     started: float = field(default_factory=time.perf_counter)
     done: threading.Event = field(default_factory=threading.Event)
     error: list[BaseException] = field(default_factory=list)

@@ -370,10 +370,11 @@ class PipelineStages(Strategy):
 
     def durable_pieces(self) -> list[Piece] | None:
         """The layers this rank is the first holder of (with ZeRO inside the stages: the moment
-        parts it is primary of, with their parameters): each element written by one rank. While
-        an asynchronous migration runs the layout is in flux: the whole state, assembled."""
+        parts it is primary of, with their parameters): each element written by one rank.
+        While an asynchronous migration runs, of the layers ranks hold until the switch (ZeRO:
+        the parts they keep until then)."""
         pipe, st, grads = self.pipe, self.state, self.grads
-        if pipe.migration is not None or grads is None:
+        if grads is None:
             return None
         rank, params = self.ctx.comm.rank(DP), st.params
         if pipe.zero:
@@ -384,15 +385,23 @@ class PipelineStages(Strategy):
                     out.append((a, b, params[a:b], m, v))
             return out
         m, v = st.exp_avg, st.exp_avg_sq
+        blocks = grads.blocks
+        if pipe.migration is not None:
+            blocks = tuple(holder_blocks(pipe.migration.held_by, pipe.offsets))
         return [
             (blk.start, blk.stop, params[blk.start : blk.stop], m[blk.start : blk.stop],
              v[blk.start : blk.stop])
-            for blk in grads.blocks
+            for blk in blocks
             if blk.holders[0] == rank
         ]  # fmt: skip
 
-    def eval_params(self, broken: Callable[[], bool]) -> torch.Tensor:
-        return self.whole(broken).params
+    def score(
+        self, batches: Sequence[Sequence[int]], slots: torch.Tensor, broken: Callable[[], bool]
+    ) -> None:
+        """Micro-batch ``i`` through the stages of serving replica ``i mod replicas`` (those out
+        of service while layers migrate score nothing), forward only: no rank needs a layer it
+        does not hold."""
+        self.pipe.score(batches, slots, broken)
 
     def adopt(self, state: DurableState, plan: Plan, broken: Callable[[], bool]) -> dict[str, Any]:
         return self.pipe.restore_whole(plan, state)
