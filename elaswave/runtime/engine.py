@@ -314,7 +314,7 @@ class Engine:
 
     def _save_final(self, final: Final) -> None:
         """The final state as a durable checkpoint: the whole state the strategy assembled, or
-        each rank's own pieces (pipelines), or, while a migration runs, the whole assembled."""
+        each rank's own pieces (pipelines: nothing assembled on one rank)."""
         step = self.state.step
         if final.whole is not None:
             self._save_durable(step, final.whole, "final_saved")
