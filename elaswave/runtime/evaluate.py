@@ -25,7 +25,6 @@ from elaswave.runtime.strategies.base import DP, Strategy
 __all__ = ["eval_microbatches", "evaluate", "training_samples"]
 
 
-
 def training_samples(total: int, held_out: int) -> int:
     """How many samples (ids ``0 .. n - 1``) training draws from, the rest held out."""
     if held_out >= total:

@@ -104,9 +104,6 @@ class Spans:
     def new_empty(self, *size: int) -> torch.Tensor:
         return self.tensor.new_empty(*size)
 
-    def new_zeros(self, *size: int) -> torch.Tensor:
-        return self.tensor.new_zeros(*size)
-
 
 def learning_rate(
     step: int, *, lr: float, schedule: str, warmup: int, total: int, min_lr: float

@@ -53,7 +53,7 @@ __all__ = ["GradLayout", "PipelineStages"]
 # While a migration runs the whole model's gradient is summed this many elements at a time (the
 # most a rank allocates beside its window for it: 32 MiB in the float64 reduction); the final
 # state is hashed in chunks of this size too.
-MIGRATION_CHUNK = 1 << 22
+WHOLE_CHUNK = 1 << 22
 
 
 @dataclass(frozen=True)
@@ -138,6 +138,9 @@ class PipelineStages(Strategy):
         self.sealed = self.sharded  # and the parameters it does not keep come from peers
         self.grads: GradLayout | None = None  # the newest plan's reductions
         self.my_grads: RankGrads | None = None  # this rank's part of them, once the plan applies
+        # each tied weight's first copy -> its second (a rank that holds only the second brings
+        # the weight's gradient from there)
+        self.second_copy = {(a.start, a.stop): (b.start, b.stop) for a, b in ctx.state.ties}
 
     def ready(self) -> dict[str, Any]:
         """The leader partitions with the workload's estimate, or with what the layers measured."""
@@ -210,9 +213,7 @@ class PipelineStages(Strategy):
         ctx, st = self.ctx, self.state
         n, mine = st.flat.numel, self.my_grads
         assert mine is not None and ctx.plan is not None and mine.epoch == ctx.plan.epoch
-        grads = st.flat.at(buf[:n])
-        # A tied weight's sum: a rank that holds only its second copy brings it in that slot.
-        second = {(a.start, a.stop): (b.start, b.stop) for a, b in st.ties}
+        grads, second = st.flat.at(buf[:n]), self.second_copy
         items: list[tuple[str, torch.Tensor]] = [(DP, buf[n:])]
         packed = []
         for name, red in mine.mine:
@@ -252,7 +253,7 @@ class PipelineStages(Strategy):
             own = grads[mine[0]].clone() if mine else buf.new_zeros(a.stop - a.start)
             ties.append((mine, own))
         ctx.comm.allreduce(DP, buf[n:], broken)
-        for a, b, x, y in chunks(flat.total, MIGRATION_CHUNK, flat.base, flat.base + n):
+        for a, b, x, y in chunks(flat.total, WHOLE_CHUNK, flat.base, flat.base + n):
             chunk = buf.new_zeros(b - a)
             chunk[x - a : y - a] = grads[x:y]
             ctx.comm.allreduce(DP, chunk, broken)
@@ -357,7 +358,7 @@ class PipelineStages(Strategy):
 
         def chunks_of_whole() -> Iterator[tuple[int, torch.Tensor]]:
             for part in range(3):
-                for a, b, _, _ in chunks(n, MIGRATION_CHUNK, 0, 0):
+                for a, b, _, _ in chunks(n, WHOLE_CHUNK, 0, 0):
                     chunk = torch.zeros(b - a, dtype=dtype, device=self.state.device)
                     for p, x, y, tensor in pieces:
                         lo, hi = max(a, x), min(b, y)
