@@ -19,6 +19,7 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from elaswave.config.train import DEVICE_KINDS
 from elaswave.errors import ConfigError
 
 if TYPE_CHECKING:  # torch is imported where a device is made: the daemon uses this module too
@@ -38,7 +39,6 @@ __all__ = [
     "workers_per_host",
 ]
 
-DEVICE_KINDS = ("auto", "cpu", "cuda", "npu")
 BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 _NAMES = {"cuda": "CUDA", "npu": "NPU"}
 

@@ -7,7 +7,8 @@ import random
 
 import pytest
 
-from elaswave.config import ConfigError, JobConfig
+from elaswave.config import JobConfig
+from elaswave.errors import ConfigError
 from elaswave.planning.pipeplan import balanced_shares, next_pipeline_plan, serving_shares
 from elaswave.planning.plan import Member
 from elaswave.planning.schedule import (

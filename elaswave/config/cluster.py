@@ -1,0 +1,106 @@
+"""Where it runs: membership and respawns, every timeout, TLS towards etcd."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+
+from elaswave.config.schema import positive
+from elaswave.errors import ConfigError
+
+
+@dataclass(kw_only=True)
+class ElasticConfig:
+    """Membership: how many workers, how many hosts, and the respawn policy."""
+
+    nproc_per_node: int = 4
+    nnodes: str = "1:1"  # MIN:MAX hosts; a single number means MIN=MAX
+    max_restarts: int = 0  # respawns of crashed workers per host (0 = continue without them)
+    min_workers: int = 1  # below this many live workers the job stops
+    # A rank whose compute time per micro-batch exceeds this multiple of the median rank's is
+    # evicted (0: never evict; slower ranks still get fewer micro-batches).
+    straggler_threshold: float = 3.0
+    # Stop the whole job after this many worker failures in a row without a new committed step
+    # (0: never).
+    loop_breaker: int = 5
+
+    def __post_init__(self) -> None:
+        positive("elastic.nproc_per_node", self.nproc_per_node)
+        positive("elastic.min_workers", self.min_workers)
+        if self.max_restarts < 0:
+            raise ConfigError(f"elastic.max_restarts must be >= 0, got {self.max_restarts}")
+        if not (self.straggler_threshold == 0 or 1 < self.straggler_threshold < float("inf")):
+            raise ConfigError(
+                "elastic.straggler_threshold must be 0 (off) or a finite number > 1, "
+                f"got {self.straggler_threshold}"
+            )
+        if self.loop_breaker < 0:
+            raise ConfigError(f"elastic.loop_breaker must be >= 0, got {self.loop_breaker}")
+        self.nnodes_range  # validates  # noqa: B018
+
+    @property
+    def nnodes_range(self) -> tuple[int, int]:
+        m = re.fullmatch(r"\s*(\d+)\s*(?::\s*(\d+)\s*)?", str(self.nnodes))
+        if not m:
+            raise ConfigError(f"elastic.nnodes must be N or MIN:MAX, got {self.nnodes!r}")
+        lo = int(m.group(1))
+        hi = int(m.group(2)) if m.group(2) else lo
+        if lo < 1 or hi < lo:
+            raise ConfigError(f"elastic.nnodes needs 1 <= MIN <= MAX, got {self.nnodes!r}")
+        return lo, hi
+
+
+@dataclass(kw_only=True)
+class Timeouts:
+    """Every blocking call's limit, in seconds. Tests shorten them; nothing waits forever."""
+
+    etcd_connect: float = 5.0
+    lease_ttl: int = 5  # host lease; a host silent this long is considered gone
+    rendezvous: float = 60.0  # initial membership and each process-group build
+    collective: float = 120.0  # one collective (a hang is caught earlier by the daemon)
+    plan_wait: float = 60.0  # a worker waiting for the plan that follows an error
+    shutdown_grace: float = 5.0  # SIGTERM -> SIGKILL
+    heartbeat: float = 0.2  # worker → daemon heartbeat interval
+    hang: float = 10.0  # no heartbeat, or one compute phase, for this long = hung: killed
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            if not getattr(self, f.name) > 0:  # also rejects NaN
+                raise ConfigError(f"timeouts.{f.name} must be > 0, got {getattr(self, f.name)}")
+        if self.hang < 2 * self.heartbeat:
+            raise ConfigError(
+                f"timeouts.hang ({self.hang:g}) must be at least twice timeouts.heartbeat "
+                f"({self.heartbeat:g})"
+            )
+
+
+@dataclass(kw_only=True)
+class EtcdTLSConfig:
+    """TLS towards etcd: PEM file paths. User and password never live here: they come only from
+    ``ELASWAVE_ETCD_USER`` / ``ELASWAVE_ETCD_PASSWORD`` (see :func:`etcd_credentials`)."""
+
+    cacert: str | None = None  # CA that signed etcd's server certificate; set = TLS on
+    cert: str | None = None  # client certificate (etcd --client-cert-auth), with ``key``
+    key: str | None = None
+    server_cert: str | None = None  # embedded etcd only: serve TLS with this certificate, with
+    server_key: str | None = None  # ``server_key``; clients then need a cert signed by ``cacert``
+
+    def __post_init__(self) -> None:
+        if bool(self.cert) != bool(self.key):
+            raise ConfigError(
+                "etcd_tls: give the client cert and key together (--etcd-cert and --etcd-key)"
+            )
+        if bool(self.server_cert) != bool(self.server_key):
+            raise ConfigError("etcd_tls: give server_cert and server_key together")
+        if (self.cert or self.server_cert) and not self.cacert:
+            raise ConfigError("etcd_tls: a certificate needs the CA too (--etcd-cacert)")
+        if self.server_cert and not self.cert:
+            raise ConfigError(
+                "etcd_tls: an embedded etcd with TLS admits only client certificates; "
+                "give --etcd-cert/--etcd-key for this host's daemon"
+            )
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.cacert)

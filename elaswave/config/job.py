@@ -1,0 +1,211 @@
+"""The job's whole config (:class:`JobConfig`: the sections plus the parallel layout, durability and
+recovery knobs) and the ``launch`` flags that set its keys."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import re
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from elaswave.config.cluster import ElasticConfig, EtcdTLSConfig, Timeouts
+from elaswave.config.model import DataConfig, ModelConfig
+from elaswave.config.schema import build
+from elaswave.config.train import TrainConfig
+from elaswave.errors import ConfigError
+from elaswave.faults import FaultKind, FaultSpec
+
+
+@dataclass(kw_only=True)
+class JobConfig:
+    """Everything a job needs. Build it with :func:`load_config`."""
+
+    job_id: str = "elaswave"
+    run_dir: str | None = None  # default runs/<job_id>
+    etcd: list[str] = field(default_factory=list)  # empty: start an embedded etcd
+    etcd_port: int = 0  # embedded etcd client port (0 = any free port)
+    # Each daemon serves Prometheus metrics on this port (0: a free one, printed and recorded
+    # in events.jsonl); None: no metrics server.
+    metrics_port: int | None = None
+    etcd_tls: EtcdTLSConfig = field(default_factory=EtcdTLSConfig)
+    zero: int = 0  # 1: ZeRO-1, optimizer state sharded over the data-parallel ranks (with
+    #                pp > 1: over each layer's holders, two live copies, no snapshots)
+    pp: int = 1  # pipeline stages per replica (1: pure data parallelism)
+    dp: int = 0  # data-parallel replicas (0: world / pp); dp × pp must be the starting world
+    migration: str = "async"  # pipelines: layers of a lost stage move "async" or "blocking"
+    stage_loss: str = "reshard"  # pipelines: "reshard" the replica, or "drop" it (TorchFT-like)
+    grad_reduce: str = "holders"  # pipelines: each layer's gradient summed among its "holders",
+    #                               or the whole model's over "all" ranks (for comparisons)
+    dvfs: str = "off"  # pipelines: frequency actuator off | sim | nvml | npu
+    layer_costs: str = "estimate"  # pipelines: partition by a FLOP "estimate", a start-up
+    #                                "profile" of each layer's time (measured by every worker),
+    #                                or "online": the profile, then times measured while training
+    cost_every: int = 10  # layer_costs=online: workers report their layers' times every K steps
+    verify_every: int = 10  # compare replicas' checksums every K committed steps (0: never)
+    snapshot_every: int = 1  # ZeRO (pp = 1): replicate each shard (spread over the peers) every K
+    #                          committed steps; a fault rolls back to the last snapshot step
+    #                          (0: none; then a lost shard only comes back from a checkpoint)
+    durable_every: int = 0  # torch.distributed.checkpoint every N committed steps (0: never)
+    durable_dir: str | None = None  # default <run_dir>/checkpoints (shared storage across hosts)
+    resume: str | None = None  # start from the newest durable checkpoint in this directory
+    host_id: str | None = None  # default: hostname-pid
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    elastic: ElasticConfig = field(default_factory=ElasticConfig)
+    timeouts: Timeouts = field(default_factory=Timeouts)
+    faults: list[FaultSpec] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", self.job_id):
+            raise ConfigError(f"job_id must be 1-64 of [A-Za-z0-9_.-], got {self.job_id!r}")
+        if self.snapshot_every < 0:
+            raise ConfigError(f"snapshot_every must be >= 0, got {self.snapshot_every}")
+        if self.durable_every < 0:
+            raise ConfigError(f"durable_every must be >= 0, got {self.durable_every}")
+        if self.cost_every < 1:
+            raise ConfigError(f"cost_every must be >= 1, got {self.cost_every}")
+        if self.verify_every < 0:
+            raise ConfigError(f"verify_every must be >= 0, got {self.verify_every}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ConfigError(f"metrics_port must be 0..65535, got {self.metrics_port}")
+        if self.zero not in (0, 1):
+            raise ConfigError(f"zero must be 0 or 1, got {self.zero}")
+        self._check_pipeline()
+        if self.train.eval_every and not self.data.eval_samples:
+            raise ConfigError("train.eval_every needs held-out samples: set data.eval_samples")
+        if self.data.source == "synthetic" and self.data.eval_samples >= self.data.num_samples:
+            raise ConfigError(
+                f"data.eval_samples ({self.data.eval_samples}) leaves no training samples of "
+                f"data.num_samples ({self.data.num_samples})"
+            )
+        if not 0 <= self.etcd_port < 65536:
+            raise ConfigError(f"etcd_port must be in 0..65535, got {self.etcd_port}")
+        if self.etcd_tls.server_cert and self.etcd:
+            raise ConfigError(
+                "etcd_tls.server_cert is for the embedded etcd; with --etcd, TLS is the "
+                "external cluster's own setting"
+            )
+        _, max_nodes = self.elastic.nnodes_range
+        most = self.elastic.nproc_per_node * max_nodes
+        if most > self.train.num_microbatches:
+            raise ConfigError(
+                f"inconsistent sizes: up to {most} workers but only "
+                f"{self.train.num_microbatches} micro-batches (global_batch "
+                f"{self.train.global_batch} / micro_batch_size {self.train.micro_batch_size})"
+            )
+        for fault in self.faults:
+            if fault.at_step is not None and fault.at_step > self.train.steps:
+                raise ConfigError(
+                    f"fault '{fault.describe()}' is after the last step ({self.train.steps})"
+                )
+            if fault.kind is FaultKind.PARTITION:
+                raise ConfigError(
+                    f"fault '{fault.describe()}': partitions are injected with "
+                    "'elaswave inject-fault' (it cuts the link), not from a job config"
+                )
+            if fault.rank is not None and fault.rank >= most:
+                raise ConfigError(
+                    f"fault '{fault.describe()}': rank out of range (job has ranks 0..{most - 1})"
+                )
+
+    def _check_pipeline(self) -> None:
+        choices = {"migration": ("async", "blocking"), "stage_loss": ("reshard", "drop"),
+                   "grad_reduce": ("holders", "all"),
+                   "dvfs": ("off", "sim", "nvml", "npu"),
+                   "layer_costs": ("estimate", "profile", "online")}  # fmt: skip
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ConfigError(
+                    f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}"
+                )
+        needs = {"nvml": "pynvml", "npu": "torch_npu"}
+        if self.dvfs in needs and importlib.util.find_spec(needs[self.dvfs]) is None:
+            raise ConfigError(f"dvfs={self.dvfs} needs the {needs[self.dvfs]} package")
+        if self.pp < 1 or self.dp < 0:
+            raise ConfigError(f"pp must be >= 1 and dp >= 0, got pp={self.pp} dp={self.dp}")
+        layers = self.model.n_layer + 2  # embedding, blocks, head (a module's: at load)
+        if self.model.source == "gpt" and self.pp > layers:
+            raise ConfigError(
+                f"pp={self.pp} stages but the model has only {layers} layers "
+                f"(embedding + {self.model.n_layer} blocks + head)"
+            )
+        start = self.elastic.nproc_per_node * self.elastic.nnodes_range[0]
+        if self.pp > 1 and start % self.pp:
+            raise ConfigError(f"{start} starting workers cannot be cut into pp={self.pp} stages")
+        if self.dp and self.dp * self.pp != start:
+            raise ConfigError(
+                f"dp × pp = {self.dp} × {self.pp} = {self.dp * self.pp}, "
+                f"but the job starts with {start} workers"
+            )
+
+    @property
+    def resolved_run_dir(self) -> Path:
+        return Path(self.run_dir) if self.run_dir else Path("runs") / self.job_id
+
+    @property
+    def resolved_durable_dir(self) -> Path:
+        return Path(self.durable_dir) if self.durable_dir else self.resolved_run_dir / "checkpoints"
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["faults"] = [f.to_dict() for f in self.faults]
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> JobConfig:
+        """Build from a plain mapping (YAML/JSON); unknown keys are errors."""
+        return build(cls, dict(data), "")
+
+
+# ``elaswave launch``'s flags: the parameter's name -> the config key it sets. The one place
+# they meet the schema: ``schema_type`` checks every key (a unit test does, for every flag).
+LAUNCH_FLAGS: dict[str, str] = {
+    "job_id": "job_id",
+    "run_dir": "run_dir",
+    "etcd": "etcd",
+    "etcd_port": "etcd_port",
+    "metrics_port": "metrics_port",
+    "etcd_cacert": "etcd_tls.cacert",
+    "etcd_cert": "etcd_tls.cert",
+    "etcd_key": "etcd_tls.key",
+    "etcd_server_cert": "etcd_tls.server_cert",
+    "etcd_server_key": "etcd_tls.server_key",
+    "host_id": "host_id",
+    "nproc_per_node": "elastic.nproc_per_node",
+    "device": "train.device",
+    "nnodes": "elastic.nnodes",
+    "max_restarts": "elastic.max_restarts",
+    "straggler_threshold": "elastic.straggler_threshold",
+    "loop_breaker": "elastic.loop_breaker",
+    "steps": "train.steps",
+    "hang_timeout": "timeouts.hang",
+    "zero": "zero",
+    "pp": "pp",
+    "dp": "dp",
+    "migration": "migration",
+    "stage_loss": "stage_loss",
+    "dvfs": "dvfs",
+    "verify_every": "verify_every",
+    "snapshot_every": "snapshot_every",
+    "durable_every": "durable_every",
+    "durable_dir": "durable_dir",
+    "resume": "resume",
+}
+
+
+def schema_type(dotted: str) -> Any:
+    """The type the config schema gives ``dotted`` (``train.steps``); KeyError if it has none."""
+    tp: Any = JobConfig
+    for part in dotted.split("."):
+        if not (dataclasses.is_dataclass(tp) and isinstance(tp, type)):
+            raise KeyError(dotted)
+        hints = typing.get_type_hints(tp)
+        if part not in hints:
+            raise KeyError(dotted)
+        tp = hints[part]
+    return tp

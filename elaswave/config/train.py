@@ -1,0 +1,134 @@
+"""How it is trained: the optimisation problem, its numerics and the device it runs on."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from elaswave.config.schema import positive
+from elaswave.errors import ConfigError
+
+# Where workers compute (``train.device``); the runtime resolves ``auto`` on each host.
+DEVICE_KINDS = ("auto", "cpu", "cuda", "npu")
+
+
+@dataclass(kw_only=True)
+class ParamGroup:
+    """Parameters whose global name (``layers.<index>.<name>``) matches one of ``params``
+    (shell-style globs) get this weight decay; the first matching group wins."""
+
+    params: list[str]
+    weight_decay: float
+
+    def __post_init__(self) -> None:
+        if not self.params:
+            raise ConfigError("train.param_groups: a group needs at least one params pattern")
+        if not self.weight_decay >= 0:  # also rejects NaN
+            raise ConfigError(
+                f"train.param_groups: weight_decay must be >= 0, got {self.weight_decay}"
+            )
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """The optimisation problem. ``global_batch`` is fixed whatever the membership does."""
+
+    steps: int = 40
+    global_batch: int = 32
+    micro_batch_size: int = 2
+    lr: float = 3e-3
+    # The learning rate of step s is a pure function of s (a redone step gets the same one):
+    # constant, or linear warmup over warmup_steps then cosine decay to min_lr at the last step.
+    lr_schedule: str = "constant"  # "constant" | "cosine"
+    warmup_steps: int = 0
+    min_lr: float = 0.0
+    # Gradient clipping by the global norm of the batch's mean gradient over the whole model
+    # (every replica and stage see the same reduced gradient, so the same factor); 0: off.
+    grad_clip: float = 0.0
+    optimizer: str = "adamw"  # "adamw" | "sgd" (with momentum, as torch.optim.SGD)
+    momentum: float = 0.9  # sgd only
+    # AdamW: decoupled; SGD: L2 added to the gradient. By default biases, norm scales and
+    # positional tables get none; param_groups set it by parameter name (first match wins).
+    weight_decay: float = 0.0
+    param_groups: list[ParamGroup] = field(default_factory=list)
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    seed: int = 1234
+    # Keep the final state (a durable checkpoint of the last step, written by rank 0 once the
+    # job ends) so that ``elaswave export`` can write the trained model without checkpoints
+    # every K steps.
+    save_final: bool = True
+    # bf16: layers run under torch.autocast(bfloat16); parameters, gradients, the reduction and
+    # the optimizer state stay float32 (or the reduce_dtype). off: float32 throughout.
+    autocast: str = "off"
+    # Every eval_every committed steps, the loss on the held-out samples (data.eval_samples) is
+    # a metrics.jsonl line of its own ({"kind": "eval", "step", "eval_loss", ...}); 0: never.
+    eval_every: int = 0
+    # Gradients are accumulated and reduced in this dtype. float32 (default) keeps losses within
+    # ~1e-7 of the fault-free run after a resize; float64 is the deterministic mode: the sum no
+    # longer depends on how micro-batches are spread over ranks, so losses and parameters are
+    # bit-identical to the fault-free run, at ~10% step time on CPU (twice the reduced bytes).
+    reduce_dtype: str = "float32"
+    # A fault in the middle of a step: survivors keep the micro-batches they finished and only
+    # the lost ones are computed again (data parallelism and ZeRO-1; pipelines redo the step).
+    # false: the whole step is redone (for comparisons).
+    partial_redo: bool = True
+    threads_per_worker: int = 1
+    # Where workers compute: auto (an accelerator when the host has one, else the CPU), cpu,
+    # cuda (NCCL) or npu (HCCL, through torch_npu). One worker per device, pinned by its slot.
+    device: str = "auto"
+    # Emulated accelerator seconds per micro-batch (forward + backward through the whole model):
+    # each worker sleeps its share, so that N workers on fewer cores behave like N devices.
+    # For benchmarks of post-change throughput on small machines; 0 (default) = off.
+    device_time: float = 0.0
+    # Emulated bandwidth (MB/s) of the links that pipeline layer state migrates over: a receiver
+    # waits bytes / bandwidth after its copy lands, as if moving a large model's state over a
+    # real link. For benchmarks of migration MTTR on small machines; 0 (default) = off.
+    state_bandwidth: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "global_batch", "micro_batch_size", "threads_per_worker"):
+            positive(f"train.{name}", getattr(self, name))
+        if self.global_batch % self.micro_batch_size:
+            raise ConfigError(
+                f"train.global_batch ({self.global_batch}) must be a multiple of "
+                f"train.micro_batch_size ({self.micro_batch_size})"
+            )
+        if self.reduce_dtype not in ("float32", "float64"):
+            raise ConfigError(
+                f"train.reduce_dtype must be float32 or float64, got {self.reduce_dtype!r}"
+            )
+        for name in ("device_time", "state_bandwidth"):
+            if not getattr(self, name) >= 0:  # also rejects NaN
+                raise ConfigError(f"train.{name} must be >= 0, got {getattr(self, name)}")
+        if not self.lr > 0:  # also rejects NaN
+            raise ConfigError(f"train.lr must be > 0, got {self.lr}")
+        if self.lr_schedule not in ("constant", "cosine"):
+            raise ConfigError(
+                f"train.lr_schedule must be constant or cosine, got {self.lr_schedule!r}"
+            )
+        if self.warmup_steps < 0:
+            raise ConfigError(f"train.warmup_steps must be >= 0, got {self.warmup_steps}")
+        if not 0 <= self.min_lr <= self.lr:  # also rejects NaN
+            raise ConfigError(f"train.min_lr must be in [0, train.lr], got {self.min_lr}")
+        if self.autocast not in ("off", "bf16"):
+            raise ConfigError(f"train.autocast must be off or bf16, got {self.autocast!r}")
+        if self.device not in DEVICE_KINDS:
+            choices = ", ".join(DEVICE_KINDS)
+            raise ConfigError(f"train.device must be one of {choices}, got {self.device!r}")
+        if self.eval_every < 0:
+            raise ConfigError(f"train.eval_every must be >= 0, got {self.eval_every}")
+        if self.optimizer not in ("adamw", "sgd"):
+            raise ConfigError(f"train.optimizer must be adamw or sgd, got {self.optimizer!r}")
+        if not 0 <= self.momentum < 1:  # also rejects NaN
+            raise ConfigError(f"train.momentum must be in [0, 1), got {self.momentum}")
+        if not self.weight_decay >= 0:  # also rejects NaN
+            raise ConfigError(f"train.weight_decay must be >= 0, got {self.weight_decay}")
+        if len({g.weight_decay for g in self.param_groups} | {self.weight_decay, 0.0}) > 255:
+            raise ConfigError("train.param_groups: at most 253 distinct weight decays")
+        if not self.grad_clip >= 0:  # also rejects NaN
+            raise ConfigError(f"train.grad_clip must be >= 0 (0: off), got {self.grad_clip}")
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.global_batch // self.micro_batch_size
