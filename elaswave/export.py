@@ -43,7 +43,7 @@ def run_config(run_dir: Path) -> JobConfig:
 
 def find_checkpoint(directory: Path, step: int | None) -> Path:
     """The checkpoint of ``step`` under ``directory``, or the newest one (``LATEST``)."""
-    from elaswave.runtime.durable.checkpoints import complete, latest
+    from elaswave.runtime.durable.layout import complete, latest
 
     if step is None:
         path = latest(directory)

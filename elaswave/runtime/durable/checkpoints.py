@@ -37,12 +37,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
+
+from elaswave.runtime.durable.layout import LATEST, PIECES, complete, latest
+
+__all__ = ["LATEST", "PIECES", "DurableCheckpoints", "DurableState", "complete", "latest", "load"]
 
 log = logging.getLogger(__name__)
 
-LATEST = "LATEST"
-PIECES = "pieces.json"  # a per-stage checkpoint's index: which rank wrote which interval
 KINDS = ("params", "exp_avg", "exp_avg_sq")
 COMMIT_S = 120.0  # how long rank 0 waits for the other ranks' parts before giving up
 FLUSH_S = 10.0  # how long a flush waits for a commit still waiting on other ranks
@@ -108,7 +109,7 @@ class DurableCheckpoints:
         shutil.rmtree(tmp, ignore_errors=True)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # "assuming a single process": it is
-            dcp.save(state, checkpoint_id=str(tmp), no_dist=True)
+            _dcp().save(state, checkpoint_id=str(tmp), no_dist=True)
         final = self._publish(tmp, step)
         if on_done is not None:
             on_done(final, time.perf_counter() - start)
@@ -155,7 +156,7 @@ class DurableCheckpoints:
         if state:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)  # "assuming a single process"
-                dcp.save(state, checkpoint_id=str(tmp / name), no_dist=True)
+                _dcp().save(state, checkpoint_id=str(tmp / name), no_dist=True)
         _write_json(tmp / f"{name}.json", {"intervals": intervals})
 
     def _commit(
@@ -248,22 +249,6 @@ class DurableCheckpoints:
             marker.unlink(missing_ok=True)
 
 
-def latest(directory: str | os.PathLike[str]) -> Path | None:
-    """The newest complete checkpoint under ``directory``, if any."""
-    root = Path(directory)
-    marker = root / LATEST
-    if marker.is_file():
-        path = root / marker.read_text().strip()
-        if complete(path):
-            return path
-    return None
-
-
-def complete(path: Path) -> bool:
-    """Whether ``path`` is a committed checkpoint (whole, or every stage's part indexed)."""
-    return (path / ".metadata").is_file() or (path / PIECES).is_file()
-
-
 def load(path: Path, numel: int) -> DurableState:
     """Read a checkpoint written by :class:`DurableCheckpoints`, whole or per stage, into whole
     tensors (same model size)."""
@@ -277,7 +262,7 @@ def load(path: Path, numel: int) -> DurableState:
     }
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        dcp.load(state, checkpoint_id=str(path), no_dist=True)
+        _dcp().load(state, checkpoint_id=str(path), no_dist=True)
     step, loss = state["meta"].tolist()
     return DurableState(
         int(step), loss, state["params"], state["exp_avg"], state["exp_avg_sq"], path
@@ -298,7 +283,7 @@ def _load_pieces(path: Path, numel: int) -> DurableState:
         state = {f"{kind}/{a}-{b}": whole[kind][a:b] for kind in KINDS for a, b in intervals}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
-            dcp.load(state, checkpoint_id=str(path / f"rank-{rank:05d}"), no_dist=True)
+            _dcp().load(state, checkpoint_id=str(path / f"rank-{rank:05d}"), no_dist=True)
     return DurableState(
         int(index["step"]), float(index["loss"]), whole["params"], whole["exp_avg"],
         whole["exp_avg_sq"], path,
@@ -318,3 +303,12 @@ def _step_of(tmp: Path) -> int:
 def _host_copy(t: torch.Tensor) -> torch.Tensor:
     """A copy of ``t`` in host memory (a clone on the CPU) for a background write."""
     return t.detach().to("cpu", copy=True)
+
+
+def _dcp() -> Any:
+    """``torch.distributed.checkpoint``, imported at its first use: it costs a worker more than
+    a second at start-up (DTensor and its operator tables), and most runs write no checkpoint
+    until their end. A forked worker finds it already imported by the template."""
+    import torch.distributed.checkpoint as dcp
+
+    return dcp
