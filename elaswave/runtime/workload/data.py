@@ -10,6 +10,8 @@ from functools import lru_cache
 import numpy as np
 import torch
 
+from elaswave.data.tokens import TokenArray, write_token_file
+
 __all__ = [
     "MicroBatch",
     "SyntheticTokens",
@@ -18,8 +20,6 @@ __all__ = [
     "sample_ids",
     "write_token_file",
 ]
-
-_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 
 
 def _require_positive(**values: int) -> None:
@@ -97,30 +97,20 @@ class SyntheticTokens:
 
 
 class TokenFile:
-    """nanoGPT-style flat binary token file, memory-mapped read-only."""
+    """nanoGPT-style flat binary token file, memory-mapped read-only: sample ``i`` is the
+    ``seq_len + 1`` tokens from ``i * seq_len`` (see :class:`~elaswave.data.tokens.TokenArray`)."""
 
     def __init__(
         self, path: str | os.PathLike[str], *, seq_len: int, dtype: str = "uint16"
     ) -> None:
-        np_dtype = _numpy_dtype(dtype)
         _require_positive(seq_len=seq_len)
-        size = os.path.getsize(path)  # FileNotFoundError if missing
-        itemsize = np.dtype(np_dtype).itemsize
-        if size % itemsize != 0:
-            raise ValueError(
-                f"{path}: size {size} is not a multiple of {dtype} itemsize {itemsize}"
-            )
-        n_tokens = size // itemsize
-        if n_tokens < seq_len + 1:
-            raise ValueError(
-                f"{path}: {n_tokens} tokens is too short for one sample of seq_len {seq_len}"
-            )
-        self.path = os.fspath(path)
+        array = TokenArray(path, seq_len=seq_len, dtype=dtype)
+        self.path = array.path
         self.seq_len = seq_len
         self.dtype = dtype
-        self.n_tokens = n_tokens
-        self.num_samples = (n_tokens - 1) // seq_len
-        self._tokens = np.memmap(path, dtype=np_dtype, mode="r")
+        self.n_tokens = array.n_tokens
+        self.num_samples = array.num_samples
+        self._tokens = array.tokens
 
     def __len__(self) -> int:
         return self.num_samples
@@ -130,47 +120,6 @@ class TokenFile:
         start = idx * self.seq_len
         window = self._tokens[start : start + self.seq_len + 1]
         return torch.from_numpy(window.astype(np.int64))
-
-
-def check_token_file(
-    path: str | os.PathLike[str], *, seq_len: int, dtype: str, vocab_size: int | None
-) -> None:
-    """Refuse, with a one-line ValueError, a token file a job cannot train on: missing, not whole
-    tokens of ``dtype``, fewer tokens than one sample (``seq_len + 1``), or a token id the
-    model's embedding has no row for (``>= vocab_size``; read in chunks, one pass)."""
-    if not os.path.isfile(path):
-        raise ValueError(f"data.path {os.fspath(path)!r} is not a file")
-    tokens = TokenFile(path, seq_len=seq_len, dtype=dtype)._tokens
-    if vocab_size is None:
-        return
-    chunk = 1 << 24
-    for start in range(0, len(tokens), chunk):
-        top = int(tokens[start : start + chunk].max())
-        if top >= vocab_size:
-            at = start + int(np.argmax(tokens[start : start + chunk] >= vocab_size))
-            raise ValueError(
-                f"{os.fspath(path)}: token {int(tokens[at])} at position {at} is not below the "
-                f"model's vocab_size {vocab_size}"
-            )
-
-
-def _numpy_dtype(dtype: str) -> type[np.unsignedinteger]:
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
-    return _DTYPES[dtype]
-
-
-def write_token_file(
-    path: str | os.PathLike[str], tokens: np.ndarray | list[int], dtype: str = "uint16"
-) -> None:
-    """Write tokens as a flat binary file readable by `TokenFile`."""
-    np_dtype = _numpy_dtype(dtype)
-    arr = np.asarray(tokens)
-    if arr.ndim != 1:
-        raise ValueError(f"tokens must be one-dimensional, got shape {arr.shape}")
-    if arr.size and (arr.min() < 0 or arr.max() > np.iinfo(np_dtype).max):
-        raise ValueError(f"token values out of range for {dtype}")
-    arr.astype(np_dtype).tofile(path)
 
 
 @dataclass(frozen=True)

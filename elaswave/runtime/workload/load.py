@@ -10,9 +10,9 @@ from collections.abc import Callable
 from typing import Any
 
 from elaswave.config import JobConfig
+from elaswave.data.tokens import check_token_file
 from elaswave.errors import ConfigError
 from elaswave.runtime.workload.base import KeyedLayers, Workload, build_layers
-from elaswave.runtime.workload.data import check_token_file
 from elaswave.runtime.workload.gpt import GPTConfig, GPTWorkload
 
 __all__ = ["build_model", "load_workload", "resolve_factory"]
