@@ -1,7 +1,7 @@
 """Chaos soak: long jobs take >= 30 random faults each and must still finish exactly.
 
 Three hosts × two workers, every host a network namespace of the multi-host test bed
-(tests/e2e/netbed.py: real etcd, real daemons, gloo over veths), lease TTL 2 s, hang timeout 3 s,
+(elaswave.netbed: real etcd, real daemons, gloo over veths), lease TTL 2 s, hang timeout 3 s,
 respawn on (``--max-restarts``), hosts that may leave and come back (``--nnodes 2:3``), straggler
 eviction off (a slow rank is re-shared, never evicted) and the restart-loop breaker off.
 
@@ -61,12 +61,12 @@ from bench.common import (
     BenchError,
     bench_env,
     console,
-    load_netbed,
     print_table,
     read_jsonl,
     summarize,
     wait_until,
 )
+from elaswave import netbed
 
 DESCRIPTION = "chaos soak: >= 30 random faults per variant (dp, ZeRO, pipeline, leader, etcd, ...)"
 DEFAULT_REPEAT = 1
@@ -159,7 +159,6 @@ def selected_variants() -> list[Variant]:
 
 
 def run(repeat: int, config: Path) -> dict[str, Any]:
-    netbed = load_netbed()
     reason = netbed.skip_reason()
     variants = selected_variants()
     if reason:
@@ -180,7 +179,7 @@ def run(repeat: int, config: Path) -> dict[str, Any]:
         hosts, nproc = HOSTS, NPROC
 
         def make_bed(workdir: Path, members: int) -> Any:
-            return netbed.NetBed(workdir, hosts=HOSTS, etcd_members=members)
+            return netbed.NetBed(workdir, config=config, hosts=HOSTS, etcd_members=members)
 
     rounds = []
     for i in range(repeat):

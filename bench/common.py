@@ -133,14 +133,6 @@ def wait_until(
     raise BenchError(f"{what} within {timeout:g} s")
 
 
-def load_netbed() -> Any:
-    """The multi-host test bed (``tests/e2e/netbed.py``): hosts as network namespaces."""
-    sys.path.insert(0, str(REPO_ROOT / "tests" / "e2e"))
-    import netbed as bed
-
-    return bed
-
-
 # ---- context and output ------------------------------------------------------------------------
 def machine_info() -> dict[str, Any]:
     import torch

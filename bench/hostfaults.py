@@ -1,7 +1,7 @@
 """Detection latency per fault kind: crash, hang, host loss, partition.
 
 Each repetition is one job on five hosts × one worker, every host a network namespace of the
-multi-host test bed (tests/e2e/netbed.py: real etcd, real daemons, gloo over veths), with a lease
+multi-host test bed (elaswave.netbed: real etcd, real daemons, gloo over veths), with a lease
 TTL of 2 s and a hang timeout of 2 s. Four faults hit four different non-leader hosts in turn,
 each after the previous one has been planned away:
 
@@ -25,13 +25,13 @@ from typing import Any
 from bench.common import (
     BenchError,
     bench_env,
-    load_netbed,
     ms,
     print_table,
     read_jsonl,
     summarize,
     wait_until,
 )
+from elaswave import netbed
 
 DESCRIPTION = "detection latency of crash, hang, host loss and partition (5 netns hosts × 1)"
 DEFAULT_REPEAT = 5
@@ -48,14 +48,13 @@ GOALS_S = {  # detection must stay within these (the hang timeout or the lease T
 
 
 def run(repeat: int, config: Path) -> dict[str, Any]:
-    netbed = load_netbed()
     reason = netbed.skip_reason()
     if reason:
         raise BenchError(f"the netns test bed is unavailable: {reason}")
     runs = []
     for i in range(repeat):
         with tempfile.TemporaryDirectory(prefix="elaswave-bench-") as tmp:
-            bed = netbed.NetBed(Path(tmp), hosts=HOSTS)
+            bed = netbed.NetBed(Path(tmp), config=config, hosts=HOSTS)
             try:
                 bed.start()
                 runs.append(_one_run(bed, Path(tmp), f"hostfaults-{i}"))
