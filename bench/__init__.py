@@ -27,6 +27,7 @@ from bench import (
     security,
     stagemem,
     stagezero,
+    startup,
     straggler,
     zero,
 )
@@ -52,6 +53,7 @@ SCENARIOS = {
     "security": security,
     "stagemem": stagemem,
     "stagezero": stagezero,
+    "startup": startup,
     "straggler": straggler,
     "zero": zero,
 }

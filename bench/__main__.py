@@ -23,6 +23,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="job config (default configs/gpt-tiny.yaml; hf: its own)")  # fmt: skip
     parser.add_argument("--hosts", type=_sizes, default=None, metavar="N,N,...",
                         help="scale: simulated host counts (default 100,1000)")  # fmt: skip
+    parser.add_argument("--tree", type=Path, default=None, metavar="DIR",
+                        help="startup: also run the jobs from this checkout (an earlier "
+                             "commit), for a before/after comparison")  # fmt: skip
     args = parser.parse_args(argv)
     if args.list:
         for name, module in sorted(SCENARIOS.items()):
@@ -38,9 +41,15 @@ def main(argv: list[str] | None = None) -> int:
     before = machine_info()
     start = time.time()
     try:
-        extra = {"hosts": args.hosts} if args.hosts is not None else {}
-        if extra and args.scenario != "scale":
-            parser.error("--hosts is an option of the scale scenario only")
+        extra: dict[str, object] = {}
+        if args.hosts is not None:
+            if args.scenario != "scale":
+                parser.error("--hosts is an option of the scale scenario only")
+            extra["hosts"] = args.hosts
+        if args.tree is not None:
+            if args.scenario != "startup":
+                parser.error("--tree is an option of the startup scenario only")
+            extra["tree"] = args.tree
         result = module.run(repeat, args.config.resolve(), **extra)
     except BenchError as exc:
         console.print(f"[red]benchmark failed:[/red] {exc}", highlight=False)

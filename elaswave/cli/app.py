@@ -260,11 +260,11 @@ def _placed(config: Path | None, overrides: dict[str, Any]) -> JobConfig:
     """The job's config with ``train.device`` resolved on this host (auto: an accelerator if
     present) and its workers per host: one per device unless given, never more."""
     from elaswave.config import JobConfig, config_values
-    from elaswave.runtime.device import place, probe, workers_per_host
+    from elaswave.runtime.device import place, probe_for, workers_per_host
 
     values = config_values(config, overrides=overrides)
     cfg = JobConfig.from_dict(values)
-    placement = place(cfg.train.device, probe())
+    placement = place(cfg.train.device, probe_for(cfg.train.device))
     given = "nproc_per_node" in values.get("elastic", {})
     nproc = workers_per_host(
         placement, cfg.elastic.nproc_per_node if given else None,
@@ -277,13 +277,15 @@ def _placed(config: Path | None, overrides: dict[str, Any]) -> JobConfig:
 
 def _preflight(cfg: JobConfig) -> EtcdSecurity:
     """Check before the job starts what would otherwise fail in it, each as one error line: a
-    model that cannot build (a factory, an HF config or directory), a token file it cannot
-    train on (too short, token ids past its vocabulary), malformed etcd endpoints,
-    bad TLS files or credentials. Returns the etcd security the job runs with."""
+    token file it cannot train on (too short, token ids past the vocabulary the config states),
+    malformed etcd endpoints, bad TLS files or credentials. Returns the etcd security the job
+    runs with. What needs the model built (a factory, an HF config or directory, its
+    vocabulary) is checked by ``launch`` where torch is imported: in the worker template,
+    before any worker starts."""
     from elaswave.daemon.etcd import EtcdSecurity
-    from elaswave.runtime.workload.load import check_data, load_workload
+    from elaswave.data.checks import check_before_start
 
-    check_data(cfg, load_workload(cfg))  # a model that cannot build, then unusable data
+    check_before_start(cfg)
     if cfg.etcd:
         from elaswave.daemon.etcd import parse_endpoints
 

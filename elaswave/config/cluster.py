@@ -24,6 +24,9 @@ class ElasticConfig:
     # Stop the whole job after this many worker failures in a row without a new committed step
     # (0: never).
     loop_breaker: int = 5
+    # How workers start: forked from a "template" process per host that imported torch and the
+    # runtime once (milliseconds a worker), or "exec": a new interpreter each (seconds).
+    worker_start: str = "template"
 
     def __post_init__(self) -> None:
         positive("elastic.nproc_per_node", self.nproc_per_node)
@@ -37,6 +40,10 @@ class ElasticConfig:
             )
         if self.loop_breaker < 0:
             raise ConfigError(f"elastic.loop_breaker must be >= 0, got {self.loop_breaker}")
+        if self.worker_start not in ("template", "exec"):
+            raise ConfigError(
+                f"elastic.worker_start must be template or exec, got {self.worker_start!r}"
+            )
         self.nnodes_range  # validates  # noqa: B018
 
     @property
@@ -63,6 +70,7 @@ class Timeouts:
     shutdown_grace: float = 5.0  # SIGTERM -> SIGKILL
     heartbeat: float = 0.2  # worker → daemon heartbeat interval
     hang: float = 10.0  # no heartbeat, or one compute phase, for this long = hung: killed
+    template: float = 120.0  # the worker template's imports, and each of its answers
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

@@ -20,8 +20,11 @@ from pathlib import Path
 from elaswave.config import JobConfig, state_dir
 from elaswave.daemon.etcd import EtcdSecurity
 from elaswave.daemon.etcd_server import EmbeddedEtcd, ServerTLS, check_port_free
-from elaswave.daemon.supervisor import HostDaemon
+from elaswave.daemon.supervisor import HostDaemon, default_host_id
+from elaswave.daemon.template import Template
+from elaswave.daemon.workers import worker_environment
 from elaswave.errors import ElasWaveError, JobNotFound
+from elaswave.runtime.durable.layout import latest
 
 log = logging.getLogger(__name__)
 
@@ -62,15 +65,11 @@ def launch(
     if security is None:
         security = EtcdSecurity.load(cfg.etcd_tls)
     if cfg.resume:
-        from elaswave.runtime.durable.checkpoints import latest
-
         if latest(cfg.resume) is None:
             raise ElasWaveError(f"--resume: no complete durable checkpoint in {cfg.resume}")
         cfg.resume = str(Path(cfg.resume).resolve())
     run_dir = cfg.resolved_run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
-    write_run_config(cfg, run_dir)
-    _log_to(run_dir / "daemon.log")
     embedded: EmbeddedEtcd | None = None
     endpoints = list(cfg.etcd)
     disc = discovery_path(cfg.job_id)
@@ -82,7 +81,14 @@ def launch(
         else:
             if not endpoints:
                 raise ElasWaveError(f"job {cfg.job_id!r} is already running on this machine")
+    host_id = cfg.host_id or default_host_id()
+    # First of all: the template's imports (seconds) overlap everything below.
+    template = start_template(cfg, run_dir / "logs" / f"{host_id}.template.log")
     try:
+        if template is None:  # no template to check in: here, before anything starts
+            preflight(cfg)
+        write_run_config(cfg, run_dir)
+        _log_to(run_dir / "daemon.log")
         if not endpoints:
             if cfg.etcd_port:
                 check_port_free(cfg.etcd_port)
@@ -98,6 +104,7 @@ def launch(
             host_addr=host_addr,
             embedded=embedded,
             security=security,
+            template=template,
         )
         owns_record = not disc.exists()
         if owns_record:
@@ -124,8 +131,28 @@ def launch(
             if owns_record:
                 disc.unlink(missing_ok=True)
     finally:
+        if template is not None and template.proc.poll() is None:  # the daemon never ran
+            template.proc.kill()
+            template.proc.wait()
         if embedded is not None:
             embedded.stop()
+
+
+def start_template(cfg: JobConfig, log_path: Path) -> Template | None:
+    """This host's worker template, unless workers are to be executed (``worker_start:
+    exec``, or no template on this platform)."""
+    if cfg.elastic.worker_start != "template":
+        return None
+    env = worker_environment(cfg.train.device)
+    return Template.start(model_source=cfg.model.source, env=env, log_path=log_path)
+
+
+def preflight(cfg: JobConfig) -> None:
+    """The model builds and its data fits, checked in this process (imports torch: only
+    without a template, which checks it in its own)."""
+    from elaswave.runtime.workload.load import check_data, load_workload
+
+    check_data(cfg, load_workload(cfg))
 
 
 RUN_CONFIG = "config.json"

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 from typing import TYPE_CHECKING
 
+from elaswave.daemon.template import Adopted
 from elaswave.daemon.workers import WorkerProc, spawn
 from elaswave.planning.verdicts import respawn_verdict
 
@@ -40,6 +41,8 @@ class WorkerPool:
             control_path=d.control.path,
             log_dir=d.run_dir / "logs",
             device=d.cfg.train.device,
+            template=d.template,
+            timeout=d.cfg.timeouts.template,
         )
         d.workers[w.worker_id] = w
         w.waiter = asyncio.create_task(self._watch_exit(w))
@@ -49,6 +52,7 @@ class WorkerPool:
             worker=w.worker_id,
             pid=w.pid,
             incarnation=incarnation,
+            forked=isinstance(w.proc, Adopted),  # from the template; else executed
         )
         return w
 

@@ -49,8 +49,11 @@ from elaswave.daemon.metrics import DaemonMetrics, worker_state
 from elaswave.daemon.netns import current_netns
 from elaswave.daemon.pool import WorkerPool
 from elaswave.daemon.records import StepRecords
-from elaswave.daemon.workers import WorkerProc, stop_all
+from elaswave.daemon.store import StoreProcess
+from elaswave.daemon.template import Template, TemplateGone
+from elaswave.daemon.workers import WorkerProc, describe_exit, stop_all
 from elaswave.errors import (
+    ConfigError,
     ElasWaveError,
     EtcdUnavailable,
     JobFailed,
@@ -87,6 +90,7 @@ class HostDaemon:
         host_addr: str | None = None,
         embedded: EmbeddedEtcd | None = None,
         security: EtcdSecurity | None = None,
+        template: Template | None = None,
     ) -> None:
         self.cfg = cfg
         self.endpoints = etcd_endpoints
@@ -103,8 +107,10 @@ class HostDaemon:
         self.jobstore: JobStore = None  # type: ignore[assignment]  # set in run()
         self.records: StepRecords = None  # type: ignore[assignment]  # set in run()
         self.lease: Any = None
-        self.store: Any = None
+        self.template = template  # forks this host's workers and its store (None: executed)
+        self.store: StoreProcess | None = None  # this host's rendezvous store
         self.store_address = ""
+        self.store_up = asyncio.Event()  # the store serves: this host may lead (plans name it)
         self.control = ControlServer(self._on_message, self._on_disconnect)
         self.workers: dict[str, WorkerProc] = {}
         self.conns: dict[str, WorkerConn] = {}
@@ -165,9 +171,8 @@ class HostDaemon:
         try:
             await self._join()
             self.cp.joined()
-            candidate = self._candidate()
             resilient = {
-                "leader": lambda: campaign(candidate),
+                "leader": self._campaign,
                 "plans": self._watch_plans,
                 "faults": self.faults.watch,
                 "done": self._watch_done,
@@ -188,8 +193,21 @@ class HostDaemon:
             ]
             if self.embedded is not None:
                 self._tasks.append(asyncio.create_task(self.cp.supervise_etcd(), name="etcd"))
+            await self._preflight()
+            self.store = await StoreProcess.start(
+                self.host_addr, self.run_dir / "logs" / f"{self.host_id}.store.log",
+                template=self.template, timeout=self.cfg.timeouts.template,
+            )  # fmt: skip
+            self.store_address = self.store.address
+            self.events.emit("store_started", host=self.host_id, pid=self.store.pid,
+                             address=self.store_address)  # fmt: skip
+            self.store_up.set()
+            self._tasks.append(asyncio.create_task(self._watch_store(), name="store"))
             for slot in range(self.cfg.elastic.nproc_per_node):
                 await self.pool.spawn(slot, 0)
+            if self.template is not None and self.template.alive:
+                with contextlib.suppress(TemplateGone):
+                    await self.template.warm(self.cfg.timeouts.template)
             waiter = asyncio.create_task(self.finished.wait())
             pending: set[asyncio.Task[Any]] = {waiter, *self._tasks}
             while waiter in pending:
@@ -205,6 +223,38 @@ class HostDaemon:
                 self.prom.close()
             self.events.close()
             self.metrics.close()
+
+    async def _preflight(self) -> None:
+        """The model builds and its data fits (checked in the template, which has torch
+        imported; without one, ``launch`` checked before the daemon started)."""
+        if self.template is None:
+            return
+        try:
+            error = await self.template.preflight(self.cfg.to_dict(), self.cfg.timeouts.template)
+        except TemplateGone as exc:
+            log.warning("%s; workers are executed instead", exc)
+            return
+        self.events.emit(
+            "template_ready", host=self.host_id, pid=self.template.pid,
+            seconds=self.template.ready_seconds,
+        )  # fmt: skip
+        if error is not None:
+            raise ConfigError(error)
+
+    async def _watch_store(self) -> None:
+        """The store is part of this daemon: if its process dies, so does this host's part of
+        the job (as when the daemon itself is killed; the other hosts plan without it)."""
+        assert self.store is not None
+        code = await self.store.proc.wait()
+        if not self.stopping:
+            raise JobFailed(
+                f"this host's rendezvous store (pid {self.store.pid}) {describe_exit(code)}"
+            )
+
+    async def _campaign(self) -> None:
+        """Stand for leader once this host's store serves (every plan it makes names it)."""
+        await self.store_up.wait()
+        await campaign(self._candidate())
 
     def _serve_metrics(self, port: int) -> None:
         """Prometheus ``/metrics`` on ``port`` (0: a free one, printed and recorded)."""
@@ -297,16 +347,12 @@ class HostDaemon:
         self.finished.set()
 
     async def _join(self) -> None:
-        import torch.distributed as dist  # heavy import: only the daemon's store needs it
-
         live_hosts = await self.etcd.get_prefix(self.keys.hosts)
         if not live_hosts:
             # Nobody is running this job: whatever is left under its prefix is stale.
             await self.etcd.delete_prefix(self.keys.prefix)
         await self._agree_on_config()
         self.lease = await self.etcd.lease(self.cfg.timeouts.lease_ttl)
-        self.store = dist.TCPStore(self.host_addr, 0, is_master=True, wait_for_workers=False)
-        self.store_address = f"{self.host_addr}:{self.store.port}"
         await self.control.start()
         self.started = time.time()
         if not await self.jobstore.register_host(self.host_id, self.host_info(), lease=self.lease):
@@ -329,7 +375,6 @@ class HostDaemon:
             "pid": os.getpid(),
             "nproc": self.cfg.elastic.nproc_per_node,
             "run_dir": str(self.run_dir.resolve()),
-            "store": self.store_address,
             "netns": current_netns(),
             "started": self.started,
         }
@@ -399,6 +444,10 @@ class HostDaemon:
                     with contextlib.suppress(BaseException):
                         await wait_for(w.waiter, 1.0)
             await self.control.stop()
+            if self.store is not None:
+                await self.store.stop(self.cfg.timeouts.shutdown_grace)
+            if self.template is not None:
+                await self.template.close(self.cfg.timeouts.shutdown_grace)
             if self.etcd is not None and not await self.outbox.drain(
                 self.cfg.timeouts.etcd_connect
             ):

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from elaswave.daemon.template import Adopted, Template, TemplateGone
 from elaswave.runtime.device import nccl_environment
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -17,7 +21,7 @@ class WorkerProc:
     worker_id: str
     slot: int  # local device index on this host
     incarnation: int
-    proc: asyncio.subprocess.Process
+    proc: asyncio.subprocess.Process | Adopted  # executed, or forked from the template
     log_path: Path
     ready: bool = False
     done: bool = False
@@ -44,20 +48,36 @@ class WorkerProc:
     def describe_exit(self) -> str:
         if self.kill_reason:
             return f"hung ({self.kill_reason}), killed"
-        code = self.exit_code
-        if code is None:
-            return "running"
-        if code < 0:
-            try:
-                return f"killed by {signal.Signals(-code).name}"
-            except ValueError:
-                return f"killed by signal {-code}"
-        return f"exit code {code}"
+        return describe_exit(self.exit_code)
+
+
+def describe_exit(code: int | None) -> str:
+    """A process's exit status in words (``code`` as asyncio gives it: -N for signal N)."""
+    if code is None:
+        return "running"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
 
 
 def worker_id(host_id: str, slot: int, incarnation: int) -> str:
     base = f"{host_id}.w{slot}"
     return base if incarnation == 0 else f"{base}.r{incarnation}"
+
+
+def worker_environment(device: str, base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a worker (and of the template it is forked from) on ``device`` (the
+    resolved ``train.device``)."""
+    env = dict(os.environ if base is None else base)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    if device != "cpu":  # cuda, or auto (which may be): NCCL's settings are inert without it
+        env = nccl_environment(env)
+    for secret in ("ELASWAVE_ETCD_USER", "ELASWAVE_ETCD_PASSWORD"):
+        env.pop(secret, None)  # workers never talk to etcd: keep its credentials in the daemon
+    return env
 
 
 async def spawn(
@@ -68,34 +88,29 @@ async def spawn(
     control_path: str,
     log_dir: Path,
     device: str = "cpu",
+    template: Template | None = None,
+    timeout: float = 60.0,
 ) -> WorkerProc:
     """Start worker ``slot`` (its ``incarnation``-th life) on ``device`` (the resolved
-    ``train.device``): an accelerator worker takes the slot-th device."""
+    ``train.device``): an accelerator worker takes the slot-th device. Forked from the
+    ``template`` while it runs (milliseconds), else executed (a new interpreter imports torch)."""
     wid = worker_id(host_id, slot, incarnation)
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{wid}.log"
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    if device != "cpu":  # cuda, or auto (which may be): NCCL's settings are inert without it
-        env = nccl_environment(env)
-    for secret in ("ELASWAVE_ETCD_USER", "ELASWAVE_ETCD_PASSWORD"):
-        env.pop(secret, None)  # workers never talk to etcd: keep its credentials in the daemon
-    with open(log_path, "ab") as logf:
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "elaswave.runtime.worker",
-            "--control",
-            control_path,
-            "--worker-id",
-            wid,
-            "--slot",
-            str(slot),
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=logf,
-            stderr=logf,
-            env=env,
-        )
+    argv = ["--control", control_path, "--worker-id", wid, "--slot", str(slot)]
+    proc: asyncio.subprocess.Process | Adopted | None = None
+    if template is not None and template.alive:
+        try:
+            proc, _ = await template.spawn("worker", argv, log_path, timeout)
+        except TemplateGone as exc:
+            log.warning("%s; executing %s instead", exc, wid)
+    if proc is None:
+        with open(log_path, "ab") as logf:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "elaswave.runtime.worker", *argv,
+                stdin=asyncio.subprocess.DEVNULL, stdout=logf, stderr=logf,
+                env=worker_environment(device),
+            )  # fmt: skip
     return WorkerProc(
         worker_id=wid, slot=slot, incarnation=incarnation, proc=proc, log_path=log_path
     )

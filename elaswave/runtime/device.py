@@ -16,6 +16,8 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
+import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -32,8 +34,10 @@ __all__ = [
     "backend_for",
     "nccl_environment",
     "nvml_index",
+    "may_have_accelerators",
     "place",
     "probe",
+    "probe_for",
     "synchronize",
     "worker_device",
     "workers_per_host",
@@ -78,6 +82,32 @@ def probe() -> Accelerators:
         npu_mod = getattr(torch, "npu", None)
         npu = npu_mod.device_count() if npu_mod is not None and npu_mod.is_available() else 0
     return Accelerators(cuda=cuda, npu=npu)
+
+
+# Device nodes that an accelerator's driver creates: NVIDIA GPUs, CUDA under WSL2, ROCm (which
+# torch drives as cuda), Ascend NPUs. Without any of them no accelerator can be used.
+_ACCELERATOR_NODES = re.compile(r"nvidia\d+|dxg|kfd|davinci\d+")
+
+
+def may_have_accelerators(dev_entries: Iterable[str]) -> bool:
+    """Whether a host whose ``/dev`` lists ``dev_entries`` can have an accelerator. Pure."""
+    return any(_ACCELERATOR_NODES.fullmatch(name) for name in dev_entries)
+
+
+def probe_for(requested: str, dev: str = "/dev") -> Accelerators:
+    """What :func:`place` needs to resolve ``requested``: nothing for the CPU, nor for
+    ``auto`` on a host without accelerator device nodes (no torch imported: ``launch`` stays
+    light), else :func:`probe`."""
+    if requested == "cpu":
+        return Accelerators()
+    if requested == "auto":
+        try:
+            entries = os.listdir(dev)
+        except OSError:
+            entries = []
+        if not may_have_accelerators(entries):
+            return Accelerators()
+    return probe()
 
 
 def place(requested: str, found: Accelerators) -> Placement:

@@ -443,6 +443,12 @@ class Engine:
         self.control.event("memory", worker=self.me, epoch=plan.epoch, **memory)
         self.control.send({"type": "memory", "epoch": plan.epoch, **memory})
 
+    def close(self) -> None:
+        """Before the process exits: wait for this rank's checkpoint writes (a stop may come
+        while one runs in the background; a finished run flushed them already)."""
+        if self.store is not None:
+            self.store.flush(commits=False)
+
     def _farewell(self) -> None:
         """Final best-effort barrier so no rank exits while a peer still reads its last bytes."""
         if self.plan is None:

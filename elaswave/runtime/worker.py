@@ -11,7 +11,7 @@ import logging
 import sys
 
 from elaswave.config import JobConfig
-from elaswave.procutil import die_with_parent
+from elaswave.procutil import die_with_parent, exit_now
 from elaswave.runtime.comm.control_client import ControlClient
 from elaswave.runtime.device import place, probe, worker_device
 from elaswave.runtime.engine import Engine
@@ -44,9 +44,10 @@ def main(argv: list[str] | None = None) -> int:
     ready.update(engine.strategy.ready())  # pipelines: the layer costs the leader cuts by
     control.send(ready)
     code = engine.run()
+    engine.close()  # no checkpoint write of this rank is left in flight
     control.flush(timeout=10.0)  # the last reports (final state, done) reach the daemon
     return code
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())  # nothing is in flight: skip the seconds of torch's teardown

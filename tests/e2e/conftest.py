@@ -140,6 +140,7 @@ def assert_no_orphans(run: Run) -> None:
     pids = [e["pid"] for e in run.of("worker_spawned")]
     pids += [e["embedded_etcd_pid"] for e in run.of("host_joined") if e.get("embedded_etcd_pid")]
     pids += [e["pid"] for e in run.of("etcd_restarted")]
+    pids += [e["pid"] for e in (*run.of("template_ready"), *run.of("store_started"))]
     alive = [
         p
         for p in pids

@@ -115,6 +115,8 @@ def test_crash_then_replacement_grows_back(
     run = Run(tmp_path / "run")
     assert_clean_run(run, 80, reference)
     (respawn,) = run.of("worker_respawned")
+    (spawn,) = [e for e in run.of("worker_spawned") if e["worker"] == respawn["worker"]]
+    assert spawn["forked"], "a respawned worker is forked from the template"
     worlds = [p["world"] for p in run.of("plan_published")]
     assert worlds == [4, 3, 4], worlds
     assert run.metrics[-1]["world_size"] == 4

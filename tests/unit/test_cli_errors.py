@@ -295,16 +295,3 @@ def test_launch_refuses_holding_out_every_sample(tmp_path: Path) -> None:
     tokens.write_text(yaml.safe_dump(cfg))
     line = one_error_line(runner.invoke(app, ["launch", str(tokens)]))
     assert "leaves none of the data set's 4 samples for training" in line, line
-
-
-def test_launch_refuses_holding_out_a_user_workloads_every_sample(tmp_path: Path) -> None:
-    """A ``module`` workload's data set is its own: its length bounds data.eval_samples."""
-    config = tmp_path / "job.yaml"
-    model = {"source": "module", "factory": "examples.mlp_classifier:mlp_classifier",
-             "args": {"num_samples": 100}}  # fmt: skip
-    config.write_text(yaml.safe_dump({"model": model, "data": {"eval_samples": 100}}))
-    line = one_error_line(runner.invoke(app, ["launch", str(config)]))
-    assert "leaves none of the data set's 100 samples for training" in line, line
-    config.write_text(yaml.safe_dump({"model": model, "data": {"eval_samples": 99}}))
-    result = runner.invoke(app, ["launch", str(config)])
-    assert isinstance(result.exception, AssertionError), result.output  # reached the guard

@@ -1,0 +1,236 @@
+"""The daemon's side of its host's worker template (:mod:`elaswave.runtime.template`) and of the
+processes forked from it.
+
+``launch`` starts the template first of all (:meth:`Template.start`), so that its imports run
+while etcd starts and the daemon joins the job; the daemon then asks it for the preflight check,
+the rendezvous store and every worker. A process forked from the template is adopted by the
+daemon (a child subreaper): :class:`Adopted` waits for it through a pidfd and reads its exit
+status with ``waitpid``, so a death is seen as soon as with a child the daemon started itself.
+
+If the template cannot start (no subreaper or pidfd on this platform), is turned off
+(``elastic.worker_start: exec``), or dies, workers are executed as before
+(``python -m elaswave.runtime.worker``): slower to start, the same otherwise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from elaswave.daemon.aio import wait_for
+from elaswave.procutil import become_subreaper
+
+log = logging.getLogger(__name__)
+
+# Imported by the template once the first workers run, for those it forks later: a worker needs
+# it only to write a checkpoint, and importing it first would delay the first workers by a second.
+WARM = ("torch.distributed.checkpoint",)
+
+
+class TemplateGone(RuntimeError):
+    """The template is not running (it exited, or never answered): execute instead."""
+
+
+def preloads(model_source: str) -> list[str]:
+    """What the template imports before it is ready, beyond the runtime: the module of the
+    job's workload source that every worker imports at start. Pure."""
+    return ["elaswave.runtime.workload.hf"] if model_source == "hf" else []
+
+
+def adoption_supported() -> bool:
+    """Whether processes forked by the template can be adopted and watched here (Linux: a
+    child subreaper and pidfds)."""
+    return hasattr(os, "pidfd_open") and sys.platform.startswith("linux")
+
+
+class Template:
+    """A running template and the requests made to it, one at a time."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], log_path: Path) -> None:
+        self.proc = proc
+        self.log_path = log_path
+        self.ready_seconds: float | None = None
+        self._reader: asyncio.StreamReader | None = None
+        self._lock: asyncio.Lock | None = None
+        self._gone: str | None = None
+
+    @classmethod
+    def start(cls, *, model_source: str, env: dict[str, str], log_path: Path) -> Template | None:
+        """Start the template (None where adoption is not supported, or the kernel refuses to
+        make this process a subreaper). Call before any other thread of the launch exists."""
+        if not adoption_supported() or not become_subreaper():
+            return None
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        argv = [sys.executable, "-m", "elaswave.runtime.template", "--parent", str(os.getpid())]
+        for module in preloads(model_source):
+            argv += ["--preload", module]
+        for module in WARM:
+            argv += ["--warm", module]
+        with open(log_path, "ab") as logf:
+            proc = subprocess.Popen(
+                argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=logf, env=env
+            )
+        return cls(proc, log_path)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def alive(self) -> bool:
+        return self._gone is None and self.proc.poll() is None
+
+    async def _attach(self) -> asyncio.StreamReader:
+        if self._reader is None:
+            loop = asyncio.get_running_loop()
+            reader = asyncio.StreamReader(limit=2**20)
+            assert self.proc.stdout is not None
+            await loop.connect_read_pipe(
+                lambda: asyncio.StreamReaderProtocol(reader), self.proc.stdout
+            )
+            self._reader = reader
+            self._lock = asyncio.Lock()
+        return self._reader
+
+    async def _line(self, timeout: float) -> dict[str, Any]:
+        reader = await self._attach()
+        try:
+            raw = await wait_for(reader.readline(), timeout)
+        except asyncio.TimeoutError:
+            raw = b""
+            self._gone = f"no answer within {timeout:g} s"
+        if not raw:
+            self._gone = self._gone or self._exit_reason()
+            raise TemplateGone(f"the worker template {self._gone}")
+        return dict(json.loads(raw))
+
+    def _exit_reason(self) -> str:
+        code = self.proc.poll()
+        if code is None:
+            return "closed its output"
+        if code < 0:
+            with contextlib.suppress(ValueError):
+                return f"was killed by {signal.Signals(-code).name}"
+        return f"exited with code {code} (see {self.log_path})"
+
+    async def ready(self, timeout: float) -> float:
+        """Wait until the template's imports are done; returns how long they took."""
+        if self.ready_seconds is None:
+            await self._attach()
+            assert self._lock is not None
+            async with self._lock:
+                if self.ready_seconds is None:
+                    first = await self._line(timeout)
+                    self.ready_seconds = float(first.get("seconds", 0.0))
+        return self.ready_seconds
+
+    async def request(self, doc: dict[str, Any], timeout: float) -> dict[str, Any]:
+        """One request and its answer (after the template is ready)."""
+        await self.ready(timeout)
+        assert self._lock is not None and self.proc.stdin is not None
+        async with self._lock:
+            if not self.alive:
+                raise TemplateGone(f"the worker template {self._gone or self._exit_reason()}")
+            try:
+                self.proc.stdin.write((json.dumps(doc) + "\n").encode())
+                self.proc.stdin.flush()
+            except (BrokenPipeError, OSError):
+                self._gone = self._exit_reason()
+                raise TemplateGone(f"the worker template {self._gone}") from None
+            return await self._line(timeout)
+
+    async def preflight(self, config: dict[str, Any], timeout: float) -> str | None:
+        """The preflight check of ``config`` (a :meth:`JobConfig.to_dict`): None if the model
+        builds and its data fits, else the one-line reason."""
+        answer = await self.request({"op": "preflight", "config": config}, timeout)
+        return None if answer.get("ok") else str(answer.get("error", "preflight failed"))
+
+    async def spawn(
+        self, entry: str, argv: list[str], log_path: Path, timeout: float
+    ) -> tuple[Adopted, dict[str, Any]]:
+        """Fork ``entry`` (worker | store) with ``argv``, its output to ``log_path``; returns
+        the adopted process and the template's answer (a store's ``port``)."""
+        doc = {
+            "op": "spawn", "entry": entry, "argv": argv, "log": str(log_path),
+            "parent": os.getpid(),
+        }  # fmt: skip
+        answer = await self.request(doc, timeout)
+        if "error" in answer:
+            raise TemplateGone(f"the worker template could not start a {entry}: "
+                               f"{answer['error']}")  # fmt: skip
+        return Adopted(int(answer["pid"])), answer
+
+    async def warm(self, timeout: float) -> None:
+        """Let the template import the modules later workers need (see ``WARM``)."""
+        await self.request({"op": "warm"}, timeout)
+
+    async def close(self, grace: float) -> None:
+        """End of input: the template exits; killed if it has not after ``grace`` seconds."""
+        with contextlib.suppress(OSError):
+            if self.proc.stdin is not None:
+                self.proc.stdin.close()
+        loop = asyncio.get_running_loop()
+        try:
+            await wait_for(loop.run_in_executor(None, self.proc.wait), grace)
+        except asyncio.TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.kill()
+            await loop.run_in_executor(None, self.proc.wait)
+
+
+class Adopted:
+    """A process this daemon adopted: what the pool uses of ``asyncio.subprocess.Process``
+    (``pid``, ``returncode``, ``wait``, ``send_signal``, ``terminate``, ``kill``).
+
+    Its exit is seen through a pidfd in the event loop and its status read with ``waitpid``
+    (it is our child, so its pid cannot be reused before that)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+        self._exited = asyncio.Event()
+        self._loop = asyncio.get_running_loop()
+        self._fd: int | None = os.pidfd_open(pid)
+        self._loop.add_reader(self._fd, self._reap)
+        self._reap()  # it may have died already
+
+    def _reap(self) -> None:
+        if self.returncode is not None:
+            return
+        try:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+        except ChildProcessError:  # not ours after all (never adopted): it is gone
+            pid, status = self.pid, 0
+            log.warning("process %d was not adopted by this daemon", self.pid)
+        if pid == 0:
+            return
+        self.returncode = os.waitstatus_to_exitcode(status)
+        if self._fd is not None:
+            self._loop.remove_reader(self._fd)
+            os.close(self._fd)
+            self._fd = None
+        self._exited.set()
+
+    async def wait(self) -> int:
+        await self._exited.wait()
+        assert self.returncode is not None
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is not None:
+            raise ProcessLookupError(self.pid)
+        os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)

@@ -1,0 +1,157 @@
+"""The worker template and what the daemon decides about it, without etcd.
+
+The protocol runs against a real template process; the daemon side runs in a child interpreter
+(it makes its process a child subreaper, which the test runner's own process should not become).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from elaswave.config import JobConfig
+from elaswave.daemon.template import preloads
+from elaswave.data.checks import stated_vocab_size
+from elaswave.runtime.device import Accelerators, may_have_accelerators, probe_for
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize(
+    ("source", "modules"),
+    [("gpt", []), ("module", []), ("hf", ["elaswave.runtime.workload.hf"])],
+)
+def test_preloads_follow_the_workload_source(source: str, modules: list[str]) -> None:
+    assert preloads(source) == modules
+
+
+@pytest.mark.parametrize(
+    ("entries", "may"),
+    [
+        ([], False),
+        (["null", "tty0", "shm", "fuse"], False),
+        (["nvidia0", "nvidiactl"], True),
+        (["nvidiactl", "nvidia-uvm"], False),  # the driver without a device
+        (["dxg"], True),  # CUDA under WSL2
+        (["kfd", "dri"], True),  # ROCm
+        (["davinci3", "davinci_manager"], True),  # Ascend
+    ],
+)
+def test_accelerator_nodes(entries: list[str], may: bool) -> None:
+    assert may_have_accelerators(entries) is may
+
+
+def test_auto_on_a_host_without_accelerator_nodes_imports_no_torch(tmp_path: Path) -> None:
+    (tmp_path / "null").touch()
+    code = textwrap.dedent(f"""
+        import sys
+        from elaswave.runtime.device import probe_for
+        found = probe_for("auto", dev={str(tmp_path)!r})
+        print(found.cuda, found.npu, "torch" in sys.modules)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["0", "0", "False"]
+    assert probe_for("cpu") == Accelerators()
+
+
+def test_the_launch_side_imports_no_torch() -> None:
+    """What ``launch`` and its daemon import: no torch (the template has it)."""
+    code = textwrap.dedent("""
+        import sys
+        import elaswave.cli.app, elaswave.daemon.launch, elaswave.data.checks
+        import elaswave.runtime.durable.layout, elaswave.export
+        print("torch" in sys.modules)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize(
+    ("model", "vocab"),
+    [
+        ({"vocab_size": 300}, 300),
+        ({"source": "hf", "hf": {"model_type": "llama", "vocab_size": 512}}, 512),
+        ({"source": "hf", "hf": {"model_type": "llama"}}, None),  # the model's default
+        ({"source": "hf", "pretrained": "some/dir"}, None),  # in the directory
+        ({"source": "module", "factory": "examples.mlp_classifier:mlp_classifier"}, None),
+    ],
+)
+def test_stated_vocab_size(model: dict, vocab: int | None) -> None:
+    assert stated_vocab_size(JobConfig.from_dict({"model": model})) == vocab
+
+
+DAEMON_SIDE = textwrap.dedent("""
+    import asyncio, json, os, signal, sys
+    from pathlib import Path
+    from elaswave.config import JobConfig
+    from elaswave.daemon.template import Template, TemplateGone
+    from elaswave.daemon.workers import worker_environment
+
+    async def main(tmp):
+        out = {}
+        t = Template.start(model_source="gpt", env=worker_environment("cpu"),
+                           log_path=tmp / "template.log")
+        out["ready"] = await t.ready(120) > 0
+        good = JobConfig.from_dict({}).to_dict()
+        out["good"] = await t.preflight(good, 60)
+        bad = JobConfig.from_dict({"model": {"source": "module",
+            "factory": "examples.mlp_classifier:mlp_classifier", "args": {"width": -1}}})
+        out["bad"] = await t.preflight(bad.to_dict(), 60)
+        procs = []
+        for i in range(3):
+            argv = ["--control", str(tmp / "none.sock"), "--worker-id", f"w{i}"]
+            p, _ = await t.spawn("worker", argv, tmp / f"w{i}.log", 60)
+            procs.append(p)
+        out["codes"] = [await asyncio.wait_for(p.wait(), 60) for p in procs]
+        store, answer = await t.spawn("store", ["--host", "127.0.0.1"], tmp / "store.log", 60)
+        out["store_parent"] = int(open(f"/proc/{store.pid}/stat").read().rsplit(")")[1].split()[1])
+        import torch.distributed as dist
+        client = dist.TCPStore("127.0.0.1", answer["port"], is_master=False)
+        client.set("k", "v")
+        out["store"] = client.get("k").decode()
+        store.terminate()
+        out["store_code"] = await asyncio.wait_for(store.wait(), 30)
+        await t.warm(60)
+        victim, _ = await t.spawn("worker", ["--control", "x", "--worker-id", "v"],
+                                  tmp / "v.log", 60)
+        victim.kill()
+        out["killed"] = await asyncio.wait_for(victim.wait(), 30)
+        os.kill(t.pid, signal.SIGKILL)
+        t.proc.wait()
+        try:
+            await t.spawn("worker", ["--control", "x", "--worker-id", "late"], tmp / "l.log", 10)
+            out["gone"] = None
+        except TemplateGone as exc:
+            out["gone"] = str(exc)
+        out["me"] = os.getpid()
+        print(json.dumps(out))
+
+    asyncio.run(main(Path(sys.argv[1])))
+""")
+
+
+def test_template_forks_adopted_workers_and_a_store(tmp_path: Path) -> None:
+    """Workers forked through the template are the daemon's children (their exit codes and
+    signals come through), the store serves a real TCPStore, the preflight check answers
+    one line, and a dead template is reported, not waited for."""
+    r = subprocess.run(
+        [sys.executable, "-c", DAEMON_SIDE, str(tmp_path)], cwd=ROOT, capture_output=True,
+        text=True, timeout=240, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["ready"] and out["good"] is None
+    assert out["bad"].startswith("model.factory 'examples.mlp_classifier:mlp_classifier'")
+    assert out["store_parent"] == out["me"]  # adopted by the daemon, not the template's child
+    assert out["codes"] == [1, 1, 1]  # no daemon socket: each worker exits 1, seen through waitpid
+    for i in range(3):
+        assert "No such file or directory" in (tmp_path / f"w{i}.log").read_text()
+    assert out["store"] == "v" and out["store_code"] == 0
+    assert out["killed"] == -9
+    assert out["gone"] is not None and "killed by SIGKILL" in out["gone"]
