@@ -143,13 +143,12 @@ def _counts(checks: Sequence[Check]) -> dict[str, int]:
 
 
 def _table(checks: Sequence[Check]) -> Table:
-    table = Table("section", "check", "status")
+    """One row per check; a rule between the sections (versions, devices, network, smoke)."""
+    table = Table("check", "status")
     table.add_column("finding", overflow="fold")
     for i, check in enumerate(checks):
         last = i + 1 == len(checks) or checks[i + 1].section != check.section
-        first = i == 0 or checks[i - 1].section != check.section
         table.add_row(
-            check.section if first else "",
             check.name,
             f"[{_STYLE[check.status]}]{check.status}[/]",
             escape(check.reason),

@@ -9,7 +9,8 @@ on every host. The launch starts a process session of its own, which every proce
 session was left behind. The verdict (:func:`elaswave.doctor.verdicts.smoke_verdict`) reads the
 run through the MTTR report (:func:`elaswave.report.build_report`).
 
-A run that passes is deleted; one that fails is kept and its directory named in the reason.
+A run that passes (or is interrupted) is deleted; one that fails is kept and its directory named
+in the reason.
 """
 
 from __future__ import annotations
@@ -158,8 +159,9 @@ def run_smoke(device: str, timeout: float = SMOKE_TIMEOUT_S) -> Check:
         code = proc.returncode
     except subprocess.TimeoutExpired:
         stderr, code = stop_session(proc), None
-    except BaseException:  # Ctrl-C: leave nothing running behind the doctor either
+    except BaseException:  # Ctrl-C: leave nothing behind the doctor either
         stop_session(proc)
+        shutil.rmtree(base, ignore_errors=True)
         raise
     wall = time.monotonic() - start
     left = leftovers(proc.pid)

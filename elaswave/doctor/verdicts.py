@@ -211,7 +211,7 @@ def npu_verdict(version: str | None, devices: int | None, error: str | None) -> 
     installed but did not import, which every launch's device probe would meet too)."""
     detail = {"torch_npu": version, "devices": devices}
     if version is None:
-        reason = "torch_npu not installed: no Ascend NPU support (not needed elsewhere)"
+        reason = "torch_npu not installed (needed for Ascend NPUs only)"
         return Check("ascend/hccl", "devices", PASS, reason, detail)
     if error is not None:
         reason = f"torch_npu {version} is installed but fails to import: {error}"
@@ -288,7 +288,7 @@ def host_address_verdict(
         "address": address,
     }
     if not answers:
-        reason = "no --etcd given: one host, embedded etcd on 127.0.0.1 (give --etcd H:P to check)"
+        reason = "no --etcd given (--etcd H:P checks the address other hosts reach)"
         return Check("host address", "network", PASS, reason, detail)
     if address is None:
         reason = f"no route to {endpoints[0]}: {error}"
@@ -350,8 +350,10 @@ def smoke_problems(run: SmokeRun) -> list[str]:
     if run.report is None:
         problems.append("no run record to check")
     else:
-        problems += _steps_problems(run, run.report["totals"])
-        problems += _recovery_problems(run, run.report["incidents"])
+        totals = run.report["totals"]
+        problems += _steps_problems(run, totals)
+        if run.exit_code == 0 or totals["last_step"] >= run.kill_step:  # else: not got that far
+            problems += _recovery_problems(run, run.report["incidents"])
     if run.leftover:
         pids = ", ".join(map(str, run.leftover))
         problems.append(f"{len(run.leftover)} process(es) left running (pids {pids})")
@@ -418,9 +420,9 @@ def smoke_verdict(run: SmokeRun) -> Check:
         return Check("smoke run", "smoke", FAIL, "; ".join(problems), detail)
     assert inc is not None  # no problems: the kill's incident is there and was recovered
     reason = (
-        f"{run.steps} steps on {SMOKE_WORKERS} {run.device} workers, each committed once; "
-        f"rank {run.kill_rank} killed at step {run.kill_step}, recovered in place on "
-        f"{inc['world_after']} worker(s): MTTR {_ms(inc['mttr_s'])} ({run.wall_s:.1f} s in all)"
+        f"{SMOKE_WORKERS} {run.device} workers, {run.steps} steps each committed once; rank "
+        f"{run.kill_rank} killed at step {run.kill_step}, recovered in place: MTTR "
+        f"{_ms(inc['mttr_s'])} ({run.wall_s:.1f} s in all)"
     )
     return Check("smoke run", "smoke", PASS, reason, detail)
 

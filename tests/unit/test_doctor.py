@@ -323,9 +323,10 @@ KILL = _report()["incidents"][0]
     [
         (_run(), PASS, "MTTR 196 ms"),
         # a loaded machine's daemon pause is an incident of its own: not the kill's
-        (_run(report=_report(incidents=[PAUSED, KILL])), PASS, "recovered in place on 1"),
+        (_run(report=_report(incidents=[PAUSED, KILL])), PASS, "recovered in place: MTTR"),
         (_run(exit_code=None, report=None), FAIL, "did not finish within 300 s"),
         (_run(exit_code=1, error="error: boom", report=None), FAIL, "launch exited 1: error: boom"),
+        (_run(exit_code=1, report=_report(committed=9, incidents=[])), FAIL, "no incident"),
         (_run(report=_report(committed=19, missing=[20])), FAIL, "19 of 20 steps committed"),
         (_run(report=_report(duplicates=[8])), FAIL, "steps committed twice: [8]"),
         (_run(report=_report(incidents=[PAUSED])), FAIL, "no incident recorded for the kill"),
@@ -353,6 +354,12 @@ def test_smoke_verdict(run: SmokeRun, status: str, fragment: str) -> None:
     assert check.status == status and fragment in check.reason, check.reason
     if status == PASS:
         assert check.detail["mttr_s"] == 0.196
+
+
+def test_smoke_stopped_before_the_kill_says_only_that() -> None:
+    """Stopped before the kill's step: its missing incident is no news."""
+    run = _run(exit_code=None, report=_report(committed=3, incidents=[]))
+    assert smoke_verdict(run).reason == "did not finish within 300 s; 3 of 20 steps committed"
 
 
 @pytest.mark.parametrize(
