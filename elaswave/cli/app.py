@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from elaswave.cli import doctor as doctor_cli
 from elaswave.errors import ConfigError, ElasWaveError, FaultSpecError, JobStopped
 
 if TYPE_CHECKING:
@@ -592,6 +593,9 @@ def _report_dirs(job_id: str | None, run_dirs: list[Path]) -> list[Path]:
         if not (directory / "events.jsonl").exists():
             raise ElasWaveError(f"no run found at {directory} (missing events.jsonl)")
     return directories
+
+
+doctor_cli.register(app)  # ``elaswave doctor`` and ``elaswave --version``
 
 
 def main() -> None:

@@ -211,7 +211,7 @@ class Communicator:
             name: excluded
             for name, rank in mine.items()
             if name in held
-            and _shrinkable(held[name].pg)
+            and shrinkable(held[name].pg)
             and (excluded := shrink_exclusions(held[name].members, groups[name])) is not None
         }
 
@@ -269,7 +269,7 @@ class Communicator:
         else:
 
             def make() -> Any:
-                pg = _accelerator_group(self.backend, prefix, rank, len(members), timeout)
+                pg = accelerator_group(self.backend, prefix, rank, len(members), timeout)
                 # NCCL (and HCCL) build the communicator at the first collective: do it here,
                 # so that a failed rendezvous fails this configure, not the next step.
                 one = torch.zeros(1, device=self.device)
@@ -708,13 +708,13 @@ def shrink_exclusions(old: tuple[str, ...], new: tuple[str, ...]) -> list[int] |
     return [i for i in range(len(old)) if i not in set(kept)]
 
 
-def _shrinkable(pg: Any) -> bool:
+def shrinkable(pg: Any) -> bool:
     """Whether the backend can shrink this communicator in place (found at run time: NCCL
-    2.27 and a PyTorch whose ProcessGroupNCCL has ``shrink``)."""
+    2.27 and a PyTorch whose ProcessGroupNCCL has ``shrink``). ``elaswave doctor`` asks it too."""
     return bool(getattr(pg, "supports_shrinking", False)) and hasattr(pg, "shrink")
 
 
-def _accelerator_group(
+def accelerator_group(
     backend: str, store: dist.Store, rank: int, size: int, timeout: datetime.timedelta
 ) -> Any:
     """A process group of ``backend`` (nccl, or hccl through torch_npu) over ``store``."""
