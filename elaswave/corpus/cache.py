@@ -242,7 +242,7 @@ def _write(cache_dir: Path, key: str, sources: Sequence[Source], text_field: str
         os.replace(tmp, path)
         meta = {"format": FORMAT, "tokens": tokens, "dtype": dtype, "vocab": encoder.vocab,
                 "eos": encoder.eos, "tokenizer": encoder.describe, "text_field": text_field,
-                "files": [str(s.path) for s in sources]}  # fmt: skip
+                "files": [str(s.path.resolve()) for s in sources]}  # fmt: skip
         with open(meta_tmp, "w") as f:
             json.dump(meta, f, indent=1)
             f.flush()
