@@ -125,9 +125,9 @@ def prepare(
     sources = expand(files)
     encoder: Encoder = ByteEncoder() if tokenizer is None else HFEncoder(tokenizer, tokenizer_label)
     key = corpus_key(sources, text_field, encoder.digest, progress)
-    _make_dir(cache_dir)
-    found = _cached(cache_dir, key)
+    found = _cached(cache_dir, key)  # a hit needs no write access (a read-only shared cache)
     if found is None:
+        _make_dir(cache_dir)
         with _locked(cache_dir / f"{key}.lock", progress):
             found = _cached(cache_dir, key)  # written while we waited
             if found is None:

@@ -451,6 +451,23 @@ def test_an_unwritable_cache_dir_is_one_line(tmp_path: Path) -> None:
         prepare(made(tmp_path / "in"), cache_dir=tmp_path / "file" / "cache")
 
 
+def test_a_hit_needs_no_write_access(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cache others filled, mounted read-only: a hit is served without writing (no lock, no
+    directory made); a miss is the one-line refusal."""
+    inputs, cache = made(tmp_path / "in"), tmp_path / "cache"
+    c = prepare(inputs, cache_dir=cache)
+
+    def read_only(path: Path) -> None:
+        raise ConfigError(f"data.cache_dir {str(path)!r} is not writable")
+
+    monkeypatch.setattr(cache_mod, "_make_dir", read_only)
+    monkeypatch.setattr(cache_mod, "_locked", lambda *a: pytest.fail("locked for a hit"))
+    assert prepare(inputs, cache_dir=cache).path == c.path
+    (tmp_path / "in" / "a.txt").write_text("changed")
+    with pytest.raises(ConfigError, match="is not writable"):
+        prepare(inputs, cache_dir=cache)
+
+
 # -- the job's config ----------------------------------------------------------------------------
 
 
@@ -553,6 +570,16 @@ def test_model_vocab_without_building_the_model(tmp_path: Path) -> None:
 
 
 # -- what launch shows ---------------------------------------------------------------------------
+
+
+def test_on_a_terminal_tokenizing_is_a_bar(tmp_path: Path) -> None:
+    text = StringIO()
+    console = Console(file=text, width=120, force_terminal=True)
+    c = prepare(made(tmp_path / "in"), cache_dir=tmp_path / "cache",
+                progress=TokenizingView(console, interactive=True))  # fmt: skip
+    shown = text.getvalue()
+    assert "tokenizing" in shown and "━" in shown and "1.6/1.6 kB" in shown, shown
+    assert f"tokenized into {c.path}" in re.sub(r"\x1b\[[0-9;?]*[A-Za-z]|\s*\n\s*", "", shown)
 
 
 def test_off_a_terminal_tokenizing_is_plain_lines(tmp_path: Path) -> None:
