@@ -216,6 +216,7 @@ def launch(
     view, code = None, None
     try:
         cfg = _placed(config, _launch_overrides(ctx.params, fault))
+        cfg = _tokenized(cfg, quiet=quiet)
         security = _preflight(cfg)
         start = time.time()
         if not quiet:
@@ -274,6 +275,19 @@ def _placed(config: Path | None, overrides: dict[str, Any]) -> JobConfig:
     values.setdefault("train", {})["device"] = placement.kind
     values.setdefault("elastic", {})["nproc_per_node"] = nproc
     return JobConfig.from_dict(values)
+
+
+def _tokenized(cfg: JobConfig, *, quiet: bool) -> JobConfig:
+    """``data.source: text``: the files tokenized once into the shared cache (or found there),
+    the config naming that token file (what the workers read). A progress bar on a terminal,
+    plain lines elsewhere, nothing with ``--quiet``. Other sources: ``cfg`` as it is."""
+    if cfg.data.source != "text":
+        return cfg
+    from elaswave.cli.tokenizing import TokenizingView
+    from elaswave.data.text import resolve_text
+
+    view = None if quiet else TokenizingView(out, interactive=out.is_terminal)
+    return resolve_text(cfg, progress=view)
 
 
 def _preflight(cfg: JobConfig) -> EtcdSecurity:

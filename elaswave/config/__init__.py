@@ -11,6 +11,7 @@ from elaswave.config.cluster import ElasticConfig, EtcdTLSConfig, Timeouts
 from elaswave.config.job import LAUNCH_FLAGS, JobConfig, schema_type
 from elaswave.config.loader import (
     ENV_PREFIX,
+    cache_dir,
     config_values,
     etcd_credentials,
     load_config,
@@ -31,6 +32,7 @@ __all__ = [
     "ParamGroup",
     "Timeouts",
     "TrainConfig",
+    "cache_dir",
     "config_values",
     "etcd_credentials",
     "load_config",

@@ -78,6 +78,11 @@ class JobConfig:
         self._check_pipeline()
         if self.train.eval_every and not self.data.eval_samples:
             raise ConfigError("train.eval_every needs held-out samples: set data.eval_samples")
+        if self.data.source == "text" and self.model.source == "module":
+            raise ConfigError(
+                "data.source: text is tokenized for a language model (model.source gpt or hf); "
+                "a model.source: module workload reads its own data"
+            )
         if self.data.source == "synthetic" and self.data.eval_samples >= self.data.num_samples:
             raise ConfigError(
                 f"data.eval_samples ({self.data.eval_samples}) leaves no training samples of "

@@ -110,6 +110,14 @@ def state_dir(env: Mapping[str, str] | None = None) -> Path:
     return Path(base) / "elaswave"
 
 
+def cache_dir(env: Mapping[str, str] | None = None) -> Path:
+    """Per-user cache directory (``$XDG_CACHE_HOME/elaswave``, else ``~/.cache/elaswave``):
+    where tokenized text is kept unless ``data.cache_dir`` says otherwise."""
+    env = os.environ if env is None else env
+    base = env.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "elaswave"
+
+
 def _set_dotted(target: dict[str, Any], dotted: str, value: Any) -> None:
     *parents, leaf = dotted.split(".")
     node = target

@@ -3,8 +3,10 @@ it reads."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
+from pathlib import PurePath
 from typing import Any
 
 from elaswave.config.schema import positive
@@ -75,19 +77,32 @@ _FACTORY = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
 
 @dataclass(kw_only=True)
 class DataConfig:
-    """Where samples come from. ``synthetic`` is seeded and needs no files."""
+    """Where samples come from. ``synthetic`` is seeded and needs no files; ``tokens`` reads a
+    flat token file; ``text`` reads text files (``files``: globs of .txt, .jsonl, .parquet),
+    which ``elaswave launch`` tokenizes once into a cached token file that the job then reads
+    like ``tokens`` (:mod:`elaswave.data.text`)."""
 
-    source: str = "synthetic"  # "synthetic" | "tokens"
-    path: str | None = None  # flat uint16/uint32 token file for source=tokens
-    dtype: str = "uint16"
+    source: str = "synthetic"  # "synthetic" | "tokens" | "text"
+    # The flat token file the workers read: given for source=tokens; for source=text set by
+    # launch to the cached file the text was tokenized into (its name is the content key).
+    path: str | None = None
+    dtype: str = "uint16"  # the token file's; source=text: launch picks it from the vocabulary
     num_samples: int = 8192  # synthetic data set size
     # Held out for evaluation (train.eval_every): the data set's last eval_samples samples,
     # which training never draws.
     eval_samples: int = 0
+    files: list[str] = field(default_factory=list)  # source=text: globs of .txt/.jsonl/.parquet
+    text_field: str = "text"  # source=text: the JSON field / parquet column of each document
+    # source=text: a local tokenizer directory (save_pretrained); default: model.pretrained's
+    # tokenizer, else UTF-8 bytes (ids 0..255, end of document 256: vocab_size >= 257).
+    tokenizer: str | None = None
+    cache_dir: str | None = None  # source=text: token file cache (default: the user's cache)
 
     def __post_init__(self) -> None:
-        if self.source not in ("synthetic", "tokens"):
-            raise ConfigError(f"data.source must be 'synthetic' or 'tokens', got {self.source!r}")
+        if self.source not in ("synthetic", "tokens", "text"):
+            raise ConfigError(
+                f"data.source must be 'synthetic', 'tokens' or 'text', got {self.source!r}"
+            )
         if self.source == "tokens" and not self.path:
             raise ConfigError("data.source=tokens needs data.path (a flat .bin token file)")
         if self.dtype not in ("uint16", "uint32"):
@@ -95,3 +110,40 @@ class DataConfig:
         positive("data.num_samples", self.num_samples)
         if self.eval_samples < 0:
             raise ConfigError(f"data.eval_samples must be >= 0, got {self.eval_samples}")
+        self._check_text()
+
+    def _check_text(self) -> None:
+        if self.source != "text":
+            given = [name for name in _TEXT_ONLY if getattr(self, name) != _TEXT_DEFAULTS[name]]
+            if given:
+                raise ConfigError(f"data.{given[0]} needs data.source: text")
+            return
+        if not self.files or not all(f.strip() for f in self.files):
+            raise ConfigError(
+                "data.source=text needs data.files: a list of globs of .txt, .jsonl or "
+                ".parquet files"
+            )
+        if not self.text_field.strip():
+            raise ConfigError("data.text_field must name a JSON field or parquet column")
+        for name in ("tokenizer", "cache_dir"):
+            value = getattr(self, name)
+            if value is not None and not value.strip():
+                raise ConfigError(f"data.{name} must be a directory, got an empty string")
+
+    def agreed(self) -> dict[str, Any]:
+        """What every host of a job must have the same of (compared as a host joins). For
+        ``source: text`` the token file's name, its content key (the files' bytes, the text
+        field, the tokenizer's files), stands for the inputs: hosts may reach the same files,
+        tokenizer and cache under different paths and still train the same tokens."""
+        values = dataclasses.asdict(self)
+        if self.source == "text":
+            for name in ("files", "tokenizer", "cache_dir"):
+                del values[name]
+            values["path"] = PurePath(self.path).name if self.path else None
+        return values
+
+
+# Fields that only data.source: text reads, and their defaults (set elsewhere: an error).
+_TEXT_DEFAULTS: dict[str, Any] = {"files": [], "text_field": "text", "tokenizer": None,
+                                  "cache_dir": None}  # fmt: skip
+_TEXT_ONLY = tuple(_TEXT_DEFAULTS)

@@ -612,9 +612,10 @@ class HostDaemon:
 
 
 def training_config(cfg: JobConfig) -> dict[str, Any]:
-    """The sections every host of a job must agree on."""
+    """The sections every host of a job must agree on (the data as
+    :meth:`~elaswave.config.DataConfig.agreed` gives it: text by its content key)."""
     full = cfg.to_dict()
-    return {k: full[k] for k in ("model", "data", "train")} | {
+    return {"model": full["model"], "data": cfg.data.agreed(), "train": full["train"]} | {
         "nproc_per_node": cfg.elastic.nproc_per_node,
         "nnodes": cfg.elastic.nnodes,
     }

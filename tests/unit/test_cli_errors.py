@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -295,3 +296,55 @@ def test_launch_refuses_holding_out_every_sample(tmp_path: Path) -> None:
     tokens.write_text(yaml.safe_dump(cfg))
     line = one_error_line(runner.invoke(app, ["launch", str(tokens)]))
     assert "leaves none of the data set's 4 samples for training" in line, line
+
+
+def _text_job(tmp_path: Path, text: str, name: str = "a.jsonl", vocab: int = 257) -> Path:
+    (tmp_path / name).write_text(text)
+    cfg = {
+        "model": {"vocab_size": vocab, "seq_len": 8},
+        "data": {"source": "text", "files": [str(tmp_path / name)],
+                 "cache_dir": str(tmp_path / "cache")},
+    }  # fmt: skip
+    config = tmp_path / "job.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    return config
+
+
+@pytest.mark.parametrize(
+    ("text", "vocab", "fragment"),
+    [
+        ('{"text": "a"}\n{"body": "x"}\n', 257, "a.jsonl:2: no 'text' field (data.text_field)"),
+        ('{"text": ""}\n', 257, "a.jsonl has no text"),
+        ('{"text": "' + "long enough " * 3 + '"}\n', 256,
+         "data: UTF-8 bytes has a vocabulary of 257 (end of document 256 included), more than "
+         "the model's vocab_size 256"),
+    ],
+)  # fmt: skip
+def test_launch_refuses_unusable_text(tmp_path: Path, text: str, vocab: int, fragment: str) -> None:
+    line = one_error_line(
+        runner.invoke(app, ["launch", str(_text_job(tmp_path, text, vocab=vocab))])
+    )
+    assert line.startswith("error: ") and fragment in line, line
+    assert not list((tmp_path / "cache").glob("*.tokens"))
+
+
+def test_launch_tokenizes_text_once_and_hands_the_job_the_token_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Not on a terminal, the first launch says it tokenizes and where to; the job it starts
+    names the cached file. A second launch (quiet: nothing shown) reuses that file."""
+    import elaswave.daemon.launch as launch_mod
+
+    config = _text_job(tmp_path, "".join(f'{{"text": "document {i}"}}\n' for i in range(4)))
+    result = runner.invoke(app, ["launch", str(config)])
+    assert isinstance(result.exception, AssertionError), result.output  # reached the guard
+    (cached,) = (tmp_path / "cache").glob("*.tokens")
+    assert "tokenizing 92 bytes of text" in result.output  # 4 lines of 23 bytes
+    assert f"tokenized into {cached}" in result.output
+    stamp = cached.stat().st_mtime_ns
+    started: list[Any] = []
+    monkeypatch.setattr(launch_mod, "launch", lambda cfg, **kw: started.append(cfg) or 0)
+    result = runner.invoke(app, ["launch", str(config), "--quiet"])
+    assert result.exit_code == 0 and result.output == "", result.output
+    assert started[0].data.path == str(cached.resolve()) and started[0].data.dtype == "uint16"
+    assert cached.stat().st_mtime_ns == stamp

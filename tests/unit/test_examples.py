@@ -42,9 +42,10 @@ def test_bytes_need_no_tokenizer(tmp_path: Path) -> None:
     text.write_text("héllo, wörld\n" * 20, encoding="utf-8")
     r = _make(str(text), "--out", str(tmp_path / "t.u16"))
     assert r.returncode == 0, r.stderr
-    assert "vocabulary 256" in r.stdout and "dtype: uint16" in r.stdout
+    assert "vocabulary 257" in r.stdout and "dtype: uint16" in r.stdout
     tokens = np.fromfile(tmp_path / "t.u16", dtype=np.uint16)
-    assert bytes(tokens.astype(np.uint8)) == text.read_bytes()
+    assert tokens[-1] == 256  # the end of the document: an id no byte has
+    assert bytes(tokens[:-1].astype(np.uint8)) == text.read_bytes()
     first = TokenFile(tmp_path / "t.u16", seq_len=8)[0]
     assert first.tolist() == list(text.read_bytes()[:9])
 
@@ -71,7 +72,7 @@ def test_a_local_tokenizer_encodes_documents(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("args", "fragment"),
-    [(["missing.txt"], "no such file: missing.txt"), (["--tokenizer", "nowhere"], "tokenizer")],
+    [(["missing.txt"], "no file matches 'missing.txt'"), (["--tokenizer", "nowhere"], "tokenizer")],
 )
 def test_bad_input_is_one_line(tmp_path: Path, args: list[str], fragment: str) -> None:
     (tmp_path / "a.txt").write_text("text")

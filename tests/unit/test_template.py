@@ -15,9 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from elaswave.config import JobConfig
 from elaswave.daemon.template import preloads
-from elaswave.data.checks import stated_vocab_size
 from elaswave.runtime.device import Accelerators, may_have_accelerators, probe_for
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -70,20 +68,6 @@ def test_the_launch_side_imports_no_torch() -> None:
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
-
-
-@pytest.mark.parametrize(
-    ("model", "vocab"),
-    [
-        ({"vocab_size": 300}, 300),
-        ({"source": "hf", "hf": {"model_type": "llama", "vocab_size": 512}}, 512),
-        ({"source": "hf", "hf": {"model_type": "llama"}}, None),  # the model's default
-        ({"source": "hf", "pretrained": "some/dir"}, None),  # in the directory
-        ({"source": "module", "factory": "examples.mlp_classifier:mlp_classifier"}, None),
-    ],
-)
-def test_stated_vocab_size(model: dict, vocab: int | None) -> None:
-    assert stated_vocab_size(JobConfig.from_dict({"model": model})) == vocab
 
 
 DAEMON_SIDE = textwrap.dedent("""

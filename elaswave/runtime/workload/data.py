@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from elaswave.data.tokens import TokenArray, write_token_file
+from elaswave.errors import ConfigError
 
 __all__ = [
     "MicroBatch",
@@ -18,6 +19,7 @@ __all__ = [
     "TokenFile",
     "microbatches",
     "sample_ids",
+    "token_file",
     "write_token_file",
 ]
 
@@ -120,6 +122,18 @@ class TokenFile:
         start = idx * self.seq_len
         window = self._tokens[start : start + self.seq_len + 1]
         return torch.from_numpy(window.astype(np.int64))
+
+
+def token_file(path: str | None, *, seq_len: int, dtype: str) -> TokenFile:
+    """The data set of ``data.source: tokens`` or ``text``: the token file at ``path``. For
+    ``text`` the path is set by ``elaswave launch`` once it has tokenized the files
+    (:func:`elaswave.data.text.resolve_text`); without it there is nothing to read yet."""
+    if path is None:
+        raise ConfigError(
+            "data.source: text has no token file yet: elaswave launch tokenizes data.files "
+            "(elaswave.data.text.resolve_text) before the workers read them"
+        )
+    return TokenFile(path, seq_len=seq_len, dtype=dtype)
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from elaswave.runtime.workload.base import Dataset, TensorSpec, Workload
-from elaswave.runtime.workload.data import SyntheticTokens, TokenFile
+from elaswave.runtime.workload.data import SyntheticTokens, token_file
 
 __all__ = ["GPTConfig", "GPTWorkload", "gpt_layer_costs", "per_sample_loss"]
 
@@ -167,9 +167,8 @@ class GPTWorkload(Workload):
 
     def dataset(self, seed: int) -> Dataset:
         c = self.cfg
-        if self.data_source == "tokens":
-            assert self.data_path is not None
-            return TokenFile(self.data_path, seq_len=c.seq_len, dtype=self.data_dtype)
+        if self.data_source in ("tokens", "text"):  # text: the token file launch made
+            return token_file(self.data_path, seq_len=c.seq_len, dtype=self.data_dtype)
         return SyntheticTokens(
             seed=seed, vocab_size=c.vocab_size, seq_len=c.seq_len, num_samples=self.num_samples
         )

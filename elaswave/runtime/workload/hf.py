@@ -51,7 +51,7 @@ from elaswave.runtime.workload.base import (
     Workload,
     layer_seed,
 )
-from elaswave.runtime.workload.data import SyntheticTokens, TokenFile
+from elaswave.runtime.workload.data import SyntheticTokens, token_file
 
 __all__ = ["BlockLayer", "EmbeddingLayer", "HFCausalLM", "HeadLayer"]
 
@@ -511,9 +511,8 @@ class HFCausalLM(Workload):
     # -- data and loss -----------------------------------------------------------------------------
 
     def dataset(self, seed: int) -> Dataset:
-        if self.data_source == "tokens":
-            assert self.data_path is not None
-            return TokenFile(self.data_path, seq_len=self.seq_len, dtype=self.data_dtype)
+        if self.data_source in ("tokens", "text"):  # text: the token file launch made
+            return token_file(self.data_path, seq_len=self.seq_len, dtype=self.data_dtype)
         return SyntheticTokens(
             seed=seed, vocab_size=self.config.vocab_size, seq_len=self.seq_len,
             num_samples=self.num_samples,

@@ -92,12 +92,13 @@ def _factory_workload(cfg: JobConfig) -> Workload:
 
 
 def check_data(cfg: JobConfig, workload: Workload) -> None:
-    """Before any worker starts: a token file the model cannot train on (see
-    :func:`check_token_file`; the vocabulary is the workload's ``vocab_size`` where it has one:
-    the built-in GPT, HF models), or held-out samples that leave none to train on, is a config
-    error. A ``module`` workload's data is its own: only the held-out count is checked."""
+    """Before any worker starts: a token file (given, or made from text) the model cannot
+    train on (see :func:`check_token_file`; the vocabulary is the workload's ``vocab_size``
+    where it has one: the built-in GPT, HF models), or held-out samples that leave none to
+    train on, is a config error. A ``module`` workload's data is its own: only the held-out
+    count is checked."""
     d = cfg.data
-    if d.source == "tokens" and d.path is not None and cfg.model.source != "module":
+    if d.source in ("tokens", "text") and d.path is not None and cfg.model.source != "module":
         vocab = getattr(workload, "vocab_size", None)
         try:
             check_token_file(d.path, seq_len=cfg.model.seq_len, dtype=d.dtype, vocab_size=vocab)
