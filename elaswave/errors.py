@@ -48,6 +48,19 @@ class JobFailed(ElasWaveError):
     exit_code = 1
 
 
+class StartOverRefused(ElasWaveError):
+    """A job id that committed steps was launched again with nothing to resume from: it would
+    train from step 0 again (the message says how to do that on purpose)."""
+
+    exit_code = EXIT_STATE_LOST
+
+
+class JobComplete(ElasWaveError):
+    """A job id that committed all its steps was launched again: nothing to train."""
+
+    exit_code = 0
+
+
 class EtcdAccessDenied(ElasWaveError):
     """etcd refused an operation: the user has no role on the job's key prefix."""
 

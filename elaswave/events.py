@@ -18,6 +18,7 @@ from typing import Any
 
 EVENTS_FILE = "events.jsonl"
 METRICS_FILE = "metrics.jsonl"
+RUN_CONFIG = "config.json"  # the job's config as it ran (what ``elaswave export`` rebuilds from)
 
 
 class JsonlWriter:

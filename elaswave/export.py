@@ -30,7 +30,7 @@ class Exported:
 
 def run_config(run_dir: Path) -> JobConfig:
     """The config a run was launched with."""
-    from elaswave.daemon.launch import RUN_CONFIG
+    from elaswave.events import RUN_CONFIG
 
     path = run_dir / RUN_CONFIG
     if not path.is_file():

@@ -9,6 +9,10 @@ comm       plan → the last rank rebuilt its process groups
 state      comm → the last rank agreed on the resume step and received any missing state
 redo       state → the first committed step after the change (the redone in-flight step)
 
+A job launched again under its id after it died whole is an incident too (``relaunch``): from the
+relaunch to the first step committed past what it had recorded, with the steps after its durable
+checkpoint trained again on the way.
+
 An interrupted step is redone in part where the strategy can: the report says how many of its
 micro-batches the survivors kept and how many were computed again, by whom
 (``kept_microbatches``, ``redone_microbatches``, ``redone_by``; ``None`` where the strategy does
@@ -56,6 +60,8 @@ def build_report(run_dir: str | Path, *more: str | Path) -> dict[str, Any]:
         elif ev["kind"] == "host_lost":
             cause = _host_fault(events[:i], ev["host"])
             incidents.append(_incident(cause, ev, None, events, plans, metrics, host=ev["host"]))
+        elif ev["kind"] == "relaunched":
+            incidents.append(_relaunch(ev, events, plans, metrics))
         elif ev["kind"] == "fault_injected" and kind in HOST_KINDS:
             continue  # the victim's own record; its incident starts from the leader's host_lost
         elif ev["kind"] == "fault_injected":
@@ -279,6 +285,36 @@ def _incident(
     return inc
 
 
+def _relaunch(
+    ev: dict[str, Any],
+    events: list[dict[str, Any]],
+    plans: list[dict[str, Any]],
+    metrics: list[dict[str, Any]],
+) -> dict[str, Any]:
+    """The job launched again under its id after it died whole (a scheduler's requeue, a
+    person): from the relaunch to the first step committed past what it had recorded, the
+    steps after its checkpoint trained again on the way (``recomputed_steps``)."""
+    t0 = ev["t"]
+    plan = _first(plans, lambda p: p["t"] >= t0)
+    recovery, commit, _ = _recovery(t0, t0, plan, events, metrics)  # seen as it starts
+    inc: dict[str, Any] = {
+        "kind": "relaunch",
+        "host": ev.get("host"),
+        "worker": None,
+        "rank": None,
+        "fault_step": int(ev["committed"]) + 1,
+        "fault_t": t0,
+        "reason": ev["reason"],
+        "epoch": plan["epoch"] if plan else None,
+        "world_after": plan["world"] if plan else None,
+    }
+    inc.update(recovery)
+    inc["recomputed_steps"] = int(ev.get("lost_steps", 0))
+    inc["first_commit_step"] = commit["step"] if commit else None
+    inc["mttr_s"] = round(commit["time"] - t0, 6) if commit else None
+    return inc
+
+
 def _answer(
     t0: float,
     fault: dict[str, Any] | None,
@@ -403,9 +439,13 @@ def _note_rollback(
     """Record in ``inc`` the steps computed again after the incident: from a durable checkpoint
     when the in-memory copies were lost (the first restore since ``t0``), else the ``redone``
     steps after a rollback to a snapshot."""
+    relaunch = _first(events, lambda e: e["kind"] == "relaunched" and e["t"] >= t0)
+    until = relaunch["t"] if relaunch else float("inf")  # a relaunch's restore is its own
     restored = _first(
         events,
-        lambda e: e["kind"] == "durable_restored" and e["t"] >= t0 and e.get("reason") != "resume",
+        lambda e: (
+            e["kind"] == "durable_restored" and t0 <= e["t"] < until and e.get("reason") != "resume"
+        ),
     )
     inc["recomputed_steps"] = restored["recomputed_steps"] if restored else redone
     if redone and not restored:

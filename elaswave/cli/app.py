@@ -18,7 +18,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from elaswave.cli import doctor as doctor_cli
-from elaswave.errors import ConfigError, ElasWaveError, FaultSpecError, JobStopped
+from elaswave.errors import ConfigError, ElasWaveError, FaultSpecError, JobComplete, JobStopped
 
 if TYPE_CHECKING:
     from elaswave.config import EtcdTLSConfig, JobConfig
@@ -36,7 +36,7 @@ err = Console(stderr=True)
 
 
 def _fail(exc: ElasWaveError) -> typer.Exit:
-    if isinstance(exc, JobStopped):  # a verdict, not a usage error: "elaswave: job stopped: …"
+    if isinstance(exc, JobStopped | JobComplete):  # a verdict, not a usage error: "elaswave: …"
         err.print(f"elaswave: {escape(str(exc))}", highlight=False, soft_wrap=True)
         return typer.Exit(exc.exit_code)
     err.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False, soft_wrap=True)
@@ -127,6 +127,14 @@ _Resume = Annotated[
     Path | None,
     typer.Option("--resume", help="Start from the newest durable checkpoint in this directory."),
 ]
+_Fresh = Annotated[
+    bool | None,
+    typer.Option(
+        "--fresh",
+        help="Train this job id from step 0 again: an earlier run's records and checkpoints "
+        "move to RUN_DIR/previous/.",
+    ),
+]
 _SnapshotEvery = Annotated[
     int | None,
     typer.Option("--snapshot-every", help="ZeRO replicas every K steps (1: every step, 0: none)."),
@@ -196,6 +204,7 @@ def launch(
     durable_every: _DurableEvery = None,
     durable_dir: _DurableDir = None,
     resume: _Resume = None,
+    fresh: _Fresh = None,
     snapshot_every: _SnapshotEvery = None,
     verify_every: _VerifyEvery = None,
     hang_timeout: _HangTimeout = None,

@@ -52,6 +52,10 @@ class JobConfig:
     durable_every: int = 0  # torch.distributed.checkpoint every N committed steps (0: never)
     durable_dir: str | None = None  # default <run_dir>/checkpoints (shared storage across hosts)
     resume: str | None = None  # start from the newest durable checkpoint in this directory
+    # A job id that committed steps before resumes from its newest durable checkpoint (or, with
+    # none, refuses to train from step 0 again); fresh: move that run's records and checkpoints
+    # aside (<run_dir>/previous/) and train from step 0 on purpose.
+    fresh: bool = False
     host_id: str | None = None  # default: hostname-pid
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -200,6 +204,7 @@ LAUNCH_FLAGS: dict[str, str] = {
     "durable_every": "durable_every",
     "durable_dir": "durable_dir",
     "resume": "resume",
+    "fresh": "fresh",
 }
 
 

@@ -255,8 +255,33 @@ class JobStore:
     # ---- progress, measurements ---------------------------------------------------------------
     async def committed_step(self) -> int:
         """The job's newest committed step as its progress record says (0: none yet)."""
+        return int((await self.progress() or {}).get("step", 0))
+
+    async def progress(self) -> dict[str, Any] | None:
+        """The job's progress record (its newest committed step, that step's epoch, ...)."""
         kv = await self.etcd.get(self.keys.progress)
-        return int(kv.json().get("step", 0)) if kv is not None else 0
+        return dict(kv.json()) if kv is not None else None
+
+    async def clear_but_records(self) -> None:
+        """The last host out: remove the job's keys but its records (the progress record and
+        what it trained), which a later launch of the job id resumes from or is refused by."""
+        kept = [(key, await self.etcd.get(key)) for key in (self.keys.progress, self.keys.config)]
+        await self.etcd.delete_prefix(self.keys.prefix)
+        for key, kv in kept:
+            if kv is not None:
+                await self.etcd.put(key, kv.value)
+
+    async def trained(self) -> dict[str, Any] | None:
+        """What the job trains, as its first host published it (None: no record)."""
+        kv = await self.etcd.get(self.keys.config)
+        return dict(kv.json()) if kv is not None else None
+
+    async def seed_progress(self, step: int, epoch: int, reason: str) -> None:
+        """A relaunched job's progress as its earlier runs recorded it: the steps up to ``step``
+        are recorded already (trained again, they are not recorded twice), and its plans come
+        after ``epoch``."""
+        record = {"step": step, "epoch": epoch, "relaunched": reason, "time": time.time()}
+        await self.etcd.put_json(self.keys.progress, record)
 
     async def share_speeds(self, host_id: str, speeds: dict[str, Any], *, lease: Any) -> None:
         """A host's workers' compute seconds per micro-batch (worker -> {epoch, per_mb})."""

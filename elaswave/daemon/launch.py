@@ -18,12 +18,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 from elaswave.config import JobConfig, state_dir
+from elaswave.config.jobs import run_record
+from elaswave.daemon.earlier import archive, run_dir_records
 from elaswave.daemon.etcd import EtcdSecurity
 from elaswave.daemon.etcd_server import EmbeddedEtcd, ServerTLS, check_port_free
 from elaswave.daemon.supervisor import HostDaemon, default_host_id
 from elaswave.daemon.template import Template
 from elaswave.daemon.workers import worker_environment
 from elaswave.errors import ElasWaveError, JobNotFound
+from elaswave.events import RUN_CONFIG
 from elaswave.runtime.durable.layout import latest
 
 log = logging.getLogger(__name__)
@@ -81,6 +84,12 @@ def launch(
         else:
             if not endpoints:
                 raise ElasWaveError(f"job {cfg.job_id!r} is already running on this machine")
+    # What an earlier run of this job id left, read before this run writes anything (or, with
+    # --fresh, moved aside): the daemon decides with etcd's records whether to resume.
+    earlier = None
+    moved = archive(run_dir, cfg.resolved_durable_dir) if cfg.fresh else None
+    if not cfg.fresh:
+        earlier = run_dir_records(run_dir, cfg.resolved_durable_dir, cfg)
     host_id = cfg.host_id or default_host_id()
     # First of all: the template's imports (seconds) overlap everything below.
     template = start_template(cfg, run_dir / "logs" / f"{host_id}.template.log")
@@ -105,6 +114,8 @@ def launch(
             embedded=embedded,
             security=security,
             template=template,
+            earlier=earlier,
+            moved=moved,
         )
         owns_record = not disc.exists()
         if owns_record:
@@ -155,20 +166,10 @@ def preflight(cfg: JobConfig) -> None:
     check_data(cfg, load_workload(cfg))
 
 
-RUN_CONFIG = "config.json"
-
-
 def write_run_config(cfg: JobConfig, run_dir: Path) -> None:
-    """The job's config as it runs, in ``<run_dir>/config.json`` (what ``elaswave export``
-    rebuilds the model from), its paths made absolute so it reads the same from anywhere."""
-    record = cfg.to_dict()
-    for section, key in (("model", "pretrained"), ("data", "path")):
-        if record[section][key]:
-            record[section][key] = str(Path(record[section][key]).resolve())
-    record["run_dir"] = str(run_dir.resolve())
-    record["durable_dir"] = str(cfg.resolved_durable_dir.resolve())
+    """The job's config as it runs, in ``<run_dir>/config.json`` (:func:`run_record`)."""
     tmp = run_dir / f".{RUN_CONFIG}.tmp"
-    tmp.write_text(json.dumps(record, indent=1))
+    tmp.write_text(json.dumps(run_record(cfg, run_dir), indent=1))
     os.replace(tmp, run_dir / RUN_CONFIG)
 
 

@@ -166,6 +166,8 @@ class Planner:
         self.applied = 0
         self.snapshot = 0  # the revision the roster was last read at: older changes are in it
         self.moved = asyncio.Event()  # set whenever the watch applied a change
+        # A relaunched job's plans come after the epochs it recorded (its progress record's).
+        self.epoch_floor = 0
 
     async def run(self) -> None:
         """Plan until the job is done or stops, or this host stops leading. An etcd outage
@@ -184,6 +186,7 @@ class Planner:
     async def _lead(self, watcher: asyncio.Task[None]) -> None:
         c, store = self.c, self.store
         current, plan_rev = await store.read_plan()
+        self.epoch_floor = int((await store.progress() or {}).get("epoch", 0))
         if current is None:
             await self._await_initial_members()
         elif not await store.is_done():
@@ -265,6 +268,7 @@ class Planner:
                 now=time.time(),
                 cause=cause,
                 policy=cfg.stage_loss,
+                epoch_floor=self.epoch_floor,
             )
         return next_plan(
             current,
@@ -274,6 +278,7 @@ class Planner:
             store=self.c.store_address,
             now=time.time(),
             cause=cause,
+            epoch_floor=self.epoch_floor,
         )
 
     def _published(self, plan: Plan, **timing: float) -> None:

@@ -13,7 +13,7 @@ import contextlib
 from typing import TYPE_CHECKING
 
 from elaswave.daemon.template import Adopted
-from elaswave.daemon.workers import WorkerProc, spawn
+from elaswave.daemon.workers import WorkerProc, spawn, worker_id
 from elaswave.planning.verdicts import respawn_verdict
 
 if TYPE_CHECKING:
@@ -26,6 +26,7 @@ class WorkerPool:
         self.d = d
         self.restarts_used = 0
         self.replacing = 0  # fenced workers whose replacements are being spawned
+        self.expecting: dict[str, asyncio.Event] = {}  # worker ids being spawned
 
     @property
     def next_incarnation(self) -> int:
@@ -33,6 +34,24 @@ class WorkerPool:
         return 1 + max((w.incarnation for w in self.d.workers.values()), default=-1)
 
     async def spawn(self, slot: int, incarnation: int) -> WorkerProc:
+        d = self.d
+        # A forked worker may say hello before the template's answer reaches us: the daemon
+        # holds its hello until the worker is registered (see ``registered``).
+        wid = worker_id(d.host_id, slot, incarnation)
+        self.expecting[wid] = asyncio.Event()
+        try:
+            w = await self._spawn(slot, incarnation)
+        finally:
+            self.expecting.pop(wid).set()
+        return w
+
+    async def registered(self, wid: str) -> None:
+        """Return once worker ``wid``, if it is being spawned, is registered."""
+        pending = self.expecting.get(wid)
+        if pending is not None:
+            await pending.wait()
+
+    async def _spawn(self, slot: int, incarnation: int) -> WorkerProc:
         d = self.d
         w = await spawn(
             host_id=d.host_id,

@@ -42,6 +42,13 @@ class StepRecords:
         self._progress: KV | None = None
         self.commit_times: list[tuple[float, int]] = []
         self.final_step = 0  # the newest step a worker of this host committed or finished at
+        self.recorded_before = 0  # steps an earlier run of the job recorded (a relaunch)
+
+    def recorded_up_to(self, step: int) -> None:
+        """A relaunch: earlier runs of the job recorded the steps up to ``step`` (those after
+        its checkpoint are trained again, and not recorded twice, nor their evaluations)."""
+        self.last_metric_step = max(self.last_metric_step, step)
+        self.recorded_before = max(self.recorded_before, step)
 
     def finished_at(self, step: int) -> None:
         """A worker of this host finished the job at ``step``."""
@@ -87,6 +94,8 @@ class StepRecords:
     def evaluated(self, msg: dict[str, Any]) -> None:
         """A held-out evaluation rank 0 made after committing a step: a line of its own, in the
         outbox's order (after that step's record)."""
+        if int(msg["step"]) <= self.recorded_before:
+            return  # trained again after a relaunch: its evaluation is recorded already
         record = {
             "kind": "eval",
             "step": int(msg["step"]),

@@ -31,14 +31,17 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Coroutine, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from elaswave.config import JobConfig
+from elaswave.config.jobs import config_difference, training_config
 from elaswave.daemon.aio import wait_for
 from elaswave.daemon.compute import ComputeTimes
 from elaswave.daemon.control_server import ControlServer, WorkerConn
 from elaswave.daemon.controlplane import ControlPlane
+from elaswave.daemon.earlier import checkpoint_step, etcd_records
 from elaswave.daemon.etcd import Etcd, EtcdSecurity
 from elaswave.daemon.etcd_server import EmbeddedEtcd
 from elaswave.daemon.faultrelay import FaultRelay
@@ -56,15 +59,22 @@ from elaswave.errors import (
     ConfigError,
     ElasWaveError,
     EtcdUnavailable,
+    JobComplete,
     JobFailed,
     JobStopped,
     RunDirFull,
+    StartOverRefused,
 )
 from elaswave.events import EVENTS_FILE, METRICS_FILE, EventLog, JsonlWriter
 from elaswave.keys import JobKeys
 from elaswave.planning.plan import Plan
+from elaswave.planning.relaunch import Records, Verdict, merge_records, relaunch_verdict
 
 log = logging.getLogger(__name__)
+
+# Hosts of a job relaunched together take turns this far apart in its restart: the first resumes
+# the job, the others find it registered and join.
+RELAUNCH_TURN_S = 0.5
 
 
 def default_host_id() -> str:
@@ -91,8 +101,13 @@ class HostDaemon:
         embedded: EmbeddedEtcd | None = None,
         security: EtcdSecurity | None = None,
         template: Template | None = None,
+        earlier: Records | None = None,
+        moved: Path | None = None,
     ) -> None:
         self.cfg = cfg
+        self.earlier = earlier  # what an earlier run of this job id left in this run directory
+        self.moved = moved  # where --fresh moved it
+        self.resuming = False  # a relaunch: the workers start from a durable checkpoint
         self.endpoints = etcd_endpoints
         self.security = security
         self.host_id = cfg.host_id or default_host_id()
@@ -194,6 +209,13 @@ class HostDaemon:
             if self.embedded is not None:
                 self._tasks.append(asyncio.create_task(self.cp.supervise_etcd(), name="etcd"))
             await self._preflight()
+            if (
+                (self.resuming or self.cfg.resume)
+                and self.template is not None
+                and self.template.alive
+            ):
+                with contextlib.suppress(TemplateGone):  # every worker will read a checkpoint:
+                    await self.template.warm(self.cfg.timeouts.template)  # import it once
             self.store = await StoreProcess.start(
                 self.host_addr, self.run_dir / "logs" / f"{self.host_id}.store.log",
                 template=self.template, timeout=self.cfg.timeouts.template,
@@ -347,10 +369,19 @@ class HostDaemon:
         self.finished.set()
 
     async def _join(self) -> None:
-        live_hosts = await self.etcd.get_prefix(self.keys.hosts)
+        live_hosts = await self._outlive_earlier_self(await self.etcd.get_prefix(self.keys.hosts))
         if not live_hosts:
-            # Nobody is running this job: whatever is left under its prefix is stale.
+            # Nobody is running this job: it starts, or starts again. Whatever is left under
+            # its prefix is stale, but for what its records say was committed.
+            verdict = await self._relaunch_verdict()
+            self._refuse_unless_startable(verdict)  # before anything changes in etcd
             await self.etcd.delete_prefix(self.keys.prefix)
+            await self._start_as(verdict)
+        elif self.cfg.fresh:
+            raise ElasWaveError(
+                f"--fresh: job {self.cfg.job_id!r} is running on {len(live_hosts)} host(s); it "
+                "starts over only when no host runs it"
+            )
         await self._agree_on_config()
         self.lease = await self.etcd.lease(self.cfg.timeouts.lease_ttl)
         await self.control.start()
@@ -367,6 +398,76 @@ class HostDaemon:
             pid=os.getpid(),
             embedded_etcd_pid=self.embedded.pid if self.embedded else None,
         )
+
+    async def _outlive_earlier_self(self, live: list[Any]) -> list[Any]:
+        """This host id may still be registered by an earlier launch of this host that was
+        killed and is launched again at once (a scheduler's requeue, with the node's name for
+        host id), and so may the other hosts of that run: their keys last until their leases
+        expire. Wait for the keys registered then to go (a host still running keeps its key,
+        and is joined), the hosts taking turns in the order of their ids, then read again."""
+        mine = self.keys.host(self.host_id)
+        if not any(kv.key == mine for kv in live):
+            return live
+        earlier = {(kv.key, kv.create_revision) for kv in live}
+        turn = sorted(key for key, _ in earlier).index(mine)
+        deadline = time.monotonic() + self.cfg.timeouts.lease_ttl + 2.0
+        while time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+            now = {
+                (kv.key, kv.create_revision) for kv in await self.etcd.get_prefix(self.keys.hosts)
+            }
+            if not now & earlier:
+                break
+        await asyncio.sleep(RELAUNCH_TURN_S * turn)  # the first in line starts the job again
+        return await self.etcd.get_prefix(self.keys.hosts)
+
+    async def _relaunch_verdict(self) -> Verdict:
+        """Whether this job id starts new, resumes, is done already, or must not start: from
+        what its earlier runs left in the run directory, the checkpoints and etcd."""
+        cfg = self.cfg
+        seen = None
+        if not cfg.fresh:
+            plan, _ = await self.jobstore.read_plan()
+            trained = await self.jobstore.trained()
+            diff = "" if trained is None else config_difference(
+                {k: trained.get(k) for k in ("model", "data")},
+                {k: v for k, v in training_config(cfg).items() if k in ("model", "data")},
+            ).replace("job has", "it had", 1)  # fmt: skip
+            progress = await self.jobstore.progress()
+            seen = etcd_records(progress, plan.epoch if plan else 0, config_diff=diff)
+            if seen is not None and self.earlier is None:  # where checkpoints would be
+                seen = replace(
+                    seen, checkpoint=checkpoint_step(cfg.resolved_durable_dir),
+                    checkpoint_dir=str(cfg.resolved_durable_dir),
+                )  # fmt: skip
+        found = merge_records(self.earlier, seen)
+        return relaunch_verdict(
+            found, job_id=cfg.job_id, total_steps=cfg.train.steps, resume=bool(cfg.resume)
+        )
+
+    @staticmethod
+    def _refuse_unless_startable(verdict: Verdict) -> None:
+        """A job that must not start (it would train from step 0 again) or has nothing left
+        to train ends here, its records in etcd untouched for a later launch."""
+        if verdict.action == "refuse":
+            raise StartOverRefused(verdict.reason)
+        if verdict.action == "done":
+            raise JobComplete(verdict.reason)
+
+    async def _start_as(self, verdict: Verdict) -> None:
+        """Start as the relaunch verdict says: new, or resumed with the job's progress seeded
+        so that the steps it recorded are not recorded again."""
+        if self.moved is not None:
+            self.events.emit("fresh_start", host=self.host_id, moved_to=str(self.moved))
+        if verdict.action == "resume":
+            self.resuming = True
+            await self.jobstore.seed_progress(verdict.committed, verdict.epoch, verdict.reason)
+            self.records.recorded_up_to(verdict.committed)
+            self.events.emit(
+                "relaunched", host=self.host_id, committed=verdict.committed,
+                resume_step=verdict.resume_step, lost_steps=verdict.lost_steps,
+                reason=verdict.reason,
+            )  # fmt: skip
 
     def host_info(self) -> dict[str, Any]:
         return {
@@ -465,15 +566,17 @@ class HostDaemon:
                         await self.lease.revoke()
                 if self.embedded is not None and self.signal_received is None:
                     await self._wait_for_other_hosts()  # they still need the etcd we host
-                with contextlib.suppress(Exception):  # last one out: no stale keys
-                    if not await self.etcd.get_prefix(self.keys.hosts):
-                        await self.etcd.delete_prefix(self.keys.prefix)
+                with contextlib.suppress(Exception):  # last one out: no stale keys, but the
+                    if not await self.etcd.get_prefix(self.keys.hosts):  # job's records
+                        await self.jobstore.clear_but_records()
                 await self.etcd.close()
 
     # ---- control channel --------------------------------------------------------------------
     async def _on_message(self, conn: WorkerConn, msg: dict[str, Any]) -> None:
         kind = msg["type"]
         wid = conn.worker_id
+        if kind == "hello":
+            await self.pool.registered(wid or "")  # a forked worker can be that quick
         w = self.workers.get(wid or "")
         if kind == "hello":
             if w is None:
@@ -609,29 +712,6 @@ class HostDaemon:
         for wid in plan.evicted:
             self.pool.evict(wid, plan)
         self.faults.dispatch()
-
-
-def training_config(cfg: JobConfig) -> dict[str, Any]:
-    """The sections every host of a job must agree on (the data as
-    :meth:`~elaswave.config.DataConfig.agreed` gives it: text by its content key)."""
-    full = cfg.to_dict()
-    return {"model": full["model"], "data": cfg.data.agreed(), "train": full["train"]} | {
-        "nproc_per_node": cfg.elastic.nproc_per_node,
-        "nnodes": cfg.elastic.nnodes,
-    }
-
-
-def config_difference(theirs: dict[str, Any], mine: dict[str, Any], prefix: str = "") -> str:
-    """The first differing key as ``key: job has X, this host Y`` ('' when equal)."""
-    for key in sorted(set(theirs) | set(mine)):
-        a, b = theirs.get(key), mine.get(key)
-        if isinstance(a, dict) and isinstance(b, dict):
-            found = config_difference(a, b, f"{prefix}{key}.")
-            if found:
-                return found
-        elif a != b:
-            return f"{prefix}{key}: job has {a!r}, this host {b!r}"
-    return ""
 
 
 def _stuck_shutdown() -> None:

@@ -141,8 +141,10 @@ def next_pipeline_plan(
     now: float,
     cause: str = "",
     policy: str = "reshard",
+    epoch_floor: int = 0,
 ) -> Plan | None:
-    """The pipeline plan that follows ``prev`` for this membership, or ``None`` if none changes.
+    """The pipeline plan that follows ``prev`` for this membership, or ``None`` if none changes
+    (its first epoch after ``epoch_floor``: see :func:`~elaswave.planning.plan.next_plan`).
 
     - start: ``len(members) // pp`` full replicas (ranks in join order), layers cut by the
       minimax partition; leftover workers wait as standbys;
@@ -188,7 +190,7 @@ def next_pipeline_plan(
     slowest = {b: _bottleneck(costs, b) for b in set(bounds)}  # most replicas are cut alike
     shares = balanced_shares(num_microbatches, [slowest[b] for b in bounds],
                              [len(b) - 1 for b in bounds])  # fmt: skip
-    epoch = (prev.epoch if prev else 0) + 1
+    epoch = max(prev.epoch if prev else 0, epoch_floor) + 1
     reason = _change_reason(
         epoch, groups, num_microbatches, shares, notes, started=prev is None, pp=pp, cause=cause
     )

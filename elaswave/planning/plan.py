@@ -201,11 +201,13 @@ def next_plan(
     store: str,
     now: float,
     cause: str = "",
+    epoch_floor: int = 0,
 ) -> Plan | None:
     """The plan that follows ``prev`` for this membership, or ``None`` if nothing changes.
 
     At most ``max_workers`` are admitted (extra workers wait as standbys). The reason string says
-    what changed and why, for ``status`` and the report.
+    what changed and why, for ``status`` and the report. A job relaunched under its id starts
+    past the epochs it recorded (``epoch_floor``), so that its epochs only grow.
     """
     ordered = order_members(prev, members)[: min(max_workers, num_microbatches)]
     if not ordered:
@@ -215,7 +217,7 @@ def next_plan(
         return None
     counts = assign_microbatches(num_microbatches, [1.0] * len(workers))
     departed = gone(prev.workers if prev else (), workers)
-    epoch = (prev.epoch if prev else 0) + 1
+    epoch = max(prev.epoch if prev else 0, epoch_floor) + 1
     if prev is None:
         change = f"start: dp {len(workers)}"
     else:

@@ -27,10 +27,10 @@ from rich.console import Console
 
 from elaswave.cli.tokenizing import TokenizingView
 from elaswave.config import JobConfig
+from elaswave.data import cache as cache_mod
 from elaswave.data.encode import ByteEncoder, HFEncoder
 from elaswave.data.sources import documents, expand
 from elaswave.data.text import BYTE_EOS, model_vocab, prepare, resolve_text, tokenize_to
-from elaswave.data import cache as cache_mod
 from elaswave.errors import ConfigError
 from elaswave.runtime.workload.data import TokenFile
 
@@ -496,7 +496,7 @@ def test_resolve_text_names_the_token_file_the_workers_read(tmp_path: Path) -> N
 
 
 def test_hosts_agree_on_the_same_text_reached_by_other_paths(tmp_path: Path) -> None:
-    from elaswave.daemon.supervisor import config_difference, training_config
+    from elaswave.config.jobs import config_difference, training_config
 
     one = resolve_text(_text_job(tmp_path / "h1"))
     two = resolve_text(_text_job(tmp_path / "h2"))

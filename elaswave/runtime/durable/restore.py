@@ -57,10 +57,11 @@ class DurableSource:
 
     def newest(self, broken: Callable[[], bool]) -> str:
         """The newest complete durable checkpoint as rank 0 sees it, the same on every rank
-        ("" when there is none, or durable checkpoints are off)."""
-        if self.checkpoints is None:
-            return ""
-        self.checkpoints.flush()  # a write still in flight is the newest checkpoint
+        ("" when there is none). With periodic checkpoints off there can still be one: the
+        final state of an earlier run of the job, which a relaunch with more steps goes on
+        from."""
+        if self.checkpoints is not None:
+            self.checkpoints.flush()  # a write still in flight is the newest checkpoint
         comm, cfg = self.ctx.comm, self.ctx.cfg
         newest = checkpoints.latest(cfg.resolved_durable_dir) if comm.rank(DP) == 0 else None
         return comm.broadcast_json(DP, str(newest) if newest else "", 0, broken)

@@ -1,0 +1,226 @@
+"""A whole job SIGKILLed (daemon, workers, etcd: what a node failure, a scheduler's kill or a
+power cut does) and launched again under the same job id, as a scheduler's requeue or a person
+would: it resumes from its newest durable checkpoint on the fault-free curve, every step
+recorded once, or, with nothing to resume from, stops with one line and never trains from step 0
+again unless told to (``--fresh``).
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import (
+    REL_TOL,
+    Run,
+    assert_no_orphans,
+    launch,
+    start,
+    wait_for,
+)
+from netbed import NetBed, netbed_fixture  # noqa: F401 - provides the netbed_factory fixture
+
+from elaswave.daemon.etcd_server import EmbeddedEtcd
+from elaswave.events import read_jsonl
+from elaswave.report import build_report
+
+pytestmark = pytest.mark.e2e
+
+STEPS = 40
+KILL_AFTER = 17  # committed steps before the whole job is killed
+
+
+def _kill_whole_job(run_dir: Path, env: dict[str, str], *args: str, after: int = KILL_AFTER) -> int:
+    """Start the job, SIGKILL its launch once ``after`` steps are committed (its workers, worker
+    template, store and embedded etcd die with it); the steps committed by then."""
+    proc = start(run_dir, env, *args)
+    try:
+        wait_for(lambda: _committed(run_dir) >= after or proc.poll() is not None, timeout=120,
+                 interval=0.02)  # fmt: skip
+        assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return _committed(run_dir)
+
+
+def _committed(run_dir: Path) -> int:
+    return max((m["step"] for m in read_jsonl(run_dir / "metrics.jsonl")), default=0)
+
+
+def _one_line(r: subprocess.CompletedProcess[str]) -> str:
+    lines = [line for line in (r.stderr + r.stdout).splitlines() if line.strip()]
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+def _spawned_after(run: Run, t: float) -> list[dict[str, Any]]:
+    return [e for e in run.of("worker_spawned") if e["t"] > t]
+
+
+def _assert_on_the_curve(run: Run, steps: int, reference: Run) -> None:
+    committed = [m["step"] for m in run.metrics]
+    assert committed == list(range(1, steps + 1)), f"steps lost or recorded twice: {committed}"
+    ref = reference.losses
+    for step, loss in run.losses.items():
+        if step in ref:
+            assert abs(loss - ref[step]) <= REL_TOL * abs(ref[step]), (step, loss, ref[step])
+
+
+def test_relaunch_resumes_from_the_newest_checkpoint(
+    tmp_path: Path, state_env: dict[str, str], reference: Run
+) -> None:
+    run_dir = tmp_path / "run"
+    args = ("--job-id", "requeued", "--durable-every", "5")
+    committed = _kill_whole_job(run_dir, state_env, *args)
+    assert KILL_AFTER <= committed < STEPS
+    killed_at = max(e["t"] for e in read_jsonl(run_dir / "events.jsonl"))
+
+    r = launch(run_dir, *args, env=state_env)  # the same command again
+    assert r.returncode == 0, r.stderr[-3000:]
+    run = Run(run_dir)
+    _assert_on_the_curve(run, STEPS, reference)
+    (again,) = run.of("relaunched")
+    checkpoint = committed - committed % 5
+    assert (again["committed"], again["resume_step"]) == (committed, checkpoint)
+    assert again["lost_steps"] == committed - checkpoint
+    (restored,) = run.of("durable_restored")
+    assert restored["step"] == checkpoint
+    finals = [f for f in run.of("final_state") if f["t"] > killed_at]
+    assert len(finals) == 4 and len({f["params_sha256"] for f in finals}) == 1
+    plans = [p["epoch"] for p in run.of("plan_published")]
+    assert plans == sorted(set(plans)), f"an epoch planned twice across the relaunch: {plans}"
+    report = build_report(run_dir)
+    (inc,) = [i for i in report["incidents"] if i["kind"] == "relaunch"]
+    assert inc["recomputed_steps"] == committed - checkpoint
+    assert inc["first_commit_step"] == committed + 1 and inc["mttr_s"] > 0
+    assert report["totals"]["duplicate_steps"] == [] and report["totals"]["missing_steps"] == []
+    assert_no_orphans(run)
+
+    # Launched once more: nothing left to train, one line, exit 0, no worker started.
+    before = max(e["t"] for e in run.events)
+    r = launch(run_dir, *args, env=state_env)
+    assert r.returncode == 0, r.stderr
+    assert f"already committed all {STEPS} steps" in _one_line(r)
+    assert not _spawned_after(Run(run_dir), before)
+    # With more steps: it trains on from its final state.
+    r = launch(run_dir, *args, "--steps", "48", env=state_env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [m["step"] for m in Run(run_dir).metrics] == list(range(1, 49))
+    assert_no_orphans(Run(run_dir))
+
+
+def test_relaunch_without_a_checkpoint_refuses_then_fresh_starts_over(
+    tmp_path: Path, state_env: dict[str, str], reference: Run
+) -> None:
+    run_dir = tmp_path / "run"
+    args = ("--job-id", "lost")
+    committed = _kill_whole_job(run_dir, state_env, *args, after=8)
+    first_run = (run_dir / "metrics.jsonl").read_text()
+
+    before = max(e["t"] for e in read_jsonl(run_dir / "events.jsonl"))
+    r = launch(run_dir, *args, env=state_env)
+    assert r.returncode == 5, r.stderr
+    line = _one_line(r)
+    assert f"committed {committed} steps" in line and "will not train from step 0" in line
+    assert "--fresh" in line and "--job-id" in line
+    run = Run(run_dir)
+    assert not _spawned_after(run, before), "nothing may start"
+    assert [m["step"] for m in run.metrics] == list(range(1, committed + 1))  # untouched
+    assert_no_orphans(run)
+
+    r = launch(run_dir, *args, "--fresh", env=state_env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    run = Run(run_dir)
+    _assert_on_the_curve(run, STEPS, reference)
+    (fresh,) = run.of("fresh_start")
+    assert (Path(fresh["moved_to"]) / "metrics.jsonl").read_text() == first_run
+    assert not run.of("relaunched")
+
+
+def test_relaunch_reads_the_records_etcd_kept(
+    tmp_path: Path, state_env: dict[str, str], reference: Run
+) -> None:
+    """On an external etcd the job's progress outlives it: relaunched at once into a new run
+    directory (a node's local disk gone with it), under the same host id (a node's name, still
+    registered until its lease expires), the job resumes from the shared checkpoints."""
+    etcd = EmbeddedEtcd().start()
+    try:
+        env = dict(state_env, ELASWAVE_TIMEOUTS__LEASE_TTL="2")
+        shared = tmp_path / "shared-checkpoints"
+        args = ("--job-id", "external", "--etcd", etcd.endpoint, "--host-id", "node1",
+                "--durable-every", "5", "--durable-dir", str(shared))  # fmt: skip
+        committed = _kill_whole_job(tmp_path / "first", env, *args)
+        r = launch(tmp_path / "second", *args, env=env)
+        assert r.returncode == 0, r.stderr[-3000:]
+    finally:
+        etcd.stop()
+    first, second = Run(tmp_path / "first"), Run(tmp_path / "second")
+    (again,) = second.of("relaunched")
+    assert again["committed"] == committed and "etcd" in again["reason"]
+    assert [m["step"] for m in second.metrics] == list(range(committed + 1, STEPS + 1))
+    _assert_on_the_curve(Run(tmp_path / "first", tmp_path / "second"), STEPS, reference)
+    assert_no_orphans(second)
+    assert first.of("host_joined")[0]["host"] == second.of("host_joined")[0]["host"] == "node1"
+
+
+@pytest.mark.netns
+def test_three_hosts_killed_and_relaunched_resume(
+    netbed_factory: Any, state_env: dict[str, str], reference: Run
+) -> None:
+    """Every host of a three-host job SIGKILLed at once, then relaunched (same host ids, run
+    directories and shared checkpoint directory): one host decides to resume, the others join,
+    and the hosts' merged records hold every step once."""
+    bed = netbed_factory(hosts=3)
+    env = dict(state_env, ELASWAVE_TIMEOUTS__LEASE_TTL="2", ELASWAVE_TIMEOUTS__ETCD_CONNECT="2")
+    args = ("--job-id", "mh-relaunch", "--nproc-per-node", "2", "--nnodes", "3:3",
+            "--steps", "30", "--durable-every", "5",
+            "--durable-dir", str(bed.workdir / "checkpoints"))  # fmt: skip
+
+    def step() -> int:
+        return max((_committed(bed.run_dirs[h]) for h in bed.hosts), default=0)
+
+    for host in bed.hosts:
+        bed.launch(host, *args, env=env)
+    wait_for(lambda: step() >= 12, timeout=120, interval=0.05)
+    for host in bed.hosts:
+        bed.kill_host(host)
+    assert all(c == -9 for c in bed.wait(timeout=30).values())
+    committed = step()
+    for host in bed.hosts:
+        bed.launch(host, *args, env=env)
+    codes = bed.wait(timeout=180)
+    assert codes == {h: 0 for h in bed.hosts}, [bed.output(h) for h in bed.hosts]
+    run = Run(*(bed.run_dirs[h] for h in bed.hosts))
+    _assert_on_the_curve(run, 30, reference)
+    (again,) = run.of("relaunched")
+    assert again["committed"] >= committed
+    assert again["resume_step"] == again["committed"] - again["committed"] % 5
+    epochs = [p["epoch"] for p in run.of("plan_published")]
+    assert epochs == sorted(set(epochs))
+    assert_no_orphans(run)
+
+
+def test_a_refusal_keeps_the_records_in_etcd(tmp_path: Path, state_env: dict[str, str]) -> None:
+    """Refused against an external etcd, the job's records there stay: a second launch from
+    another disk is refused the same way (nothing trains from step 0 by trying twice)."""
+    etcd = EmbeddedEtcd().start()
+    try:
+        env = dict(state_env, ELASWAVE_TIMEOUTS__LEASE_TTL="2")
+        args = ("--job-id", "kept", "--etcd", etcd.endpoint, "--host-id", "node1")
+        committed = _kill_whole_job(tmp_path / "run", env, *args, after=5)
+        lines = []
+        for where in ("elsewhere", "again"):  # no records on these disks
+            r = launch(tmp_path / where, *args, env=env)
+            assert r.returncode == 5, r.stderr
+            lines.append(_one_line(r))
+    finally:
+        etcd.stop()
+    assert f"committed {committed} steps (its progress record in etcd)" in lines[0]
+    assert lines[0] == lines[1].replace("/again/", "/elsewhere/")
+    assert not Run(tmp_path / "again").of("worker_spawned")
