@@ -159,6 +159,12 @@ _MetricsPort = Annotated[
     int | None,
     typer.Option("--metrics-port", help="Serve Prometheus /metrics here (0: a free port)."),
 ]
+_Tensorboard = Annotated[
+    Path | None,
+    typer.Option(
+        "--tensorboard", help="Write the job's TensorBoard event stream under DIR/<job-id>."
+    ),
+]
 _ProgressEvery = Annotated[
     float,
     typer.Option("--progress-every", help="Not on a terminal: a progress line every N seconds."),
@@ -201,6 +207,7 @@ def launch(
     straggler_threshold: _StragglerThreshold = None,
     loop_breaker: _LoopBreaker = None,
     metrics_port: _MetricsPort = None,
+    tensorboard: _Tensorboard = None,
     quiet: _Quiet = False,
     progress_every: _ProgressEvery = 10.0,
 ) -> None:
@@ -279,10 +286,13 @@ def _preflight(cfg: JobConfig) -> EtcdSecurity:
     """Check before the job starts what would otherwise fail in it, each as one error line: a
     model that cannot build (a factory, an HF config or directory), a token file it cannot
     train on (too short, token ids past its vocabulary), malformed etcd endpoints,
-    bad TLS files or credentials. Returns the etcd security the job runs with."""
+    bad TLS files or credentials, a stream whose package is not installed. Returns the etcd
+    security the job runs with."""
+    from elaswave.config import check_packages
     from elaswave.daemon.etcd import EtcdSecurity
     from elaswave.runtime.workload.load import check_data, load_workload
 
+    check_packages(cfg.logging)  # logging.tensorboard / wandb: the extra to install
     check_data(cfg, load_workload(cfg))  # a model that cannot build, then unusable data
     if cfg.etcd:
         from elaswave.daemon.etcd import parse_endpoints
