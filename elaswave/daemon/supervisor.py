@@ -32,7 +32,7 @@ import threading
 import time
 from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from elaswave.config import JobConfig
 from elaswave.daemon.aio import wait_for
@@ -60,6 +60,9 @@ from elaswave.errors import (
 from elaswave.events import EVENTS_FILE, METRICS_FILE, EventLog, JsonlWriter
 from elaswave.keys import JobKeys
 from elaswave.planning.plan import Plan
+
+if TYPE_CHECKING:
+    from elaswave.daemon.streams import JobStream
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +127,11 @@ class HostDaemon:
         self.outbox = self.cp.outbox
         self.prom: DaemonMetrics | None = None  # launch --metrics-port
         self.memory: dict[str, dict[str, int]] = {}  # worker -> bytes it holds, by purpose
+        self.stream: JobStream | None = None  # logging.tensorboard / wandb: the job's stream
+        if cfg.logging.enabled:
+            from elaswave.daemon.streams import JobStream  # only a job that logs loads it
+
+            self.stream = JobStream(cfg, host_id=self.host_id, run_dir=self.run_dir)
 
     # ---- lifecycle --------------------------------------------------------------------------
     async def run(self) -> int:
@@ -162,6 +170,7 @@ class HostDaemon:
             self.etcd, self.keys, self.metrics, self.outbox,
             host_id=self.host_id, total_steps=self.cfg.train.steps,
         )  # fmt: skip
+        self.records.stream = self.stream
         try:
             await self._join()
             self.cp.joined()
@@ -201,6 +210,8 @@ class HostDaemon:
             return await self._finish()
         finally:
             await self._cleanup()
+            if self.stream is not None:
+                self.stream.close()  # after the last records landed (or were written locally)
             if self.prom is not None:
                 self.prom.close()
             self.events.close()
@@ -304,6 +315,8 @@ class HostDaemon:
             # Nobody is running this job: whatever is left under its prefix is stale.
             await self.etcd.delete_prefix(self.keys.prefix)
         await self._agree_on_config()
+        if self.stream is not None:
+            self.stream.start(await self._stream_started())
         self.lease = await self.etcd.lease(self.cfg.timeouts.lease_ttl)
         self.store = dist.TCPStore(self.host_addr, 0, is_master=True, wait_for_workers=False)
         self.store_address = f"{self.host_addr}:{self.store.port}"
@@ -344,6 +357,15 @@ class HostDaemon:
         diff = config_difference(theirs, mine)
         if diff:
             raise ElasWaveError(f"this host's config differs from job {self.cfg.job_id!r}: {diff}")
+
+    async def _stream_started(self) -> float:
+        """When the job's event stream started: set once by the first host that asks; every
+        host names its event files and the W&B run by it."""
+        mine = {"started": time.time()}
+        if await self.etcd.create(self.keys.logging, json.dumps(mine)):
+            return mine["started"]
+        kv = await self.etcd.get(self.keys.logging)
+        return float(kv.json()["started"]) if kv is not None else mine["started"]
 
     async def _wait_for_other_hosts(self) -> None:
         deadline = (
@@ -543,6 +565,8 @@ class HostDaemon:
         self.plan = plan
         if self.prom is not None:
             self.prom.plan(plan)
+        if self.stream is not None:
+            self.stream.plan(plan)
         dropped = [
             w
             for wid in gone
@@ -563,9 +587,10 @@ class HostDaemon:
 
 
 def training_config(cfg: JobConfig) -> dict[str, Any]:
-    """The sections every host of a job must agree on."""
+    """The sections every host of a job must agree on (``logging`` too: one stream per job,
+    and pipelines take the gradient norm for it with a collective)."""
     full = cfg.to_dict()
-    return {k: full[k] for k in ("model", "data", "train")} | {
+    return {k: full[k] for k in ("model", "data", "train", "logging")} | {
         "nproc_per_node": cfg.elastic.nproc_per_node,
         "nnodes": cfg.elastic.nnodes,
     }
