@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 
 import pytest
-from conftest import Run, launch
+from conftest import F64, Run, launch
 
 from elaswave.report import build_report
 from tests.streamread import accumulate, data_server_scalars, scalars, texts, wandb_history
@@ -103,3 +103,30 @@ def test_pipelines_report_the_same_gradient_norm(
     assert [s for s, _ in points] == list(range(1, 11))
     config = json.loads((tmp_path / "run" / "config.json").read_text())
     assert config["logging"]["tensorboard"] == str(tmp_path / "tb")
+
+
+def test_a_rollback_leaves_each_step_once_with_its_redone_value(
+    tmp_path: Path, state_env: dict[str, str]
+) -> None:
+    """Silent corruption after step 7, found by the check at step 10: every rank rolls back to
+    step 5 and redoes 6-10. Both of TensorBoard's readers show each step once, with the value
+    of the redone step (the one metrics.jsonl keeps), not the first, corrupt one."""
+    r = launch(
+        tmp_path / "run", "--job-id", "stream-sdc", "--steps", "14", "--verify-every", "5",
+        "--fault", "corrupt,rank=2,at_step=7", "--tensorboard", str(tmp_path / "tb"),
+        env={**state_env, **F64},
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    run = Run(tmp_path / "run")
+    assert [(e["to_step"], e["redone_steps"]) for e in run.of("sdc_rolled_back")][:1] == [(5, 5)]
+    committed = {m["step"]: m["loss"] for m in run.metrics}
+    assert sorted(committed) == list(range(1, 15)) and len(run.metrics) == 14
+    events = tmp_path / "tb" / "stream-sdc"
+    assert len(list(events.iterdir())) == 2  # the rollback goes on in a file of its own
+    loss = scalars(accumulate(events), "train/loss")
+    assert loss == [(s, pytest.approx(committed[s], rel=1e-6)) for s in range(1, 15)]
+    try:
+        fast = data_server_scalars(tmp_path / "tb", ["train/loss"])
+    except Exception as exc:  # noqa: BLE001 - no data server binary on this platform
+        pytest.skip(f"TensorBoard's data server: {exc}")
+    assert fast["stream-sdc"]["train/loss"] == scalars(accumulate(events), "train/loss")
