@@ -52,6 +52,7 @@ class StepRecords:
         self.stream: JobStream | None = None  # logging.tensorboard / wandb: the job's stream
         self.last_epoch = 0  # the epoch of the newest step rank 0 reported here
         self._last_writer = ""  # the writer token of this host's newest record in etcd
+        self._local: dict[str, Any] | None = None  # the newest record written only locally
 
     def finished_at(self, step: int) -> None:
         """A worker of this host finished the job at ``step``."""
@@ -92,7 +93,7 @@ class StepRecords:
         self.outbox.put(
             f"record of step {step}",
             lambda: self._land_record(record, progress, tried, befores),
-            fallback=lambda: self._landed(record, progress, None, None),
+            fallback=lambda: self._landed(record, progress, self._newest(), None),
         )
         if step >= self.total_steps:
             done = {"step": step, "t": time.time()}
@@ -190,6 +191,15 @@ class StepRecords:
             )
         if revision is not None:
             self._last_writer = str(progress["writer"])
+        else:
+            self._local = progress
+
+    def _newest(self) -> dict[str, Any] | None:
+        """The newest progress record this host knows of: the last it wrote locally (etcd never
+        came back), else the last it saw in etcd (what a local line comes after)."""
+        if self._local is not None:
+            return self._local
+        return self._progress.json() if self._progress is not None else None
 
     async def _progress_landed(self, kv: KV, writer: str, tried: list[int]) -> int | None:
         """Whether the progress record ``kv`` is (or was, right after one of the revisions a

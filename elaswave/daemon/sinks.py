@@ -1,9 +1,10 @@
 """Where the job's stream lands: TensorBoard event files and a W&B run.
 
-Both are written from the stream's own thread (:mod:`~elaswave.daemon.streams`), never from the
-daemon's event loop. Their packages are imported by :func:`load_packages` when the daemon is
-built, before its event loop runs (an import in the thread while the loop runs could hold an
-import lock the loop needs), and only for a job that logs to them: neither imports torch.
+:mod:`~elaswave.daemon.streams` drives them (the event files from the daemon's event loop and
+the stream's thread, under a lock; the W&B run from the thread only). Their packages are
+imported by :func:`load_packages` when the daemon is built, before its event loop runs (an
+import on the thread while the loop runs could hold an import lock the loop needs), and only
+for a job that logs to them: neither imports torch.
 
 **TensorBoard** (:class:`TensorBoardFiles`): events are written with TensorBoard's own record
 writer and protos (``tensorboard.summary.writer.record_writer``, ``tensorboard.compat.proto``;

@@ -13,8 +13,9 @@ that drops its workers fences them (``_adopt``). ``launch`` restarts an embedded
 
 Its parts live apart: the worker pool (:mod:`~elaswave.daemon.pool`), the hang detector
 (:mod:`~elaswave.daemon.hangs`), the compute times shared with the leader
-(:mod:`~elaswave.daemon.compute`), the step records (:mod:`~elaswave.daemon.records`), the control
-plane, the fault relay, and the campaign for leader (:mod:`~elaswave.daemon.leader`, on the
+(:mod:`~elaswave.daemon.compute`), the step records (:mod:`~elaswave.daemon.records`) and the
+job's event stream hung off them (:mod:`~elaswave.daemon.streams`), the control plane, the fault
+relay, and the campaign for leader (:mod:`~elaswave.daemon.leader`, on the
 job's keys through a :class:`~elaswave.daemon.jobstore.JobStore`).
 """
 

@@ -31,10 +31,24 @@ class Etcd(FakeEtcd):
 
 
 class Outbox:
-    """Runs each write at once, in order (the daemon's outbox, etcd always there)."""
+    """Runs each write at once, in order (the daemon's outbox, etcd there); while ``down``,
+    holds them until ``abandon`` runs their fallbacks (etcd never came back)."""
+
+    def __init__(self) -> None:
+        self.down = False
+        self.held: list[Any] = []
 
     def put(self, what: str, write: Any, fallback: Any = None) -> None:
-        asyncio.run(write())
+        if self.down:
+            self.held.append(fallback)
+        else:
+            asyncio.run(write())
+
+    def abandon(self) -> None:
+        for fallback in self.held:
+            if fallback is not None:
+                fallback()
+        self.held.clear()
 
 
 class Lines:
@@ -69,9 +83,9 @@ class Host:
         started: float = 1.7e9,
         **kw: Any,
     ) -> None:
-        self.metrics = Lines()
+        self.metrics, self.outbox = Lines(), Outbox()
         self.records = StepRecords(
-            etcd, SimpleNamespace(progress="progress", done="done"), self.metrics, Outbox(),
+            etcd, SimpleNamespace(progress="progress", done="done"), self.metrics, self.outbox,
             host_id=name, total_steps=1000,
         )  # fmt: skip
         self.stream = JobStream(cfg, host_id=name, run_dir=run_dir, **kw)
@@ -161,6 +175,29 @@ def test_a_later_launch_of_the_same_job_replaces_what_it_writes_again(tmp_path: 
         again.commit(step, 2.0)
     again.stream.close()
     assert scalars(accumulate(tb / JOB), "train/loss") == [(s, 2.0) for s in (1, 2, 3)]
+
+
+def test_records_etcd_never_took_follow_in_the_stream(tmp_path: Path) -> None:
+    """etcd goes away for good: the records still queued are written locally (metrics.jsonl)
+    and into the stream after the last one, without a restart and without marking again an
+    incident already marked."""
+    tb = tmp_path / "tb"
+    h = Host("a", Etcd(), _cfg(tb), tmp_path / "a", lookup=lambda d, e: None)
+    h.plan(1, 4)
+    for step in (1, 2):
+        h.commit(step, 3.0 - step)
+    h.plan(2, 3, departed=("w1",))
+    h.commit(3, 0.5, epoch=2)
+    h.outbox.down = True
+    for step in (4, 5):
+        h.commit(step, 3.0 - step, epoch=2)
+    h.outbox.abandon()
+    h.stream.close()
+    assert [m["step"] for m in h.metrics.lines] == [1, 2, 3, 4, 5]
+    acc = accumulate(tb / JOB)
+    assert [s for s, _ in scalars(acc, "train/loss")] == [1, 2, 3, 4, 5]
+    assert scalars(acc, "incidents/count") == [(3, 1.0)]
+    assert len(list((tb / JOB).iterdir())) == 1
 
 
 def test_a_sink_that_fails_stops_alone(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
