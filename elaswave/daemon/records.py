@@ -219,7 +219,7 @@ class StepRecords:
         outbox's order: records of steps before the rollback land (or are dropped) first."""
         if step >= self.last_metric_step:
             return
-        self.last_metric_step = step
+        found_at, self.last_metric_step = self.last_metric_step, step
         self.commit_times.clear()
         writer = f"{self.host_id}/{uuid.uuid4().hex}"
         progress = {
@@ -232,13 +232,13 @@ class StepRecords:
             self._progress = None
             revision = await self.etcd.put_json(self.keys.progress, progress)
             if self.stream is not None:
-                self.stream.rolled_back(step, revision=revision)
+                self.stream.rolled_back(step, found_at=found_at, revision=revision)
             self._last_writer = writer
 
         def locally() -> None:
             self.metrics.keep_only(lambda r: int(r.get("step", 0)) <= step)
             if self.stream is not None:
-                self.stream.rolled_back(step, revision=None)
+                self.stream.rolled_back(step, found_at=found_at, revision=None)
 
         self.outbox.put(f"rollback to step {step}", roll_back, fallback=locally)
 

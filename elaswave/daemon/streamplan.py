@@ -17,7 +17,8 @@ its write replaced; from these two and the plans its daemon adopted, this module
 - **a held-out evaluation** → ``eval/loss`` at its step;
 - **a rollback** (silent corruption) and **the first record of a job** → a restart marker
   (TensorBoard's ``SessionLog.START``) at the first step that will be written again: readers
-  drop what they hold from that step on, so redone steps replace the first ones.
+  drop what they hold from that step on, so redone steps replace the first ones; a rollback is
+  an incident too, marked there (:func:`rollback_entry`).
 
 Event files: one per run of consecutive records by one host, named so that the readers' order
 (lexicographic; TensorBoard reads the files of a run in name order) is the stream's order: the
@@ -211,9 +212,20 @@ def eval_entry(record: Mapping[str, Any]) -> list[Entry]:
     return [Entry(int(record["step"]), float(record["time"]), ((EVAL_LOSS, loss),))]
 
 
-def rollback_entry(step: int, wall_time: float) -> list[Entry]:
-    """The job rolled back to ``step``: the steps after it will be written again."""
-    return [Entry(step + 1, wall_time, restart=True)]
+def rollback_entry(step: int, wall_time: float, found_at: int | None = None) -> list[Entry]:
+    """The job rolled back to ``step`` (silent corruption found by the check after step
+    ``found_at``): the steps after it will be written again, and the incident is marked where
+    they start (its MTTR is the report's: the time until the detecting step is committed
+    again)."""
+    out = [Entry(step + 1, wall_time, restart=True)]
+    if found_at is not None and found_at > step:
+        text = (
+            f"**corrupt**: silent corruption found by the check after step {found_at}; rolled "
+            f"back to the known-good step {step}, steps {step + 1}–{found_at} redone"
+        )
+        scalars = ((INCIDENT_COUNT, 1.0),)
+        out.append(Entry(step + 1, wall_time, scalars, ((INCIDENT_TEXT, text),)))
+    return out
 
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]+")

@@ -128,10 +128,11 @@ class JobStream:
         if self._wandb_wanted:
             self._queue.put(("step", (entries, [], int(record["step"]), float(record["time"]))))
 
-    def rolled_back(self, step: int, *, revision: int | None) -> None:
-        """The job rolled back to ``step``: the stream goes on from there, in a file of its own
-        (a W&B run cannot go back: it keeps the first values of the redone steps)."""
-        self._write_events(rollback_entry(step, time.time()), revision, False)
+    def rolled_back(self, step: int, *, found_at: int | None, revision: int | None) -> None:
+        """The job rolled back to ``step`` (corruption found after ``found_at``): the stream goes
+        on from there, in a file of its own (a W&B run cannot go back: it keeps the first
+        values of the redone steps, and has no row for the rollback)."""
+        self._write_events(rollback_entry(step, time.time(), found_at), revision, False)
 
     def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
         """Write what is queued, close the sinks (bounded: a stuck sink does not hold the

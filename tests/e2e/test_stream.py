@@ -123,10 +123,13 @@ def test_a_rollback_leaves_each_step_once_with_its_redone_value(
     assert sorted(committed) == list(range(1, 15)) and len(run.metrics) == 14
     events = tmp_path / "tb" / "stream-sdc"
     assert len(list(events.iterdir())) == 2  # the rollback goes on in a file of its own
-    loss = scalars(accumulate(events), "train/loss")
+    acc = accumulate(events)
+    loss = scalars(acc, "train/loss")
     assert loss == [(s, pytest.approx(committed[s], rel=1e-6)) for s in range(1, 15)]
+    ((step, text),) = texts(acc, "incidents")  # marked where the redone steps start
+    assert step == 6 and "after step 10; rolled back to the known-good step 5" in text
     try:
         fast = data_server_scalars(tmp_path / "tb", ["train/loss"])
     except Exception as exc:  # noqa: BLE001 - no data server binary on this platform
         pytest.skip(f"TensorBoard's data server: {exc}")
-    assert fast["stream-sdc"]["train/loss"] == scalars(accumulate(events), "train/loss")
+    assert fast["stream-sdc"]["train/loss"] == loss

@@ -148,8 +148,9 @@ def test_several_hosts_one_stream_every_step_once(tmp_path: Path) -> None:
     assert [s for s, _ in scalars(acc, "train/grad_norm")] == list(range(1, 12))
     assert scalars(acc, "eval/loss") == [(10, pytest.approx(0.6))]
     assert scalars(acc, "incidents/mttr_s") == [(6, pytest.approx(0.25))]
-    ((step, text),) = texts(acc, "incidents")
+    (step, text), (rolled, why) = texts(acc, "incidents")
     assert step == 6 and "killed by SIGKILL" in text and "MTTR 250 ms from the fault" in text
+    assert rolled == 9 and "rolled back to the known-good step 8, steps 9–10 redone" in why
     assert scalars(acc, "incidents/world_size") == [(6, 3.0)]
 
     try:

@@ -171,6 +171,11 @@ def test_eval_and_rollback_entries() -> None:
     assert eval_entry({"step": 20, "eval_loss": None, "time": 7.0}) == []
     # rolled back to step 12: readers drop steps 13 on, which are redone
     assert rollback_entry(12, 9.0) == [Entry(13, 9.0, restart=True)]
+    restart, marker = rollback_entry(12, 9.0, found_at=15)  # the check after 15 found it
+    assert restart == Entry(13, 9.0, restart=True) and marker.step == 13
+    assert dict(marker.scalars) == {INCIDENT_COUNT: 1.0}
+    ((tag, text),) = marker.texts
+    assert tag == INCIDENT_TEXT and "after step 15" in text and "steps 13–15 redone" in text
 
 
 @pytest.mark.parametrize(
