@@ -113,20 +113,28 @@ class JobStream:
         """This host recorded a step: ``before`` is the progress record its write replaced
         (None: the job's first), ``revision`` the write's (None: written locally, etcd gone),
         ``continues``: the record before it was this host's too."""
-        prior = before.get("epoch") if before is not None else None
-        due = incidents_between(
-            self.notes, int(prior) if prior is not None else None, int(record["epoch"])
-        )
-        entries = step_entries(record, progress, first=before is None, recoveries=[])
+        try:
+            prior = before.get("epoch") if before is not None else None
+            due = incidents_between(
+                self.notes, int(prior) if prior is not None else None, int(record["epoch"])
+            )
+            entries = step_entries(record, progress, first=before is None, recoveries=[])
+        except (KeyError, TypeError, ValueError):  # a malformed record: not the loop's problem
+            log.exception("the job's stream skipped a record: %r", record)
+            return
         self._write_events(entries, revision, continues)
         if due or self._wandb_wanted:
-            self._queue.put(("step", (entries, due, int(record["step"]), float(record["time"]))))
+            self._queue.put(("step", (entries, due, entries[-1].step, entries[-1].wall_time)))
 
     def evaluated(self, record: dict[str, Any], *, revision: int | None, continues: bool) -> None:
-        entries = eval_entry(record)
+        try:
+            entries = eval_entry(record)
+        except (KeyError, TypeError, ValueError):
+            log.exception("the job's stream skipped an evaluation: %r", record)
+            return
         self._write_events(entries, revision, continues)
-        if self._wandb_wanted:
-            self._queue.put(("step", (entries, [], int(record["step"]), float(record["time"]))))
+        if entries and self._wandb_wanted:
+            self._queue.put(("step", (entries, [], entries[-1].step, entries[-1].wall_time)))
 
     def rolled_back(self, step: int, *, found_at: int | None, revision: int | None) -> None:
         """The job rolled back to ``step`` (corruption found after ``found_at``): the stream goes
@@ -155,39 +163,47 @@ class JobStream:
 
     # ---- the thread -------------------------------------------------------------------------
     def _run(self, started: float) -> None:
-        wb = self.cfg.logging.wandb
-        if self._wandb_wanted and wb is not None:
-            cfg = self.cfg
-            self.wandb = self._guard(
-                "wandb",
-                lambda: WandbRun(
-                    wb, run_id=wandb_run_id(cfg.job_id, started), name=cfg.job_id,
-                    directory=self.run_dir, config=cfg.to_dict(),
-                ),
-            )  # fmt: skip
         while True:
             item = self._queue.get()
             if item is None:
                 break
             try:
-                self._step(*item[1])
+                self._step(started, *item[1])
             except Exception:  # noqa: BLE001 - the stream never takes the daemon down
                 log.exception("the job's stream dropped an entry")
         if self.wandb is not None:
             self._guard("wandb", self.wandb.close)
 
-    def _step(self, entries: list[Entry], due: list[PlanNote], step: int, wall_time: float) -> None:
+    def _step(
+        self, started: float, entries: list[Entry], due: list[PlanNote], step: int, t: float
+    ) -> None:
         """A step's incident marker (with the report's MTTR) into the event file, and the
         whole step into the W&B run."""
-        recoveries = [recovery(note, wall_time, self._reported(note.epoch)) for note in due]
-        marker = incident_entry(step, wall_time, recoveries)
+        recoveries = [recovery(note, t, self._reported(note.epoch)) for note in due]
+        marker = incident_entry(step, t, recoveries)
         tb = self.tb
         if marker is not None and tb is not None and "tensorboard" not in self.failed:
             with self._lock:  # into this host's newest file, after the step's scalars
                 self._guard("tensorboard", lambda: tb.write([marker], key=None, continues=True))
-        wandb = self.wandb
-        if wandb is not None and "wandb" not in self.failed:
-            self._guard("wandb", lambda: wandb.write([*entries, *([marker] if marker else [])]))
+        if self._wandb_wanted:
+            wandb = self.wandb or self._open_wandb(started)
+            rows = [*entries, *([marker] if marker is not None else [])]
+            if wandb is not None:
+                self._guard("wandb", lambda: wandb.write(rows))
+
+    def _open_wandb(self, started: float) -> WandbRun | None:
+        """The job's W&B run, joined at this host's first row: a host that records no step
+        never opens it."""
+        cfg, wb = self.cfg, self.cfg.logging.wandb
+        assert wb is not None
+        self.wandb = self._guard(
+            "wandb",
+            lambda: WandbRun(
+                wb, run_id=wandb_run_id(cfg.job_id, started), name=cfg.job_id,
+                directory=self.run_dir, config=cfg.to_dict(),
+            ),
+        )  # fmt: skip
+        return self.wandb
 
     def _reported(self, epoch: int) -> dict[str, Any] | None:
         try:
