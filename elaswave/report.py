@@ -95,6 +95,17 @@ def build_report(run_dir: str | Path, *more: str | Path) -> dict[str, Any]:
     return {"run_dir": ", ".join(str(d) for d in dirs), "incidents": incidents, "totals": totals}
 
 
+def recovered_incident(run_dir: str | Path, epoch: int) -> dict[str, Any] | None:
+    """The incident the plan of ``epoch`` answered, with its MTTR, from ``run_dir``: None until
+    the run directory holds the first step committed under that plan, and when the incident is
+    not in it (recorded on another host). What ``launch``'s progress and the job's event stream
+    say an incident took."""
+    for inc in build_report(run_dir)["incidents"]:
+        if inc.get("epoch") == epoch and inc.get("mttr_s") is not None:
+            return dict(inc)
+    return None
+
+
 MEMORY_FIELDS = ("param_bytes", "grad_bytes", "optimizer_bytes", "replica_bytes")
 
 

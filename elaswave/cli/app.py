@@ -168,6 +168,12 @@ _MetricsPort = Annotated[
     int | None,
     typer.Option("--metrics-port", help="Serve Prometheus /metrics here (0: a free port)."),
 ]
+_Tensorboard = Annotated[
+    Path | None,
+    typer.Option(
+        "--tensorboard", help="Write the job's TensorBoard event stream under DIR/<job-id>."
+    ),
+]
 _ProgressEvery = Annotated[
     float,
     typer.Option("--progress-every", help="Not on a terminal: a progress line every N seconds."),
@@ -211,6 +217,7 @@ def launch(
     straggler_threshold: _StragglerThreshold = None,
     loop_breaker: _LoopBreaker = None,
     metrics_port: _MetricsPort = None,
+    tensorboard: _Tensorboard = None,
     quiet: _Quiet = False,
     progress_every: _ProgressEvery = 10.0,
 ) -> None:
@@ -302,13 +309,15 @@ def _tokenized(cfg: JobConfig, *, quiet: bool) -> JobConfig:
 def _preflight(cfg: JobConfig) -> EtcdSecurity:
     """Check before the job starts what would otherwise fail in it, each as one error line: a
     token file it cannot train on (too short, token ids past the vocabulary the config states),
-    malformed etcd endpoints, bad TLS files or credentials. Returns the etcd security the job
-    runs with. What needs the model built (a factory, an HF config or directory, its
-    vocabulary) is checked by ``launch`` where torch is imported: in the worker template,
-    before any worker starts."""
+    malformed etcd endpoints, bad TLS files or credentials, a stream whose package is not
+    installed. Returns the etcd security the job runs with. What needs the model built (a
+    factory, an HF config or directory, its vocabulary) is checked by ``launch`` where torch
+    is imported: in the worker template, before any worker starts."""
+    from elaswave.config import check_packages
     from elaswave.daemon.etcd import EtcdSecurity
     from elaswave.data.checks import check_before_start
 
+    check_packages(cfg.logging)  # logging.tensorboard / wandb: the extra to install
     check_before_start(cfg)
     if cfg.etcd:
         from elaswave.daemon.etcd import parse_endpoints

@@ -266,12 +266,10 @@ class LiveProgress:
     def _reported(self, epoch: int) -> dict[str, Any] | None:
         """The incident of ``epoch`` with its MTTR, from this host's run directory (None until
         it has the commit's record, or when the incident happened on another host)."""
-        from elaswave.report import build_report
+        from elaswave.report import recovered_incident
 
         with contextlib.suppress(Exception):
-            for inc in build_report(self.run_dir)["incidents"]:
-                if inc.get("epoch") == epoch and inc.get("mttr_s") is not None:
-                    return dict(inc)
+            return recovered_incident(self.run_dir, epoch)
         return None
 
     @staticmethod

@@ -3,8 +3,8 @@
 Precedence, lowest to highest: dataclass defaults < YAML file < ``ELASWAVE_*`` environment <
 command-line flags (:mod:`~elaswave.config.loader`, the only place that reads ``os.environ``).
 The sections live by concern: what is trained (:mod:`~elaswave.config.model`), how
-(:mod:`~elaswave.config.train`), where (:mod:`~elaswave.config.cluster`), and the job that
-holds them (:mod:`~elaswave.config.job`).
+(:mod:`~elaswave.config.train`), where (:mod:`~elaswave.config.cluster`), where its curves go
+(:mod:`~elaswave.config.observe`), and the job that holds them (:mod:`~elaswave.config.job`).
 """
 
 from elaswave.config.cluster import ElasticConfig, EtcdTLSConfig, Timeouts
@@ -18,6 +18,7 @@ from elaswave.config.loader import (
     state_dir,
 )
 from elaswave.config.model import DataConfig, ModelConfig
+from elaswave.config.observe import LoggingConfig, WandbConfig, check_packages
 from elaswave.config.train import DEVICE_KINDS, ParamGroup, TrainConfig
 
 __all__ = [
@@ -28,11 +29,14 @@ __all__ = [
     "ElasticConfig",
     "EtcdTLSConfig",
     "JobConfig",
+    "LoggingConfig",
     "ModelConfig",
     "ParamGroup",
     "Timeouts",
     "TrainConfig",
     "cache_dir",
+    "WandbConfig",
+    "check_packages",
     "config_values",
     "etcd_credentials",
     "load_config",

@@ -14,6 +14,7 @@ from typing import Any
 
 from elaswave.config.cluster import ElasticConfig, EtcdTLSConfig, Timeouts
 from elaswave.config.model import DataConfig, ModelConfig
+from elaswave.config.observe import LoggingConfig
 from elaswave.config.schema import build
 from elaswave.config.train import TrainConfig
 from elaswave.errors import ConfigError
@@ -62,6 +63,7 @@ class JobConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
     timeouts: Timeouts = field(default_factory=Timeouts)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)  # TensorBoard, W&B
     faults: list[FaultSpec] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -205,6 +207,7 @@ LAUNCH_FLAGS: dict[str, str] = {
     "durable_dir": "durable_dir",
     "resume": "resume",
     "fresh": "fresh",
+    "tensorboard": "logging.tensorboard",
 }
 
 

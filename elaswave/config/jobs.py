@@ -19,12 +19,18 @@ __all__ = ["config_difference", "run_record", "same_job", "training_config"]
 
 def training_config(cfg: JobConfig) -> dict[str, Any]:
     """The sections every host of a job must agree on (the data as
-    :meth:`~elaswave.config.DataConfig.agreed` gives it: text by its content key)."""
+    :meth:`~elaswave.config.DataConfig.agreed` gives it: text by its content key; ``logging``
+    too: one stream per job, and pipelines take the gradient norm for it with a collective)."""
     full = cfg.to_dict()
-    return {"model": full["model"], "data": cfg.data.agreed(), "train": full["train"]} | {
-        "nproc_per_node": cfg.elastic.nproc_per_node,
-        "nnodes": cfg.elastic.nnodes,
-    }
+    sections = {"model": full["model"], "data": cfg.data.agreed(), "train": full["train"]}
+    return (
+        sections
+        | {"logging": full["logging"]}
+        | {
+            "nproc_per_node": cfg.elastic.nproc_per_node,
+            "nnodes": cfg.elastic.nnodes,
+        }
+    )
 
 
 def same_job(cfg: JobConfig) -> dict[str, Any]:

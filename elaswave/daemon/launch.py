@@ -17,7 +17,7 @@ import signal
 from collections.abc import Callable
 from pathlib import Path
 
-from elaswave.config import JobConfig, state_dir
+from elaswave.config import JobConfig, check_packages, state_dir
 from elaswave.config.jobs import run_record
 from elaswave.daemon.earlier import archive, run_dir_records
 from elaswave.daemon.etcd import EtcdSecurity
@@ -65,6 +65,7 @@ def launch(
     ``on_etcd(endpoints, security)`` is told where the job's etcd is once it is known (the
     live progress display reads the job from there); what it returns is called when the
     daemon is done, before an embedded etcd stops."""
+    check_packages(cfg.logging)  # a stream whose package is missing: one line, nothing started
     if security is None:
         security = EtcdSecurity.load(cfg.etcd_tls)
     if cfg.resume:

@@ -27,7 +27,7 @@ from prometheus_client.registry import Collector
 
 from elaswave.planning.plan import Plan
 
-__all__ = ["DaemonMetrics", "incident_kind", "worker_state"]
+__all__ = ["DaemonMetrics", "answers_loss", "incident_kind", "worker_state"]
 
 STEP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 MTTR_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
@@ -46,6 +46,12 @@ def incident_kind(reason: str) -> str:
     if "killed by" in text or "exit code" in text or "exited" in text:
         return "crash"
     return "other"
+
+
+def answers_loss(plan: Plan) -> bool:
+    """Whether a plan answers an incident: workers departed (a crash, a hang, a lost host) or
+    were evicted (stragglers). A plan that only admits newcomers or re-shares work does not."""
+    return bool(plan.departed or plan.evicted)
 
 
 def worker_state(*, exited: bool, ready: bool, in_plan: bool) -> str:
@@ -144,7 +150,7 @@ class DaemonMetrics:
         """A plan was published: the layout, and an incident when it answers a departure."""
         self.epoch.set(plan.epoch)
         self.world.set(plan.world_size)
-        if plan.departed or plan.evicted:
+        if answers_loss(plan):
             kind = incident_kind(plan.reason)
             self.incidents.labels(**self._labels, kind=kind).inc()
             self._pending[plan.epoch] = plan.created or time.time()

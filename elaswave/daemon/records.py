@@ -4,6 +4,10 @@ Rank 0 reports every step it commits to its daemon. Each step's line is written 
 whole job (by the host whose write moves the progress record in etcd to that step), after the
 lines before it: the writes go through the daemon's outbox, in order, and a line whose progress
 write never lands (etcd never came back) is written locally instead.
+
+The job's event stream (TensorBoard, W&B: :mod:`~elaswave.daemon.streams`) hangs off the same
+decision: whatever writes a line here hands it to the stream too, with the progress record the
+write replaced (its epoch tells which plans came in between) and the revision that orders it.
 """
 
 from __future__ import annotations
@@ -11,12 +15,15 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from elaswave.daemon.etcd import KV, Etcd
 from elaswave.daemon.outbox import Outbox
 from elaswave.events import JsonlWriter
 from elaswave.keys import JobKeys
+
+if TYPE_CHECKING:
+    from elaswave.daemon.streams import JobStream
 
 
 class StepRecords:
@@ -43,6 +50,10 @@ class StepRecords:
         self.commit_times: list[tuple[float, int]] = []
         self.final_step = 0  # the newest step a worker of this host committed or finished at
         self.recorded_before = 0  # steps an earlier run of the job recorded (a relaunch)
+        self.stream: JobStream | None = None  # logging.tensorboard / wandb: the job's stream
+        self.last_epoch = 0  # the epoch of the newest step rank 0 reported here
+        self._last_writer = ""  # the writer token of this host's newest record in etcd
+        self._local: dict[str, Any] | None = None  # the newest record written only locally
 
     def recorded_up_to(self, step: int) -> None:
         """A relaunch: earlier runs of the job recorded the steps up to ``step`` (those after
@@ -62,6 +73,7 @@ class StepRecords:
             return  # a re-report after recovery, or a redone step: already recorded here
         self.last_metric_step = step
         self.final_step = max(self.final_step, step)
+        self.last_epoch = int(msg["epoch"])
         record = {
             "step": step,
             "loss": msg["loss"],
@@ -69,6 +81,8 @@ class StepRecords:
             "world_size": msg["world"],
             "samples": msg["samples"],
             "step_seconds": msg.get("step_seconds"),
+            "lr": msg.get("lr"),
+            "grad_norm": msg.get("grad_norm"),  # None where not measured (no stream, no clip)
             "time": msg["t"],
         }
         self.commit_times.append((float(msg["t"]), int(msg["samples"])))
@@ -82,10 +96,11 @@ class StepRecords:
             "writer": f"{self.host_id}/{uuid.uuid4().hex}",  # this record's write, and no other
         }  # fmt: skip
         tried: list[int] = []  # revisions of the progress record a write of it was sent against
+        befores: dict[int, Any] = {}  # revision a write was sent against -> the record there
         self.outbox.put(
             f"record of step {step}",
-            lambda: self._land_record(record, progress, tried),
-            fallback=lambda: self.metrics.write(record),
+            lambda: self._land_record(record, progress, tried, befores),
+            fallback=lambda: self._landed(record, progress, self._newest(), None),
         )
         if step >= self.total_steps:
             done = {"step": step, "t": time.time()}
@@ -104,15 +119,27 @@ class StepRecords:
             "time": msg["t"],
         }
 
-        async def write() -> None:
+        def land() -> None:
             self.metrics.write(record)
+            if self.stream is not None:
+                kv = self._progress
+                self.stream.evaluated(
+                    record,
+                    revision=kv.mod_revision if kv is not None else None,
+                    continues=kv is not None and _writer(kv) == self._last_writer,
+                )
 
-        self.outbox.put(
-            f"eval of step {record['step']}", write, fallback=lambda: self.metrics.write(record)
-        )
+        async def write() -> None:
+            land()
+
+        self.outbox.put(f"eval of step {record['step']}", write, fallback=land)
 
     async def _land_record(
-        self, record: dict[str, Any], progress: dict[str, Any], tried: list[int]
+        self,
+        record: dict[str, Any],
+        progress: dict[str, Any],
+        tried: list[int],
+        befores: dict[int, Any] | None = None,
     ) -> None:
         """Write a step's record if this host is the one that moves the job's progress record
         (in etcd, outside every lease) to that step. Rank 0 re-reports its resume step after a
@@ -126,35 +153,74 @@ class StepRecords:
 
         The first compare is against the record as this host last saw it (no read): if nobody
         else wrote since, that is the read's answer; if somebody did, the failed compare returns
-        the current record, and the decision is taken on it as after a read."""
+        the current record, and the decision is taken on it as after a read.
+
+        ``befores`` keeps the record each write was compared against (by revision): the one the
+        landed write replaced, which the job's stream needs."""
+        befores = {} if befores is None else befores
         kv = self._progress
         if kv is None or _covers(kv, record["step"]):
             kv = await self.etcd.get(self.keys.progress)  # only a fresh read may drop a line
         while True:
             if kv is not None and _covers(kv, record["step"]):
-                if await self._progress_landed(kv, progress["writer"], tried):
-                    self.metrics.write(record)
+                rev = await self._progress_landed(kv, progress["writer"], tried)
+                if rev is not None:
+                    # our write came right after ``rev``: its own revision is above it
+                    mine = kv.mod_revision if _writer(kv) == progress["writer"] else rev + 1
+                    self._landed(record, progress, befores.get(rev), mine)
                 return  # recorded by another host (or redone after a recovery)
             rev = kv.mod_revision if kv is not None else 0
             tried.append(rev)
+            befores[rev] = kv.json() if kv is not None else None
             ok, kv = await self.etcd.compare_and_put_get(
                 self.keys.progress, json.dumps(progress, sort_keys=True), mod_revision=rev
             )
             self._progress = kv
             if ok:
-                self.metrics.write(record)
+                self._landed(record, progress, befores[rev], kv.mod_revision if kv else None)
                 return
 
-    async def _progress_landed(self, kv: KV, writer: str, tried: list[int]) -> bool:
+    def _landed(
+        self,
+        record: dict[str, Any],
+        progress: dict[str, Any],
+        before: dict[str, Any] | None,
+        revision: int | None,
+    ) -> None:
+        """This host records ``record``: its line, and its place in the job's stream after
+        ``before`` (the progress record the write replaced) at ``revision`` (None: etcd never
+        came back and the line is written locally)."""
+        self.metrics.write(record)
+        if self.stream is not None:
+            continues = revision is None or (
+                before is not None and before.get("writer") == self._last_writer
+            )
+            self.stream.landed(
+                record, progress, before=before, revision=revision, continues=continues
+            )
+        if revision is not None:
+            self._last_writer = str(progress["writer"])
+        else:
+            self._local = progress
+
+    def _newest(self) -> dict[str, Any] | None:
+        """The newest progress record this host knows of: the last it wrote locally (etcd never
+        came back), else the last it saw in etcd (what a local line comes after)."""
+        if self._local is not None:
+            return self._local
+        return self._progress.json() if self._progress is not None else None
+
+    async def _progress_landed(self, kv: KV, writer: str, tried: list[int]) -> int | None:
         """Whether the progress record ``kv`` is (or was, right after one of the revisions a
-        write was sent against) the write tagged ``writer``."""
-        if kv.json().get("writer") == writer:
-            return True
+        write was sent against) the write tagged ``writer``: the revision it came right after,
+        or None."""
+        if _writer(kv) == writer:
+            return tried[-1] if tried else kv.mod_revision - 1
         for rev in tried:
             value = await self.etcd.first_put_after(self.keys.progress, rev)
             if value is not None and json.loads(value).get("writer") == writer:
-                return True
-        return False
+                return rev
+        return None
 
     def roll_back(self, step: int) -> None:
         """Silent corruption rolled the job back to ``step``: the steps after it are redone, and
@@ -162,20 +228,34 @@ class StepRecords:
         outbox's order: records of steps before the rollback land (or are dropped) first."""
         if step >= self.last_metric_step:
             return
-        self.last_metric_step = step
+        found_at, self.last_metric_step = self.last_metric_step, step
         self.commit_times.clear()
-        progress = {"step": step, "rolled_back": True, "time": time.time()}
+        writer = f"{self.host_id}/{uuid.uuid4().hex}"
+        progress = {
+            "step": step, "rolled_back": True, "time": time.time(),
+            "epoch": self.last_epoch, "writer": writer,  # the stream continues from here
+        }  # fmt: skip
 
         async def roll_back() -> None:
             self.metrics.keep_only(lambda r: int(r.get("step", 0)) <= step)
             self._progress = None
-            await self.etcd.put_json(self.keys.progress, progress)
+            revision = await self.etcd.put_json(self.keys.progress, progress)
+            if self.stream is not None:
+                self.stream.rolled_back(step, found_at=found_at, revision=revision)
+            self._last_writer = writer
 
-        self.outbox.put(
-            f"rollback to step {step}",
-            roll_back,
-            fallback=lambda: self.metrics.keep_only(lambda r: int(r.get("step", 0)) <= step),
-        )
+        def locally() -> None:
+            self.metrics.keep_only(lambda r: int(r.get("step", 0)) <= step)
+            if self.stream is not None:
+                self.stream.rolled_back(step, found_at=found_at, revision=None)
+
+        self.outbox.put(f"rollback to step {step}", roll_back, fallback=locally)
+
+
+def _writer(kv: KV) -> str | None:
+    """The writer token of a progress record (None: a record without one)."""
+    value = kv.json()
+    return value.get("writer") if isinstance(value, dict) else None
 
 
 def _covers(kv: KV, step: int) -> bool:

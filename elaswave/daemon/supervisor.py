@@ -13,8 +13,9 @@ that drops its workers fences them (``_adopt``). ``launch`` restarts an embedded
 
 Its parts live apart: the worker pool (:mod:`~elaswave.daemon.pool`), the hang detector
 (:mod:`~elaswave.daemon.hangs`), the compute times shared with the leader
-(:mod:`~elaswave.daemon.compute`), the step records (:mod:`~elaswave.daemon.records`), the control
-plane, the fault relay, and the campaign for leader (:mod:`~elaswave.daemon.leader`, on the
+(:mod:`~elaswave.daemon.compute`), the step records (:mod:`~elaswave.daemon.records`) and the
+job's event stream hung off them (:mod:`~elaswave.daemon.streams`), the control plane, the fault
+relay, and the campaign for leader (:mod:`~elaswave.daemon.leader`, on the
 job's keys through a :class:`~elaswave.daemon.jobstore.JobStore`).
 """
 
@@ -33,7 +34,7 @@ import time
 from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from elaswave.config import JobConfig
 from elaswave.config.jobs import config_difference, training_config
@@ -69,6 +70,9 @@ from elaswave.events import EVENTS_FILE, METRICS_FILE, EventLog, JsonlWriter
 from elaswave.keys import JobKeys
 from elaswave.planning.plan import Plan
 from elaswave.planning.relaunch import Records, Verdict, merge_records, relaunch_verdict
+
+if TYPE_CHECKING:
+    from elaswave.daemon.streams import JobStream
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +149,11 @@ class HostDaemon:
         self.outbox = self.cp.outbox
         self.prom: DaemonMetrics | None = None  # launch --metrics-port
         self.memory: dict[str, dict[str, int]] = {}  # worker -> bytes it holds, by purpose
+        self.stream: JobStream | None = None  # logging.tensorboard / wandb: the job's stream
+        if cfg.logging.enabled:
+            from elaswave.daemon.streams import JobStream  # only a job that logs loads it
+
+            self.stream = JobStream(cfg, host_id=self.host_id, run_dir=self.run_dir)
 
     # ---- lifecycle --------------------------------------------------------------------------
     async def run(self) -> int:
@@ -183,6 +192,7 @@ class HostDaemon:
             self.etcd, self.keys, self.metrics, self.outbox,
             host_id=self.host_id, total_steps=self.cfg.train.steps,
         )  # fmt: skip
+        self.records.stream = self.stream
         try:
             await self._join()
             self.cp.joined()
@@ -241,6 +251,8 @@ class HostDaemon:
             return await self._finish()
         finally:
             await self._cleanup()
+            if self.stream is not None:
+                self.stream.close()  # after the last records landed (or were written locally)
             if self.prom is not None:
                 self.prom.close()
             self.events.close()
@@ -383,6 +395,8 @@ class HostDaemon:
                 "starts over only when no host runs it"
             )
         await self._agree_on_config()
+        if self.stream is not None:
+            self.stream.start(await self._stream_started())
         self.lease = await self.etcd.lease(self.cfg.timeouts.lease_ttl)
         await self.control.start()
         self.started = time.time()
@@ -490,6 +504,15 @@ class HostDaemon:
         diff = config_difference(theirs, mine)
         if diff:
             raise ElasWaveError(f"this host's config differs from job {self.cfg.job_id!r}: {diff}")
+
+    async def _stream_started(self) -> float:
+        """When the job's event stream started: set once by the first host that asks; every
+        host names its event files and the W&B run by it."""
+        mine = {"started": time.time()}
+        if await self.etcd.create(self.keys.logging, json.dumps(mine)):
+            return mine["started"]
+        kv = await self.etcd.get(self.keys.logging)
+        return float(kv.json()["started"]) if kv is not None else mine["started"]
 
     async def _wait_for_other_hosts(self) -> None:
         deadline = (
@@ -695,6 +718,8 @@ class HostDaemon:
         self.plan = plan
         if self.prom is not None:
             self.prom.plan(plan)
+        if self.stream is not None:
+            self.stream.plan(plan)
         dropped = [
             w
             for wid in gone

@@ -211,6 +211,8 @@ class Engine:
                     "world": self.plan.world_size,
                     "samples": result.step * self.cfg.train.global_batch,
                     "step_seconds": result.seconds,
+                    "lr": self.state.opt.hyper.lr_at(result.step),
+                    "grad_norm": self.state.last_grad_norm,  # None unless measured
                     "t": time.time(),
                 }
             )

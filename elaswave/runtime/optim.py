@@ -318,9 +318,23 @@ def clip_factor(
     """``min(1, max_norm / ‖mean‖)`` for the whole model's mean gradient in flat order (the
     second copy of a tied weight not counted twice); 1 when clipping is off. ``segments``:
     (offset, length) of each layer (default: one layer of everything)."""
-    if not max_norm:
-        return 1.0
-    return clip_from(layer_sumsq(mean, segments or ((0, mean.numel()),), ties), max_norm)
+    return clip_and_norm(mean, max_norm, ties, segments)[0]
+
+
+def clip_and_norm(
+    mean: torch.Tensor,
+    max_norm: float,
+    ties: Sequence[tuple[slice, slice]] = (),
+    segments: Sequence[tuple[int, int]] | None = None,
+    *,
+    measure: bool = False,
+) -> tuple[float, float | None]:
+    """(:func:`clip_factor`, the global norm it was taken from); the norm is also taken
+    without clipping when ``measure`` (None when neither asks for it)."""
+    if not (max_norm or measure):
+        return 1.0, None
+    norm = global_norm(layer_sumsq(mean, segments or ((0, mean.numel()),), ties))
+    return (clip_scale(norm, max_norm) if max_norm else 1.0), norm
 
 
 def layer_sumsq(
@@ -349,7 +363,18 @@ def layer_sumsq(
 
 def clip_from(sumsq: torch.Tensor, max_norm: float) -> float:
     """The clipping factor from every layer's squared norm, summed in layer order."""
+    return clip_scale(global_norm(sumsq), max_norm)
+
+
+def global_norm(sumsq: torch.Tensor) -> float:
+    """The whole model's gradient norm from every layer's squared norm, summed in layer order
+    (the same number on every rank that holds the same squares)."""
     total = 0.0
     for x in sumsq.tolist():
         total += x
-    return min(1.0, max_norm / (math.sqrt(max(total, 0.0)) + 1e-6))
+    return math.sqrt(max(total, 0.0))
+
+
+def clip_scale(norm: float, max_norm: float) -> float:
+    """``min(1, max_norm / norm)``, the factor clipping by the global norm applies."""
+    return min(1.0, max_norm / (norm + 1e-6))

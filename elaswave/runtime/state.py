@@ -52,6 +52,7 @@ class TrainState:
     dataset: Dataset
     step: int = 0  # the last step whose update this rank has applied
     last_loss: float = math.nan
+    last_grad_norm: float | None = None  # of the last step's mean gradient, where measured
     ties: tuple[tuple[slice, slice], ...] = ()  # flat ranges of copies of one logical weight
     window: range = range(0)
     zero: bool = False  # ZeRO keeps the moments in its shards: ``opt`` holds none

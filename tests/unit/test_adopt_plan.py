@@ -29,6 +29,7 @@ def _daemon(current: Plan, live: list[str]) -> tuple[Any, list[list[str]]]:
         },  # fmt: skip
         conns={},
         prom=None,  # no metrics server
+        stream=None,  # no TensorBoard, no W&B
         faults=SimpleNamespace(dispatch=lambda: None),
     )
     d.pool = SimpleNamespace(

@@ -61,6 +61,8 @@ def _daemon(etcd: FakeEtcd) -> tuple[Any, list[dict[str, Any]]]:
     d._progress_landed = lambda kv, writer, tried: StepRecords._progress_landed(
         d, kv, writer, tried
     )
+    d._landed = lambda *args: StepRecords._landed(d, *args)
+    d.stream, d._last_writer = None, ""
     return d, lines
 
 
@@ -160,3 +162,24 @@ def test_after_another_host_rolled_back_a_fresh_read_decides() -> None:
     etcd.put({"step": 1, "rolled_back": True})
     _land(d, 2, "a2-redone")
     assert lines == [{"step": 1}, {"step": 2}, {"step": 3}, {"step": 2}]
+
+
+def test_the_stream_gets_the_record_the_write_replaced() -> None:
+    """The job's stream hangs off the same decision: it is told what the landed write replaced
+    (its epoch says which plans came in between), the write's revision (its files' order), and
+    whether this host wrote the record before it — also when etcd's answer was lost."""
+    etcd = FakeEtcd(lose_answers=1)
+    etcd.put({"step": 4, "writer": "other host", "epoch": 1})
+    d, lines = _daemon(etcd)
+    calls: list[dict[str, Any]] = []
+    d.stream = SimpleNamespace(landed=lambda record, progress, **kw: calls.append(kw))
+    _land(d, 5, "mine")
+    _land(d, 6, "mine again")
+    assert lines == [{"step": 5}, {"step": 6}]
+    assert calls == [
+        {"before": {"step": 4, "writer": "other host", "epoch": 1}, "revision": 12,
+         "continues": False},
+        {"before": {"step": 5, "writer": "mine"}, "revision": 13, "continues": True},
+    ]  # fmt: skip
+    _land(d, 6, "a re-report")  # recorded already: nothing for the stream either
+    assert len(calls) == 2

@@ -208,7 +208,7 @@ def test_the_reduced_gradient_is_that_of_the_batch_mean() -> None:
         buf = reduction_buffer(st, "float64")
         with COMPUTE:
             strategy.compute(1, every, buf, 0.0)
-        grad, _ = mean_gradient(buf, st.flat.numel)
+        grad, _, _ = mean_gradient(buf, st.flat.numel)
         total, counts = torch.zeros(()), []
         with COMPUTE:
             for mb in every:
@@ -272,6 +272,49 @@ def test_clipping_and_a_schedule_keep_every_share_bit_identical(zero: int) -> No
         assert all(torch.equal(w, alone) for w in _run(world, zero, 3, **CLIPPED))
     assert not torch.equal(alone, _run(1, 0, 3)[0])  # clipping and the schedule did act
     assert not torch.equal(alone, _run(1, 0, 3, **{**CLIPPED, "grad_clip": 0.0})[0])
+
+
+def _norms(world: int, zero: int, stream: bool, **train: Any) -> list[float | None]:
+    """Each rank's ``last_grad_norm`` after one step."""
+    cfg, plan = _cfg(zero, **train), _plan(world)
+    cfg.logging.tensorboard = "tb" if stream else None
+
+    def body(rank: int, comm: ThreadComm) -> float | None:
+        strategy, _ = _strategy(cfg, comm, plan)
+        strategy.sync(plan, lambda: False)
+        _train(strategy, 1)
+        return strategy.state.last_grad_norm
+
+    return run_ranks(world, body)
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_rank_0_measures_the_global_gradient_norm_for_a_stream(zero: int) -> None:
+    """With a stream to report to, rank 0 takes the global norm of the batch's mean gradient
+    (before clipping: what torch's clip_grad_norm_ returns): the same number on 1, 2 and 4
+    ranks, replicated or ZeRO-1, and the norm of the update one rank alone applies. The other
+    ranks spend nothing on it; without a stream or clipping nobody does."""
+    cfg = _cfg()
+
+    def direct(rank: int, comm: ThreadComm) -> float:
+        strategy, _ = _strategy(cfg, comm, _plan(1))
+        st = strategy.state
+        buf = reduction_buffer(st, "float64")
+        with COMPUTE:
+            strategy.compute(1, microbatches(7, 1, GLOBAL_BATCH, MICRO, len(st.dataset)), buf, 0.0)
+        grad, _, _ = mean_gradient(buf, st.flat.numel)
+        return float(torch.linalg.vector_norm(grad.double()))
+
+    applied = run_ranks(1, direct)[0]  # of the float32 gradient the update used
+    alone = _norms(1, 0, stream=True)[0]
+    assert alone == pytest.approx(applied, rel=1e-6) and applied > 0
+    for world in (2, 4):
+        first, *others = _norms(world, zero, stream=True)
+        assert first == pytest.approx(alone, rel=1e-12)
+        assert others == [None] * (world - 1)
+    assert _norms(2, zero, stream=False) == [None, None]
+    clipped = _norms(2, zero, stream=False, grad_clip=1e-3)  # clipping takes it on every rank
+    assert clipped == [pytest.approx(alone, rel=1e-12)] * 2
 
 
 SGD_GROUPS = {

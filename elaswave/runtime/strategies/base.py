@@ -33,7 +33,7 @@ import torch
 from elaswave.planning.plan import Plan
 from elaswave.runtime.durable.checkpoints import DurableState, Piece
 from elaswave.runtime.integrity.checksums import host_bytes
-from elaswave.runtime.optim import clip_from, layer_sumsq
+from elaswave.runtime.optim import clip_scale, global_norm, layer_sumsq
 from elaswave.runtime.workload.base import EVAL_STEP
 from elaswave.runtime.workload.data import MicroBatch
 
@@ -84,25 +84,31 @@ def mean_gradient(
     ties: Sequence[tuple[slice, slice]] = (),
     segments: Sequence[tuple[int, int]] | None = None,
     sumsq: Callable[[torch.Tensor], torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, float]:
+    *,
+    measure: bool = False,
+) -> tuple[torch.Tensor, float, float | None]:
     """After the reduction: the gradient of the batch's mean loss (float32, divided in place by
-    the reduced count, clipped to ``max_norm`` by its global norm when that is set) and the
-    mean loss. Every rank divides the same sums by the same count, so every rank's update is
-    the same whatever its share of the batch. ``sumsq``: each layer's squared norm of the mean
-    gradient (default: from this rank's whole buffer; a pipeline rank holds only its layers)."""
+    the reduced count, clipped to ``max_norm`` by its global norm when that is set), the mean
+    loss, and that global norm before clipping (None unless clipping or ``measure`` asks for
+    it). Every rank divides the same sums by the same count, so every rank's update is the same
+    whatever its share of the batch. ``sumsq``: each layer's squared norm of the mean gradient
+    (default: from this rank's whole buffer; a pipeline rank holds only its layers, and its
+    ``sumsq`` is a collective: every rank must ask for the norm, or none)."""
     count = float(buf[n + COUNT])
     if count <= 0:
         raise ValueError("the workload's loss counted nothing in the whole batch")
     mean = buf[:n].div_(count)
-    factor = 1.0
-    if max_norm:
+    factor, norm = 1.0, None
+    if max_norm or measure:
         layers = segments or ((0, n),)
         squares = sumsq(mean) if sumsq is not None else layer_sumsq(mean, layers, ties)
-        factor = clip_from(squares, max_norm)
+        norm = global_norm(squares)
+        if max_norm:
+            factor = clip_scale(norm, max_norm)
     grad = mean if mean.dtype == torch.float32 else mean.to(torch.float32)
     if factor < 1.0:
         grad.mul_(factor)
-    return grad, float(buf[n + LOSS]) / count
+    return grad, float(buf[n + LOSS]) / count, norm
 
 
 def state_digests(pieces: Iterable[tuple[int, torch.Tensor]]) -> tuple[str, str]:

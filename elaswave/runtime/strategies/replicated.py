@@ -182,8 +182,9 @@ class Replicated(Strategy):
         # -- the reduction succeeded: every rank now holds the identical full-batch gradient.
         self.forget_partial()
         self.ctx.enter("compute")
-        grad, st.last_loss = mean_gradient(
-            buf, n, self.ctx.cfg.train.grad_clip, st.ties, st.segments
+        measure = self.ctx.cfg.logging.enabled and self.ctx.comm.rank(DP) == 0  # it reports
+        grad, st.last_loss, st.last_grad_norm = mean_gradient(
+            buf, n, self.ctx.cfg.train.grad_clip, st.ties, st.segments, measure=measure
         )
         st.opt.step(st.flat.data, grad, st.opt.hyper.groups)
         st.step = step

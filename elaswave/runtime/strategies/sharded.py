@@ -47,12 +47,15 @@ class Zero1(Replicated):
         z, st, comm = self.zero, self.state, self.ctx.comm
         n = st.flat.numel
         clip = (self.ctx.cfg.train.grad_clip, st.ties, st.segments)
-        count = z.stage(comm, buf[:n], step, broken, before_update, float(buf[n + COUNT]), clip)
+        measure = self.ctx.cfg.logging.enabled and comm.rank(DP) == 0  # rank 0 reports it
+        count = z.stage(
+            comm, buf[:n], step, broken, before_update, float(buf[n + COUNT]), clip, measure
+        )
         assert z.staged is not None
         z.staged.reached_barrier = True
         tail = buf[n:].to(torch.float64)
         comm.allreduce(DP, tail, broken)
-        st.last_loss = float(tail[LOSS]) / count
+        st.last_loss, st.last_grad_norm = float(tail[LOSS]) / count, z.grad_norm
         z.commit(st.last_loss)  # every rank staged (and replicated) this step: committed
         self.forget_partial()
         st.step = step

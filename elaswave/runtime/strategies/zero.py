@@ -49,7 +49,7 @@ from elaswave.planning.shards import (
 )
 from elaswave.runtime.comm.communicator import Communicator
 from elaswave.runtime.integrity.checksums import fast_checksum
-from elaswave.runtime.optim import FlatOptimizer, FlatParams, OptimHyper, clip_factor
+from elaswave.runtime.optim import FlatOptimizer, FlatParams, OptimHyper, clip_and_norm
 
 DP = "dp"
 
@@ -127,6 +127,7 @@ class ZeroState:
     # backends with a fast reduce-scatter (NCCL) set this.
     native_reduce_scatter: bool = False
     snapshot_every: int = 1  # replicate every K committed steps (0: never)
+    grad_norm: float | None = None  # of the last staged step's mean gradient, where measured
     _send_spans: dict[int, list[Range]] = field(default_factory=dict)
     _recv_sizes: dict[int, int] = field(default_factory=dict)
 
@@ -183,10 +184,13 @@ class ZeroState:
         before_update: Callable[[], None],
         count: float = 1.0,
         clip: tuple[Any, ...] = (0.0, (), None),
+        measure: bool = False,
     ) -> float:
         """Steps 1–3 of the docstring: reduce-scatter, staged update, all-gather, replicate.
         ``grads`` are this rank's gradient sums and ``count`` the loss terms they count; the
-        shard is updated with the batch's sum divided by the batch's count (returned)."""
+        shard is updated with the batch's sum divided by the batch's count (returned).
+        ``measure``: take the global gradient norm (into ``grad_norm``) even without clipping
+        (where this rank holds the whole sum: not with a native reduce-scatter)."""
         assert self.layout is not None and self.own is not None
         world, size = len(self.workers), self.size
         reduced = grads.new_empty(world * size + 1)  # [rank-major gradient sums | count]
@@ -203,7 +207,7 @@ class ZeroState:
         batch_count = float(total)
         if batch_count <= 0:
             raise ValueError("the workload's loss counted nothing in the whole batch")
-        factor = self._clip_factor(reduced, batch_count, *clip)
+        factor, self.grad_norm = self._clip_factor(reduced, batch_count, *clip, measure=measure)
         mine = mine.div_(batch_count)
         grad = mine.to(torch.float32) if mine.dtype != torch.float32 else mine
         if factor < 1.0:  # after the conversion, as replicated data parallelism does
@@ -233,17 +237,24 @@ class ZeroState:
         max_norm: float,
         ties: Sequence[tuple[slice, slice]],
         segments: Sequence[tuple[int, int]] | None = None,
-    ) -> float:
+        *,
+        measure: bool = False,
+    ) -> tuple[float, float | None]:
         """Gradient clipping: the whole model's mean gradient back in flat order (the same
-        numbers, in the same order, as replicated data parallelism takes its norm over)."""
-        if not max_norm:
-            return 1.0
+        numbers, in the same order, as replicated data parallelism takes its norm over), and
+        the norm (None unless clipping or ``measure`` asks for it)."""
         if self.native_reduce_scatter:  # each rank holds only its part of the sums
-            raise ValueError("train.grad_clip with a native reduce-scatter is not supported yet")
+            if max_norm:
+                raise ValueError(
+                    "train.grad_clip with a native reduce-scatter is not supported yet"
+                )
+            return 1.0, None
+        if not (max_norm or measure):
+            return 1.0, None
         n = self.flat.numel
         flat = reduced.new_zeros(n + 1)
         flat.index_copy_(0, self.index, reduced[:-1])  # padding (zeros) lands on index n
-        return clip_factor(flat[:n].div_(count), max_norm, ties, segments)
+        return clip_and_norm(flat[:n].div_(count), max_norm, ties, segments, measure=measure)
 
     def commit(self, loss: float = math.nan) -> None:
         """Step 4, after the barrier returned: the staged state becomes the live state (and, on

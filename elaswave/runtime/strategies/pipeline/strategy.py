@@ -191,9 +191,12 @@ class PipelineStages(Strategy):
             sumsq = self._reduce_over_everyone(buf, broken)
         ctx.enter("compute")
         clip = ctx.cfg.train.grad_clip
-        grad, loss = mean_gradient(buf, n, clip, st.ties, st.segments, sumsq)
+        # the norm for the job's curves: a collective here (``sumsq``), so every rank asks for
+        # it or none (``logging`` is a section every host agrees on)
+        measure = ctx.cfg.logging.enabled
+        grad, loss, norm = mean_gradient(buf, n, clip, st.ties, st.segments, sumsq, measure=measure)
         pipe.update(step, grad, broken, before_update)
-        st.step, st.last_loss = step, loss
+        st.step, st.last_loss, st.last_grad_norm = step, loss, norm
         switched = pipe.after_step(step, float(buf[n + FLAG]))
         if switched is not None:
             assert ctx.plan is not None
