@@ -32,17 +32,15 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Coroutine, Iterator
-from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from elaswave.config import JobConfig
-from elaswave.config.jobs import config_difference, training_config
 from elaswave.daemon.aio import wait_for
 from elaswave.daemon.compute import ComputeTimes
 from elaswave.daemon.control_server import ControlServer, WorkerConn
 from elaswave.daemon.controlplane import ControlPlane
-from elaswave.daemon.earlier import checkpoint_step, etcd_records
+from elaswave.daemon.entry import JobEntry
 from elaswave.daemon.etcd import Etcd, EtcdSecurity
 from elaswave.daemon.etcd_server import EmbeddedEtcd
 from elaswave.daemon.faultrelay import FaultRelay
@@ -60,25 +58,19 @@ from elaswave.errors import (
     ConfigError,
     ElasWaveError,
     EtcdUnavailable,
-    JobComplete,
     JobFailed,
     JobStopped,
     RunDirFull,
-    StartOverRefused,
 )
 from elaswave.events import EVENTS_FILE, METRICS_FILE, EventLog, JsonlWriter
 from elaswave.keys import JobKeys
 from elaswave.planning.plan import Plan
-from elaswave.planning.relaunch import Records, Verdict, merge_records, relaunch_verdict
+from elaswave.planning.relaunch import Records
 
 if TYPE_CHECKING:
     from elaswave.daemon.streams import JobStream
 
 log = logging.getLogger(__name__)
-
-# Hosts of a job relaunched together take turns this far apart in its restart: the first resumes
-# the job, the others find it registered and join.
-RELAUNCH_TURN_S = 0.5
 
 
 def default_host_id() -> str:
@@ -146,6 +138,7 @@ class HostDaemon:
         self.pool = WorkerPool(self)  # spawns, watches, respawns, fences and evicts workers
         self.faults = FaultRelay(self)  # fault requests from etcd to this host's workers
         self.cp = ControlPlane(self)  # etcd outages, the outbox, the lease, the embedded etcd
+        self.entry = JobEntry(self)  # joins the job: starts it, resumes it, or refuses
         self.outbox = self.cp.outbox
         self.prom: DaemonMetrics | None = None  # launch --metrics-port
         self.memory: dict[str, dict[str, int]] = {}  # worker -> bytes it holds, by purpose
@@ -194,7 +187,7 @@ class HostDaemon:
         )  # fmt: skip
         self.records.stream = self.stream
         try:
-            await self._join()
+            await self.entry.join()
             self.cp.joined()
             resilient = {
                 "leader": self._campaign,
@@ -380,109 +373,6 @@ class HostDaemon:
         )
         self.finished.set()
 
-    async def _join(self) -> None:
-        live_hosts = await self._outlive_earlier_self(await self.etcd.get_prefix(self.keys.hosts))
-        if not live_hosts:
-            # Nobody is running this job: it starts, or starts again. Whatever is left under
-            # its prefix is stale, but for what its records say was committed.
-            verdict = await self._relaunch_verdict()
-            self._refuse_unless_startable(verdict)  # before anything changes in etcd
-            await self.etcd.delete_prefix(self.keys.prefix)
-            await self._start_as(verdict)
-        elif self.cfg.fresh:
-            raise ElasWaveError(
-                f"--fresh: job {self.cfg.job_id!r} is running on {len(live_hosts)} host(s); it "
-                "starts over only when no host runs it"
-            )
-        await self._agree_on_config()
-        if self.stream is not None:
-            self.stream.start(await self._stream_started())
-        self.lease = await self.etcd.lease(self.cfg.timeouts.lease_ttl)
-        await self.control.start()
-        self.started = time.time()
-        if not await self.jobstore.register_host(self.host_id, self.host_info(), lease=self.lease):
-            raise ElasWaveError(
-                f"host id {self.host_id!r} is already registered in job {self.cfg.job_id!r}"
-            )
-        self.events.emit(
-            "host_joined",
-            host=self.host_id,
-            addr=self.host_addr,
-            job=self.cfg.job_id,
-            pid=os.getpid(),
-            embedded_etcd_pid=self.embedded.pid if self.embedded else None,
-        )
-
-    async def _outlive_earlier_self(self, live: list[Any]) -> list[Any]:
-        """This host id may still be registered by an earlier launch of this host that was
-        killed and is launched again at once (a scheduler's requeue, with the node's name for
-        host id), and so may the other hosts of that run: their keys last until their leases
-        expire. Wait for the keys registered then to go (a host still running keeps its key,
-        and is joined), the hosts taking turns in the order of their ids, then read again."""
-        mine = self.keys.host(self.host_id)
-        if not any(kv.key == mine for kv in live):
-            return live
-        earlier = {(kv.key, kv.create_revision) for kv in live}
-        turn = sorted(key for key, _ in earlier).index(mine)
-        deadline = time.monotonic() + self.cfg.timeouts.lease_ttl + 2.0
-        while time.monotonic() < deadline:
-            await asyncio.sleep(0.2)
-            now = {
-                (kv.key, kv.create_revision) for kv in await self.etcd.get_prefix(self.keys.hosts)
-            }
-            if not now & earlier:
-                break
-        await asyncio.sleep(RELAUNCH_TURN_S * turn)  # the first in line starts the job again
-        return await self.etcd.get_prefix(self.keys.hosts)
-
-    async def _relaunch_verdict(self) -> Verdict:
-        """Whether this job id starts new, resumes, is done already, or must not start: from
-        what its earlier runs left in the run directory, the checkpoints and etcd."""
-        cfg = self.cfg
-        seen = None
-        if not cfg.fresh:
-            plan, _ = await self.jobstore.read_plan()
-            trained = await self.jobstore.trained()
-            diff = "" if trained is None else config_difference(
-                {k: trained.get(k) for k in ("model", "data")},
-                {k: v for k, v in training_config(cfg).items() if k in ("model", "data")},
-            ).replace("job has", "it had", 1)  # fmt: skip
-            progress = await self.jobstore.progress()
-            seen = etcd_records(progress, plan.epoch if plan else 0, config_diff=diff)
-            if seen is not None and self.earlier is None:  # where checkpoints would be
-                seen = replace(
-                    seen, checkpoint=checkpoint_step(cfg.resolved_durable_dir),
-                    checkpoint_dir=str(cfg.resolved_durable_dir),
-                )  # fmt: skip
-        found = merge_records(self.earlier, seen)
-        return relaunch_verdict(
-            found, job_id=cfg.job_id, total_steps=cfg.train.steps, resume=bool(cfg.resume)
-        )
-
-    @staticmethod
-    def _refuse_unless_startable(verdict: Verdict) -> None:
-        """A job that must not start (it would train from step 0 again) or has nothing left
-        to train ends here, its records in etcd untouched for a later launch."""
-        if verdict.action == "refuse":
-            raise StartOverRefused(verdict.reason)
-        if verdict.action == "done":
-            raise JobComplete(verdict.reason)
-
-    async def _start_as(self, verdict: Verdict) -> None:
-        """Start as the relaunch verdict says: new, or resumed with the job's progress seeded
-        so that the steps it recorded are not recorded again."""
-        if self.moved is not None:
-            self.events.emit("fresh_start", host=self.host_id, moved_to=str(self.moved))
-        if verdict.action == "resume":
-            self.resuming = True
-            await self.jobstore.seed_progress(verdict.committed, verdict.epoch, verdict.reason)
-            self.records.recorded_up_to(verdict.committed)
-            self.events.emit(
-                "relaunched", host=self.host_id, committed=verdict.committed,
-                resume_step=verdict.resume_step, lost_steps=verdict.lost_steps,
-                reason=verdict.reason,
-            )  # fmt: skip
-
     def host_info(self) -> dict[str, Any]:
         return {
             "host": self.host_id,
@@ -493,26 +383,6 @@ class HostDaemon:
             "netns": current_netns(),
             "started": self.started,
         }
-
-    async def _agree_on_config(self) -> None:
-        """Every host must train the same thing: the first publishes it, the others compare."""
-        mine = training_config(self.cfg)
-        if await self.etcd.create(self.keys.config, json.dumps(mine, sort_keys=True)):
-            return
-        kv = await self.etcd.get(self.keys.config)
-        theirs = kv.json() if kv else mine
-        diff = config_difference(theirs, mine)
-        if diff:
-            raise ElasWaveError(f"this host's config differs from job {self.cfg.job_id!r}: {diff}")
-
-    async def _stream_started(self) -> float:
-        """When the job's event stream started: set once by the first host that asks; every
-        host names its event files and the W&B run by it."""
-        mine = {"started": time.time()}
-        if await self.etcd.create(self.keys.logging, json.dumps(mine)):
-            return mine["started"]
-        kv = await self.etcd.get(self.keys.logging)
-        return float(kv.json()["started"]) if kv is not None else mine["started"]
 
     async def _wait_for_other_hosts(self) -> None:
         deadline = (

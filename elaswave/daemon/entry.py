@@ -1,0 +1,159 @@
+"""How a host enters its job: the job starts, starts again (a relaunch resumes it from its
+records: :mod:`elaswave.planning.relaunch`), or must not start; the host agrees with the others
+on what the job trains, registers under its lease and says so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from elaswave.config.jobs import config_difference, training_config
+from elaswave.daemon.earlier import checkpoint_step, etcd_records
+from elaswave.errors import ElasWaveError, JobComplete, StartOverRefused
+from elaswave.planning.relaunch import Verdict, merge_records, relaunch_verdict
+
+if TYPE_CHECKING:
+    from elaswave.daemon.supervisor import HostDaemon
+
+# Hosts of a job relaunched together take turns this far apart in its restart: the first resumes
+# the job, the others find it registered and join.
+RELAUNCH_TURN_S = 0.5
+
+
+class JobEntry:
+    def __init__(self, d: HostDaemon) -> None:
+        self.d = d
+
+    async def join(self) -> None:
+        """Register this host in the job: first of all, decide whether the job starts, starts
+        again (a relaunch resumes) or must not start; then agree on the config."""
+        d = self.d
+        live_hosts = await self._outlive_earlier_self(await d.etcd.get_prefix(d.keys.hosts))
+        if not live_hosts:
+            # Nobody is running this job: it starts, or starts again. Whatever is left under
+            # its prefix is stale, but for what its records say was committed.
+            verdict = await self._verdict()
+            self._refuse_unless_startable(verdict)  # before anything changes in etcd
+            await d.etcd.delete_prefix(d.keys.prefix)
+            await self._start_as(verdict)
+        elif d.cfg.fresh:
+            raise ElasWaveError(
+                f"--fresh: job {d.cfg.job_id!r} is running on {len(live_hosts)} host(s); it "
+                "starts over only when no host runs it"
+            )
+        await self._agree_on_config()
+        if d.stream is not None:
+            d.stream.start(await self._stream_started())
+        d.lease = await d.etcd.lease(d.cfg.timeouts.lease_ttl)
+        await d.control.start()
+        d.started = time.time()
+        if not await d.jobstore.register_host(d.host_id, d.host_info(), lease=d.lease):
+            raise ElasWaveError(
+                f"host id {d.host_id!r} is already registered in job {d.cfg.job_id!r}"
+            )
+        d.events.emit(
+            "host_joined",
+            host=d.host_id,
+            addr=d.host_addr,
+            job=d.cfg.job_id,
+            pid=os.getpid(),
+            embedded_etcd_pid=d.embedded.pid if d.embedded else None,
+        )
+
+    async def _outlive_earlier_self(self, live: list[Any]) -> list[Any]:
+        """This host id may still be registered by an earlier launch of this host that was
+        killed and is launched again at once (a scheduler's requeue, with the node's name for
+        host id), and so may the other hosts of that run: their keys last until their leases
+        expire. Wait for the keys registered then to go (a host still running keeps its key,
+        and is joined), the hosts taking turns in the order of their ids, then read again."""
+        d = self.d
+        mine = d.keys.host(d.host_id)
+        if not any(kv.key == mine for kv in live):
+            return live
+        earlier = {(kv.key, kv.create_revision) for kv in live}
+        turn = sorted(key for key, _ in earlier).index(mine)
+        deadline = time.monotonic() + d.cfg.timeouts.lease_ttl + 2.0
+        while time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+            now = {(kv.key, kv.create_revision) for kv in await d.etcd.get_prefix(d.keys.hosts)}
+            if not now & earlier:
+                break
+        await asyncio.sleep(RELAUNCH_TURN_S * turn)  # the first in line starts the job again
+        return await d.etcd.get_prefix(d.keys.hosts)
+
+    async def _verdict(self) -> Verdict:
+        """Whether this job id starts new, resumes, is done already, or must not start: from
+        what its earlier runs left in the run directory, the checkpoints and etcd."""
+        d = self.d
+        cfg = d.cfg
+        seen = None
+        if not cfg.fresh:
+            plan, _ = await d.jobstore.read_plan()
+            trained = await d.jobstore.trained()
+            diff = "" if trained is None else config_difference(
+                {k: trained.get(k) for k in ("model", "data")},
+                {k: v for k, v in training_config(cfg).items() if k in ("model", "data")},
+            ).replace("job has", "it had", 1)  # fmt: skip
+            progress = await d.jobstore.progress()
+            seen = etcd_records(progress, plan.epoch if plan else 0, config_diff=diff)
+            if seen is not None and d.earlier is None:  # where checkpoints would be
+                seen = replace(
+                    seen, checkpoint=checkpoint_step(cfg.resolved_durable_dir),
+                    checkpoint_dir=str(cfg.resolved_durable_dir),
+                )  # fmt: skip
+        found = merge_records(d.earlier, seen)
+        return relaunch_verdict(
+            found, job_id=cfg.job_id, total_steps=cfg.train.steps, resume=bool(cfg.resume)
+        )
+
+    @staticmethod
+    def _refuse_unless_startable(verdict: Verdict) -> None:
+        """A job that must not start (it would train from step 0 again) or has nothing left
+        to train ends here, its records in etcd untouched for a later launch."""
+        if verdict.action == "refuse":
+            raise StartOverRefused(verdict.reason)
+        if verdict.action == "done":
+            raise JobComplete(verdict.reason)
+
+    async def _start_as(self, verdict: Verdict) -> None:
+        """Start as the relaunch verdict says: new, or resumed with the job's progress seeded
+        so that the steps it recorded are not recorded again."""
+        d = self.d
+        if d.moved is not None:
+            d.events.emit("fresh_start", host=d.host_id, moved_to=str(d.moved))
+        if verdict.action == "resume":
+            d.resuming = True
+            await d.jobstore.seed_progress(verdict.committed, verdict.epoch, verdict.reason)
+            d.records.recorded_up_to(verdict.committed)
+            d.events.emit(
+                "relaunched", host=d.host_id, committed=verdict.committed,
+                resume_step=verdict.resume_step, lost_steps=verdict.lost_steps,
+                reason=verdict.reason,
+            )  # fmt: skip
+
+    async def _agree_on_config(self) -> None:
+        """Every host must train the same thing: the first publishes it, the others compare."""
+        d = self.d
+        mine = training_config(d.cfg)
+        if await d.etcd.create(d.keys.config, json.dumps(mine, sort_keys=True)):
+            return
+        kv = await d.etcd.get(d.keys.config)
+        theirs = kv.json() if kv else mine
+        diff = config_difference(theirs, mine)
+        if diff:
+            raise ElasWaveError(f"this host's config differs from job {d.cfg.job_id!r}: {diff}")
+
+    async def _stream_started(self) -> float:
+        """When the job's event stream started: set once by the first host that asks; every
+        host names its event files and the W&B run by it."""
+        d = self.d
+        mine = {"started": time.time()}
+        if await d.etcd.create(d.keys.logging, json.dumps(mine)):
+            return mine["started"]
+        kv = await d.etcd.get(d.keys.logging)
+        return float(kv.json()["started"]) if kv is not None else mine["started"]
