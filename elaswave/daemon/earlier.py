@@ -10,6 +10,7 @@ torch: ``launch`` reads it before any worker exists.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import time
 from pathlib import Path
@@ -22,7 +23,14 @@ from elaswave.events import METRICS_FILE, RUN_CONFIG, read_jsonl
 from elaswave.planning.relaunch import Records
 from elaswave.runtime.durable.layout import LATEST, latest
 
-__all__ = ["PREVIOUS", "archive", "checkpoint_step", "etcd_records", "run_dir_records"]
+__all__ = [
+    "PREVIOUS",
+    "archive",
+    "checkpoint_step",
+    "etcd_records",
+    "run_dir_records",
+    "write_run_config",
+]
 
 PREVIOUS = "previous"  # where --fresh moves an earlier run's records, one folder per move
 
@@ -83,6 +91,15 @@ def _config_diff(path: Path, cfg: JobConfig) -> str:
         return f"the run directory holds job {earlier.job_id!r}"
     now = JobConfig.from_dict(run_record(cfg, cfg.resolved_run_dir))
     return config_difference(same_job(earlier), same_job(now)).replace("job has", "it had", 1)
+
+
+def write_run_config(cfg: JobConfig, run_dir: Path) -> None:
+    """The job's config as it runs, in ``<run_dir>/config.json`` (:func:`run_record`): written
+    once the host is in the job, so that a launch refused (another model, say) leaves the
+    earlier run's config as it was."""
+    tmp = run_dir / f".{RUN_CONFIG}.tmp"
+    tmp.write_text(json.dumps(run_record(cfg, run_dir), indent=1))
+    os.replace(tmp, run_dir / RUN_CONFIG)
 
 
 def archive(run_dir: Path, durable_dir: Path) -> Path | None:

@@ -13,7 +13,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from elaswave.config.jobs import config_difference, training_config
-from elaswave.daemon.earlier import checkpoint_step, etcd_records
+from elaswave.daemon.earlier import checkpoint_step, etcd_records, write_run_config
 from elaswave.errors import ElasWaveError, JobComplete, StartOverRefused
 from elaswave.planning.relaunch import Verdict, merge_records, relaunch_verdict
 
@@ -47,6 +47,7 @@ class JobEntry:
                 "starts over only when no host runs it"
             )
         await self._agree_on_config()
+        write_run_config(d.cfg, d.run_dir)  # in the job now: what it trains is this run's
         if d.stream is not None:
             d.stream.start(await self._stream_started())
         d.lease = await d.etcd.lease(d.cfg.timeouts.lease_ttl)

@@ -18,7 +18,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 from elaswave.config import JobConfig, check_packages, state_dir
-from elaswave.config.jobs import run_record
 from elaswave.daemon.earlier import archive, run_dir_records
 from elaswave.daemon.etcd import EtcdSecurity
 from elaswave.daemon.etcd_server import EmbeddedEtcd, ServerTLS, check_port_free
@@ -26,7 +25,6 @@ from elaswave.daemon.supervisor import HostDaemon, default_host_id
 from elaswave.daemon.template import Template
 from elaswave.daemon.workers import worker_environment
 from elaswave.errors import ElasWaveError, JobNotFound
-from elaswave.events import RUN_CONFIG
 from elaswave.runtime.durable.layout import latest
 
 log = logging.getLogger(__name__)
@@ -97,7 +95,6 @@ def launch(
     try:
         if template is None:  # no template to check in: here, before anything starts
             preflight(cfg)
-        write_run_config(cfg, run_dir)
         _log_to(run_dir / "daemon.log")
         if not endpoints:
             if cfg.etcd_port:
@@ -165,13 +162,6 @@ def preflight(cfg: JobConfig) -> None:
     from elaswave.runtime.workload.load import check_data, load_workload
 
     check_data(cfg, load_workload(cfg))
-
-
-def write_run_config(cfg: JobConfig, run_dir: Path) -> None:
-    """The job's config as it runs, in ``<run_dir>/config.json`` (:func:`run_record`)."""
-    tmp = run_dir / f".{RUN_CONFIG}.tmp"
-    tmp.write_text(json.dumps(run_record(cfg, run_dir), indent=1))
-    os.replace(tmp, run_dir / RUN_CONFIG)
 
 
 def tls_paths(cfg: JobConfig) -> dict[str, str]:

@@ -99,7 +99,7 @@ def test_status_and_inject_fault_through_etcd(tmp_path: Path, state_env: dict[st
     assert gone.returncode != 0 and len(gone.stderr.strip().splitlines()) == 1
 
 
-def test_sigterm_leaves_no_stale_keys_on_an_external_etcd(
+def test_sigterm_leaves_only_the_jobs_records_on_an_external_etcd(
     tmp_path: Path, state_env: dict[str, str]
 ) -> None:
     with EmbeddedEtcd() as etcd:
@@ -120,17 +120,16 @@ def test_sigterm_leaves_no_stale_keys_on_an_external_etcd(
             proc.wait(timeout=60)
         assert proc.returncode == 128 + signal.SIGTERM
         assert_no_orphans(Run(tmp_path / "a"))
-        # Same job id, same etcd: a fresh run must start from epoch 1 and finish.
-        r = launch(
-            tmp_path / "b",
-            "--job-id",
-            "again",
-            "--etcd",
-            etcd.endpoint,
-            "--steps",
-            "5",
-            env=state_env,
-        )
+        committed = max(m["step"] for m in Run(tmp_path / "a").metrics)
+        # Same job id, same etcd: its records say it trained, and it has no checkpoint: the
+        # same command is refused (it would train from step 0 again), in one line.
+        args = ("--job-id", "again", "--etcd", etcd.endpoint)
+        r = launch(tmp_path / "b", *args, "--steps", "400", env=state_env)
+        assert r.returncode == 5, r.stderr[-2000:]
+        (line,) = [x for x in r.stderr.splitlines() if x.strip()]
+        assert f"committed {committed} steps (its progress record in etcd)" in line
+        # Started over on purpose: from epoch 1 and step 1, nothing stale in the way.
+        r = launch(tmp_path / "b", *args, "--steps", "5", "--fresh", env=state_env)
         assert r.returncode == 0, r.stderr[-2000:]
         run = Run(tmp_path / "b")
         assert [m["step"] for m in run.metrics] == [1, 2, 3, 4, 5]
@@ -149,7 +148,8 @@ def test_unreachable_etcd_is_a_one_line_error(tmp_path: Path, state_env: dict[st
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "cannot reach etcd" in lines[0], r.stderr
     assert time.monotonic() - started < 30
-    assert not list((tmp_path / "run" / "logs").glob("*.log")), "no worker may start without etcd"
+    workers = list((tmp_path / "run" / "logs").glob("*.w*.log"))
+    assert not workers, "no worker may start without etcd"
 
 
 def test_busy_etcd_port_is_a_one_line_error(tmp_path: Path, state_env: dict[str, str]) -> None:

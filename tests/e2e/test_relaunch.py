@@ -122,6 +122,13 @@ def test_relaunch_without_a_checkpoint_refuses_then_fresh_starts_over(
     args = ("--job-id", "lost")
     committed = _kill_whole_job(run_dir, state_env, *args, after=8)
     first_run = (run_dir / "metrics.jsonl").read_text()
+    trained = (run_dir / "config.json").read_text()
+
+    # Another model under this job id: refused, and the run's config stays what it trained.
+    r = launch(run_dir, *args, env=dict(state_env, ELASWAVE_MODEL__N_LAYER="3"))
+    assert r.returncode == 5, r.stderr
+    assert "ran before with other settings (model.n_layer: it had 2, this host 3)" in _one_line(r)
+    assert (run_dir / "config.json").read_text() == trained
 
     before = max(e["t"] for e in read_jsonl(run_dir / "events.jsonl"))
     r = launch(run_dir, *args, env=state_env)
