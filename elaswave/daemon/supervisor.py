@@ -230,9 +230,6 @@ class HostDaemon:
             self._tasks.append(asyncio.create_task(self._watch_store(), name="store"))
             for slot in range(self.cfg.elastic.nproc_per_node):
                 await self.pool.spawn(slot, 0)
-            if self.template is not None and self.template.alive:
-                with contextlib.suppress(TemplateGone):
-                    await self.template.warm(self.cfg.timeouts.template)
             waiter = asyncio.create_task(self.finished.wait())
             pending: set[asyncio.Task[Any]] = {waiter, *self._tasks}
             while waiter in pending:

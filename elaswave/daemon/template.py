@@ -30,8 +30,9 @@ from elaswave.procutil import become_subreaper
 
 log = logging.getLogger(__name__)
 
-# Imported by the template once the first workers run, for those it forks later: a worker needs
-# it only to write a checkpoint, and importing it first would delay the first workers by a second.
+# Imported by the template when every worker will need it (a job that resumes from a checkpoint):
+# a worker otherwise needs it only to write one, and imports it then (over a second); importing
+# it always would delay the first workers, or compete with their first steps for the CPU.
 WARM = ("torch.distributed.checkpoint",)
 
 

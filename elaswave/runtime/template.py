@@ -25,10 +25,11 @@ middle process exits at once and the daemon, a child subreaper
 exit status like that of any child it started itself. The child waits until it is adopted before
 it asks to die with its parent (the middle one's exit would otherwise be that death).
 
-After a ``{"op": "warm"}`` request (the daemon sends it once the first workers run), the template
-imports the ``--warm`` modules one at a time between requests: what a worker needs only later,
-such as ``torch.distributed.checkpoint``, so that workers forked later (respawns, replacements)
-find them imported; a request that arrives meanwhile waits for one module at most.
+After a ``{"op": "warm"}`` request (the daemon sends it before it asks for the workers of a job
+that resumes from a checkpoint), the template imports the ``--warm`` modules one at a time
+between requests: what a worker needs only in some jobs, such as
+``torch.distributed.checkpoint``, so that the workers forked after it find them imported; a
+request that arrives meanwhile waits for one module at most.
 """
 
 from __future__ import annotations

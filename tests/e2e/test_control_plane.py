@@ -162,7 +162,9 @@ def test_daemon_paused_past_the_hang_timeout_and_the_lease(
     _assert_nothing_lost_to_the_control_plane(run)
     during = [m["step"] for m in run.metrics if paused_at + 0.5 < m["time"] < resumed_at]
     assert len(during) >= 3, "training waited for the paused daemon"
-    (paused,) = run.of("daemon_paused")
+    # The stop is seen as one pause of its length (a loaded machine may add short stalls of
+    # the daemon's loop: those are recorded too, and are not this one).
+    (paused,) = [p for p in run.of("daemon_paused") if p["seconds"] > hang]
     assert paused["seconds"] >= 3 * hang - 0.5
     assert run.of("lease_expired") and run.of("host_registered")
     assert not job.stderr().strip(), job.stderr()
