@@ -15,7 +15,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, Run, assert_clean_run, cli, elaswave_cmd
+from conftest import ROOT, Run, assert_clean_run, assert_no_orphans, cli, elaswave_cmd
 
 CONFIG = ROOT / "examples" / "mlp.yaml"
 STEPS = 20
@@ -67,4 +67,6 @@ def test_a_factory_that_cannot_build_is_one_line(tmp_path: Path, state_env: dict
     assert r.returncode != 0
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "model.factory" in lines[0] and "colour" in lines[0], r.stderr
-    assert not (tmp_path / "run").exists()
+    run = Run(tmp_path / "run")  # checked in the worker template, before any worker starts
+    assert not run.of("worker_spawned")
+    assert_no_orphans(run)
