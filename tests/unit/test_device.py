@@ -115,6 +115,17 @@ def test_worker_device_and_backend(
     assert stages_through_host(device, backend, per_device) is staged
 
 
+def test_hosts_of_a_job_agree_on_sharing_devices() -> None:
+    """The backend follows ``workers_per_device`` alone: a host sharing its devices (gloo) and
+    one that does not (NCCL) would never meet in a group, so the hosts must agree on it."""
+    from elaswave.config import load_config
+    from elaswave.config.jobs import config_difference, training_config
+
+    one = training_config(load_config(env={}))
+    two = training_config(load_config(overrides={"elastic.workers_per_device": 2}, env={}))
+    assert config_difference(one, two) == "workers_per_device: job has 1, this host 2"
+
+
 def test_npu_backend() -> None:
     # torch names the "npu" device type only once torch_npu registered it: its type alone
     npu = SimpleNamespace(type="npu")
