@@ -107,6 +107,9 @@ class Engine:
             torch.npu.set_device(device)  # type: ignore[attr-defined]  # HCCL, likewise
         if device is not None and device.type != "cpu":
             set_clock(DeviceClock(device))  # compute times wait for the queued compute
+            if t.reduce_dtype == "float64":  # the deterministic mode: deterministic kernels
+                # where they exist (SDPA's memory-efficient backward sums with atomics else)
+                torch.use_deterministic_algorithms(True, warn_only=True)
         self.state = TrainState.build(cfg, device)
         self.num_samples = training_samples(len(self.state.dataset), cfg.data.eval_samples)
         # [gradient sums | loss sum, newest epoch seen, a strategy's flag, loss count]
