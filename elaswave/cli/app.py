@@ -52,7 +52,8 @@ _Config = Annotated[
 _NprocPerNode = Annotated[
     int | None,
     typer.Option(
-        "--nproc-per-node", help="Workers on this host (default: one per accelerator, else 4)."
+        "--nproc-per-node",
+        help="Workers on this host (default: --workers-per-device per accelerator, else 4).",
     ),
 ]
 _Device = Annotated[

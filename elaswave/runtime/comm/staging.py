@@ -12,15 +12,18 @@ buffers for its outputs, and starts the gloo operation on those. The :class:`Sta
 returns copies the host results back into the caller's tensors (in place: views of a flat
 buffer stay views) when its ``wait()`` returns, once: a collective in the communicator's
 interruptible wait, posted point-to-point work in whichever thread waits for it (the p2p helper
-thread, a migration's background wait). A failed or abandoned operation copies nothing back.
-Sends copy nothing back; a send's payload is the value at the time it was posted.
+thread, a migration's background wait). A failed operation copies nothing back; an interrupted
+one only if it is waited for again and completes (a kept group's unfinished collectives, a
+helper thread left waiting), as gloo would write late into a CPU tensor. Sends copy nothing
+back; a send's payload is the value at the time it was posted.
 
 The communicator's waits, keep/rebuild agreement and parking are those of gloo (the group is a
 gloo group: ``Communicator.backend`` is ``"gloo"``); staging changes only where the bytes sit.
-Forced on for CPU tensors (``Communicator(staged=True)``) it runs the same code with host-to-
-host copies: that is how the tests prove every operation on this machine, where there is no
-accelerator. The copies are synchronous on the device's current stream (the default one, which
-the runtime computes on).
+On the CPU (``Communicator(staged=True)``, or the shared mode: ``workers_per_device > 1``) it
+runs the same code with host-to-host copies: that is how the tests prove every operation, and
+run whole jobs through it, on a machine without an accelerator. The copies are synchronous, on
+the calling thread's current stream of the device (the default one, which the runtime computes
+on, in every thread).
 """
 
 from __future__ import annotations
