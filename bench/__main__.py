@@ -26,6 +26,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tree", type=Path, default=None, metavar="DIR",
                         help="startup: also run the jobs from this checkout (an earlier "
                              "commit), for a before/after comparison")  # fmt: skip
+    parser.add_argument("--device", choices=("cuda", "cpu"), default=None,
+                        help="gpustep: cuda (default), or cpu: a dry run of its "
+                             "plumbing")  # fmt: skip
     args = parser.parse_args(argv)
     if args.list:
         for name, module in sorted(SCENARIOS.items()):
@@ -50,9 +53,13 @@ def main(argv: list[str] | None = None) -> int:
             if args.scenario != "startup":
                 parser.error("--tree is an option of the startup scenario only")
             extra["tree"] = args.tree
+        if args.device is not None:
+            if args.scenario != "gpustep":
+                parser.error("--device is an option of the gpustep scenario only")
+            extra["device"] = args.device
         result = module.run(repeat, args.config.resolve(), **extra)
     except BenchError as exc:
-        console.print(f"[red]benchmark failed:[/red] {exc}", highlight=False)
+        console.print(f"[red]benchmark failed:[/red] {exc}", highlight=False, soft_wrap=True)
         return 1
     result["started"] = time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(start))
     result["duration_s"] = round(time.time() - start, 1)

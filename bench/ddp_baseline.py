@@ -12,6 +12,12 @@ batch's count of loss terms (samples for the GPT, target tokens for a language m
 count) to yield the same gradient. The workload's own ``loss`` gives (sum, count); every
 micro-batch of these benchmark workloads counts the same number of terms (checked).
 ``train.autocast: bf16`` runs the layers under bf16 autocast, as ElasWave's workers do.
+
+``device="cuda"``: rank ``r`` on ``cuda:r`` and NCCL. The model is built on the CPU (its seeded
+initial values) and moved, each micro-batch moved when collated, and the clock read after the
+device finished the step, as ElasWave's workers do. A world of one trains the bare model: a
+plain PyTorch loop (forward and backward of every micro-batch, one optimizer step), with nothing
+to all-reduce (``bench/gpustep.py`` compares one ElasWave worker with it).
 """
 
 from __future__ import annotations
@@ -29,8 +35,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def run_ddp(config: Path, *, steps: int, world: int, out_dir: Path) -> dict[str, Any]:
-    """Spawn ``world`` gloo workers on 127.0.0.1; returns rank 0's timings and per-step losses."""
+def run_ddp(
+    config: Path, *, steps: int, world: int, out_dir: Path, device: str = "cpu"
+) -> dict[str, Any]:
+    """Spawn ``world`` workers on 127.0.0.1 (gloo on the CPU; ``device="cuda"``: one GPU each,
+    NCCL); returns rank 0's timings and per-step losses."""
     from bench.common import free_port
 
     out = out_dir / "ddp.json"
@@ -38,7 +47,9 @@ def run_ddp(config: Path, *, steps: int, world: int, out_dir: Path) -> dict[str,
     saved = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = "1"
     try:
-        mp.spawn(_worker, args=(world, free_port(), str(config), steps, str(out)), nprocs=world)
+        mp.spawn(
+            _worker, args=(world, free_port(), str(config), steps, str(out), device), nprocs=world
+        )
     finally:
         if saved is None:
             del os.environ["OMP_NUM_THREADS"]
@@ -47,9 +58,11 @@ def run_ddp(config: Path, *, steps: int, world: int, out_dir: Path) -> dict[str,
     return json.loads(out.read_text())
 
 
-def _worker(rank: int, world: int, port: int, config: str, steps: int, out: str) -> None:
+def _worker(
+    rank: int, world: int, port: int, config: str, steps: int, out: str, device: str = "cpu"
+) -> None:
     from elaswave.config import load_config
-    from elaswave.runtime.state import AUTOCAST
+    from elaswave.runtime.state import AUTOCAST, to_device
     from elaswave.runtime.workload.data import microbatches
     from elaswave.runtime.workload.load import build_model, load_workload
 
@@ -57,14 +70,21 @@ def _worker(rank: int, world: int, port: int, config: str, steps: int, out: str)
     cfg = load_config(config, env={})
     t = cfg.train
     torch.set_num_threads(t.threads_per_worker)
+    dev = torch.device("cuda", rank) if device == "cuda" else torch.device("cpu")
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
     store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0,
                           timeout=datetime.timedelta(seconds=60))  # fmt: skip
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    backend = "nccl" if dev.type == "cuda" else "gloo"
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world)
     try:
-        model = build_model(cfg)
+        model = build_model(cfg).to(dev)  # built on the CPU (its seeded values), then moved
         model.autocast = AUTOCAST[t.autocast]
         model.train()
-        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        ids = [rank] if dev.type == "cuda" else None
+        ddp = (
+            torch.nn.parallel.DistributedDataParallel(model, device_ids=ids) if world > 1 else model
+        )  # a world of one: the bare model, a plain loop
         opt = torch.optim.AdamW(
             ddp.parameters(), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
             weight_decay=t.weight_decay,
@@ -84,9 +104,10 @@ def _worker(rank: int, world: int, port: int, config: str, steps: int, out: str)
             loss_sum = 0.0
             for k, i in enumerate(mine):
                 mb = every[i]
-                tokens, targets = workload.collate([dataset[i] for i in mb.sample_ids])
+                batch = workload.collate([dataset[i] for i in mb.sample_ids])
+                tokens, targets = to_device(batch, dev)
                 last = k == len(mine) - 1
-                with contextlib.nullcontext() if last else ddp.no_sync():
+                with contextlib.nullcontext() if last or world == 1 else ddp.no_sync():
                     logits = ddp(tokens, step, mb.id)
                     loss, count = workload.loss(logits, targets)
                     per_mb_count.append(int(count))
@@ -96,11 +117,13 @@ def _worker(rank: int, world: int, port: int, config: str, steps: int, out: str)
                 loss_sum += loss.item()
             opt.step()
             opt.zero_grad()
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)  # the step is done when the device is
             ends.append(time.perf_counter())
             inner.append(ends[-1] - start)
             local_loss.append(loss_sum)
         # Off the clock: global per-step losses, to check that both systems did the same work.
-        losses = torch.tensor(local_loss, dtype=torch.float64)
+        losses = torch.tensor(local_loss, dtype=torch.float64, device=dev)
         dist.all_reduce(losses)
         if rank == 0:
             result = {
@@ -108,7 +131,10 @@ def _worker(rank: int, world: int, port: int, config: str, steps: int, out: str)
                 "step_seconds": inner,
                 "loss": (losses / (per_mb_count[0] * t.num_microbatches)).tolist(),
                 "world": world,
-                "reducer": "DDP float32 bucketed all-reduce (average)",
+                "reducer": "DDP float32 bucketed all-reduce (average)"
+                if world > 1
+                else "none (a world of one: a plain loop)",
+                "device": str(dev),
             }
             Path(out).write_text(json.dumps(result))
     finally:

@@ -52,12 +52,20 @@ _Config = Annotated[
 _NprocPerNode = Annotated[
     int | None,
     typer.Option(
-        "--nproc-per-node", help="Workers on this host (default: one per accelerator, else 4)."
+        "--nproc-per-node",
+        help="Workers on this host (default: --workers-per-device per accelerator, else 4).",
     ),
 ]
 _Device = Annotated[
     str | None,
     typer.Option("--device", help="auto | cpu | cuda | npu (auto: an accelerator if present)."),
+]
+_WorkersPerDevice = Annotated[
+    int | None,
+    typer.Option(
+        "--workers-per-device",
+        help="Workers sharing one accelerator (default 1; more: gloo through host memory).",
+    ),
 ]
 _Nnodes = Annotated[str | None, typer.Option("--nnodes", help="Hosts: N or MIN:MAX.")]
 _Etcd = Annotated[
@@ -186,6 +194,7 @@ def launch(
     config: _Config = None,
     nproc_per_node: _NprocPerNode = None,
     device: _Device = None,
+    workers_per_device: _WorkersPerDevice = None,
     nnodes: _Nnodes = None,
     etcd: _Etcd = None,
     etcd_port: _EtcdPort = None,
@@ -276,7 +285,8 @@ def _launch_overrides(params: dict[str, Any], faults: list[str]) -> dict[str, An
 
 def _placed(config: Path | None, overrides: dict[str, Any]) -> JobConfig:
     """The job's config with ``train.device`` resolved on this host (auto: an accelerator if
-    present) and its workers per host: one per device unless given, never more."""
+    present) and its workers per host: ``elastic.workers_per_device`` per device unless given,
+    never more."""
     from elaswave.config import JobConfig, config_values
     from elaswave.runtime.device import place, probe_for, workers_per_host
 
@@ -286,7 +296,7 @@ def _placed(config: Path | None, overrides: dict[str, Any]) -> JobConfig:
     given = "nproc_per_node" in values.get("elastic", {})
     nproc = workers_per_host(
         placement, cfg.elastic.nproc_per_node if given else None,
-        cpu_default=cfg.elastic.nproc_per_node,
+        cpu_default=cfg.elastic.nproc_per_node, per_device=cfg.elastic.workers_per_device,
     )  # fmt: skip
     values.setdefault("train", {})["device"] = placement.kind
     values.setdefault("elastic", {})["nproc_per_node"] = nproc

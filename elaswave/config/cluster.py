@@ -27,9 +27,14 @@ class ElasticConfig:
     # How workers start: forked from a "template" process per host that imported torch and the
     # runtime once (milliseconds a worker), or "exec": a new interpreter each (seconds).
     worker_start: str = "template"
+    # Workers that may share one accelerator (1: one per device, NCCL/HCCL). K > 1: up to
+    # devices × K workers per host, slot s on device s // K, collectives over gloo through host
+    # memory (NCCL takes one rank per device). Nothing on the CPU.
+    workers_per_device: int = 1
 
     def __post_init__(self) -> None:
         positive("elastic.nproc_per_node", self.nproc_per_node)
+        positive("elastic.workers_per_device", self.workers_per_device)
         positive("elastic.min_workers", self.min_workers)
         if self.max_restarts < 0:
             raise ConfigError(f"elastic.max_restarts must be >= 0, got {self.max_restarts}")

@@ -134,6 +134,11 @@ class JobConfig:
                 raise ConfigError(
                     f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}"
                 )
+        if self.dvfs in ("nvml", "npu") and self.elastic.workers_per_device > 1:
+            raise ConfigError(
+                f"dvfs={self.dvfs} clocks each worker's own device: it cannot be used with "
+                f"elastic.workers_per_device {self.elastic.workers_per_device} (shared devices)"
+            )
         needs = {"nvml": "pynvml", "npu": "torch_npu"}
         if self.dvfs in needs and importlib.util.find_spec(needs[self.dvfs]) is None:
             raise ConfigError(f"dvfs={self.dvfs} needs the {needs[self.dvfs]} package")
@@ -189,6 +194,7 @@ LAUNCH_FLAGS: dict[str, str] = {
     "host_id": "host_id",
     "nproc_per_node": "elastic.nproc_per_node",
     "device": "train.device",
+    "workers_per_device": "elastic.workers_per_device",
     "nnodes": "elastic.nnodes",
     "max_restarts": "elastic.max_restarts",
     "straggler_threshold": "elastic.straggler_threshold",

@@ -20,7 +20,8 @@ __all__ = ["config_difference", "run_record", "same_job", "training_config"]
 def training_config(cfg: JobConfig) -> dict[str, Any]:
     """The sections every host of a job must agree on (the data as
     :meth:`~elaswave.config.DataConfig.agreed` gives it: text by its content key; ``logging``
-    too: one stream per job, and pipelines take the gradient norm for it with a collective)."""
+    too: one stream per job, and pipelines take the gradient norm for it with a collective;
+    ``workers_per_device``: it picks the backend every group of the job is built on)."""
     full = cfg.to_dict()
     sections = {"model": full["model"], "data": cfg.data.agreed(), "train": full["train"]}
     return (
@@ -29,6 +30,7 @@ def training_config(cfg: JobConfig) -> dict[str, Any]:
         | {
             "nproc_per_node": cfg.elastic.nproc_per_node,
             "nnodes": cfg.elastic.nnodes,
+            "workers_per_device": cfg.elastic.workers_per_device,
         }
     )
 

@@ -2,13 +2,19 @@
 
 ``train.device`` is ``auto`` (an accelerator when the host has one, else the CPU), ``cpu``,
 ``cuda`` or ``npu``. The daemon resolves it once per host before it spawns workers
-(:func:`place`): every worker of a host gets the same kind, one device each, pinned by its local
-slot (:func:`worker_device`). On an accelerator a host runs at most one worker per device
-(:func:`workers_per_host`); without ``--nproc-per-node`` it runs one per device.
+(:func:`place`): every worker of a host gets the same kind, pinned by its local slot
+(:func:`worker_device`). On an accelerator a host runs at most ``elastic.workers_per_device``
+workers per device, one by default (:func:`workers_per_host`); without ``--nproc-per-node`` it
+fills every device. The worker in slot ``s`` takes device ``s // workers_per_device``.
 
 Backends (:func:`backend_for`): gloo on the CPU, NCCL on CUDA, HCCL on Ascend NPUs (through
-``torch_npu``, imported only when asked for; untested without the hardware). The decisions here
-are pure functions of what :func:`probe` found, tested as tables.
+``torch_npu``, imported only when asked for; untested without the hardware). Workers that share
+a device (``workers_per_device > 1``) use gloo whatever the device, because NCCL refuses two
+ranks of a communicator on one device; their collectives run on host copies of the device's
+tensors (:func:`stages_through_host`, ``comm/staging.py``; on the CPU the same shared mode
+copies host to host, so the CPU tests run it end to end). The backend depends on the config
+alone, never on how many devices a host found, so every host of a job builds the same kind of
+group. The decisions here are pure functions of what :func:`probe` found, tested as tables.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ __all__ = [
     "place",
     "probe",
     "probe_for",
+    "stages_through_host",
     "synchronize",
     "worker_device",
     "workers_per_host",
@@ -128,32 +135,56 @@ def place(requested: str, found: Accelerators) -> Placement:
     return Placement(requested, found.count(requested))
 
 
-def workers_per_host(placement: Placement, nproc: int | None, *, cpu_default: int) -> int:
-    """Workers this host runs: ``nproc`` if given (refused above the device count on an
-    accelerator: two workers would share a device), else one per device, or ``cpu_default``
-    on the CPU."""
+def workers_per_host(
+    placement: Placement, nproc: int | None, *, cpu_default: int, per_device: int = 1
+) -> int:
+    """Workers this host runs: ``nproc`` if given (refused on an accelerator above its devices
+    × ``per_device``, the workers one device may hold), else that many, or ``cpu_default`` on
+    the CPU (where ``per_device`` means nothing)."""
+    if not placement.accelerated:
+        return cpu_default if nproc is None else nproc
+    most = placement.devices * per_device
     if nproc is None:
-        return placement.devices if placement.accelerated else cpu_default
-    if placement.accelerated and nproc > placement.devices:
+        return most
+    if nproc > most:
+        name = _NAMES[placement.kind]
+        why = (
+            "one worker per device; --workers-per-device K lets K share one, over gloo"
+            if per_device == 1
+            else f"{per_device} workers per device"
+        )
         raise ConfigError(
-            f"--nproc-per-node {nproc} exceeds the {placement.devices} "
-            f"{_NAMES[placement.kind]} device(s) of this host (one worker per device)"
+            f"--nproc-per-node {nproc} exceeds the {placement.devices} {name} device(s) "
+            f"of this host ({why})"
         )
     return nproc
 
 
-def worker_device(kind: str, slot: int) -> torch.device:
-    """The device of the worker in local ``slot``: the slot-th accelerator, or the CPU."""
+def worker_device(kind: str, slot: int, per_device: int = 1) -> torch.device:
+    """The device of the worker in local ``slot``: accelerator ``slot // per_device`` (the
+    slot-th with one worker per device), or the CPU."""
     import torch
 
     if kind == "cpu":
         return torch.device("cpu")
-    return torch.device(kind, slot)
+    return torch.device(kind, slot // per_device)
 
 
-def backend_for(device: torch.device) -> str:
-    """The collective backend for tensors on ``device``."""
+def backend_for(device: torch.device, per_device: int = 1) -> str:
+    """The collective backend for tensors on ``device`` when ``per_device`` workers share
+    each device: gloo when several do (NCCL and HCCL take one rank per device), else the
+    device's own."""
+    if per_device > 1:
+        return "gloo"
     return BACKENDS.get(device.type, "gloo")
+
+
+def stages_through_host(device: torch.device, backend: str, per_device: int = 1) -> bool:
+    """Whether collectives on ``device``'s tensors over ``backend`` run on host copies: gloo on
+    an accelerator (it has no send/recv, all-gather or reduce-scatter for device tensors), and
+    the shared mode (``per_device > 1``) on any device: on the CPU its copies are host to host,
+    the very code a shared GPU runs minus the device copies (how the CPU tests run it)."""
+    return backend == "gloo" and (device.type != "cpu" or per_device > 1)
 
 
 def synchronize(device: torch.device) -> None:

@@ -37,6 +37,7 @@ from elaswave.planning.plan import Plan
 from elaswave.planning.stageshards import LayersLost
 from elaswave.runtime.comm.communicator import CommError, Communicator, Interrupted
 from elaswave.runtime.comm.control_client import ControlClient
+from elaswave.runtime.device import backend_for, stages_through_host
 from elaswave.runtime.durable.checkpoints import DurableCheckpoints, Piece
 from elaswave.runtime.durable.restore import DurableSource
 from elaswave.runtime.evaluate import evaluate, training_samples
@@ -106,10 +107,15 @@ class Engine:
             torch.npu.set_device(device)  # type: ignore[attr-defined]  # HCCL, likewise
         if device is not None and device.type != "cpu":
             set_clock(DeviceClock(device))  # compute times wait for the queued compute
+            if t.reduce_dtype == "float64":  # the deterministic mode: deterministic kernels
+                # where they exist (SDPA's memory-efficient backward sums with atomics else)
+                torch.use_deterministic_algorithms(True, warn_only=True)
         self.state = TrainState.build(cfg, device)
         self.num_samples = training_samples(len(self.state.dataset), cfg.data.eval_samples)
         # [gradient sums | loss sum, newest epoch seen, a strategy's flag, loss count]
         self.buffer = reduction_buffer(self.state, t.reduce_dtype)
+        shared = cfg.elastic.workers_per_device  # > 1: workers share devices, gloo via host
+        backend = backend_for(self.state.device, shared)
         self.comm = Communicator(
             me=worker_id,
             host_addr=host_addr,
@@ -117,6 +123,8 @@ class Engine:
             collective_timeout=cfg.timeouts.collective,
             waker=control.wake_on_message,
             device=self.state.device,
+            backend=backend,
+            staged=stages_through_host(self.state.device, backend, shared),
         )
         self.ctx = RankContext(
             self.state, cfg, self.comm, worker_id, control.event, control.send, self._enter,
@@ -401,6 +409,7 @@ class Engine:
             dropped=stats.dropped,
             seconds=round(stats.seconds, 6),
             backend=self.comm.backend,
+            **({"staged": True} if self.comm.staged else {}),  # gloo through host memory
             **(
                 {
                     "shrunk": stats.shrunk,  # in place, instead of aborted and rebuilt

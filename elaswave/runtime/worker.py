@@ -21,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="elaswave-worker")
     parser.add_argument("--control", required=True, help="daemon control socket path")
     parser.add_argument("--worker-id", required=True)
-    parser.add_argument("--slot", type=int, default=0, help="local slot: the device index")
+    parser.add_argument("--slot", type=int, default=0, help="local slot (picks the device)")
     args = parser.parse_args(argv)
     die_with_parent()  # never outlive the daemon, even if it is SIGKILLed
     logging.basicConfig(
@@ -35,7 +35,8 @@ def main(argv: list[str] | None = None) -> int:
         return 3
     assert control.config is not None
     cfg = JobConfig.from_dict(control.config["config"])
-    device = worker_device(place(cfg.train.device, probe()).kind, args.slot)
+    per_device = cfg.elastic.workers_per_device  # > 1: slots share a device, over gloo
+    device = worker_device(place(cfg.train.device, probe()).kind, args.slot, per_device)
     engine = Engine(
         cfg, control, worker_id=args.worker_id, host_addr=control.config["host_addr"],
         device=device,

@@ -102,6 +102,7 @@ def test_launch_unknown_config_key(tmp_path: Path) -> None:
         (["--metrics-port", "70000"], "metrics_port must be 0..65535"),
         (["--progress-every", "0"], "--progress-every must be > 0"),
         (["--device", "tpu"], "train.device must be one of auto, cpu, cuda, npu"),
+        (["--workers-per-device", "0"], "elastic.workers_per_device must be > 0, got 0"),
     ],
 )
 def test_launch_bad_flags(args: list[str], fragment: str) -> None:

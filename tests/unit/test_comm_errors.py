@@ -44,7 +44,7 @@ def _never() -> bool:
     return False
 
 
-def _survivor_with_dead_peer() -> Communicator:
+def _survivor_with_dead_peer(staged: bool | None = None) -> Communicator:
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=30))  # fmt: skip
     address = f"127.0.0.1:{store.port}"
@@ -53,7 +53,8 @@ def _survivor_with_dead_peer() -> Communicator:
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     comm = Communicator(me="a", host_addr="127.0.0.1", rendezvous_timeout=30,
-                        collective_timeout=20, waker=lambda ev: (lambda: None))  # fmt: skip
+                        collective_timeout=20, waker=lambda ev: (lambda: None),
+                        staged=staged)  # fmt: skip
     comm._store_keepalive = store  # type: ignore[attr-defined]  # the master lives with the test
     comm.configure({"g": ("a", "b")}, store=address, epoch=1, abort=_never)
     comm.allreduce("g", torch.zeros(4), _never)
@@ -83,6 +84,15 @@ OPS: dict[str, Callable[[Communicator], object]] = {
 @pytest.mark.parametrize("op", list(OPS))
 def test_an_operation_with_a_dead_peer_raises_comm_error(op: str) -> None:
     comm = _survivor_with_dead_peer()
+    with pytest.raises(CommError):
+        OPS[op](comm)
+
+
+@pytest.mark.parametrize("op", ["exchange-send", "exchange-recv", "allreduce", "allgather_into"])
+def test_a_staged_operation_with_a_dead_peer_raises_comm_error(op: str) -> None:
+    """Through host memory (workers sharing a device) the same errors latch the same way."""
+    comm = _survivor_with_dead_peer(staged=True)
+    assert comm.staged
     with pytest.raises(CommError):
         OPS[op](comm)
 

@@ -184,6 +184,12 @@ def test_missing_config_file(tmp_path: Path) -> None:
         ({"elastic.straggler_threshold": -3}, "straggler_threshold"),
         ({"elastic.straggler_threshold": float("nan")}, "straggler_threshold"),
         ({"elastic.loop_breaker": -1}, "loop_breaker"),
+        ({"elastic.workers_per_device": 0}, "elastic.workers_per_device must be > 0, got 0"),
+        (
+            {"elastic.workers_per_device": 2, "dvfs": "nvml", "pp": 2},
+            "dvfs=nvml clocks each worker's own device: it cannot be used with "
+            "elastic.workers_per_device 2 (shared devices)",
+        ),
     ],
 )
 def test_invalid_values(overrides: dict[str, Any], fragment: str) -> None:

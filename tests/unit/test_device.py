@@ -19,6 +19,7 @@ from elaswave.runtime.device import (
     backend_for,
     nccl_environment,
     place,
+    stages_through_host,
     worker_device,
     workers_per_host,
 )
@@ -56,40 +57,81 @@ def test_place_refuses(requested: str, found: Accelerators, message: str) -> Non
 
 
 @pytest.mark.parametrize(
-    ("placement", "nproc", "workers"),
+    ("placement", "nproc", "per_device", "workers"),
     [
-        (Placement("cpu", 0), None, 4),  # the CPU default
-        (Placement("cpu", 0), 16, 16),  # any number on the CPU
-        (Placement("cuda", 8), None, 8),  # one per device
-        (Placement("cuda", 8), 3, 3),  # fewer is fine
-        (Placement("cuda", 8), 8, 8),
-        (Placement("npu", 2), None, 2),
+        (Placement("cpu", 0), None, 1, 4),  # the CPU default
+        (Placement("cpu", 0), 16, 1, 16),  # any number on the CPU
+        (Placement("cpu", 0), None, 4, 4),  # sharing means nothing on the CPU
+        (Placement("cuda", 8), None, 1, 8),  # one per device
+        (Placement("cuda", 8), 3, 1, 3),  # fewer is fine
+        (Placement("cuda", 8), 8, 1, 8),
+        (Placement("npu", 2), None, 1, 2),
+        (Placement("cuda", 1), None, 4, 4),  # one GPU shared by four workers
+        (Placement("cuda", 1), 2, 4, 2),
+        (Placement("cuda", 2), None, 2, 4),
     ],
 )
-def test_workers_per_host(placement: Placement, nproc: int | None, workers: int) -> None:
-    assert workers_per_host(placement, nproc, cpu_default=4) == workers
-
-
-def test_more_workers_than_devices_is_refused() -> None:
-    with pytest.raises(ConfigError, match="--nproc-per-node 9 exceeds the 8 CUDA device"):
-        workers_per_host(Placement("cuda", 8), 9, cpu_default=4)
+def test_workers_per_host(
+    placement: Placement, nproc: int | None, per_device: int, workers: int
+) -> None:
+    assert workers_per_host(placement, nproc, cpu_default=4, per_device=per_device) == workers
 
 
 @pytest.mark.parametrize(
-    ("kind", "slot", "device", "backend"),
+    ("placement", "nproc", "per_device", "message"),
     [
-        ("cpu", 3, torch.device("cpu"), "gloo"),
-        ("cuda", 3, torch.device("cuda", 3), "nccl"),  # pinned by the local slot
+        (Placement("cuda", 8), 9, 1, "--nproc-per-node 9 exceeds the 8 CUDA device(s) of this "
+         "host (one worker per device; --workers-per-device K lets K share one, over gloo)"),
+        (Placement("cuda", 1), 5, 4, "--nproc-per-node 5 exceeds the 1 CUDA device(s) of this "
+         "host (4 workers per device)"),
+        (Placement("npu", 2), 3, 1, "--nproc-per-node 3 exceeds the 2 NPU device(s) of this "
+         "host (one worker per device; --workers-per-device K lets K share one, over gloo)"),
+    ],
+)  # fmt: skip
+def test_more_workers_than_devices_hold_is_refused(
+    placement: Placement, nproc: int, per_device: int, message: str
+) -> None:
+    with pytest.raises(ConfigError) as err:
+        workers_per_host(placement, nproc, cpu_default=4, per_device=per_device)
+    assert str(err.value) == message
+
+
+@pytest.mark.parametrize(
+    ("kind", "slot", "per_device", "device", "backend", "staged"),
+    [
+        ("cpu", 3, 1, torch.device("cpu"), "gloo", False),
+        ("cpu", 3, 4, torch.device("cpu"), "gloo", True),  # the shared mode, host to host
+        ("cuda", 3, 1, torch.device("cuda", 3), "nccl", False),  # pinned by the local slot
+        ("cuda", 3, 4, torch.device("cuda", 0), "gloo", True),  # slots 0-3 share GPU 0
+        ("cuda", 5, 2, torch.device("cuda", 2), "gloo", True),
+        ("cuda", 0, 2, torch.device("cuda", 0), "gloo", True),  # shared or not: the config's
     ],
 )
-def test_worker_device_and_backend(kind: str, slot: int, device: Any, backend: str) -> None:
-    assert worker_device(kind, slot) == device
-    assert backend_for(device) == backend
+def test_worker_device_and_backend(
+    kind: str, slot: int, per_device: int, device: Any, backend: str, staged: bool
+) -> None:
+    assert worker_device(kind, slot, per_device) == device
+    assert backend_for(device, per_device) == backend
+    assert stages_through_host(device, backend, per_device) is staged
+
+
+def test_hosts_of_a_job_agree_on_sharing_devices() -> None:
+    """The backend follows ``workers_per_device`` alone: a host sharing its devices (gloo) and
+    one that does not (NCCL) would never meet in a group, so the hosts must agree on it."""
+    from elaswave.config import load_config
+    from elaswave.config.jobs import config_difference, training_config
+
+    one = training_config(load_config(env={}))
+    two = training_config(load_config(overrides={"elastic.workers_per_device": 2}, env={}))
+    assert config_difference(one, two) == "workers_per_device: job has 1, this host 2"
 
 
 def test_npu_backend() -> None:
     # torch names the "npu" device type only once torch_npu registered it: its type alone
-    assert backend_for(SimpleNamespace(type="npu")) == "hccl"  # type: ignore[arg-type]
+    npu = SimpleNamespace(type="npu")
+    assert backend_for(npu) == "hccl"  # type: ignore[arg-type]
+    assert backend_for(npu, 2) == "gloo"  # type: ignore[arg-type]  # shared: host staging
+    assert stages_through_host(npu, "gloo")  # type: ignore[arg-type]
 
 
 def test_nccl_settings_leave_failures_to_the_daemon() -> None:

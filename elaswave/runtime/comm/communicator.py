@@ -22,7 +22,8 @@ aborted, all of them inside one NCCL group call (aborting communicators one by o
 them), before new ones are built. Where the backend can shrink a communicator in place (NCCL
 2.27 and a PyTorch with ``shrink``, found at run time), a group whose new members are its old
 ones minus the lost ones, in the same order, is shrunk instead of rebuilt. On gloo, abandoned
-groups are parked instead (destroying one may block in a gloo thread).
+groups are parked instead (destroying one may block in a gloo thread). Workers sharing a device
+run gloo groups on host copies of their tensors (:mod:`staging`).
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from elaswave.runtime.device import backend_for
+from elaswave.runtime.comm.staging import StagedGroup
+from elaswave.runtime.device import backend_for, stages_through_host
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -102,6 +104,8 @@ class Communicator:
         collective_timeout: float,
         waker: Waker,
         device: torch.device | None = None,
+        backend: str | None = None,  # default: the device's (workers sharing one: gloo)
+        staged: bool | None = None,  # gloo through host memory; default: on an accelerator
     ) -> None:
         self.me = me
         self.device = device or torch.device("cpu")  # where the tensors it makes itself live
@@ -112,7 +116,9 @@ class Communicator:
         self._groups: dict[str, _Group] = {}
         self._store: tuple[str, dist.TCPStore] | None = None  # (address, connection)
         self._graveyard: list[object] = []  # abandoned groups/threads, kept alive on purpose
-        self.backend = backend_for(self.device)  # gloo | nccl | hccl
+        self.backend = backend or backend_for(self.device)  # gloo | nccl | hccl
+        auto = stages_through_host(self.device, self.backend)  # gloo groups only (_build)
+        self.staged = self.backend == "gloo" and (auto if staged is None else staged)
         self._gloo_device = dist.ProcessGroupGloo.create_device(hostname=host_addr)
 
     # ---- groups -----------------------------------------------------------------------------
@@ -264,7 +270,8 @@ class Communicator:
             opts._timeout = timeout
 
             def make() -> Any:
-                return dist.ProcessGroupGloo(prefix, rank, len(members), opts)
+                pg = dist.ProcessGroupGloo(prefix, rank, len(members), opts)
+                return StagedGroup(pg) if self.staged else pg
 
         else:
 
