@@ -79,13 +79,19 @@ def wandb_records(path: Path) -> Iterator[Any]:
             yield record
 
 
-def wandb_history(run_dir: Path) -> list[dict[str, Any]]:
+def wandb_history(run_dir: Path, timeout: float = 30.0) -> list[dict[str, Any]]:
     """Every history row of the W&B offline run(s) under ``run_dir``, in order, as
-    ``{"_step": int, key: value}``."""
+    ``{"_step": int, key: value}``. W&B's own service process writes the file after the run
+    has finished (``finish()`` returns first): read each once its ``exit`` record is there."""
     import json
+    import time
 
     rows = []
     for path in sorted(run_dir.glob("wandb/offline-run-*/run-*.wandb")):
+        deadline = time.monotonic() + timeout
+        while not any(r.WhichOneof("record_type") == "exit" for r in wandb_records(path)):
+            assert time.monotonic() < deadline, f"{path} was never finished"
+            time.sleep(0.1)
         for record in wandb_records(path):
             if record.WhichOneof("record_type") == "history":
                 row = {
