@@ -6,7 +6,7 @@ Two runs per mode and round, the modes interleaved so that they share the machin
 - *start*: ``elaswave launch`` of gpt-tiny (4 workers, 10 steps): launch → the first committed
   step (wall clock from just before the command, so the CLI's own start counts), the workers'
   spawn → all ready, and launch → exit;
-- *respawn*: 40 steps, ``--max-restarts 1``, rank 1 SIGKILLed in step 10: the death seen by its
+- *respawn*: 100 steps, ``--max-restarts 1``, rank 1 SIGKILLed in step 10: the death seen by its
   daemon (``worker_exit``) → the respawned worker ready → admitted (the first plan that holds
   it) → the first step committed with it.
 
@@ -38,7 +38,7 @@ from bench.common import (
 DESCRIPTION = "launch → first step, and a respawned worker's admission: template vs exec"
 DEFAULT_REPEAT = 5
 START_STEPS = 10
-RESPAWN_STEPS = 40
+RESPAWN_STEPS = 100  # long enough that a slow-starting respawn is admitted before the end
 KILL_AT = 10
 GOALS = {"first_step_s": 4.0, "admitted_s": 1.0}
 
@@ -129,7 +129,11 @@ def _respawn_run(run_dir: Path, config: Path, mode: dict[str, Any], job_id: str)
     (respawn,) = [e for e in events if e["kind"] == "worker_respawned"]
     new = respawn["worker"]
     ready = next(e for e in events if e["kind"] == "worker_ready" and e["worker"] == new)
-    admitted = next(e for e in events if e["kind"] == "plan_published" and new in e["workers"])
+    admitted = next(
+        (e for e in events if e["kind"] == "plan_published" and new in e["workers"]), None
+    )
+    if admitted is None:
+        raise BenchError(f"{run_dir}: the respawned worker was not admitted before the end")
     rejoined = next(m for m in metrics if m["epoch"] >= admitted["epoch"])
     return {
         "respawn_ready_s": ready["t"] - death["t"],
