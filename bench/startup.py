@@ -91,7 +91,7 @@ def _launch(
 ) -> tuple[float, float]:
     state = run_dir.parent / "state"
     env = bench_env(state, mode["env"])
-    cmd = [sys.executable, "-m", "elaswave.cli.app", "launch", str(config), "--run-dir",
+    cmd = [sys.executable, "-m", "elaswave", "launch", str(config), "--run-dir",
            str(run_dir), "--job-id", job_id, "--quiet", *args]  # fmt: skip
     start = time.time()
     proc = subprocess.run(cmd, cwd=mode["root"], env=env, capture_output=True, text=True,

@@ -85,7 +85,7 @@ def _ip(*args: str) -> None:
 
 def elaswave_cmd(*args: str) -> list[str]:
     """An ``elaswave`` command line, run by this interpreter."""
-    return [sys.executable, "-m", "elaswave.cli.app", *args]
+    return [sys.executable, "-m", "elaswave", *args]
 
 
 class NetBed:

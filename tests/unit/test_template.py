@@ -45,6 +45,21 @@ def test_accelerator_nodes(entries: list[str], may: bool) -> None:
     assert may_have_accelerators(entries) is may
 
 
+def test_worker_environments() -> None:
+    """One OpenMP thread unless set, no etcd credentials; NCCL's settings only off the CPU,
+    never over the user's."""
+    from elaswave.daemon.workers import base_environment, device_environment
+
+    user = {"PATH": "/bin", "ELASWAVE_ETCD_PASSWORD": "x", "TORCH_NCCL_BLOCKING_WAIT": "1"}
+    base = base_environment(user)
+    assert base == {"PATH": "/bin", "TORCH_NCCL_BLOCKING_WAIT": "1", "OMP_NUM_THREADS": "1"}
+    assert base_environment({"OMP_NUM_THREADS": "4"})["OMP_NUM_THREADS"] == "4"
+    assert device_environment("cpu", user) == {}
+    extra = device_environment("cuda", user)
+    assert extra and "TORCH_NCCL_BLOCKING_WAIT" not in extra
+    assert "TORCH_NCCL_ASYNC_ERROR_HANDLING" in extra
+
+
 def test_auto_on_a_host_without_accelerator_nodes_imports_no_torch(tmp_path: Path) -> None:
     (tmp_path / "null").touch()
     code = textwrap.dedent(f"""
@@ -75,13 +90,15 @@ DAEMON_SIDE = textwrap.dedent("""
     from pathlib import Path
     from elaswave.config import JobConfig
     from elaswave.daemon.template import Template, TemplateGone
-    from elaswave.daemon.workers import worker_environment
+    from elaswave.daemon.workers import base_environment
 
     async def main(tmp):
         out = {}
-        t = Template.start(model_source="gpt", env=worker_environment("cpu"),
-                           log_path=tmp / "template.log")
+        t = Template.start(env=base_environment(), log_path=tmp / "early.log")
+        t.configure(model_source="gpt", log_path=tmp / "template.log",
+                    device_env={})
         out["ready"] = await t.ready(120) > 0
+        out["early_log_gone"] = not (tmp / "early.log").exists()
         good = JobConfig.from_dict({}).to_dict()
         out["good"] = await t.preflight(good, 60)
         bad = JobConfig.from_dict({"model": {"source": "module",
@@ -131,6 +148,7 @@ def test_template_forks_adopted_workers_and_a_store(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["ready"] and out["good"] is None
+    assert out["early_log_gone"]  # the template started before the run directory moved to it
     assert out["bad"].startswith("model.factory 'examples.mlp_classifier:mlp_classifier'")
     assert out["store_parent"] == out["me"]  # adopted by the daemon, not the template's child
     assert out["codes"] == [1, 1, 1]  # no daemon socket: each worker exits 1, seen through waitpid
