@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import re
 import signal
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import yaml
 from conftest import CONFIG, Run, assert_clean_run, wait_for
@@ -67,6 +69,17 @@ def slurm(tmp_path: Path) -> Any:
     finally:
         for bed in beds:
             bed.close()
+            assert_torn_down(bed)
+
+
+def assert_torn_down(bed: SlurmBed) -> None:
+    """Nothing of the bed is left: no namespace of its own, no process in one (its nodes' mounts
+    lived in their namespaces), no daemon."""
+    names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    left = [line.split()[0] for line in names.splitlines() if line.startswith(bed.net.tag)]
+    assert not left, f"namespaces left: {left}"
+    alive = [n for n, proc in bed.daemons.items() if proc.poll() is None]
+    assert not alive, f"daemons left: {alive}"
 
 
 def submit(bed: SlurmBed, script: str = "elaswave", *args: str, options: tuple = ()) -> int:
@@ -148,6 +161,30 @@ def assert_hosts_are_nodes(run: Run, dirs: dict[str, Path]) -> None:
         } == {node}
     workers = {e["worker"] for e in run.of("worker_spawned")}
     assert workers == {f"{n}.w0" for n in dirs}, workers
+
+
+def test_the_bed_tears_down_to_nothing_while_a_job_runs(tmp_path: Path) -> None:
+    """What a failed test leaves: a job running on every node when the bed is closed."""
+    reason = skip_reason()
+    if reason:
+        pytest.skip(f"Slurm test bed unavailable: {reason}")
+    bed = SlurmBed(tmp_path, nodes=2)
+    try:
+        bed.start()
+        script = tmp_path / "sleep.sbatch"
+        task = "touch /tmp/here-$(hostname); echo $(hostname) $(ls /tmp | grep here-); sleep 600"
+        script.write_text(f"#!/bin/bash\n#SBATCH --nodes=2\nsrun bash -c '{task}'\n")
+        job_id = bed.sbatch(script)
+        wait_for(lambda: all(bed.find(n, r"sleep 600") for n in bed.nodes), timeout=30)
+        seen = sorted((tmp_path / f"slurm-{job_id}.out").read_text().splitlines())
+        # each node has its own hostname and a /tmp of its own, none of it the machine's
+        assert seen == ["n1 here-n1", "n2 here-n2"]
+        assert not list(Path("/tmp").glob("here-n*"))
+        pids = [p.pid for n in bed.nodes for p in bed.find(n, r"sleep 600")]
+    finally:
+        bed.close()
+    assert_torn_down(bed)
+    assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
 
 
 def test_the_recipe_as_written_trains_to_completion(slurm: Any, reference: Run) -> None:
