@@ -70,6 +70,10 @@ def skip_reason() -> str | None:
         return (
             f"Slurm is not installed (no {', '.join(missing)}; Debian: apt-get install {PACKAGES})"
         )
+    probe = ["unshare", "--uts", "--mount", "--propagation", "private", "true"]
+    r = subprocess.run(probe, capture_output=True, text=True)
+    if r.returncode != 0:
+        return f"cannot make UTS and mount namespaces: {r.stderr.strip()}"
     return None
 
 

@@ -32,7 +32,6 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slurm]
 DOC = Path(__file__).resolve().parents[2] / "docs" / "deploy.md"
 NO_GPUS = "--gpus-per-node=0"  # the docs' way to submit on nodes without GPUs
 ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED"}
-CHECKPOINT_EVERY = 50  # the recipe's --durable-every
 
 
 def recipe(name: str) -> str:
@@ -40,6 +39,9 @@ def recipe(name: str) -> str:
     blocks = re.findall(r"```bash\n(.*?)```", DOC.read_text(), re.S)
     (script,) = [b for b in blocks if f"#SBATCH --job-name={name}\n" in b]
     return script
+
+
+CHECKPOINT_EVERY = int(re.findall(r"--durable-every (\d+)", recipe("elaswave"))[0])
 
 
 @pytest.fixture
