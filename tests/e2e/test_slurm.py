@@ -241,6 +241,27 @@ def test_a_node_lost_mid_run_and_a_replacement_joining(slurm: Any, reference: Ru
     assert_nothing_left(bed)
 
 
+def test_the_first_node_lost_mid_run(slurm: Any, reference: Run) -> None:
+    """n1 runs the batch script, every srun and an etcd member: powered off, the other nodes'
+    launches train to the end (etcd keeps its quorum: its log does not go through the lost srun)
+    and exit 0. Slurm keeps such a job RUNNING (the docs say so); scancel ends it."""
+    bed = slurm(steps=40)
+    job_id = submit(bed)
+    wait_committed(bed, job_id, 8)
+    bed.power_off("n1")
+    survivors = ["n2", "n3", "n4"]
+    wait_for(lambda: sorted(exit_codes(bed, job_id)) == survivors, timeout=180)
+    assert exit_codes(bed, job_id) == dict.fromkeys(survivors, 0)
+    dirs = host_dirs(bed, job_id)
+    run = Run(*dirs.values())
+    assert_clean_run(run, 40, reference)
+    assert_hosts_are_nodes(run, dirs)
+    assert bed.job(job_id)["JobState"] == "RUNNING"
+    bed.scancel(job_id)
+    assert bed.wait_job(job_id, ENDED, timeout=30)["JobState"] == "CANCELLED"
+    assert_nothing_left(bed)
+
+
 def test_a_launch_killed_on_a_healthy_node(slurm: Any, reference: Run) -> None:
     bed = slurm(steps=40)
     job_id = submit(bed)
@@ -279,7 +300,7 @@ def test_a_requeue_resumes_from_the_checkpoint(slurm: Any, reference: Run) -> No
     """``scontrol requeue`` kills the running job and runs the script again under its job id
     (on the same four nodes: the bed has four): etcd comes back with the job's records from its
     data directory, the launches resume from the newest checkpoint, no step is recorded twice."""
-    steps = CHECKPOINT_EVERY + 20
+    steps = CHECKPOINT_EVERY + 10
     bed = slurm(steps=steps, nodes=4)
     job_id = submit(bed)
     checkpoints = run_dir(bed, job_id) / "checkpoints"
