@@ -27,7 +27,11 @@ from elaswave.events import read_jsonl
 from elaswave.report import build_report
 from elaswave.slurmbed import SlurmBed, skip_reason
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slurm]
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.slurm,
+    pytest.mark.timeout(420),  # the requeue's (about 90 s on a loaded 2-core machine), and more
+]
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "deploy.md"
 NO_GPUS = "--gpus-per-node=0"  # the docs' way to submit on nodes without GPUs
