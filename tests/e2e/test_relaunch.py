@@ -23,8 +23,9 @@ from conftest import (
 )
 from netbed import NetBed, netbed_fixture  # noqa: F401 - provides the netbed_factory fixture
 
-from elaswave.daemon.etcd_server import EmbeddedEtcd
+from elaswave.daemon.etcd_server import EmbeddedEtcd, etcd_binary
 from elaswave.events import read_jsonl
+from elaswave.keys import JobKeys
 from elaswave.report import build_report
 
 pytestmark = pytest.mark.e2e
@@ -199,6 +200,11 @@ def test_three_hosts_killed_and_relaunched_resume(
         bed.kill_host(host)
     assert all(c == -9 for c in bed.wait(timeout=30).values())
     committed = step()
+    # Relaunched once their leases ran out (a scheduler's node reboot takes that long): a host
+    # that finds only other hosts still registered cannot tell a dead job from a running one
+    # before their leases expire, and joins it (the job resumes all the same, without a
+    # relaunch incident); its own earlier key is waited for (test_relaunch_reads_the_records_...).
+    wait_for(lambda: not _registered(bed, "mh-relaunch", env), timeout=30, interval=0.2)
     for host in bed.hosts:
         bed.launch(host, *args, env=env)
     codes = bed.wait(timeout=180)
@@ -211,6 +217,17 @@ def test_three_hosts_killed_and_relaunched_resume(
     epochs = [p["epoch"] for p in run.of("plan_published")]
     assert epochs == sorted(set(epochs))
     assert_no_orphans(run)
+
+
+def _registered(bed: NetBed, job_id: str, env: dict[str, str]) -> list[str]:
+    """The host ids registered in ``job_id`` (its etcd read from inside the bed)."""
+    etcdctl = str(Path(etcd_binary()).with_name("etcdctl"))
+    r = subprocess.run(
+        ["ip", "netns", "exec", bed.ns(bed.members[0]), etcdctl, "--endpoints", bed.endpoints,
+         "get", "--prefix", "--keys-only", JobKeys(job_id).hosts],
+        env=env, capture_output=True, text=True, timeout=30, check=True,
+    )  # fmt: skip
+    return [line.rsplit("/", 1)[-1] for line in r.stdout.split() if line]
 
 
 def test_a_refusal_keeps_the_records_in_etcd(tmp_path: Path, state_env: dict[str, str]) -> None:
