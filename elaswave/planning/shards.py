@@ -371,29 +371,6 @@ class LayerCut:
         """Every rank's part padded to this size (collectives want equal parts)."""
         return max(self.sizes, default=0)
 
-    def rank_major(self) -> torch.Tensor:
-        """Index into the layer's elements extended by one zero slot (index ``length``) that
-        lays them out rank-major and padded: part ``r`` of ``x[index].view(world, pad)`` is
-        rank ``r``'s part (what a reduce-scatter sends each rank)."""
-        index = torch.full((len(self.sizes), self.pad), self.length, dtype=torch.long)
-        for r, runs in enumerate(self.local):
-            cursor = 0
-            for lo, n in runs:
-                index[r, cursor : cursor + n] = torch.arange(lo, lo + n)
-                cursor += n
-        return index.reshape(-1)
-
-    def flat_order(self) -> torch.Tensor:
-        """The inverse: for each element of the layer, its position in the rank-major padded
-        layout (what turns an all-gather's output back into the layer)."""
-        index = torch.empty(self.length, dtype=torch.long)
-        for r, runs in enumerate(self.local):
-            cursor = r * self.pad
-            for lo, n in runs:
-                index[lo : lo + n] = torch.arange(cursor, cursor + n)
-                cursor += n
-        return index
-
 
 def layer_cuts(layout: ShardLayout) -> tuple[LayerCut, ...]:
     """Every layer's :class:`LayerCut` under ``layout``. A range never crosses a layer boundary
