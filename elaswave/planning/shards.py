@@ -379,15 +379,13 @@ def layer_cuts(layout: ShardLayout) -> tuple[LayerCut, ...]:
     for offset, length in layout.segments:
         starts, sizes, local = [], [], []
         for r in range(layout.world):
-            cursor, start, runs = 0, None, []
+            runs = []
             for lo, n in layout.ranges[r]:
                 if offset <= lo < offset + length:
                     if lo + n > offset + length:
                         raise ValueError(f"range ({lo}, {n}) crosses the layer at {offset}")
-                    start = cursor if start is None else start
                     runs.append((lo - offset, n))
-                cursor += n
-            starts.append(cursor if start is None else start)
+            starts.append(sum(n for lo, n in layout.ranges[r] if lo < offset))
             sizes.append(sum(n for _, n in runs))
             local.append(tuple(runs))
         out.append(LayerCut(offset, length, tuple(starts), tuple(sizes), tuple(local)))
