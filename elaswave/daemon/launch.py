@@ -153,7 +153,7 @@ def start_template(cfg: JobConfig, log_path: Path) -> Template | None:
     if cfg.elastic.worker_start != "template":
         return None
     env = worker_environment(cfg.train.device)
-    return Template.start(model_source=cfg.model.source, env=env, log_path=log_path)
+    return Template.start(model_source=cfg.model.source, env=env, log_path=log_path, zero=cfg.zero)
 
 
 def preflight(cfg: JobConfig) -> None:

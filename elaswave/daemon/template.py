@@ -40,10 +40,17 @@ class TemplateGone(RuntimeError):
     """The template is not running (it exited, or never answered): execute instead."""
 
 
-def preloads(model_source: str) -> list[str]:
+# What autograd imports the first time a backward is handed a gradient (ZeRO-3 backpropagates
+# layer by layer; see runtime/strategies/gather.py): most of a second, once per process.
+ZERO3_PRELOADS = ("torch.fx.experimental.symbolic_shapes",)
+
+
+def preloads(model_source: str, zero: int = 0) -> list[str]:
     """What the template imports before it is ready, beyond the runtime: the module of the
-    job's workload source that every worker imports at start. Pure."""
-    return ["elaswave.runtime.workload.hf"] if model_source == "hf" else []
+    job's workload source that every worker imports at start, and what ZeRO-3 workers import
+    at start (``ZERO3_PRELOADS``). Pure."""
+    out = ["elaswave.runtime.workload.hf"] if model_source == "hf" else []
+    return out + (list(ZERO3_PRELOADS) if zero == 3 else [])
 
 
 def adoption_supported() -> bool:
@@ -64,14 +71,16 @@ class Template:
         self._gone: str | None = None
 
     @classmethod
-    def start(cls, *, model_source: str, env: dict[str, str], log_path: Path) -> Template | None:
+    def start(
+        cls, *, model_source: str, env: dict[str, str], log_path: Path, zero: int = 0
+    ) -> Template | None:
         """Start the template (None where adoption is not supported, or the kernel refuses to
         make this process a subreaper). Call before any other thread of the launch exists."""
         if not adoption_supported() or not become_subreaper():
             return None
         log_path.parent.mkdir(parents=True, exist_ok=True)
         argv = [sys.executable, "-m", "elaswave.runtime.template", "--parent", str(os.getpid())]
-        for module in preloads(model_source):
+        for module in preloads(model_source, zero):
             argv += ["--preload", module]
         for module in WARM:
             argv += ["--warm", module]

@@ -22,11 +22,17 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize(
-    ("source", "modules"),
-    [("gpt", []), ("module", []), ("hf", ["elaswave.runtime.workload.hf"])],
+    ("source", "zero", "modules"),
+    [
+        ("gpt", 0, []),
+        ("module", 1, []),
+        ("hf", 0, ["elaswave.runtime.workload.hf"]),
+        ("gpt", 3, ["torch.fx.experimental.symbolic_shapes"]),
+        ("hf", 3, ["elaswave.runtime.workload.hf", "torch.fx.experimental.symbolic_shapes"]),
+    ],
 )
-def test_preloads_follow_the_workload_source(source: str, modules: list[str]) -> None:
-    assert preloads(source) == modules
+def test_preloads_follow_the_workload_source(source: str, zero: int, modules: list[str]) -> None:
+    assert preloads(source, zero) == modules
 
 
 @pytest.mark.parametrize(

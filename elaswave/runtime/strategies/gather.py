@@ -33,6 +33,7 @@ step (what activation checkpointing at layer boundaries keeps, times the micro-b
 from __future__ import annotations
 
 import contextlib
+import importlib
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -49,6 +50,9 @@ from elaswave.runtime.workload.base import KeyedLayers
 __all__ = ["Batch", "LayerGather"]
 
 LossFn = Callable[[torch.Tensor, Any], tuple[torch.Tensor, int]]
+# What autograd imports the first time a backward is handed a gradient (most of a second; the
+# worker template imports it for ZeRO-3 jobs, so forked workers find it imported).
+BACKWARD_IMPORTS = ("torch.fx.experimental.symbolic_shapes",)
 
 
 @dataclass
@@ -101,6 +105,8 @@ class LayerGather:
         native: bool,
         prefetch: bool = True,
     ) -> None:
+        for module in BACKWARD_IMPORTS:  # now, not inside the first step's compute
+            importlib.import_module(module)
         self.model, self.comm, self.enter = model, comm, enter
         self.native, self.prefetch = native, prefetch
         self.slots = [_slots(layer) for layer in model.layers]
