@@ -496,7 +496,7 @@ class _LocalBed:
 
     def launch(self, host: str, *args: str, env: dict[str, str]) -> subprocess.Popen[str]:
         cmd = [
-            sys.executable, "-m", "elaswave.cli.app", "launch", str(self.config),
+            sys.executable, "-m", "elaswave", "launch", str(self.config),
             "--run-dir", str(self.workdir / host), "--quiet", "--host-id", host, *args,
         ]  # fmt: skip
         out = open(self.workdir / f"{host}.out", "w")  # noqa: SIM115 - owned by the proc
@@ -507,7 +507,7 @@ class _LocalBed:
         return proc
 
     def cli(self, *args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-        cmd = [sys.executable, "-m", "elaswave.cli.app", *args]
+        cmd = [sys.executable, "-m", "elaswave", *args]
         return subprocess.run(
             cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=60
         )

@@ -81,7 +81,7 @@ def elaswave_launch(
 ) -> tuple[float, float]:
     """Run ``elaswave launch`` to completion in a subprocess; returns (start, end) wall clock."""
     cmd = [
-        sys.executable, "-m", "elaswave.cli.app", "launch", str(config),
+        sys.executable, "-m", "elaswave", "launch", str(config),
         "--run-dir", str(run_dir), "--job-id", job_id, *extra_args, "--quiet",
     ]  # fmt: skip
     start = time.time()

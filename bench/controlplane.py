@@ -93,7 +93,7 @@ def _one(
     external = EmbeddedEtcd().start() if variant == "etcd down 10 s" else None
     extra = ["--etcd", external.endpoint] if external else []
     cmd = [
-        sys.executable, "-m", "elaswave.cli.app", "launch", str(config), "--run-dir",
+        sys.executable, "-m", "elaswave", "launch", str(config), "--run-dir",
         str(run_dir), "--job-id", job_id, "--steps", str(STEPS), "--quiet", *extra,
     ]  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,

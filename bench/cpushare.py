@@ -59,7 +59,7 @@ def run(repeat: int, config: Path) -> dict[str, Any]:
 
 def _elaswave_cpu(config: Path, run_dir: Path, steps: int) -> dict[str, float]:
     """CPU seconds per process kind of one ``elaswave launch`` of ``steps`` steps."""
-    cmd = [sys.executable, "-m", "elaswave.cli.app", "launch", str(config), "--run-dir",
+    cmd = [sys.executable, "-m", "elaswave", "launch", str(config), "--run-dir",
            str(run_dir), "--job-id", f"cpushare-{os.getpid()}-{steps}", "--steps", str(steps),
            "--nproc-per-node", str(WORLD), "--quiet"]  # fmt: skip
     env = bench_env(run_dir.parent / "state")

@@ -120,7 +120,7 @@ def _machine(out: Path, device: str) -> Stage:
         (out / "nvidia-smi.txt").write_text(smi.stdout + smi.stderr)
     except (OSError, subprocess.TimeoutExpired) as exc:
         (out / "nvidia-smi.txt").write_text(f"nvidia-smi: {exc}\n")
-    doctor = [sys.executable, "-m", "elaswave.cli.app", "doctor", "--device", device,
+    doctor = [sys.executable, "-m", "elaswave", "doctor", "--device", device,
               "--skip-smoke", "--json"]  # fmt: skip
     stage = _run("machine", doctor, out / "doctor.txt", echo=False,
                  limit=LIMITS_S["machine"] - (time.monotonic() - began))  # fmt: skip

@@ -91,7 +91,7 @@ def run(repeat: int, config: Path) -> dict[str, Any]:
 
 def _launch(cfg: Path, run_dir: Path, job_id: str, pp: int, env: dict[str, str]) -> list[int]:
     """Run the job; the peak resident bytes of each worker process (sampled every 0.1 s)."""
-    cmd = [sys.executable, "-m", "elaswave.cli.app", "launch", str(cfg), "--run-dir",
+    cmd = [sys.executable, "-m", "elaswave", "launch", str(cfg), "--run-dir",
            str(run_dir), "--job-id", job_id, "--pp", str(pp), "--quiet"]  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)  # fmt: skip

@@ -52,7 +52,8 @@ def run(repeat: int, config: Path, tree: Path | None = None) -> dict[str, Any]:
         tree = tree.resolve()
         if not (tree / "elaswave" / "__init__.py").is_file():
             raise BenchError(f"--tree {tree}: not a checkout of ElasWave")
-        modes["before"] = {"env": {"PYTHONPATH": str(tree)}, "root": tree}
+        modes["before"] = {"env": {"PYTHONPATH": str(tree)}, "root": tree,
+                           "module": "elaswave.cli.app"}  # fmt: skip
     rounds: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="elaswave-bench-startup-") as tmp:
         for i in range(repeat):
@@ -91,8 +92,9 @@ def _launch(
 ) -> tuple[float, float]:
     state = run_dir.parent / "state"
     env = bench_env(state, mode["env"])
-    cmd = [sys.executable, "-m", "elaswave.cli.app", "launch", str(config), "--run-dir",
-           str(run_dir), "--job-id", job_id, "--quiet", *args]  # fmt: skip
+    module = mode.get("module", "elaswave")  # an earlier checkout: its command module
+    cmd = [sys.executable, "-m", module, "launch", str(config), "--run-dir", str(run_dir),
+           "--job-id", job_id, "--quiet", *args]  # fmt: skip
     start = time.time()
     proc = subprocess.run(cmd, cwd=mode["root"], env=env, capture_output=True, text=True,
                           timeout=300)  # fmt: skip

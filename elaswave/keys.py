@@ -33,6 +33,8 @@ class JobKeys:
         self.memory = self.prefix + "memory/"  # memory/<host_id>: its workers' bytes, lease
         self.logging = self.prefix + "logging"  # when the job's event stream started (its
         #                                         files' and W&B run's names), set once
+        self.starting = self.prefix + "starting"  # host_id of the one host that starts the job
+        #                                           (again), under its own lease, until it is in
 
     def host(self, host_id: str) -> str:
         return self.hosts + host_id

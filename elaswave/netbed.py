@@ -7,6 +7,9 @@ touches the caller's namespace: no address, no route, no link there. The etcd me
 etcd binaries (``ip netns exec``), the hosts real ``elaswave launch`` daemons, so gloo, the
 rendezvous store and etcd all talk over the veths.
 
+The topology is a :class:`Switch` (the Slurm bed, :mod:`elaswave.slurmbed`, builds its nodes on
+one too).
+
 Faults: ``cut``/``heal`` bring a host's ``eth0`` down/up (the partition the ``partition`` fault
 kind makes), ``kill_host`` SIGKILLs a daemon and its workers, ``kill_etcd`` SIGKILLs a member.
 ``close`` kills whatever is left and deletes the namespaces, also after a failed test.
@@ -85,24 +88,79 @@ def _ip(*args: str) -> None:
 
 def elaswave_cmd(*args: str) -> list[str]:
     """An ``elaswave`` command line, run by this interpreter."""
-    return [sys.executable, "-m", "elaswave.cli.app", *args]
+    return [sys.executable, "-m", "elaswave", *args]
+
+
+class Switch:
+    """Network namespaces joined by veth pairs to one bridge: every node attached gets a namespace
+    ``<tag><node>`` with ``lo`` and one ``eth0`` on a private /24, the bridge lives in the switch
+    namespace ``<tag>sw``. Nothing is configured in the caller's namespace. The multi-host bed
+    and the Slurm bed (:mod:`elaswave.slurmbed`) build their machines on it."""
+
+    def __init__(self, tag: str, subnet: str = SUBNET) -> None:
+        self.tag = tag
+        self.subnet = subnet
+        self.namespaces: list[str] = []
+        self.addr: dict[str, str] = {}  # node -> its address on the bridge
+
+    def ns(self, node: str) -> str:
+        return f"{self.tag}{node}"
+
+    def start(self) -> Switch:
+        switch = self.ns("sw")
+        self._add_ns(switch)
+        _ip("-n", switch, "link", "add", "br0", "type", "bridge")
+        _ip("-n", switch, "link", "set", "br0", "up")
+        return self
+
+    def attach(self, node: str) -> str:
+        """A namespace for ``node`` on the bridge; its address."""
+        ns, i = self.ns(node), len(self.addr)
+        self._add_ns(ns)
+        port = f"p{i}"
+        _ip("link", "add", "eth0", "netns", ns, "type", "veth", "peer", "name", port,
+            "netns", self.ns("sw"))  # fmt: skip
+        _ip("-n", self.ns("sw"), "link", "set", port, "master", "br0")
+        _ip("-n", self.ns("sw"), "link", "set", port, "up")
+        self.addr[node] = f"{self.subnet}.{i + 2}"
+        _ip("-n", ns, "addr", "add", f"{self.addr[node]}/24", "dev", "eth0")
+        _ip("-n", ns, "link", "set", "eth0", "up")
+        return self.addr[node]
+
+    def _add_ns(self, ns: str) -> None:
+        _ip("netns", "add", ns)
+        self.namespaces.append(ns)
+        _ip("-n", ns, "link", "set", "lo", "up")
+
+    def pids(self, node: str) -> list[int]:
+        """Every process in ``node``'s namespace (``ip netns pids``)."""
+        r = subprocess.run(["ip", "netns", "pids", self.ns(node)], capture_output=True,
+                           text=True)  # fmt: skip
+        return [int(p) for p in r.stdout.split()]
+
+    def close(self) -> None:
+        """Delete the namespaces (the caller has ended the processes in them)."""
+        for ns in reversed(self.namespaces):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        self.namespaces.clear()
 
 
 class NetBed:
     def __init__(self, workdir: Path, *, config: Path, hosts: int, etcd_members: int = 1) -> None:
         self.workdir = workdir
         self.config = config  # the job every host launches
-        self.tag = f"ew{secrets.token_hex(3)}"
+        self.net = Switch(f"ew{secrets.token_hex(3)}")
+        self.tag = self.net.tag
         self.hosts = [f"h{i}" for i in range(hosts)]
         self.members = [f"e{j}" for j in range(etcd_members)]
-        self.namespaces: list[str] = []
-        self.addr: dict[str, str] = {}
+        self.namespaces = self.net.namespaces
+        self.addr = self.net.addr
         self.etcd: dict[str, subprocess.Popen[bytes]] = {}
         self.daemons: dict[str, subprocess.Popen[str]] = {}
         self.run_dirs: dict[str, Path] = {}
 
     def ns(self, node: str) -> str:
-        return f"{self.tag}{node}"
+        return self.net.ns(node)
 
     @property
     def endpoints(self) -> str:
@@ -110,28 +168,11 @@ class NetBed:
 
     # ---- topology ---------------------------------------------------------------------------
     def start(self) -> NetBed:
-        switch = self.ns("sw")
-        self._add_ns(switch)
-        _ip("-n", switch, "link", "add", "br0", "type", "bridge")
-        _ip("-n", switch, "link", "set", "br0", "up")
-        for i, node in enumerate(self.hosts + self.members):
-            ns = self.ns(node)
-            self._add_ns(ns)
-            port = f"p{i}"
-            _ip("link", "add", "eth0", "netns", ns, "type", "veth", "peer", "name", port,
-                "netns", switch)  # fmt: skip
-            _ip("-n", switch, "link", "set", port, "master", "br0")
-            _ip("-n", switch, "link", "set", port, "up")
-            self.addr[node] = f"{SUBNET}.{i + 2}"
-            _ip("-n", ns, "addr", "add", f"{self.addr[node]}/24", "dev", "eth0")
-            _ip("-n", ns, "link", "set", "eth0", "up")
+        self.net.start()
+        for node in self.hosts + self.members:
+            self.net.attach(node)
         self._start_etcd()
         return self
-
-    def _add_ns(self, ns: str) -> None:
-        _ip("netns", "add", ns)
-        self.namespaces.append(ns)
-        _ip("-n", ns, "link", "set", "lo", "up")
 
     def _start_etcd(self, timeout: float = 30.0) -> None:
         for m in self.members:
@@ -240,9 +281,7 @@ class NetBed:
             if proc.poll() is None:
                 proc.kill()
             proc.wait()
-        for ns in reversed(self.namespaces):
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-        self.namespaces.clear()
+        self.net.close()
 
 
 def _healthy(url: str) -> bool:

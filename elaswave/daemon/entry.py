@@ -30,22 +30,28 @@ class JobEntry:
         self.d = d
 
     async def join(self) -> None:
-        """Register this host in the job: first of all, decide whether the job starts, starts
-        again (a relaunch resumes) or must not start; then agree on the config."""
+        """Register this host in the job: first of all, if no host runs it, decide whether the
+        job starts, starts again (a relaunch resumes) or must not start (one host decides:
+        :meth:`_start`); then agree on the config."""
         d = self.d
         live_hosts = await self._outlive_earlier_self(await d.etcd.get_prefix(d.keys.hosts))
-        if not live_hosts:
-            # Nobody is running this job: it starts, or starts again. Whatever is left under
-            # its prefix is stale, but for what its records say was committed.
-            verdict = await self._verdict()
-            self._refuse_unless_startable(verdict)  # before anything changes in etcd
-            await d.etcd.delete_prefix(d.keys.prefix)
-            await self._start_as(verdict)
-        elif d.cfg.fresh:
+        if live_hosts and d.cfg.fresh:
             raise ElasWaveError(
                 f"--fresh: job {d.cfg.job_id!r} is running on {len(live_hosts)} host(s); it "
                 "starts over only when no host runs it"
             )
+        # Nobody is running this job: it starts, or starts again, by one host.
+        starting = None if live_hosts else await self._start()
+        if d.moved is not None:
+            d.events.emit("fresh_start", host=d.host_id, moved_to=str(d.moved))
+        try:
+            await self._register()
+        finally:
+            if starting is not None:  # in the job: the others may join it now
+                await d.etcd.revoke_lease(starting)
+
+    async def _register(self) -> None:
+        d = self.d
         await self._agree_on_config()
         write_run_config(d.cfg, d.run_dir)  # in the job now: what it trains is this run's
         if d.stream is not None:
@@ -87,6 +93,47 @@ class JobEntry:
         await asyncio.sleep(RELAUNCH_TURN_S * turn)  # the first in line starts the job again
         return await d.etcd.get_prefix(d.keys.hosts)
 
+    async def _start(self) -> Any:
+        """Start the job (again), or join the host that does. Hosts launched together (srun
+        starts every node's launch at once, and a requeue all of them again) take turns: the one
+        that creates the job's start key, under a lease of its own, decides whether the job
+        starts, resumes or must not start, and clears what is stale under the job's prefix but
+        for what its records say was committed; the others wait until a host is registered and
+        join it, or, if the key goes first (that host was refused, or died), try again. The
+        starter lets the key go only once it is registered, so a host that finds the key free
+        and a host registered joins. Returns the lease of the start key this host holds until
+        it is registered (None: another host started the job)."""
+        d = self.d
+        while True:
+            lock = await d.etcd.lease(d.cfg.timeouts.lease_ttl)
+            if await d.etcd.create(d.keys.starting, d.host_id, lease=lock):
+                if not await d.etcd.get_prefix(d.keys.hosts):
+                    break
+                await d.etcd.revoke_lease(lock)  # free: the job's starter is in it already
+                return None
+            await d.etcd.revoke_lease(lock)
+            if await self._started_by_another():
+                return None
+        try:
+            verdict = await self._verdict()
+            self._refuse_unless_startable(verdict)  # before anything changes in etcd
+            await d.etcd.delete_prefix_but(d.keys.prefix, d.keys.starting)
+            await self._start_as(verdict)
+        except BaseException:
+            await d.etcd.revoke_lease(lock)
+            raise
+        return lock
+
+    async def _started_by_another(self) -> bool:
+        """While another host holds the start key: True once a host is registered, False if
+        the key went without one."""
+        d = self.d
+        while not await d.etcd.get_prefix(d.keys.hosts):
+            if await d.etcd.get(d.keys.starting) is None:
+                return bool(await d.etcd.get_prefix(d.keys.hosts))
+            await asyncio.sleep(0.1)
+        return True
+
     async def _verdict(self) -> Verdict:
         """Whether this job id starts new, resumes, is done already, or must not start: from
         what its earlier runs left in the run directory, the checkpoints and etcd."""
@@ -125,8 +172,6 @@ class JobEntry:
         """Start as the relaunch verdict says: new, or resumed with the job's progress seeded
         so that the steps it recorded are not recorded again."""
         d = self.d
-        if d.moved is not None:
-            d.events.emit("fresh_start", host=d.host_id, moved_to=str(d.moved))
         if verdict.action == "resume":
             d.resuming = True
             await d.jobstore.seed_progress(verdict.committed, verdict.epoch, verdict.reason)

@@ -450,6 +450,13 @@ class Etcd:
         p = self._own(prefix)
         await self._call(lambda c: c.delete_prefix(p))
 
+    async def delete_prefix_but(self, prefix: str, keep: str) -> None:
+        """Delete every key under ``prefix`` except ``keep`` (a key under it)."""
+        p, k = self._own(prefix), self._own(keep)
+        end = aetcd.utils.prefix_range_end(p)
+        await self._call(lambda c: c.delete_range(p, k))
+        await self._call(lambda c: c.delete_range(k + b"\0", end))
+
     async def create(self, key: str, value: bytes | str, *, lease: Any = None) -> bool:
         """Put ``key`` only if it does not exist. True if this call created it."""
         data = value.encode() if isinstance(value, str) else value

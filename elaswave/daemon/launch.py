@@ -22,8 +22,8 @@ from elaswave.daemon.earlier import archive, run_dir_records
 from elaswave.daemon.etcd import EtcdSecurity
 from elaswave.daemon.etcd_server import EmbeddedEtcd, ServerTLS, check_port_free
 from elaswave.daemon.supervisor import HostDaemon, default_host_id
-from elaswave.daemon.template import Template
-from elaswave.daemon.workers import worker_environment
+from elaswave.daemon.template import Template, take_prestarted
+from elaswave.daemon.workers import base_environment, device_environment
 from elaswave.errors import ElasWaveError, JobNotFound
 from elaswave.runtime.durable.layout import latest
 
@@ -148,12 +148,24 @@ def launch(
 
 
 def start_template(cfg: JobConfig, log_path: Path) -> Template | None:
-    """This host's worker template, unless workers are to be executed (``worker_start:
-    exec``, or no template on this platform)."""
+    """This host's worker template (the one the command line started first of all, else a new
+    one), set up for the job; None if workers are to be executed (``worker_start: exec``, or no
+    template on this platform)."""
+    template = take_prestarted()
     if cfg.elastic.worker_start != "template":
+        if template is not None:
+            template.proc.kill()
+            template.proc.wait()
+            template.log_path.unlink(missing_ok=True)
         return None
-    env = worker_environment(cfg.train.device)
-    return Template.start(model_source=cfg.model.source, env=env, log_path=log_path, zero=cfg.zero)
+    if template is None:
+        template = Template.start(env=base_environment(), log_path=log_path)
+    if template is not None:
+        template.configure(
+            model_source=cfg.model.source, log_path=log_path,
+            device_env=device_environment(cfg.train.device), zero=cfg.zero,
+        )  # fmt: skip
+    return template
 
 
 def preflight(cfg: JobConfig) -> None:

@@ -15,6 +15,7 @@ If the template cannot start (no subreaper or pidfd on this platform), is turned
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import json
 import logging
@@ -22,6 +23,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -59,29 +61,62 @@ def adoption_supported() -> bool:
     return hasattr(os, "pidfd_open") and sys.platform.startswith("linux")
 
 
+_prestarted: Template | None = None
+
+
+def prestart(env: dict[str, str]) -> None:
+    """Start this process's template before anything else (``elaswave launch``'s first act,
+    before the command line is parsed): its imports then overlap the launch's own. The launch
+    takes it with :func:`take_prestarted`; unused, it dies with this process."""
+    global _prestarted
+    fd, path = tempfile.mkstemp(prefix="elaswave-template-", suffix=".log")
+    os.close(fd)
+    _prestarted = Template.start(env=env, log_path=Path(path))
+    if _prestarted is None:
+        os.unlink(path)
+    else:
+        atexit.register(_discard_prestarted)
+
+
+def _discard_prestarted() -> None:
+    """At exit, a template nobody took (the launch ended first): stopped, its log removed."""
+    template = take_prestarted()
+    if template is not None:
+        with contextlib.suppress(OSError):
+            template.proc.kill()
+            template.proc.wait()
+        template.log_path.unlink(missing_ok=True)
+
+
+def take_prestarted() -> Template | None:
+    """The template :func:`prestart` started, if any (once)."""
+    global _prestarted
+    template, _prestarted = _prestarted, None
+    return template
+
+
 class Template:
     """A running template and the requests made to it, one at a time."""
 
     def __init__(self, proc: subprocess.Popen[bytes], log_path: Path) -> None:
         self.proc = proc
         self.log_path = log_path
+        self.device_env: dict[str, str] = {}  # set in every worker (NCCL's, on an accelerator)
+        self._owed = 0  # answers to requests sent before the event loop ran
         self.ready_seconds: float | None = None
         self._reader: asyncio.StreamReader | None = None
         self._lock: asyncio.Lock | None = None
         self._gone: str | None = None
 
     @classmethod
-    def start(
-        cls, *, model_source: str, env: dict[str, str], log_path: Path, zero: int = 0
-    ) -> Template | None:
-        """Start the template (None where adoption is not supported, or the kernel refuses to
-        make this process a subreaper). Call before any other thread of the launch exists."""
+    def start(cls, *, env: dict[str, str], log_path: Path) -> Template | None:
+        """Start a template (None where adoption is not supported, or the kernel refuses to
+        make this process a subreaper). Call before any other thread of the launch exists;
+        what the job needs of it (:meth:`configure`) can follow while it imports."""
         if not adoption_supported() or not become_subreaper():
             return None
         log_path.parent.mkdir(parents=True, exist_ok=True)
         argv = [sys.executable, "-m", "elaswave.runtime.template", "--parent", str(os.getpid())]
-        for module in preloads(model_source, zero):
-            argv += ["--preload", module]
         for module in WARM:
             argv += ["--warm", module]
         with open(log_path, "ab") as logf:
@@ -89,6 +124,30 @@ class Template:
                 argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=logf, env=env
             )
         return cls(proc, log_path)
+
+    def configure(
+        self, *, model_source: str, log_path: Path, device_env: dict[str, str], zero: int = 0
+    ) -> None:
+        """What this job needs of the template, sent at once (answered after its imports): its
+        log file (a template started before the run directory was known moves to it), the
+        modules to import (:func:`preloads`: the workload's, and ZeRO-3's), and the environment
+        a worker on the job's device gets."""
+        self.device_env = dict(device_env)
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._send({"op": "log", "path": str(log_path)})
+        self._send({"op": "preload", "modules": preloads(model_source, zero)})
+        if log_path != self.log_path:
+            with contextlib.suppress(OSError):
+                self.log_path.unlink()  # the template holds it open until it moves
+        self.log_path = log_path
+
+    def _send(self, doc: dict[str, Any]) -> None:
+        """Write a request whose answer :meth:`ready` collects (before the event loop runs)."""
+        assert self.proc.stdin is not None
+        with contextlib.suppress(BrokenPipeError, OSError):
+            self.proc.stdin.write((json.dumps(doc) + "\n").encode())
+            self.proc.stdin.flush()
+            self._owed += 1
 
     @property
     def pid(self) -> int:
@@ -139,6 +198,11 @@ class Template:
             async with self._lock:
                 if self.ready_seconds is None:
                     first = await self._line(timeout)
+                    for _ in range(self._owed):  # what configure() asked, in order
+                        answer = await self._line(timeout)
+                        if "error" in answer:
+                            raise TemplateGone(f"the worker template: {answer['error']}")
+                    self._owed = 0
                     self.ready_seconds = float(first.get("seconds", 0.0))
         return self.ready_seconds
 
@@ -170,7 +234,7 @@ class Template:
         the adopted process and the template's answer (a store's ``port``)."""
         doc = {
             "op": "spawn", "entry": entry, "argv": argv, "log": str(log_path),
-            "parent": os.getpid(),
+            "parent": os.getpid(), "env": self.device_env,
         }  # fmt: skip
         answer = await self.request(doc, timeout)
         if "error" in answer:

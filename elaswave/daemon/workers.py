@@ -68,16 +68,30 @@ def worker_id(host_id: str, slot: int, incarnation: int) -> str:
     return base if incarnation == 0 else f"{base}.r{incarnation}"
 
 
-def worker_environment(device: str, base: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment of a worker (and of the template it is forked from) on ``device`` (the
-    resolved ``train.device``)."""
+def base_environment(base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of the worker template and of every worker, whatever its device: one
+    OpenMP thread unless the user says otherwise, and no etcd credentials (workers never talk
+    to etcd: they stay in the daemon)."""
     env = dict(os.environ if base is None else base)
     env.setdefault("OMP_NUM_THREADS", "1")
-    if device != "cpu":  # cuda, or auto (which may be): NCCL's settings are inert without it
-        env = nccl_environment(env)
     for secret in ("ELASWAVE_ETCD_USER", "ELASWAVE_ETCD_PASSWORD"):
-        env.pop(secret, None)  # workers never talk to etcd: keep its credentials in the daemon
+        env.pop(secret, None)
     return env
+
+
+def device_environment(device: str, base: dict[str, str] | None = None) -> dict[str, str]:
+    """What a worker on ``device`` (the resolved ``train.device``) gets beyond the base:
+    NCCL's settings the user has not set, on cuda (or auto, which may be; they are inert
+    without NCCL)."""
+    if device == "cpu":
+        return {}
+    env = dict(os.environ if base is None else base)
+    return {k: v for k, v in nccl_environment(env).items() if k not in env}
+
+
+def worker_environment(device: str, base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of an executed worker on ``device``."""
+    return base_environment(base) | device_environment(device, base)
 
 
 async def spawn(

@@ -1,6 +1,6 @@
 """The doctor's smoke run: a real two-worker job with a real kill, checked from its run directory.
 
-``elaswave launch`` runs as a subprocess (this interpreter, ``-m elaswave.cli.app``) with the
+``elaswave launch`` runs as a subprocess (this interpreter, ``-m elaswave``) with the
 built-in tiny GPT, an embedded etcd, ``--nproc-per-node 2`` and the fault
 ``kill,rank=1,at_step=8``, in a temporary directory that holds its run directory and a private
 ``ELASWAVE_STATE_DIR``; the caller's ``ELASWAVE_*`` settings are left out, so the run is the same
@@ -75,7 +75,7 @@ def smoke_device(requested: str, found: Accelerators | None) -> tuple[str | None
 def smoke_command(run_dir: Path, device: str, job_id: str) -> list[str]:
     """The ``elaswave launch`` command line of the smoke run."""
     return [
-        sys.executable, "-m", "elaswave.cli.app", "launch",
+        sys.executable, "-m", "elaswave", "launch",
         "--device", device,
         "--nproc-per-node", str(SMOKE_WORKERS),
         "--steps", str(SMOKE_STEPS),

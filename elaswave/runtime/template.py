@@ -10,12 +10,18 @@ runs code of the job (the preflight, a worker, the store) runs in a forked child
 
 Protocol: JSON lines, requests on stdin and replies on stdout, one reply per request, in order.
 
-- first line out: ``{"ready": true, "pid": P, "seconds": S}`` once the preloads are imported;
+- first line out: ``{"ready": true, "pid": P, "seconds": S}`` once torch and the runtime are
+  imported;
+- ``{"op": "log", "path": PATH}`` → ``{"ok": true}``: stderr to the job's log from now on (a
+  template started before the run directory was known);
+- ``{"op": "preload", "modules": [...]}`` → ``{"ok": true}``: the job's modules imported (the
+  workload's, e.g. transformers for a Hugging Face model, and what a ZeRO-3 backward imports),
+  so that every worker finds them;
 - ``{"op": "preflight", "config": {...}}`` → ``{"ok": true}`` or ``{"error": "one line"}``: the
   model builds and the data fits it (:func:`~elaswave.runtime.workload.load.check_data`),
   checked in a forked child;
-- ``{"op": "spawn", "entry": "worker" | "store", "argv": [...], "log": PATH, "parent": PID}`` →
-  ``{"pid": P}`` (a store adds ``"port"``) or ``{"error": "..."}``;
+- ``{"op": "spawn", "entry": "worker" | "store", "argv": [...], "log": PATH, "parent": PID,
+  "env": {...}}`` → ``{"pid": P}`` (a store adds ``"port"``) or ``{"error": "..."}``;
 - ``{"op": "warm"}`` → ``{"ok": true}``: start importing the ``--warm`` modules (below);
 - end of input: the template exits.
 
@@ -59,6 +65,7 @@ class Child:
     entry: str
     argv: list[str]
     log: str
+    env: dict[str, str]  # set in the child's environment (a worker's device settings)
     parent: int  # the daemon: the child's parent once it is adopted
     middle: int  # the middle process, its parent until it exits
     report_fd: int | None  # a store writes its port here
@@ -69,7 +76,6 @@ def main(argv: list[str] | None = None) -> int | Child:
     this process became in a fork."""
     parser = argparse.ArgumentParser(prog="elaswave-template")
     parser.add_argument("--parent", type=int, required=True, help="the daemon's pid")
-    parser.add_argument("--preload", action="append", default=[], help="import before ready")
     parser.add_argument("--warm", action="append", default=[], help="import when asked")
     args = parser.parse_args(argv)
     die_with_parent()
@@ -77,8 +83,7 @@ def main(argv: list[str] | None = None) -> int | Child:
         return 1  # the daemon died before we could ask to die with it
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the daemon's to handle
     started = time.monotonic()
-    for module in ["elaswave.runtime.worker", *args.preload]:
-        importlib.import_module(module)
+    importlib.import_module("elaswave.runtime.worker")
     _reply({"ready": True, "pid": os.getpid(), "seconds": time.monotonic() - started})
     warm: list[str] = []  # filled by a "warm" request
     lines = _Lines(sys.stdin.fileno())
@@ -99,8 +104,31 @@ def main(argv: list[str] | None = None) -> int | Child:
         elif op == "warm":
             warm = list(args.warm)
             _reply({"ok": True})
+        elif op == "log":
+            _log_to(str(request["path"]))
+            _reply({"ok": True})
+        elif op == "preload":
+            _reply(_preload([str(m) for m in request.get("modules", [])]))
         else:
             _reply({"error": f"unknown request {op!r}"})
+
+
+def _log_to(path: str) -> None:
+    """From now on this process's stderr goes to ``path`` (appended)."""
+    sys.stderr.flush()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
+def _preload(modules: list[str]) -> dict[str, Any]:
+    """Import the job's modules now (workload, ZeRO-3), so that every worker finds them imported."""
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except Exception as exc:  # a missing optional dependency: the preflight says so
+            print(f"template: cannot import {module}: {exc}", file=sys.stderr, flush=True)
+    return {"ok": True}
 
 
 def _warm(module: str) -> None:
@@ -230,6 +258,7 @@ def _middle(
             os.close(report[0])
         return Child(
             entry=entry, argv=[str(a) for a in request["argv"]], log=str(request["log"]),
+            env={str(k): str(v) for k, v in dict(request.get("env") or {}).items()},
             parent=int(request["parent"]), middle=me, report_fd=report[1],
         )  # fmt: skip
     try:
@@ -272,6 +301,7 @@ def run_child(child: Child) -> int:
     if os.getppid() != child.parent:
         os._exit(70)  # the daemon is gone (or adopted nothing): nobody would wait for us
     signal.signal(signal.SIGINT, signal.default_int_handler)  # as in any new interpreter
+    os.environ.update(child.env)
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.close(devnull)

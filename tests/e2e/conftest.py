@@ -21,7 +21,7 @@ REL_TOL = 1e-6
 
 
 def elaswave_cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "elaswave.cli.app", *args]
+    return [sys.executable, "-m", "elaswave", *args]
 
 
 @pytest.fixture

@@ -231,3 +231,45 @@ def test_a_refusal_keeps_the_records_in_etcd(tmp_path: Path, state_env: dict[str
     assert f"committed {committed} steps (its progress record in etcd)" in lines[0]
     assert lines[0] == lines[1].replace("/again/", "/elsewhere/")
     assert not Run(tmp_path / "again").of("worker_spawned")
+
+
+def test_hosts_stopped_and_relaunched_together_resume_once(
+    tmp_path: Path, state_env: dict[str, str], reference: Run
+) -> None:
+    """Three hosts of a job on an external etcd stopped with SIGTERM (a scheduler's requeue or
+    scancel: nothing of theirs is left registered) and launched again at the same moment (srun
+    starts every node's launch at once): one of them decides that the job resumes and starts it,
+    the others join it; the relaunch is one incident, every step is recorded once."""
+    etcd = EmbeddedEtcd().start()
+    hosts = ("h0", "h1", "h2")
+    try:
+        shared = tmp_path / "checkpoints"
+        args = ("--job-id", "together", "--etcd", etcd.endpoint, "--nnodes", "3:3",
+                "--nproc-per-node", "1", "--steps", "30", "--durable-every", "5",
+                "--durable-dir", str(shared))  # fmt: skip
+
+        def start_all() -> dict[str, subprocess.Popen[str]]:
+            return {h: start(tmp_path / h, state_env, *args, "--host-id", h) for h in hosts}
+
+        procs = start_all()
+        try:
+            wait_for(lambda: max(_committed(tmp_path / h) for h in hosts) >= 12, timeout=120,
+                     interval=0.05)  # fmt: skip
+        finally:
+            for proc in procs.values():
+                proc.send_signal(signal.SIGTERM)
+            for proc in procs.values():
+                proc.wait(timeout=60)
+        procs = start_all()
+        outs = {h: p.communicate(timeout=180) for h, p in procs.items()}
+        codes = {h: p.returncode for h, p in procs.items()}
+        assert codes == dict.fromkeys(hosts, 0), {h: o[1][-2000:] for h, o in outs.items()}
+    finally:
+        etcd.stop()
+    run = Run(*(tmp_path / h for h in hosts))
+    _assert_on_the_curve(run, 30, reference)
+    (again,) = run.of("relaunched")
+    assert again["resume_step"] == again["committed"] - again["committed"] % 5
+    report = build_report(*(tmp_path / h for h in hosts))
+    assert [i["kind"] for i in report["incidents"]].count("relaunch") == 1
+    assert_no_orphans(run)

@@ -12,6 +12,7 @@ import signal
 import subprocess
 from pathlib import Path
 
+import psutil
 import pytest
 import yaml
 from conftest import (
@@ -128,6 +129,27 @@ def test_a_workload_that_cannot_train_is_refused_before_any_worker(
     assert not run.of("worker_spawned")
     assert run.of("template_ready")
     assert_no_orphans(run)
+
+
+def test_a_launch_refused_on_its_command_line_leaves_no_template(
+    tmp_path: Path, state_env: dict[str, str]
+) -> None:
+    """``launch`` starts its template before it reads its flags: refused at once, it takes the
+    template and its temporary log with it."""
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    proc = subprocess.Popen(
+        elaswave_cmd("launch", str(ROOT / "configs" / "gpt-tiny.yaml"), "--steps", "0"),
+        env=dict(state_env, TMPDIR=str(scratch)), stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2 and "train.steps must be > 0" in err, err
+    assert not list(scratch.iterdir())
+    mine = f"--parent {proc.pid}"
+    left = [
+        p for p in psutil.process_iter(["cmdline"]) if mine in " ".join(p.info["cmdline"] or [])
+    ]
+    assert not [p for p in left if p.status() != psutil.STATUS_ZOMBIE], left
 
 
 def _event(run_dir: Path, kind: str) -> dict | None:

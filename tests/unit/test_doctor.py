@@ -385,7 +385,7 @@ def test_smoke_device(
 
 def test_smoke_command_and_environment(tmp_path: Path) -> None:
     cmd = smoke_command(tmp_path / "run", "cpu", "doctor-1")
-    assert cmd[:4] == [sys.executable, "-m", "elaswave.cli.app", "launch"]
+    assert cmd[:4] == [sys.executable, "-m", "elaswave", "launch"]
     text = " ".join(cmd)
     assert f"--fault kill,rank=1,at_step={KILL_STEP}" in text and "--nproc-per-node 2" in text
     assert f"--steps {SMOKE_STEPS}" in text and "--device cpu" in text and 1 < KILL_STEP

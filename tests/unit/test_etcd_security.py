@@ -63,6 +63,8 @@ def _offline_etcd(prefix: str = "/elaswave/a/") -> Etcd:
         ("put", ("/elaswave/b/x", "v")),
         ("delete", ("/other",)),
         ("delete_prefix", ("/elaswave/",)),
+        ("delete_prefix_but", ("/elaswave/", "/elaswave/a/starting")),
+        ("delete_prefix_but", ("/elaswave/a/", "/elaswave/b/starting")),
         ("create", ("/elaswave/b/leader", "h")),
         ("compare_and_put", ("/elaswave/b/plan", "p")),
         ("put_and_delete", ("/elaswave/a/x", "v", "/elaswave/b/y")),

@@ -475,3 +475,32 @@ def test_compare_and_put_get_returns_the_key_as_it_is_after(endpoint: str) -> No
         assert kv2.create_revision == kv.create_revision
 
     run(endpoint, body)
+
+
+def test_a_job_cleared_for_its_start_keeps_its_start_key_and_other_jobs_keys(
+    endpoint: str,
+) -> None:
+    """The host that holds a job's start key clears what is stale under the job's prefix but the
+    key itself; a job whose id extends this one's (``j`` and ``j0``) keeps its keys."""
+
+    async def main() -> tuple[list[bool], list[str], list[str]]:
+        keys, other = JobKeys("clear-j"), JobKeys("clear-j0")
+        root = await Etcd.connect([endpoint], prefix="/elaswave/", timeout=5.0)
+        try:
+            for key in (keys.plan, keys.progress, keys.host("h1"), keys.worker("h1.w0"),
+                        other.plan, other.host("h1")):  # fmt: skip
+                await root.put(key, "stale")
+            lock = await root.lease(5)
+            won = [await root.create(keys.starting, h, lease=lock) for h in ("h0", "h1")]
+            await root.delete_prefix_but(keys.prefix, keys.starting)
+            mine = [kv.key for kv in await root.get_prefix(keys.prefix)]
+            theirs = [kv.key for kv in await root.get_prefix(other.prefix)]
+            await root.revoke_lease(lock)
+            return won, mine, theirs
+        finally:
+            await root.close()
+
+    won, mine, theirs = asyncio.run(main())
+    assert won == [True, False]  # one host starts the job
+    assert mine == [JobKeys("clear-j").starting]
+    assert sorted(theirs) == sorted([JobKeys("clear-j0").plan, JobKeys("clear-j0").host("h1")])

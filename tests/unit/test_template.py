@@ -6,16 +6,18 @@ The protocol runs against a real template process; the daemon side runs in a chi
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
-from elaswave.daemon.template import preloads
+from elaswave.daemon.template import Template, preloads
 from elaswave.runtime.device import Accelerators, may_have_accelerators, probe_for
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,6 +37,22 @@ def test_preloads_follow_the_workload_source(source: str, zero: int, modules: li
     assert preloads(source, zero) == modules
 
 
+def test_configure_asks_the_template_for_the_jobs_preloads(tmp_path: Path) -> None:
+    """A template started before the job is known is told its log, then what to import."""
+    stdin = io.BytesIO()
+    early = tmp_path / "early.log"
+    early.touch()
+    template = Template(SimpleNamespace(stdin=stdin), early)  # type: ignore[arg-type]
+    template.configure(model_source="hf", log_path=tmp_path / "run" / "template.log",
+                       device_env={}, zero=3)  # fmt: skip
+    sent = [json.loads(line) for line in stdin.getvalue().splitlines()]
+    assert sent == [
+        {"op": "log", "path": str(tmp_path / "run" / "template.log")},
+        {"op": "preload", "modules": preloads("hf", 3)},
+    ]
+    assert template.log_path == tmp_path / "run" / "template.log" and not early.exists()
+
+
 @pytest.mark.parametrize(
     ("entries", "may"),
     [
@@ -49,6 +67,21 @@ def test_preloads_follow_the_workload_source(source: str, zero: int, modules: li
 )
 def test_accelerator_nodes(entries: list[str], may: bool) -> None:
     assert may_have_accelerators(entries) is may
+
+
+def test_worker_environments() -> None:
+    """One OpenMP thread unless set, no etcd credentials; NCCL's settings only off the CPU,
+    never over the user's."""
+    from elaswave.daemon.workers import base_environment, device_environment
+
+    user = {"PATH": "/bin", "ELASWAVE_ETCD_PASSWORD": "x", "TORCH_NCCL_BLOCKING_WAIT": "1"}
+    base = base_environment(user)
+    assert base == {"PATH": "/bin", "TORCH_NCCL_BLOCKING_WAIT": "1", "OMP_NUM_THREADS": "1"}
+    assert base_environment({"OMP_NUM_THREADS": "4"})["OMP_NUM_THREADS"] == "4"
+    assert device_environment("cpu", user) == {}
+    extra = device_environment("cuda", user)
+    assert extra and "TORCH_NCCL_BLOCKING_WAIT" not in extra
+    assert "TORCH_NCCL_ASYNC_ERROR_HANDLING" in extra
 
 
 def test_auto_on_a_host_without_accelerator_nodes_imports_no_torch(tmp_path: Path) -> None:
@@ -81,13 +114,15 @@ DAEMON_SIDE = textwrap.dedent("""
     from pathlib import Path
     from elaswave.config import JobConfig
     from elaswave.daemon.template import Template, TemplateGone
-    from elaswave.daemon.workers import worker_environment
+    from elaswave.daemon.workers import base_environment
 
     async def main(tmp):
         out = {}
-        t = Template.start(model_source="gpt", env=worker_environment("cpu"),
-                           log_path=tmp / "template.log")
+        t = Template.start(env=base_environment(), log_path=tmp / "early.log")
+        t.configure(model_source="gpt", log_path=tmp / "template.log",
+                    device_env={})
         out["ready"] = await t.ready(120) > 0
+        out["early_log_gone"] = not (tmp / "early.log").exists()
         good = JobConfig.from_dict({}).to_dict()
         out["good"] = await t.preflight(good, 60)
         bad = JobConfig.from_dict({"model": {"source": "module",
@@ -137,6 +172,7 @@ def test_template_forks_adopted_workers_and_a_store(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["ready"] and out["good"] is None
+    assert out["early_log_gone"]  # the template started before the run directory moved to it
     assert out["bad"].startswith("model.factory 'examples.mlp_classifier:mlp_classifier'")
     assert out["store_parent"] == out["me"]  # adopted by the daemon, not the template's child
     assert out["codes"] == [1, 1, 1]  # no daemon socket: each worker exits 1, seen through waitpid
