@@ -107,7 +107,9 @@ _HostAddr = Annotated[
 _Zero = Annotated[
     int | None,
     typer.Option(
-        "--zero", help="1: ZeRO-1 sharded optimizer state (with --pp: inside each stage)."
+        "--zero",
+        help="1: ZeRO-1 sharded optimizer state (with --pp: inside each stage); "
+        "3: ZeRO-3, parameters, gradients and optimizer state sharded (no --pp yet).",
     ),
 ]
 _Pp = Annotated[int | None, typer.Option("--pp", help="Pipeline stages per replica.")]
@@ -402,13 +404,14 @@ def _watch_status(st: dict[str, Any], read: Any) -> None:
 
 
 def _held(member: dict[str, Any]) -> str:
-    """A rank's bytes (parameters, gradients, optimizer state, recovery copies) in MiB."""
+    """A rank's bytes (parameters, gradients, optimizer state, recovery copies, ZeRO-3's gathered
+    layers at their peak) in MiB."""
     from elaswave.report import MEMORY_FIELDS
 
     parts = [member.get(k) for k in MEMORY_FIELDS]
-    if any(p is None for p in parts):
+    if any(p is None for p in parts[:4]):
         return "–"
-    return f"{sum(parts) / 2**20:.1f} MiB"
+    return f"{sum(p or 0 for p in parts) / 2**20:.1f} MiB"
 
 
 def _status_view(st: dict[str, Any]) -> Any:

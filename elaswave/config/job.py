@@ -34,7 +34,8 @@ class JobConfig:
     metrics_port: int | None = None
     etcd_tls: EtcdTLSConfig = field(default_factory=EtcdTLSConfig)
     zero: int = 0  # 1: ZeRO-1, optimizer state sharded over the data-parallel ranks (with
-    #                pp > 1: over each layer's holders, two live copies, no snapshots)
+    #                pp > 1: over each layer's holders, two live copies, no snapshots); 3: ZeRO-3,
+    #                parameters, gradients and optimizer state sharded (pp = 1 only, for now)
     pp: int = 1  # pipeline stages per replica (1: pure data parallelism)
     dp: int = 0  # data-parallel replicas (0: world / pp); dp × pp must be the starting world
     migration: str = "async"  # pipelines: layers of a lost stage move "async" or "blocking"
@@ -79,8 +80,13 @@ class JobConfig:
             raise ConfigError(f"verify_every must be >= 0, got {self.verify_every}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ConfigError(f"metrics_port must be 0..65535, got {self.metrics_port}")
-        if self.zero not in (0, 1):
-            raise ConfigError(f"zero must be 0 or 1, got {self.zero}")
+        if self.zero not in (0, 1, 3):
+            raise ConfigError(f"zero must be 0, 1 or 3, got {self.zero}")
+        if self.zero == 3 and self.pp > 1:
+            raise ConfigError(
+                f"zero: 3 with pipelines (pp={self.pp}) is not supported yet: ZeRO-3 shards over "
+                "the data-parallel ranks only (use zero: 1 inside pipeline stages)"
+            )
         self._check_pipeline()
         if self.train.eval_every and not self.data.eval_samples:
             raise ConfigError("train.eval_every needs held-out samples: set data.eval_samples")

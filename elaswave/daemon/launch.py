@@ -163,7 +163,7 @@ def start_template(cfg: JobConfig, log_path: Path) -> Template | None:
     if template is not None:
         template.configure(
             model_source=cfg.model.source, log_path=log_path,
-            device_env=device_environment(cfg.train.device),
+            device_env=device_environment(cfg.train.device), zero=cfg.zero,
         )  # fmt: skip
     return template
 

@@ -42,10 +42,17 @@ class TemplateGone(RuntimeError):
     """The template is not running (it exited, or never answered): execute instead."""
 
 
-def preloads(model_source: str) -> list[str]:
+# What autograd imports the first time a backward is handed a gradient (ZeRO-3 backpropagates
+# layer by layer; see runtime/strategies/gather.py): most of a second, once per process.
+ZERO3_PRELOADS = ("torch.fx.experimental.symbolic_shapes",)
+
+
+def preloads(model_source: str, zero: int = 0) -> list[str]:
     """What the template imports before it is ready, beyond the runtime: the module of the
-    job's workload source that every worker imports at start. Pure."""
-    return ["elaswave.runtime.workload.hf"] if model_source == "hf" else []
+    job's workload source that every worker imports at start, and what ZeRO-3 workers import
+    at start (``ZERO3_PRELOADS``). Pure."""
+    out = ["elaswave.runtime.workload.hf"] if model_source == "hf" else []
+    return out + (list(ZERO3_PRELOADS) if zero == 3 else [])
 
 
 def adoption_supported() -> bool:
@@ -118,14 +125,17 @@ class Template:
             )
         return cls(proc, log_path)
 
-    def configure(self, *, model_source: str, log_path: Path, device_env: dict[str, str]) -> None:
+    def configure(
+        self, *, model_source: str, log_path: Path, device_env: dict[str, str], zero: int = 0
+    ) -> None:
         """What this job needs of the template, sent at once (answered after its imports): its
         log file (a template started before the run directory was known moves to it), the
-        workload's modules to import, and the environment a worker on the job's device gets."""
+        modules to import (:func:`preloads`: the workload's, and ZeRO-3's), and the environment
+        a worker on the job's device gets."""
         self.device_env = dict(device_env)
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self._send({"op": "log", "path": str(log_path)})
-        self._send({"op": "preload", "modules": preloads(model_source)})
+        self._send({"op": "preload", "modules": preloads(model_source, zero)})
         if log_path != self.log_path:
             with contextlib.suppress(OSError):
                 self.log_path.unlink()  # the template holds it open until it moves

@@ -14,6 +14,11 @@ Restoring a lost shard then moves nothing over the network (each survivor promot
 piece it already holds) and the recovery load is the same on every survivor. Only growth moves
 data: each joiner carves an even share out of every rank's ranges, a set of disjoint
 ``(src, dst, offset, length)`` transfers from :func:`plan_transfers`, never an all-to-all.
+
+A rank's shard buffer holds its ranges one after another in flat order (:func:`position`,
+:func:`overlaps` translate). ZeRO-3 works a layer at a time: :func:`layer_cuts` says, for every
+layer, where each rank's part of it lies in that rank's buffer, which is what a layer's
+all-gather and its gradient's reduce-scatter exchange.
 """
 
 from __future__ import annotations
@@ -324,3 +329,64 @@ def recovery_stats(
         "pairs": len(pairs),
         "max_over_mean": (max(volume.values()) / mean) if mean else 1.0,
     }
+
+
+def position(pieces: Sequence[Range], flat_offset: int) -> int:
+    """Index in a shard buffer (``pieces`` one after another) of ``flat_offset``, which lies
+    inside one of ``pieces``."""
+    cursor = 0
+    for lo, n in pieces:
+        if lo <= flat_offset < lo + n:
+            return cursor + flat_offset - lo
+        cursor += n
+    raise ValueError(f"offset {flat_offset} is not in this shard")
+
+
+def overlaps(pieces: Sequence[Range], lo: int, n: int) -> list[tuple[int, int, int]]:
+    """Parts of ``[lo, lo + n)`` inside ``pieces``: (flat offset, length, shard position)."""
+    out, cursor = [], 0
+    for plo, pn in pieces:
+        a, b = max(plo, lo), min(plo + pn, lo + n)
+        if b > a:
+            out.append((a, b - a, cursor + a - plo))
+        cursor += pn
+    return out
+
+
+@dataclass(frozen=True)
+class LayerCut:
+    """How one layer (a segment of the flat buffer) is spread over a layout's ranks: rank ``r``
+    owns ``sizes[r]`` of its elements, one run of its shard buffer from ``starts[r]`` on (its
+    ranges inside the layer, in flat order), at the layer-local positions ``local[r]``
+    (``(offset within the layer, length)`` runs)."""
+
+    offset: int
+    length: int
+    starts: tuple[int, ...]
+    sizes: tuple[int, ...]
+    local: tuple[tuple[Range, ...], ...]
+
+    @property
+    def pad(self) -> int:
+        """Every rank's part padded to this size (collectives want equal parts)."""
+        return max(self.sizes, default=0)
+
+
+def layer_cuts(layout: ShardLayout) -> tuple[LayerCut, ...]:
+    """Every layer's :class:`LayerCut` under ``layout``. A range never crosses a layer boundary
+    (layouts are cut per layer), so each rank's part of a layer is one run of its buffer."""
+    out = []
+    for offset, length in layout.segments:
+        starts, sizes, local = [], [], []
+        for r in range(layout.world):
+            runs = []
+            for lo, n in layout.ranges[r]:
+                if offset <= lo < offset + length:
+                    if lo + n > offset + length:
+                        raise ValueError(f"range ({lo}, {n}) crosses the layer at {offset}")
+                    runs.append((lo - offset, n))
+            starts.append(sum(n for lo, n in layout.ranges[r] if lo < offset))
+            sizes.append(sum(n for _, n in runs))
+            local.append(tuple(runs))
+        out.append(LayerCut(offset, length, tuple(starts), tuple(sizes), tuple(local)))
+    return tuple(out)

@@ -165,6 +165,24 @@ class OptimHyper:
                 groups[lo - base : hi - base] = g
         self.groups, self.groups_base, self._padded = groups, base, None
 
+    def groups_in(
+        self, pieces: Sequence[tuple[int, int]], size: int, device: torch.device | None = None
+    ) -> torch.Tensor | None:
+        """The group of each element of a ZeRO shard buffer: ``pieces`` (flat offset, length)
+        one after another, padded with group 0 to ``size`` (None with one group). Made from
+        ``group_runs``, so no rank needs the whole model's groups."""
+        if not self.group_runs:
+            return None
+        groups = torch.zeros(size, dtype=torch.uint8, device=device)
+        cursor = 0
+        for lo, n in pieces:
+            for a, b, g in self.group_runs:
+                x, y = max(a, lo), min(b, lo + n)
+                if x < y and g:
+                    groups[cursor + x - lo : cursor + y - lo] = g
+            cursor += n
+        return groups
+
     def groups_of(self, where: slice | torch.Tensor) -> torch.Tensor | None:
         """The group of each element of ``flat[where]`` (a slice of the whole model's flat
         offsets, or the index a ZeRO shard gathers with, where index ``numel`` is padding), or
@@ -229,8 +247,12 @@ def update_(
 
 def _per_group(values: Sequence[float], groups: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """Each element's value of its group (the values rounded to ``like``'s dtype once, as a
-    Python scalar is when it multiplies a tensor)."""
-    return torch.tensor(list(values), dtype=like.dtype, device=like.device)[groups.long()]
+    Python scalar is when it multiplies a tensor). The values go to the kernels as scalars:
+    nothing is built on the host or copied to the device per update."""
+    out = torch.full_like(like, values[0])
+    for g in range(1, len(values)):
+        out = torch.where(groups == g, values[g], out)
+    return out
 
 
 def _adamw_(

@@ -61,14 +61,20 @@ class TrainState:
     def build(cls, cfg: JobConfig, device: torch.device | None = None) -> TrainState:
         """The rank's state on ``device`` (default: the CPU). Layers are built on the CPU, where
         their seeded initial values are the same on every kind of device, then moved. A pipeline
-        rank (``pp > 1``) allocates no layer until its first plan says which it runs."""
+        rank (``pp > 1``) allocates no layer until its first plan says which it runs; a ZeRO-3
+        rank (``zero: 3``) allocates none at all: its layers are shells (parameters on the meta
+        device, buffers on ``device``) that its strategy fills while they run."""
         t = cfg.train
         device = torch.device("cpu") if device is None else device
         workload = load_workload(cfg)
-        window = range(0) if cfg.pp > 1 else range(workload.num_layers)
-        model = build_layers(workload, t.seed, keep=window)
+        shells = cfg.zero == 3
+        window = range(0) if cfg.pp > 1 or shells else range(workload.num_layers)
+        model = build_layers(workload, t.seed, keep=window, shells=shells)
         for index in window:
             model.layers[index].to(device)
+        if shells:
+            for layer in model.layers:
+                _buffers_to(layer, device)
         model.autocast = AUTOCAST[t.autocast]
         model.train()
         total = sum(length for _, length in model.segments())
@@ -186,6 +192,14 @@ def to_device(value: Any, device: torch.device) -> Any:
         moved = {k: to_device(v, device) for k, v in value.items()}
         return moved if type(value) is dict else type(value)(moved)
     return value
+
+
+def _buffers_to(layer: torch.nn.Module, device: torch.device) -> None:
+    """Move a shell's buffers to ``device`` (its parameters are on the meta device)."""
+    for module in layer.modules():
+        for name, b in module._buffers.items():
+            if b is not None and b.device != device:
+                module._buffers[name] = b.to(device)
 
 
 def _layers(model: KeyedLayers, window: range) -> torch.nn.Module:

@@ -14,8 +14,9 @@ Protocol: JSON lines, requests on stdin and replies on stdout, one reply per req
   imported;
 - ``{"op": "log", "path": PATH}`` → ``{"ok": true}``: stderr to the job's log from now on (a
   template started before the run directory was known);
-- ``{"op": "preload", "modules": [...]}`` → ``{"ok": true}``: the workload's modules imported
-  (e.g. transformers for a Hugging Face model), so that every worker finds them;
+- ``{"op": "preload", "modules": [...]}`` → ``{"ok": true}``: the job's modules imported (the
+  workload's, e.g. transformers for a Hugging Face model, and what a ZeRO-3 backward imports),
+  so that every worker finds them;
 - ``{"op": "preflight", "config": {...}}`` → ``{"ok": true}`` or ``{"error": "one line"}``: the
   model builds and the data fits it (:func:`~elaswave.runtime.workload.load.check_data`),
   checked in a forked child;
@@ -121,7 +122,7 @@ def _log_to(path: str) -> None:
 
 
 def _preload(modules: list[str]) -> dict[str, Any]:
-    """Import the job's workload modules now, so that every worker finds them imported."""
+    """Import the job's modules now (workload, ZeRO-3), so that every worker finds them imported."""
     for module in modules:
         try:
             importlib.import_module(module)

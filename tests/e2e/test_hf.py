@@ -2,9 +2,10 @@
 
 The token file is this repository's README as bytes (a byte-level vocabulary of 256). In the
 deterministic mode (float64 reduction) a llama-style model survives a SIGKILL under replicated
-data parallelism, ZeRO-1 and dp=2 × pp=2 (a stage loss), and a gpt2-style model — its input
-embedding and LM head tied, on different pipeline stages — survives a ZeRO-1 kill and a stage
-loss in dp=2 × pp=2: every loss and the final state bit-identical to the fault-free run (stages
+data parallelism, ZeRO-1, ZeRO-3 and dp=2 × pp=2 (a stage loss), and a gpt2-style model — its
+input embedding and LM head tied, on different pipeline stages — survives a ZeRO-1 kill, a
+ZeRO-3 kill and a stage loss in dp=2 × pp=2: every loss and the final state bit-identical to
+the fault-free run (stages
 and replicas give the same bits as data parallelism), every step recorded once; both copies of
 gpt2's tied weight are identical in its final durable checkpoint. The runs use the trainer's
 features: AdamW with weight-decay groups, clipping, warmup (the kill falls in it) and cosine
@@ -110,7 +111,9 @@ def llama_reference(configs: dict[str, Path], tmp_path_factory: pytest.TempPathF
     return run
 
 
-@pytest.mark.parametrize("strategy", [[], ["--zero", "1"]], ids=["replicated", "zero1"])
+@pytest.mark.parametrize(
+    "strategy", [[], ["--zero", "1"], ["--zero", "3"]], ids=["replicated", "zero1", "zero3"]
+)
 def test_llama_survives_a_kill_bit_identical(
     configs: dict[str, Path], llama_reference: Run, tmp_path: Path, strategy: list[str]
 ) -> None:
@@ -181,15 +184,24 @@ def test_llama_bf16_survives_a_kill_during_warmup(configs: dict[str, Path], tmp_
     assert ref.losses[STEPS] < ref.losses[1]
 
 
+GPT2_STAGES = ["--pp", "2", "--dp", "2", "--durable-every", str(STEPS)]
+
+
+@pytest.fixture(scope="module")
+def gpt2_stages(configs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Run:
+    """gpt2 fault-free on dp=2 × pp=2 (embedding and head, tied, on different stages)."""
+    base = tmp_path_factory.mktemp("gpt2-pp")
+    return _launch(configs["gpt2"], base / "pp", base / "s", "--job-id", "gpt2-pp", *GPT2_STAGES)
+
+
 def test_gpt2_tied_across_stages_survives_a_stage_loss(
-    configs: dict[str, Path], tmp_path: Path
+    configs: dict[str, Path], tmp_path: Path, gpt2_stages: Run
 ) -> None:
     from elaswave.config import load_config
     from elaswave.runtime.durable.checkpoints import latest, load
     from elaswave.runtime.workload.load import build_model, load_workload
 
-    flags = ["--pp", "2", "--dp", "2", "--durable-every", str(STEPS)]
-    pp = _launch(configs["gpt2"], tmp_path / "pp", tmp_path / "s1", "--job-id", "gpt2-pp", *flags)
+    flags, pp = GPT2_STAGES, gpt2_stages
     zero = _launch(configs["gpt2"], tmp_path / "zero", tmp_path / "s0", "--job-id", "gpt2-zero",
                    "--zero", "1", "--fault", "kill,rank=1,at_step=6")  # fmt: skip
     _killed(zero)
@@ -355,3 +367,15 @@ def test_one_worker_is_a_plain_training_loop(configs: dict[str, Path], tmp_path:
     trained = transformers.AutoModelForCausalLM.from_pretrained(str(out)).state_dict()
     for key, value in model.state_dict().items():  # the same float32 arithmetic: the same bits
         assert torch.equal(trained[key], value), key
+
+
+def test_gpt2_tied_under_zero3_survives_a_kill(
+    configs: dict[str, Path], tmp_path: Path, gpt2_stages: Run
+) -> None:
+    """ZeRO-3: the two copies of gpt2's tied weight live in different layers, each sharded;
+    their gradients are summed before those layers' reduce-scatter, exactly as data parallelism
+    sums them, so a kill still leaves the stages' bits (and both copies identical)."""
+    zero3 = _launch(configs["gpt2"], tmp_path / "zero3", tmp_path / "s", "--job-id",
+                    "gpt2-zero3", "--zero", "3", "--fault", "kill,rank=1,at_step=6")  # fmt: skip
+    _killed(zero3)
+    _same_run(zero3, gpt2_stages)

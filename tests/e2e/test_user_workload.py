@@ -60,6 +60,37 @@ def test_user_workload_survives_a_kill_bit_identical(
         assert mine == {f[key] for f in mlp_reference.of("final_state")}
 
 
+def test_user_workload_under_zero3_survives_a_kill_a_respawn_and_a_hang(
+    tmp_path: Path, state_env: dict, mlp_reference: Run
+) -> None:
+    """ZeRO-3 on three workers (parameters sharded, every layer of the user's model gathered
+    while it runs): a SIGKILL (the worker is respawned and joins), then a hang the daemon kills
+    after 1.5 s: 3 → 2 → 3 → 2 ranks, and still the reference's bits (float64 mode)."""
+    env = {**state_env, "ELASWAVE_TRAIN__REDUCE_DTYPE": "float64"}
+    run = _launch(tmp_path / "run", env, "--job-id", "mlp-z3", "--zero", "3",
+                  "--nproc-per-node", "3", "--max-restarts", "1", "--hang-timeout", "1.5",
+                  "--fault", "kill,rank=1,at_step=5",
+                  "--fault", "hang,rank=2,at_step=12")  # fmt: skip
+    assert [p["world"] for p in run.of("plan_published")] == [3, 2, 3, 2]
+    assert len(run.of("hang_detected")) == 1
+    assert_clean_run(run, STEPS, mlp_reference)
+    assert run.losses == mlp_reference.losses
+    for key in ("params_sha256", "state_sha256"):
+        mine = {f[key] for f in run.of("final_state")}
+        assert mine == {f[key] for f in mlp_reference.of("final_state")}
+
+
+def test_user_workload_under_zero3_in_float32_stays_on_its_own_fault_free_curve(
+    tmp_path: Path, state_env: dict
+) -> None:
+    """float32 (no deterministic mode): a kill moves each loss by at most 1e-6 (relative) from
+    ZeRO-3's own fault-free run."""
+    clean = _launch(tmp_path / "clean", state_env, "--job-id", "mlp-z3-32", "--zero", "3")
+    killed = _launch(tmp_path / "kill", state_env, "--job-id", "mlp-z3-32k", "--zero", "3",
+                     "--fault", "kill,rank=1,at_step=8")  # fmt: skip
+    assert_clean_run(killed, STEPS, clean)
+
+
 def test_a_factory_that_cannot_build_is_one_line(tmp_path: Path, state_env: dict) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text(CONFIG.read_text().replace("hidden: 64", "hidden: 64, colour: red"))

@@ -1,12 +1,18 @@
 """ZeRO-1: a crash takes a unique optimizer shard with it; the survivors promote the replica
-pieces they keep of it, so nothing moves over the network and every survivor does the same share."""
+pieces they keep of it, so nothing moves over the network and every survivor does the same share.
+ZeRO-3 (below): the parameters are sharded too, and come back the same way."""
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
 from pathlib import Path
 
 import pytest
-from conftest import Run, assert_clean_run, assert_redid_only, launch
+from conftest import F64, Run, assert_clean_run, assert_redid_only, launch
+
+from elaswave.runtime.durable.checkpoints import PIECES
 
 pytestmark = pytest.mark.e2e
 
@@ -75,7 +81,6 @@ def test_two_hosts_keep_every_replica_on_the_other_host(
     tmp_path: Path, state_env: dict[str, str], reference: Run
 ) -> None:
     """Two launches on one etcd act as two hosts of two workers each."""
-    import json
     import subprocess
     import time
 
@@ -156,3 +161,212 @@ def test_a_respawned_worker_takes_an_even_share_by_disjoint_transfers(
     assert all(e["bytes"] == 0 and e["promoted_bytes"] > 0 for e in shrink)
     assert len(grow) == 4 and all(e["bytes"] > 0 and e["promoted_bytes"] == 0 for e in grow)
     assert {e["resume_step"] % 2 for e in shrink + grow} == {0}, "rolled back to snapshots"
+
+
+# ---- ZeRO-3: parameters, gradients and optimizer state sharded --------------------------------
+#
+# Every run below is in the deterministic mode (float64 reduction), so ZeRO-3 must reproduce the
+# very bits of replicated data parallelism whatever its membership history: one fault-free
+# replicated run is the reference of them all.
+
+Z3_STEPS = 12
+
+
+def _f64(base: Path) -> dict[str, str]:
+    return {**os.environ, "ELASWAVE_STATE_DIR": str(base / "state"), **F64}
+
+
+@pytest.fixture(scope="module")
+def gpt64(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    """Replicated data parallelism, fault-free, 16 steps, checkpoints at steps 8 and 16."""
+    base = tmp_path_factory.mktemp("z3-ref")
+    r = launch(base / "run", "--job-id", "z3-ref", "--steps", "16", "--durable-every", "8",
+               env=_f64(base))  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    return Run(base / "run")
+
+
+@pytest.fixture(scope="module")
+def z3_faults(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    """ZeRO-3 on 4 workers through a SIGKILL in step 4 (the worker is respawned and joins), then
+    a hang in step 8 (the daemon kills it after 1.5 s; no restart left): 4 → 3 → 4 → 3 ranks.
+    A durable checkpoint every 6 steps, written per shard."""
+    base = tmp_path_factory.mktemp("z3-faults")
+    r = launch(base / "run", "--job-id", "z3-faults", "--zero", "3", "--steps", str(Z3_STEPS),
+               "--max-restarts", "1", "--fault", "kill,rank=1,at_step=4",
+               "--fault", "hang,rank=2,at_step=8", "--hang-timeout", "1.5",
+               "--durable-every", "6", env=_f64(base))  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    return Run(base / "run")
+
+
+def _same_bits(run: Run, reference: Run, steps: range) -> None:
+    """Each of ``steps`` committed once, with the reference's very loss."""
+    assert [m["step"] for m in run.metrics] == list(steps)
+    assert {s: run.losses[s] for s in steps} == {s: reference.losses[s] for s in steps}
+
+
+def test_zero3_survives_a_kill_a_respawn_and_a_hang_bit_identical(
+    z3_faults: Run, gpt64: Run
+) -> None:
+    """Each loss is replicated data parallelism's; a lost shard comes back from the replica
+    pieces its peers hold (nothing over the network), the newcomer receives its share by
+    transfers, every rank holds about a quarter (a third) of the parameters."""
+    run = z3_faults
+    assert_clean_run(run, Z3_STEPS, gpt64)
+    _same_bits(run, gpt64, range(1, Z3_STEPS + 1))
+    assert [p["world"] for p in run.of("plan_published")] == [4, 3, 4, 3]
+    assert [e["exit_code"] for e in run.of("worker_exit")] == [-9, -9]
+    (hang,) = run.of("hang_detected")
+    assert "heartbeat" in hang["reason"]
+    for epoch in (2, 4):  # a loss: promoted where the pieces are, the step redone whole
+        synced = _synced(run, epoch)
+        assert len(synced) == 3 and all(e["bytes"] == 0 and e["transfers"] == 0 for e in synced)
+        assert all(e["promoted_bytes"] > 0 and e["max_over_mean"] < 1.01 for e in synced)
+        (redo,) = {e["redo_step"] for e in synced}
+        assert redo == {2: 4, 4: 8}[epoch]
+    assert all(e["bytes"] > 0 for e in _synced(run, 3)), "the newcomer's share is sent"
+    total = sum(e["param_bytes"] for e in run.of("memory") if e["epoch"] == 1)
+    for e in run.of("memory"):
+        world = {1: 4, 2: 3, 3: 4, 4: 3}[e["epoch"]]
+        assert e["param_bytes"] <= 1.1 * total / world and e["gathered_bytes"] > 0
+
+
+def test_a_zero3_checkpoint_resumes_replicated_on_two_workers_and_exports(
+    z3_faults: Run, gpt64: Run, tmp_path: Path, state_env: dict[str, str]
+) -> None:
+    """Every rank wrote its own shard of the step-12 checkpoint; two replicated workers resume
+    from it and end where the reference ends, bit for bit. ``elaswave export`` reads it too."""
+    import hashlib
+    import subprocess
+
+    from conftest import elaswave_cmd
+    from safetensors.torch import load_file
+
+    from elaswave.export import run_config
+    from elaswave.runtime.durable.checkpoints import latest
+    from elaswave.runtime.workload.base import build_layers
+    from elaswave.runtime.workload.load import load_workload
+
+    path = latest(z3_faults.dir / "checkpoints")
+    assert path is not None and path.name == f"step-{Z3_STEPS:08d}"
+    index = json.loads((path / PIECES).read_text())
+    assert len({rank for _, _, rank in index["pieces"]}) == 3, "one part per rank of the plan"
+    r = launch(tmp_path / "run", "--job-id", "z3-resumed", "--steps", "16", "--nproc-per-node",
+               "2", "--resume", str(z3_faults.dir / "checkpoints"),
+               env={**state_env, **F64})  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    resumed = Run(tmp_path / "run")
+    _same_bits(resumed, gpt64, range(Z3_STEPS + 1, 17))
+    _same_final(resumed, gpt64)
+    out = tmp_path / "model.safetensors"
+    r = subprocess.run(elaswave_cmd("export", "--run-dir", str(z3_faults.dir), "--out", str(out)),
+                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert r.returncode == 0 and f"exported step {Z3_STEPS}" in r.stdout, r.stderr[-2000:]
+    tensors = load_file(str(out))
+    model = build_layers(load_workload(run_config(z3_faults.dir)), 1234)
+    names = [n for n, p in model.named_parameters() if p.requires_grad]  # the flat order
+    assert sorted(names) == sorted(tensors)
+    params = b"".join(tensors[n].reshape(-1).numpy().tobytes() for n in names)
+    (digest,) = {f["params_sha256"] for f in z3_faults.of("final_state")}
+    assert hashlib.sha256(params).hexdigest() == digest, "the exported weights are the final ones"
+
+
+def test_a_replicated_checkpoint_resumes_as_zero3_on_three_workers(
+    gpt64: Run, tmp_path: Path, state_env: dict[str, str]
+) -> None:
+    """The reference's step-8 checkpoint (whole tensors, written by rank 0) into ZeRO-3 on
+    three workers: each takes its shard of it, and the run ends where the reference does."""
+    from elaswave.runtime.durable.layout import LATEST
+
+    step8 = gpt64.dir / "checkpoints" / "step-00000008"
+    assert step8.is_dir()
+    ck = tmp_path / "ck"
+    shutil.copytree(step8, ck / step8.name)
+    (ck / LATEST).write_text(step8.name)
+    r = launch(tmp_path / "run", "--job-id", "z3-from-dp", "--zero", "3", "--steps", "16",
+               "--nproc-per-node", "3", "--resume", str(ck), env={**state_env, **F64})  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    run = Run(tmp_path / "run")
+    _same_bits(run, gpt64, range(9, 17))
+    _same_final(run, gpt64)
+
+
+def _same_final(run: Run, reference: Run) -> None:
+    for key in ("params_sha256", "state_sha256"):
+        assert {f[key] for f in run.of("final_state")} == {
+            f[key] for f in reference.of("final_state")
+        }
+
+
+@pytest.mark.parametrize("durable", [True, False], ids=["durable", "none"])
+def test_zero3_two_ranks_lost_at_once_on_one_host(
+    tmp_path: Path, state_env: dict[str, str], gpt64: Run, durable: bool
+) -> None:
+    """Ranks 1 and 2 of four die in step 6: on one host every peer holds a piece of every shard,
+    so part of each lost shard was only on the other. With a durable checkpoint (step 4) the job
+    falls back to it and goes on, bit for bit; without one it stops with one line naming what
+    was lost. Never a hang."""
+    flags = ["--durable-every", "4"] if durable else []
+    r = launch(tmp_path / "run", "--job-id", "z3-two", "--zero", "3", "--steps", "8", *flags,
+               "--fault", "kill,rank=1,at_step=6", "--fault", "kill,rank=2,at_step=6",
+               env={**state_env, **F64}, timeout=150)  # fmt: skip
+    run = Run(tmp_path / "run")
+    if durable:
+        assert r.returncode == 0, r.stderr[-3000:]
+        _same_bits(run, gpt64, range(1, 9))
+        (restored,) = run.of("durable_restored")
+        assert restored["step"] == 4 and "replica" in restored["reason"]
+        assert len({f["state_sha256"] for f in run.of("final_state")}) == 1
+        return
+    assert r.returncode != 0
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "cannot recover" in lines[0] and "replica" in lines[0], r.stderr
+    assert run.of("shard_lost") and max(m["step"] for m in run.metrics) < 6
+
+
+def test_zero3_loses_a_whole_host_and_recovers_from_the_other_hosts_pieces(
+    tmp_path: Path, state_env: dict[str, str], gpt64: Run
+) -> None:
+    """Two launches on one etcd act as two hosts of two workers each; replica pieces live on
+    the other host only. Both workers of one host die in step 6: the other host holds every
+    piece of their shards, so it goes on at once, nothing sent, bit for bit."""
+    import subprocess
+    import time
+
+    from conftest import CONFIG, elaswave_cmd, wait_for
+
+    env = {**state_env, **F64}
+    common = ("--zero", "3", "--job-id", "z3-2h", "--nproc-per-node", "2", "--nnodes", "2:2",
+              "--steps", "10", "--fault", "kill,rank=2,at_step=6",
+              "--fault", "kill,rank=3,at_step=6", "--quiet", str(CONFIG))  # fmt: skip
+    first = subprocess.Popen(
+        elaswave_cmd("launch", *common, "--run-dir", str(tmp_path / "h1"), "--host-id", "h1"),
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        record = Path(state_env["ELASWAVE_STATE_DIR"]) / "jobs" / "z3-2h.json"
+        wait_for(record.exists, timeout=60)
+        time.sleep(0.2)
+        etcd = ",".join(json.loads(record.read_text())["etcd"])
+        second = launch(tmp_path / "h2", *common[:-2], "--host-id", "h2", "--etcd", etcd,
+                        env=env)  # fmt: skip
+        codes = {"h1": first.wait(timeout=120), "h2": second.returncode}
+    finally:
+        if first.poll() is None:
+            first.kill()
+    run = Run(tmp_path / "h1", tmp_path / "h2")
+    lost = next(p for p in run.of("plan_published") if p["epoch"] == 1)["workers"][2]
+    # the host whose workers all died ends with that line; the job goes on on the other
+    assert codes == {lost.split(".")[0]: 1, ({"h1", "h2"} - {lost.split(".")[0]}).pop(): 0}
+    assert "every worker was lost" in second.stderr + (first.stderr.read() if first.stderr else "")
+    assert sorted(m["step"] for m in run.metrics) == list(range(1, 11))
+    assert run.losses == {s: gpt64.losses[s] for s in range(1, 11)}
+    plans = run.of("plan_published")
+    first_plan = next(p for p in plans if p["epoch"] == 1)
+    hosts = [w.split(".")[0] for w in first_plan["workers"]]
+    assert hosts[2] == hosts[3] != hosts[0], "ranks 2 and 3 are one host's"
+    synced = [e for e in run.of("state_synced") if e["epoch"] == 2]
+    assert len(synced) == 2 and all(e["bytes"] == 0 and e["promoted_bytes"] > 0 for e in synced)
+    finals = run.of("final_state")
+    assert len(finals) == 2 and len({f["state_sha256"] for f in finals}) == 1

@@ -258,7 +258,7 @@ def test_device_work_times_out_in_a_background_wait() -> None:
 
 
 def test_pending_device_work_is_finished_only_once_done() -> None:
-    from elaswave.runtime.comm.communicator import _finished
+    from elaswave.runtime.comm.backends import finished as _finished
 
     assert _finished([_Work(2), _Work(1)], poll=True)  # type: ignore[list-item]
     assert not _finished([_Work(None)], poll=True, timeout=0.05)  # type: ignore[list-item]

@@ -11,9 +11,12 @@ from elaswave.planning.shards import (
     MAX_PIECES_PER_LAYER,
     ShardLayout,
     holdings,
+    layer_cuts,
     next_layout,
+    overlaps,
     place_replicas,
     plan_transfers,
+    position,
     promoted,
     recovery_stats,
 )
@@ -260,3 +263,84 @@ def test_pieces_stay_bounded_over_many_changes() -> None:
         if change % 2 == 0 and nxt != ShardLayout.even(segments, len(new_workers)):
             assert plan_transfers(found, nxt, new_workers) == [], "a shrink moves nothing"
         layout, members = nxt, new
+
+
+# ---- where a layer lies in each rank's shard buffer (ZeRO-3) --------------------------------
+
+
+@pytest.mark.parametrize(
+    ("pieces", "offset", "expected"),
+    [
+        ([(0, 4), (10, 3)], 0, 0),
+        ([(0, 4), (10, 3)], 3, 3),
+        ([(0, 4), (10, 3)], 10, 4),
+        ([(0, 4), (10, 3)], 12, 6),
+        ([(5, 2)], 6, 1),
+    ],
+)
+def test_position_in_a_shard_buffer(pieces, offset: int, expected: int) -> None:  # noqa: ANN001
+    assert position(pieces, offset) == expected
+
+
+def test_an_offset_outside_the_shard_has_no_position() -> None:
+    with pytest.raises(ValueError, match="not in this shard"):
+        position([(0, 4), (10, 3)], 5)
+
+
+@pytest.mark.parametrize(
+    ("pieces", "lo", "n", "expected"),
+    [
+        ([(0, 4), (10, 3)], 2, 10, [(2, 2, 2), (10, 2, 4)]),  # across the gap
+        ([(0, 4), (10, 3)], 4, 6, []),  # only the gap
+        ([(0, 4), (10, 3)], 0, 20, [(0, 4, 0), (10, 3, 4)]),
+        ([(5, 5)], 7, 1, [(7, 1, 2)]),
+    ],
+)
+def test_overlaps_with_a_shard(pieces, lo: int, n: int, expected) -> None:  # noqa: ANN001
+    assert overlaps(pieces, lo, n) == expected
+
+
+@pytest.mark.parametrize(
+    ("ranges", "layer", "starts", "sizes", "local"),
+    [
+        # even, 2 ranks: each its half of every layer, one run
+        (None, 0, (0, 0), (5, 5), (((0, 5),), ((5, 5),))),
+        (None, 1, (5, 5), (3, 4), (((0, 3),), ((3, 4),))),
+        (None, 2, (8, 9), (0, 1), ((), ((0, 1),))),  # one element: rank 0 has none of it
+        # after a loss: rank 0 also holds a promoted piece of layer 3: two runs of the layer,
+        # one run of its buffer (from 8: [0,5) and [10,13) come first)
+        (
+            (((0, 5), (10, 3), (18, 16), (45, 6)), ((5, 5), (13, 4), (17, 1), (34, 11))),
+            3,
+            (8, 10),
+            (22, 11),
+            (((0, 16), (27, 6)), ((16, 11),)),
+        ),
+    ],
+)
+def test_layer_cuts(ranges, layer: int, starts, sizes, local) -> None:  # noqa: ANN001
+    """Where each rank's part of a layer lies in its buffer and inside the layer."""
+    layout = ShardLayout.even(SEGMENTS, 2) if ranges is None else ShardLayout(SEGMENTS, ranges)
+    cut = layer_cuts(layout)[layer]
+    assert (cut.offset, cut.length) == SEGMENTS[layer]
+    assert (cut.starts, cut.sizes, cut.local) == (starts, sizes, local)
+    assert cut.pad == max(sizes)
+
+
+@pytest.mark.parametrize("deaths", [[], [1], [1, 2], [0, 3, 1]])
+def test_layer_cuts_reassemble_every_layer(deaths: list[int]) -> None:
+    """Every layer put together from every rank's part of it (read where the cut says, in each
+    rank's buffer) is the layer, after any losses."""
+    layout, workers = _after_losses(6, deaths)
+    flat = torch.arange(layout.numel, dtype=torch.float32)
+    buffers = [torch.cat([flat[lo : lo + n] for lo, n in layout.pieces(r)])
+               for r in range(layout.world)]  # fmt: skip
+    for cut in layer_cuts(layout):
+        layer = torch.full((cut.length,), -1.0)
+        for r, runs in enumerate(cut.local):
+            part = buffers[r][cut.starts[r] : cut.starts[r] + cut.sizes[r]]
+            cursor = 0
+            for lo, n in runs:
+                layer[lo : lo + n] = part[cursor : cursor + n]
+                cursor += n
+        assert torch.equal(layer, flat[cut.offset : cut.offset + cut.length])

@@ -3,6 +3,7 @@ plan change that are easy to state without processes."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 from typing import Any
@@ -21,6 +22,7 @@ from elaswave.runtime.strategies.base import Strategy, mean_gradient, reduction_
 from elaswave.runtime.strategies.replicated import Replicated
 from elaswave.runtime.strategies.select import strategy_for
 from elaswave.runtime.strategies.sharded import Zero1
+from elaswave.runtime.strategies.zero3 import Zero3
 from elaswave.runtime.workload.data import microbatches
 from examples.mlp_classifier import MLPClassifier
 from tests.unit.threadcomm import Hub, ThreadComm, run_ranks
@@ -130,7 +132,24 @@ def _strategy(cfg: JobConfig, comm: ThreadComm, plan: Plan) -> tuple[Strategy, l
         lambda kind, **f: events.append((kind, f)), events.append, lambda phase: None,
         lambda workers: False, plan,
     )  # fmt: skip
-    return strategy_for(ctx, DurableSource(ctx, None)), events
+    strategy = strategy_for(ctx, DurableSource(ctx, None))
+    if isinstance(strategy, Zero3):  # its compute meets the peers: lock each layer call instead
+        state.model.run_layer = _locked(state.model.run_layer)  # type: ignore[method-assign]
+        strategy.shards.initial = _locked(strategy.shards.initial)
+    return strategy, events
+
+
+def _locked(fn: Any) -> Any:
+    def call(*args: Any) -> Any:
+        with COMPUTE:
+            return fn(*args)
+
+    return call
+
+
+def _computing(strategy: Strategy) -> Any:
+    """The lock around a rank's compute (ZeRO-3 locks each layer call: it meets its peers)."""
+    return contextlib.nullcontext() if isinstance(strategy, Zero3) else COMPUTE
 
 
 def _train(strategy: Strategy, steps: int) -> None:
@@ -141,7 +160,7 @@ def _train(strategy: Strategy, steps: int) -> None:
         buf.zero_()
         n = training_samples(len(st.dataset), strategy.ctx.cfg.data.eval_samples)  # as the engine
         every = microbatches(7, step, GLOBAL_BATCH, MICRO, n)
-        with COMPUTE:
+        with _computing(strategy):
             strategy.compute(step, every, buf, 0.0)
         st.tie_gradients(buf[: st.flat.numel])
         strategy.reduce_update(step, buf, lambda: False, lambda: None)
@@ -166,15 +185,16 @@ def _run(world: int, zero: int, steps: int, factory: str = "", **train: Any) -> 
 
 def test_the_strategy_follows_the_config() -> None:
     def body(rank: int, comm: ThreadComm) -> list[type]:
-        return [type(_strategy(_cfg(z), comm, _plan(1))[0]) for z in (0, 1)]
+        return [type(_strategy(_cfg(z), comm, _plan(1))[0]) for z in (0, 1, 3)]
 
-    assert run_ranks(1, body)[0] == [Replicated, Zero1]
+    assert run_ranks(1, body)[0] == [Replicated, Zero1, Zero3]
 
 
-@pytest.mark.parametrize("zero", [0, 1])
+@pytest.mark.parametrize("zero", [0, 1, 3])
 def test_every_rank_ends_with_the_same_state_as_one_rank_alone(zero: int) -> None:
     """A rank's share of the fixed batch never changes the update: 1, 2 and 4 ranks (float64
-    reduction), replicated or ZeRO-1, reach the same whole state bit for bit."""
+    reduction), replicated, ZeRO-1 or ZeRO-3 (layers gathered while they run, recomputed for
+    their backward, gradients reduce-scattered), reach the same whole state bit for bit."""
     alone = _run(1, 0, 3)[0]
     for world in (2, 4):
         wholes = _run(world, zero, 3)
@@ -186,7 +206,7 @@ def test_every_rank_ends_with_the_same_state_as_one_rank_alone(zero: int) -> Non
 COUNTING = "tests.unit.test_strategies:counts_some_labels"
 
 
-@pytest.mark.parametrize("zero", [0, 1])
+@pytest.mark.parametrize("zero", [0, 1, 3])
 def test_a_loss_that_counts_terms_is_a_mean_over_the_whole_batch(zero: int) -> None:
     """Micro-batches that count different numbers of terms: 1, 2 and 4 ranks still reach the
     same state bit for bit (the count is reduced with the gradient, divided once)."""
@@ -239,14 +259,13 @@ def _copies(world: int, zero: int, steps: int, tie: bool = True) -> list[torch.T
         strategy.sync(plan, lambda: False)
         _train(strategy, steps)
         (a, b), *_ = st.workload.tied()
-        return torch.stack(
-            [st.flat.data[st.model.param_slice(a)], st.flat.data[st.model.param_slice(b)]]
-        )
+        params = strategy.whole(lambda: False).params  # ZeRO-3: gathered from the shards
+        return torch.stack([params[st.model.param_slice(a)], params[st.model.param_slice(b)]])
 
     return run_ranks(world, body)
 
 
-@pytest.mark.parametrize("zero", [0, 1])
+@pytest.mark.parametrize("zero", [0, 1, 3])
 def test_tied_copies_stay_identical(zero: int) -> None:
     """Both copies of a tied weight get the whole weight's gradient: identical after every step
     on 1, 2 and 4 ranks, and the same on every rank count; untied, they drift apart."""
@@ -263,10 +282,10 @@ def test_tied_copies_stay_identical(zero: int) -> None:
 CLIPPED = {"grad_clip": 0.05, "lr_schedule": "cosine", "warmup_steps": 1, "min_lr": 1e-4}
 
 
-@pytest.mark.parametrize("zero", [0, 1])
+@pytest.mark.parametrize("zero", [0, 1, 3])
 def test_clipping_and_a_schedule_keep_every_share_bit_identical(zero: int) -> None:
     """The clip factor comes from the whole model's mean gradient in flat order, the rate from
-    the step alone: 1, 2 and 4 ranks, replicated or ZeRO-1, still reach the same bits."""
+    the step alone: 1, 2 and 4 ranks, replicated, ZeRO-1 or ZeRO-3, still reach the same bits."""
     alone = _run(1, 0, 3, **CLIPPED)[0]
     for world in (2, 4):
         assert all(torch.equal(w, alone) for w in _run(world, zero, 3, **CLIPPED))
@@ -288,7 +307,7 @@ def _norms(world: int, zero: int, stream: bool, **train: Any) -> list[float | No
     return run_ranks(world, body)
 
 
-@pytest.mark.parametrize("zero", [0, 1])
+@pytest.mark.parametrize("zero", [0, 1, 3])
 def test_rank_0_measures_the_global_gradient_norm_for_a_stream(zero: int) -> None:
     """With a stream to report to, rank 0 takes the global norm of the batch's mean gradient
     (before clipping: what torch's clip_grad_norm_ returns): the same number on 1, 2 and 4
@@ -323,7 +342,7 @@ SGD_GROUPS = {
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("zero", [0, 1])
+@pytest.mark.parametrize("zero", [0, 1, 3])
 def test_sgd_and_parameter_groups_keep_every_share_bit_identical(zero: int) -> None:
     """SGD with momentum and per-parameter weight decay (a group by name, biases exempt): each
     rank's share of the update, replicated or a ZeRO-1 shard, gives the same bits as one rank."""
@@ -336,7 +355,7 @@ def test_sgd_and_parameter_groups_keep_every_share_bit_identical(zero: int) -> N
 
 
 def test_the_held_out_loss_is_the_same_bits_on_any_number_of_ranks() -> None:
-    """Evaluation after 2 steps: 1, 2, 3 and 4 ranks (replicated or ZeRO-1) report the same
+    """Evaluation after 2 steps: 1, 2, 3 and 4 ranks (replicated, ZeRO-1 or ZeRO-3) report the same
     held-out loss bit for bit: the mean over the held-out samples of the model in eval mode
     (dropout off)."""
     held = 20
@@ -359,7 +378,8 @@ def test_the_held_out_loss_is_the_same_bits_on_any_number_of_ranks() -> None:
         return losses[0]
 
     alone = body(1, 0)
-    assert all(body(w, z) == alone for w, z in ((2, 0), (3, 0), (4, 0), (2, 1), (4, 1)))
+    cases = ((2, 0), (3, 0), (4, 0), (2, 1), (4, 1), (1, 3), (3, 3), (4, 3))
+    assert all(body(w, z) == alone for w, z in cases)
     # The same number from the trained model directly, in eval mode.
     cfg = _cfg()
     cfg.data.eval_samples = held
@@ -381,7 +401,7 @@ def test_the_held_out_loss_is_the_same_bits_on_any_number_of_ranks() -> None:
     assert abs(run_ranks(1, direct)[0] - alone) <= 1e-12 * abs(alone)
 
 
-@pytest.mark.parametrize("zero", [0, 1])
+@pytest.mark.parametrize("zero", [0, 1, 3])
 def test_bf16_autocast_keeps_every_share_bit_identical(zero: int) -> None:
     """Layers under bf16 autocast compute each micro-batch the same on any rank; the float32
     master weights, the reduction and the update keep 1, 2 and 4 ranks at the same bits."""

@@ -6,27 +6,51 @@ The protocol runs against a real template process; the daemon side runs in a chi
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
-from elaswave.daemon.template import preloads
+from elaswave.daemon.template import Template, preloads
 from elaswave.runtime.device import Accelerators, may_have_accelerators, probe_for
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize(
-    ("source", "modules"),
-    [("gpt", []), ("module", []), ("hf", ["elaswave.runtime.workload.hf"])],
+    ("source", "zero", "modules"),
+    [
+        ("gpt", 0, []),
+        ("module", 1, []),
+        ("hf", 0, ["elaswave.runtime.workload.hf"]),
+        ("gpt", 3, ["torch.fx.experimental.symbolic_shapes"]),
+        ("hf", 3, ["elaswave.runtime.workload.hf", "torch.fx.experimental.symbolic_shapes"]),
+    ],
 )
-def test_preloads_follow_the_workload_source(source: str, modules: list[str]) -> None:
-    assert preloads(source) == modules
+def test_preloads_follow_the_workload_source(source: str, zero: int, modules: list[str]) -> None:
+    assert preloads(source, zero) == modules
+
+
+def test_configure_asks_the_template_for_the_jobs_preloads(tmp_path: Path) -> None:
+    """A template started before the job is known is told its log, then what to import."""
+    stdin = io.BytesIO()
+    early = tmp_path / "early.log"
+    early.touch()
+    template = Template(SimpleNamespace(stdin=stdin), early)  # type: ignore[arg-type]
+    template.configure(model_source="hf", log_path=tmp_path / "run" / "template.log",
+                       device_env={}, zero=3)  # fmt: skip
+    sent = [json.loads(line) for line in stdin.getvalue().splitlines()]
+    assert sent == [
+        {"op": "log", "path": str(tmp_path / "run" / "template.log")},
+        {"op": "preload", "modules": preloads("hf", 3)},
+    ]
+    assert template.log_path == tmp_path / "run" / "template.log" and not early.exists()
 
 
 @pytest.mark.parametrize(

@@ -33,6 +33,7 @@ class ThreadComm:
 
     broadcast_json = Communicator.broadcast_json
     device = torch.device("cpu")
+    backend = "gloo"
 
     def __init__(self, hub: Hub, rank: int) -> None:
         self.hub, self.me = hub, rank
@@ -77,6 +78,38 @@ class ThreadComm:
         self, name: str, tensor: torch.Tensor, root: int, abort: Callable[[], bool]
     ) -> None:
         tensor.copy_(self._meet(tensor.clone())[root])
+
+    def reduce_scatter(
+        self, name: str, parts: list[torch.Tensor], out: torch.Tensor, abort: Callable[[], bool]
+    ) -> None:
+        every = self._meet([p.clone() for p in parts])
+        total = every[0][self.me].clone()
+        for theirs in every[1:]:
+            total += theirs[self.me]
+        out.copy_(total)
+
+    # Posted collectives run at once (every rank posts the same ones in the same order).
+    def start_allgather(
+        self, name: str, out: torch.Tensor, part: torch.Tensor, abort: Callable[[], bool]
+    ) -> object:
+        self.allgather_into(name, out, part, abort)
+        return object()
+
+    def start_reduce_scatter(
+        self, name: str, parts: list[torch.Tensor], out: torch.Tensor, abort: Callable[[], bool]
+    ) -> object:
+        self.reduce_scatter(name, parts, out, abort)
+        return object()
+
+    def start_allreduce(self, name: str, tensor: torch.Tensor, abort: Callable[[], bool]) -> object:
+        self.allreduce(name, tensor, abort)
+        return object()
+
+    def wait(self, started: list[object], abort: Callable[[], bool]) -> None:
+        pass
+
+    def abandon(self, started: list[object]) -> None:
+        pass
 
     def exchange(
         self,

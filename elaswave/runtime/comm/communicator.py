@@ -40,13 +40,31 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from elaswave.runtime.comm.backends import (
+    DEVICE_POLL_S,
+    accelerator_group,
+    completed_by,
+    finished,
+    said_count,
+    shrink_exclusions,
+    shrinkable,
+)
 from elaswave.runtime.comm.staging import StagedGroup
 from elaswave.runtime.device import backend_for, stages_through_host
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
-DEVICE_POLL_S = 0.0005  # how often an accelerator's work is checked for completion
+__all__ = [
+    "CommError",
+    "Communicator",
+    "GroupStats",
+    "Interrupted",
+    "Pending",
+    "accelerator_group",
+    "shrink_exclusions",
+    "shrinkable",
+]
 
 
 class CommError(RuntimeError):
@@ -89,6 +107,9 @@ class _Group:
             return -1
         return self.collectives
 
+
+# A collective posted and not yet waited for: its group, its work, what it is (for errors).
+Pending = tuple[_Group, dist.Work, str]
 
 # (wake event registration, abort predicate): supplied by the engine from its control channel.
 Waker = Callable[[threading.Event], Callable[[], None]]
@@ -244,8 +265,8 @@ class Communicator:
                         shrink[name] = can_shrink[name]
                 elif (
                     len(said) == 1
-                    and _count(min(said)) >= 0
-                    and _finished(g.pending, poll=self.backend != "gloo")
+                    and said_count(min(said)) >= 0
+                    and finished(g.pending, poll=self.backend != "gloo")
                 ):
                     keep.add(name)
             return keep, shrink
@@ -439,6 +460,40 @@ class Communicator:
         """Concatenate every rank's equally sized ``part`` into ``out`` (rank order)."""
         self._collective("allgather", name, abort, lambda pg: pg._allgather_base(out, part))
 
+    def start_allgather(
+        self, name: str, out: torch.Tensor, part: torch.Tensor, abort: Callable[[], bool]
+    ) -> Pending:
+        """Post :meth:`allgather_into` and return at once (the work runs in the backend while
+        this thread computes); :meth:`wait` for it."""
+        self._not_aborted(abort, f"allgather on {name!r}")
+        return self._issue(name, f"allgather on {name!r}", lambda pg: pg._allgather_base(out, part))
+
+    def start_reduce_scatter(
+        self, name: str, parts: list[torch.Tensor], out: torch.Tensor, abort: Callable[[], bool]
+    ) -> Pending:
+        """Post :meth:`reduce_scatter` and return at once; :meth:`wait` for it."""
+        self._not_aborted(abort, f"reduce_scatter on {name!r}")
+        return self._issue(
+            name, f"reduce_scatter on {name!r}", lambda pg: pg.reduce_scatter([out], [parts])
+        )
+
+    def start_allreduce(
+        self, name: str, tensor: torch.Tensor, abort: Callable[[], bool]
+    ) -> Pending:
+        """Post :meth:`allreduce` and return at once; :meth:`wait` for it."""
+        self._not_aborted(abort, f"allreduce on {name!r}")
+        return self._issue(name, f"allreduce on {name!r}", lambda pg: pg.allreduce([tensor]))
+
+    def wait(self, started: list[Pending], abort: Callable[[], bool]) -> None:
+        """Wait for posted collectives, in order (interruptibly, like every collective)."""
+        self._await_all(list(started), abort)
+
+    def abandon(self, started: list[Pending]) -> None:
+        """Posted collectives nobody will wait for (the step was dropped): noted on their groups,
+        which are agreed on again before reuse (see :meth:`configure`)."""
+        for group, work, _ in started:
+            group.pending.append(work)
+
     def exchange(
         self,
         name: str,
@@ -580,7 +635,7 @@ class Communicator:
             return
         done, wake = threading.Event(), threading.Event()
 
-        def finished(_: object) -> None:
+        def on_done(_: object) -> None:
             done.set()
             wake.set()
 
@@ -589,7 +644,7 @@ class Communicator:
         except RuntimeError:  # point-to-point work has no future in gloo
             self._wait_in_thread([work], abort, what)
             return
-        future.add_done_callback(finished)
+        future.add_done_callback(on_done)
         self._wait(done.is_set, wake, abort, self.collective_timeout, what)
         self._call(what, work.wait)
 
@@ -608,7 +663,7 @@ class Communicator:
         the collective timeout (then :class:`CommError`: the next plan voids the migration)."""
         deadline = time.monotonic() + self.collective_timeout
         for work in works:
-            if self.backend != "gloo" and not _completed_by(work, deadline):
+            if self.backend != "gloo" and not completed_by(work, deadline):
                 raise CommError(f"point-to-point work timed out after {self.collective_timeout:g}s")
             work.wait()
 
@@ -666,77 +721,6 @@ class Communicator:
                 wake.clear()
         finally:
             unregister()
-
-
-def _finished(works: list[dist.Work], *, poll: bool, timeout: float = 60.0) -> bool:
-    """Wait for collectives every member issued; whether all completed. (One that fails leaves
-    this rank rebuilding a group its peers keep: their next collective on it times out, and
-    the plan after that rebuilds it everywhere.) ``poll``: an accelerator's ``wait()`` returns
-    once the work is queued, so its device event is polled until it completes (or
-    ``timeout``)."""
-    deadline = time.monotonic() + timeout
-    try:
-        for work in works:
-            if poll and not _completed_by(work, deadline):
-                return False
-            work.wait()
-    except Exception:
-        return False
-    return True
-
-
-def _completed_by(work: dist.Work, deadline: float) -> bool:
-    """Poll an accelerator's ``work`` until its device event completes; False at ``deadline``
-    (``time.monotonic()``)."""
-    while not work.is_completed():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(DEVICE_POLL_S)
-    return True
-
-
-def _count(said: str) -> int:
-    """A member's collective count as the agreement exchange carries it (-1: cannot keep)."""
-    try:
-        return int(said)
-    except ValueError:
-        return -1
-
-
-def shrink_exclusions(old: tuple[str, ...], new: tuple[str, ...]) -> list[int] | None:
-    """The ranks of ``old`` a shrink excludes to get ``new``, when ``new`` is ``old`` without
-    some members, the rest in the same order (a shrink renumbers the survivors in order);
-    ``None`` when it is not (a member added, reordered, or none removed)."""
-    if len(new) >= len(old) or not new:
-        return None
-    kept = [i for i, m in enumerate(old) if m in set(new)]
-    if [old[i] for i in kept] != list(new):
-        return None
-    return [i for i in range(len(old)) if i not in set(kept)]
-
-
-def shrinkable(pg: Any) -> bool:
-    """Whether the backend can shrink this communicator in place (found at run time: NCCL
-    2.27 and a PyTorch whose ProcessGroupNCCL has ``shrink``). ``elaswave doctor`` asks it too."""
-    return bool(getattr(pg, "supports_shrinking", False)) and hasattr(pg, "shrink")
-
-
-def accelerator_group(
-    backend: str, store: dist.Store, rank: int, size: int, timeout: datetime.timedelta
-) -> Any:
-    """A process group of ``backend`` (nccl, or hccl through torch_npu) over ``store``."""
-    if backend == "nccl":
-        opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = timeout
-        return dist.ProcessGroupNCCL(store, rank, size, opts)
-    if backend == "hccl":  # Ascend: torch_npu registers it (untested without the hardware)
-        import importlib
-
-        c10d = importlib.import_module("torch_npu._C._distributed_c10d")
-        opts = c10d.ProcessGroupHCCL.Options()
-        opts._timeout = timeout
-        return c10d.ProcessGroupHCCL(store, rank, size, opts)
-    raise ValueError(f"no process group for backend {backend!r}")
 
 
 def _numbered(items: list[tuple[int, torch.Tensor]]) -> list[tuple[int, torch.Tensor, int]]:

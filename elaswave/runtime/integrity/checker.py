@@ -47,6 +47,7 @@ class Integrity:
         self.faults = faults
         self.every = ctx.cfg.verify_every
         self.good: KnownGood | None = None  # the whole state after the last clean check
+        self._good_key: object = None  # the layout it fits (None: the whole state fits any)
         self._seal: int | None = None  # CRC of the parameters as last committed
         self._tainted = False  # they changed at rest since
 
@@ -62,9 +63,13 @@ class Integrity:
         return self._seal is not None and fast_checksum(self.strategy.computes_with()) != self._seal
 
     def after_apply(self) -> None:
-        """A plan is in force; at step 0 every rank built the same state: it is known good."""
+        """A plan is in force; at step 0 every rank built the same state: it is known good. A
+        known-good shard of a layout the plan changed is void (no rank keeps one then: a check
+        that finds something before the next clean one repairs in place, without a rollback)."""
         if self.every and self.ctx.state.step == 0:
             self.capture_good(0)
+        elif self.good is not None and self._good_key != self.strategy.layout_key():
+            self.good = None
 
     def after_commit(self, step: int) -> bool:
         """Corruption faults due at ``step`` land; on a check step, the check. True when every
@@ -119,8 +124,9 @@ class Integrity:
     def capture_good(self, step: int) -> None:
         """Every rank keeps the whole state of ``step`` (a collective: ZeRO gathers the moments,
         pipelines assemble the layers)."""
-        whole = self.strategy.whole(self.ctx.broken).copy()
+        whole = self.strategy.known_good(self.ctx.broken)
         self.good = KnownGood(step, self.ctx.state.last_loss, whole)
+        self._good_key = self.strategy.layout_key()
         self._tainted = False
 
     def _roll_back(self, step: int, target: int, source: int, kept: list[int]) -> None:

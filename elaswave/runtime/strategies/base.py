@@ -214,14 +214,16 @@ class Strategy(ABC):
 
     def memory(self) -> dict[str, int]:
         """Bytes this rank holds, by purpose: parameters, gradients (the engine adds its
-        reduction buffer), optimizer state, and copies kept for recovery (``replica_bytes``:
-        ZeRO replica pieces of peers' shards, a pipeline's pre-update copies)."""
+        reduction buffer), optimizer state, copies kept for recovery (``replica_bytes``: ZeRO
+        replica pieces of peers' shards, a pipeline's pre-update copies), and the most bytes of
+        whole layers gathered at once during a step (``gathered_bytes``: ZeRO-3 only)."""
         st = self.state
         return {
             "param_bytes": nbytes(st.flat.data),
             "grad_bytes": nbytes(st.flat.grad),
             "optimizer_bytes": nbytes(st.opt.exp_avg, st.opt.exp_avg_sq),
             "replica_bytes": 0,
+            "gathered_bytes": 0,
         }
 
     # ---- whole state: integrity and durability ------------------------------------------------
@@ -271,6 +273,17 @@ class Strategy(ABC):
     def computes_with(self) -> torch.Tensor:
         """The parameters this rank computes with (what the seal's CRC covers)."""
         return self.state.flat.data
+
+    def known_good(self, broken: Callable[[], bool]) -> torch.Tensor:
+        """What this rank keeps of a state a check found clean, [params | exp_avg | exp_avg_sq]
+        (a collective): the whole state, which fits any later layout. :meth:`roll_back` takes it
+        back in three equal parts."""
+        return self.whole(broken).copy()
+
+    def layout_key(self) -> Any:
+        """What a kept known-good state depends on: None for the whole state; a strategy that
+        keeps only its shard names its layout, and a plan that changes it voids the state."""
+        return None
 
     @abstractmethod
     def corrupt_target(self, target: str) -> tuple[torch.Tensor, str]:

@@ -8,6 +8,7 @@ from elaswave.runtime.strategies.base import Strategy
 from elaswave.runtime.strategies.pipeline.strategy import PipelineStages
 from elaswave.runtime.strategies.replicated import Replicated
 from elaswave.runtime.strategies.sharded import Zero1
+from elaswave.runtime.strategies.zero3 import Zero3
 
 if TYPE_CHECKING:
     from elaswave.runtime.durable.restore import DurableSource
@@ -17,10 +18,12 @@ __all__ = ["strategy_for"]
 
 
 def strategy_for(ctx: RankContext, durable: DurableSource) -> Strategy:
-    """Pipeline stages (replicated or ZeRO stage state) when ``pp > 1``; else ZeRO-1 or
-    replicated data parallelism."""
+    """Pipeline stages (replicated or ZeRO stage state) when ``pp > 1``; else ZeRO-3, ZeRO-1
+    or replicated data parallelism."""
     if ctx.cfg.pp > 1:
         return PipelineStages(ctx, durable)
+    if ctx.cfg.zero == 3:
+        return Zero3(ctx, durable)
     if ctx.cfg.zero:
         return Zero1(ctx, durable)
     return Replicated(ctx, durable)

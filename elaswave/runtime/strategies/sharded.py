@@ -32,9 +32,13 @@ class Zero1(Replicated):
 
     def __init__(self, ctx: RankContext, durable: DurableSource) -> None:
         super().__init__(ctx, durable)
-        st = ctx.state
-        self.zero = ZeroState(st.flat, st.opt.hyper, st.segments)
+        self.zero = self.make_shards()
         self.zero.snapshot_every = ctx.cfg.snapshot_every
+
+    def make_shards(self) -> ZeroState:
+        """The shard state (ZeRO-3's carries the parameters too)."""
+        st = self.state
+        return ZeroState(st.flat, st.opt.hyper, st.segments)
 
     def reduce_update(
         self,

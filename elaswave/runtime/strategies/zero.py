@@ -42,64 +42,21 @@ from elaswave.planning.shards import (
     held_by,
     holdings,
     next_layout,
+    overlaps,
     place_replicas,
     plan_transfers,
+    position,
     promoted,
     recovery_stats,
 )
 from elaswave.runtime.comm.communicator import Communicator
 from elaswave.runtime.integrity.checksums import fast_checksum
 from elaswave.runtime.optim import FlatOptimizer, FlatParams, OptimHyper, clip_and_norm
+from elaswave.runtime.strategies.shard import Shard, ShardLost, Staged
+
+__all__ = ["Shard", "ShardLost", "Staged", "ZeroState"]
 
 DP = "dp"
-
-
-class ShardLost(RuntimeError):
-    """Both copies of (part of) a shard are gone (an owner and a replica holder died together)."""
-
-
-@dataclass
-class Shard:
-    """Adam moments of one rank's shard (or of the replica pieces kept of one peer's shard) at
-    one step, with the checksum taken when made (``None``: live state between snapshots)."""
-
-    step: int
-    exp_avg: torch.Tensor
-    exp_avg_sq: torch.Tensor
-    checksum: int | None
-    params: torch.Tensor | None = None  # owned parameter chunk (snapshots K > 1 steps apart)
-
-    @classmethod
-    def of(
-        cls,
-        step: int,
-        exp_avg: torch.Tensor,
-        exp_avg_sq: torch.Tensor,
-        params: torch.Tensor | None = None,
-    ) -> Shard:
-        shard = cls(step, exp_avg, exp_avg_sq, None, params)
-        shard.checksum = fast_checksum(*shard.tensors())
-        return shard
-
-    def tensors(self) -> list[torch.Tensor]:
-        extra = [self.params] if self.params is not None else []
-        return [self.exp_avg, self.exp_avg_sq, *extra]
-
-    def verify(self) -> bool:
-        return self.checksum is None or fast_checksum(*self.tensors()) == self.checksum
-
-    def cut(self, spans: Sequence[Range]) -> list[torch.Tensor]:
-        """Each tensor restricted to buffer positions ``spans`` (concatenated)."""
-        return [torch.cat([t[p : p + n] for p, n in spans]) for t in self.tensors()]
-
-
-@dataclass
-class Staged:
-    step: int
-    params: torch.Tensor  # every rank's updated parameter chunks, rank-major (all-gathered)
-    own: Shard
-    replicas: dict[int, Shard] | None  # None: not a snapshot step
-    reached_barrier: bool = False
 
 
 @dataclass
@@ -122,6 +79,7 @@ class ZeroState:
     replicas: dict[int, Shard] = field(default_factory=dict)  # owner rank -> pieces kept
     staged: Staged | None = None
     index: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
+    groups: torch.Tensor | None = None  # each shard element's weight-decay group (None: one)
     # Gloo's reduce_scatter is slower than its ring all-reduce on CPU (gpt-tiny, 4 workers:
     # 92 vs 79 ms per step), so on gloo the gradient is all-reduced and each rank keeps its part;
     # backends with a fast reduce-scatter (NCCL) set this.
@@ -143,13 +101,15 @@ class ZeroState:
         self.layout, self.workers, self.rank, self.layout_epoch = layout, workers, rank, epoch
         self.hosts = tuple(hosts) if len(hosts) == len(workers) else ()
         self.placement = place_replicas(layout, self.hosts)
-        self.index = layout.gather_index().to(self.flat.data.device)
+        self.index = self._index_of(layout)
         mine = layout.pieces(rank)
+        # each element's weight-decay group: once per layout, not per update
+        self.groups = self.hyper.groups_in(mine, self.size, self.flat.data.device)
         self._send_spans = defaultdict(list)
         self._recv_sizes = defaultdict(int)
         for p in self.placement:
             if p.owner == rank:
-                self._send_spans[p.holder].append((_position(mine, p.offset), p.length))
+                self._send_spans[p.holder].append((position(mine, p.offset), p.length))
             if p.holder == rank:
                 self._recv_sizes[p.owner] += p.length
         for spans in self._send_spans.values():
@@ -168,11 +128,36 @@ class ZeroState:
     def is_snapshot(self, step: int) -> bool:
         return self.snapshot_every > 0 and step % self.snapshot_every == 0
 
+    def _index_of(self, layout: ShardLayout) -> torch.Tensor:
+        """The rank-major gather index of the whole buffer (see ``ShardLayout.gather_index``)."""
+        return layout.gather_index().to(self.flat.data.device)
+
     def _my_index(self) -> torch.Tensor:
         return self.index.view(len(self.workers), self.size)[self.rank]
 
     def _ext(self, flat: torch.Tensor) -> torch.Tensor:
         return torch.cat([flat, flat.new_zeros(1)])
+
+    def _mine(self, whole: torch.Tensor) -> torch.Tensor:
+        """This rank's shard (padded, on the state's device) of a tensor laid out like the
+        whole flat buffer (a checkpoint's is read on the CPU)."""
+        return self._ext(whole.to(self.flat.data.device))[self._my_index()]
+
+    def _fresh_params(self) -> torch.Tensor | None:
+        """The parameter chunk a fresh shard starts from, where the shard carries one."""
+        return self._mine(self.flat.data).clone() if self.keeps_params else None
+
+    def _apply_params(self, staged: Staged) -> None:
+        """At the commit: the replicated parameters take every rank's updated chunk."""
+        live = self._ext(self.flat.data)
+        live.index_copy_(0, self.index, staged.params)  # padding lands in the extra slot
+        self.flat.data.copy_(live[:-1])
+
+    def _rebuilt(self, comm: Communicator, own: Shard, abort: Callable[[], bool]) -> None:
+        """After a reshard to ``own``: the parameters of the resume step from every rank's
+        chunk, where shards carry them (snapshots ``K > 1`` steps apart roll them back)."""
+        if own.params is not None:
+            self.flat.data.copy_(self._gather(comm, own.params, abort))
 
     # ---- one step ---------------------------------------------------------------------------
     def stage(
@@ -213,11 +198,11 @@ class ZeroState:
         if factor < 1.0:  # after the conversion, as replicated data parallelism does
             grad.mul_(factor)
         before_update()
-        param = self._ext(self.flat.data)[self._my_index()].clone()
+        param = self._mine(self.flat.data).clone()
         opt = FlatOptimizer(0, self.hyper)  # update copies of the moments; the live ones stay put
         opt.exp_avg, opt.exp_avg_sq = self.own.exp_avg.clone(), self.own.exp_avg_sq.clone()
         opt.step_count = step - 1
-        opt.step(param, grad, self.hyper.groups_of(self._my_index()))
+        opt.step(param, grad, self.groups)
         gathered = self.flat.data.new_empty(world * size)
         comm.allgather_into(DP, gathered, param, abort)
         if self.is_snapshot(step):
@@ -261,9 +246,7 @@ class ZeroState:
         a snapshot step, the snapshot)."""
         staged = self.staged
         assert staged is not None
-        live = self._ext(self.flat.data)
-        live.index_copy_(0, self.index, staged.params)  # padding lands in the extra slot
-        self.flat.data.copy_(live[:-1])
+        self._apply_params(staged)
         self.own, self.staged = staged.own, None
         if staged.replicas is not None:
             self.snap, self.replicas, self.snap_loss = staged.own, staged.replicas, loss
@@ -310,19 +293,19 @@ class ZeroState:
         abort: Callable[[], bool],
         hosts: tuple[str, ...] = (),
         loss: float = math.nan,
+        params: torch.Tensor | None = None,
     ) -> None:
-        """Take this rank's shard of whole moments (from a durable checkpoint; the parameters
-        are already in place) in a fresh even layout."""
+        """Take this rank's shard of whole moments (from a durable checkpoint) in a fresh even
+        layout; its parameter chunk, where the shard carries one, from ``params`` (default: the
+        replicated parameters, already in place)."""
         self.adopt_layout(
             ShardLayout.even(self.segments, len(workers)), workers, rank, epoch, hosts
         )
-        mine = self._my_index()
-        device = self.flat.data.device  # the checkpoint was read on the CPU
-        exp_avg, exp_avg_sq = exp_avg.to(device), exp_avg_sq.to(device)
-        params = self._ext(self.flat.data)[mine].clone() if self.keeps_params else None
+        whole = self.flat.data if params is None else params
         own = Shard.of(
-            step, self._ext(exp_avg)[mine].clone(), self._ext(exp_avg_sq)[mine].clone(), params
-        )
+            step, self._mine(exp_avg).clone(), self._mine(exp_avg_sq).clone(),
+            self._mine(whole).clone() if self.keeps_params else None,
+        )  # fmt: skip
         self._start_from(comm, own, loss, abort)
 
     def _start_from(
@@ -491,8 +474,8 @@ class ZeroState:
             if h.worker != me:
                 continue
             shard, pieces = sources[(h.owner, h.replica)]
-            for dst_lo, dst_n, dst_pos in _overlaps(new_pieces, h.offset, h.length):
-                src_pos = _position(pieces, dst_lo)
+            for dst_lo, dst_n, dst_pos in overlaps(new_pieces, h.offset, h.length):
+                src_pos = position(pieces, dst_lo)
                 for t, src in zip(out, shard.tensors(), strict=True):
                     t[dst_pos : dst_pos + dst_n] = src[src_pos : src_pos + dst_n]
         sends, recvs, unpack = self._pack(moves, me, found, sources, nt)
@@ -507,14 +490,13 @@ class ZeroState:
         for src, ranges in unpack.items():
             buf, cursor = recv_buffers[src], 0
             for lo, n in ranges:
-                pos = _position(new_pieces, lo)
+                pos = position(new_pieces, lo)
                 for t in out:
                     t[pos : pos + n] = buf[cursor : cursor + n]
                     cursor += n
         self.adopt_layout(new_layout, new_workers, new_rank, epoch, new_hosts)
         own = Shard.of(resume_step, *out)
-        if own.params is not None:  # the rollback's parameters, from every rank's chunk
-            self.flat.data.copy_(self._gather(comm, own.params, abort))
+        self._rebuilt(comm, own, abort)
         self._start_from(comm, own, self.snap_loss, abort)
         stats = recovery_stats(
             moves, promoted(found, new_layout, new_workers), element_bytes=4 * nt
@@ -537,7 +519,7 @@ class ZeroState:
             ShardLayout.even(self.segments, len(workers)), workers, rank, epoch, hosts
         )
         zeros = self.flat.data.new_zeros(self.size)
-        params = self._ext(self.flat.data)[self._my_index()].clone() if self.keeps_params else None
+        params = self._fresh_params()
         self._start_from(
             comm, Shard.of(resume_step, zeros.clone(), zeros.clone(), params), math.nan, abort
         )
@@ -620,31 +602,10 @@ class ZeroState:
             if mv.src == me:
                 h = next(h for h in mine if h.offset <= mv.offset < h.offset + h.length)
                 shard, pieces = sources[(h.owner, h.replica)]
-                pos = _position(pieces, mv.offset)
+                pos = position(pieces, mv.offset)
                 outgoing[mv.dst] += [t[pos : pos + mv.length] for t in shard.tensors()]
             if mv.dst == me:
                 recv_sizes[mv.src] += nt * mv.length
                 unpack[mv.src].append((mv.offset, mv.length))
         sends = {dst: torch.cat(parts) for dst, parts in outgoing.items()}
         return sends, dict(recv_sizes), dict(unpack)
-
-
-def _position(pieces: list[tuple[int, int]], flat_offset: int) -> int:
-    """Index in a shard buffer of ``flat_offset`` (which lies inside one of ``pieces``)."""
-    cursor = 0
-    for lo, n in pieces:
-        if lo <= flat_offset < lo + n:
-            return cursor + flat_offset - lo
-        cursor += n
-    raise ValueError(f"offset {flat_offset} is not in this shard")
-
-
-def _overlaps(pieces: list[tuple[int, int]], lo: int, n: int) -> list[tuple[int, int, int]]:
-    """Parts of ``[lo, lo+n)`` inside ``pieces``: (flat_lo, length, shard position)."""
-    out, cursor = [], 0
-    for plo, pn in pieces:
-        a, b = max(plo, lo), min(plo + pn, lo + n)
-        if b > a:
-            out.append((a, b - a, cursor + a - plo))
-        cursor += pn
-    return out

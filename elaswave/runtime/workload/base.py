@@ -36,6 +36,7 @@ __all__ = [
     "build_layer",
     "build_layers",
     "call_layer",
+    "hollow",
     "layer_seed",
 ]
 
@@ -188,15 +189,31 @@ def build_layer(workload: Workload, seed: int, index: int) -> nn.Module:
         return workload.build_layer(index, seed)
 
 
-def build_layers(workload: Workload, seed: int, keep: range | None = None) -> KeyedLayers:
+def build_layers(
+    workload: Workload, seed: int, keep: range | None = None, *, shells: bool = False
+) -> KeyedLayers:
     """Every layer of ``workload`` (:func:`build_layer`). With ``keep``, the layers outside it
     are moved to the meta device as soon as they are built: they keep their shapes (the flat
-    layout of the whole model) and hold no memory."""
+    layout of the whole model) and hold no memory. ``shells``: only their parameters are
+    (:func:`hollow`), their buffers stay."""
     layers = []
     for index in range(workload.num_layers):
         layer = build_layer(workload, seed, index)
-        layers.append(layer if keep is None or index in keep else layer.to("meta"))
+        if keep is not None and index not in keep:
+            layer = hollow(layer) if shells else layer.to("meta")
+        layers.append(layer)
     return KeyedLayers(layers, seed=seed)
+
+
+def hollow(layer: nn.Module) -> nn.Module:
+    """``layer`` with its trainable parameters on the meta device (their shapes kept, no memory)
+    and its buffers (rotary tables, masks: small, and not rebuilt cheaply) and frozen parameters
+    kept as they are: a shell that ZeRO-3 fills with gathered parameters while the layer runs."""
+    for module in layer.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None and p.requires_grad and p.device.type != "meta":
+                module._parameters[name] = nn.Parameter(p.detach().to("meta"), p.requires_grad)
+    return layer
 
 
 class KeyedLayers(nn.Module):

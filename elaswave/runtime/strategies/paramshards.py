@@ -1,0 +1,230 @@
+"""ZeRO-3's shard state: ZeRO-1's shards (:class:`~elaswave.runtime.strategies.zero.ZeroState`)
+that always carry their parameter chunk, because no rank holds the parameters whole.
+
+Rank ``r`` owns its ranges of every layer (the same interleaved, world-size-independent layout as
+ZeRO-1, :mod:`elaswave.planning.shards`): the parameters there, their optimizer moments, and,
+during a step, their gradient sums. So everything ZeRO-1 does with a shard holds for the
+parameters too: a snapshot step sends each peer its piece of the staged shard (parameters and
+moments, one checksum), recovery promotes the pieces survivors keep (nothing crosses the
+network), joiners receive disjoint transfers, corrupt copies are repaired from the other copy.
+What differs is the step: the gradient arrives already reduced, a layer at a time, from the
+layer-wise data path (:mod:`~elaswave.runtime.strategies.gather`); the update stages the
+shard's parameters and moments and nothing is gathered afterwards (the next forward gathers each
+layer as it needs it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from elaswave.planning.shards import LayerCut, ShardLayout, layer_cuts, overlaps
+from elaswave.runtime.comm.communicator import Communicator
+from elaswave.runtime.durable.checkpoints import Piece
+from elaswave.runtime.optim import FlatOptimizer, clip_scale, global_norm
+from elaswave.runtime.strategies.shard import Shard, Staged
+from elaswave.runtime.strategies.zero import DP, ZeroState
+
+__all__ = ["ParamShards"]
+
+Initial = Callable[[int], torch.Tensor]  # layer index -> its initial trainable parameters, flat
+
+
+@dataclass
+class ParamShards(ZeroState):
+    """One rank's ZeRO-3 state. ``initial`` builds a layer's initial parameters (a fresh start
+    takes this rank's chunk of each, one layer at a time); ``cuts`` say where every rank's part
+    of each layer lies in its buffer (see :func:`~elaswave.planning.shards.layer_cuts`)."""
+
+    initial: Initial | None = None
+    cuts: tuple[LayerCut, ...] = ()
+
+    @property
+    def keeps_params(self) -> bool:
+        return True
+
+    @property
+    def params(self) -> torch.Tensor:
+        """The parameter chunk this rank computes with (its live shard's)."""
+        assert self.own is not None and self.own.params is not None
+        return self.own.params
+
+    # ---- what ZeRO-1 does with replicated parameters, for sharded ones -------------------------
+    def _index_of(self, layout: ShardLayout) -> torch.Tensor:
+        """No whole-model index (it would cost 8 bytes per parameter): per-layer cuts."""
+        self.cuts = layer_cuts(layout)
+        return torch.zeros(0, dtype=torch.long, device=self.flat.data.device)
+
+    def _mine(self, whole: torch.Tensor) -> torch.Tensor:
+        assert self.layout is not None
+        out = torch.zeros(self.size, dtype=whole.dtype, device=whole.device)
+        cursor = 0
+        for lo, n in self.layout.pieces(self.rank):
+            out[cursor : cursor + n] = whole[lo : lo + n]
+            cursor += n
+        return out.to(self.flat.data.device)
+
+    def _fresh_params(self) -> torch.Tensor:
+        """This rank's chunk of the initial parameters, from each layer built alone."""
+        assert self.initial is not None
+        out = self.flat.data.new_zeros(self.size)
+        for i, cut in enumerate(self.cuts):
+            if not cut.sizes[self.rank]:
+                continue
+            layer = self.initial(i).to(out.device)
+            cursor = cut.starts[self.rank]
+            for lo, n in cut.local[self.rank]:
+                out[cursor : cursor + n] = layer[lo : lo + n]
+                cursor += n
+        return out
+
+    def _apply_params(self, staged: Staged) -> None:
+        """Nothing to gather: the staged shard carries the parameters."""
+
+    def _rebuilt(self, comm: Communicator, own: Shard, abort: Callable[[], bool]) -> None:
+        """Nothing to gather: the reshard moved the parameter chunks with the moments."""
+
+    def _gather(
+        self, comm: Communicator, part: torch.Tensor, abort: Callable[[], bool]
+    ) -> torch.Tensor:
+        """A shard-laid-out tensor of every rank, whole in flat order (a layer at a time)."""
+        assert self.layout is not None
+        out = part.new_empty(self.layout.numel)
+        for cut in self.cuts:
+            out[cut.offset : cut.offset + cut.length] = self.gather_layer(comm, part, cut, abort)
+        return out
+
+    def gather_layer(
+        self, comm: Communicator, part: torch.Tensor, cut: LayerCut, abort: Callable[[], bool]
+    ) -> torch.Tensor:
+        """Layer ``cut``'s elements of a shard-laid-out tensor, from every rank's part."""
+        world, pad = len(self.workers), cut.pad
+        mine = part.new_zeros(pad)
+        start, size = cut.starts[self.rank], cut.sizes[self.rank]
+        mine[:size] = part[start : start + size]
+        gathered = part.new_empty(world * pad)
+        comm.allgather_into(DP, gathered, mine, abort)
+        return unpack_layer(gathered, cut)
+
+    # ---- one step -------------------------------------------------------------------------------
+    def layer_sumsq(
+        self, mean: torch.Tensor, ties: Sequence[tuple[slice, slice]] = ()
+    ) -> torch.Tensor:
+        """This rank's part of each layer's squared gradient norm (float64; the second copy of a
+        tied weight left out, as :func:`~elaswave.runtime.optim.layer_sumsq` does): summed over
+        the ranks, the squares the global norm is taken from."""
+        assert self.layout is not None
+        sq = torch.zeros(len(self.cuts), dtype=torch.float64, device=mean.device)
+        for i, cut in enumerate(self.cuts):
+            start, size = cut.starts[self.rank], cut.sizes[self.rank]
+            if size:
+                part = mean[start : start + size]
+                sq[i] = torch.linalg.vector_norm(part, dtype=torch.float64).square()
+        starts = [cut.offset for cut in self.cuts]
+        pieces = self.layout.pieces(self.rank)
+        for _, b in ties:
+            i = max(k for k, s in enumerate(starts) if s <= b.start)
+            for _, n, pos in overlaps(pieces, b.start, b.stop - b.start):
+                sq[i] -= torch.linalg.vector_norm(mean[pos : pos + n], dtype=torch.float64).square()
+        return sq
+
+    def stage3(
+        self,
+        comm: Communicator,
+        grads: torch.Tensor,
+        step: int,
+        count: float,
+        abort: Callable[[], bool],
+        before_update: Callable[[], None],
+        clip: tuple[float, Sequence[tuple[slice, slice]]] = (0.0, ()),
+        measure: bool = False,
+    ) -> float | None:
+        """Stage the update of this rank's shard from ``grads`` (its part of the batch's
+        gradient sums, reduced; divided here by the batch's ``count``) and, on a snapshot step,
+        replicate it. Clipping (``clip``: max norm and ties) and ``measure`` take the global norm
+        from every rank's per-layer squares (an all-reduce: every rank asks, or none). Returns
+        the norm (None unless asked)."""
+        assert self.own is not None and self.own.params is not None
+        max_norm, ties = clip
+        mean = grads.div_(count)
+        norm, factor = None, 1.0
+        if max_norm or measure:
+            squares = self.layer_sumsq(mean, ties)
+            comm.allreduce(DP, squares, abort)
+            norm = global_norm(squares)
+            if max_norm:
+                factor = clip_scale(norm, max_norm)
+        grad = mean if mean.dtype == torch.float32 else mean.to(torch.float32)
+        if factor < 1.0:  # after the conversion, as replicated data parallelism does
+            grad.mul_(factor)
+        before_update()
+        param = self.own.params.clone()
+        opt = FlatOptimizer(0, self.hyper)  # update copies: the live shard stays put
+        opt.exp_avg, opt.exp_avg_sq = self.own.exp_avg.clone(), self.own.exp_avg_sq.clone()
+        opt.step_count = step - 1
+        opt.step(param, grad, self.groups)
+        if self.is_snapshot(step):
+            own = Shard.of(step, opt.exp_avg, opt.exp_avg_sq, param)
+            self.staged = Staged(step, param, own, None)
+            self.staged.replicas = self._replicate(comm, own, abort)
+        else:
+            own = Shard(step, opt.exp_avg, opt.exp_avg_sq, None, param)
+            self.staged = Staged(step, param, own, None)
+        return norm
+
+    def take(
+        self,
+        comm: Communicator,
+        step: int,
+        params: torch.Tensor,
+        exp_avg: torch.Tensor,
+        exp_avg_sq: torch.Tensor,
+        loss: float,
+        abort: Callable[[], bool],
+    ) -> None:
+        """This rank's shard of the current layout, as kept earlier (a known-good state): the
+        live state and the snapshot again, its replica pieces sent to the peers."""
+        if params.numel() != self.size:
+            raise ValueError(f"a shard of {params.numel()} elements for one of {self.size}")
+        own = Shard.of(step, exp_avg.clone(), exp_avg_sq.clone(), params.clone())
+        self._start_from(comm, own, loss, abort)
+
+    # ---- durability -----------------------------------------------------------------------------
+    def pieces(self) -> list[Piece]:
+        """The flat intervals this rank owns with their parameters and moments (what it writes
+        of a durable checkpoint: the ranks' pieces tile the model)."""
+        assert self.layout is not None and self.own is not None
+        out, cursor = [], 0
+        for lo, n in self.layout.pieces(self.rank):
+            span = slice(cursor, cursor + n)
+            own = self.own
+            assert own.params is not None
+            out.append((lo, lo + n, own.params[span], own.exp_avg[span], own.exp_avg_sq[span]))
+            cursor += n
+        return out
+
+
+def unpack_layer(gathered: torch.Tensor, cut: LayerCut) -> torch.Tensor:
+    """A layer in flat order from an all-gather of every rank's padded part of it."""
+    layer = gathered.new_empty(cut.length)
+    for r, runs in enumerate(cut.local):
+        cursor = r * cut.pad
+        for lo, n in runs:
+            layer[lo : lo + n] = gathered[cursor : cursor + n]
+            cursor += n
+    return layer
+
+
+def pack_layer(layer: torch.Tensor, cut: LayerCut, out: torch.Tensor) -> torch.Tensor:
+    """The inverse: ``layer``'s elements rank-major and padded into ``out`` (world x pad, the
+    padding zero), what a reduce-scatter hands each rank its part of."""
+    view = out.view(len(cut.local), cut.pad)
+    for r, runs in enumerate(cut.local):
+        cursor = 0
+        for lo, n in runs:
+            view[r, cursor : cursor + n] = layer[lo : lo + n]
+            cursor += n
+        view[r, cursor:] = 0
+    return out
