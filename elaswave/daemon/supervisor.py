@@ -213,12 +213,15 @@ class HostDaemon:
                 self._tasks.append(asyncio.create_task(self.cp.supervise_etcd(), name="etcd"))
             await self._preflight()
             if (
-                (self.resuming or self.cfg.resume)
+                (self.resuming or self.cfg.resume or self.cfg.durable_every)
                 and self.template is not None
                 and self.template.alive
             ):
-                with contextlib.suppress(TemplateGone):  # every worker will read a checkpoint:
-                    await self.template.warm(self.cfg.timeouts.template)  # import it once
+                # Every worker will read a checkpoint, or write its pieces of one within
+                # durable_every steps: import it once, before the fork, not in each worker at
+                # once while the others wait for it at their next collective.
+                with contextlib.suppress(TemplateGone):
+                    await self.template.warm(self.cfg.timeouts.template)
             self.store = await StoreProcess.start(
                 self.host_addr, self.run_dir / "logs" / f"{self.host_id}.store.log",
                 template=self.template, timeout=self.cfg.timeouts.template,

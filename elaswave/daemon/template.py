@@ -32,9 +32,9 @@ from elaswave.procutil import become_subreaper
 
 log = logging.getLogger(__name__)
 
-# Imported by the template when every worker will need it (a job that resumes from a checkpoint):
-# a worker otherwise needs it only to write one, and imports it then (over a second); importing
-# it always would delay the first workers, or compete with their first steps for the CPU.
+# Imported by the template when the workers will need it (a job that resumes from a checkpoint,
+# or writes them every durable_every steps): a worker otherwise needs it only to write its final
+# one, and imports it then (over a second); importing it always would delay the first workers.
 WARM = ("torch.distributed.checkpoint",)
 
 

@@ -366,7 +366,11 @@ def test_zero3_loses_a_whole_host_and_recovers_from_the_other_hosts_pieces(
     first_plan = next(p for p in plans if p["epoch"] == 1)
     hosts = [w.split(".")[0] for w in first_plan["workers"]]
     assert hosts[2] == hosts[3] != hosts[0], "ranks 2 and 3 are one host's"
-    synced = [e for e in run.of("state_synced") if e["epoch"] == 2]
+    # the two deaths are one plan or two (as the daemon sees them); the survivors recover once,
+    # into the last
+    recovered = max(e["epoch"] for e in run.of("state_synced"))
+    assert recovered in (2, 3)
+    synced = [e for e in run.of("state_synced") if e["epoch"] == recovered]
     assert len(synced) == 2 and all(e["bytes"] == 0 and e["promoted_bytes"] > 0 for e in synced)
     finals = run.of("final_state")
     assert len(finals) == 2 and len({f["state_sha256"] for f in finals}) == 1
