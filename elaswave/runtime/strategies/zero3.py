@@ -58,7 +58,7 @@ if TYPE_CHECKING:
 __all__ = ["Zero3"]
 
 # Gloo's reduce-scatter against its all-reduce for a layer's gradient (keep this rank's part):
-# see docs/benchmarks.md, "ZeRO-3". Backends with a real reduce-scatter (NCCL) always use it.
+# see docs/architecture.md, "ZeRO-3". Backends with a real reduce-scatter (NCCL) always use it.
 GLOO_REDUCE_SCATTER = True
 
 
