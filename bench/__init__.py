@@ -31,6 +31,7 @@ from bench import (
     startup,
     straggler,
     zero,
+    zero3,
 )
 
 SCENARIOS = {
@@ -58,6 +59,7 @@ SCENARIOS = {
     "startup": startup,
     "straggler": straggler,
     "zero": zero,
+    "zero3": zero3,
 }
 
 __all__ = ["SCENARIOS"]

@@ -23,6 +23,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -89,10 +90,17 @@ def run(repeat: int, config: Path) -> dict[str, Any]:
     }
 
 
-def _launch(cfg: Path, run_dir: Path, job_id: str, pp: int, env: dict[str, str]) -> list[int]:
+def _launch(
+    cfg: Path,
+    run_dir: Path,
+    job_id: str,
+    pp: int,
+    env: dict[str, str],
+    extra_args: Sequence[str] = (),
+) -> list[int]:
     """Run the job; the peak resident bytes of each worker process (sampled every 0.1 s)."""
-    cmd = [sys.executable, "-m", "elaswave", "launch", str(cfg), "--run-dir",
-           str(run_dir), "--job-id", job_id, "--pp", str(pp), "--quiet"]  # fmt: skip
+    cmd = [sys.executable, "-m", "elaswave", "launch", str(cfg), "--run-dir", str(run_dir),
+           "--job-id", job_id, "--pp", str(pp), *extra_args, "--quiet"]  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)  # fmt: skip
     peaks: dict[int, int] = {}
