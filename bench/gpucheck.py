@@ -1,9 +1,9 @@
 """Every GPU check and benchmark in one command, in under eight minutes on a one-GPU machine:
 
-    python -m bench.gpucheck --out "$OUT"
+    python -m bench.gpucheck --out results/gpucheck
 
 Stages, each with its own time limit (the limits add up to ``BUDGET_S``), each writing under
-the results directory (``--out``, else ``$OUT``, else ``bench/results/gpucheck``):
+the results directory (``--out``, else ``bench/results/gpucheck``):
 
 1. ``machine``: ``nvidia-smi`` and ``elaswave doctor --device cuda --skip-smoke --json``
    (torch, CUDA, NCCL's version and whether it can shrink a communicator) -> ``nvidia-smi.txt``,
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--out", type=Path, default=None,
-        help="results directory (default $OUT, else bench/results/gpucheck)",
+        help="results directory (default bench/results/gpucheck)",
     )  # fmt: skip
     parser.add_argument(
         "--device", choices=("cuda", "cpu"), default="cuda",
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         print("gpucheck needs a CUDA device and this machine has none "
               "(--device cpu runs its plumbing)", file=sys.stderr)  # fmt: skip
         return 1
-    out = args.out or Path(os.environ.get("OUT") or REPO_ROOT / "bench" / "results" / "gpucheck")
+    out = args.out or REPO_ROOT / "bench" / "results" / "gpucheck"
     out.mkdir(parents=True, exist_ok=True)
     return run_all(out.resolve(), args.device)
 

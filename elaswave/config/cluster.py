@@ -29,7 +29,8 @@ class ElasticConfig:
     worker_start: str = "template"
     # Workers that may share one accelerator (1: one per device, NCCL/HCCL). K > 1: up to
     # devices × K workers per host, slot s on device s // K, collectives over gloo through host
-    # memory (NCCL takes one rank per device). Nothing on the CPU.
+    # memory (NCCL takes one rank per device). On the CPU no device is set, but K > 1 still runs
+    # the staged path (host-to-host copies).
     workers_per_device: int = 1
 
     def __post_init__(self) -> None:

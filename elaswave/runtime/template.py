@@ -32,10 +32,10 @@ exit status like that of any child it started itself. The child waits until it i
 it asks to die with its parent (the middle one's exit would otherwise be that death).
 
 After a ``{"op": "warm"}`` request (the daemon sends it before it asks for the workers of a job
-that resumes from a checkpoint), the template imports the ``--warm`` modules one at a time
-between requests: what a worker needs only in some jobs, such as
-``torch.distributed.checkpoint``, so that the workers forked after it find them imported; a
-request that arrives meanwhile waits for one module at most.
+that resumes from a checkpoint or writes them every ``durable_every`` steps), the template
+imports the ``--warm`` modules one at a time between requests: what a worker needs only in
+some jobs, such as ``torch.distributed.checkpoint``, so that the workers forked after it find
+them imported; a request that arrives meanwhile waits for one module at most.
 """
 
 from __future__ import annotations

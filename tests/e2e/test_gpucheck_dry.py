@@ -1,6 +1,6 @@
 """The one GPU command's dry run on the CPU: ``python -m bench.gpucheck --device cpu`` runs every
 stage a GPU machine runs (the doctor, the ``gpu`` tests, collected and skipped here, and the
-step-time benchmark on the CPU) and writes the results a lent GPU's session would read, so that
+step-time benchmark on the CPU) and writes the results a GPU run writes, so that
 the command is known to work before a GPU is there to run it."""
 
 from __future__ import annotations
