@@ -7,12 +7,48 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
-from conftest import F64, Run, assert_clean_run, assert_redid_only, launch
+from conftest import (
+    CONFIG,
+    F64,
+    Run,
+    assert_clean_run,
+    assert_redid_only,
+    elaswave_cmd,
+    launch,
+    wait_for,
+)
 
 from elaswave.runtime.durable.checkpoints import PIECES
+
+
+def _two_hosts(
+    tmp_path: Path, env: dict[str, str], job_id: str, *args: str
+) -> tuple[int, str, subprocess.CompletedProcess[str]]:
+    """Two launches of ``job_id`` on one machine acting as hosts h1 and h2 (h2 joins h1's
+    embedded etcd): h1's exit code and stderr, and h2's completed launch."""
+    common = ("--job-id", job_id, "--nproc-per-node", "2", "--nnodes", "2:2", *args, "--quiet")
+    first = subprocess.Popen(
+        elaswave_cmd("launch", *common, str(CONFIG), "--run-dir", str(tmp_path / "h1"),
+                     "--host-id", "h1"),
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        record = Path(env["ELASWAVE_STATE_DIR"]) / "jobs" / f"{job_id}.json"
+        wait_for(record.exists, timeout=60)
+        time.sleep(0.2)
+        etcd = ",".join(json.loads(record.read_text())["etcd"])
+        second = launch(tmp_path / "h2", *common[:-1], "--host-id", "h2", "--etcd", etcd, env=env)
+        code = first.wait(timeout=120)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    return code, first.stderr.read() if first.stderr else "", second
+
 
 pytestmark = pytest.mark.e2e
 
@@ -81,30 +117,12 @@ def test_two_hosts_keep_every_replica_on_the_other_host(
     tmp_path: Path, state_env: dict[str, str], reference: Run
 ) -> None:
     """Two launches on one etcd act as two hosts of two workers each."""
-    import subprocess
-    import time
-
-    from conftest import CONFIG, elaswave_cmd, wait_for
-
     # Config faults are submitted by whichever daemon wins the election: both hosts carry it.
-    common = ("--zero", "1", "--job-id", "zero2h", "--nproc-per-node", "2", "--nnodes", "2:2",
-              "--fault", "kill,rank=0,at_step=10", "--quiet", str(CONFIG))  # fmt: skip
-    first = subprocess.Popen(
-        elaswave_cmd("launch", *common, "--run-dir", str(tmp_path / "h1"), "--host-id", "h1"),
-        env=state_env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    try:
-        record = Path(state_env["ELASWAVE_STATE_DIR"]) / "jobs" / "zero2h.json"
-        wait_for(record.exists, timeout=60)
-        time.sleep(0.2)
-        etcd = ",".join(json.loads(record.read_text())["etcd"])
-        second = launch(tmp_path / "h2", *common[:-2], "--host-id", "h2", "--etcd", etcd,
-                        env=state_env)  # fmt: skip
-        assert second.returncode == 0, second.stderr[-2000:]
-        assert first.wait(timeout=120) == 0
-    finally:
-        if first.poll() is None:
-            first.kill()
+    code, _, second = _two_hosts(
+        tmp_path, state_env, "zero2h", "--zero", "1", "--fault", "kill,rank=0,at_step=10"
+    )
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert code == 0
     runs = [Run(tmp_path / "h1"), Run(tmp_path / "h2")]
     plans = runs[0].of("plan_published") + runs[1].of("plan_published")
     first_plan = next(p for p in plans if p["epoch"] == 1)
@@ -238,9 +256,7 @@ def test_a_zero3_checkpoint_resumes_replicated_on_two_workers_and_exports(
     """Every rank wrote its own shard of the step-12 checkpoint; two replicated workers resume
     from it and end where the reference ends, bit for bit. ``elaswave export`` reads it too."""
     import hashlib
-    import subprocess
 
-    from conftest import elaswave_cmd
     from safetensors.torch import load_file
 
     from elaswave.export import run_config
@@ -331,35 +347,16 @@ def test_zero3_loses_a_whole_host_and_recovers_from_the_other_hosts_pieces(
     """Two launches on one etcd act as two hosts of two workers each; replica pieces live on
     the other host only. Both workers of one host die in step 6: the other host holds every
     piece of their shards, so it goes on at once, nothing sent, bit for bit."""
-    import subprocess
-    import time
-
-    from conftest import CONFIG, elaswave_cmd, wait_for
-
-    env = {**state_env, **F64}
-    common = ("--zero", "3", "--job-id", "z3-2h", "--nproc-per-node", "2", "--nnodes", "2:2",
-              "--steps", "10", "--fault", "kill,rank=2,at_step=6",
-              "--fault", "kill,rank=3,at_step=6", "--quiet", str(CONFIG))  # fmt: skip
-    first = subprocess.Popen(
-        elaswave_cmd("launch", *common, "--run-dir", str(tmp_path / "h1"), "--host-id", "h1"),
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    code, first_err, second = _two_hosts(
+        tmp_path, {**state_env, **F64}, "z3-2h", "--zero", "3", "--steps", "10",
+        "--fault", "kill,rank=2,at_step=6", "--fault", "kill,rank=3,at_step=6",
     )  # fmt: skip
-    try:
-        record = Path(state_env["ELASWAVE_STATE_DIR"]) / "jobs" / "z3-2h.json"
-        wait_for(record.exists, timeout=60)
-        time.sleep(0.2)
-        etcd = ",".join(json.loads(record.read_text())["etcd"])
-        second = launch(tmp_path / "h2", *common[:-2], "--host-id", "h2", "--etcd", etcd,
-                        env=env)  # fmt: skip
-        codes = {"h1": first.wait(timeout=120), "h2": second.returncode}
-    finally:
-        if first.poll() is None:
-            first.kill()
+    codes = {"h1": code, "h2": second.returncode}
     run = Run(tmp_path / "h1", tmp_path / "h2")
     lost = next(p for p in run.of("plan_published") if p["epoch"] == 1)["workers"][2]
     # the host whose workers all died ends with that line; the job goes on on the other
     assert codes == {lost.split(".")[0]: 1, ({"h1", "h2"} - {lost.split(".")[0]}).pop(): 0}
-    assert "every worker was lost" in second.stderr + (first.stderr.read() if first.stderr else "")
+    assert "every worker was lost" in second.stderr + first_err
     assert sorted(m["step"] for m in run.metrics) == list(range(1, 11))
     assert run.losses == {s: gpt64.losses[s] for s in range(1, 11)}
     plans = run.of("plan_published")
