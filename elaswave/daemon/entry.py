@@ -20,10 +20,6 @@ from elaswave.planning.relaunch import Verdict, merge_records, relaunch_verdict
 if TYPE_CHECKING:
     from elaswave.daemon.supervisor import HostDaemon
 
-# Hosts of a job relaunched together take turns this far apart in its restart: the first resumes
-# the job, the others find it registered and join.
-RELAUNCH_TURN_S = 0.5
-
 
 class JobEntry:
     def __init__(self, d: HostDaemon) -> None:
@@ -77,20 +73,19 @@ class JobEntry:
         killed and is launched again at once (a scheduler's requeue, with the node's name for
         host id), and so may the other hosts of that run: their keys last until their leases
         expire. Wait for the keys registered then to go (a host still running keeps its key,
-        and is joined), the hosts taking turns in the order of their ids, then read again."""
+        and is joined), then read again; which host starts the job again is :meth:`_start`'s
+        to decide."""
         d = self.d
         mine = d.keys.host(d.host_id)
         if not any(kv.key == mine for kv in live):
             return live
         earlier = {(kv.key, kv.create_revision) for kv in live}
-        turn = sorted(key for key, _ in earlier).index(mine)
         deadline = time.monotonic() + d.cfg.timeouts.lease_ttl + 2.0
         while time.monotonic() < deadline:
             await asyncio.sleep(0.2)
             now = {(kv.key, kv.create_revision) for kv in await d.etcd.get_prefix(d.keys.hosts)}
             if not now & earlier:
                 break
-        await asyncio.sleep(RELAUNCH_TURN_S * turn)  # the first in line starts the job again
         return await d.etcd.get_prefix(d.keys.hosts)
 
     async def _start(self) -> Any:
