@@ -293,13 +293,100 @@ def _healthy(url: str) -> bool:
 
 
 def _kill_tree(pid: int) -> list[int]:
-    try:
-        procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return []
-    for p in procs:
+    def tree() -> list[int]:
         try:
-            p.send_signal(signal.SIGKILL)
+            root = psutil.Process(pid)
+            return [pid, *(p.pid for p in root.children(recursive=True))]
         except psutil.NoSuchProcess:
-            pass
-    return [p.pid for p in procs]
+            return []
+
+    return kill_at_once(tree)
+
+
+def kill_at_once(listed: Callable[[], list[int]], timeout: float = 10.0) -> list[int]:
+    """A power loss for the processes ``listed()`` names: none of them may act on another's
+    death, as none could if the power went. (Killed one by one, they can: an ``srun`` whose
+    main process dies before its helper ends its step on every node.) So every one is stopped
+    first, parents before children (SIGSTOP); then they are SIGKILLed children first, a level
+    of the process tree at a time, each level gone before the next, so no exit ever leaves a
+    stopped process group orphaned (the kernel would wake it with SIGHUP and SIGCONT, and an
+    ``srun`` ends its step on SIGHUP). The pids."""
+    deadline = time.monotonic() + timeout
+    stopped: list[int] = []
+    while new := [p for p in listed() if p not in stopped]:  # a fork between listings too
+        for pid in sorted(new, key=depths(_parents(new)).__getitem__):
+            _signal(pid, signal.SIGSTOP)
+        stopped += new
+        while not all(_stopped_or_gone(p) for p in new):
+            _check(deadline, f"processes that ignore SIGSTOP: {new}")
+            time.sleep(0.01)
+    depth = depths(_parents(stopped))
+    for level in sorted(set(depth.values()), reverse=True):
+        pids = [p for p in stopped if depth[p] == level]
+        while left := [p for p in pids if alive(p)]:
+            for pid in left:
+                _signal(pid, signal.SIGKILL)
+            _check(deadline, f"processes that survive SIGKILL: {left}")
+            time.sleep(0.01)
+    while left := [p for p in listed() if alive(p)]:
+        for pid in left:
+            _signal(pid, signal.SIGKILL)
+        _check(deadline, f"processes that survive SIGKILL: {left}")
+        time.sleep(0.05)
+    return stopped
+
+
+def _parents(pids: list[int]) -> dict[int, int]:
+    parent = {}
+    for pid in pids:
+        try:
+            parent[pid] = psutil.Process(pid).ppid()
+        except psutil.NoSuchProcess:
+            parent[pid] = 0
+    return parent
+
+
+def depths(parent: dict[int, int]) -> dict[int, int]:
+    """Each pid's depth in the process tree its ``parent`` map makes (0: its parent is not in
+    the map)."""
+    depth: dict[int, int] = {}
+
+    def of(pid: int) -> int:
+        if pid not in depth:
+            up = parent[pid]
+            depth[pid] = 0 if up not in parent or up == pid else of(up) + 1
+        return depth[pid]
+
+    for pid in parent:
+        of(pid)
+    return depth
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def alive(pid: int) -> bool:
+    """``pid`` runs (a zombie does not)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _stopped_or_gone(pid: int) -> bool:
+    try:
+        status = psutil.Process(pid).status()
+    except psutil.NoSuchProcess:
+        return True
+    # stopped, or inside the kernel where it stops on its way out (a zombie is gone already)
+    gone = (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP, psutil.STATUS_ZOMBIE)
+    return status in gone or status == psutil.STATUS_DISK_SLEEP
+
+
+def _check(deadline: float, what: str) -> None:
+    if time.monotonic() > deadline:
+        raise RuntimeError(what)

@@ -29,12 +29,12 @@ failed test: no process, namespace or mount is left.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import secrets
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -43,7 +43,7 @@ from pathlib import Path
 import psutil
 
 import elaswave
-from elaswave.netbed import Switch
+from elaswave.netbed import Switch, alive, kill_at_once
 from elaswave.netbed import skip_reason as netns_skip_reason
 
 __all__ = ["SlurmBed", "skip_reason"]
@@ -218,9 +218,10 @@ PartitionName=bed Nodes={",".join(self.nodes)} Default=YES MaxTime=INFINITE Stat
         self.daemons[node] = self._boot(node, "slurmd -D")
 
     def power_off(self, node: str, timeout: float = 10.0) -> list[int]:
-        """A power loss: SIGKILL every process of ``node`` (its slurmd, the job steps, whatever
-        they started) at once; its /tmp goes with them. The pids killed."""
-        killed = self._kill_all(node, timeout)
+        """A power loss: every process of ``node`` (its slurmd, the job steps, whatever they
+        started) stopped, then SIGKILLed (:func:`~elaswave.netbed.kill_at_once`); its /tmp goes
+        with them. The pids killed."""
+        killed = kill_at_once(functools.partial(self.pids, node), timeout)
         proc = self.daemons.get(node)
         if proc is not None:
             proc.wait(timeout=timeout)
@@ -228,7 +229,7 @@ PartitionName=bed Nodes={",".join(self.nodes)} Default=YES MaxTime=INFINITE Stat
 
     def pids(self, node: str) -> list[int]:
         """The live processes of ``node`` (zombies are not)."""
-        return [p for p in self.net.pids(node) if _alive(p)]
+        return [p for p in self.net.pids(node) if alive(p)]
 
     def left_running(self, node: str) -> list[str]:
         """What runs on ``node`` besides its slurmd: ``pid name args`` of each."""
@@ -332,28 +333,13 @@ PartitionName=bed Nodes={",".join(self.nodes)} Default=YES MaxTime=INFINITE Stat
         try:
             for node in [*self.nodes, CONTROLLER, "sw"]:
                 if self.ns(node) in self.net.namespaces:
-                    self._kill_all(node, timeout)
+                    kill_at_once(functools.partial(self.pids, node), timeout)
             for proc in self.daemons.values():
                 if proc.poll() is None:
                     proc.kill()
                 proc.wait(timeout=timeout)
         finally:
             self.net.close()
-
-    def _kill_all(self, node: str, timeout: float) -> list[int]:
-        killed: list[int] = []
-        deadline = time.monotonic() + timeout
-        while pids := self.pids(node):
-            for pid in pids:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                    killed.append(pid)
-                except ProcessLookupError:
-                    pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"processes of node {node} survive SIGKILL: {pids}")
-            time.sleep(0.05)
-        return killed
 
 
 def _login_env(conf: Path) -> dict[str, str]:
@@ -382,10 +368,3 @@ def _spawn(cmd: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen[b
     with open(log, "ab") as out:
         return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)  # fmt: skip
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False

@@ -257,7 +257,8 @@ def test_a_node_lost_mid_run_and_a_replacement_joining(slurm: Any, reference: Ru
 
 def test_the_first_node_lost_mid_run(slurm: Any, reference: Run) -> None:
     """n1 runs the batch script, every srun and an etcd member: powered off, the other nodes'
-    launches train to the end (etcd keeps its quorum: its log does not go through the lost srun)
+    launches train to the end (etcd keeps its quorum: its log does not go through the lost srun,
+    and the node dies at once: its srun cannot end the etcd step on the others)
     and exit 0. Slurm keeps such a job RUNNING (the docs say so); scancel ends it."""
     bed = slurm(steps=40)
     job_id = submit(bed)
@@ -271,6 +272,7 @@ def test_the_first_node_lost_mid_run(slurm: Any, reference: Run) -> None:
     assert_clean_run(run, 40, reference)
     assert_hosts_are_nodes(run, dirs)
     assert bed.job(job_id)["JobState"] == "RUNNING"
+    assert all(bed.find(n, r"etcd --name") for n in ("n2", "n3")), "etcd kept its quorum"
     bed.scancel(job_id)
     assert bed.wait_job(job_id, ENDED, timeout=30)["JobState"] == "CANCELLED"
     assert_nothing_left(bed)
