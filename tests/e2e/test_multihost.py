@@ -8,6 +8,7 @@ and none is planned twice, losses equal the fault-free run, no process is left b
 from __future__ import annotations
 
 import time
+from itertools import groupby
 from typing import Any
 
 import pytest
@@ -72,6 +73,9 @@ def assert_one_plan_per_epoch(run: Run) -> list[dict[str, Any]]:
     assert epochs == list(range(1, len(plans) + 1)), f"epochs planned twice or skipped: {epochs}"
     committed = [m["epoch"] for m in run.metrics]
     assert committed == sorted(committed), f"a step committed under an older epoch: {committed}"
+    for plan in plans:  # ranks host by host: a ring crosses between hosts once per host
+        hosts = [w.rsplit(".", 1)[0] for w in plan["workers"]]
+        assert [h for h, _ in groupby(hosts)] == list(dict.fromkeys(hosts)), plan["workers"]
     return plans
 
 

@@ -12,6 +12,7 @@ from elaswave.planning.plan import (
     Member,
     Plan,
     assign_microbatches,
+    by_host,
     capped,
     listed,
     next_plan,
@@ -166,6 +167,44 @@ def test_order_members_is_independent_of_input_order() -> None:
     assert results == {("b", "a", "y", "x")}
 
 
+@pytest.mark.parametrize(
+    ("given", "expected"),
+    [
+        ([], []),
+        (["a@h0", "b@h1", "c@h0", "d@h1"], ["a@h0", "c@h0", "b@h1", "d@h1"]),
+        # hosts come in the order of their first member; members keep their order in a host
+        (["d@h1", "a@h0", "b@h1", "c@h0"], ["d@h1", "b@h1", "a@h0", "c@h0"]),
+        (["a@h0", "b@h1", "c@h2", "d@h1", "e@h0"], ["a@h0", "e@h0", "b@h1", "d@h1", "c@h2"]),
+        (["a@h0", "b@h0"], ["a@h0", "b@h0"]),
+    ],
+)
+def test_by_host(given: list[str], expected: list[str]) -> None:
+    members = [member(w, i, host=h) for i, (w, h) in enumerate(x.split("@") for x in given)]
+    assert [f"{m.worker_id}@{m.host}" for m in by_host(members)] == expected
+
+
+def test_plans_stay_host_by_host_and_survivors_keep_their_order() -> None:
+    rng = random.Random(7)
+    for _ in range(200):
+        live: dict[str, Member] = {}
+        prev = None
+        for order in range(12):
+            if live and rng.random() < 0.4:
+                del live[rng.choice(sorted(live))]
+            else:
+                w = f"w{order}"
+                live[w] = member(w, order, host=f"h{rng.randrange(3)}")
+            plan = next_plan(prev, list(live.values()), num_microbatches=8, max_workers=6,
+                             store="h0:1", now=0.0)  # fmt: skip
+            if plan is None:
+                continue
+            assert [h for h, _ in itertools.groupby(plan.hosts)] == list(dict.fromkeys(plan.hosts))
+            if prev is not None:
+                kept = [w for w in prev.workers if w in plan.workers]
+                assert [w for w in plan.workers if w in kept] == kept
+            prev = plan
+
+
 # ---- next_plan -------------------------------------------------------------------------------
 
 TOTAL = 16
@@ -186,8 +225,8 @@ def test_first_plan() -> None:
     plan = plan_next(None, list(reversed(members)), now=12.5)
     assert plan is not None
     assert plan.epoch == 1
-    assert plan.workers == ("w0", "w1", "w2", "w3")
-    assert plan.hosts == ("h0", "h1", "h0", "h1")
+    assert plan.workers == ("w0", "w2", "w1", "w3")  # join order, host by host
+    assert plan.hosts == ("h0", "h0", "h1", "h1")
     assert plan.microbatches == (4, 4, 4, 4)
     assert plan.departed == ()
     assert plan.store == "h0:29500" and plan.created == 12.5
@@ -214,6 +253,7 @@ def test_crash_shrinks_and_grow_back() -> None:
     assert second is not None
     assert second.epoch == first.epoch + 1 == 2
     assert second.workers == ("w0", "w2", "w3")
+    assert second.hosts == ("h0", "h0", "h1")
     assert second.departed == ("w1",)
     assert second.microbatches == (6, 5, 5)
     assert sum(second.microbatches) == TOTAL
@@ -223,11 +263,11 @@ def test_crash_shrinks_and_grow_back() -> None:
     assert second.reason.index("killed") < second.reason.index("dp 4→3")  # cause first
     assert second.rank_of("w2") == 1 and second.rank_of("w1") is None
 
-    # A replacement joins: it takes the next rank after the survivors.
+    # A replacement joins: it takes the next rank after its host's survivors.
     third = plan_next(second, [*survivors, member("w4", 200)], cause="worker w4 joined")
     assert third is not None
     assert third.epoch == 3
-    assert third.workers == ("w0", "w2", "w3", "w4")
+    assert third.workers == ("w0", "w2", "w4", "w3")
     assert third.departed == ()
     assert third.microbatches == (4, 4, 4, 4)
     assert "dp 3→4" in third.reason
@@ -245,14 +285,14 @@ def test_max_workers_cap_leaves_extras_as_standbys() -> None:
     members = workers(5)
     first = plan_next(None, members, max_workers=4)
     assert first is not None
-    assert first.workers == ("w0", "w1", "w2", "w3")
+    assert first.workers == ("w0", "w2", "w1", "w3")  # the first four, host by host
     assert "w4" not in first.workers and first.world_size == 4
     # The standby alone is no change.
     assert plan_next(first, members, max_workers=4) is None
-    # When a worker goes, the standby takes the free slot at the end.
+    # When a worker goes, the standby takes the free slot, after its host's survivors.
     second = plan_next(first, [m for m in members if m.worker_id != "w0"], max_workers=4)
     assert second is not None
-    assert second.workers == ("w1", "w2", "w3", "w4")
+    assert second.workers == ("w2", "w4", "w1", "w3")
     assert second.departed == ("w0",)
     assert "dp 4→4" in second.reason
 
@@ -260,7 +300,7 @@ def test_max_workers_cap_leaves_extras_as_standbys() -> None:
 def test_world_never_exceeds_micro_batches() -> None:
     plan = plan_next(None, workers(6), max_workers=8, num_microbatches=4)
     assert plan is not None
-    assert plan.workers == ("w0", "w1", "w2", "w3")
+    assert plan.workers == ("w0", "w2", "w1", "w3")
     assert plan.microbatches == (1, 1, 1, 1)
 
 

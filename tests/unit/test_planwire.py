@@ -243,13 +243,17 @@ def test_plan_of_100k_ranks_is_small_and_exact(big_plans: dict[str, Plan], kind:
 
 
 def test_ranks_in_join_order_across_hosts_still_fit() -> None:
-    """Workers register when they are ready, so at scale the join order (and the ranks) mixes
-    the hosts: each rank then costs an index into the host-ordered listing of the workers."""
+    """Workers register when they are ready, so at scale the join order mixes the hosts. The
+    planner lays ranks out host by host; a plan whose ranks mix the hosts (one that placed
+    them otherwise) costs an index into the host-ordered listing of the workers per rank."""
     everyone = synthetic_members(HOSTS, PER_HOST)
     random.Random(2).shuffle(everyone)
     joined = [replace(m, order=i) for i, m in enumerate(everyone)]
     p = next_plan(None, joined, num_microbatches=MICROBATCHES, max_workers=10**6, store="s", now=0)
-    assert p is not None and p.workers == tuple(m.worker_id for m in joined)
+    assert p is not None
+    first = {h: i for i, h in reversed(list(enumerate(m.host for m in joined)))}
+    assert p.hosts == tuple(sorted(p.hosts, key=first.__getitem__))  # host by host
+    p = replace(p, workers=tuple(m.worker_id for m in joined), hosts=tuple(m.host for m in joined))
     text = p.to_json()
     assert len(text.encode()) < ETCD_REQUEST_LIMIT // 2  # measured: 575 KiB (plain: 3.4 MB)
     assert Plan.from_json(text) == p
