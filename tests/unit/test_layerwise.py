@@ -42,6 +42,7 @@ RANK = textwrap.dedent(
     """
     import json, sys, torch
     from elaswave.config import JobConfig
+    from elaswave.procutil import exit_now
     from elaswave.planning.plan import Plan, assign_microbatches
     from elaswave.runtime.comm.communicator import Communicator
     from elaswave.runtime.durable.restore import DurableSource
@@ -77,6 +78,9 @@ RANK = textwrap.dedent(
     params = strategy.whole(never).params
     torch.save({"grad": grad, "loss": float(sums[LOSS]), "count": float(sums[COUNT]),
                 "params": params, "gathered": strategy.path.peak}, out)
+    # as a worker ends: torch's teardown with gloo's threads still up can abort the process
+    # ("terminate called without an active exception")
+    exit_now(0)
     """
 )
 
