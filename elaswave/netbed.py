@@ -11,7 +11,8 @@ The topology is a :class:`Switch` (the Slurm bed, :mod:`elaswave.slurmbed`, buil
 one too).
 
 Faults: ``cut``/``heal`` bring a host's ``eth0`` down/up (the partition the ``partition`` fault
-kind makes), ``kill_host`` SIGKILLs a daemon and its workers, ``kill_etcd`` SIGKILLs a member.
+kind makes), ``kill_host`` SIGKILLs a daemon and its workers as a power loss would (all stopped
+before any dies: :func:`kill_at_once`), ``kill_etcd`` SIGKILLs a member.
 ``close`` kills whatever is left and deletes the namespaces, also after a failed test.
 """
 

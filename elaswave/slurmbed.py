@@ -11,8 +11,8 @@ gone with the node), the bed's ``hosts`` file on ``/etc/hosts`` (every node reso
 by name), an empty tmpfs on ``/sys/fs/cgroup`` (slurmd's cgroup plugin finds nothing of the
 machine's) and, bound back into the private ``/tmp``, the working directory (shared by every node,
 like a cluster's filesystem) and the Python environment. Everything a job starts lives in those
-namespaces, so :meth:`SlurmBed.power_off` (SIGKILL to every process of a node: a power loss) and
-the checks that nothing is left running see exactly one node.
+namespaces, so :meth:`SlurmBed.power_off` (SIGKILL to every process of a node, all stopped before
+any dies: a power loss) and the checks that nothing is left running see exactly one node.
 
 slurm.conf: ``ReturnToService=2`` (a node that comes back is idle again), ``SlurmdTimeout=5`` (a
 dead node is marked DOWN within seconds), ``KillWait=5``, ``JobRequeue=1`` (Slurm's default: a
