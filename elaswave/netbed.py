@@ -383,9 +383,11 @@ def _stopped_or_gone(pid: int) -> bool:
         status = psutil.Process(pid).status()
     except psutil.NoSuchProcess:
         return True
-    # stopped, or inside the kernel where it stops on its way out (a zombie is gone already)
-    gone = (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP, psutil.STATUS_ZOMBIE)
-    return status in gone or status == psutil.STATUS_DISK_SLEEP
+    # stopped, dead already, or inside the kernel, where it stops on its way out
+    return status in (
+        psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP, psutil.STATUS_ZOMBIE,
+        psutil.STATUS_DISK_SLEEP,
+    )  # fmt: skip
 
 
 def _check(deadline: float, what: str) -> None:
