@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
 import typer.testing
 
@@ -50,6 +49,7 @@ from elaswave.doctor.verdicts import (
     torch_verdict,
     transformers_verdict,
 )
+from elaswave.netbed import alive
 from elaswave.runtime.device import Accelerators
 
 runner = typer.testing.CliRunner()
@@ -398,13 +398,6 @@ def test_smoke_command_and_environment(tmp_path: Path) -> None:
 # -- process hygiene, on real processes -------------------------------------------------------
 
 
-def _alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
 def test_leftovers_finds_an_orphan_of_the_session(tmp_path: Path) -> None:
     """A parent that exits and leaves a child running: the child is found by its session."""
     pidfile = tmp_path / "child"
@@ -418,7 +411,7 @@ def test_leftovers_finds_an_orphan_of_the_session(tmp_path: Path) -> None:
     finally:
         os.kill(child, signal.SIGKILL)
     deadline = time.monotonic() + 5
-    while _alive(child) and time.monotonic() < deadline:
+    while alive(child) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert leftovers(parent.pid, grace=0.5) == ()
 
@@ -442,9 +435,9 @@ def test_stop_session_stops_a_launch_that_ignores_sigterm_and_its_children(
     assert "started" in stderr
     assert proc.returncode is not None
     deadline = time.monotonic() + 5
-    while _alive(child) and time.monotonic() < deadline:
+    while alive(child) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not _alive(child)
+    assert not alive(child)
 
 
 # -- the command ------------------------------------------------------------------------------
