@@ -16,8 +16,9 @@ any dies: a power loss) and the checks that nothing is left running see exactly 
 
 slurm.conf: ``ReturnToService=2`` (a node that comes back is idle again), ``SlurmdTimeout=5`` (a
 dead node is marked DOWN within seconds), ``KillWait=5``, ``JobRequeue=1`` (Slurm's default: a
-batch job whose node fails is requeued unless it asked for ``--no-kill``), ``cred_expire=15`` (a
-requeued job may start again after 15 s, not 120) and a scheduling pass every 2 s (so it does),
+batch job whose node fails is requeued unless it asked for ``--no-kill``), ``cred_expire=8`` (a
+requeued job may start again after 9 s, not 121; still far longer than a launch credential
+takes to reach a node of the bed) and a scheduling pass every 2 s (so it does),
 ``select/linear`` (whole nodes), ``proctrack/linuxproc`` (no cgroups), no accounting (``scontrol
 show job`` and the ``jobcomp`` file say how a job ended). munged runs with a key of the bed's own
 on a private socket (``AuthInfo=socket=…``); every spool, state, pid and log file lies under
@@ -56,7 +57,7 @@ SBIN = "/usr/local/sbin:/usr/sbin:/sbin"
 SOCKET_PATH_MAX = 107  # sun_path
 # A step credential's lifetime, which is also how long a requeued job waits before it may start
 # again (Slurm's default: 120 s).
-CRED_EXPIRE = 15
+CRED_EXPIRE = 8
 
 
 def skip_reason() -> str | None:

@@ -16,7 +16,7 @@ import pytest
 from elaswave.events import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[2]
-CONFIG = ROOT / "configs" / "gpt-tiny.yaml"
+CONFIG = Path(__file__).with_name("gpt-test.yaml")  # gpt-tiny at half its width
 REL_TOL = 1e-6
 
 
@@ -218,7 +218,8 @@ def float64_run(factory: pytest.TempPathFactory, job_id: str, steps: int) -> Run
 
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> Run:
-    """The fault-free run of gpt-tiny (40 steps, 4 workers) every fault run is compared with."""
+    """The fault-free run of the test model (40 steps, 4 workers) every fault run is compared
+    with."""
     base = tmp_path_factory.mktemp("reference")
     env = dict(os.environ, ELASWAVE_STATE_DIR=str(base / "state"))
     r = launch(base / "run", "--job-id", "reference", env=env)

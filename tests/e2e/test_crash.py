@@ -1,4 +1,5 @@
-"""Crashes survived in place: gpt-tiny, 4 gloo workers, real etcd, real SIGKILL."""
+"""Crashes survived in place: the test model (gpt-test.yaml), 4 gloo workers, real etcd, real
+SIGKILL."""
 
 from __future__ import annotations
 

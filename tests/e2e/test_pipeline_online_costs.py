@@ -44,7 +44,7 @@ def test_plan_after_a_fault_uses_online_layer_costs(
     assert costs != first["layer_costs"]
     # Seconds, not FLOPs: the measured ratios between layers are not the estimate's (the
     # embedding, a gather, is estimated ~1,700× cheaper than a block; it does not time so).
-    estimate = gpt_layer_costs(vocab_size=256, seq_len=64, d_model=128, n_layer=2)
+    estimate = gpt_layer_costs(vocab_size=256, seq_len=64, d_model=64, n_layer=2)
     ratios = [c / e for c, e in zip(costs, estimate, strict=True)]
     assert max(ratios) / min(ratios) > 10, (costs, estimate)
     # The survivor of replica 0 took over every layer; the replicas' shares of the global batch

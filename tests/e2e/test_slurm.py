@@ -1,7 +1,8 @@
 """docs/deploy.md's Slurm recipe, submitted with ``sbatch`` as it is written there, to a real
 Slurm (Debian's slurmctld, slurmd and munge) on one machine (:mod:`elaswave.slurmbed`: a
 controller and five nodes, each a network namespace with its own hostname and ``/tmp``, the
-test's directory their shared filesystem). The job is gpt-tiny with one CPU worker per node.
+test's directory their shared filesystem). The job is the test model (gpt-test.yaml) with one CPU
+worker per node.
 
 Through Slurm, not beside it: a node powered off mid-run and a replacement node joining, one
 launch SIGKILLed on a healthy node, ``scancel``, ``scontrol requeue``. Each test checks what the
@@ -51,7 +52,7 @@ CHECKPOINT_EVERY = int(re.findall(r"--durable-every (\d+)", recipe("elaswave"))[
 @pytest.fixture
 def slurm(tmp_path: Path) -> Any:
     """``make(steps, nodes=5)`` → a started :class:`SlurmBed` whose shared directory holds
-    ``job.yaml`` (gpt-tiny, one CPU worker per node, ``steps`` steps) and the docs' scripts;
+    ``job.yaml`` (the test model, one CPU worker per node, ``steps`` steps) and the docs' scripts;
     always torn down, and checked to leave nothing behind."""
     reason = skip_reason()
     if reason:

@@ -1,4 +1,4 @@
-"""Stragglers, faults during recovery and the restart-loop breaker: gpt-tiny, 4 gloo workers,
+"""Stragglers, faults during recovery and the restart-loop breaker: the test model, 4 gloo workers,
 real etcd, real slow-downs and real SIGKILLs."""
 
 from __future__ import annotations

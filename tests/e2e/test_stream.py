@@ -1,6 +1,6 @@
-"""The job's event stream (``--tensorboard DIR``, ``logging.wandb``) through a real crash: gpt-tiny,
-4 gloo workers, real etcd, a real SIGKILL; read back with TensorBoard's own readers and from the
-W&B offline run's file, and compared with ``metrics.jsonl``."""
+"""The job's event stream (``--tensorboard DIR``, ``logging.wandb``) through a real crash: the test
+model, 4 gloo workers, real etcd, a real SIGKILL; read back with TensorBoard's own readers and
+from the W&B offline run's file, and compared with ``metrics.jsonl``."""
 
 from __future__ import annotations
 
