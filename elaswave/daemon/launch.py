@@ -41,7 +41,10 @@ def find_job(job_id: str) -> dict:
         raise JobNotFound(
             f"no running job {job_id!r} on this machine (give --etcd to look elsewhere)"
         )
-    record = json.loads(path.read_text())
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):  # gone meanwhile, or not one (a write before they were atomic)
+        raise JobNotFound(f"no readable record of job {job_id!r} on this machine") from None
     try:
         os.kill(int(record["pid"]), 0)
     except (ProcessLookupError, ValueError):
@@ -117,8 +120,11 @@ def launch(
         )
         owns_record = not disc.exists()
         if owns_record:
+            # Written whole or not at all: launches of other hosts that share this state
+            # directory (a home on a shared filesystem) may read it at any moment.
             disc.parent.mkdir(parents=True, exist_ok=True)
-            disc.write_text(
+            tmp = disc.with_name(f".{disc.name}.{os.getpid()}.tmp")
+            tmp.write_text(
                 json.dumps(
                     {
                         "job_id": cfg.job_id,
@@ -131,6 +137,7 @@ def launch(
                     }
                 )
             )
+            os.replace(tmp, disc)
         detach = on_etcd(endpoints, security) if on_etcd is not None else None
         try:
             return asyncio.run(_run(daemon))
