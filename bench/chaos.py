@@ -67,6 +67,7 @@ from bench.common import (
     wait_until,
 )
 from elaswave import netbed
+from elaswave.events import distinct_records
 
 DESCRIPTION = "chaos soak: >= 30 random faults per variant (dp, ZeRO, pipeline, leader, etcd, ...)"
 DEFAULT_REPEAT = 1
@@ -668,6 +669,8 @@ def _merged(bed: Any, out: Path) -> Path:
     for name, key in (("events.jsonl", "t"), ("metrics.jsonl", "time")):
         rows = [r for h in bed.hosts for r in read_jsonl(bed.workdir / h / name)]
         rows.sort(key=lambda r: r[key])
+        if name == "metrics.jsonl":
+            rows = distinct_records(rows)
         (out / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
     return out
 

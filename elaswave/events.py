@@ -12,7 +12,7 @@ import json
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -114,6 +114,24 @@ class EventLog(JsonlWriter):
         record = {"t": time.time() if t is None else t, "kind": kind, **fields}
         self.write(record)
         return record
+
+
+def distinct_records(lines: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``metrics.jsonl`` lines of one or several hosts, each step's record once: a record whose
+    ``writer`` token an earlier line has is the same record written again (its first writer
+    died, or was cut off, between moving the job's progress record and writing the line, and
+    the host that took rank 0 over wrote it from the progress record; the first may still have
+    written it). A step committed twice has two tokens and stays twice."""
+    seen: set[str] = set()
+    out = []
+    for line in lines:
+        writer = line.get("writer")
+        if writer is not None:
+            if writer in seen:
+                continue
+            seen.add(writer)
+        out.append(line)
+    return out
 
 
 def read_jsonl(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:

@@ -33,7 +33,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from elaswave.events import EVENTS_FILE, METRICS_FILE, read_jsonl
+from elaswave.events import EVENTS_FILE, METRICS_FILE, distinct_records, read_jsonl
 
 PHASES = ("detection_s", "plan_s", "comm_s", "state_s", "redo_s")
 HOST_KINDS = ("host", "partition")  # whole-host faults: detected by the leader's host_lost
@@ -46,7 +46,7 @@ def build_report(run_dir: str | Path, *more: str | Path) -> dict[str, Any]:
     events = sorted(
         (e for d in dirs for e in read_jsonl(d / EVENTS_FILE)), key=lambda e: e.get("t", 0.0)
     )
-    lines = [m for d in dirs for m in read_jsonl(d / METRICS_FILE)]
+    lines = distinct_records(m for d in dirs for m in read_jsonl(d / METRICS_FILE))
     metrics = [m for m in lines if m.get("kind") != "eval"]  # committed steps only
     if more:
         metrics.sort(key=lambda m: m.get("time", 0.0))

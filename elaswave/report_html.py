@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from elaswave.events import METRICS_FILE, read_jsonl
+from elaswave.events import METRICS_FILE, distinct_records, read_jsonl
 from elaswave.report import PHASES, build_report
 
 __all__ = ["deviation", "render_html", "series", "throughput"]
@@ -30,7 +30,7 @@ WINDOW = 5  # commits per throughput point
 
 def series(run_dirs: Sequence[Path]) -> list[dict[str, Any]]:
     """The committed steps of a run (several hosts' directories merged), in step order."""
-    lines = [m for d in run_dirs for m in read_jsonl(Path(d) / METRICS_FILE)]
+    lines = distinct_records(m for d in run_dirs for m in read_jsonl(Path(d) / METRICS_FILE))
     steps = {int(m["step"]): m for m in lines if m.get("kind") != "eval" and "step" in m}
     return [steps[s] for s in sorted(steps)]
 

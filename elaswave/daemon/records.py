@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING, Any
 
 from elaswave.daemon.etcd import KV, Etcd
@@ -54,6 +55,9 @@ class StepRecords:
         self.last_epoch = 0  # the epoch of the newest step rank 0 reported here
         self._last_writer = ""  # the writer token of this host's newest record in etcd
         self._local: dict[str, Any] | None = None  # the newest record written only locally
+        # The hosts of the plan in force (None: none yet): a record whose writer is not among
+        # them may have died with its host before its line was written (``_land_record``).
+        self.planned_hosts: Callable[[], Collection[str] | None] = lambda: None
 
     def recorded_up_to(self, step: int) -> None:
         """A relaunch: earlier runs of the job recorded the steps up to ``step`` (those after
@@ -168,6 +172,8 @@ class StepRecords:
                     # our write came right after ``rev``: its own revision is above it
                     mine = kv.mod_revision if _writer(kv) == progress["writer"] else rev + 1
                     self._landed(record, progress, befores.get(rev), mine)
+                elif self._orphaned(kv, record["step"]):
+                    self.metrics.write(_line(kv.json()))
                 return  # recorded by another host (or redone after a recovery)
             rev = kv.mod_revision if kv is not None else 0
             tried.append(rev)
@@ -190,7 +196,7 @@ class StepRecords:
         """This host records ``record``: its line, and its place in the job's stream after
         ``before`` (the progress record the write replaced) at ``revision`` (None: etcd never
         came back and the line is written locally)."""
-        self.metrics.write(record)
+        self.metrics.write({**record, "writer": progress["writer"]})
         if self.stream is not None:
             continues = revision is None or (
                 before is not None and before.get("writer") == self._last_writer
@@ -202,6 +208,23 @@ class StepRecords:
             self._last_writer = str(progress["writer"])
         else:
             self._local = progress
+
+    def _orphaned(self, kv: KV, step: int) -> bool:
+        """Whether the progress record ``kv``, this very ``step`` written by another host that
+        has left the plan, may be a record whose line was never written: that host may have
+        died after moving the progress record and before writing its line. Rank 0 re-reports
+        its resume step after every change, so the host that took rank 0 over sees it first and
+        writes the line from the record, with the writer's token (a reader keeps one line per
+        token: :func:`~elaswave.events.distinct_records`, should the first writer have written
+        it after all)."""
+        value, hosts = kv.json(), self.planned_hosts()
+        writer = str(value.get("writer") or "")
+        host = writer.rpartition("/")[0]
+        return (
+            hosts is not None and int(value.get("step", -1)) == step
+            and not value.get("rolled_back") and bool(host) and host != self.host_id
+            and host not in hosts
+        )  # fmt: skip
 
     def _newest(self) -> dict[str, Any] | None:
         """The newest progress record this host knows of: the last it wrote locally (etcd never
@@ -250,6 +273,15 @@ class StepRecords:
                 self.stream.rolled_back(step, found_at=found_at, revision=None)
 
         self.outbox.put(f"rollback to step {step}", roll_back, fallback=locally)
+
+
+RECORD = ("step", "loss", "epoch", "world_size", "samples", "step_seconds", "lr", "grad_norm",
+          "time", "writer")  # fmt: skip
+
+
+def _line(progress: dict[str, Any]) -> dict[str, Any]:
+    """A step's ``metrics.jsonl`` line as its progress record holds it."""
+    return {key: progress.get(key) for key in RECORD}
 
 
 def _writer(kv: KV) -> str | None:

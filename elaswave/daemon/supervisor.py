@@ -186,6 +186,7 @@ class HostDaemon:
             host_id=self.host_id, total_steps=self.cfg.train.steps,
         )  # fmt: skip
         self.records.stream = self.stream
+        self.records.planned_hosts = lambda: set(self.plan.hosts) if self.plan else None
         try:
             await self.entry.join()
             self.cp.joined()

@@ -13,7 +13,7 @@ from typing import Any
 import psutil
 import pytest
 
-from elaswave.events import read_jsonl
+from elaswave.events import distinct_records, read_jsonl
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = Path(__file__).with_name("gpt-test.yaml")  # gpt-tiny at half its width
@@ -63,10 +63,11 @@ class Run:
 
     def __init__(self, run_dir: Path, *more: Path) -> None:
         self.dir = run_dir
-        lines = [m for d in (run_dir, *more) for m in read_jsonl(d / "metrics.jsonl")]
+        dirs = (run_dir, *more)  # a record written twice (same writer token) counts once
+        lines = distinct_records(m for d in dirs for m in read_jsonl(d / "metrics.jsonl"))
         self.metrics = [m for m in lines if m.get("kind") != "eval"]  # committed steps
         self.evals = [m for m in lines if m.get("kind") == "eval"]  # held-out losses
-        self.events = [e for d in (run_dir, *more) for e in read_jsonl(d / "events.jsonl")]
+        self.events = [e for d in dirs for e in read_jsonl(d / "events.jsonl")]
         if more:
             self.metrics.sort(key=lambda m: m["time"])
             self.events.sort(key=lambda e: e["t"])

@@ -10,6 +10,7 @@ from typing import Any
 
 from elaswave.daemon.etcd import KV
 from elaswave.daemon.records import StepRecords
+from elaswave.events import distinct_records
 
 KEY = "progress"
 
@@ -62,8 +63,14 @@ def _daemon(etcd: FakeEtcd) -> tuple[Any, list[dict[str, Any]]]:
         d, kv, writer, tried
     )
     d._landed = lambda *args: StepRecords._landed(d, *args)
+    d._orphaned = lambda kv, step: StepRecords._orphaned(d, kv, step)
     d.stream, d._last_writer = None, ""
+    d.host_id, d.planned_hosts = "h1", lambda: None
     return d, lines
+
+
+def steps(lines: list[dict[str, Any]]) -> list[int]:
+    return [line["step"] for line in lines]
 
 
 def _land(d: Any, step: int, writer: str, tried: list[int] | None = None) -> None:
@@ -76,8 +83,8 @@ def test_the_write_that_moves_progress_writes_the_line() -> None:
     etcd = FakeEtcd()
     d, lines = _daemon(etcd)
     _land(d, 1, "a")
-    _land(d, 2, "a")
-    assert lines == [{"step": 1}, {"step": 2}]
+    _land(d, 2, "b")
+    assert lines == [{"step": 1, "writer": "a"}, {"step": 2, "writer": "b"}]
 
 
 def test_a_step_another_host_recorded_is_dropped() -> None:
@@ -93,7 +100,7 @@ def test_a_write_whose_answer_was_lost_still_writes_its_line() -> None:
     etcd.put({"step": 4, "writer": "earlier"})
     d, lines = _daemon(etcd)
     _land(d, 5, "mine")
-    assert lines == [{"step": 5}]
+    assert steps(lines) == [5]
     assert json.loads(etcd.history[-1][1])["writer"] == "mine"
 
 
@@ -111,7 +118,7 @@ def test_found_in_the_history_when_a_later_record_came_first() -> None:
 
     etcd.compare_and_put = lost_then_overtaken  # type: ignore[method-assign]
     _land(d, 5, "mine", tried)
-    assert lines == [{"step": 5}]
+    assert steps(lines) == [5]
     assert tried == [11]
 
 
@@ -137,7 +144,7 @@ def test_consecutive_records_take_one_round_trip_each() -> None:
     d, lines = _daemon(etcd)
     for step in range(1, 6):
         _land(d, step, f"a{step}")
-    assert lines == [{"step": s} for s in range(1, 6)]
+    assert steps(lines) == list(range(1, 6))
     assert (etcd.reads, etcd.writes) == (1, 5)
 
 
@@ -149,7 +156,7 @@ def test_a_stale_guess_never_records_a_step_twice() -> None:
     _land(d, 1, "a1")
     etcd.put({"step": 2, "writer": "other host"})
     _land(d, 2, "a2")
-    assert lines == [{"step": 1}]
+    assert steps(lines) == [1]
 
 
 def test_after_another_host_rolled_back_a_fresh_read_decides() -> None:
@@ -161,7 +168,7 @@ def test_after_another_host_rolled_back_a_fresh_read_decides() -> None:
         _land(d, step, f"a{step}")
     etcd.put({"step": 1, "rolled_back": True})
     _land(d, 2, "a2-redone")
-    assert lines == [{"step": 1}, {"step": 2}, {"step": 3}, {"step": 2}]
+    assert steps(lines) == [1, 2, 3, 2]
 
 
 def test_the_stream_gets_the_record_the_write_replaced() -> None:
@@ -175,7 +182,7 @@ def test_the_stream_gets_the_record_the_write_replaced() -> None:
     d.stream = SimpleNamespace(landed=lambda record, progress, **kw: calls.append(kw))
     _land(d, 5, "mine")
     _land(d, 6, "mine again")
-    assert lines == [{"step": 5}, {"step": 6}]
+    assert steps(lines) == [5, 6]
     assert calls == [
         {"before": {"step": 4, "writer": "other host", "epoch": 1}, "revision": 12,
          "continues": False},
@@ -183,3 +190,46 @@ def test_the_stream_gets_the_record_the_write_replaced() -> None:
     ]  # fmt: skip
     _land(d, 6, "a re-report")  # recorded already: nothing for the stream either
     assert len(calls) == 2
+
+
+RECORD = {"step": 7, "loss": 1.5, "epoch": 1, "world_size": 6, "samples": 224,
+          "step_seconds": 0.1, "lr": 0.003, "grad_norm": None, "time": 100.0}  # fmt: skip
+
+
+def test_a_record_whose_writer_left_the_plan_is_written_again_from_etcd() -> None:
+    """Host h2 moved the progress record to step 7 and died before writing its line. Rank 0,
+    now on h1, re-reports step 7: h2 is not in the plan, so h1 writes the line from the
+    progress record, with h2's token (a reader keeps one line per token)."""
+    etcd = FakeEtcd()
+    etcd.put({**RECORD, "samples_per_s": 9.0, "total_steps": 30, "writer": "h2/abc"})
+    d, lines = _daemon(etcd)
+    d.planned_hosts = lambda: {"h0", "h1"}
+    _land(d, 7, "h1/def")
+    assert lines == [{**RECORD, "writer": "h2/abc"}]
+
+
+def test_a_record_of_a_writer_still_in_the_plan_or_rolled_back_is_not_written_again() -> None:
+    for value, planned in (
+        ({**RECORD, "writer": "h0/abc"}, {"h0", "h1"}),  # h0 lives: it wrote or will write it
+        ({"step": 7, "rolled_back": True, "writer": "h2/abc"}, {"h1"}),  # not a step's record
+        ({**RECORD, "step": 8, "writer": "h2/abc"}, {"h1"}),  # a later step: not the re-report
+        ({**RECORD, "writer": "h2/abc"}, None),  # no plan yet
+    ):
+        etcd = FakeEtcd()
+        etcd.put(value)
+        d, lines = _daemon(etcd)
+        d.planned_hosts = lambda planned=planned: planned
+        _land(d, 7, "h1/def")
+        assert lines == [], value
+
+
+def test_a_record_written_twice_is_read_once() -> None:
+    lines = [
+        {"step": 6, "writer": "h2/a"}, {"step": 7, "writer": "h2/b"}, {"kind": "eval", "step": 7},
+        {"step": 7, "writer": "h2/b"},  # written again by the host that took rank 0 over
+        {"step": 8, "writer": "h1/c"}, {"step": 8, "writer": "h1/d"},  # two records: both kept
+        {"step": 9}, {"step": 9},  # lines of before: no token, kept as they are
+    ]  # fmt: skip
+    assert [(x.get("step"), x.get("writer")) for x in distinct_records(lines)] == [
+        (6, "h2/a"), (7, "h2/b"), (7, None), (8, "h1/c"), (8, "h1/d"), (9, None), (9, None),
+    ]  # fmt: skip
