@@ -170,14 +170,35 @@ def _whole(strategy: Strategy) -> torch.Tensor:
     return strategy.whole(lambda: False).copy()
 
 
-def _run(world: int, zero: int, steps: int, factory: str = "", **train: Any) -> list[torch.Tensor]:
+def _native(strategy: Strategy, comm: ThreadComm) -> list[int]:
+    """ZeRO-1 as it runs on NCCL: each rank receives only its part of the gradient sums (a
+    reduce-scatter) instead of keeping its part of an all-reduce. Returns the list each
+    reduce-scatter appends to."""
+    assert isinstance(strategy, Zero1) and not isinstance(strategy, Zero3)
+    strategy.zero.native_reduce_scatter = True
+    calls: list[int] = []
+    scatter = comm.reduce_scatter
+
+    def counted(*args: Any) -> None:
+        calls.append(1)
+        scatter(*args)
+
+    comm.reduce_scatter = counted  # type: ignore[method-assign]
+    return calls
+
+
+def _run(
+    world: int, zero: int, steps: int, factory: str = "", native: bool = False, **train: Any
+) -> list[torch.Tensor]:
     cfg, plan = _cfg(zero, factory=factory or _cfg().model.factory, **train), _plan(world)
 
     def body(rank: int, comm: ThreadComm) -> torch.Tensor:
         strategy, _ = _strategy(cfg, comm, plan)
+        calls = _native(strategy, comm) if native else []
         strategy.sync(plan, lambda: False)
         _train(strategy, steps)
         assert strategy.state.step == steps
+        assert len(calls) == (steps if native else 0)
         return _whole(strategy)
 
     return run_ranks(world, body)
@@ -293,13 +314,17 @@ def test_clipping_and_a_schedule_keep_every_share_bit_identical(zero: int) -> No
     assert not torch.equal(alone, _run(1, 0, 3, **{**CLIPPED, "grad_clip": 0.0})[0])
 
 
-def _norms(world: int, zero: int, stream: bool, **train: Any) -> list[float | None]:
+def _norms(
+    world: int, zero: int, stream: bool, native: bool = False, **train: Any
+) -> list[float | None]:
     """Each rank's ``last_grad_norm`` after one step."""
     cfg, plan = _cfg(zero, **train), _plan(world)
     cfg.logging.tensorboard = "tb" if stream else None
 
     def body(rank: int, comm: ThreadComm) -> float | None:
         strategy, _ = _strategy(cfg, comm, plan)
+        if native:
+            _native(strategy, comm)
         strategy.sync(plan, lambda: False)
         _train(strategy, 1)
         return strategy.state.last_grad_norm
@@ -334,6 +359,21 @@ def test_rank_0_measures_the_global_gradient_norm_for_a_stream(zero: int) -> Non
     assert _norms(2, zero, stream=False) == [None, None]
     clipped = _norms(2, zero, stream=False, grad_clip=1e-3)  # clipping takes it on every rank
     assert clipped == [pytest.approx(alone, rel=1e-12)] * 2
+
+
+def test_zero1_with_a_native_reduce_scatter_keeps_every_share_bit_identical() -> None:
+    """NCCL's ZeRO-1 path (each rank receives only its part of the sums; clipping takes the
+    global norm from every rank's per-layer squares of its part), on the fake communicator: 2 and
+    4 ranks reach one rank's bits with clipping and a schedule, and rank 0 reports one rank's
+    norm (every rank takes it when clipping)."""
+    alone = _run(1, 0, 3, **CLIPPED)[0]
+    for world in (2, 4):
+        assert all(torch.equal(w, alone) for w in _run(world, 1, 3, native=True, **CLIPPED))
+    norm = _norms(1, 0, stream=True)[0]
+    first, *others = _norms(4, 1, stream=True, native=True)
+    assert first == pytest.approx(norm, rel=1e-12) and others == [None] * 3
+    clipped = _norms(2, 1, stream=False, native=True, grad_clip=1e-3)
+    assert clipped == [pytest.approx(norm, rel=1e-12)] * 2
 
 
 SGD_GROUPS = {

@@ -20,10 +20,10 @@ from dataclasses import dataclass
 
 import torch
 
-from elaswave.planning.shards import LayerCut, ShardLayout, layer_cuts, overlaps
+from elaswave.planning.shards import LayerCut, ShardLayout, layer_cuts
 from elaswave.runtime.comm.communicator import Communicator
 from elaswave.runtime.durable.checkpoints import Piece
-from elaswave.runtime.optim import FlatOptimizer, clip_scale, global_norm
+from elaswave.runtime.optim import FlatOptimizer
 from elaswave.runtime.strategies.shard import Shard, Staged
 from elaswave.runtime.strategies.zero import DP, ZeroState
 
@@ -109,27 +109,6 @@ class ParamShards(ZeroState):
         return unpack_layer(gathered, cut)
 
     # ---- one step -------------------------------------------------------------------------------
-    def layer_sumsq(
-        self, mean: torch.Tensor, ties: Sequence[tuple[slice, slice]] = ()
-    ) -> torch.Tensor:
-        """This rank's part of each layer's squared gradient norm (float64; the second copy of a
-        tied weight left out, as :func:`~elaswave.runtime.optim.layer_sumsq` does): summed over
-        the ranks, the squares the global norm is taken from."""
-        assert self.layout is not None
-        sq = torch.zeros(len(self.cuts), dtype=torch.float64, device=mean.device)
-        for i, cut in enumerate(self.cuts):
-            start, size = cut.starts[self.rank], cut.sizes[self.rank]
-            if size:
-                part = mean[start : start + size]
-                sq[i] = torch.linalg.vector_norm(part, dtype=torch.float64).square()
-        starts = [cut.offset for cut in self.cuts]
-        pieces = self.layout.pieces(self.rank)
-        for _, b in ties:
-            i = max(k for k, s in enumerate(starts) if s <= b.start)
-            for _, n, pos in overlaps(pieces, b.start, b.stop - b.start):
-                sq[i] -= torch.linalg.vector_norm(mean[pos : pos + n], dtype=torch.float64).square()
-        return sq
-
     def stage3(
         self,
         comm: Communicator,
@@ -149,13 +128,8 @@ class ParamShards(ZeroState):
         assert self.own is not None and self.own.params is not None
         max_norm, ties = clip
         mean = grads.div_(count)
-        norm, factor = None, 1.0
-        if max_norm or measure:
-            squares = self.layer_sumsq(mean, ties)
-            comm.allreduce(DP, squares, abort)
-            norm = global_norm(squares)
-            if max_norm:
-                factor = clip_scale(norm, max_norm)
+        layers = [(cut.offset, cut.length) for cut in self.cuts]
+        factor, norm = self.shard_clip(comm, mean, max_norm, ties, layers, measure, abort)
         grad = mean if mean.dtype == torch.float32 else mean.to(torch.float32)
         if factor < 1.0:  # after the conversion, as replicated data parallelism does
             grad.mul_(factor)

@@ -92,7 +92,7 @@ class Replicated(Strategy):
                 grad = st.flat.collect_grads()
                 acc.add_(grad)
                 grad.zero_()
-            part.sums[0] += loss.item()
+            part.sums[0] += loss.detach().to(part.sums.dtype)  # no host sync per micro-batch
             part.sums[1] += count
             part.done.append(i)
             if slow:

@@ -34,6 +34,9 @@ class Zero1(Replicated):
         super().__init__(ctx, durable)
         self.zero = self.make_shards()
         self.zero.snapshot_every = ctx.cfg.snapshot_every
+        # NCCL's reduce-scatter moves half an all-reduce's bytes; gloo's is slower than its
+        # all-reduce (see ``ZeroState.native_reduce_scatter``).
+        self.zero.native_reduce_scatter = getattr(ctx.comm, "backend", "gloo") != "gloo"
 
     def make_shards(self) -> ZeroState:
         """The shard state (ZeRO-3's carries the parameters too)."""
@@ -51,7 +54,8 @@ class Zero1(Replicated):
         z, st, comm = self.zero, self.state, self.ctx.comm
         n = st.flat.numel
         clip = (self.ctx.cfg.train.grad_clip, st.ties, st.segments)
-        measure = self.ctx.cfg.logging.enabled and comm.rank(DP) == 0  # rank 0 reports it
+        # Rank 0 reports the norm; with a native reduce-scatter every rank adds its squares.
+        measure = self.ctx.cfg.logging.enabled and (comm.rank(DP) == 0 or z.native_reduce_scatter)
         count = z.stage(
             comm, buf[:n], step, broken, before_update, float(buf[n + COUNT]), clip, measure
         )
@@ -59,7 +63,10 @@ class Zero1(Replicated):
         z.staged.reached_barrier = True
         tail = buf[n:].to(torch.float64)
         comm.allreduce(DP, tail, broken)
-        st.last_loss, st.last_grad_norm = float(tail[LOSS]) / count, z.grad_norm
+        st.last_loss = float(tail[LOSS]) / count
+        # as data parallelism has it: every rank when clipping took it, else rank 0 (it reports)
+        clipped = self.ctx.cfg.train.grad_clip
+        st.last_grad_norm = z.grad_norm if clipped or comm.rank(DP) == 0 else None
         z.commit(st.last_loss)  # every rank staged (and replicated) this step: committed
         self.forget_partial()
         st.step = step

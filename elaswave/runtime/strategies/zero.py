@@ -24,6 +24,7 @@ rollback.
 
 from __future__ import annotations
 
+import bisect
 import math
 import time
 from collections import defaultdict
@@ -51,7 +52,14 @@ from elaswave.planning.shards import (
 )
 from elaswave.runtime.comm.communicator import Communicator
 from elaswave.runtime.integrity.checksums import fast_checksum
-from elaswave.runtime.optim import FlatOptimizer, FlatParams, OptimHyper, clip_and_norm
+from elaswave.runtime.optim import (
+    FlatOptimizer,
+    FlatParams,
+    OptimHyper,
+    clip_and_norm,
+    clip_scale,
+    global_norm,
+)
 from elaswave.runtime.strategies.shard import Shard, ShardLost, Staged
 
 __all__ = ["Shard", "ShardLost", "Staged", "ZeroState"]
@@ -82,7 +90,9 @@ class ZeroState:
     groups: torch.Tensor | None = None  # each shard element's weight-decay group (None: one)
     # Gloo's reduce_scatter is slower than its ring all-reduce on CPU (gpt-tiny, 4 workers:
     # 92 vs 79 ms per step), so on gloo the gradient is all-reduced and each rank keeps its part;
-    # backends with a fast reduce-scatter (NCCL) set this.
+    # backends with a fast reduce-scatter (NCCL) set this (``Zero1``): each rank then receives
+    # only its part of the sums, and clipping takes the global norm from every rank's per-layer
+    # squares of its part (``shard_sumsq``, one more all-reduce of a float per layer).
     native_reduce_scatter: bool = False
     snapshot_every: int = 1  # replicate every K committed steps (0: never)
     grad_norm: float | None = None  # of the last staged step's mean gradient, where measured
@@ -192,8 +202,15 @@ class ZeroState:
         batch_count = float(total)
         if batch_count <= 0:
             raise ValueError("the workload's loss counted nothing in the whole batch")
-        factor, self.grad_norm = self._clip_factor(reduced, batch_count, *clip, measure=measure)
-        mine = mine.div_(batch_count)
+        if self.native_reduce_scatter:  # each rank holds only its part of the sums
+            mine = mine.div_(batch_count)
+            max_norm, ties, segments = clip
+            factor, self.grad_norm = self.shard_clip(
+                comm, mine, max_norm, ties, segments or ((0, self.flat.numel),), measure, abort
+            )
+        else:
+            factor, self.grad_norm = self._clip_factor(reduced, batch_count, *clip, measure=measure)
+            mine = mine.div_(batch_count)
         grad = mine.to(torch.float32) if mine.dtype != torch.float32 else mine
         if factor < 1.0:  # after the conversion, as replicated data parallelism does
             grad.mul_(factor)
@@ -228,18 +245,34 @@ class ZeroState:
         """Gradient clipping: the whole model's mean gradient back in flat order (the same
         numbers, in the same order, as replicated data parallelism takes its norm over), and
         the norm (None unless clipping or ``measure`` asks for it)."""
-        if self.native_reduce_scatter:  # each rank holds only its part of the sums
-            if max_norm:
-                raise ValueError(
-                    "train.grad_clip with a native reduce-scatter is not supported yet"
-                )
-            return 1.0, None
         if not (max_norm or measure):
             return 1.0, None
         n = self.flat.numel
         flat = reduced.new_zeros(n + 1)
         flat.index_copy_(0, self.index, reduced[:-1])  # padding (zeros) lands on index n
         return clip_and_norm(flat[:n].div_(count), max_norm, ties, segments, measure=measure)
+
+    def shard_clip(
+        self,
+        comm: Communicator,
+        mean: torch.Tensor,
+        max_norm: float,
+        ties: Sequence[tuple[slice, slice]],
+        segments: Sequence[tuple[int, int]],
+        measure: bool,
+        abort: Callable[[], bool],
+    ) -> tuple[float, float | None]:
+        """Gradient clipping where each rank holds only its part of the mean gradient
+        (``mean``, in this rank's shard layout): the global norm from every rank's per-layer
+        squares (:func:`shard_sumsq` over ``segments``, the layers), summed by an all-reduce, so
+        every rank asks or none. (clip factor, norm; None unless clipping or ``measure``)."""
+        if not (max_norm or measure):
+            return 1.0, None
+        assert self.layout is not None
+        squares = shard_sumsq(mean, self.layout.pieces(self.rank), segments, ties)
+        comm.allreduce(DP, squares, abort)
+        norm = global_norm(squares)
+        return (clip_scale(norm, max_norm) if max_norm else 1.0), norm
 
     def commit(self, loss: float = math.nan) -> None:
         """Step 4, after the barrier returned: the staged state becomes the live state (and, on
@@ -609,3 +642,28 @@ class ZeroState:
                 unpack[mv.src].append((mv.offset, mv.length))
         sends = {dst: torch.cat(parts) for dst, parts in outgoing.items()}
         return sends, dict(recv_sizes), dict(unpack)
+
+
+def shard_sumsq(
+    part: torch.Tensor,
+    pieces: Sequence[Range],
+    segments: Sequence[tuple[int, int]],
+    ties: Sequence[tuple[slice, slice]] = (),
+) -> torch.Tensor:
+    """A rank's part of each layer's squared gradient norm (float64; the second copy of a tied
+    weight left out, as :func:`~elaswave.runtime.optim.layer_sumsq` does): ``part`` is the rank's
+    shard of the mean gradient, laid out as ``pieces`` (flat order, so a layer's elements are one
+    run of the shard), ``segments`` the layers' (offset, length). Summed over the ranks, the
+    squares the global norm is taken from."""
+    sq = torch.zeros(len(segments), dtype=torch.float64, device=part.device)
+    for i, (offset, length) in enumerate(segments):
+        spans = overlaps(pieces, offset, length)
+        if spans:
+            lo, hi = spans[0][2], spans[-1][2] + spans[-1][1]
+            sq[i] = torch.linalg.vector_norm(part[lo:hi], dtype=torch.float64).square()
+    starts = [offset for offset, _ in segments]
+    for _, b in ties:
+        i = bisect.bisect_right(starts, b.start) - 1
+        for _, n, pos in overlaps(pieces, b.start, b.stop - b.start):
+            sq[i] -= torch.linalg.vector_norm(part[pos : pos + n], dtype=torch.float64).square()
+    return sq

@@ -62,7 +62,10 @@ class StageStep:
         self.inputs: dict[int, torch.Tensor] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.grads_in: dict[int, torch.Tensor] = {}
-        self.loss_sum, self.count = 0.0, 0
+        # The last stage's loss sum stays where the loss is (no host sync per micro-batch), in
+        # float64 like the Python float it replaces, so the sums keep their bits.
+        self.loss_sum = torch.zeros((), dtype=torch.float64, device=self.buf.device)
+        self.count = 0
 
     def run(self, slow: float) -> float | None:
         """The whole schedule; returns busy seconds per micro-batch (``None``: no micro-batch).
@@ -87,7 +90,7 @@ class StageStep:
                 self.exchange(item)
         if self.last:
             n = ctx.state.flat.numel
-            self.buf[n + LOSS] += self.loss_sum
+            self.buf[n + LOSS] += self.loss_sum.to(self.buf.dtype)
             self.buf[n + COUNT] += self.count
         pipe.timer.end(len(self.mbs), [pipe.cost_share(range(i, i + 1)) for i in self.layers])
         return busy / len(self.mbs) if self.mbs else None
@@ -105,7 +108,7 @@ class StageStep:
             self.pipe.device_pause(self.layers, backward=False)
         if self.last:
             loss, count = st.loss(h, targets)
-            self.loss_sum += loss.item()
+            self.loss_sum += loss.detach()
             self.count += count
             self.outputs[i] = loss  # its gradient is divided by the batch's count later
         else:
