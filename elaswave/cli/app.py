@@ -104,6 +104,14 @@ _HostId = Annotated[str | None, typer.Option("--host-id")]
 _HostAddr = Annotated[
     str | None, typer.Option("--host-addr", help="Address peers reach this host on.")
 ]
+_Rack = Annotated[
+    str | None,
+    typer.Option(
+        "--rack",
+        help="This host's tier above hosts (a rack, a switch): ranks are laid out rack by rack, "
+        "and copies kept for a rank go to another rack where the job spans two.",
+    ),
+]
 _Zero = Annotated[
     int | None,
     typer.Option(
@@ -212,6 +220,7 @@ def launch(
     fault: _Fault = [],  # noqa: B006 - typer's way to repeat an option
     host_id: _HostId = None,
     host_addr: _HostAddr = None,
+    rack: _Rack = None,
     zero: _Zero = None,
     pp: _Pp = None,
     dp: _Dp = None,

@@ -59,6 +59,9 @@ class JobConfig:
     # aside (<run_dir>/previous/) and train from step 0 on purpose.
     fresh: bool = False
     host_id: str | None = None  # default: hostname-pid
+    # This host's tier above hosts (a rack, a switch: ``launch --rack``; empty: none). Ranks are
+    # laid out rack by rack, and copies kept for a rank go to another rack where the job spans two.
+    rack: str = ""
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -70,6 +73,8 @@ class JobConfig:
     def __post_init__(self) -> None:
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", self.job_id):
             raise ConfigError(f"job_id must be 1-64 of [A-Za-z0-9_.-], got {self.job_id!r}")
+        if self.rack and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", self.rack):
+            raise ConfigError(f"rack must be 1-64 of [A-Za-z0-9_.-], got {self.rack!r}")
         if self.snapshot_every < 0:
             raise ConfigError(f"snapshot_every must be >= 0, got {self.snapshot_every}")
         if self.durable_every < 0:
@@ -198,6 +203,7 @@ LAUNCH_FLAGS: dict[str, str] = {
     "etcd_server_cert": "etcd_tls.server_cert",
     "etcd_server_key": "etcd_tls.server_key",
     "host_id": "host_id",
+    "rack": "rack",
     "nproc_per_node": "elastic.nproc_per_node",
     "device": "train.device",
     "workers_per_device": "elastic.workers_per_device",

@@ -36,10 +36,11 @@ class WorkerRecord:
     order: int  # the key's create revision: workers that became ready earlier come first
     layer_seconds: list[float] | None = None  # pipelines: its start-up profile, per layer
     layer_estimate: list[float] | None = None  # pipelines: the workload's estimate, per layer
+    rack: str = ""  # its host's rack (``launch --rack``)
 
     @property
     def member(self) -> Member:
-        return Member(worker_id=self.worker_id, host=self.host, order=self.order)
+        return Member(worker_id=self.worker_id, host=self.host, order=self.order, rack=self.rack)
 
     @classmethod
     def parse(cls, value: bytes, create_revision: int) -> WorkerRecord:
@@ -50,6 +51,7 @@ class WorkerRecord:
             order=create_revision,
             layer_seconds=info.get("layer_seconds") or None,
             layer_estimate=info.get("layer_estimate") or None,
+            rack=str(info.get("rack") or ""),
         )
 
 

@@ -304,6 +304,7 @@ class Planner:
                 if plan.is_pipeline
                 else {}
             ),
+            **({"racks": dict(plan.racks)} if plan.racks else {}),
         )
 
     def _samples(self, current: Plan) -> dict[str, list[float]]:

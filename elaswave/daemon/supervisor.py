@@ -485,6 +485,8 @@ class HostDaemon:
             info: dict[str, Any] = {
                 "worker_id": w.worker_id, "host": self.host_id, "pid": w.pid, "slot": w.slot,
             }  # fmt: skip
+            if self.cfg.rack:  # the tier above hosts, for the planner
+                info["rack"] = self.cfg.rack
             for costs in ("layer_estimate", "layer_seconds"):  # pipelines: the workload's
                 if isinstance(msg.get(costs), list):  # estimate, a start-up profile
                     info[costs] = [float(x) for x in msg[costs]]

@@ -17,7 +17,7 @@ from heapq import heapify, heapreplace
 from typing import Any
 
 from elaswave.planning.partition import Partition, partition_layers, takeover
-from elaswave.planning.plan import LISTED, Member, Plan, capped, gone, listed
+from elaswave.planning.plan import LISTED, Member, Plan, capped, gone, listed, racks_of
 
 POLICIES = ("reshard", "drop")
 Observation = Mapping[Any, float]  # a worker's {layer: seconds}; JSON gives the keys as strings
@@ -198,6 +198,7 @@ def next_pipeline_plan(
         epoch=epoch,
         workers=workers,
         hosts=tuple(live[w].host for w in workers),
+        racks=racks_of(live[w] for w in workers),
         microbatches=tuple(shares[d] for d, g in enumerate(groups) for _ in g),
         store=store,
         reason=reason,
@@ -384,6 +385,7 @@ def respeed_pipeline_plan(
         epoch=epoch,
         workers=current.workers,
         hosts=current.hosts,
+        racks=current.racks,
         microbatches=tuple(shares[current.position(r)[0]] for r in range(current.world_size)),
         store=store,
         reason=reason,

@@ -24,10 +24,14 @@ class Member:
     worker_id: str
     host: str
     order: int  # etcd create revision of its registration: earlier joiners get lower ranks
+    rack: str = ""  # its host's tier above hosts (``launch --rack``; empty: none)
 
     @classmethod
     def from_dict(cls, data: dict) -> Member:
-        return cls(worker_id=data["worker_id"], host=data["host"], order=int(data["order"]))
+        return cls(
+            worker_id=data["worker_id"], host=data["host"], order=int(data["order"]),
+            rack=str(data.get("rack") or ""),
+        )  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,6 +66,9 @@ class Plan:
     # The job's newest committed step when this plan was made (its progress record in etcd): a
     # plan whose ranks all hold no state must not start the job over (the engine's state check).
     committed: int = 0
+    # The tier above hosts: (host, rack) of every host of the plan that has one, sorted by host
+    # (empty: no host was launched with ``--rack``).
+    racks: tuple[tuple[str, str], ...] = field(default=())
 
     @property
     def world_size(self) -> int:
@@ -74,6 +81,19 @@ class Plan:
         """Where ``host`` comes in the plan's hosts, ordered by their first rank; a host with
         no rank comes after all of them."""
         return self._host_places.get(host, len(self._host_places))
+
+    def rack_of(self, host: str) -> str:
+        """``host``'s rack ("" when it has none)."""
+        return self._racks.get(host, "")
+
+    @cached_property
+    def domains(self) -> tuple[str, ...]:
+        """Per rank, what one fault can take with it: its rack when the ranks span two or more
+        racks, else its host. A copy kept for a rank goes to another domain where one exists
+        (ZeRO snapshots, pipeline keepers), so one host's, or one rack's, loss never takes a
+        part and its copy together."""
+        racks = tuple(self.rack_of(h) for h in self.hosts)
+        return racks if len(set(racks)) > 1 else self.hosts
 
     @property
     def is_pipeline(self) -> bool:
@@ -120,6 +140,10 @@ class Plan:
         for r, w in enumerate(self.workers):
             ranks.setdefault(w, r)
         return ranks
+
+    @cached_property
+    def _racks(self) -> dict[str, str]:
+        return dict(self.racks)
 
     @cached_property
     def _host_places(self) -> dict[str, int]:
@@ -193,14 +217,22 @@ def order_members(prev: Plan | None, members: Sequence[Member]) -> list[Member]:
 
 
 def by_host(members: Sequence[Member]) -> list[Member]:
-    """Ranks host by host: the hosts in the order their first member comes, each host's members
-    in the order they come. A ring over these ranks crosses between hosts once per host; in
-    registration order the hosts can interleave, and a ring that crosses at every hop sends
-    twice the bytes between hosts."""
-    place: dict[str, int] = {}
+    """Ranks rack by rack, host by host: the racks in the order their first member comes, in
+    each rack its hosts in the order their first member comes, each host's members in the order
+    they come (no racks: host by host). A ring over these ranks crosses between hosts once per
+    host and between racks once per rack; in registration order the hosts can interleave, and a
+    ring that crosses at every hop sends twice the bytes between hosts."""
+    rack: dict[str, int] = {}
+    host: dict[str, int] = {}
     for m in members:
-        place.setdefault(m.host, len(place))
-    return sorted(members, key=lambda m: place[m.host])
+        rack.setdefault(m.rack, len(rack))
+        host.setdefault(m.host, len(host))
+    return sorted(members, key=lambda m: (rack[m.rack], host[m.host]))
+
+
+def racks_of(members: Iterable[Member]) -> tuple[tuple[str, str], ...]:
+    """The plan's ``racks``: (host, rack) of every member's host that has one, sorted."""
+    return tuple(sorted({(m.host, m.rack) for m in members if m.rack}))
 
 
 def next_plan(
@@ -245,6 +277,7 @@ def next_plan(
         reason=reason,
         created=now,
         departed=departed,
+        racks=racks_of(ordered),
     )
 
 
@@ -292,6 +325,7 @@ def reshared_plan(
         created=now,
         departed=departed,
         evicted=departed,
+        racks=tuple(p for p in prev.racks if p[0] in set(hosts)),
     )
 
 

@@ -36,6 +36,7 @@ surrogates survive as bytes):
 - ``replicas``: ``[start, stages, n]``: ``n`` replicas of ``stages`` consecutive ranks each, from
   rank ``start`` on; ``{"ranks": [...]}``: a replica of any other shape.
 - ``bounds``: ``[[b0, b1, …], n]``: ``n`` replicas in turn whose layers are cut at these bounds.
+- ``racks`` (only when some host was launched with ``--rack``): ``[host, rack]`` pairs, by host.
 
 For example, two hosts of four workers, one of them respawned, and the worker it replaced::
 
@@ -96,6 +97,8 @@ def encode(plan: Plan) -> str:
         "departed": _worker_items(_departed_tokens(plan.departed, index)),
         "evicted": _worker_items(_departed_tokens(plan.evicted, index)),
     }
+    if plan.racks:  # only jobs whose hosts were launched with --rack
+        wire["racks"] = [list(pair) for pair in plan.racks]
     return json.dumps(wire, separators=(",", ":"))
 
 
@@ -128,6 +131,7 @@ def decode(text: str | bytes) -> Plan:
         shares=tuple(_counts(d["shares"])),
         evicted=tuple(w for _, w in _workers(d["evicted"], names)),
         committed=int(d["committed"]),
+        racks=tuple((str(h), str(r)) for h, r in d.get("racks", ())),
     )
 
 
@@ -147,6 +151,7 @@ def _plain(d: Mapping[str, Any]) -> Plan:
         shares=tuple(int(x) for x in d.get("shares", ())),
         evicted=tuple(d.get("evicted", ())),
         committed=int(d.get("committed", 0)),
+        racks=tuple((str(h), str(r)) for h, r in d.get("racks", ())),
     )
 
 

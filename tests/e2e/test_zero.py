@@ -23,6 +23,7 @@ from conftest import (
     wait_for,
 )
 
+from elaswave.events import read_jsonl
 from elaswave.runtime.durable.checkpoints import PIECES
 
 
@@ -48,6 +49,41 @@ def _two_hosts(
         if first.poll() is None:
             first.kill()
     return code, first.stderr.read() if first.stderr else "", second
+
+
+def _racked_hosts(
+    tmp_path: Path, env: dict[str, str], job_id: str, racks: dict[str, str], *args: str
+) -> tuple[dict[str, int], str]:
+    """Launches of ``job_id`` on one machine acting as the hosts of ``racks`` (host → its
+    ``--rack``), one worker each. The first starts the embedded etcd; the others join once its
+    worker registered, so ranks follow ``racks``' order rack by rack. Each host's exit code, and
+    every stderr."""
+    n = len(racks)
+    common = ("--job-id", job_id, "--nproc-per-node", "1", "--nnodes", f"{n}:{n}", *args)
+
+    def start(host: str, *extra: str) -> subprocess.Popen[str]:
+        return subprocess.Popen(
+            elaswave_cmd("launch", *common, str(CONFIG), "--run-dir", str(tmp_path / host),
+                         "--host-id", host, "--rack", racks[host], "--quiet", *extra),
+            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+
+    first, *others = racks
+    procs = {first: start(first)}
+    try:
+        record = Path(env["ELASWAVE_STATE_DIR"]) / "jobs" / f"{job_id}.json"
+        wait_for(record.exists, timeout=60)
+        time.sleep(0.2)
+        etcd = ",".join(json.loads(record.read_text())["etcd"])
+        events = tmp_path / first / "events.jsonl"
+        wait_for(lambda: any(e["kind"] == "worker_ready" for e in read_jsonl(events)), 60)
+        procs |= {host: start(host, "--etcd", etcd) for host in others}
+        codes = {host: proc.wait(timeout=120) for host, proc in procs.items()}
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+    return codes, "".join(proc.stderr.read() for proc in procs.values() if proc.stderr)
 
 
 pytestmark = pytest.mark.e2e
@@ -371,3 +407,33 @@ def test_zero3_loses_a_whole_host_and_recovers_from_the_other_hosts_pieces(
     assert len(synced) == 2 and all(e["bytes"] == 0 and e["promoted_bytes"] > 0 for e in synced)
     finals = run.of("final_state")
     assert len(finals) == 2 and len({f["state_sha256"] for f in finals}) == 1
+
+
+def test_zero3_loses_a_whole_rack_and_recovers_from_the_other_racks_copies(
+    tmp_path: Path, state_env: dict[str, str], gpt64: Run
+) -> None:
+    """Hosts h1 and h2 in rack A, h3 in rack B (``--rack``), one worker each: ranks go rack by
+    rack and the copies of A's shards all sit in B (by host alone, half of h1's would be on h2).
+    Both of A's workers die in step 6: h3 holds every piece of their shards and goes on alone,
+    nothing sent, bit for bit."""
+    racks = {"h1": "A", "h2": "A", "h3": "B"}
+    codes, err = _racked_hosts(
+        tmp_path, {**state_env, **F64}, "z3-racks", racks, "--zero", "3", "--steps", "10",
+        "--fault", "kill,rank=0,at_step=6", "--fault", "kill,rank=1,at_step=6",
+    )  # fmt: skip
+    assert codes == {"h1": 1, "h2": 1, "h3": 0}, err[-3000:]
+    assert "every worker was lost" in err
+    run = Run(*(tmp_path / h for h in racks))
+    first = next(p for p in run.of("plan_published") if p["epoch"] == 1)
+    assert [w.split(".")[0] for w in first["workers"]] == ["h1", "h2", "h3"]
+    assert first["racks"] == racks
+    (holders,) = {
+        json.dumps(e["replica_holders"], sort_keys=True)
+        for e in run.of("state_synced") if e["epoch"] == 1
+    }  # fmt: skip
+    assert json.loads(holders) == {"0": [2], "1": [2], "2": [0, 1]}
+    assert sorted(m["step"] for m in run.metrics) == list(range(1, 11))
+    assert run.losses == {s: gpt64.losses[s] for s in range(1, 11)}
+    recovered = max(e["epoch"] for e in run.of("state_synced"))
+    (synced,) = [e for e in run.of("state_synced") if e["epoch"] == recovered]
+    assert synced["bytes"] == 0 and synced["promoted_bytes"] > 0

@@ -17,6 +17,7 @@ from elaswave.planning.plan import (
     listed,
     next_plan,
     order_members,
+    reshared_plan,
 )
 
 # ---- assign_microbatches ---------------------------------------------------------------------
@@ -119,8 +120,8 @@ def test_assign_equal_weights_ties_go_to_lower_ranks(total: int, n: int) -> None
 # ---- order_members ---------------------------------------------------------------------------
 
 
-def member(worker_id: str, order: int, host: str = "h0") -> Member:
-    return Member(worker_id=worker_id, host=host, order=order)
+def member(worker_id: str, order: int, host: str = "h0", rack: str = "") -> Member:
+    return Member(worker_id=worker_id, host=host, order=order, rack=rack)
 
 
 def plan_with(workers: list[str], epoch: int = 1, total: int = 16) -> Plan:
@@ -181,6 +182,54 @@ def test_order_members_is_independent_of_input_order() -> None:
 def test_by_host(given: list[str], expected: list[str]) -> None:
     members = [member(w, i, host=h) for i, (w, h) in enumerate(x.split("@") for x in given)]
     assert [f"{m.worker_id}@{m.host}" for m in by_host(members)] == expected
+
+
+@pytest.mark.parametrize(
+    ("given", "expected"),
+    [
+        # racks in the order of their first member, hosts in a rack in theirs
+        (["a@h0@A", "b@h1@B", "c@h2@A", "d@h0@A"], ["a@h0@A", "d@h0@A", "c@h2@A", "b@h1@B"]),
+        (["b@h1@B", "a@h0@A", "c@h2@A"], ["b@h1@B", "a@h0@A", "c@h2@A"]),
+        # hosts without a rack are one tier of their own
+        (["a@h0@", "b@h1@A", "c@h2@", "d@h3@A"], ["a@h0@", "c@h2@", "b@h1@A", "d@h3@A"]),
+    ],
+)
+def test_by_host_goes_rack_by_rack(given: list[str], expected: list[str]) -> None:
+    members = [
+        member(w, i, host=h, rack=r) for i, (w, h, r) in enumerate(x.split("@") for x in given)
+    ]
+    assert [f"{m.worker_id}@{m.host}@{m.rack}" for m in by_host(members)] == expected
+
+
+@pytest.mark.parametrize(
+    ("hosts", "racks", "domains"),
+    [
+        (("h0", "h0", "h1"), (), ("h0", "h0", "h1")),  # no racks: the hosts
+        (("h0", "h1", "h2"), (("h0", "A"), ("h1", "A"), ("h2", "A")), ("h0", "h1", "h2")),
+        (("h0", "h1", "h2"), (("h0", "A"), ("h1", "A"), ("h2", "B")), ("A", "A", "B")),
+        # a host without a rack is a domain of its own beside the racks
+        (("h0", "h1", "h2"), (("h0", "A"), ("h1", "A")), ("A", "A", "")),
+    ],
+)
+def test_plan_domains(hosts: tuple, racks: tuple, domains: tuple) -> None:
+    plan = Plan(epoch=1, workers=("a", "b", "c"), hosts=hosts, microbatches=(1, 1, 1),
+                store="", racks=racks)  # fmt: skip
+    assert plan.domains == domains
+
+
+def test_a_plan_carries_the_racks_of_its_hosts() -> None:
+    live = [member("a", 1, "h0", "A"), member("b", 2, "h1", "B"), member("c", 3, "h2", "A"),
+            member("d", 4, "h3")]  # fmt: skip
+    plan = next_plan(None, live, num_microbatches=8, max_workers=8, store="", now=0.0)
+    assert plan is not None
+    assert plan.workers == ("a", "c", "b", "d")
+    assert plan.racks == (("h0", "A"), ("h1", "B"), ("h2", "A"))
+    assert plan.domains == ("A", "A", "B", "")
+    shrunk = reshared_plan(plan, [4, 2, 2], evict=["b"], store="", now=0.0)
+    assert shrunk.racks == (("h0", "A"), ("h2", "A"))
+    plain = next_plan(None, [member("a", 1, "h0")], num_microbatches=8, max_workers=8,
+                      store="", now=0.0)  # fmt: skip
+    assert plain is not None and plain.racks == () and plain.domains == ("h0",)
 
 
 def test_plans_stay_host_by_host_and_survivors_keep_their_order() -> None:

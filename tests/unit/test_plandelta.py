@@ -74,6 +74,16 @@ def _changes() -> dict[str, tuple[Plan, Plan]]:
         "a stage taken over": (pipe, _pp(pipe, _without("node-00001.w1"))),
         "a pipeline host lost": (pipe, _pp(pipe, _without("node-00003.w0", "node-00003.w1"))),
         "the whole membership replaced": (start, replace(start, epoch=2, workers=("x.w0",) * 8)),
+        "a host of another rack joins": (
+            s := _dp(None, [replace(m, rack="r1") for m in EVERYONE[:6]]),
+            _dp(
+                s,
+                [
+                    *(replace(m, rack="r1") for m in EVERYONE[:6]),
+                    *(replace(m, rack="r2") for m in EVERYONE[6:]),
+                ],
+            ),
+        ),  # fmt: skip
     }
 
 

@@ -89,6 +89,9 @@ PLANS = {
     "ranks interleaved across hosts": plan(
         ["b.w0", "a.w0", "b.w1", "c.w0", "a.w2", "a.w1"], ["b", "a", "b", "c", "a", "a"]
     ),
+    "hosts in racks": plan(
+        *on_hosts(["a", "b", "c"], 2), racks=(("a", "rack-1"), ("b", "rack-1"), ("c", "rack-2"))
+    ),
 }
 
 
@@ -257,3 +260,10 @@ def test_ranks_in_join_order_across_hosts_still_fit() -> None:
     text = p.to_json()
     assert len(text.encode()) < ETCD_REQUEST_LIMIT // 2  # measured: 575 KiB (plain: 3.4 MB)
     assert Plan.from_json(text) == p
+
+
+def test_racks_are_written_only_when_some_host_has_one() -> None:
+    assert "racks" not in json.loads(PLANS["data parallel"].to_json())
+    assert json.loads(PLANS["hosts in racks"].to_json())["racks"] == [
+        ["a", "rack-1"], ["b", "rack-1"], ["c", "rack-2"],
+    ]  # fmt: skip

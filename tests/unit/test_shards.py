@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from elaswave.planning.plan import Plan
 from elaswave.planning.shards import (
     MAX_PIECES_PER_LAYER,
     ShardLayout,
@@ -120,6 +121,26 @@ def test_replica_pieces_cover_each_shard_once_off_its_owner_and_host(
         for p in mine:
             per_holder[p.holder] = per_holder.get(p.holder, 0) + p.length
         assert max(per_holder.values()) - min(per_holder.values()) <= 1, "even to one element"
+
+
+def test_a_whole_rack_lost_leaves_every_piece_of_its_ranks_in_the_other_rack() -> None:
+    """Racks A (hosts h0, h1) and B (h2): the plan's fault domains are the racks, so the copies
+    of A's ranks all sit in B; both of A's hosts can go at once and B holds every piece of their
+    shards. By host alone, A's copies would be half on its other host, lost with it."""
+    hosts = ("h0", "h0", "h1", "h1", "h2", "h2")
+    plan = Plan(epoch=1, workers=tuple(_workers(6)), hosts=hosts, microbatches=(1,) * 6, store="",
+                racks=(("h0", "A"), ("h1", "A"), ("h2", "B")))  # fmt: skip
+    layout = ShardLayout.even(BIG, 6)
+    in_rack = {r for r, h in enumerate(hosts) if h != "h2"}
+    for domains, survives in ((plan.domains, True), (plan.hosts, False)):
+        placement = place_replicas(layout, domains)
+        kept_in_b = {p.owner for p in placement if p.holder not in in_rack}
+        whole = all(
+            sum(p.length for p in placement if p.owner == r and p.holder not in in_rack)
+            == layout.shard_size(r)
+            for r in in_rack
+        )
+        assert whole is survives and in_rack <= kept_in_b
 
 
 @pytest.mark.parametrize(

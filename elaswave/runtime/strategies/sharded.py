@@ -90,7 +90,7 @@ class Zero1(Replicated):
             if start is not None:
                 return self.restore(plan, broken, *start)
             stats = z.reshard(
-                comm, (), None, plan.workers, rank, 0, plan.epoch, broken, new_hosts=plan.hosts
+                comm, (), None, plan.workers, rank, 0, plan.epoch, broken, new_hosts=plan.domains
             )
             return {
                 "resume_step": 0,
@@ -146,7 +146,7 @@ class Zero1(Replicated):
         stats = z.reshard(
             comm, tuple(old["workers"]), ShardLayout.from_json(z.segments, old["ranges"]),
             plan.workers, comm.rank(DP), resume, plan.epoch, broken,
-            old_hosts=tuple(old["hosts"]), new_hosts=plan.hosts,
+            old_hosts=tuple(old["hosts"]), new_hosts=plan.domains,
         )  # fmt: skip
         return source, stats
 
@@ -163,7 +163,7 @@ class Zero1(Replicated):
         st.flat.data.copy_(state.params)
         self.zero.restore_full(
             comm, plan.workers, comm.rank(DP), state.step,
-            state.exp_avg, state.exp_avg_sq, plan.epoch, broken, plan.hosts, state.loss,
+            state.exp_avg, state.exp_avg_sq, plan.epoch, broken, plan.domains, state.loss,
         )  # fmt: skip
         st.step, st.last_loss = state.step, state.loss
         return {}

@@ -79,7 +79,9 @@ class ZeroState:
     workers: tuple[str, ...] = ()  # rank order of ``layout``
     rank: int = -1
     layout_epoch: int = -1  # plan epoch under which ``layout`` was adopted (-1: none yet)
-    hosts: tuple[str, ...] = ()  # host of each rank of ``layout`` (replicas avoid the owner's)
+    # each rank's fault domain in ``layout`` (its host, or its rack where the ranks span racks:
+    # ``Plan.domains``); replicas avoid the owner's
+    hosts: tuple[str, ...] = ()
     placement: tuple[ReplicaPiece, ...] = ()
     own: Shard | None = None  # live state (the newest committed step)
     snap: Shard | None = None  # the newest committed snapshot of ``own`` (``own`` itself if K=1)

@@ -214,7 +214,7 @@ class Zero3(Zero1):
         self.forget_partial()
         self.zero.restore_full(
             comm, plan.workers, comm.rank(DP), state.step, state.exp_avg, state.exp_avg_sq,
-            plan.epoch, broken, plan.hosts, state.loss, params=state.params,
+            plan.epoch, broken, plan.domains, state.loss, params=state.params,
         )  # fmt: skip
         st.step, st.last_loss = state.step, state.loss
         return {}

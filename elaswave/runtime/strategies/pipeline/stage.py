@@ -559,7 +559,7 @@ class Pipeline:
         window = slice(flat.base, flat.base + flat.numel)
         e.state.params[window].copy_(state.params[window])
         if self.zero:
-            blocks = holder_blocks(targets, self.offsets, plan.hosts)
+            blocks = holder_blocks(targets, self.offsets, plan.domains)
             store = MomentStore(moment_duty(blocks, plan.world_size)[rank], e.state.device)
             for a, b in store.intervals:
                 store.unpack(a, b, torch.cat([state.exp_avg[a:b], state.exp_avg_sq[a:b]]))

@@ -162,7 +162,7 @@ def sync(
     held_bounds, have_params, have_moments = _what_ranks_have(pipe, resume, broken)
     targets, info = pipe.begin_layout(plan, resume, rolled_back)
     info["held_elements"] = pipe.span(pipe.target).stop - pipe.span(pipe.target).start
-    blocks = holder_blocks(targets, pipe.offsets, plan.hosts)
+    blocks = holder_blocks(targets, pipe.offsets, plan.domains)
     duty = moment_duty(blocks, plan.world_size)
     param_pieces = plan_piece_transfers(have_params, [spans(pipe.span, t) for t in targets])
 
