@@ -371,6 +371,17 @@ class LayerCut:
         """Every rank's part padded to this size (collectives want equal parts)."""
         return max(self.sizes, default=0)
 
+    @property
+    def rank_major(self) -> bool:
+        """Rank ``r``'s part is the one run ``[r × pad, (r + 1) × pad)`` of the layer, every part
+        of one size (an even layout of a layer the world divides): the layer in flat order is
+        already the rank-major buffer the all-gather fills and the reduce-scatter reads, so
+        neither needs a copy of it."""
+        pad = self.pad
+        return self.length == pad * len(self.local) and all(
+            runs == ((r * pad, pad),) for r, runs in enumerate(self.local)
+        )
+
 
 def layer_cuts(layout: ShardLayout) -> tuple[LayerCut, ...]:
     """Every layer's :class:`LayerCut` under ``layout``. A range never crosses a layer boundary

@@ -348,6 +348,44 @@ def test_layer_cuts(ranges, layer: int, starts, sizes, local) -> None:  # noqa: 
     assert cut.pad == max(sizes)
 
 
+@pytest.mark.parametrize(
+    ("segments", "world", "deaths", "expected"),
+    [
+        (((0, 8), (8, 12)), 4, [], [True, True]),  # the world divides every layer
+        (((0, 8), (8, 10)), 4, [], [True, False]),  # 10 = 3 + 3 + 2 + 2: padded, copied
+        (((0, 8),), 1, [], [True]),
+        (((0, 12),), 4, [1], [False]),  # the lost rank's part went to its holders in pieces
+    ],
+)
+def test_a_rank_major_cut_needs_no_copy(
+    segments: tuple, world: int, deaths: list[int], expected: list[bool]
+) -> None:
+    """Where every rank's part of a layer is one equal run in rank order, the layer is its own
+    rank-major buffer: unpacking an all-gather returns it without a copy. Packing and
+    unpacking stay inverses either way."""
+    from elaswave.runtime.strategies.paramshards import pack_layer, unpack_layer
+
+    layout = ShardLayout.even(segments, world + len(deaths))
+    workers = _workers(layout.world)
+    for dead in deaths:
+        gone = workers[dead]
+        survivors = [w for w in workers if w != gone]
+        layout = next_layout(
+            layout, workers, holdings(layout, workers, place_replicas(layout), set(survivors)),
+            survivors,
+        )  # fmt: skip
+        workers = survivors
+    cuts = layer_cuts(layout)
+    assert [cut.rank_major for cut in cuts] == expected
+    for cut in cuts:
+        layer = torch.arange(cut.length, dtype=torch.float32)
+        packed = pack_layer(layer, cut, torch.empty(layout.world * cut.pad))
+        back = unpack_layer(packed, cut)
+        assert torch.equal(back, layer)
+        shares = back.untyped_storage().data_ptr() == packed.untyped_storage().data_ptr()
+        assert shares is cut.rank_major
+
+
 @pytest.mark.parametrize("deaths", [[], [1], [1, 2], [0, 3, 1]])
 def test_layer_cuts_reassemble_every_layer(deaths: list[int]) -> None:
     """Every layer put together from every rank's part of it (read where the cut says, in each

@@ -167,7 +167,8 @@ class LayerGather:
         """Post the reduction of layer ``i``'s gradient sums: rank ``r`` receives the sum over
         the ranks of its part."""
         cut, world = shards.cuts[i], len(shards.workers)
-        send = pack_layer(sums, cut, sums.new_empty(world * cut.pad))
+        # Rank-major: the sums are the send buffer (the caller no longer touches them).
+        send = sums if cut.rank_major else pack_layer(sums, cut, sums.new_empty(world * cut.pad))
         self._hold(send)
         if world == 1:
             return _Reducing(i, send, send, None)

@@ -181,7 +181,10 @@ class ParamShards(ZeroState):
 
 
 def unpack_layer(gathered: torch.Tensor, cut: LayerCut) -> torch.Tensor:
-    """A layer in flat order from an all-gather of every rank's padded part of it."""
+    """A layer in flat order from an all-gather of every rank's padded part of it (``gathered``
+    itself, no copy, where the cut is rank-major)."""
+    if cut.rank_major:
+        return gathered[: cut.length]
     layer = gathered.new_empty(cut.length)
     for r, runs in enumerate(cut.local):
         cursor = r * cut.pad
