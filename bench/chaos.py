@@ -24,6 +24,7 @@ Variants (``CHAOS_VARIANTS=dp,zero,...``; all by default), one job each:
 
 - ``dp``: data parallelism, the six kinds above;
 - ``zero``: ZeRO-1 (``--zero 1``), the six kinds;
+- ``zero3``: ZeRO-3 (``--zero 3``: parameters, gradients and moments sharded), the six kinds;
 - ``pipeline``: dp 3 × pp 2 with ZeRO-1 inside the stages, the six kinds;
 - ``leader``: every host and partition fault hits the leader's host, every rank fault a worker
   on it: the leadership moves while the job recovers;
@@ -69,7 +70,7 @@ from bench.common import (
 from elaswave import netbed
 from elaswave.events import distinct_records
 
-DESCRIPTION = "chaos soak: >= 30 random faults per variant (dp, ZeRO, pipeline, leader, etcd, ...)"
+DESCRIPTION = "chaos soak: >= 30 random faults per variant (dp, ZeRO-1, ZeRO-3, pipeline, ...)"
 DEFAULT_REPEAT = 1
 SEED = 5
 FAULTS = 28  # drawn faults; each slow adds its curing kill, each recovery fault is two
@@ -108,6 +109,7 @@ VARIANTS = {
     for v in (
         Variant("dp", KINDS),
         Variant("zero", KINDS, ("--zero", "1")),
+        Variant("zero3", KINDS, ("--zero", "3")),
         Variant("pipeline", KINDS, ("--pp", "2", "--zero", "1")),
         Variant("leader", KINDS, at_leader=True),
         Variant("etcd", (*KINDS, "etcd"), etcd_members=3),
@@ -170,7 +172,7 @@ def run(repeat: int, config: Path) -> dict[str, Any]:
             Variant(v.name, tuple(k for k in v.kinds if k in ("kill", "hang", "corrupt", "slow")),
                     v.flags)
             for v in variants
-            if v.name in ("dp", "zero", "pipeline")
+            if v.name in ("dp", "zero", "zero3", "pipeline")
         ]  # fmt: skip
 
         def make_bed(workdir: Path, members: int) -> Any:
