@@ -306,6 +306,7 @@ def reshared_plan(
     if not workers:
         raise ValueError("cannot evict every worker")
     hosts = tuple(h for w, h in zip(prev.workers, prev.hosts, strict=True) if w not in leaving)
+    kept_hosts = set(hosts)
     epoch = prev.epoch + 1
     change = f"dp {prev.world_size}→{len(workers)}" if evict else f"dp {len(workers)}"
     reason = (
@@ -325,7 +326,7 @@ def reshared_plan(
         created=now,
         departed=departed,
         evicted=departed,
-        racks=tuple(p for p in prev.racks if p[0] in set(hosts)),
+        racks=tuple(p for p in prev.racks if p[0] in kept_hosts),
     )
 
 
