@@ -165,11 +165,15 @@ class LayerGather:
         self, shards: ParamShards, i: int, sums: torch.Tensor, abort: Callable[[], bool]
     ) -> _Reducing:
         """Post the reduction of layer ``i``'s gradient sums: rank ``r`` receives the sum over
-        the ranks of its part."""
+        the ranks of its part. Takes ``sums`` over (held; the caller no longer touches them): a
+        rank-major layer's sums are the send buffer itself, others are packed into one."""
         cut, world = shards.cuts[i], len(shards.workers)
-        # Rank-major: the sums are the send buffer (the caller no longer touches them).
-        send = sums if cut.rank_major else pack_layer(sums, cut, sums.new_empty(world * cut.pad))
-        self._hold(send)
+        if cut.rank_major:
+            send = sums  # still held, now as the send buffer
+        else:
+            send = pack_layer(sums, cut, sums.new_empty(world * cut.pad))
+            self._hold(send)
+            self._drop(sums)
         if world == 1:
             return _Reducing(i, send, send, None)
         if self.native:
@@ -285,7 +289,6 @@ class LayerGather:
                 for r in reducing:  # one reduction in flight (its buffers are a layer each)
                     self.finish_reduce(r, shards, grads, abort)
                 reducing = [self.post_reduce(shards, layer, sums, abort)]
-                self._drop(sums)
         for r in reducing:
             self.finish_reduce(r, shards, grads, abort)
         return loss_sum, count
