@@ -304,7 +304,19 @@ class EtcdCluster:
     def endpoints(self) -> list[str]:
         return [m.endpoint for m in self.members]
 
-    def start(self, timeout: float = 30.0) -> EtcdCluster:
+    def start(self, timeout: float = 30.0, tries: int = 3) -> EtcdCluster:
+        """Start every member on free ports; a port taken between the check and a member's
+        bind is a fresh choice of every port (as :meth:`EmbeddedEtcd.start` does for one)."""
+        for attempt in range(1, tries + 1):
+            try:
+                return self._start(timeout)
+            except PortBusy:
+                if attempt == tries:
+                    raise
+                log.warning("etcd cluster: a port was taken before a member bound it; retrying")
+        raise AssertionError("unreachable")
+
+    def _start(self, timeout: float) -> EtcdCluster:
         for m in self.members:
             m.prepare()
         initial = ",".join(f"{m.name}={m.peer_url}" for m in self.members)

@@ -225,7 +225,8 @@ def test_a_node_lost_mid_run_and_a_replacement_joining(slurm: Any, reference: Ru
     """n3 (an etcd member's node) loses power: Slurm marks it DOWN, the job goes on without it
     and completes; a replacement submitted with the docs' join script on the spare node n5
     joins the running job at a step boundary and trains to the end."""
-    bed = slurm(steps=80)
+    steps = 240  # the job still runs when Slurm has marked n3 down (seconds later)
+    bed = slurm(steps=steps)
     job_id = submit(bed)
     wait_committed(bed, job_id, 10)
     bed.power_off("n3")
@@ -241,7 +242,7 @@ def test_a_node_lost_mid_run_and_a_replacement_joining(slurm: Any, reference: Ru
     # the survivors' launches exited 0 (n3's never wrote one; n5's is its own job's state)
     assert exit_codes(bed, job_id) == {"n1": 0, "n2": 0, "n4": 0}
     run = Run(*dirs.values())
-    assert_clean_run(run, 80, reference)
+    assert_clean_run(run, steps, reference)
     assert_hosts_are_nodes(run, dirs)
     lost = [e for e in run.of("host_lost") if e.get("host") == "n3"]
     assert lost, "the leader recorded n3's loss"
@@ -252,7 +253,7 @@ def test_a_node_lost_mid_run_and_a_replacement_joining(slurm: Any, reference: Ru
     mine = [
         m["step"] for m in read_jsonl(dirs["n5"] / "events.jsonl") if m["kind"] == "final_state"
     ]
-    assert mine == [80], "n5 trained to the end"
+    assert mine == [steps], "n5 trained to the end"
     assert_nothing_left(bed)
 
 
