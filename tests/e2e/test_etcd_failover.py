@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import psutil
 import pytest
 
 from elaswave.daemon.etcd import Etcd
@@ -34,6 +35,16 @@ def cluster() -> Iterator[list[tuple[str, subprocess.Popen[bytes]]]]:
         for m in members.members:  # a frozen member must wake to be stopped
             if m.proc is not None:
                 m.proc.send_signal(signal.SIGCONT)
+
+
+def _stopped(pid: int, timeout: float = 5.0) -> None:
+    """Wait until the kernel has stopped ``pid``: a signal is delivered asynchronously, and a
+    member still running forwards the first put to the leader (applied) and then freezes before
+    its answer, so the client's retry elsewhere applies it a second time."""
+    deadline = time.monotonic() + timeout
+    while psutil.Process(pid).status() != psutil.STATUS_STOPPED:
+        assert time.monotonic() < deadline, f"etcd member {pid} did not stop"
+        time.sleep(0.01)
 
 
 def test_calls_and_a_watch_in_flight_survive_a_frozen_member(
@@ -56,6 +67,7 @@ def test_calls_and_a_watch_in_flight_survive_a_frozen_member(
             await db.put(PREFIX + "k/1", "a")
             await asyncio.wait_for(arrived.wait(), 5)
             cluster[0][1].send_signal(signal.SIGSTOP)  # the member this connection talks to
+            _stopped(cluster[0][1].pid)  # else it may still pass a put on, then never answer
             # Staggered calls, all sent to the frozen member: the first to time out fails over
             # and closes the old channel while the others are still waiting on it.
             calls = []
