@@ -99,6 +99,7 @@ class ZeroState:
     snapshot_every: int = 1  # replicate every K committed steps (0: never)
     grad_norm: float | None = None  # of the last staged step's mean gradient, where measured
     _send_spans: dict[int, list[Range]] = field(default_factory=dict)
+    _layer_runs: list[tuple[int, int]] | None = None  # ``layer_runs`` of this layout (clipping)
     _recv_sizes: dict[int, int] = field(default_factory=dict)
 
     # ---- layout -----------------------------------------------------------------------------
@@ -114,6 +115,7 @@ class ZeroState:
         self.hosts = tuple(hosts) if len(hosts) == len(workers) else ()
         self.placement = place_replicas(layout, self.hosts)
         self.index = self._index_of(layout)
+        self._layer_runs = None  # taken on the first clip under this layout
         mine = layout.pieces(rank)
         # each element's weight-decay group: once per layout, not per update
         self.groups = self.hyper.groups_in(mine, self.size, self.flat.data.device)
@@ -271,7 +273,10 @@ class ZeroState:
         if not (max_norm or measure):
             return 1.0, None
         assert self.layout is not None
-        squares = shard_sumsq(mean, self.layout.pieces(self.rank), segments, ties)
+        pieces = self.layout.pieces(self.rank)
+        if self._layer_runs is None:  # once per layout: every step's clip reads the same runs
+            self._layer_runs = layer_runs(pieces, segments)
+        squares = shard_sumsq(mean, pieces, segments, self._layer_runs, ties)
         comm.allreduce(DP, squares, abort)
         norm = global_norm(squares)
         return (clip_scale(norm, max_norm) if max_norm else 1.0), norm
@@ -646,22 +651,34 @@ class ZeroState:
         return sends, dict(recv_sizes), dict(unpack)
 
 
+def layer_runs(
+    pieces: Sequence[Range], segments: Sequence[tuple[int, int]]
+) -> list[tuple[int, int]]:
+    """Where each layer (``segments``: (offset, length)) lies in a shard laid out as ``pieces``:
+    one run (start, stop) of the shard per layer, since the pieces come in flat order (empty:
+    (0, 0))."""
+    out = []
+    for offset, length in segments:
+        spans = overlaps(pieces, offset, length)
+        out.append((spans[0][2], spans[-1][2] + spans[-1][1]) if spans else (0, 0))
+    return out
+
+
 def shard_sumsq(
     part: torch.Tensor,
     pieces: Sequence[Range],
     segments: Sequence[tuple[int, int]],
+    runs: Sequence[tuple[int, int]],
     ties: Sequence[tuple[slice, slice]] = (),
 ) -> torch.Tensor:
     """A rank's part of each layer's squared gradient norm (float64; the second copy of a tied
     weight left out, as :func:`~elaswave.runtime.optim.layer_sumsq` does): ``part`` is the rank's
-    shard of the mean gradient, laid out as ``pieces`` (flat order, so a layer's elements are one
-    run of the shard), ``segments`` the layers' (offset, length). Summed over the ranks, the
+    shard of the mean gradient, laid out as ``pieces``, ``segments`` the layers' (offset, length)
+    and ``runs`` where each lies in the shard (:func:`layer_runs`). Summed over the ranks, the
     squares the global norm is taken from."""
     sq = torch.zeros(len(segments), dtype=torch.float64, device=part.device)
-    for i, (offset, length) in enumerate(segments):
-        spans = overlaps(pieces, offset, length)
-        if spans:
-            lo, hi = spans[0][2], spans[-1][2] + spans[-1][1]
+    for i, (lo, hi) in enumerate(runs):
+        if hi > lo:
             sq[i] = torch.linalg.vector_norm(part[lo:hi], dtype=torch.float64).square()
     starts = [offset for offset, _ in segments]
     for _, b in ties:
