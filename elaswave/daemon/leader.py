@@ -35,7 +35,7 @@ from elaswave.daemon.aio import wait_for
 from elaswave.daemon.jobstore import Change, JobStore, WorkerRecord
 from elaswave.errors import EtcdUnavailable
 from elaswave.planning.pipeplan import measured_layers, next_pipeline_plan, plan_costs
-from elaswave.planning.plan import Member, Plan, next_plan, reshared_plan
+from elaswave.planning.plan import Member, Plan, moved_store, next_plan, reshared_plan
 from elaswave.planning.verdicts import (
     Hysteresis,
     PipelineVerdict,
@@ -219,6 +219,8 @@ class Planner:
                     plan = self._pipeline_straggler_plan(current, members)
                 else:
                     plan = self._straggler_plan(current)
+            if plan is None and current is not None and current.store != c.store_address:
+                plan = moved_store(current, c.store_address, leader=c.host_id, now=time.time())
             timing = {
                 "read_s": round(plan_at - read_at, 6),  # the members (and costs) from etcd
                 "planning_s": round(time.perf_counter() - plan_at, 6),  # the pure planner

@@ -8,7 +8,7 @@ apply it at a step boundary (or at once, after a collective error). Nothing here
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from heapq import heapify, heappop, heappush
 from itertools import accumulate, groupby
@@ -327,6 +327,23 @@ def reshared_plan(
         departed=departed,
         evicted=departed,
         racks=tuple(p for p in prev.racks if p[0] in kept_hosts),
+    )
+
+
+def moved_store(prev: Plan, store: str, *, leader: str, now: float) -> Plan:
+    """``prev`` again under the next epoch with the rendezvous store at ``store``: a new leader's
+    first plan when membership did not change. The store lives in the leader's daemon, and the
+    one ``prev`` names may have left with its host (a host whose workers were all evicted goes
+    away, and nothing in the membership says so): the ranks would wait for it forever."""
+    epoch = prev.epoch + 1
+    return replace(
+        prev,
+        epoch=epoch,
+        store=store,
+        reason=f"leader {leader} → epoch {epoch}: the rendezvous store moved to its daemon",
+        created=now,
+        departed=(),
+        evicted=(),
     )
 
 

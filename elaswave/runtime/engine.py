@@ -147,6 +147,7 @@ class Engine:
         self.integrity = Integrity(self.ctx, self.strategy, self.durable, self.faults)
         self._speeds: list[float] = []  # compute seconds per micro-batch not yet reported
         self._speeds_epoch, self._speeds_sent = 0, 0.0
+        self._writer_busy = False  # a checkpoint write ran when this step began
         self._memory: tuple[int, dict[str, int]] | None = None  # (epoch, bytes) reported last
         control.start_heartbeat(cfg.timeouts.heartbeat, self._heartbeat)
 
@@ -206,7 +207,11 @@ class Engine:
 
     def commit_step(self, result: StepResult) -> None:
         assert self.plan is not None
-        if result.compute_per_mb is not None:  # every rank: the straggler detector's input
+        # Every rank: the straggler detector's input. Not a step this rank's checkpoint writer
+        # ran beside: that thread shares the process's cores and interpreter lock, and timed
+        # beside it rank 0 (which writes the whole state) would look slow for its own write.
+        writing = self._writer_busy or (self.store is not None and self.store.writing())
+        if result.compute_per_mb is not None and not writing:
             self._report_speed(result.step, result.compute_per_mb)
         self.strategy.after_commit(result.step)
         if self.comm.rank(DP) == 0:
@@ -250,6 +255,7 @@ class Engine:
         plan = self.plan
         assert plan is not None
         start = time.perf_counter()
+        self._writer_busy = self.store is not None and self.store.writing()
         self.strategy.before_step()  # a pipeline rank may change which layers it allocates
         t, n = self.cfg.train, self.state.flat.numel
         if self.buffer.numel() != n + TAIL:

@@ -204,3 +204,60 @@ def test_second_host_joins_and_the_plan_grows(
         assert abs(loss - ref[step]) <= 1e-6 * abs(ref[step]), step
     finals = h1.of("final_state") + Run(tmp_path / "h2").of("final_state")
     assert len(finals) == 4 and len({f["params_sha256"] for f in finals}) == 1
+
+
+def test_the_leader_host_leaves_with_its_last_worker_and_the_store_moves(
+    tmp_path: Path, state_env: dict[str, str], reference: Run
+) -> None:
+    """Three hosts of one worker (an external etcd); the leader's host h1 runs the slow one.
+    The leader evicts its own worker as a straggler and publishes the plan without it, whose
+    rendezvous store is h1's daemon's; then h1 goes away, every worker of its gone. The
+    membership did not change, the store did: the new leader publishes the same layout with
+    its own store (the ranks would otherwise wait for the old one for ever), and the job
+    trains to the end on h2 and h3."""
+    steps = 150  # long enough for the joins and the eviction to land before the end
+    hosts = ("h1", "h2", "h3")
+    procs = {}
+    with EmbeddedEtcd() as etcd:
+        common = ("--job-id", "moved", "--nnodes", "1:3", "--etcd", etcd.endpoint, "--steps",
+                  str(steps), "--nproc-per-node", "1", "--straggler-threshold", "3")  # fmt: skip
+
+        def world(size: int) -> dict | None:
+            st = status_json("moved", state_env, "--etcd", etcd.endpoint)
+            return st if st and st["world_size"] == size and st.get("progress") else None
+
+        try:
+            procs["h1"] = start(tmp_path / "h1", state_env, *common, "--host-id", "h1")
+            wait_for(lambda: world(1), timeout=90)  # h1 leads: it started alone
+            for host in hosts[1:]:
+                procs[host] = start(tmp_path / host, state_env, *common, "--host-id", host)
+            st = wait_for(lambda: world(3), timeout=90)
+            (rank,) = [m["rank"] for m in st["members"] if m["worker"] == "h1.w0"]
+            slow = cli("inject-fault", "--job-id", "moved", "--kind", "slow", "--rank", str(rank),
+                       "--delay", "2", "--etcd", etcd.endpoint, env=state_env)  # fmt: skip
+            assert slow.returncode == 0, slow.stderr
+            assert procs["h1"].wait(timeout=120) != 0  # every worker of h1 evicted
+            for host in hosts[1:]:
+                proc = procs[host]
+                assert proc.wait(timeout=120) == 0, proc.stderr.read() if proc.stderr else ""
+        finally:
+            for proc in procs.values():
+                if proc.poll() is None:
+                    proc.kill()
+    runs = {h: Run(tmp_path / h) for h in hosts}
+    run = Run(*(tmp_path / h for h in hosts))
+    assert [m["step"] for m in run.metrics] == list(range(1, steps + 1))
+    (evicted,) = runs["h1"].of("worker_evicted")
+    assert evicted["worker"] == "h1.w0"
+    plans = run.of("plan_published")
+    moved = [p for p in plans if "rendezvous store moved" in p["reason"]]
+    assert len(moved) == 1, [p["reason"] for p in plans]
+    before = next(p for p in plans if p["epoch"] == moved[0]["epoch"] - 1)
+    assert before["evicted"] == ["h1.w0"]
+    assert moved[0]["workers"] == before["workers"] and moved[0]["world"] == 2
+    for step, ref in reference.losses.items():  # the 40 steps of the reference
+        assert abs(run.losses[step] - ref) <= 1e-6 * abs(ref), step
+    finals = run.of("final_state")
+    assert len(finals) == 2 and len({f["params_sha256"] for f in finals}) == 1
+    for r in runs.values():
+        assert_no_orphans(r)

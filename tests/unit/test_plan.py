@@ -15,6 +15,7 @@ from elaswave.planning.plan import (
     by_host,
     capped,
     listed,
+    moved_store,
     next_plan,
     order_members,
     reshared_plan,
@@ -441,3 +442,19 @@ def test_listed(values: list[int], text: str) -> None:
 )
 def test_capped(count: int, shown: list[str]) -> None:
     assert capped([f"n{i}" for i in range(count)]) == shown
+
+
+def test_a_moved_store_keeps_the_layout_under_the_next_epoch() -> None:
+    members = [Member(worker_id=f"h{i % 2}.w{i}", host=f"h{i % 2}", order=i) for i in range(4)]
+    prev = next_plan(None, members, num_microbatches=16, max_workers=8, store="h0:1", now=1.0)
+    prev = reshared_plan(prev, [6, 5, 5], evict=[prev.workers[0]], store="h0:1", now=2.0)
+    moved = moved_store(prev, "h1:2", leader="h1", now=3.0)
+    assert (moved.epoch, moved.store, moved.created) == (prev.epoch + 1, "h1:2", 3.0)
+    assert (moved.workers, moved.hosts, moved.microbatches) == (
+        prev.workers, prev.hosts, prev.microbatches,
+    )  # fmt: skip
+    assert moved.departed == moved.evicted == ()  # nobody leaves with it
+    assert (
+        moved.reason == f"leader h1 → epoch {moved.epoch}: the rendezvous store moved to its daemon"
+    )
+    assert Plan.from_json(moved.to_json()) == moved

@@ -67,6 +67,9 @@ __all__ = [
 ]
 
 
+STORE_GRACE_S = 5.0  # a store connection is waited for this much past its own timeout
+
+
 class CommError(RuntimeError):
     """A collective failed (a peer died or the transport broke) or timed out."""
 
@@ -186,7 +189,7 @@ class Communicator:
         # in the plan's first host's daemon: if that host died it refuses the connection, which
         # is a transport error like any other (the next plan moves the store).
         if self._store is None or self._store[0] != store:
-            self._store = (store, self._connect_store(store))
+            self._store = (store, self._connect_store(store, abort))
         conn = self._store[1]
         # Every rank takes part, a newcomer too: a worker respawned under its old id is in
         # groups its peers still hold, and must tell them it does not.
@@ -374,18 +377,28 @@ class Communicator:
             raise CommError(f"{what} failed: {_one_line(result['error'])}")
         return result["value"]  # type: ignore[no-any-return]
 
-    def _connect_store(self, address: str) -> dist.TCPStore:
+    def _connect_store(self, address: str, abort: Callable[[], bool]) -> dist.TCPStore:
+        """A client of the plan's store. Aside, so that a newer plan interrupts it: a store
+        whose host went away refuses connections, and the client retries them until its
+        timeout (the newer plan names another store). The wait outlasts the client's own
+        timeout, so that without a newer plan the client gives up first and its thread ends."""
         host, _, port = address.rpartition(":")
-        store = self._call(
-            f"connecting to the rendezvous store {address}",
-            lambda: dist.TCPStore(
-                host,
-                int(port),
-                is_master=False,
-                timeout=datetime.timedelta(seconds=self.rendezvous_timeout),
-                wait_for_workers=False,
-            ),
-        )
+        try:
+            store = self._aside(
+                lambda: dist.TCPStore(
+                    host,
+                    int(port),
+                    is_master=False,
+                    timeout=datetime.timedelta(seconds=self.rendezvous_timeout),
+                    wait_for_workers=False,
+                ),
+                abort,
+                self.rendezvous_timeout + STORE_GRACE_S,
+                f"connecting to the rendezvous store {address}",
+            )
+        except CommError:
+            self.mark_broken()  # a transport error like any other: the groups are suspect
+            raise
         self._graveyard.append(store)  # kept alive with the groups built on it
         return store
 

@@ -77,6 +77,10 @@ class DurableCheckpoints:
         self._committing: Future[Any] | None = None
         self._discards = 0  # a commit queued before a discard must not land
 
+    def writing(self) -> bool:
+        """Whether a background write (or its commit) is still running."""
+        return any(f is not None and not f.done() for f in (self._pending, self._committing))
+
     def save_async(
         self,
         step: int,
