@@ -9,8 +9,9 @@ step are those of a ring all-reduce (2 (k - 1) / k of what k ranks reduce): at p
 [gradient | tail] buffer over all W ranks; in a pipeline each layer's gradient among its holders,
 as each rank reports it (``state_synced``'s ``grad_sent_bytes``). A pipeline rank allocates
 only its stage's layers; the goal is (parameters + optimizer) per rank within 1/pp of the
-model's + 10 %, reported as the median and the largest ratio over the ranks (the partitioner
-balances compute, and the embedding's parameters cost little compute).
+model's + 10 %, reported as the median and the largest ratio over the ranks. The cut holds each
+stage's bytes to 1.1 × an even share where it can (``stage_balance``), at a compute cost shown
+as its slowest stage over the slowest stage of the cut that balances compute alone.
 """
 
 from __future__ import annotations
@@ -162,7 +163,22 @@ def _cell(run_dir: Path, peaks: list[int], pp: int, model: int) -> dict[str, Any
         "peak_rss_mb": statistics.median(peaks) * mb if peaks else 0.0,
         "peak_rss_max_mb": max(peaks) * mb if peaks else 0.0,
         "grad_sent_mb_per_step": _grad_sent(run_dir, pp, buffer) * mb,
+        "compute_cost": _compute_cost(run_dir, pp),
     }
+
+
+def _compute_cost(run_dir: Path, pp: int) -> float:
+    """The first plan's slowest stage over the slowest stage of a compute-only cut (its layer
+    costs as the plan used them): what bounding the bytes cost in speed (1.0: nothing)."""
+    from elaswave.planning.partition import partition_layers
+
+    if pp == 1:
+        return 1.0
+    events = read_jsonl(run_dir / "events.jsonl")
+    plan = next(e for e in events if e["kind"] == "plan_published")
+    costs, cut = plan["layer_costs"], plan["bounds"][0]
+    slowest = max(sum(costs[a:b]) for a, b in zip(cut, cut[1:], strict=False))
+    return slowest / partition_layers(costs, [1.0] * pp).bottleneck
 
 
 def _grad_sent(run_dir: Path, pp: int, buffer: float) -> float:
@@ -183,11 +199,12 @@ def show(result: dict[str, Any]) -> None:
              f"{c['optimizer_mb']:.1f}", f"{c['replica_mb']:.1f}",
              f"{c['param_plus_optimizer_over_share']:.2f}",
              f"{c['param_plus_optimizer_over_share_max']:.2f}", f"{c['peak_rss_mb']:.0f}",
-             f"{c['grad_sent_mb_per_step']:.1f}")
+             f"{c['grad_sent_mb_per_step']:.1f}", f"{c['compute_cost']:.2f}")
         )  # fmt: skip
     print_table(
         f"Memory per rank, {result['world']} workers (MB, median over ranks)",
         ("pp", "params", "model / pp", "grads", "optimizer", "recovery copies",
-         "(params+opt)/(model x 3 / pp)", "largest", "peak RSS", "grad sent/step"),
+         "(params+opt)/(model x 3 / pp)", "largest", "peak RSS", "grad sent/step",
+         "slowest stage / compute-only cut"),
         rows,
     )  # fmt: skip

@@ -497,7 +497,9 @@ def _totals(
         "plans": sum(1 for e in events if e["kind"] == "plan_published"),
         "mttr_median_s": round(statistics.median(mttrs), 6) if mttrs else None,
         "mttr_max_s": round(max(mttrs), 6) if mttrs else None,
-        "stopped": next((e["reason"] for e in events if e["kind"] == "loop_breaker"), None),
+        "stopped": next(
+            (e["reason"] for e in events if e["kind"] in ("loop_breaker", "plan_refused")), None
+        ),
         "evicted": [w for e in events if e["kind"] == "worker_evicted" for w in [e["worker"]]],
     }
 

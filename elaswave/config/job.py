@@ -47,6 +47,13 @@ class JobConfig:
     #                                "profile" of each layer's time (measured by every worker),
     #                                or "online": the profile, then times measured while training
     cost_every: int = 10  # layer_costs=online: workers report their layers' times every K steps
+    # pipelines: a cut keeps every stage's bytes (parameters, gradients, Adam moments) within
+    # stage_balance × an even share of the model's where some cut can (else × the smallest
+    # largest stage any cut reaches; 0: compute alone decides), and never above max_stage_bytes
+    # (0: no limit; a start no cut fits is refused, a replica whose survivors could not fit is
+    # dropped)
+    stage_balance: float = 1.10
+    max_stage_bytes: int = 0
     verify_every: int = 10  # compare replicas' checksums every K committed steps (0: never)
     snapshot_every: int = 1  # ZeRO (pp = 1): replicate each shard (spread over the peers) every K
     #                          committed steps; a fault rolls back to the last snapshot step
@@ -153,6 +160,10 @@ class JobConfig:
         needs = {"nvml": "pynvml", "npu": "torch_npu"}
         if self.dvfs in needs and importlib.util.find_spec(needs[self.dvfs]) is None:
             raise ConfigError(f"dvfs={self.dvfs} needs the {needs[self.dvfs]} package")
+        if not (self.stage_balance == 0 or 1.0 <= self.stage_balance < float("inf")):
+            raise ConfigError(f"stage_balance must be 0 or >= 1, got {self.stage_balance}")
+        if self.max_stage_bytes < 0:
+            raise ConfigError(f"max_stage_bytes must be >= 0, got {self.max_stage_bytes}")
         if self.pp < 1 or self.dp < 0:
             raise ConfigError(f"pp must be >= 1 and dp >= 0, got pp={self.pp} dp={self.dp}")
         layers = self.model.n_layer + 2  # embedding, blocks, head (a module's: at load)

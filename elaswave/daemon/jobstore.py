@@ -36,6 +36,7 @@ class WorkerRecord:
     order: int  # the key's create revision: workers that became ready earlier come first
     layer_seconds: list[float] | None = None  # pipelines: its start-up profile, per layer
     layer_estimate: list[float] | None = None  # pipelines: the workload's estimate, per layer
+    layer_bytes: list[float] | None = None  # pipelines: what a stage holds per layer
     rack: str = ""  # its host's rack (``launch --rack``)
 
     @property
@@ -51,6 +52,7 @@ class WorkerRecord:
             order=create_revision,
             layer_seconds=info.get("layer_seconds") or None,
             layer_estimate=info.get("layer_estimate") or None,
+            layer_bytes=info.get("layer_bytes") or None,
             rack=str(info.get("rack") or ""),
         )
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
@@ -34,6 +35,7 @@ from elaswave.config import JobConfig
 from elaswave.daemon.aio import wait_for
 from elaswave.daemon.jobstore import Change, JobStore, WorkerRecord
 from elaswave.errors import EtcdUnavailable
+from elaswave.planning.partition import PartitionError, StageMemory
 from elaswave.planning.pipeplan import measured_layers, next_pipeline_plan, plan_costs
 from elaswave.planning.plan import Member, Plan, moved_store, next_plan, reshared_plan
 from elaswave.planning.verdicts import (
@@ -151,6 +153,7 @@ class Planner:
         self.early_causes: list[str] = []
         self.profiles: list[list[float]] = []  # pipelines: workers' start-up seconds per layer
         self.estimate: list[float] = []  # pipelines: the workload's cost per layer
+        self.layer_bytes: list[float] = []  # pipelines: what a stage holds per layer
         self.online: list[dict[str, float]] = []  # layer_costs=online: live workers' measurements
         self.costs: tuple[float, ...] = ()  # pipelines: the layer costs the last plan used
         self.cost_source = ""  # where they came from: estimate | profile | online
@@ -213,7 +216,13 @@ class Planner:
             if current is not None and causes and await self._loop_breaker(len(causes)):
                 return
             plan_at = time.perf_counter()
-            plan = self._next(current, members, "; ".join(causes))
+            try:
+                plan = self._next(current, members, "; ".join(causes))
+            except PartitionError as err:  # max_stage_bytes: no cut of the model fits
+                reason = f"no pipeline plan fits: {err}"
+                self.c.emit("plan_refused", reason=reason)
+                await self.store.stop_job(reason)
+                return
             if plan is None and current is not None:
                 if current.is_pipeline:
                     plan = self._pipeline_straggler_plan(current, members)
@@ -271,6 +280,7 @@ class Planner:
                 cause=cause,
                 policy=cfg.stage_loss,
                 epoch_floor=self.epoch_floor,
+                memory=self.memory,
             )
         return next_plan(
             current,
@@ -282,6 +292,13 @@ class Planner:
             cause=cause,
             epoch_floor=self.epoch_floor,
         )
+
+    @property
+    def memory(self) -> StageMemory:
+        """What a pipeline cut holds each stage to (the config's balance and limit)."""
+        cfg = self.cfg
+        limit = float(cfg.max_stage_bytes) if cfg.max_stage_bytes else math.inf
+        return StageMemory(tuple(self.layer_bytes), cfg.stage_balance, limit)
 
     def _published(self, plan: Plan, **timing: float) -> None:
         self.c.emit(
@@ -302,6 +319,10 @@ class Planner:
                     "layer_costs": self.costs,
                     "cost_source": self.cost_source,
                     "measured_layers": measured_layers(self.online, len(self.costs)),
+                    "layer_bytes": self.layer_bytes,  # what the cut held each stage to
+                    "stage_bytes_cap": [  # per replica; None: compute alone
+                        _finite(self.memory.cap(len(b) - 1)) for b in plan.bounds
+                    ],
                 }
                 if plan.is_pipeline
                 else {}
@@ -328,6 +349,7 @@ class Planner:
             threshold=self.cfg.elastic.straggler_threshold,
             store=self.c.store_address,
             now=time.time(),
+            memory=self.memory,
         )
         if not self.hysteresis.observe(verdict.key):
             return None
@@ -448,6 +470,8 @@ class Planner:
                 self.profiles.append(rec.layer_seconds)
             if rec.layer_estimate:  # every worker builds the same workload
                 self.estimate = rec.layer_estimate
+            if rec.layer_bytes:
+                self.layer_bytes = rec.layer_bytes
             members.append(rec.member)
         if self.cfg.pp > 1 and self.cfg.layer_costs == "online":
             self.online = await self.store.online_costs({m.worker_id for m in members})
@@ -499,6 +523,10 @@ class Planner:
             {"t": plan.created, "epoch": plan.epoch, "reason": plan.reason, "fault": is_incident},
             keep=MAX_INCIDENTS,
         )
+
+
+def _finite(x: float) -> float | None:
+    return x if math.isfinite(x) else None
 
 
 def lost_hosts(plan_hosts: tuple[str, ...], live_hosts: set[str]) -> list[str]:

@@ -487,8 +487,9 @@ class HostDaemon:
             }  # fmt: skip
             if self.cfg.rack:  # the tier above hosts, for the planner
                 info["rack"] = self.cfg.rack
-            for costs in ("layer_estimate", "layer_seconds"):  # pipelines: the workload's
-                if isinstance(msg.get(costs), list):  # estimate, a start-up profile
+            # pipelines: the workload's estimate, a start-up profile, the layers' bytes
+            for costs in ("layer_estimate", "layer_seconds", "layer_bytes"):
+                if isinstance(msg.get(costs), list):
                     info[costs] = [float(x) for x in msg[costs]]
             w.info = info
             self.outbox.put(

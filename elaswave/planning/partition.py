@@ -11,6 +11,9 @@ layers away from where they are now.
 The ordering among candidate plans is total and deterministic: fewest moved layers, then the
 lowest bottleneck, then the lexicographically smallest boundaries.
 
+Memory is a constraint beside compute: given each layer's bytes and a cap, only cuts whose every
+stage holds at most the cap are candidates (:func:`bytes_cap` picks the cap a plan uses).
+
     >>> p = partition_layers([1, 1, 1, 1, 1, 1], [1.0, 2.0])
     >>> p.bounds, p.bottleneck
     ((0, 2, 6), 2.0)
@@ -48,6 +51,7 @@ class Partition:
     bottleneck: float
     optimum: float
     moved: int
+    stage_bytes: tuple[float, ...] = ()  # each stage's bytes, when the layers' were given
 
     @property
     def num_stages(self) -> int:
@@ -87,6 +91,7 @@ def _check_inputs(
     stage_speeds: Sequence[float],
     current: Sequence[int] | None,
     slack: float,
+    layer_bytes: Sequence[float] | None = None,
 ) -> None:
     n_layers, n_stages = len(layer_costs), len(stage_speeds)
     if n_stages == 0:
@@ -105,6 +110,14 @@ def _check_inputs(
         )
     if not (math.isfinite(slack) and slack >= 0):
         raise PartitionError(f"slack must be a finite number >= 0, got {slack}")
+    if layer_bytes is not None:
+        if len(layer_bytes) != n_layers:
+            raise PartitionError(
+                f"layer_bytes names {len(layer_bytes)} layers, layer_costs {n_layers}"
+            )
+        for i, b in enumerate(layer_bytes):
+            if not (math.isfinite(b) and b >= 0):
+                raise PartitionError(f"layer bytes must be finite and >= 0, layer {i} has {b}")
 
 
 def partition_layers(
@@ -113,6 +126,8 @@ def partition_layers(
     *,
     current: Sequence[int] | None = None,
     slack: float = 0.02,
+    layer_bytes: Sequence[float] | None = None,
+    max_bytes: float = _INF,
 ) -> Partition:
     """Cut the layers into ``len(stage_speeds)`` contiguous stages; minimise the slowest one.
 
@@ -123,15 +138,27 @@ def partition_layers(
     ``(1 + slack)`` times the optimum, the result moves the fewest layers, then has the lowest
     bottleneck, then the lexicographically smallest ``bounds``.
 
+    With ``layer_bytes`` (what a stage holds per layer: parameters, gradients, optimizer state),
+    only cuts whose every stage holds at most ``max_bytes`` are considered, and ``optimum`` is the
+    lowest bottleneck among them; no such cut is a :class:`PartitionError` that names the
+    smallest cap any cut meets.
+
     Three dynamic programs over (stage, boundary), each O(L^2 * S) at worst and about
     O(L^2) in practice (a scan stops at the first stage that is too slow): the optimum
     (:func:`_lowest_bottleneck`), the fewest moves and then the lowest bottleneck under the slack
     (:func:`_fewest_moves`), and a suffix table that lets the smallest boundaries be picked front
     to back (:func:`_smallest_bounds`).
     """
-    _check_inputs(layer_costs, stage_speeds, current, slack)
-    seg = _Segments.build(layer_costs, stage_speeds, current)
+    _check_inputs(layer_costs, stage_speeds, current, slack, layer_bytes)
+    seg = _Segments.build(layer_costs, stage_speeds, current, layer_bytes, max_bytes)
     optimum = _lowest_bottleneck(seg)
+    if optimum == _INF:
+        assert layer_bytes is not None  # without a cap every cut is a candidate
+        least = smallest_largest_stage(layer_bytes, len(stage_speeds))
+        raise PartitionError(
+            f"no cut of {len(layer_costs)} layers into {len(stage_speeds)} stages holds at most "
+            f"{max_bytes:.4g} bytes per stage: the smallest largest stage is {least:.4g} bytes"
+        )
     fewest, lowest = _fewest_moves(seg, optimum * (1.0 + slack))
     bounds, used = _smallest_bounds(seg, fewest, lowest)
     stage_times = tuple(seg.time(s, bounds[s], bounds[s + 1]) for s in range(seg.n_stages))
@@ -141,7 +168,35 @@ def partition_layers(
         bottleneck=max(stage_times),
         optimum=optimum,
         moved=used,
+        stage_bytes=tuple(seg.bytes(bounds[s], bounds[s + 1]) for s in range(seg.n_stages))
+        if layer_bytes is not None
+        else (),
     )
+
+
+def smallest_largest_stage(layer_bytes: Sequence[float], stages: int) -> float:
+    """The fewest bytes the largest of ``stages`` contiguous stages can hold (minimax)."""
+    return _lowest_bottleneck(_Segments.build(layer_bytes, [1.0] * stages, None))
+
+
+def bytes_cap(
+    layer_bytes: Sequence[float], stages: int, *, balance: float = 1.10, limit: float = _INF
+) -> float:
+    """The bytes per stage a cut of ``stages`` stages is held to: ``balance`` times an even share
+    of the layers' bytes where some cut meets that, else ``balance`` times the smallest largest
+    stage any cut reaches (an embedding alone may outweigh an even share), and never above
+    ``limit`` (a user's budget: :func:`partition_layers` refuses a cap no cut meets).
+
+        >>> bytes_cap([4, 1, 1, 1, 1], 2)  # an even share is 4
+        4.4
+        >>> bytes_cap([9, 1, 1, 1], 2)  # no cut holds 6: the least largest stage is 9
+        9.9
+    """
+    if stages < 1:
+        raise PartitionError(f"need at least one stage, got {stages}")
+    even = balance * sum(float(b) for b in layer_bytes) / stages
+    least = smallest_largest_stage(layer_bytes, stages)
+    return min(even if least <= even else balance * least, limit)
 
 
 @dataclass(frozen=True)
@@ -156,6 +211,8 @@ class _Segments:
     current: Sequence[int] | None
     span: list[list[float]]  # span[a][e] = cost of layers [a, e)
     kept: list[list[int]]  # kept[s][i] = layers among the first i that stage s holds now
+    held: list[float]  # held[i] = bytes of the first i layers (all 0 without layer bytes)
+    cap: float  # the most bytes a stage may hold
 
     @classmethod
     def build(
@@ -163,6 +220,8 @@ class _Segments:
         layer_costs: Sequence[float],
         stage_speeds: Sequence[float],
         current: Sequence[int] | None,
+        layer_bytes: Sequence[float] | None = None,
+        cap: float = _INF,
     ) -> _Segments:
         costs = [float(c) for c in layer_costs]
         speeds = [float(v) for v in stage_speeds]
@@ -180,7 +239,10 @@ class _Segments:
                 row = kept[s]
                 for i, c in enumerate(current):
                     row[i + 1] = row[i] + (1 if c == s else 0)
-        return cls(speeds=speeds, current=current, span=span, kept=kept)
+        held = [0.0] * (n_layers + 1)
+        for i, b in enumerate(layer_bytes or ()):
+            held[i + 1] = held[i] + float(b)
+        return cls(speeds=speeds, current=current, span=span, kept=kept, held=held, cap=cap)
 
     @property
     def n_layers(self) -> int:
@@ -192,6 +254,14 @@ class _Segments:
 
     def time(self, s: int, a: int, e: int) -> float:
         return self.span[a][e] / self.speeds[s]
+
+    def bytes(self, a: int, e: int) -> float:
+        return self.held[e] - self.held[a]
+
+    def fits(self, a: int, e: int) -> bool:
+        """Whether a stage holding ``[a, e)`` stays within the cap (a longer one never does
+        if this one does not: bytes are >= 0)."""
+        return self.bytes(a, e) <= self.cap
 
     def moves(self, s: int, a: int, e: int) -> int:
         """Layers of ``[a, e)`` that stage ``s`` does not hold now (0 without a placement)."""
@@ -215,13 +285,15 @@ def _lowest_bottleneck(seg: _Segments) -> float:
     """
     best = [_INF] * (seg.n_layers + 1)
     for e in seg.ends(0):
+        if not seg.fits(0, e):
+            break
         best[e] = seg.time(0, 0, e)
     for s in range(1, seg.n_stages):
         nxt = [_INF] * (seg.n_layers + 1)
         for e in seg.ends(s):
             for a in seg.starts(s, e):
                 t = seg.time(s, a, e)
-                if t >= nxt[e]:
+                if t >= nxt[e] or not seg.fits(a, e):
                     break
                 nxt[e] = min(nxt[e], max(best[a], t))
         best = nxt
@@ -237,14 +309,14 @@ def _fewest_moves(seg: _Segments, limit: float) -> tuple[int, float]:
     """
     prefix: list[tuple[float, float]] = [(_INF, _INF)] * (seg.n_layers + 1)
     for e in seg.ends(0):
-        if seg.time(0, 0, e) <= limit:
+        if seg.time(0, 0, e) <= limit and seg.fits(0, e):
             prefix[e] = (seg.moves(0, 0, e), seg.time(0, 0, e))
     for s in range(1, seg.n_stages):
         nxt_p: list[tuple[float, float]] = [(_INF, _INF)] * (seg.n_layers + 1)
         for e in seg.ends(s):
             for a in seg.starts(s, e):
                 t = seg.time(s, a, e)
-                if t > limit:
+                if t > limit or not seg.fits(a, e):
                     break
                 if prefix[a][0] != _INF:
                     cand = (prefix[a][0] + seg.moves(s, a, e), max(prefix[a][1], t))
@@ -268,7 +340,7 @@ def _smallest_bounds(seg: _Segments, fewest: int, lowest: float) -> tuple[list[i
         last = n_layers - (n_stages - 1 - s)
         for a in range(s, last):
             for e in range(a + 1, last + 1):
-                if seg.time(s, a, e) > lowest:
+                if seg.time(s, a, e) > lowest or not seg.fits(a, e):
                     break
                 if rest[s + 1][e] != _INF:
                     rest[s][a] = min(rest[s][a], seg.moves(s, a, e) + rest[s + 1][e])
@@ -277,7 +349,7 @@ def _smallest_bounds(seg: _Segments, fewest: int, lowest: float) -> tuple[list[i
     for s in range(n_stages):
         a = bounds[-1]
         for e in range(a + 1, n_layers + 1):
-            if seg.time(s, a, e) > lowest:
+            if seg.time(s, a, e) > lowest or not seg.fits(a, e):
                 break
             step = seg.moves(s, a, e)
             if used + step + rest[s + 1][e] == fewest:
@@ -286,6 +358,48 @@ def _smallest_bounds(seg: _Segments, fewest: int, lowest: float) -> tuple[list[i
                 break
     assert len(bounds) == n_stages + 1 and used == fewest, (bounds, used, fewest)
     return bounds, used
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """What a pipeline cut must hold each stage to: the layers' bytes (parameters, gradients and
+    optimizer state), ``balance`` times an even share where a cut meets it (0: compute alone
+    decides), and a user's ``limit`` that no stage may pass."""
+
+    layer_bytes: tuple[float, ...] = ()
+    balance: float = 1.10
+    limit: float = _INF
+
+    def cap(self, stages: int) -> float:
+        """The bytes per stage a cut of ``stages`` stages is held to."""
+        if not self.layer_bytes:
+            return _INF
+        if not self.balance:
+            return self.limit
+        return bytes_cap(self.layer_bytes, stages, balance=self.balance, limit=self.limit)
+
+    def cut(
+        self,
+        layer_costs: Sequence[float],
+        stage_speeds: Sequence[float],
+        *,
+        current: Sequence[int] | None = None,
+        slack: float = 0.02,
+    ) -> Partition:
+        """:func:`partition_layers` under this cap (the bytes ignored when they do not name
+        every layer: a plan is never refused for a workload that reports none)."""
+        known = len(self.layer_bytes) == len(layer_costs)
+        return partition_layers(
+            layer_costs,
+            stage_speeds,
+            current=current,
+            slack=slack,
+            layer_bytes=self.layer_bytes if known else None,
+            max_bytes=self.cap(len(stage_speeds)) if known else _INF,
+        )
+
+
+COMPUTE_ONLY = StageMemory(balance=0.0)
 
 
 def moved_layers(old_assignment: Sequence[int], new_assignment: Sequence[int]) -> list[int]:
@@ -306,13 +420,15 @@ def takeover(
     speeds_of_survivors: Sequence[float],
     *,
     slack: float = 0.02,
+    memory: StageMemory = COMPUTE_ONLY,
 ) -> Partition:
     """Re-partition one pipeline replica's layers over its stages that survive ``lost_stage``.
 
     ``assignment[i]`` is the stage (of the old pipeline) holding layer ``i``. The surviving stages
     are renumbered in order (old stage ``k`` becomes ``k`` below ``lost_stage`` and ``k - 1``
     above it); ``speeds_of_survivors`` lists their speeds in that new order. The lost stage's
-    layers must move; the survivors keep as many of theirs as the slack allows.
+    layers must move; the survivors keep as many of theirs as the slack allows, within
+    ``memory``'s cap.
     """
     n_old = len(speeds_of_survivors) + 1
     if len(assignment) != len(layer_costs):
@@ -332,4 +448,4 @@ def takeover(
             f"got {list(assignment)}"
         )
     current = [-1 if s == lost_stage else (s if s < lost_stage else s - 1) for s in assignment]
-    return partition_layers(layer_costs, speeds_of_survivors, current=current, slack=slack)
+    return memory.cut(layer_costs, speeds_of_survivors, current=current, slack=slack)

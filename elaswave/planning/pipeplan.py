@@ -16,7 +16,13 @@ from collections.abc import Mapping, Sequence
 from heapq import heapify, heapreplace
 from typing import Any
 
-from elaswave.planning.partition import Partition, partition_layers, takeover
+from elaswave.planning.partition import (
+    COMPUTE_ONLY,
+    Partition,
+    PartitionError,
+    StageMemory,
+    takeover,
+)
 from elaswave.planning.plan import LISTED, Member, Plan, capped, gone, listed, racks_of
 
 POLICIES = ("reshard", "drop")
@@ -142,15 +148,18 @@ def next_pipeline_plan(
     cause: str = "",
     policy: str = "reshard",
     epoch_floor: int = 0,
+    memory: StageMemory = COMPUTE_ONLY,
 ) -> Plan | None:
     """The pipeline plan that follows ``prev`` for this membership, or ``None`` if none changes
     (its first epoch after ``epoch_floor``: see :func:`~elaswave.planning.plan.next_plan`).
 
     - start: ``len(members) // pp`` full replicas (ranks in join order), layers cut by the
-      minimax partition; leftover workers wait as standbys;
+      minimax partition within ``memory``'s bytes per stage (a cap no cut meets is a
+      :class:`~elaswave.planning.partition.PartitionError`); leftover workers wait as standbys;
     - a replica that lost stages keeps its survivors, which take over the lost layers
       (``policy="reshard"``), or is dropped whole with its survivors put on standby
-      (``policy="drop"``, the replica-dropping baseline); a replica with no survivor is gone;
+      (``policy="drop"``, the replica-dropping baseline, and a replica whose survivors cannot
+      hold its layers within ``memory``'s limit); a replica with no survivor is gone;
     - newcomers first refill replicas short of ``pp`` stages (appended as the last stage), then
       form new full replicas;
     - shares of the global batch balance the replicas' predicted 1F1B step times
@@ -161,7 +170,7 @@ def next_pipeline_plan(
     if pp < 1:
         raise ValueError(f"pp must be >= 1, got {pp}")
     live = {m.worker_id: m for m in members}
-    groups, bounds, notes = _surviving_replicas(prev, live, costs, policy)
+    groups, bounds, notes = _surviving_replicas(prev, live, costs, policy, memory)
     prev_workers = set(prev.workers) if prev else set()
     newcomers = sorted(
         (m for m in members if m.worker_id not in prev_workers), key=lambda m: m.order
@@ -176,6 +185,7 @@ def next_pipeline_plan(
         num_microbatches=num_microbatches,
         max_workers=max_workers,
         policy=policy,
+        memory=memory,
     )
     if not groups:
         return None
@@ -236,13 +246,18 @@ def _change_reason(
 
 
 def _surviving_replicas(
-    prev: Plan | None, live: Mapping[str, Member], costs: Sequence[float], policy: str
+    prev: Plan | None,
+    live: Mapping[str, Member],
+    costs: Sequence[float],
+    policy: str,
+    memory: StageMemory = COMPUTE_ONLY,
 ) -> tuple[list[list[str]], list[tuple[int, ...]], list[str]]:
     """The replicas of ``prev`` that stay in service: (their live workers in stage order, their
     layer bounds, a note per replica changed or gone), in ``prev``'s replica order.
 
     A replica with no live stage is gone; one that lost some is dropped under ``policy="drop"``,
-    or else keeps its survivors with the lost layers taken over (:func:`_taken_over`).
+    or else keeps its survivors with the lost layers taken over (:func:`_taken_over`) unless
+    they cannot hold them within ``memory``'s limit: then it is dropped too.
     """
     groups: list[list[str]] = []
     bounds: list[tuple[int, ...]] = []
@@ -260,7 +275,12 @@ def _surviving_replicas(
             continue
         cut = prev.bounds[d]
         if len(alive) < len(stages):
-            cut = _taken_over(cut, stages, alive, costs)
+            try:
+                cut = _taken_over(cut, stages, alive, costs, memory)
+            except PartitionError:
+                notes.append(f"replica {d} dropped (its {len(alive)} stage(s) cannot hold its "
+                             f"layers within {memory.limit:.4g} bytes each)")  # fmt: skip
+                continue
             notes.append(f"replica {d}: {len(stages)}→{len(alive)} stages, layers {list(cut)}")
         groups.append(alive)
         bounds.append(tuple(cut))
@@ -268,7 +288,11 @@ def _surviving_replicas(
 
 
 def _taken_over(
-    cut: Sequence[int], stages: Sequence[str], alive: Sequence[str], costs: Sequence[float]
+    cut: Sequence[int],
+    stages: Sequence[str],
+    alive: Sequence[str],
+    costs: Sequence[float],
+    memory: StageMemory = COMPUTE_ONLY,
 ) -> tuple[int, ...]:
     """The bounds of a replica after its ``alive`` stages took over the layers of the others
     (``stages``: its workers in stage order, ``cut``: its bounds before the loss)."""
@@ -276,7 +300,8 @@ def _taken_over(
     for s in reversed(range(len(stages))):  # highest first: indices stay valid
         if stages[s] not in alive:
             speeds = [1.0] * (max(assignment) if assignment else 0)
-            assignment = list(takeover(assignment, s, costs, speeds).assignment())
+            part = takeover(assignment, s, costs, speeds, memory=memory)
+            assignment = list(part.assignment())
     return _bounds(assignment, len(alive))
 
 
@@ -291,6 +316,7 @@ def _admit_newcomers(
     num_microbatches: int,
     max_workers: int,
     policy: str,
+    memory: StageMemory = COMPUTE_ONLY,
 ) -> None:
     """Place the ``fresh`` workers (in join order), extending ``groups``, ``bounds`` and
     ``notes`` in place: under ``policy="reshard"`` they first refill replicas short of ``pp``
@@ -305,11 +331,12 @@ def _admit_newcomers(
                 group.append(queue.popleft())
                 admitted += 1
                 current = _assignment(bounds[d]) if len(group) > 1 else None
-                part = partition_layers(costs, [1.0] * len(group), current=current)
+                part = memory.cut(costs, [1.0] * len(group), current=current)
                 bounds[d] = part.bounds
                 notes.append(f"replica {d} refilled to {len(group)} stages")
-    full = partition_layers(costs, [1.0] * pp).bounds
+    full: tuple[int, ...] = ()  # cut once, when a new replica forms
     while len(queue) >= pp and admitted + pp <= max_workers and len(groups) < num_microbatches:
+        full = full or memory.cut(costs, [1.0] * pp).bounds
         groups.append([queue.popleft() for _ in range(pp)])
         bounds.append(full)
         admitted += pp
@@ -345,6 +372,7 @@ def respeed_pipeline_plan(
     store: str,
     now: float,
     cause: str = "",
+    memory: StageMemory = COMPUTE_ONLY,
 ) -> Plan | None:
     """The plan that fits ``current``'s layout to its workers' speeds, or ``None`` if it fits.
 
@@ -362,7 +390,7 @@ def respeed_pipeline_plan(
     for cut, v in zip(current.bounds, per_stage, strict=True):
         key = (tuple(cut), tuple(v))
         if key not in recut:
-            recut[key] = partition_layers(costs, v, current=_assignment(cut))
+            recut[key] = memory.cut(costs, v, current=_assignment(cut))
         bounds.append(recut[key].bounds)
         bottlenecks.append(recut[key].bottleneck)
     total = sum(current.shares)

@@ -23,6 +23,7 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from elaswave.errors import EXIT_STATE_LOST
+from elaswave.planning.partition import COMPUTE_ONLY, StageMemory
 from elaswave.planning.pipeplan import predicted_step, respeed_pipeline_plan, stage_speeds
 from elaswave.planning.plan import Plan, assign_microbatches, capped
 
@@ -158,6 +159,7 @@ def pipeline_straggler_verdict(
     window: int = WINDOW,
     min_gain: float = MIN_GAIN,
     outlier: float = OUTLIER,
+    memory: StageMemory = COMPUTE_ONLY,
 ) -> PipelineVerdict:
     """Judge pipeline ranks' speeds and fit the layout to them.
 
@@ -172,7 +174,7 @@ def pipeline_straggler_verdict(
     1 / its slowdown, healthy ranks count as exactly 1). Without an eviction the stages are
     re-cut and the replicas re-shared for those speeds
     (:func:`~elaswave.planning.pipeplan.respeed_pipeline_plan`) when that cuts the predicted
-    step time by at least ``min_gain``.
+    step time by at least ``min_gain``, each stage within ``memory``'s bytes.
     """
     layers = {w: current.stage_layers(r) for r, w in enumerate(current.workers)}
     scaled = peer_relative(stage_time_per_mb, layers, window=window)
@@ -200,7 +202,7 @@ def pipeline_straggler_verdict(
         )
     straggling = set(slow)
     speeds = {w: 1.0 / slowdown[w] if w in straggling else 1.0 for w in current.workers}
-    plan = respeed_pipeline_plan(current, speeds, costs, store=store, now=now)
+    plan = respeed_pipeline_plan(current, speeds, costs, store=store, now=now, memory=memory)
     if plan is None:
         return PipelineVerdict(reason="balanced", slowdown=slowdown, stragglers=slow)
     per_stage = stage_speeds(current, speeds)  # the same ranks and replicas in both layouts

@@ -10,8 +10,16 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import Run, assert_clean_run, assert_groups_edited, launch, pipeline_groups
+from conftest import (
+    Run,
+    assert_clean_run,
+    assert_groups_edited,
+    assert_no_orphans,
+    launch,
+    pipeline_groups,
+)
 
+from elaswave.errors import JobStopped
 from elaswave.report import build_report
 
 STEPS = 16
@@ -68,6 +76,14 @@ def test_stage_loss_async_then_second_fault(
     # After the first loss the survivor of replica 0 holds every layer; replica 1 is untouched.
     assert plans[1]["bounds"] == [[0, 4], [0, 2, 4]]
     assert len(plans[1]["replicas"]) == 2, "the damaged replica must stay in service"
+    # Each stage's bytes (what its workers reported per layer) within the cap the cut held
+    # them to: 1.1 × an even share of the model's (some cut of this model meets it).
+    sizes = plans[0]["layer_bytes"]
+    assert len(sizes) == 4 and all(b > 0 for b in sizes)
+    for p in plans:
+        for cut, cap in zip(p["bounds"], p["stage_bytes_cap"], strict=True):
+            assert cap == pytest.approx(1.1 * sum(sizes) / (len(cut) - 1))
+            assert all(sum(sizes[a:b]) <= cap for a, b in zip(cut, cut[1:], strict=False))
     synced = [e for e in run.of("state_synced") if e["epoch"] == plans[1]["epoch"]]
     assert {e["migration"] for e in synced} == {"async"}
     assert all(e["serving"] == [False, True] for e in synced)  # out of service while migrating
@@ -173,3 +189,24 @@ def test_zero_inside_stages_survives_two_losses_bit_identical(
     if migration == "async":
         done = [e for e in run.of("migration_done") if e["epoch"] == plans[1]["epoch"]]
         assert len(done) == 1 and done[0]["step"] < 7  # switched before the second fault
+
+
+def test_a_stage_budget_no_cut_meets_stops_the_job_in_one_line(
+    tmp_path: Path, state_env: dict
+) -> None:
+    """`max_stage_bytes` below what any cut of the model into two stages needs: the leader
+    refuses to plan, the job stops with one line that says why, nothing is left running."""
+    r = launch(tmp_path / "run", "--job-id", "pp-budget", "--pp", "2", "--steps", "4",
+               env={**state_env, "ELASWAVE_MAX_STAGE_BYTES": "100000"})  # fmt: skip
+    assert r.returncode == JobStopped.exit_code, r.stderr[-3000:]
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith(
+        "elaswave: job stopped: no pipeline plan fits: no cut of 4 layers into 2 stages holds "
+        "at most 1e+05 bytes per stage: the smallest largest stage is "
+    ), lines
+    run = Run(tmp_path / "run")
+    assert run.metrics == [] and not run.of("plan_published")
+    (refused,) = run.of("plan_refused")
+    assert build_report(run.dir)["totals"]["stopped"] == refused["reason"]
+    assert_no_orphans(run)

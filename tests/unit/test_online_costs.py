@@ -287,6 +287,9 @@ def test_config_accepts_layer_cost_modes(mode: str) -> None:
         ({"layer_costs": "measured"}, "layer_costs must be one of estimate, profile, online"),
         ({"layer_costs": "Online"}, "layer_costs must be one of"),
         ({"cost_every": 0}, "cost_every must be >= 1"),
+        ({"stage_balance": 0.9}, "stage_balance must be 0 or >= 1, got 0.9"),
+        ({"stage_balance": float("inf")}, "stage_balance must be 0 or >= 1"),
+        ({"max_stage_bytes": -1}, "max_stage_bytes must be >= 0, got -1"),
     ],
 )
 def test_config_rejects(overrides: dict[str, Any], message: str) -> None:

@@ -12,8 +12,11 @@ from elaswave.errors import ElasWaveError
 from elaswave.planning.partition import (
     Partition,
     PartitionError,
+    StageMemory,
+    bytes_cap,
     moved_layers,
     partition_layers,
+    smallest_largest_stage,
     takeover,
 )
 
@@ -266,3 +269,91 @@ def test_partition_is_deterministic_and_typed() -> None:
     b = partition_layers(list(costs), tuple(speeds), current=tuple(current), slack=slack)
     assert a == b and isinstance(a, Partition)
     assert all(isinstance(x, int) for x in a.bounds) and isinstance(a.moved, int)
+
+
+# ---- memory: each stage's bytes as a constraint beside compute ------------------------------
+
+
+def test_partition_under_a_byte_cap_matches_brute_force() -> None:
+    """Among the cuts whose every stage holds at most the cap, the same order as without one;
+    no such cut: an error naming the smallest largest stage."""
+    rng = random.Random(91)
+    for costs, speeds, current, slack in INSTANCES:
+        sizes = [float(rng.randint(0, 9)) for _ in costs]
+        fits = []
+        for bounds in _all_cuts(len(costs), len(speeds)):
+            held = [_span(sizes, a, e) for a, e in zip(bounds, bounds[1:], strict=False)]
+            times = [
+                _span(costs, a, e) / v for a, e, v in zip(bounds, bounds[1:], speeds, strict=False)
+            ]
+            assignment = [s for s in range(len(speeds)) for _ in range(bounds[s], bounds[s + 1])]
+            fits.append((max(held), len(moved_layers(current, assignment)), max(times), bounds))
+        least = min(h for h, *_ in fits)
+        assert smallest_largest_stage(sizes, len(speeds)) == least
+        cap = rng.choice([least, least + 1.0, sum(sizes)])
+        within_cap = [p for p in fits if p[0] <= cap]
+        optimum = min(bn for _, _, bn, _ in within_cap)
+        within = [p[1:] for p in within_cap if p[2] <= optimum * (1 + slack)]
+        where = f"costs={costs} sizes={sizes} speeds={speeds} current={current} cap={cap}"
+
+        got = partition_layers(
+            costs, speeds, current=current, slack=slack, layer_bytes=sizes, max_bytes=cap
+        )
+        assert got.optimum == optimum, where
+        assert (got.moved, got.bottleneck, got.bounds) == min(within), where
+        assert max(got.stage_bytes) <= cap and sum(got.stage_bytes) == sum(sizes), where
+        if least > 0:
+            with pytest.raises(PartitionError, match="smallest largest stage"):
+                partition_layers(costs, speeds, layer_bytes=sizes, max_bytes=least * 0.99)
+
+
+@pytest.mark.parametrize(
+    ("costs", "sizes", "stages", "balance", "bounds"),
+    [
+        # an embedding that weighs much and costs little: compute alone puts it with 3 blocks
+        ([0.2, 1, 1, 1, 1, 1, 1, 0.5], [8, 2, 2, 2, 2, 2, 2, 4], 2, 0.0, (0, 4, 8)),
+        # held to 1.1 × an even share (12 bytes → 13.2): one block moves to the second stage
+        ([0.2, 1, 1, 1, 1, 1, 1, 0.5], [8, 2, 2, 2, 2, 2, 2, 4], 2, 1.10, (0, 3, 8)),
+        # no cut meets 1.1 × even (an embedding of 9 in 12): 1.1 × the least largest stage, 9
+        ([1, 1, 1, 1], [9, 1, 1, 1], 2, 1.10, (0, 1, 4)),
+        ([1, 1, 1, 1], [9, 1, 1, 1], 2, 0.0, (0, 2, 4)),
+        # balanced bytes already: the compute cut stands
+        ([1] * 6, [1] * 6, 3, 1.10, (0, 2, 4, 6)),
+    ],
+)
+def test_stage_memory_cut(
+    costs: list[float], sizes: list[float], stages: int, balance: float, bounds: tuple
+) -> None:
+    part = StageMemory(tuple(sizes), balance).cut(costs, [1.0] * stages)
+    assert part.bounds == bounds
+    if balance:
+        assert max(part.stage_bytes) <= bytes_cap(sizes, stages, balance=balance)
+
+
+def test_bytes_cap_and_limit() -> None:
+    assert bytes_cap([4, 1, 1, 1, 1], 2) == pytest.approx(4.4)
+    assert bytes_cap([9, 1, 1, 1], 2) == pytest.approx(9.9)  # the embedding alone outweighs 6
+    assert bytes_cap([4, 1, 1, 1, 1], 2, limit=4.0) == 4.0
+    assert StageMemory().cap(2) == float("inf")  # no bytes known: compute alone
+    assert StageMemory((1.0, 1.0), 0.0, 5.0).cap(2) == 5.0  # balance off, the limit stays
+    # a limit no cut meets is refused in one line
+    with pytest.raises(
+        PartitionError, match=r"at most 8 bytes per stage.*smallest largest stage is 9"
+    ):
+        StageMemory((9.0, 1.0, 1.0, 1.0), limit=8.0).cut([1] * 4, [1.0, 1.0])
+    # bytes that do not name every layer are ignored, never a refusal
+    assert StageMemory((9.0,), limit=1.0).cut([1] * 4, [1.0, 1.0]).bounds == (0, 2, 4)
+    with pytest.raises(PartitionError, match="layer_bytes names 1 layers"):
+        partition_layers([1, 1], [1.0], layer_bytes=[1.0])
+    with pytest.raises(PartitionError, match="layer bytes must be finite"):
+        partition_layers([1, 1], [1.0], layer_bytes=[1.0, -1.0])
+
+
+def test_takeover_within_a_limit() -> None:
+    """Survivors take over within the limit, or the takeover is refused (the planner then
+    drops the replica)."""
+    sizes = (4.0, 2.0, 2.0, 2.0, 2.0, 4.0)
+    got = takeover([0, 0, 1, 1, 2, 2], 1, [1] * 6, [1.0, 1.0], memory=StageMemory(sizes))
+    assert got.bounds == (0, 3, 6) and got.stage_bytes == (8.0, 8.0)
+    with pytest.raises(PartitionError):
+        takeover([0, 0, 1, 1, 2, 2], 1, [1] * 6, [1.0, 1.0], memory=StageMemory(sizes, limit=7.0))

@@ -9,6 +9,7 @@ import pytest
 
 from elaswave.config import JobConfig
 from elaswave.errors import ConfigError
+from elaswave.planning.partition import COMPUTE_ONLY, PartitionError, StageMemory
 from elaswave.planning.pipeplan import balanced_shares, next_pipeline_plan, serving_shares
 from elaswave.planning.plan import Member
 from elaswave.planning.schedule import (
@@ -30,10 +31,10 @@ def members(*ids: str) -> list[Member]:
     return [Member(worker_id=w, host=f"h{i % 2}", order=i) for i, w in enumerate(ids)]
 
 
-def plan(prev, ids, *, pp=2, costs=COSTS, policy="reshard", max_workers=8):
+def plan(prev, ids, *, pp=2, costs=COSTS, policy="reshard", max_workers=8, memory=COMPUTE_ONLY):
     return next_pipeline_plan(
         prev, members(*ids), pp=pp, costs=costs, num_microbatches=16,
-        max_workers=max_workers, store="s:1", now=0.0, policy=policy,
+        max_workers=max_workers, store="s:1", now=0.0, policy=policy, memory=memory,
     )  # fmt: skip
 
 
@@ -65,6 +66,35 @@ def test_stage_loss_keeps_replica_in_service(lost, replicas, bounds, shares) -> 
     assert (p2.replicas, p2.bounds, p2.shares) == (replicas, bounds, shares)
     assert sum(p2.shares) == 16  # the global batch never changes
     assert p2.departed == (lost,)
+
+
+# an embedding that weighs much and costs little, three blocks, a head
+HEAVY_EMBEDDING = StageMemory((8.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0, 4.0))
+SKEWED = (0.2, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.5)
+
+
+def test_the_cut_bounds_each_stage_s_bytes() -> None:
+    """Compute alone puts the embedding with three blocks (14 of 24 bytes); held to 1.1 × an
+    even share, the first stage gives one block up. A stage loss re-cuts within the cap too."""
+    assert plan(None, ["a", "b"], costs=SKEWED).bounds == ((0, 4, 8),)
+    p1 = plan(None, ["a", "b", "c", "d"], costs=SKEWED, memory=HEAVY_EMBEDDING)
+    assert p1.bounds == ((0, 3, 8), (0, 3, 8))
+    p3 = plan(None, list("abcdef"), pp=3, costs=SKEWED, memory=HEAVY_EMBEDDING)
+    p4 = plan(p3, list("abcdf"), pp=3, costs=SKEWED, memory=HEAVY_EMBEDDING)  # "e" lost
+    assert p4.bounds[1] == (0, 3, 8)  # its two survivors, the bytes held to 1.1 × 12
+
+
+def test_a_limit_no_cut_meets_is_refused_and_a_replica_that_cannot_fit_is_dropped() -> None:
+    limit = StageMemory(HEAVY_EMBEDDING.layer_bytes, limit=11.0)
+    with pytest.raises(PartitionError, match="at most 12 bytes per stage"):
+        plan(None, ["a", "b"], pp=2, costs=SKEWED, memory=StageMemory((20.0,) + (1.0,) * 7,
+                                                                      limit=12.0))  # fmt: skip
+    p1 = plan(None, list("abcdef"), pp=3, costs=SKEWED, memory=limit)
+    assert max(p1.bounds[0][1:]) == 8
+    p2 = plan(p1, list("abcdf"), pp=3, costs=SKEWED, memory=limit)  # "e" lost: 24 bytes in 2
+    assert p2.replicas == ((0, 1, 2),) and "replica 1 dropped" in p2.reason
+    assert "cannot hold its layers within 11 bytes each" in p2.reason
+    assert sum(p2.shares) == 16  # the global batch never changes
 
 
 def test_status_shows_the_grid() -> None:

@@ -111,6 +111,8 @@ class Pipeline:
         self.num_layers = len(ctx.state.model)
         self.offsets = [(off, off + length) for off, length in ctx.state.segments]
         self.sizes = [length * 3 * 4 for _, length in ctx.state.segments]  # params + 2 moments, f32
+        # what holding a layer costs a stage: its parameters, their gradient and two moments
+        self.layer_bytes = [length * 4 * 4 for _, length in ctx.state.segments]
         self.held: range | None = range(self.num_layers)  # at step 0 everyone holds the init
         self.fresh = True  # no plan applied yet: a newcomer's step-0 state is not the job's
         self.target: range = range(0)

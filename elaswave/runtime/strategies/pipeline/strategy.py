@@ -143,8 +143,12 @@ class PipelineStages(Strategy):
         self.second_copy = {(a.start, a.stop): (b.start, b.stop) for a, b in ctx.state.ties}
 
     def ready(self) -> dict[str, Any]:
-        """The leader partitions with the workload's estimate, or with what the layers measured."""
-        out: dict[str, Any] = {"layer_estimate": list(self.pipe.costs)}
+        """The leader partitions with the workload's estimate, or with what the layers measured,
+        and with what each layer weighs on the stage that holds it."""
+        out: dict[str, Any] = {
+            "layer_estimate": list(self.pipe.costs),
+            "layer_bytes": list(self.pipe.layer_bytes),
+        }
         if self.ctx.cfg.layer_costs in ("profile", "online"):
             out["layer_seconds"] = self.pipe.profile_layers()
         return out
