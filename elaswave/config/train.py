@@ -69,6 +69,10 @@ class TrainConfig:
     # longer depends on how micro-batches are spread over ranks, so losses and parameters are
     # bit-identical to the fault-free run, at ~10% step time on CPU (twice the reduced bytes).
     reduce_dtype: str = "float32"
+    # The gradient's all-reduce (data parallelism, ZeRO-1): "auto" goes by tiers when the plan
+    # spans two hosts or more and some host has two ranks (summed inside each host, one rank per
+    # host and lane between them, shared back inside the host); "flat": one ring over all ranks.
+    hierarchy: str = "auto"
     # A fault in the middle of a step: survivors keep the micro-batches they finished and only
     # the lost ones are computed again (data parallelism and ZeRO-1; pipelines redo the step).
     # false: the whole step is redone (for comparisons).
@@ -94,6 +98,8 @@ class TrainConfig:
                 f"train.global_batch ({self.global_batch}) must be a multiple of "
                 f"train.micro_batch_size ({self.micro_batch_size})"
             )
+        if self.hierarchy not in ("auto", "flat"):
+            raise ConfigError(f"train.hierarchy must be auto or flat, got {self.hierarchy!r}")
         if self.reduce_dtype not in ("float32", "float64"):
             raise ConfigError(
                 f"train.reduce_dtype must be float32 or float64, got {self.reduce_dtype!r}"

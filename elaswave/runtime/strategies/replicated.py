@@ -24,6 +24,8 @@ import torch
 
 from elaswave.planning.plan import Plan
 from elaswave.planning.redo import redo_shares
+from elaswave.planning.tiers import Tiers, tiers_of
+from elaswave.runtime.comm.tiered import allreduce_tiered
 from elaswave.runtime.durable.checkpoints import DurableState
 from elaswave.runtime.integrity.checksums import digest
 from elaswave.runtime.integrity.verify import judge
@@ -61,8 +63,11 @@ class Partial:
 class Replicated(Strategy):
     """Data parallelism with the whole state on every rank."""
 
+    tiered = True  # the gradient's all-reduce goes by hosts when the plan has tiers
+
     def __init__(self, ctx: RankContext, durable: DurableSource) -> None:
         super().__init__(ctx, durable)
+        self.tiers: Tiers | None = None  # the newest plan's (train.hierarchy)
         self.partial: Partial | None = None
         self.redo: tuple[int, tuple[int, ...]] | None = None  # (step, my micro-batches)
         self._acc: torch.Tensor | None = None  # the float64 accumulator (deterministic mode)
@@ -178,7 +183,7 @@ class Replicated(Strategy):
         before_update: Callable[[], None],
     ) -> float:
         st, n = self.state, self.state.flat.numel
-        self.ctx.comm.allreduce(DP, buf, broken)
+        allreduce_tiered(self.ctx.comm, DP, self.tiers, buf, broken)
         # -- the reduction succeeded: every rank now holds the identical full-batch gradient.
         self.forget_partial()
         self.ctx.enter("compute")
@@ -189,6 +194,14 @@ class Replicated(Strategy):
         st.opt.step(st.flat.data, grad, st.opt.hyper.groups)
         st.step = step
         return float(buf[n + EPOCH])
+
+    def groups(self, plan: Plan) -> dict[str, tuple[str, ...]]:
+        """Every rank, and the tiers' groups (each host's ranks, each lane's) when the
+        gradient is reduced by tiers."""
+        mode = self.ctx.cfg.train.hierarchy if self.tiered else "flat"
+        self.tiers = tiers_of(plan.hosts, mode)
+        extra = self.tiers.groups(plan.workers) if self.tiers is not None else {}
+        return {**super().groups(plan), **extra}
 
     def sync(self, plan: Plan, broken: Callable[[], bool]) -> dict[str, Any]:
         """Ranks behind (a newcomer, a failed reduction) copy the most advanced one; the

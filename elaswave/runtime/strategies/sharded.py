@@ -53,6 +53,7 @@ class Zero1(Replicated):
         """Stage the shard update, replicate it, then the commit barrier."""
         z, st, comm = self.zero, self.state, self.ctx.comm
         n = st.flat.numel
+        z.tiers = None if z.native_reduce_scatter else self.tiers
         clip = (self.ctx.cfg.train.grad_clip, st.ties, st.segments)
         # Rank 0 reports the norm; with a native reduce-scatter every rank adds its squares.
         measure = self.ctx.cfg.logging.enabled and (comm.rank(DP) == 0 or z.native_reduce_scatter)

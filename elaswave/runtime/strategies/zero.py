@@ -50,7 +50,9 @@ from elaswave.planning.shards import (
     promoted,
     recovery_stats,
 )
+from elaswave.planning.tiers import Tiers
 from elaswave.runtime.comm.communicator import Communicator
+from elaswave.runtime.comm.tiered import allreduce_tiered
 from elaswave.runtime.integrity.checksums import fast_checksum
 from elaswave.runtime.optim import (
     FlatOptimizer,
@@ -96,6 +98,7 @@ class ZeroState:
     # only its part of the sums, and clipping takes the global norm from every rank's per-layer
     # squares of its part (``shard_sumsq``, one more all-reduce of a float per layer).
     native_reduce_scatter: bool = False
+    tiers: Tiers | None = None  # the all-reduce by hosts (without a native reduce-scatter)
     snapshot_every: int = 1  # replicate every K committed steps (0: never)
     grad_norm: float | None = None  # of the last staged step's mean gradient, where measured
     _send_spans: dict[int, list[Range]] = field(default_factory=dict)
@@ -201,7 +204,7 @@ class ZeroState:
             total = reduced[-1:].clone()
             comm.allreduce(DP, total, abort)  # the count, beside the gradient
         else:  # same sum, each rank keeps its part (see ``native_reduce_scatter``)
-            comm.allreduce(DP, reduced, abort)
+            allreduce_tiered(comm, DP, self.tiers, reduced, abort)
             mine, total = reduced[:-1].view(world, size)[self.rank], reduced[-1:]
         batch_count = float(total)
         if batch_count <= 0:

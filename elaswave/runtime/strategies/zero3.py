@@ -66,6 +66,8 @@ class Zero3(Zero1):
     """Data parallelism with parameters, gradients and optimizer state sharded over the ranks;
     layers gathered while they run."""
 
+    tiered = False  # each layer's gradient is reduce-scattered: flat (no tiers yet)
+
     def __init__(self, ctx: RankContext, durable: DurableSource) -> None:
         super().__init__(ctx, durable)
         native = getattr(ctx.comm, "backend", "gloo") != "gloo" or GLOO_REDUCE_SCATTER

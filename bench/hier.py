@@ -1,0 +1,183 @@
+"""Bytes between hosts and step time, gradient reduced by one flat ring vs by tiers.
+
+Two hosts × four workers, each host a network namespace of the multi-host bed (elaswave.netbed:
+real etcd, real daemons, gloo over veths), the 10 M-parameter Llama of ``bench/llama-10m.yaml``
+(transformers, random init), data parallelism. For each link — unshaped, then each host's egress
+shaped by ``tc`` (a token bucket at 400 and at 100 Mbit/s) — one job with ``train.hierarchy:
+flat`` and one with ``auto`` (summed inside each host, each lane between the hosts, shared back).
+
+Per job: the bytes each host's ``eth0`` sent per step (its veth counter sampled while the job
+runs, between the commits of step ``WARM`` and of the last step: the gradients, and the etcd
+and control traffic beside them) and the median step time over the same steps. The theory for
+ranks laid out host by host, M the gradient buffer's bytes: a flat ring sends
+2 (N − 1) / N × M per host across (1.75 M at N = 8), the tiers 2 (H − 1) / H × M (1.0 M).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.common import BenchError, bench_env, print_table, read_jsonl, write_config
+from elaswave import netbed
+
+DESCRIPTION = "bytes between hosts and step time, flat ring vs tiers (2 netns hosts × 4, 10 M)"
+DEFAULT_REPEAT = 1
+HOSTS, PER_HOST = 2, 4
+STEPS = 8
+WARM = 2  # steps before the measured window (start-up, the first step's allocations)
+LINKS = ("unshaped", "400mbit", "100mbit")
+MODES = ("flat", "auto")
+CONFIG = Path(__file__).with_name("llama-10m.yaml")
+
+
+def run(repeat: int, config: Path) -> dict[str, Any]:
+    del config  # the 10 M llama, always
+    reason = netbed.skip_reason()
+    if reason:
+        raise BenchError(f"the netns test bed is unavailable: {reason}")
+    cells: dict[str, dict[str, list[dict[str, Any]]]] = {
+        link: {mode: [] for mode in MODES} for link in LINKS
+    }
+    grad_bytes = 0
+    for i in range(repeat):
+        for link in LINKS:
+            for mode in MODES:  # side by side on the same link, in the same round
+                with tempfile.TemporaryDirectory(prefix="elaswave-bench-") as tmp:
+                    cell, grad_bytes = _one_job(Path(tmp), f"hier-{link}-{mode}-{i}", link, mode)
+                cells[link][mode].append(cell)
+    return {
+        "scenario": "hier",
+        "repeat": repeat,
+        "hosts": HOSTS,
+        "per_host": PER_HOST,
+        "steps": STEPS,
+        "warm": WARM,
+        "grad_bytes": grad_bytes,
+        "theory_per_host": {
+            "flat": 2 * (HOSTS * PER_HOST - 1) / (HOSTS * PER_HOST),
+            "auto": 2 * (HOSTS - 1) / HOSTS,
+        },
+        "cells": cells,
+    }
+
+
+def _one_job(tmp: Path, job: str, link: str, mode: str) -> tuple[dict[str, Any], int]:
+    cfg = write_config(tmp / "job.yaml", CONFIG, {
+        "train": {"steps": STEPS, "hierarchy": mode},
+        "elastic": {"nproc_per_node": PER_HOST, "nnodes": f"{HOSTS}:{HOSTS}"},
+    })  # fmt: skip
+    bed = netbed.NetBed(tmp, config=cfg, hosts=HOSTS)
+    try:
+        bed.start()
+        if link != "unshaped":
+            for host in bed.hosts:
+                _shape(bed.ns(host), link)
+        env = bench_env(tmp / "state", {"ELASWAVE_TIMEOUTS__RENDEZVOUS": "120"})
+        samples: list[tuple[float, list[int]]] = []
+        stop = threading.Event()
+
+        def sample() -> None:
+            while not stop.is_set():
+                samples.append((time.time(), [_tx_bytes(bed.ns(h)) for h in bed.hosts]))
+                stop.wait(0.2)
+
+        poller = threading.Thread(target=sample, daemon=True)
+        poller.start()
+        for host in bed.hosts:
+            bed.launch(host, "--job-id", job, env=env)
+        codes = bed.wait(timeout=900)
+        stop.set()
+        poller.join()
+        if any(codes.values()):
+            raise BenchError(f"{job}: exit codes {codes}: {bed.output(bed.hosts[0])[-500:]}")
+        commits = _commits(bed)
+        t0, t1 = commits[WARM], commits[STEPS]
+        sent = [b - a for a, b in zip(_at(samples, t0), _at(samples, t1), strict=True)]
+        times = [commits[s + 1] - commits[s] for s in range(WARM, STEPS)]
+        grad = _grad_bytes(bed)
+        return {
+            "per_host_bytes_per_step": [s / (STEPS - WARM) for s in sent],
+            "step_s": statistics.median(times),
+            "lanes": _lanes(bed),
+        }, grad
+    finally:
+        bed.close()
+
+
+def _shape(ns: str, rate: str) -> None:
+    """A token bucket on the host's egress: ``rate``, a 64 kB burst, 400 ms of queue."""
+    subprocess.run(["tc", "-n", ns, "qdisc", "replace", "dev", "eth0", "root", "tbf", "rate",
+                    rate, "burst", "64kb", "latency", "400ms"], check=True)  # fmt: skip
+
+
+def _tx_bytes(ns: str) -> int:
+    out = subprocess.run(["ip", "-n", ns, "-s", "-j", "link", "show", "eth0"],
+                         capture_output=True, text=True, check=True).stdout  # fmt: skip
+    return int(json.loads(out)[0]["stats64"]["tx"]["bytes"])
+
+
+def _at(samples: list[tuple[float, list[int]]], t: float) -> list[int]:
+    """The counters sampled last at or before ``t`` (the first sample if none)."""
+    before = [c for when, c in samples if when <= t]
+    return before[-1] if before else samples[0][1]
+
+
+def _commits(bed: Any) -> dict[int, float]:
+    """When each step was committed (its record's time), over every host's records."""
+    out: dict[int, float] = {}
+    for h in bed.hosts:
+        for m in read_jsonl(bed.run_dirs[h] / "metrics.jsonl"):
+            out.setdefault(m["step"], m["time"])
+    if sorted(out) != list(range(1, STEPS + 1)):
+        raise BenchError(f"steps committed: {sorted(out)}")
+    return out
+
+
+def _events(bed: Any, kind: str) -> list[dict[str, Any]]:
+    return [e for h in bed.hosts for e in read_jsonl(bed.run_dirs[h] / "events.jsonl")
+            if e["kind"] == kind]  # fmt: skip
+
+
+def _grad_bytes(bed: Any) -> int:
+    """The reduction buffer's bytes (every rank's parameters, float32, and a short tail)."""
+    (first, *_) = _events(bed, "memory") or [{}]
+    return int(first.get("param_bytes", 0))
+
+
+def _lanes(bed: Any) -> list[str]:
+    built = {g for e in _events(bed, "comm_rebuilt") for g in e["rebuilt"]}
+    return sorted(g for g in built if g.startswith("dp."))
+
+
+def show(result: dict[str, Any]) -> None:
+    grad = result["grad_bytes"] or 1
+    mb = 1 / 2**20
+    rows = []
+    for link, modes in result["cells"].items():
+        med = {
+            mode: (
+                statistics.median(statistics.mean(c["per_host_bytes_per_step"]) for c in cells),
+                statistics.median(c["step_s"] for c in cells),
+            )
+            for mode, cells in modes.items()
+        }
+        (fb, ft), (hb, ht) = med["flat"], med["auto"]
+        rows.append((link, f"{fb * mb:.1f} ({fb / grad:.2f} M)",
+                     f"{hb * mb:.1f} ({hb / grad:.2f} M)", f"{fb / hb:.2f}", f"{ft:.2f}",
+                     f"{ht:.2f}", f"{ht / ft:.2f}"))  # fmt: skip
+    theory = result["theory_per_host"]
+    print_table(
+        f"Flat ring vs tiers, {result['hosts']} hosts × {result['per_host']} workers "
+        f"(M = {grad * mb:.1f} MB of gradient; theory per host: flat "
+        f"{theory['flat']:.2f} M, tiers {theory['auto']:.2f} M)",
+        ("link", "flat: MB/host/step", "tiers: MB/host/step", "flat / tiers bytes",
+         "flat step s", "tiers step s", "tiers / flat time"),
+        rows,
+    )  # fmt: skip

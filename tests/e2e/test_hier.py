@@ -1,0 +1,63 @@
+"""The gradient reduced by tiers across hosts (``train.hierarchy``): two hosts × two workers,
+each host a network namespace (tests/e2e/netbed).
+
+In the deterministic mode (float64 reduction) the run reduced by tiers (summed inside each
+host, each lane between the hosts, shared back) and the same run reduced by one flat ring give
+every loss and the final state bit for bit, through a SIGKILL that leaves the hosts uneven (two
+workers and one) and the respawn that evens them again — and both equal the single-host run.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from conftest import F64, Run, assert_clean_run, float64_run
+from netbed import NetBed, netbed_fixture  # noqa: F401 - provides the netbed_factory fixture
+
+pytestmark = [pytest.mark.e2e, pytest.mark.netns]
+
+STEPS = 12
+
+
+@pytest.fixture(scope="module")
+def single_host(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    return float64_run(tmp_path_factory, "hier-ref", STEPS)
+
+
+def _run(bed: NetBed, job: str, mode: str, state_env: dict[str, str]) -> Run:
+    env = {**state_env, **F64, "ELASWAVE_TRAIN__HIERARCHY": mode,
+           "ELASWAVE_TIMEOUTS__LEASE_TTL": "2", "ELASWAVE_TIMEOUTS__RENDEZVOUS": "60"}  # fmt: skip
+    for host in bed.hosts:
+        bed.launch(host, "--job-id", job, "--nproc-per-node", "2", "--nnodes", "2:2",
+                   "--steps", str(STEPS), "--max-restarts", "1",
+                   "--fault", "kill,rank=3,at_step=4", env=env)  # fmt: skip
+    codes = bed.wait(timeout=180)
+    assert codes == {h: 0 for h in bed.hosts}, [bed.output(h) for h in bed.hosts]
+    return Run(*(bed.run_dirs[h] for h in bed.hosts))
+
+
+def _lanes_built(run: Run) -> set[str]:
+    return {g for e in run.of("comm_rebuilt") for g in e["rebuilt"] if g.startswith("dp.")}
+
+
+def test_tiers_reduce_what_the_flat_ring_reduces_through_a_kill_and_a_respawn(
+    netbed_factory: Any, state_env: dict[str, str], single_host: Run
+) -> None:
+    tiered = _run(netbed_factory(hosts=2, name="tiered"), "hier-auto", "auto", state_env)
+    flat = _run(netbed_factory(hosts=2, name="flat"), "hier-flat", "flat", state_env)
+    for run in (tiered, flat):
+        assert_clean_run(run, STEPS, single_host)
+        assert run.losses == single_host.losses  # bit for bit, step by step
+        worlds = [p["world"] for p in run.of("plan_published")]
+        assert worlds[:2] == [4, 3] and worlds[-1] == 4, worlds  # uneven, then even again
+    for key in ("params_sha256", "state_sha256"):
+        assert (
+            {f[key] for f in tiered.of("final_state")}
+            == {f[key] for f in flat.of("final_state")}
+            == {f[key] for f in single_host.of("final_state")}
+        )
+    # The tiers' groups: each host's ranks and two lanes (one rank per host each), built again
+    # when the hosts went uneven (the survivor on its host carries both lanes); none without tiers.
+    assert _lanes_built(tiered) >= {"dp.host0", "dp.host1", "dp.lane0", "dp.lane1"}
+    assert _lanes_built(flat) == set()

@@ -1,0 +1,143 @@
+"""The reduction by tiers: which ranks reduce together (tables), and the real all-reduce over
+gloo groups (five ranks on two uneven "hosts", as threads of a child process) summing what one
+flat ring sums."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from elaswave.planning.tiers import Tiers, lane_bounds, tiers_of
+
+
+@pytest.mark.parametrize(
+    ("hosts", "mode", "expected", "lanes", "lane_groups"),
+    [
+        # two hosts of two: two lanes, one rank of each host on each
+        (["a", "a", "b", "b"], "auto", ((0, 1), (2, 3)), 2, ((0, 2), (1, 3))),
+        # uneven: host a's two ranks carry host b's three lanes (rank 0 carries lanes 0 and 2)
+        (["a", "a", "b", "b", "b"], "auto", ((0, 1), (2, 3, 4)), 3, ((0, 2), (1, 3), (0, 4))),
+        # a host of one rank carries every lane
+        (["a", "b", "b"], "auto", ((0,), (1, 2)), 2, ((0, 1), (0, 2))),
+        # three hosts, ranks not host by host (a pipeline's order): grouped by host all the same
+        (["a", "b", "a", "c", "b", "c"], "auto", ((0, 2), (1, 4), (3, 5)), 2,
+         ((0, 1, 3), (2, 4, 5))),
+    ],
+)  # fmt: skip
+def test_tiers_table(hosts, mode, expected, lanes, lane_groups) -> None:
+    t = tiers_of(hosts, mode)
+    assert t is not None and t.hosts == expected
+    assert t.lanes == lanes and t.lane_groups() == lane_groups
+    # every lane has one rank per host; every rank's lanes are the ones it owns
+    for j, group in enumerate(t.lane_groups()):
+        assert [t.place(r)[0] for r in group] == list(range(len(expected)))
+        assert all(j in t.my_lanes(r) for r in group)
+    assert sorted(j for r in range(len(hosts)) for j in t.my_lanes(r)) == sorted(
+        j for j in range(lanes) for _ in expected
+    )
+
+
+@pytest.mark.parametrize(
+    "hosts",
+    [["a", "a", "a"], ["a", "b", "c"], ["a"]],  # one host; no host with two ranks
+)
+def test_flat_where_tiers_only_add_hops(hosts) -> None:
+    assert tiers_of(hosts, "auto") is None
+
+
+def test_flat_mode_and_errors() -> None:
+    assert tiers_of(["a", "a", "b", "b"], "flat") is None
+    with pytest.raises(ValueError, match="hierarchy must be one of auto, flat"):
+        tiers_of(["a"], "Auto")
+    with pytest.raises(ValueError, match="at least one lane"):
+        lane_bounds(4, 0)
+
+
+def test_groups_by_name() -> None:
+    t = Tiers(((0, 1), (2,)))
+    assert t.groups(["w0", "w1", "w2"]) == {
+        "dp.host0": ("w0", "w1"),  # host 1 has one rank: no host group
+        "dp.lane0": ("w0", "w2"),
+        "dp.lane1": ("w1", "w2"),
+    }
+
+
+@pytest.mark.parametrize(
+    ("n", "lanes", "bounds"),
+    [(10, 3, [0, 4, 7, 10]), (2, 3, [0, 1, 2, 2]), (0, 2, [0, 0, 0]), (6, 1, [0, 6])],
+)
+def test_lane_bounds(n, lanes, bounds) -> None:
+    assert lane_bounds(n, lanes) == bounds
+
+
+SCRIPT = textwrap.dedent(
+    """
+    import datetime, json, os, sys, threading
+    import torch
+    import torch.distributed as dist
+    from elaswave.planning.tiers import tiers_of
+    from elaswave.runtime.comm.communicator import Communicator
+    from elaswave.runtime.comm.tiered import allreduce_tiered
+
+    HOSTS = ["a", "a", "b", "b", "b"]
+    WORKERS = [f"w{r}" for r in range(5)]
+    never = lambda: False
+
+    def waker(event):
+        return lambda: None
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=30))
+    address = f"127.0.0.1:{store.port}"
+    tiers = tiers_of(HOSTS, "auto")
+    groups = {"dp": tuple(WORKERS), **tiers.groups(WORKERS)}
+    out, errors = {}, []
+
+    def values(rank, n):  # float32 gradients, summed in float64 as the deterministic mode does
+        g = torch.Generator().manual_seed(rank)
+        return torch.randn(n, generator=g).to(torch.float64)
+
+    def body(rank):
+        try:
+            comm = Communicator(me=WORKERS[rank], host_addr="127.0.0.1", rendezvous_timeout=30,
+                                collective_timeout=30, waker=waker)
+            comm.configure(groups, store=address, epoch=1, abort=never)
+            got = {}
+            for n in (11, 2, 1000):  # 2 < 3 lanes: an empty lane
+                flat, tiered = values(rank, n), values(rank, n)
+                comm.allreduce("dp", flat, never)
+                allreduce_tiered(comm, "dp", tiers, tiered, never)
+                got[n] = [flat.tolist(), tiered.tolist()]
+            out[rank] = got
+        except BaseException as exc:
+            errors.append(repr(exc))
+
+    threads = [threading.Thread(target=body, args=(r,)) for r in range(5)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    expected = {n: sum(values(r, n) for r in range(5)).tolist() for n in (11, 2, 1000)}
+    print(json.dumps({"out": out, "errors": errors, "expected": expected}), flush=True)
+    os._exit(0)
+    """
+)
+
+
+def test_the_tiered_all_reduce_sums_what_the_flat_ring_sums() -> None:
+    """Every rank ends with the same sums as a flat ring's, bit for bit (float32 values summed
+    in float64), on uneven hosts, with a lane left empty by a short buffer."""
+    r = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True,
+                       timeout=120)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    result = json.loads(r.stdout.strip().splitlines()[-1])
+    assert result["errors"] == []
+    assert sorted(result["out"]) == ["0", "1", "2", "3", "4"]
+    for rank, got in result["out"].items():
+        for n, (flat, tiered) in got.items():
+            assert tiered == flat, (rank, n)
+            assert tiered == pytest.approx(result["expected"][n], abs=1e-12)
