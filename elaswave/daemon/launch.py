@@ -22,7 +22,7 @@ from elaswave.daemon.earlier import archive, run_dir_records
 from elaswave.daemon.etcd import EtcdSecurity
 from elaswave.daemon.etcd_server import EmbeddedEtcd, ServerTLS, check_port_free
 from elaswave.daemon.supervisor import HostDaemon, default_host_id
-from elaswave.daemon.template import Template, take_prestarted
+from elaswave.daemon.template import Template, hf_model_type, take_prestarted
 from elaswave.daemon.workers import base_environment, device_environment
 from elaswave.errors import ElasWaveError, JobNotFound
 from elaswave.runtime.durable.layout import latest
@@ -171,6 +171,7 @@ def start_template(cfg: JobConfig, log_path: Path) -> Template | None:
         template.configure(
             model_source=cfg.model.source, log_path=log_path,
             device_env=device_environment(cfg.train.device), zero=cfg.zero,
+            model_type=hf_model_type(cfg.model.hf, cfg.model.pretrained),
         )  # fmt: skip
     return template
 

@@ -20,6 +20,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -47,12 +48,28 @@ class TemplateGone(RuntimeError):
 ZERO3_PRELOADS = ("torch.fx.experimental.symbolic_shapes",)
 
 
-def preloads(model_source: str, zero: int = 0) -> list[str]:
+def preloads(model_source: str, zero: int = 0, model_type: str = "") -> list[str]:
     """What the template imports before it is ready, beyond the runtime: the module of the
-    job's workload source that every worker imports at start, and what ZeRO-3 workers import
-    at start (``ZERO3_PRELOADS``). Pure."""
+    job's workload source that every worker imports at start (for a Hugging Face model, its
+    family's modeling module too: transformers imports it on the first use, seconds of work
+    every worker would repeat), and what ZeRO-3 workers import at start
+    (``ZERO3_PRELOADS``). Pure."""
     out = ["elaswave.runtime.workload.hf"] if model_source == "hf" else []
+    family = model_type.replace("-", "_")
+    if out and re.fullmatch(r"[a-z][a-z0-9_]*", family):
+        out.append(f"transformers.models.{family}.modeling_{family}")
     return out + (list(ZERO3_PRELOADS) if zero == 3 else [])
+
+
+def hf_model_type(hf: dict[str, Any], pretrained: str | None) -> str:
+    """The ``model_type`` of a job's Hugging Face model: its ``hf`` config's, or the one a
+    ``pretrained`` directory's ``config.json`` names ('' when neither says)."""
+    if pretrained:
+        try:
+            return str(json.loads((Path(pretrained) / "config.json").read_text())["model_type"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return ""
+    return str(hf.get("model_type") or "")
 
 
 def adoption_supported() -> bool:
@@ -126,7 +143,13 @@ class Template:
         return cls(proc, log_path)
 
     def configure(
-        self, *, model_source: str, log_path: Path, device_env: dict[str, str], zero: int = 0
+        self,
+        *,
+        model_source: str,
+        log_path: Path,
+        device_env: dict[str, str],
+        zero: int = 0,
+        model_type: str = "",
     ) -> None:
         """What this job needs of the template, sent at once (answered after its imports): its
         log file (a template started before the run directory was known moves to it), the
@@ -135,7 +158,7 @@ class Template:
         self.device_env = dict(device_env)
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self._send({"op": "log", "path": str(log_path)})
-        self._send({"op": "preload", "modules": preloads(model_source, zero)})
+        self._send({"op": "preload", "modules": preloads(model_source, zero, model_type)})
         if log_path != self.log_path:
             with contextlib.suppress(OSError):
                 self.log_path.unlink()  # the template holds it open until it moves

@@ -6,6 +6,7 @@ The protocol runs against a real template process; the daemon side runs in a chi
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import json
 import os
@@ -17,7 +18,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from elaswave.daemon.template import Template, preloads
+from elaswave.daemon.template import Template, hf_model_type, preloads
 from elaswave.runtime.device import Accelerators, may_have_accelerators, probe_for
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,6 +36,31 @@ ROOT = Path(__file__).resolve().parents[2]
 )
 def test_preloads_follow_the_workload_source(source: str, zero: int, modules: list[str]) -> None:
     assert preloads(source, zero) == modules
+
+
+@pytest.mark.parametrize(
+    ("model_type", "family"),
+    [("llama", ["transformers.models.llama.modeling_llama"]),
+     ("gpt_neox", ["transformers.models.gpt_neox.modeling_gpt_neox"]),
+     ("xlm-roberta", ["transformers.models.xlm_roberta.modeling_xlm_roberta"]),
+     ("", []), ("../evil", []), ("Llama", [])],
+)  # fmt: skip
+def test_an_hf_model_s_family_module_is_preloaded(model_type: str, family: list[str]) -> None:
+    assert preloads("hf", 0, model_type) == ["elaswave.runtime.workload.hf", *family]
+    assert preloads("gpt", 0, model_type) == []  # only for a Hugging Face workload
+
+
+def test_the_preloaded_family_module_is_where_transformers_has_it() -> None:
+    (_, module) = preloads("hf", 0, "llama")
+    assert importlib.util.find_spec(module) is not None
+
+
+def test_hf_model_type_from_the_config_or_the_pretrained_directory(tmp_path: Path) -> None:
+    assert hf_model_type({"model_type": "qwen2", "hidden_size": 8}, None) == "qwen2"
+    assert hf_model_type({}, None) == ""
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    assert hf_model_type({}, str(tmp_path)) == "gpt2"
+    assert hf_model_type({}, str(tmp_path / "missing")) == ""
 
 
 def test_configure_asks_the_template_for_the_jobs_preloads(tmp_path: Path) -> None:
