@@ -139,7 +139,7 @@ def _run(
     with open(log, "w") as sink:
         proc = subprocess.Popen(
             cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            start_new_session=True,
+            start_new_session=True, preexec_fn=_interruptible,
         )  # fmt: skip
         assert proc.stdout is not None
         pump = threading.Thread(target=_pump, args=(proc.stdout, sink, echo), daemon=True)
@@ -159,6 +159,14 @@ def _run(
         pump.join(5)
     code = None if timed_out else proc.returncode
     return Stage(name, time.monotonic() - began, code, timed_out)
+
+
+def _interruptible() -> None:
+    """In the child before it executes: SIGINT's default action back. A command started in the
+    background by a non-interactive shell inherits SIGINT ignored, and a Python child would then
+    install no KeyboardInterrupt handler: the interrupt that lets pytest write its report would
+    do nothing, and the stage would only be killed."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _pump(stream: TextIO, sink: TextIO, echo: bool) -> None:

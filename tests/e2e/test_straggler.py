@@ -61,8 +61,9 @@ def test_very_slow_rank_is_evicted(
     tmp_path: Path, state_env: dict[str, str], reference: Run
 ) -> None:
     """inject-fault --kind slow: past the threshold the rank is stopped cleanly, not respawned."""
+    steps = 120  # the fault lands while most of them are left, however slow the status call
     proc = start(tmp_path / "run", state_env, "--job-id", "evict", "--straggler-threshold", "3",
-                 "--max-restarts", "2")  # fmt: skip
+                 "--max-restarts", "2", "--steps", str(steps))  # fmt: skip
     try:
         wait_for(lambda: (status_json("evict", state_env) or {}).get("progress"), timeout=120)
         inject = cli("inject-fault", "--job-id", "evict", "--kind", "slow", "--rank", "2",
@@ -83,7 +84,7 @@ def test_very_slow_rank_is_evicted(
             proc.kill()
     assert proc.returncode == 0, stderr[-3000:]
     run = Run(tmp_path / "run")
-    assert_clean_run(run, 40, reference)
+    assert_clean_run(run, steps, reference)
     (fault,) = run.of("fault_injected")
     (evicted,) = run.of("worker_evicted")
     assert evicted["worker"] == fault["worker"]
