@@ -69,9 +69,9 @@ class TrainConfig:
     # longer depends on how micro-batches are spread over ranks, so losses and parameters are
     # bit-identical to the fault-free run, at ~10% step time on CPU (twice the reduced bytes).
     reduce_dtype: str = "float32"
-    # The gradient's all-reduce (data parallelism, ZeRO-1): "auto" goes by tiers when the plan
-    # spans two hosts or more and some host has two ranks (summed inside each host, one rank per
-    # host and lane between them, shared back inside the host); "flat": one ring over all ranks.
+    # The gradient's all-reduce (data parallelism; ZeRO-1 on gloo): "auto" goes by tiers when the
+    # plan spans two hosts or more and some host has two ranks (summed inside each host, one rank
+    # per host and lane between them, shared back inside the host); "flat": one ring over all.
     hierarchy: str = "auto"
     # A fault in the middle of a step: survivors keep the micro-batches they finished and only
     # the lost ones are computed again (data parallelism and ZeRO-1; pipelines redo the step).

@@ -35,7 +35,7 @@ from elaswave.config import JobConfig
 from elaswave.daemon.aio import wait_for
 from elaswave.daemon.jobstore import Change, JobStore, WorkerRecord
 from elaswave.errors import EtcdUnavailable
-from elaswave.planning.partition import PartitionError, StageMemory
+from elaswave.planning.partition import NoCutFits, StageMemory
 from elaswave.planning.pipeplan import measured_layers, next_pipeline_plan, plan_costs
 from elaswave.planning.plan import Member, Plan, moved_store, next_plan, reshared_plan
 from elaswave.planning.verdicts import (
@@ -218,18 +218,19 @@ class Planner:
             plan_at = time.perf_counter()
             try:
                 plan = self._next(current, members, "; ".join(causes))
-            except PartitionError as err:  # max_stage_bytes: no cut of the model fits
+                if plan is None and current is not None:
+                    if current.is_pipeline:
+                        plan = self._pipeline_straggler_plan(current, members)
+                    else:
+                        plan = self._straggler_plan(current)
+            except NoCutFits as err:  # max_stage_bytes: no cut of the model fits
                 reason = f"no pipeline plan fits: {err}"
                 self.c.emit("plan_refused", reason=reason)
                 await self.store.stop_job(reason)
                 return
-            if plan is None and current is not None:
-                if current.is_pipeline:
-                    plan = self._pipeline_straggler_plan(current, members)
-                else:
-                    plan = self._straggler_plan(current)
             if plan is None and current is not None and current.store != c.store_address:
-                plan = moved_store(current, c.store_address, leader=c.host_id, now=time.time())
+                plan = moved_store(current, c.store_address, leader=c.host_id, now=time.time(),
+                                   epoch_floor=self.epoch_floor)  # fmt: skip
             timing = {
                 "read_s": round(plan_at - read_at, 6),  # the members (and costs) from etcd
                 "planning_s": round(time.perf_counter() - plan_at, 6),  # the pure planner
@@ -300,6 +301,12 @@ class Planner:
         limit = float(cfg.max_stage_bytes) if cfg.max_stage_bytes else math.inf
         return StageMemory(tuple(self.layer_bytes), cfg.stage_balance, limit)
 
+    def _caps(self, plan: Plan) -> list[float | None]:
+        """Each replica's bytes per stage (None: compute alone), once per stage count."""
+        memory = self.memory
+        caps = {n: _finite(memory.cap(n)) for n in {len(b) - 1 for b in plan.bounds}}
+        return [caps[len(b) - 1] for b in plan.bounds]
+
     def _published(self, plan: Plan, **timing: float) -> None:
         self.c.emit(
             "plan_published",
@@ -320,9 +327,7 @@ class Planner:
                     "cost_source": self.cost_source,
                     "measured_layers": measured_layers(self.online, len(self.costs)),
                     "layer_bytes": self.layer_bytes,  # what the cut held each stage to
-                    "stage_bytes_cap": [  # per replica; None: compute alone
-                        _finite(self.memory.cap(len(b) - 1)) for b in plan.bounds
-                    ],
+                    "stage_bytes_cap": self._caps(plan),
                 }
                 if plan.is_pipeline
                 else {}

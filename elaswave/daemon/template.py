@@ -68,7 +68,7 @@ def hf_model_type(hf: dict[str, Any], pretrained: str | None) -> str:
         try:
             return str(json.loads((Path(pretrained) / "config.json").read_text())["model_type"])
         except (OSError, ValueError, KeyError, TypeError):
-            return ""
+            pass  # the config's, if it names one
     return str(hf.get("model_type") or "")
 
 

@@ -35,6 +35,10 @@ class PartitionError(ElasWaveError, ValueError):
     """The layers cannot be partitioned as asked (the message says why, in one line)."""
 
 
+class NoCutFits(PartitionError):
+    """Valid inputs, but no cut holds every stage within the bytes asked."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class Partition:
     """A cut of ``L`` layers into ``S`` contiguous stages.
@@ -155,7 +159,7 @@ def partition_layers(
     if optimum == _INF:
         assert layer_bytes is not None  # without a cap every cut is a candidate
         least = smallest_largest_stage(layer_bytes, len(stage_speeds))
-        raise PartitionError(
+        raise NoCutFits(
             f"no cut of {len(layer_costs)} layers into {len(stage_speeds)} stages holds at most "
             f"{max_bytes:.4g} bytes per stage: the smallest largest stage is {least:.4g} bytes"
         )
@@ -211,7 +215,9 @@ class _Segments:
     current: Sequence[int] | None
     span: list[list[float]]  # span[a][e] = cost of layers [a, e)
     kept: list[list[int]]  # kept[s][i] = layers among the first i that stage s holds now
-    held: list[float]  # held[i] = bytes of the first i layers (all 0 without layer bytes)
+    # weight[a][e] = bytes of layers [a, e), summed left to right as ``span`` is: the same
+    # values as smallest_largest_stage's, so a cap it returns is met exactly (empty: no bytes)
+    weight: list[list[float]]
     cap: float  # the most bytes a stage may hold
 
     @classmethod
@@ -226,23 +232,15 @@ class _Segments:
         costs = [float(c) for c in layer_costs]
         speeds = [float(v) for v in stage_speeds]
         n_layers, n_stages = len(costs), len(speeds)
-        # Summed left to right so every table sees the same value.
-        span = [[0.0] * (n_layers + 1) for _ in range(n_layers + 1)]
-        for a in range(n_layers):
-            acc = 0.0
-            for e in range(a + 1, n_layers + 1):
-                acc += costs[e - 1]
-                span[a][e] = acc
+        span = _spans(costs)
         kept = [[0] * (n_layers + 1) for _ in range(n_stages)]
         if current is not None:
             for s in range(n_stages):
                 row = kept[s]
                 for i, c in enumerate(current):
                     row[i + 1] = row[i] + (1 if c == s else 0)
-        held = [0.0] * (n_layers + 1)
-        for i, b in enumerate(layer_bytes or ()):
-            held[i + 1] = held[i] + float(b)
-        return cls(speeds=speeds, current=current, span=span, kept=kept, held=held, cap=cap)
+        weight = _spans([float(b) for b in layer_bytes]) if layer_bytes is not None else []
+        return cls(speeds=speeds, current=current, span=span, kept=kept, weight=weight, cap=cap)
 
     @property
     def n_layers(self) -> int:
@@ -256,7 +254,7 @@ class _Segments:
         return self.span[a][e] / self.speeds[s]
 
     def bytes(self, a: int, e: int) -> float:
-        return self.held[e] - self.held[a]
+        return self.weight[a][e] if self.weight else 0.0
 
     def fits(self, a: int, e: int) -> bool:
         """Whether a stage holding ``[a, e)`` stays within the cap (a longer one never does
@@ -276,6 +274,19 @@ class _Segments:
     def starts(self, s: int, e: int) -> range:
         """Where stage ``s`` may start if it ends at ``e``, latest first."""
         return range(e - 1, s - 1, -1)
+
+
+def _spans(values: Sequence[float]) -> list[list[float]]:
+    """``out[a][e]`` = the sum of ``values[a:e]``, left to right, so that every table sees the
+    same value for a segment."""
+    n = len(values)
+    out = [[0.0] * (n + 1) for _ in range(n + 1)]
+    for a in range(n):
+        acc = 0.0
+        for e in range(a + 1, n + 1):
+            acc += values[e - 1]
+            out[a][e] = acc
+    return out
 
 
 def _lowest_bottleneck(seg: _Segments) -> float:

@@ -18,8 +18,8 @@ from typing import Any
 
 from elaswave.planning.partition import (
     COMPUTE_ONLY,
+    NoCutFits,
     Partition,
-    PartitionError,
     StageMemory,
     takeover,
 )
@@ -158,8 +158,10 @@ def next_pipeline_plan(
       :class:`~elaswave.planning.partition.PartitionError`); leftover workers wait as standbys;
     - a replica that lost stages keeps its survivors, which take over the lost layers
       (``policy="reshard"``), or is dropped whole with its survivors put on standby
-      (``policy="drop"``, the replica-dropping baseline, and a replica whose survivors cannot
-      hold its layers within ``memory``'s limit); a replica with no survivor is gone;
+      (``policy="drop"``, the replica-dropping baseline); a replica with no survivor is gone;
+    - a replica whose survivors cannot hold its layers within ``memory``'s limit is dropped,
+      its survivors admitted again as newcomers are (in join order, before the new ones); if
+      no replica is left, :class:`~elaswave.planning.partition.NoCutFits`;
     - newcomers first refill replicas short of ``pp`` stages (appended as the last stage), then
       form new full replicas;
     - shares of the global batch balance the replicas' predicted 1F1B step times
@@ -170,11 +172,12 @@ def next_pipeline_plan(
     if pp < 1:
         raise ValueError(f"pp must be >= 1, got {pp}")
     live = {m.worker_id: m for m in members}
-    groups, bounds, notes = _surviving_replicas(prev, live, costs, policy, memory)
+    groups, bounds, notes, spare = _surviving_replicas(prev, live, costs, policy, memory)
     prev_workers = set(prev.workers) if prev else set()
     newcomers = sorted(
         (m for m in members if m.worker_id not in prev_workers), key=lambda m: m.order
     )
+    newcomers = sorted((live[w] for w in spare), key=lambda m: m.order) + newcomers
     _admit_newcomers(
         groups,
         bounds,
@@ -187,6 +190,11 @@ def next_pipeline_plan(
         policy=policy,
         memory=memory,
     )
+    if not groups and spare:
+        raise NoCutFits(
+            f"no replica is left whose stages can hold the model within {memory.limit:.4g} "
+            f"bytes each ({len(spare)} worker(s) left to place)"
+        )
     if not groups:
         return None
     workers = tuple(w for g in groups for w in g)
@@ -251,19 +259,22 @@ def _surviving_replicas(
     costs: Sequence[float],
     policy: str,
     memory: StageMemory = COMPUTE_ONLY,
-) -> tuple[list[list[str]], list[tuple[int, ...]], list[str]]:
+) -> tuple[list[list[str]], list[tuple[int, ...]], list[str], list[str]]:
     """The replicas of ``prev`` that stay in service: (their live workers in stage order, their
-    layer bounds, a note per replica changed or gone), in ``prev``'s replica order.
+    layer bounds, a note per replica changed or gone, the survivors to place again), in
+    ``prev``'s replica order.
 
     A replica with no live stage is gone; one that lost some is dropped under ``policy="drop"``,
     or else keeps its survivors with the lost layers taken over (:func:`_taken_over`) unless
-    they cannot hold them within ``memory``'s limit: then it is dropped too.
+    they cannot hold them within ``memory``'s limit: then it is dropped too, and its survivors
+    are to be placed again.
     """
     groups: list[list[str]] = []
     bounds: list[tuple[int, ...]] = []
     notes: list[str] = []
+    spare: list[str] = []
     if prev is None or not prev.replicas:
-        return groups, bounds, notes
+        return groups, bounds, notes, spare
     for d, ranks in enumerate(prev.replicas):
         stages = [prev.workers[r] for r in ranks]
         alive = [w for w in stages if w in live]
@@ -277,14 +288,15 @@ def _surviving_replicas(
         if len(alive) < len(stages):
             try:
                 cut = _taken_over(cut, stages, alive, costs, memory)
-            except PartitionError:
+            except NoCutFits:
                 notes.append(f"replica {d} dropped (its {len(alive)} stage(s) cannot hold its "
                              f"layers within {memory.limit:.4g} bytes each)")  # fmt: skip
+                spare += alive
                 continue
             notes.append(f"replica {d}: {len(stages)}→{len(alive)} stages, layers {list(cut)}")
         groups.append(alive)
         bounds.append(tuple(cut))
-    return groups, bounds, notes
+    return groups, bounds, notes, spare
 
 
 def _taken_over(

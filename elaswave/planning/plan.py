@@ -330,12 +330,13 @@ def reshared_plan(
     )
 
 
-def moved_store(prev: Plan, store: str, *, leader: str, now: float) -> Plan:
-    """``prev`` again under the next epoch with the rendezvous store at ``store``: a new leader's
-    first plan when membership did not change. The store lives in the leader's daemon, and the
-    one ``prev`` names may have left with its host (a host whose workers were all evicted goes
-    away, and nothing in the membership says so): the ranks would wait for it forever."""
-    epoch = prev.epoch + 1
+def moved_store(prev: Plan, store: str, *, leader: str, now: float, epoch_floor: int = 0) -> Plan:
+    """``prev`` again under its next epoch (after ``epoch_floor``, as :func:`next_plan`) with the
+    rendezvous store at ``store``: a new leader's first plan when membership did not change. The
+    store lives in the leader's daemon, and the one ``prev`` names may have left with its host
+    (a host whose workers were all evicted goes away, and nothing in the membership says so):
+    the ranks would wait for it forever."""
+    epoch = max(prev.epoch, epoch_floor) + 1
     return replace(
         prev,
         epoch=epoch,

@@ -1,7 +1,8 @@
 """Hierarchical reduction over hosts: which ranks reduce together on each tier. Pure, no I/O.
 
-A flat ring all-reduce over ``N`` ranks sends ``2 (N - 1) / N × M`` bytes per rank, and with ``k``
-ranks per host every one of them crosses the slow inter-host link. Reduced by tiers instead:
+A flat ring all-reduce over ``N`` ranks sends ``2 (N - 1) / N × M`` bytes per rank; with ranks
+host by host, one rank per host sends that much across the slow inter-host link (about 2 M per
+host, whatever the host's size; with ranks interleaved, every one does). Reduced by tiers:
 
 1. inside each host, every rank's buffer is summed (the fast tier);
 2. the buffer is cut into ``lanes`` contiguous slices; lane ``j`` is all-reduced between the

@@ -65,6 +65,13 @@ log = logging.getLogger(__name__)
 EXIT_OK = 0
 EXIT_NO_PLAN = 4
 EXIT_SHARD_LOST = EXIT_STATE_LOST  # both copies of a shard or layer are gone, no durable one
+SKIPPED_MAX = 3  # compute times left unreported in a row while a checkpoint is written
+
+
+def skipped_next(writing: bool, skipped: int) -> int:
+    """How many compute times in a row are left unreported after this step's (0: this one is
+    reported): one is while a checkpoint write runs beside it, up to ``SKIPPED_MAX`` in a row."""
+    return skipped + 1 if writing and skipped < SKIPPED_MAX else 0
 
 
 class NoPlan(RuntimeError):
@@ -148,6 +155,7 @@ class Engine:
         self._speeds: list[float] = []  # compute seconds per micro-batch not yet reported
         self._speeds_epoch, self._speeds_sent = 0, 0.0
         self._writer_busy = False  # a checkpoint write ran when this step began
+        self._skipped = 0  # compute times not reported in a row (a checkpoint write ran beside)
         self._memory: tuple[int, dict[str, int]] | None = None  # (epoch, bytes) reported last
         control.start_heartbeat(cfg.timeouts.heartbeat, self._heartbeat)
 
@@ -208,10 +216,12 @@ class Engine:
     def commit_step(self, result: StepResult) -> None:
         assert self.plan is not None
         # Every rank: the straggler detector's input. Not a step this rank's checkpoint writer
-        # ran beside: that thread shares the process's cores and interpreter lock, and timed
-        # beside it rank 0 (which writes the whole state) would look slow for its own write.
+        # ran beside (that thread shares the process's cores and interpreter lock: rank 0, which
+        # writes the whole state, would look slow for its own write), unless it has run beside
+        # SKIPPED_MAX steps in a row (a writer that never rests must not hide a straggler).
         writing = self._writer_busy or (self.store is not None and self.store.writing())
-        if result.compute_per_mb is not None and not writing:
+        self._skipped = skipped_next(writing, self._skipped)
+        if result.compute_per_mb is not None and not self._skipped:
             self._report_speed(result.step, result.compute_per_mb)
         self.strategy.after_commit(result.step)
         if self.comm.rank(DP) == 0:

@@ -349,6 +349,19 @@ def test_bytes_cap_and_limit() -> None:
         partition_layers([1, 1], [1.0], layer_bytes=[1.0, -1.0])
 
 
+def test_a_cap_at_the_smallest_largest_stage_is_met_exactly() -> None:
+    """stage_balance 1.0 holds a cut to the least largest stage itself: the cap and the cut's
+    bytes are the same sums, so fractional bytes never miss it by a rounding."""
+    rng = random.Random(5)
+    for _ in range(200):
+        sizes = tuple(rng.uniform(0.01, 3.0) for _ in range(rng.randint(2, 9)))
+        stages = rng.randint(1, len(sizes))
+        part = StageMemory(sizes, balance=1.0).cut([1.0] * len(sizes), [1.0] * stages)
+        assert max(part.stage_bytes) <= max(
+            smallest_largest_stage(sizes, stages), 1.0 * sum(sizes) / stages
+        )
+
+
 def test_takeover_within_a_limit() -> None:
     """Survivors take over within the limit, or the takeover is refused (the planner then
     drops the replica)."""

@@ -9,7 +9,7 @@ import pytest
 
 from elaswave.config import JobConfig
 from elaswave.errors import ConfigError
-from elaswave.planning.partition import COMPUTE_ONLY, PartitionError, StageMemory
+from elaswave.planning.partition import COMPUTE_ONLY, NoCutFits, PartitionError, StageMemory
 from elaswave.planning.pipeplan import balanced_shares, next_pipeline_plan, serving_shares
 from elaswave.planning.plan import Member
 from elaswave.planning.schedule import (
@@ -95,6 +95,13 @@ def test_a_limit_no_cut_meets_is_refused_and_a_replica_that_cannot_fit_is_droppe
     assert p2.replicas == ((0, 1, 2),) and "replica 1 dropped" in p2.reason
     assert "cannot hold its layers within 11 bytes each" in p2.reason
     assert sum(p2.shares) == 16  # the global batch never changes
+    # its two survivors are placed again: with a newcomer they form a new replica
+    p3 = plan(p2, list("abcdfg"), pp=3, costs=SKEWED, memory=limit)
+    assert p3.replicas == ((0, 1, 2), (3, 4, 5)) and p3.workers[3:] == ("d", "f", "g")
+    # the only replica cannot be held by its survivors: no plan, said in one line
+    alone = plan(None, list("abc"), pp=3, costs=SKEWED, memory=limit)
+    with pytest.raises(NoCutFits, match="no replica is left .* within 11 bytes each"):
+        plan(alone, list("ab"), pp=3, costs=SKEWED, memory=limit)
 
 
 def test_status_shows_the_grid() -> None:

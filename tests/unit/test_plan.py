@@ -458,3 +458,5 @@ def test_a_moved_store_keeps_the_layout_under_the_next_epoch() -> None:
         moved.reason == f"leader h1 → epoch {moved.epoch}: the rendezvous store moved to its daemon"
     )
     assert Plan.from_json(moved.to_json()) == moved
+    # a new leader's epochs only grow past those the job recorded
+    assert moved_store(prev, "h1:2", leader="h1", now=3.0, epoch_floor=9).epoch == 10

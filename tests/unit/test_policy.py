@@ -217,3 +217,24 @@ def test_straggler_verdicts_at_100k_ranks() -> None:
     for v in (shared, evicted, waiting, recut):
         assert len(v.reason) < 2_000
     assert recut.plan.reason.startswith(recut.reason) and len(recut.plan.reason) < 4_000
+
+
+@pytest.mark.parametrize(
+    ("writes", "reported"),
+    [
+        ([False] * 4, [True] * 4),
+        # a write beside a step: that step's time is left out, the next one reported
+        ([False, True, False, False], [True, False, True, True]),
+        # a writer that never rests hides at most SKIPPED_MAX in a row: a straggler stays seen
+        ([True] * 8, [False, False, False, True, False, False, False, True]),
+    ],
+)
+def test_compute_times_beside_a_checkpoint_write(writes: list[bool], reported: list[bool]) -> None:
+    from elaswave.runtime.engine import SKIPPED_MAX, skipped_next
+
+    assert SKIPPED_MAX == 3
+    skipped, out = 0, []
+    for writing in writes:
+        skipped = skipped_next(writing, skipped)
+        out.append(skipped == 0)
+    assert out == reported

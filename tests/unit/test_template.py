@@ -61,6 +61,7 @@ def test_hf_model_type_from_the_config_or_the_pretrained_directory(tmp_path: Pat
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     assert hf_model_type({}, str(tmp_path)) == "gpt2"
     assert hf_model_type({}, str(tmp_path / "missing")) == ""
+    assert hf_model_type({"model_type": "llama"}, str(tmp_path / "missing")) == "llama"
 
 
 def test_configure_asks_the_template_for_the_jobs_preloads(tmp_path: Path) -> None:

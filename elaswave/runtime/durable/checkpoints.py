@@ -78,8 +78,9 @@ class DurableCheckpoints:
         self._discards = 0  # a commit queued before a discard must not land
 
     def writing(self) -> bool:
-        """Whether a background write (or its commit) is still running."""
-        return any(f is not None and not f.done() for f in (self._pending, self._committing))
+        """Whether a background write is still running (not its commit, which mostly waits for
+        the other ranks' parts)."""
+        return self._pending is not None and not self._pending.done()
 
     def save_async(
         self,

@@ -37,6 +37,8 @@ class Zero1(Replicated):
         # NCCL's reduce-scatter moves half an all-reduce's bytes; gloo's is slower than its
         # all-reduce (see ``ZeroState.native_reduce_scatter``).
         self.zero.native_reduce_scatter = getattr(ctx.comm, "backend", "gloo") != "gloo"
+        # a native reduce-scatter goes flat (and ZeRO-3's per-layer one: its class says so)
+        self.tiered = type(self).tiered and not self.zero.native_reduce_scatter
 
     def make_shards(self) -> ZeroState:
         """The shard state (ZeRO-3's carries the parameters too)."""
