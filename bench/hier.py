@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import BenchError, bench_env, print_table, read_jsonl, write_config
+from bench.common import BenchError, bench_env, diffs, print_table, read_jsonl, write_config
 from elaswave import netbed
 
 DESCRIPTION = "bytes between hosts and step time, flat ring vs tiers (2 netns hosts × 4, 10 M)"
@@ -100,7 +100,7 @@ def _one_job(tmp: Path, job: str, link: str, mode: str) -> tuple[dict[str, Any],
         commits = _commits(bed)
         t0, t1 = commits[WARM], commits[STEPS]
         sent = [b - a for a, b in zip(_at(samples, t0), _at(samples, t1), strict=True)]
-        times = [commits[s + 1] - commits[s] for s in range(WARM, STEPS)]
+        times = diffs([commits[s] for s in range(WARM, STEPS + 1)])
         grad = _grad_bytes(bed)
         return {
             "per_host_bytes_per_step": [s / (STEPS - WARM) for s in sent],

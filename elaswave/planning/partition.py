@@ -21,6 +21,7 @@ stage holds at most the cap are candidates (:func:`bytes_cap` picks the cap a pl
 
 from __future__ import annotations
 
+import functools
 import math
 from bisect import bisect_right
 from collections.abc import Sequence
@@ -381,8 +382,10 @@ class StageMemory:
     balance: float = 1.10
     limit: float = _INF
 
+    @functools.lru_cache(maxsize=64)  # noqa: B019 - frozen values: equal memories share caps
     def cap(self, stages: int) -> float:
-        """The bytes per stage a cut of ``stages`` stages is held to."""
+        """The bytes per stage a cut of ``stages`` stages is held to (a minimax over the layers,
+        taken once per stage count: every cut of a plan and the event ask again)."""
         if not self.layer_bytes:
             return _INF
         if not self.balance:

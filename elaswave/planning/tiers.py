@@ -41,7 +41,7 @@ class Tiers:
 
     hosts: tuple[tuple[int, ...], ...]
 
-    @property
+    @cached_property
     def lanes(self) -> int:
         return max(len(h) for h in self.hosts)
 
