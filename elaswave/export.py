@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from elaswave.config import JobConfig
 from elaswave.errors import ConfigError, ElasWaveError
@@ -26,6 +27,7 @@ class Exported:
     loss: float  # that step's loss
     checkpoint: Path
     out: Path
+    sizes: tuple[int, int] | None = None  # --compress: (parameters before, after)
 
 
 def run_config(run_dir: Path) -> JobConfig:
@@ -63,8 +65,11 @@ def find_checkpoint(directory: Path, step: int | None) -> Path:
     return path
 
 
-def export_model(run_dir: Path, out: Path, step: int | None = None) -> Exported:
-    """Write the model of ``run_dir`` at ``step`` (default: its newest saved state) to ``out``."""
+def export_model(
+    run_dir: Path, out: Path, step: int | None = None, *, compress: bool = False
+) -> Exported:
+    """Write the model of ``run_dir`` at ``step`` (default: its newest saved state) to ``out``;
+    ``compress``: a pruned run's smaller model (:func:`compressed`)."""
     from elaswave.runtime.durable.checkpoints import load
     from elaswave.runtime.optim import FlatParams
     from elaswave.runtime.workload.base import build_layers
@@ -73,6 +78,8 @@ def export_model(run_dir: Path, out: Path, step: int | None = None) -> Exported:
     if out.exists():
         raise ConfigError(f"--out {out} already exists (remove it, or choose another path)")
     cfg = run_config(run_dir)
+    if compress and cfg.train.prune is None:
+        raise ConfigError(f"--compress: the run at {run_dir} was not pruned (no train.prune)")
     path = find_checkpoint(cfg.resolved_durable_dir, step)
     workload = load_workload(cfg)
     model = build_layers(workload, cfg.train.seed)
@@ -80,5 +87,26 @@ def export_model(run_dir: Path, out: Path, step: int | None = None) -> Exported:
     state = load(path, flat.numel)
     flat.data.copy_(state.params)
     out.parent.mkdir(parents=True, exist_ok=True)
+    sizes = compressed(workload, model, flat.data) if compress else None
     workload.export(model, out)
-    return Exported(state.step, state.loss, path, out)
+    if sizes is not None and not out.is_dir():  # the new shapes, beside the safetensors file
+        shapes = {n: list(p.shape) for n, p in model.named_parameters()}
+        out.with_name(out.name + ".shapes.json").write_text(json.dumps(shapes, indent=1))
+    return Exported(state.step, state.loss, path, out, sizes)
+
+
+def compressed(workload: Any, model: Any, flat: Any) -> tuple[int, int]:
+    """Shrink ``model`` (holding ``flat``, a pruned run's parameters) to its non-zero groups;
+    a Hugging Face workload's config takes the new widths (one per kind in every layer, so
+    that ``from_pretrained`` loads it). Returns the parameter counts before and after."""
+    from elaswave.prune.compress import hf_config, kept_groups, shrink
+    from elaswave.prune.groups import find_groups
+
+    before = sum(p.numel() for p in model.parameters())
+    families = find_groups(workload, model, [ref for pair in workload.tied() for ref in pair])
+    hf = getattr(workload, "config", None) is not None and hasattr(workload, "hf_names")
+    kept = kept_groups(families, model, flat, same_width=hf)
+    shrink(model, families, kept)
+    if hf:
+        workload.config = hf_config(workload.config, families, kept)
+    return before, sum(p.numel() for p in model.parameters())

@@ -594,13 +594,16 @@ def export(
         ..., "--out", help="HF models: a directory; others: a .safetensors file."
     ),
     step: int | None = typer.Option(None, "--step", help="A checkpointed step; default: newest."),
+    compress: bool = typer.Option(
+        False, "--compress", help="A pruned run (train.prune): write the smaller model."
+    ),
 ) -> None:
     """Write a run's trained model: for model.source hf a directory that
     AutoModelForCausalLM.from_pretrained loads, otherwise one safetensors file."""
     from elaswave.export import export_model
 
     try:
-        done = export_model(run_dir, out_path, step)
+        done = export_model(run_dir, out_path, step, compress=compress)
     except ElasWaveError as exc:
         raise _fail(exc) from None
     out.print(
@@ -608,6 +611,12 @@ def export(
         highlight=False,
         soft_wrap=True,
     )
+    if done.sizes is not None:
+        before, after = done.sizes
+        out.print(
+            f"compressed: {after:,} parameters of {before:,} ({after / before:.1%})",
+            highlight=False,
+        )
 
 
 def _flag_value(name: str, value: Any) -> Any:

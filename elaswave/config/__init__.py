@@ -19,6 +19,7 @@ from elaswave.config.loader import (
 )
 from elaswave.config.model import DataConfig, ModelConfig
 from elaswave.config.observe import LoggingConfig, WandbConfig, check_packages
+from elaswave.config.prune import PruneConfig
 from elaswave.config.train import DEVICE_KINDS, ParamGroup, TrainConfig
 
 __all__ = [
@@ -32,6 +33,7 @@ __all__ = [
     "LoggingConfig",
     "ModelConfig",
     "ParamGroup",
+    "PruneConfig",
     "Timeouts",
     "TrainConfig",
     "cache_dir",

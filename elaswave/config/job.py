@@ -100,6 +100,11 @@ class JobConfig:
                 "the data-parallel ranks only (use zero: 1 inside pipeline stages)"
             )
         self._check_pipeline()
+        if self.train.prune is not None and (self.zero or self.pp > 1):
+            raise ConfigError(
+                "train.prune runs with replicated data parallelism for now (zero: 0, pp: 1), "
+                f"got zero: {self.zero}, pp: {self.pp}"
+            )
         if self.train.eval_every and not self.data.eval_samples:
             raise ConfigError("train.eval_every needs held-out samples: set data.eval_samples")
         if self.data.source == "text" and self.model.source == "module":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from elaswave.config.prune import PruneConfig
 from elaswave.config.schema import positive
 from elaswave.errors import ConfigError
 
@@ -77,6 +78,8 @@ class TrainConfig:
     # the lost ones are computed again (data parallelism and ZeRO-1; pipelines redo the step).
     # false: the whole step is redone (for comparisons).
     partial_redo: bool = True
+    # Structured pruning while training (OTOv2's DHSPG; see elaswave.config.prune): None: off.
+    prune: PruneConfig | None = None
     threads_per_worker: int = 1
     # Where workers compute: auto (an accelerator when the host has one, else the CPU), cpu,
     # cuda (NCCL) or npu (HCCL, through torch_npu). One worker per device, pinned by its slot.

@@ -87,6 +87,7 @@ class StepRecords:
             "step_seconds": msg.get("step_seconds"),
             "lr": msg.get("lr"),
             "grad_norm": msg.get("grad_norm"),  # None where not measured (no stream, no clip)
+            "sparsity": msg.get("prune_sparsity"),  # train.prune: the share of zero groups
             "time": msg["t"],
         }
         self.commit_times.append((float(msg["t"]), int(msg["samples"])))
@@ -276,7 +277,7 @@ class StepRecords:
 
 
 RECORD = ("step", "loss", "epoch", "world_size", "samples", "step_seconds", "lr", "grad_norm",
-          "time", "writer")  # fmt: skip
+          "sparsity", "time", "writer")  # fmt: skip
 
 
 def _line(progress: dict[str, Any]) -> dict[str, Any]:

@@ -57,6 +57,7 @@ STEP_SCALARS = (
     ("train/loss", "loss"),
     ("train/learning_rate", "lr"),
     ("train/grad_norm", "grad_norm"),
+    ("train/sparsity", "sparsity"),
     ("train/samples_per_s", "samples_per_s"),
     ("train/world_size", "world_size"),
     ("train/epoch", "epoch"),

@@ -236,6 +236,7 @@ class Engine:
                     "step_seconds": result.seconds,
                     "lr": self.state.opt.hyper.lr_at(result.step),
                     "grad_norm": self.state.last_grad_norm,  # None unless measured
+                    **(self.state.prune.last if self.state.prune is not None else {}),
                     "t": time.time(),
                 }
             )
@@ -334,9 +335,11 @@ class Engine:
         def saved(path: Any, seconds: float) -> None:
             self.control.event(event, step=step, path=str(path), seconds=round(seconds, 4))
 
+        prune = self.state.prune.saved() if self.state.prune is not None else None
         store.save_async(
-            step, self.state.last_loss, whole.params, whole.exp_avg, whole.exp_avg_sq, saved
-        )
+            step, self.state.last_loss, whole.params, whole.exp_avg, whole.exp_avg_sq, saved,
+            extra=prune,
+        )  # fmt: skip
 
     def _save_final(self, final: Final) -> None:
         """The final state as a durable checkpoint: the whole state the strategy assembled, or
@@ -439,6 +442,9 @@ class Engine:
         broken = lambda: self.control.removes_any(plan.workers)  # noqa: E731
         start = time.perf_counter()
         sync = self.strategy.sync(plan, broken)
+        if self.state.prune is not None:  # the redundant set, to a newcomer
+            prune = self.state.prune.share(self.comm, self.state.step, broken, self.state.device)
+            sync["prune_partition_step"] = prune
         self.control.event(
             "state_synced",
             worker=self.me,

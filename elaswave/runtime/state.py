@@ -18,6 +18,7 @@ import torch
 
 from elaswave.config import JobConfig
 from elaswave.planning.plan import Plan
+from elaswave.prune.pruner import Pruner
 from elaswave.runtime.comm.communicator import Communicator
 from elaswave.runtime.optim import FlatOptimizer, FlatParams, OptimHyper, Spans, decay_groups
 from elaswave.runtime.workload import (
@@ -56,6 +57,7 @@ class TrainState:
     ties: tuple[tuple[slice, slice], ...] = ()  # flat ranges of copies of one logical weight
     window: range = range(0)
     zero: bool = False  # ZeRO keeps the moments in its shards: ``opt`` holds none
+    prune: Pruner | None = None  # train.prune: DHSPG after each update
 
     @classmethod
     def build(cls, cfg: JobConfig, device: torch.device | None = None) -> TrainState:
@@ -96,7 +98,7 @@ class TrainState:
         dataset = workload.dataset(t.seed)
         return cls(
             workload, model, flat, opt, dataset, ties=tuple(ties), window=window,
-            zero=bool(cfg.zero),
+            zero=bool(cfg.zero), prune=Pruner.build(cfg, workload, model),
         )  # fmt: skip
 
     def set_window(self, layers: range) -> None:

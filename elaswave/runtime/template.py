@@ -195,7 +195,14 @@ def _check(config: dict[str, Any]) -> dict[str, Any]:
 
     try:
         cfg = JobConfig.from_dict(config)
-        check_data(cfg, load_workload(cfg))
+        workload = load_workload(cfg)
+        check_data(cfg, workload)
+        if cfg.train.prune is not None:  # a model with nothing to prune: before any worker
+            from elaswave.prune.groups import find_groups
+            from elaswave.runtime.workload.base import build_layers
+
+            ties = [ref for pair in workload.tied() for ref in pair]
+            find_groups(workload, build_layers(workload, cfg.train.seed), ties)
     except ElasWaveError as exc:
         return {"error": str(exc)}
     except Exception as exc:  # the job's own code: its error, on one line

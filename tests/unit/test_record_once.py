@@ -193,7 +193,8 @@ def test_the_stream_gets_the_record_the_write_replaced() -> None:
 
 
 RECORD = {"step": 7, "loss": 1.5, "epoch": 1, "world_size": 6, "samples": 224,
-          "step_seconds": 0.1, "lr": 0.003, "grad_norm": None, "time": 100.0}  # fmt: skip
+          "step_seconds": 0.1, "lr": 0.003, "grad_norm": None, "sparsity": None,
+          "time": 100.0}  # fmt: skip
 
 
 def test_a_record_whose_writer_left_the_plan_is_written_again_from_etcd() -> None:

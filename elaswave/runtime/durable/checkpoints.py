@@ -45,6 +45,7 @@ __all__ = ["LATEST", "PIECES", "DurableCheckpoints", "DurableState", "complete",
 log = logging.getLogger(__name__)
 
 KINDS = ("params", "exp_avg", "exp_avg_sq")
+PRUNE = "prune"  # the key of pruning's state in a whole checkpoint
 COMMIT_S = 120.0  # how long rank 0 waits for the other ranks' parts before giving up
 FLUSH_S = 10.0  # how long a flush waits for a commit still waiting on other ranks
 
@@ -60,6 +61,7 @@ class DurableState:
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
     path: Path
+    prune: torch.Tensor | None = None  # pruning's redundant set (``Pruner.saved``), if any
 
 
 class DurableCheckpoints:
@@ -90,14 +92,19 @@ class DurableCheckpoints:
         exp_avg: torch.Tensor,
         exp_avg_sq: torch.Tensor,
         on_done: Callable[[Path, float], None] | None = None,
+        *,
+        extra: torch.Tensor | None = None,
     ) -> None:
-        """Snapshot the tensors now (copies) and write them in the background."""
+        """Snapshot the tensors now (copies) and write them in the background; ``extra``:
+        pruning's state, kept beside them."""
         state = {  # host copies: an accelerator's memory is not held until the write ends
             "params": _host_copy(params),
             "exp_avg": _host_copy(exp_avg),
             "exp_avg_sq": _host_copy(exp_avg_sq),
             "meta": torch.tensor([float(step), loss], dtype=torch.float64),
         }
+        if extra is not None:
+            state[PRUNE] = _host_copy(extra)
         if self._pending is not None:
             self._pending.result()  # one write at a time; the previous one is long done
         self._pending = self._pool.submit(self._write, step, state, on_done)
@@ -265,13 +272,17 @@ def load(path: Path, numel: int) -> DurableState:
         "exp_avg_sq": torch.zeros(numel),
         "meta": torch.zeros(2, dtype=torch.float64),
     }
+    stored = _dcp().FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    if PRUNE in stored:
+        state[PRUNE] = torch.zeros(stored[PRUNE].size, dtype=torch.float64)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         _dcp().load(state, checkpoint_id=str(path), no_dist=True)
     step, loss = state["meta"].tolist()
     return DurableState(
-        int(step), loss, state["params"], state["exp_avg"], state["exp_avg_sq"], path
-    )
+        int(step), loss, state["params"], state["exp_avg"], state["exp_avg_sq"], path,
+        state.get(PRUNE),
+    )  # fmt: skip
 
 
 def _load_pieces(path: Path, numel: int) -> DurableState:

@@ -69,6 +69,8 @@ class DurableSource:
     def load(self, path: Path, lost_from: int, reason: str) -> DurableState:
         """Read a durable checkpoint (every rank reads all of it) and report the restore."""
         state = checkpoints.load(path, self.ctx.state.flat.total)
+        if self.ctx.state.prune is not None:
+            self.ctx.state.prune.adopt(state.prune, state.step)
         if self.ctx.comm.rank(DP) == 0:
             self.ctx.event(
                 "durable_restored",

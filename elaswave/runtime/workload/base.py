@@ -20,12 +20,15 @@ import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
 
 from elaswave.runtime.workload.rng import stream_seed
+
+if TYPE_CHECKING:
+    from elaswave.prune.groups import Family
 
 __all__ = [
     "Dataset",
@@ -114,6 +117,13 @@ class Workload(abc.ABC):
         runtime sums their gradients before the reduction, so every copy gets the same update
         and stays identical, on whichever ranks and stages hold them. Default: none."""
         return ()
+
+    def zero_invariant_groups(self, model: KeyedLayers) -> Sequence[Family] | None:
+        """The model's zero-invariant groups, for ``train.prune`` (see
+        :mod:`elaswave.prune.groups`): groups of parameter slices that, all zero, can be removed
+        with the output unchanged. Default None: found by tracing the layers (a ``Linear``
+        feeding another through element-wise layers)."""
+        return None
 
     def export(self, model: KeyedLayers, out: Path) -> None:
         """Write the trained ``model`` (every layer, as :func:`build_layers` builds it, holding

@@ -187,6 +187,11 @@ class GPTWorkload(Workload):
         """Sum over samples of each sample's mean token cross-entropy."""
         return per_sample_loss(output, targets).sum(), int(targets.shape[0])
 
+    def zero_invariant_groups(self, model: Any) -> list[Any]:
+        from elaswave.prune.families import gpt_families
+
+        return gpt_families(self.cfg.d_model, self.cfg.n_head, range(1, self.num_layers - 1))
+
     def layer_costs(self) -> Sequence[float]:
         c = self.cfg
         return gpt_layer_costs(

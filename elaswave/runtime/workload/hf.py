@@ -487,6 +487,16 @@ class HFCausalLM(Workload):
                     "neither initialised by the model's _init_weights nor read from a checkpoint"
                 )
 
+    def zero_invariant_groups(self, model: Any) -> list[Any]:
+        """Attention (GQA-aware) and MLP groups of every decoder block
+        (:func:`elaswave.prune.families.hf_families`)."""
+        from elaswave.prune.families import hf_families
+
+        blocks = [
+            (i, layer) for i, layer in enumerate(model.layers) if isinstance(layer, BlockLayer)
+        ]
+        return hf_families(self.config, blocks)
+
     # -- export ------------------------------------------------------------------------------------
 
     def export(self, model: nn.Module, out: Path) -> None:

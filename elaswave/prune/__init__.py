@@ -1,0 +1,1 @@
+"""Structured pruning during training: zero-invariant groups, DHSPG, compression."""

@@ -1,0 +1,94 @@
+"""The smaller model a pruned run trained: every zero group, and what only it fed, removed.
+
+:func:`kept_groups` decides which groups stay (the non-zero ones; with ``same_width`` every family
+of a kind keeps as many as the widest of them, padding with zero groups, which change nothing);
+:func:`shrink` slices the parameters; :func:`hf_config` writes the smaller widths into a
+Hugging Face config so that ``from_pretrained`` loads the result.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from elaswave.prune.families import LLAMA_LIKE
+from elaswave.prune.groups import Family, flat_index
+from elaswave.runtime.workload.base import KeyedLayers, ParamRef
+
+__all__ = ["hf_config", "kept_groups", "shrink"]
+
+
+def kept_groups(
+    families: Sequence[Family], model: KeyedLayers, flat: torch.Tensor, same_width: bool
+) -> list[list[int]]:
+    """The groups each family keeps (sorted): those with a non-zero element; with
+    ``same_width``, as many in every family of a kind as its widest keeps (lowest-index zero
+    groups added)."""
+    kept = [
+        torch.nonzero((flat[flat_index(f, model)] != 0).any(dim=1)).flatten().tolist()
+        for f in families
+    ]
+    if not same_width:
+        return kept
+    width: dict[str, int] = defaultdict(int)
+    for f, k in zip(families, kept, strict=True):
+        width[f.kind] = max(width[f.kind], len(k))
+    out = []
+    for f, k in zip(families, kept, strict=True):
+        pad = [j for j in range(f.count) if j not in set(k)][: width[f.kind] - len(k)]
+        out.append(sorted(k + pad))
+    return out
+
+
+def shrink(model: KeyedLayers, families: Sequence[Family], kept: Sequence[Sequence[int]]) -> None:
+    """Slice ``model``'s parameters in place: the blocks of every dropped group (its members
+    and its consumers) removed."""
+    removed: dict[tuple[ParamRef, int], set[int]] = defaultdict(set)
+    for f, k in zip(families, kept, strict=True):
+        dropped = sorted(set(range(f.count)) - set(k))
+        for m in (*f.members, *f.consumers):
+            for j in dropped:
+                start = m.start + j * m.size
+                removed[(m.param, m.axis)].update(range(start, start + m.size))
+    for (ref, axis), gone in sorted(removed.items(), key=lambda item: (item[0][0], item[0][1])):
+        layer, name = ref
+        owner, _, leaf = name.rpartition(".")
+        module = model.layers[layer].get_submodule(owner) if owner else model.layers[layer]
+        p = getattr(module, leaf)
+        keep = torch.tensor([i for i in range(p.shape[axis]) if i not in gone], dtype=torch.long)
+        setattr(module, leaf, nn.Parameter(p.detach().index_select(axis, keep).clone()))
+        _resized(module)
+
+
+def _resized(module: nn.Module) -> None:
+    """The size attributes a projection's forward reads, from its (sliced) weight."""
+    weight = getattr(module, "weight", None)
+    if isinstance(module, nn.Linear) and weight is not None:
+        module.out_features, module.in_features = weight.shape
+    elif hasattr(module, "nf") and weight is not None:  # transformers' Conv1D (gpt2)
+        module.nf = weight.shape[1]
+
+
+def hf_config(config: Any, families: Sequence[Family], kept: Sequence[Sequence[int]]) -> Any:
+    """A copy of an HF ``config`` with the widths of ``kept`` (one per kind: ``kept`` comes
+    from :func:`kept_groups` with ``same_width``)."""
+    width = {f.kind: len(k) for f, k in zip(families, kept, strict=True)}
+    out = copy.deepcopy(config)
+    kind = config.model_type
+    if "attention" in width and kind in LLAMA_LIKE:
+        heads = config.num_attention_heads
+        kv = getattr(config, "num_key_value_heads", None) or heads
+        out.head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        out.num_key_value_heads = width["attention"]
+        out.num_attention_heads = width["attention"] * (heads // kv)
+    if "mlp" in width:
+        if kind == "gpt2":
+            out.n_inner = width["mlp"]
+        else:
+            out.intermediate_size = width["mlp"]
+    return out

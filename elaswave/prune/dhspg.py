@@ -1,0 +1,148 @@
+"""DHSPG (Dual Half-Space Projected Gradient, OTOv2) as pure functions over group matrices.
+
+ElasWave's own AdamW / SGD update runs first, as without pruning; DHSPG then adjusts the
+parameters of the zero-invariant groups from three things per group: ``x`` (the group before the
+update), ``h`` (after it) and the step's learning rate. The descent direction is
+``d = (x - h) / lr``. Every decision is a function of these numbers alone, taken on the whole
+model's parameters in a fixed order, so every rank takes the same ones whatever the world size.
+
+Where this differs from OTOv2's reference code (``only_train_once/optimizer/dhspg.py``):
+
+- the direction is that of ElasWave's update, weight decay included (OTOv2 recomputes its own
+  Adam direction, with first moments that start at the first gradient, not at zero);
+- norms and inner products are taken in float64;
+- when a half-space projection would zero more groups than ``target + tolerance`` allows, the
+  groups projected are those that cross the half-space furthest (smallest ``<h, x> / |x|^2``,
+  then the lower index), not a random subset: the choice must be the same on every rank and in
+  a redone step;
+- with ``uniform``, each family picks its own share of redundant groups (the same number in
+  every layer), so that a compressed model has one width per kind.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["Hyper", "Stats", "apply", "decide", "group_stats", "lambdas", "partition"]
+
+SAFE = 1e-8  # OTOv2's safe guard in x / |x|
+
+
+@dataclass(frozen=True)
+class Hyper:
+    target: float
+    tolerance: float
+    epsilon: float
+    lmbda: float
+    lmbda_amplify: float
+    hat_lmbda_coeff: float
+
+    @property
+    def upper(self) -> float:
+        return min(self.target + self.tolerance, 0.999)
+
+
+@dataclass
+class Stats:
+    """Per-group float64 numbers of one step: ``|x|``, ``<x, d>``, ``|d|``, ``<h, x>``."""
+
+    xn: torch.Tensor
+    xd: torch.Tensor
+    dn: torch.Tensor
+    hx: torch.Tensor
+
+    @property
+    def zero(self) -> torch.Tensor:
+        return self.xn == 0
+
+
+def group_stats(x: torch.Tensor, h: torch.Tensor, lr: float) -> Stats:
+    """The statistics of groups ``x`` (before the update) and ``h`` (after), each ``(G, S)``."""
+    x64, h64 = x.double(), h.double()
+    d = (x64 - h64) / lr
+    return Stats(
+        xn=torch.linalg.vector_norm(x64, dim=1),
+        xd=(x64 * d).sum(dim=1),
+        dn=torch.linalg.vector_norm(d, dim=1),
+        hx=(h64 * x64).sum(dim=1),
+    )
+
+
+def partition(
+    stats: Stats, sizes: torch.Tensor, upper: float, buckets: Sequence[int] | None = None
+) -> torch.Tensor:
+    """The redundant groups (bool): OTOv2's score, half the cosine of ``-x`` and ``-d`` and half
+    the inverse of the mean magnitude ``|x| / size``, each normalised over all groups; the
+    ``upper`` share with the highest scores (ties: the lower index), over all groups, or in
+    each bucket of consecutive groups (``buckets``: their sizes) when given."""
+    cos = stats.xd / (stats.xn * stats.dn).clamp_min(SAFE)
+    inv = 1.0 / (stats.xn / sizes + 1e-6)
+    score = 0.5 * cos / cos.norm().clamp_min(SAFE) + 0.5 * inv / inv.norm().clamp_min(SAFE)
+    out = torch.zeros(score.numel(), dtype=torch.bool, device=score.device)
+    start = 0
+    for n in buckets or [score.numel()]:
+        k = int(n * upper)
+        order = torch.sort(-score[start : start + n], stable=True).indices
+        out[start + order[:k]] = True
+        start += n
+    return out
+
+
+def lambdas(stats: Stats, redundant: torch.Tensor, hp: Hyper) -> torch.Tensor:
+    """Each group's penalty: ``lmbda``, raised for a redundant group whose descent direction
+    points away from zero (``<x, d> < 0``) so that the step still shrinks it, within OTOv2's
+    bounds."""
+    lam = torch.full_like(stats.xn, hp.lmbda)
+    adjust = redundant & (stats.xd < 0) & (stats.xn > 0)
+    if adjust.any():
+        xn, xd, dn = stats.xn[adjust], stats.xd[adjust], stats.dn[adjust]
+        lower = -xd / xn
+        upper = -(dn * dn * xn / xd)
+        value = (hp.lmbda_amplify * lower).clamp(hp.lmbda, hp.lmbda * hp.hat_lmbda_coeff)
+        over = value >= upper
+        value[over] = (upper[over] + lower[over]) / 2.0
+        lam[adjust] = value
+    return lam
+
+
+def decide(
+    stats: Stats,
+    redundant: torch.Tensor,
+    zero_before: int,
+    lr: float,
+    hp: Hyper,
+    project: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One step's decisions for all ``N`` groups: (the pull of each group, float64: a
+    redundant group ``g`` becomes ``h_g - pull_g * x_g``, that is ``lr * lambda / |x|``, 0 for the
+    others; which groups are projected onto zero). With ``project``, the pulled groups that
+    the step carries across the half-space ``<h, x> < epsilon |x|^2``, at most as many as keep
+    the sparsity within ``upper`` (``zero_before`` groups are zero now)."""
+    pull = redundant & (stats.xn > 0)
+    lam = lambdas(stats, redundant, hp)
+    scale = torch.where(pull, lr * lam / (stats.xn + SAFE), torch.zeros_like(lam))
+    projected = torch.zeros_like(pull)
+    if not project:
+        return scale, projected
+    hx = stats.hx - scale * stats.xn**2  # <h - pull x, x>: what the half-space test reads
+    candidates = torch.nonzero(pull & (hx < hp.epsilon * stats.xn**2)).flatten()
+    room = max(0, math.floor(stats.xn.numel() * hp.upper) - zero_before)
+    if candidates.numel() > room:  # those that cross furthest
+        ratio = hx[candidates] / stats.xn[candidates] ** 2
+        candidates = candidates[torch.sort(ratio, stable=True).indices[:room]]
+    projected[candidates] = True
+    return scale, projected
+
+
+def apply(
+    x: torch.Tensor, h: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
+) -> torch.Tensor:
+    """Groups ``h`` (``(G, S)``, one family) after the decisions: pulled by ``scale * x``, the
+    groups in ``zero`` (projected now, or zero before the step: they stay zero) set to 0."""
+    out = h - scale.to(h.dtype).unsqueeze(1) * x
+    out[zero] = 0.0
+    return out

@@ -1,0 +1,102 @@
+"""The zero-invariant groups of the transformer families ElasWave trains: Hugging Face llama /
+qwen2 / mistral (GQA-aware attention heads and MLP channels), gpt2 and gpt_neox (MLP channels),
+and the built-in GPT (attention heads and MLP channels). Pure functions of a config and the
+layers' parameter names; the workloads declare them through
+:meth:`Workload.zero_invariant_groups`.
+
+gpt2 and gpt_neox attention heads are left whole: their configs derive a head's width from the
+hidden size and the head count, so a model with fewer heads could not be written as one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from elaswave.prune.groups import Family, Member
+
+__all__ = ["LLAMA_LIKE", "gpt_families", "hf_families"]
+
+LLAMA_LIKE = ("llama", "qwen2", "mistral", "qwen3")
+
+
+def _params(layer: nn.Module) -> set[str]:
+    return {n for n, p in layer.named_parameters() if p.requires_grad}
+
+
+def _rows_and_bias(index: int, names: set[str], module: str, size: int) -> list[Member]:
+    out = [Member((index, f"{module}.weight"), 0, size)]
+    if f"{module}.bias" in names:
+        out.append(Member((index, f"{module}.bias"), 0, size))
+    return out
+
+
+def hf_families(config: Any, layers: list[tuple[int, nn.Module]]) -> list[Family]:
+    """Families of the decoder blocks ``(layer index, BlockLayer)`` of an HF model of
+    ``config``; none for a family type without rules."""
+    kind = getattr(config, "model_type", "")
+    out: list[Family] = []
+    for index, layer in layers:
+        names = _params(layer)
+        if kind in LLAMA_LIKE:
+            heads = config.num_attention_heads
+            kv = getattr(config, "num_key_value_heads", None) or heads
+            hd = getattr(config, "head_dim", None) or config.hidden_size // heads
+            rep = heads // kv
+            a = "block.self_attn"
+            members = [
+                *_rows_and_bias(index, names, f"{a}.q_proj", rep * hd),
+                *_rows_and_bias(index, names, f"{a}.k_proj", hd),
+                *_rows_and_bias(index, names, f"{a}.v_proj", hd),
+                Member((index, f"{a}.o_proj.weight"), 1, rep * hd),
+            ]
+            out.append(Family(f"layers.{index}.attention", "attention", kv, tuple(members)))
+            m = "block.mlp"
+            members = [
+                *_rows_and_bias(index, names, f"{m}.gate_proj", 1),
+                *_rows_and_bias(index, names, f"{m}.up_proj", 1),
+                Member((index, f"{m}.down_proj.weight"), 1),
+            ]
+            out.append(
+                Family(f"layers.{index}.mlp", "mlp", config.intermediate_size, tuple(members))
+            )
+        elif kind == "gpt2":
+            inner = config.n_inner or 4 * config.n_embd
+            m = "block.mlp"
+            members = [Member((index, f"{m}.c_fc.weight"), 1)]  # Conv1D: (in, out)
+            if f"{m}.c_fc.bias" in names:
+                members.append(Member((index, f"{m}.c_fc.bias"), 0))
+            members.append(Member((index, f"{m}.c_proj.weight"), 0))
+            out.append(Family(f"layers.{index}.mlp", "mlp", inner, tuple(members)))
+        elif kind == "gpt_neox":
+            m = "block.mlp"
+            members = [
+                *_rows_and_bias(index, names, f"{m}.dense_h_to_4h", 1),
+                Member((index, f"{m}.dense_4h_to_h.weight"), 1),
+            ]
+            out.append(
+                Family(f"layers.{index}.mlp", "mlp", config.intermediate_size, tuple(members))
+            )
+    return out
+
+
+def gpt_families(d_model: int, n_head: int, blocks: range) -> list[Family]:
+    """The built-in GPT's blocks: each head (its q, k and v rows of ``qkv``, their biases, its
+    columns of ``proj``) and each MLP channel (``fc`` row and bias, ``fc_out`` column)."""
+    hd = d_model // n_head
+    out = []
+    for i in blocks:
+        members = []
+        for third in range(3):
+            members.append(Member((i, "qkv.weight"), 0, hd, third * d_model))
+            members.append(Member((i, "qkv.bias"), 0, hd, third * d_model))
+        members.append(Member((i, "proj.weight"), 1, hd))
+        out.append(Family(f"layers.{i}.attention", "attention", n_head, tuple(members)))
+        members = [
+            Member((i, "fc.weight"), 0),
+            Member((i, "fc.bias"), 0),
+            Member((i, "fc_out.weight"), 1),
+        ]
+        out.append(Family(f"layers.{i}.mlp", "mlp", 4 * d_model, tuple(members)))
+    return out

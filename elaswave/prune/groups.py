@@ -1,0 +1,178 @@
+"""Zero-invariant groups (OTOv2's ZIGs): slices of a model's parameters that, once all zero, can be
+removed with the model's output unchanged.
+
+A group family is ``count`` groups over one hidden dimension: group ``j`` takes block ``j``
+(``size`` elements along ``axis``, from ``start`` on) of every member parameter. An MLP's channel
+``j`` is row ``j`` of its input projection(s), their bias entry ``j``, and column ``j`` of its
+output projection; an attention head group is a key-value head's rows of ``k``/``v``, the rows
+of the query heads that share it, and their columns of the output projection. The residual
+stream, embeddings and anything tied to them are never in a group.
+
+Families come from the workload (:meth:`Workload.zero_invariant_groups`: Hugging Face llama /
+qwen2 / mistral / gpt2 / gpt_neox and the built-in GPT declare theirs), or, for any other
+model, from tracing it with ``torch.fx``: a ``Linear`` whose output reaches exactly one other
+``Linear`` through element-wise modules only (activations, dropout) makes a family over its
+output features.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+
+from elaswave.errors import ConfigError
+from elaswave.runtime.workload.base import KeyedLayers, ParamRef, Workload
+
+__all__ = ["Family", "Member", "NoGroups", "find_groups", "flat_index", "traced_families"]
+
+
+class NoGroups(ConfigError):
+    """The model has no zero-invariant group to prune."""
+
+
+@dataclass(frozen=True)
+class Member:
+    """Block ``j`` of parameter ``param``: elements ``[start + j*size, start + (j+1)*size)``
+    along ``axis``."""
+
+    param: ParamRef
+    axis: int
+    size: int = 1
+    start: int = 0
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str  # e.g. layers.3.mlp
+    kind: str  # groups of one kind share a width in a compressed model (attention | mlp | ...)
+    count: int
+    members: tuple[Member, ...]
+    # Blocks removed with a zero group but not part of it: the next layer's inputs from a
+    # channel that is zero whenever its group is (a zero-preserving activation between).
+    consumers: tuple[Member, ...] = ()
+
+
+def find_groups(
+    workload: Workload, model: KeyedLayers, ties: Sequence[ParamRef] = ()
+) -> list[Family]:
+    """The model's families (declared by the workload, else traced), checked: every member's
+    blocks fit its parameter, no element is in two groups, no tied parameter is in any."""
+    declared = workload.zero_invariant_groups(model)
+    families = list(declared) if declared is not None else traced_families(model)
+    families = [f for f in families if f.count > 1]
+    if not families:
+        raise NoGroups(
+            f"train.prune: {type(workload).__name__} has no zero-invariant groups (no Linear "
+            "feeding another through element-wise layers; declare them with "
+            "Workload.zero_invariant_groups)"
+        )
+    tied = set(ties)
+    shapes = {
+        (i, n): p.shape for i, layer in enumerate(model.layers) for n, p in layer.named_parameters()
+    }
+    for f in families:
+        for m in (*f.members, *f.consumers):
+            if m.param in tied:
+                raise NoGroups(f"train.prune: {f.name} includes the tied parameter {m.param}")
+            shape = shapes.get(m.param)
+            if shape is None:
+                raise ConfigError(f"train.prune: {f.name} names no parameter {m.param}")
+            if m.start + f.count * m.size > shape[m.axis]:
+                raise ConfigError(
+                    f"train.prune: {f.name}: {f.count} blocks of {m.size} from {m.start} do not "
+                    f"fit axis {m.axis} of {m.param} {tuple(shape)}"
+                )
+    index = torch.cat([flat_index(f, model).reshape(-1) for f in families])
+    if index.unique().numel() != index.numel():
+        raise ConfigError("train.prune: the model's groups overlap (an element in two groups)")
+    return families
+
+
+def flat_index(family: Family, model: KeyedLayers) -> torch.Tensor:
+    """``(count, group size)`` int64: the flat offsets (in the whole model's flat layout) of
+    each group's elements, member by member."""
+    parts = []
+    for m in family.members:
+        sl = model.param_slice(m.param)
+        shape = dict(model.layers[m.param[0]].named_parameters())[m.param[1]].shape
+        ids = torch.arange(sl.start, sl.stop, dtype=torch.int64).view(shape)
+        ids = ids.narrow(m.axis, m.start, family.count * m.size).movedim(m.axis, 0)
+        parts.append(ids.reshape(family.count, -1))
+    return torch.cat(parts, dim=1)
+
+
+# -- tracing -----------------------------------------------------------------------------------
+
+# Element-wise and zero-preserving (f(0) = 0): a channel whose Linear row and bias are zero
+# stays zero through them, so the next Linear's column for it multiplies zero.
+_ELEMENTWISE_MODULES = (
+    nn.GELU, nn.ReLU, nn.SiLU, nn.Tanh, nn.Dropout, nn.Identity, nn.LeakyReLU, nn.ELU, nn.Mish,
+    nn.Hardswish, nn.ReLU6,
+)  # fmt: skip
+_ELEMENTWISE_FUNCTIONS = {
+    F.gelu, F.relu, F.silu, F.dropout, F.leaky_relu, F.elu, F.mish, torch.relu, torch.tanh,
+    F.tanh,
+}  # fmt: skip
+
+
+def traced_families(model: KeyedLayers) -> list[Family]:
+    """Families found by tracing the layers in sequence (``torch.fx``): each ``Linear`` whose
+    every use reaches one other ``Linear``'s input through element-wise, zero-preserving
+    operations only; a group is a row of the first and its bias, the second's column is
+    removed with it. A model that does not trace has none."""
+    try:
+        graph = fx.symbolic_trace(nn.Sequential(*model.layers)).graph
+    except Exception:  # noqa: BLE001 (any model code may refuse to trace)
+        return []
+    modules = dict(nn.Sequential(*model.layers).named_modules())
+    out = []
+    for node in graph.nodes:
+        if node.op != "call_module" or not isinstance(modules[node.target], nn.Linear):
+            continue
+        target = _sole_linear_user(node, modules)
+        if target is None:
+            continue
+        a, b = _ref(node.target), _ref(target.target)
+        members = [Member(_param(a, "weight"), 0)]
+        if modules[node.target].bias is not None:
+            members.append(Member(_param(a, "bias"), 0))
+        consumers = (Member(_param(b, "weight"), 1),)
+        features = modules[node.target].out_features
+        out.append(Family(f"layers.{node.target}", "channels", features, tuple(members), consumers))
+    return out
+
+
+def _ref(qualified: str) -> tuple[int, str]:
+    """(layer index, module path inside the layer) of a traced module's qualified name."""
+    layer, _, rest = qualified.partition(".")
+    return int(layer), rest
+
+
+def _param(module: tuple[int, str], leaf: str) -> ParamRef:
+    layer, path = module
+    return layer, f"{path}.{leaf}" if path else leaf
+
+
+def _sole_linear_user(node: fx.Node, modules: dict[str, nn.Module]) -> fx.Node | None:
+    """The one ``Linear`` that ``node``'s output reaches through element-wise operations, or
+    None when it reaches anything else (or more than one)."""
+    found: list[fx.Node] = []
+    frontier = list(node.users)
+    while frontier:
+        user = frontier.pop()
+        mod = modules.get(user.target) if user.op == "call_module" else None
+        if isinstance(mod, nn.Linear):
+            found.append(user)
+        elif isinstance(mod, _ELEMENTWISE_MODULES) or (
+            user.op == "call_function" and user.target in _ELEMENTWISE_FUNCTIONS
+        ):
+            if sum(isinstance(a, fx.Node) for a in (*user.args, *user.kwargs.values())) != 1:
+                return None
+            frontier.extend(user.users)
+        else:
+            return None
+    return found[0] if len(found) == 1 else None

@@ -1,0 +1,152 @@
+"""Structured pruning (``train.prune``, DHSPG) in a real elastic job: a worker SIGKILLed while
+groups are being driven to zero changes nothing (float64 mode: the same losses, sparsity and
+final state as the fault-free pruned run, and a byte-identical compressed export); the
+compressed Hugging Face model loads with ``from_pretrained`` and gives the sparse model's
+outputs; bad input is one line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import ROOT, Run, assert_clean_run, assert_no_orphans, cli, elaswave_cmd
+
+pytestmark = pytest.mark.e2e
+
+STEPS = 40
+TARGET, TOLERANCE = 0.3, 0.05
+MLP = {
+    "model": {
+        "source": "module",
+        "factory": "examples.mlp_classifier:mlp_classifier",
+        "args": {"features": 16, "hidden": 32, "depth": 2, "classes": 4, "dropout": 0.1},
+    },
+    "train": {
+        "steps": STEPS, "global_batch": 32, "micro_batch_size": 4, "lr": 0.01,
+        "reduce_dtype": "float64", "device_time": 0.01,  # the respawned worker joins mid-run
+        "prune": {"target_sparsity": TARGET, "tolerance": TOLERANCE, "start_step": 6,
+                  "epsilon": 0.95},
+    },
+    "elastic": {"nproc_per_node": 3, "nnodes": "1:1", "max_restarts": 1},
+}  # fmt: skip
+
+
+def _launch(base: Path, env: dict[str, str], doc: dict, *args: str) -> Run:
+    base.mkdir(parents=True, exist_ok=True)
+    config = base / "job.yaml"
+    config.write_text(yaml.safe_dump(doc))
+    cmd = elaswave_cmd("launch", str(config), "--run-dir", str(base / "run"), "--quiet", *args)
+    r = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return Run(base / "run")
+
+
+def _sparsity(run: Run) -> dict[int, float | None]:
+    return {r["step"]: r["sparsity"] for r in run.metrics}
+
+
+def _export(run: Run, out: Path, env: dict[str, str], *extra: str) -> None:
+    r = cli("export", "--run-dir", str(run.dir), "--out", str(out), *extra, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr
+
+
+@pytest.fixture(scope="module")
+def pruned(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    import os
+
+    base = tmp_path_factory.mktemp("prune-ref")
+    env = {**os.environ, "ELASWAVE_STATE_DIR": str(base / "state")}
+    return _launch(base, env, MLP, "--job-id", "prune-ref")
+
+
+def test_pruning_reaches_its_target_and_zero_groups_stay_zero(pruned: Run) -> None:
+    sparsity = _sparsity(pruned)
+    assert all(sparsity[s] is None for s in range(1, 6))  # before pruning: as without it
+    curve = [sparsity[s] for s in range(6, STEPS + 1)]
+    assert curve == sorted(curve)  # a group once zero stays zero
+    assert TARGET <= curve[-1] <= TARGET + TOLERANCE, curve
+
+
+def test_a_kill_while_pruning_changes_nothing(tmp_path: Path, state_env: dict, pruned: Run) -> None:
+    """Rank 1 SIGKILLed at step 9, pruning under way; it is respawned and receives the
+    redundant set from a peer: the same bits as the fault-free pruned run."""
+    run = _launch(tmp_path, state_env, MLP, "--job-id", "prune-kill",
+                  "--fault", "kill,rank=1,at_step=9")  # fmt: skip
+    assert [e["exit_code"] for e in run.of("worker_exit")] == [-9]
+    assert [p["world"] for p in run.of("plan_published")] == [3, 2, 3]
+    rejoined = [e for e in run.of("state_synced") if e["epoch"] == 3]
+    assert [e["prune_partition_step"] for e in rejoined] == [6, 6, 6]  # the newcomer's too
+    assert_clean_run(run, STEPS, pruned)
+    assert run.losses == pruned.losses
+    assert _sparsity(run) == _sparsity(pruned)
+    for key in ("params_sha256", "state_sha256"):
+        assert {f[key] for f in run.of("final_state")} == {f[key] for f in pruned.of("final_state")}
+    _export(run, tmp_path / "a.safetensors", state_env, "--compress")
+    _export(pruned, tmp_path / "b.safetensors", state_env, "--compress")
+    assert (tmp_path / "a.safetensors").read_bytes() == (tmp_path / "b.safetensors").read_bytes()
+    shapes = json.loads((tmp_path / "a.safetensors.shapes.json").read_text())
+    assert shapes["layers.0.0.weight"][0] < 32  # hidden channels removed
+    assert_no_orphans(run)
+
+
+def test_a_compressed_llama_loads_and_matches_the_sparse_one(
+    tmp_path: Path, state_env: dict
+) -> None:
+    import torch
+    import transformers
+
+    doc = {
+        "model": {
+            "source": "hf", "seq_len": 16,
+            "hf": {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64,
+                   "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                   "vocab_size": 128},
+        },
+        "train": {
+            "steps": 20, "global_batch": 8, "micro_batch_size": 2, "lr": 0.01,
+            "prune": {"target_sparsity": 0.5, "start_step": 5, "epsilon": 0.95,
+                      "uniform": True},
+        },
+        "elastic": {"nproc_per_node": 2, "nnodes": "1:1", "max_restarts": 0},
+    }  # fmt: skip
+    run = _launch(tmp_path, state_env, doc, "--job-id", "prune-llama")
+    _export(run, tmp_path / "full", state_env)
+    _export(run, tmp_path / "small", state_env, "--compress")
+    full = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "full"))
+    small = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "small"))
+    assert small.config.intermediate_size < 64
+    assert small.num_parameters() < full.num_parameters()
+    ids = torch.randint(0, 128, (3, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(small(ids).logits, full(ids).logits, rtol=0, atol=1e-5)
+
+
+def test_compress_on_a_run_without_pruning_is_one_line(tmp_path: Path, state_env: dict) -> None:
+    doc = {**MLP, "train": {k: v for k, v in MLP["train"].items() if k != "prune"}}
+    doc["train"]["steps"] = 2
+    doc["elastic"] = {**MLP["elastic"], "nproc_per_node": 1}
+    run = _launch(tmp_path, state_env, doc, "--job-id", "no-prune")
+    r = cli("export", "--run-dir", str(run.dir), "--out", str(tmp_path / "x"), "--compress",
+            env=state_env)  # fmt: skip
+    assert r.returncode != 0
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "was not pruned" in lines[0], r.stderr
+    assert not (tmp_path / "x").exists()
+
+
+def test_a_model_with_no_groups_is_refused_before_any_worker_starts(
+    tmp_path: Path, state_env: dict
+) -> None:
+    doc = {**MLP, "model": {"source": "module", "factory": "tests.unit.test_prune:one_linear"}}
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(doc))
+    r = cli("launch", str(tmp_path / "job.yaml"), "--run-dir", str(tmp_path / "run"),
+            env=state_env, timeout=60)  # fmt: skip
+    assert r.returncode != 0
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "no zero-invariant groups" in lines[0], r.stderr
+    run = Run(tmp_path / "run")
+    assert not run.of("worker_spawned")
+    assert_no_orphans(run)

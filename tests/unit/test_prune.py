@@ -1,0 +1,211 @@
+"""Structured pruning's pure parts: the config, the zero-invariant groups of each model family
+(zeroing a group and removing it gives the same outputs), and DHSPG's decisions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from elaswave.config import JobConfig
+from elaswave.errors import ConfigError
+from elaswave.prune import dhspg
+from elaswave.prune.compress import kept_groups, shrink
+from elaswave.prune.groups import NoGroups, find_groups, flat_index
+from elaswave.runtime.optim import FlatParams
+from elaswave.runtime.workload.base import KeyedLayers, build_layers
+from elaswave.runtime.workload.load import load_workload
+
+LLAMA = {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "vocab_size": 64}  # fmt: skip
+MODELS = {
+    "mlp": {"source": "module", "factory": "examples.mlp_classifier:mlp_classifier",
+            "args": {"hidden": 16, "dropout": 0.0}},
+    "gpt": {"source": "gpt", "n_layer": 2, "d_model": 32, "n_head": 4, "vocab_size": 64,
+            "seq_len": 8},
+    "llama-gqa": {"source": "hf", "seq_len": 8,
+                  "hf": {"model_type": "llama", **LLAMA, "num_key_value_heads": 2}},
+    "qwen2-gqa": {"source": "hf", "seq_len": 8,
+                  "hf": {"model_type": "qwen2", **LLAMA, "num_key_value_heads": 2}},
+    "gpt2": {"source": "hf", "seq_len": 8,
+             "hf": {"model_type": "gpt2", "n_embd": 32, "n_layer": 2, "n_head": 4,
+                    "vocab_size": 64, "n_positions": 16, "bos_token_id": 0, "eos_token_id": 0}},
+    "gpt_neox": {"source": "hf", "seq_len": 8,
+                 "hf": {"model_type": "gpt_neox", "hidden_size": 32, "intermediate_size": 48,
+                        "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 64}},
+}  # fmt: skip
+
+
+def _model(name: str) -> tuple[object, KeyedLayers]:
+    cfg = JobConfig.from_dict({"model": MODELS[name]})
+    workload = load_workload(cfg)
+    return workload, build_layers(workload, 7)
+
+
+@pytest.mark.parametrize(
+    ("prune", "message"),
+    [
+        ({"method": "magnitude"}, "train.prune.method"),
+        ({"target_sparsity": 0.0}, "target_sparsity"),
+        ({"target_sparsity": 1.0}, "target_sparsity"),
+        ({"target_sparsity": 0.9, "tolerance": 0.2}, "tolerance"),
+        ({"start_step": 0}, "start_step"),
+        ({"start_step": 5, "partition_step": 6}, "partition_step"),
+        ({"lmbda": -1.0}, "lmbda"),
+    ],
+)
+def test_bad_prune_settings_are_one_line_errors(prune: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        JobConfig.from_dict({"train": {"prune": prune}})
+
+
+@pytest.mark.parametrize("other", [{"zero": 1}, {"zero": 3}, {"pp": 2}])
+def test_pruning_runs_with_replicated_data_parallelism_only_for_now(other: dict) -> None:
+    with pytest.raises(ConfigError, match="train.prune runs with replicated"):
+        JobConfig.from_dict({**other, "train": {"prune": {}}})
+
+
+def test_unset_hyper_parameters_take_the_reference_defaults_of_the_optimizer() -> None:
+    p = JobConfig.from_dict({"train": {"prune": {"lmbda": 0.5}}}).train.prune
+    assert p is not None
+    assert (p.resolved("adamw").lmbda, p.resolved("adamw").lmbda_amplify) == (0.5, 20.0)
+    assert p.resolved("sgd").hat_lmbda_coeff == 10.0
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        ("mlp", [("channels", 16)] * 3),
+        ("gpt", [("attention", 4), ("mlp", 128)] * 2),
+        ("llama-gqa", [("attention", 2), ("mlp", 48)] * 2),  # one group per key-value head
+        ("qwen2-gqa", [("attention", 2), ("mlp", 48)] * 2),
+        ("gpt2", [("mlp", 128)] * 2),
+        ("gpt_neox", [("mlp", 48)] * 2),
+    ],
+)
+def test_each_family_finds_its_groups(name: str, expected: list) -> None:
+    workload, model = _model(name)
+    families = find_groups(workload, model)
+    assert [(f.kind, f.count) for f in families] == expected
+    index = torch.cat([flat_index(f, model).reshape(-1) for f in families])
+    assert index.unique().numel() == index.numel()  # no element in two groups
+    embeddings = {
+        i for i, layer in enumerate(model.layers)
+        if any(isinstance(m, nn.Embedding) for m in layer.modules())
+    }  # fmt: skip
+    assert not {m.param[0] for f in families for m in f.members} & embeddings
+
+
+def _outputs(workload: object, model: KeyedLayers, name: str) -> torch.Tensor:
+    torch.manual_seed(0)
+    if name == "mlp":
+        x = torch.randn(5, 16)
+    else:
+        x = torch.randint(0, 64, (3, 8))
+    with torch.no_grad():
+        return model.eval()(x, step=1, microbatch=0)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_zeroed_groups_removed_leave_the_outputs_unchanged(name: str) -> None:
+    """Every other group of each family zeroed (the sparse model), then removed (the compact
+    one): the same outputs within 1e-5, and fewer parameters."""
+    workload, model = _model(name)
+    families = find_groups(workload, model)
+    flat = FlatParams(model)
+    with torch.no_grad():
+        for f in families:
+            flat.data[flat_index(f, model)[1::2]] = 0.0
+    sparse = _outputs(workload, model, name)
+    before = sum(p.numel() for p in model.parameters())
+    kept = kept_groups(families, model, flat.data, same_width=True)
+    assert [len(k) for k in kept] == [f.count - f.count // 2 for f in families]
+    shrink(model, families, kept)
+    assert sum(p.numel() for p in model.parameters()) < before
+    if name == "gpt":  # its blocks take head and MLP widths from the config: shapes only
+        return
+    torch.testing.assert_close(_outputs(workload, model, name), sparse, rtol=0, atol=1e-5)
+
+
+def test_a_model_with_nothing_to_group_is_refused() -> None:
+    cfg = JobConfig.from_dict(
+        {"model": {"source": "module", "factory": "tests.unit.test_prune:one_linear"}}
+    )
+    workload = load_workload(cfg)
+    with pytest.raises(NoGroups, match="no zero-invariant groups"):
+        find_groups(workload, build_layers(workload, 1))
+
+
+def one_linear() -> object:
+    from examples.mlp_classifier import MLPClassifier
+
+    class One(MLPClassifier):
+        @property
+        def num_layers(self) -> int:
+            return 1
+
+        def build_layer(self, index: int, seed: int) -> nn.Module:
+            return nn.Sequential(nn.Linear(16, 4), nn.Sigmoid())
+
+    return One(features=16, hidden=8, depth=0, classes=4, dropout=0.0, num_samples=64)
+
+
+# -- DHSPG's decisions ---------------------------------------------------------------------------
+
+HP = dhspg.Hyper(target=0.5, tolerance=0.1, epsilon=0.0, lmbda=0.1, lmbda_amplify=2.0,
+                 hat_lmbda_coeff=100.0)  # fmt: skip
+
+
+def _stats(xn: list[float], xd: list[float], dn: list[float], hx: list[float]) -> dhspg.Stats:
+    t = lambda v: torch.tensor(v, dtype=torch.float64)  # noqa: E731
+    return dhspg.Stats(t(xn), t(xd), t(dn), t(hx))
+
+
+def test_the_partition_takes_the_smallest_groups_moving_towards_zero() -> None:
+    # four groups of size 1: small norms and a direction towards zero score highest
+    stats = _stats(xn=[1.0, 0.1, 2.0, 0.2], xd=[-1.0, 0.1, -2.0, 0.2], dn=[1, 1, 1, 1],
+                   hx=[0, 0, 0, 0])  # fmt: skip
+    sizes = torch.ones(4, dtype=torch.float64)
+    assert dhspg.partition(stats, sizes, 0.5).tolist() == [False, True, False, True]
+    # per bucket (uniform): each of two families of two picks its own one
+    assert dhspg.partition(stats, sizes, 0.5, [2, 2]).tolist() == [False, True, False, True]
+    assert dhspg.partition(stats, sizes, 0.5, [1, 3]).tolist() == [False, True, False, False]
+
+
+@pytest.mark.parametrize(
+    ("xd", "expected"),
+    [
+        (0.5, 0.1),  # direction already towards zero: the base lambda
+        (-0.01, 0.1),  # away, weakly: amplify * lower = 0.02, raised to lmbda
+        (-0.3, 0.6),  # amplify * lower = 0.6, within [lmbda, lmbda * hat] and below upper
+        (-0.9, (0.9 + 1.0 / 0.9) / 2),  # 1.8 reaches upper (|d|^2 |x| / -xd): the midpoint
+        (-9.0, 10.0),  # |d| = 100: 18 capped at lmbda * hat
+    ],
+)
+def test_lambda_rises_for_groups_the_step_pushes_away_from_zero(xd: float, expected: float) -> None:
+    stats = _stats(xn=[1.0], xd=[xd], dn=[1.0 if xd > -1 else 100.0], hx=[0.0])
+    lam = dhspg.lambdas(stats, torch.tensor([True]), HP)
+    assert lam.item() == pytest.approx(expected)
+    assert dhspg.lambdas(stats, torch.tensor([False]), HP).item() == pytest.approx(0.1)
+
+
+def test_projection_stops_at_the_upper_sparsity_and_takes_the_furthest_crossing() -> None:
+    # 10 groups, 4 already zero, upper = 0.6: room for 2 more; 3 candidates cross the origin
+    xn = [1.0] * 6 + [0.0] * 4
+    hx = [-0.5, -0.1, -0.9, 0.5, 0.5, 0.5] + [0.0] * 4
+    stats = _stats(xn=xn, xd=[0.0] * 10, dn=[1.0] * 10, hx=hx)
+    red = torch.tensor([True] * 4 + [False] * 6)
+    _, projected = dhspg.decide(stats, red, zero_before=4, lr=1e-9, hp=HP, project=True)
+    assert torch.nonzero(projected).flatten().tolist() == [0, 2]
+    _, none = dhspg.decide(stats, red, zero_before=4, lr=1e-9, hp=HP, project=False)
+    assert not none.any()
+
+
+def test_applying_leaves_important_groups_bit_identical_and_zero_groups_zero() -> None:
+    x = torch.randn(3, 5)
+    h = torch.randn(3, 5)
+    scale = torch.tensor([0.0, 0.5, 0.0], dtype=torch.float64)
+    out = dhspg.apply(x, h, scale, torch.tensor([False, False, True]))
+    assert torch.equal(out[0], h[0])
+    assert torch.equal(out[1], h[1] - 0.5 * x[1])
+    assert not out[2].any()
