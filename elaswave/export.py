@@ -87,7 +87,8 @@ def export_model(
     state = load(path, flat.numel)
     flat.data.copy_(state.params)
     out.parent.mkdir(parents=True, exist_ok=True)
-    sizes = compressed(workload, model, flat.data) if compress else None
+    kinds = cfg.train.prune.kinds if cfg.train.prune is not None else []
+    sizes = compressed(workload, model, flat.data, kinds) if compress else None
     workload.export(model, out)
     if sizes is not None and not out.is_dir():  # the new shapes, beside the safetensors file
         shapes = {n: list(p.shape) for n, p in model.named_parameters()}
@@ -95,7 +96,7 @@ def export_model(
     return Exported(state.step, state.loss, path, out, sizes)
 
 
-def compressed(workload: Any, model: Any, flat: Any) -> tuple[int, int]:
+def compressed(workload: Any, model: Any, flat: Any, kinds: list[str]) -> tuple[int, int]:
     """Shrink ``model`` (holding ``flat``, a pruned run's parameters) to its non-zero groups;
     a Hugging Face workload's config takes the new widths (one per kind in every layer, so
     that ``from_pretrained`` loads it). Returns the parameter counts before and after."""
@@ -103,7 +104,8 @@ def compressed(workload: Any, model: Any, flat: Any) -> tuple[int, int]:
     from elaswave.prune.groups import find_groups
 
     before = sum(p.numel() for p in model.parameters())
-    families = find_groups(workload, model, [ref for pair in workload.tied() for ref in pair])
+    ties = [ref for pair in workload.tied() for ref in pair]
+    families = find_groups(workload, model, ties, kinds)
     hf = getattr(workload, "config", None) is not None and hasattr(workload, "hf_names")
     kept = kept_groups(families, model, flat, same_width=hf)
     shrink(model, families, kept)

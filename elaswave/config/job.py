@@ -100,10 +100,10 @@ class JobConfig:
                 "the data-parallel ranks only (use zero: 1 inside pipeline stages)"
             )
         self._check_pipeline()
-        if self.train.prune is not None and (self.zero or self.pp > 1):
+        if self.train.prune is not None and (self.zero == 3 or self.pp > 1):
             raise ConfigError(
-                "train.prune runs with replicated data parallelism for now (zero: 0, pp: 1), "
-                f"got zero: {self.zero}, pp: {self.pp}"
+                "train.prune runs with data parallelism, replicated or ZeRO-1, for now "
+                f"(pp: 1, zero: 0 or 1), got zero: {self.zero}, pp: {self.pp}"
             )
         if self.train.eval_every and not self.data.eval_samples:
             raise ConfigError("train.eval_every needs held-out samples: set data.eval_samples")

@@ -7,7 +7,7 @@ trains with (its Adam defaults for AdamW, its SGD defaults for SGD): :meth:`Prun
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from elaswave.errors import ConfigError
 
@@ -39,6 +39,9 @@ class PruneConfig:
     # Pick the same number of redundant groups in every layer's family of a kind, so that the
     # compressed model has one width per kind (what a standard HF config can express).
     uniform: bool = False
+    # Only groups of these kinds (attention, mlp: declared by the transformer families;
+    # channels: traced); empty: every group the model has.
+    kinds: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:

@@ -57,16 +57,21 @@ class Family:
 
 
 def find_groups(
-    workload: Workload, model: KeyedLayers, ties: Sequence[ParamRef] = ()
+    workload: Workload,
+    model: KeyedLayers,
+    ties: Sequence[ParamRef] = (),
+    kinds: Sequence[str] = (),
 ) -> list[Family]:
-    """The model's families (declared by the workload, else traced), checked: every member's
-    blocks fit its parameter, no element is in two groups, no tied parameter is in any."""
+    """The model's families (declared by the workload, else traced; only ``kinds`` when
+    given), checked: every member's blocks fit its parameter, no element is in two groups, no
+    tied parameter is in any."""
     declared = workload.zero_invariant_groups(model)
     families = list(declared) if declared is not None else traced_families(model)
-    families = [f for f in families if f.count > 1]
+    families = [f for f in families if f.count > 1 and (not kinds or f.kind in kinds)]
     if not families:
+        only = f" of kinds {', '.join(kinds)}" if kinds else ""
         raise NoGroups(
-            f"train.prune: {type(workload).__name__} has no zero-invariant groups (no Linear "
+            f"train.prune: {type(workload).__name__} has no zero-invariant groups{only} (no Linear "
             "feeding another through element-wise layers; declare them with "
             "Workload.zero_invariant_groups)"
         )

@@ -46,7 +46,7 @@ class Pruner:
             return None
         p = p.resolved(cfg.train.optimizer)
         refs = [ref for pair in workload.tied() for ref in pair]
-        families = find_groups(workload, model, refs)
+        families = find_groups(workload, model, refs, p.kinds)
         assert p.lmbda is not None and p.lmbda_amplify is not None and p.hat_lmbda_coeff
         hp = dhspg.Hyper(
             p.target_sparsity, p.tolerance, p.epsilon, p.lmbda, p.lmbda_amplify, p.hat_lmbda_coeff

@@ -202,7 +202,8 @@ def _check(config: dict[str, Any]) -> dict[str, Any]:
             from elaswave.runtime.workload.base import build_layers
 
             ties = [ref for pair in workload.tied() for ref in pair]
-            find_groups(workload, build_layers(workload, cfg.train.seed), ties)
+            model = build_layers(workload, cfg.train.seed)
+            find_groups(workload, model, ties, cfg.train.prune.kinds)
     except ElasWaveError as exc:
         return {"error": str(exc)}
     except Exception as exc:  # the job's own code: its error, on one line

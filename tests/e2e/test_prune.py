@@ -70,10 +70,14 @@ def test_pruning_reaches_its_target_and_zero_groups_stay_zero(pruned: Run) -> No
     assert TARGET <= curve[-1] <= TARGET + TOLERANCE, curve
 
 
-def test_a_kill_while_pruning_changes_nothing(tmp_path: Path, state_env: dict, pruned: Run) -> None:
+@pytest.mark.parametrize("strategy", [[], ["--zero", "1"]], ids=["replicated", "zero1"])
+def test_a_kill_while_pruning_changes_nothing(
+    tmp_path: Path, state_env: dict, pruned: Run, strategy: list[str]
+) -> None:
     """Rank 1 SIGKILLed at step 9, pruning under way; it is respawned and receives the
-    redundant set from a peer: the same bits as the fault-free pruned run."""
-    run = _launch(tmp_path, state_env, MLP, "--job-id", "prune-kill",
+    redundant set from a peer: the same bits as the fault-free pruned run (replicated; ZeRO-1
+    prunes the whole parameters after its all-gather, so it gives the same bits too)."""
+    run = _launch(tmp_path, state_env, MLP, "--job-id", "prune-kill", *strategy,
                   "--fault", "kill,rank=1,at_step=9")  # fmt: skip
     assert [e["exit_code"] for e in run.of("worker_exit")] == [-9]
     assert [p["world"] for p in run.of("plan_published")] == [3, 2, 3]
@@ -140,7 +144,10 @@ def test_compress_on_a_run_without_pruning_is_one_line(tmp_path: Path, state_env
 def test_a_model_with_no_groups_is_refused_before_any_worker_starts(
     tmp_path: Path, state_env: dict
 ) -> None:
-    doc = {**MLP, "model": {"source": "module", "factory": "tests.unit.test_prune:one_linear"}}
+    doc = {
+        **MLP,
+        "model": {"source": "module", "factory": "tests.unit.test_prune_units:one_linear"},
+    }
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(doc))
     r = cli("launch", str(tmp_path / "job.yaml"), "--run-dir", str(tmp_path / "run"),
             env=state_env, timeout=60)  # fmt: skip

@@ -51,6 +51,7 @@ from elaswave.planning.shards import (
     recovery_stats,
 )
 from elaswave.planning.tiers import Tiers
+from elaswave.prune.pruner import Pruner
 from elaswave.runtime.comm.communicator import Communicator
 from elaswave.runtime.comm.tiered import allreduce_tiered
 from elaswave.runtime.integrity.checksums import fast_checksum
@@ -100,6 +101,7 @@ class ZeroState:
     native_reduce_scatter: bool = False
     tiers: Tiers | None = None  # the all-reduce by hosts (without a native reduce-scatter)
     snapshot_every: int = 1  # replicate every K committed steps (0: never)
+    prune: Pruner | None = None  # train.prune: DHSPG on the whole updated parameters
     grad_norm: float | None = None  # of the last staged step's mean gradient, where measured
     _send_spans: dict[int, list[Range]] = field(default_factory=dict)
     _layer_runs: list[tuple[int, int]] | None = None  # ``layer_runs`` of this layout (clipping)
@@ -229,6 +231,8 @@ class ZeroState:
         opt.step(param, grad, self.groups)
         gathered = self.flat.data.new_empty(world * size)
         comm.allgather_into(DP, gathered, param, abort)
+        if self.prune is not None and self.prune.active(step):
+            gathered = self._pruned(step, gathered, param)
         if self.is_snapshot(step):
             own = Shard.of(step, opt.exp_avg, opt.exp_avg_sq, param if self.keeps_params else None)
             self.staged = Staged(step, gathered, own, None)
@@ -238,6 +242,20 @@ class ZeroState:
                 step, gathered, Shard(step, opt.exp_avg, opt.exp_avg_sq, None), None
             )
         return batch_count
+
+    def _pruned(self, step: int, gathered: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+        """Pruning on the whole updated parameters (every rank holds them after the
+        all-gather, so every rank takes the same decisions, as replicated data parallelism
+        does): ``gathered`` back in flat order, DHSPG against the parameters before the update
+        (still the live ones), then rank-major again; this rank's updated chunk ``param`` takes
+        its part."""
+        assert self.prune is not None
+        whole = self._ext(self.flat.data).clone()
+        whole.index_copy_(0, self.index, gathered)  # padding lands in the extra slot
+        self.prune.after(step, self.flat.data, whole[:-1], self.hyper.lr_at(step))
+        out = whole[self.index]
+        param.copy_(out.view(len(self.workers), self.size)[self.rank])
+        return out
 
     def _clip_factor(
         self,

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -12,6 +14,9 @@ from elaswave.errors import ConfigError
 from elaswave.prune import dhspg
 from elaswave.prune.compress import kept_groups, shrink
 from elaswave.prune.groups import NoGroups, find_groups, flat_index
+from elaswave.prune.pruner import Pruner
+from elaswave.runtime.durable import checkpoints
+from elaswave.runtime.durable.checkpoints import DurableCheckpoints
 from elaswave.runtime.optim import FlatParams
 from elaswave.runtime.workload.base import KeyedLayers, build_layers
 from elaswave.runtime.workload.load import load_workload
@@ -59,10 +64,11 @@ def test_bad_prune_settings_are_one_line_errors(prune: dict, message: str) -> No
         JobConfig.from_dict({"train": {"prune": prune}})
 
 
-@pytest.mark.parametrize("other", [{"zero": 1}, {"zero": 3}, {"pp": 2}])
-def test_pruning_runs_with_replicated_data_parallelism_only_for_now(other: dict) -> None:
-    with pytest.raises(ConfigError, match="train.prune runs with replicated"):
+@pytest.mark.parametrize("other", [{"zero": 3}, {"pp": 2}, {"pp": 2, "zero": 1}])
+def test_pruning_runs_with_data_parallelism_only_for_now(other: dict) -> None:
+    with pytest.raises(ConfigError, match="train.prune runs with data parallelism"):
         JobConfig.from_dict({**other, "train": {"prune": {}}})
+    JobConfig.from_dict({"zero": 1, "train": {"prune": {}}})  # ZeRO-1 prunes
 
 
 def test_unset_hyper_parameters_take_the_reference_defaults_of_the_optimizer() -> None:
@@ -129,7 +135,7 @@ def test_zeroed_groups_removed_leave_the_outputs_unchanged(name: str) -> None:
 
 def test_a_model_with_nothing_to_group_is_refused() -> None:
     cfg = JobConfig.from_dict(
-        {"model": {"source": "module", "factory": "tests.unit.test_prune:one_linear"}}
+        {"model": {"source": "module", "factory": "tests.unit.test_prune_units:one_linear"}}
     )
     workload = load_workload(cfg)
     with pytest.raises(NoGroups, match="no zero-invariant groups"):
@@ -209,3 +215,33 @@ def test_applying_leaves_important_groups_bit_identical_and_zero_groups_zero() -
     assert torch.equal(out[0], h[0])
     assert torch.equal(out[1], h[1] - 0.5 * x[1])
     assert not out[2].any()
+
+
+# -- the redundant set travels -------------------------------------------------------------------
+
+
+def _pruner() -> Pruner:
+    cfg = JobConfig.from_dict({"model": MODELS["mlp"], "train": {"prune": {"start_step": 3}}})
+    workload, model = _model("mlp")
+    pruner = Pruner.build(cfg, workload, model)
+    assert pruner is not None
+    return pruner
+
+
+def test_the_redundant_set_survives_a_durable_checkpoint(tmp_path: Path) -> None:
+    source = _pruner()
+    source.taken_at = 3
+    source.redundant = torch.arange(source.groups) % 3 == 0
+    store = DurableCheckpoints(tmp_path)
+    params = torch.randn(10)
+    store.save_async(7, 0.5, params, params, params, extra=source.saved())
+    store.flush()
+    state = checkpoints.load(tmp_path / "step-00000007", 10)
+    fresh = _pruner()
+    fresh.adopt(state.prune, state.step)
+    assert (fresh.taken_at, fresh.redundant.tolist()) == (3, source.redundant.tolist())
+    fresh.adopt(state.prune, 2)  # a state from before the set was chosen: dropped
+    assert (fresh.taken_at, fresh.redundant.numel()) == (0, 0)
+    store.save_async(8, 0.5, params, params, params)  # without pruning: no set
+    store.flush()
+    assert checkpoints.load(tmp_path / "step-00000008", 10).prune is None
