@@ -96,6 +96,27 @@ def test_a_kill_while_pruning_changes_nothing(
     assert_no_orphans(run)
 
 
+def test_a_resume_mid_pruning_continues_the_same_run(
+    tmp_path: Path, state_env: dict, pruned: Run
+) -> None:
+    """20 steps (the redundant set, chosen at step 6, is saved with the final checkpoint), then
+    ``--resume`` to step 40 on 2 workers under ZeRO-1: the fault-free pruned run's steps 21-40
+    and final state, bit for bit."""
+    first = _launch(tmp_path / "a", state_env, {**MLP, "train": {**MLP["train"], "steps": 20}},
+                    "--job-id", "prune-res-a")  # fmt: skip
+    resume = str(first.dir / "checkpoints")
+    second = _launch(tmp_path / "b", state_env, MLP, "--job-id", "prune-res-b", "--zero", "1",
+                     "--nproc-per-node", "2", "--resume", resume)  # fmt: skip
+    assert {e["step"] for e in second.of("durable_restored")} == {20}
+    assert {e["prune_partition_step"] for e in second.of("state_synced")} == {6}
+    later = range(21, STEPS + 1)
+    assert [second.losses[s] for s in later] == [pruned.losses[s] for s in later]
+    assert [_sparsity(second)[s] for s in later] == [_sparsity(pruned)[s] for s in later]
+    assert {f["params_sha256"] for f in second.of("final_state")} == {
+        f["params_sha256"] for f in pruned.of("final_state")
+    }
+
+
 def test_a_compressed_llama_loads_and_matches_the_sparse_one(
     tmp_path: Path, state_env: dict
 ) -> None:
