@@ -104,8 +104,7 @@ def compressed(workload: Any, model: Any, flat: Any, kinds: list[str]) -> tuple[
     from elaswave.prune.groups import find_groups
 
     before = sum(p.numel() for p in model.parameters())
-    ties = [ref for pair in workload.tied() for ref in pair]
-    families = find_groups(workload, model, ties, kinds)
+    families = find_groups(workload, model, kinds)
     hf = getattr(workload, "config", None) is not None and hasattr(workload, "hf_names")
     kept = kept_groups(families, model, flat, same_width=hf)
     shrink(model, families, kept)

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from elaswave.prune.families import LLAMA_LIKE
+from elaswave.prune.families import LLAMA_LIKE, attention_shape
 from elaswave.prune.groups import Family, flat_index
 from elaswave.runtime.workload.base import KeyedLayers, ParamRef
 
@@ -40,7 +40,8 @@ def kept_groups(
         width[f.kind] = max(width[f.kind], len(k))
     out = []
     for f, k in zip(families, kept, strict=True):
-        pad = [j for j in range(f.count) if j not in set(k)][: width[f.kind] - len(k)]
+        have = set(k)
+        pad = [j for j in range(f.count) if j not in have][: width[f.kind] - len(k)]
         out.append(sorted(k + pad))
     return out
 
@@ -55,7 +56,7 @@ def shrink(model: KeyedLayers, families: Sequence[Family], kept: Sequence[Sequen
             for j in dropped:
                 start = m.start + j * m.size
                 removed[(m.param, m.axis)].update(range(start, start + m.size))
-    for (ref, axis), gone in sorted(removed.items(), key=lambda item: (item[0][0], item[0][1])):
+    for (ref, axis), gone in sorted(removed.items()):
         layer, name = ref
         owner, _, leaf = name.rpartition(".")
         module = model.layers[layer].get_submodule(owner) if owner else model.layers[layer]
@@ -81,9 +82,7 @@ def hf_config(config: Any, families: Sequence[Family], kept: Sequence[Sequence[i
     out = copy.deepcopy(config)
     kind = config.model_type
     if "attention" in width and kind in LLAMA_LIKE:
-        heads = config.num_attention_heads
-        kv = getattr(config, "num_key_value_heads", None) or heads
-        out.head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        heads, kv, out.head_dim = attention_shape(config)
         out.num_key_value_heads = width["attention"]
         out.num_attention_heads = width["attention"] * (heads // kv)
     if "mlp" in width:

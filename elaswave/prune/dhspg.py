@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -58,6 +58,11 @@ class Stats:
     @property
     def zero(self) -> torch.Tensor:
         return self.xn == 0
+
+    @classmethod
+    def cat(cls, parts: Sequence[Stats]) -> Stats:
+        """The statistics of several families' groups, one after another."""
+        return cls(*(torch.cat([getattr(s, f.name) for s in parts]) for f in fields(cls)))
 
 
 def group_stats(x: torch.Tensor, h: torch.Tensor, lr: float) -> Stats:

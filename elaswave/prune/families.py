@@ -16,7 +16,7 @@ from torch import nn
 
 from elaswave.prune.groups import Family, Member
 
-__all__ = ["LLAMA_LIKE", "gpt_families", "hf_families"]
+__all__ = ["LLAMA_LIKE", "attention_shape", "gpt_families", "hf_families"]
 
 LLAMA_LIKE = ("llama", "qwen2", "mistral", "qwen3")
 
@@ -32,6 +32,13 @@ def _rows_and_bias(index: int, names: set[str], module: str, size: int) -> list[
     return out
 
 
+def attention_shape(config: Any) -> tuple[int, int, int]:
+    """(query heads, key-value heads, head width) of a llama-like HF config."""
+    heads = config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    return heads, kv, getattr(config, "head_dim", None) or config.hidden_size // heads
+
+
 def hf_families(config: Any, layers: list[tuple[int, nn.Module]]) -> list[Family]:
     """Families of the decoder blocks ``(layer index, BlockLayer)`` of an HF model of
     ``config``; none for a family type without rules."""
@@ -40,9 +47,7 @@ def hf_families(config: Any, layers: list[tuple[int, nn.Module]]) -> list[Family
     for index, layer in layers:
         names = _params(layer)
         if kind in LLAMA_LIKE:
-            heads = config.num_attention_heads
-            kv = getattr(config, "num_key_value_heads", None) or heads
-            hd = getattr(config, "head_dim", None) or config.hidden_size // heads
+            heads, kv, hd = attention_shape(config)
             rep = heads // kv
             a = "block.self_attn"
             members = [

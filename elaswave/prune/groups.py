@@ -59,7 +59,6 @@ class Family:
 def find_groups(
     workload: Workload,
     model: KeyedLayers,
-    ties: Sequence[ParamRef] = (),
     kinds: Sequence[str] = (),
 ) -> list[Family]:
     """The model's families (declared by the workload, else traced; only ``kinds`` when
@@ -75,7 +74,7 @@ def find_groups(
             "feeding another through element-wise layers; declare them with "
             "Workload.zero_invariant_groups)"
         )
-    tied = set(ties)
+    tied = {ref for pair in workload.tied() for ref in pair}
     shapes = {
         (i, n): p.shape for i, layer in enumerate(model.layers) for n, p in layer.named_parameters()
     }

@@ -45,8 +45,7 @@ class Pruner:
         if p is None:
             return None
         p = p.resolved(cfg.train.optimizer)
-        refs = [ref for pair in workload.tied() for ref in pair]
-        families = find_groups(workload, model, refs, p.kinds)
+        families = find_groups(workload, model, p.kinds)
         assert p.lmbda is not None and p.lmbda_amplify is not None and p.hat_lmbda_coeff
         hp = dhspg.Hyper(
             p.target_sparsity, p.tolerance, p.epsilon, p.lmbda, p.lmbda_amplify, p.hat_lmbda_coeff
@@ -74,8 +73,7 @@ class Pruner:
             self.index = [i.to(params.device) for i in self.index]
         xs = [old[i] for i in self.index]
         hs = [params[i] for i in self.index]
-        parts = [dhspg.group_stats(x, h, lr) for x, h in zip(xs, hs, strict=True)]
-        stats = dhspg.Stats(*(torch.cat(t) for t in zip(*map(vars_of, parts), strict=True)))
+        stats = dhspg.Stats.cat([dhspg.group_stats(x, h, lr) for x, h in zip(xs, hs, strict=True)])
         zero = stats.zero
         zero_before = int(zero.sum())
         if self.taken_at == 0 or self.taken_at >= step:  # chosen now (or again, in a redo)
@@ -141,7 +139,3 @@ class Pruner:
         comm.broadcast(DP, buf, holders[0], broken)
         self.adopt(buf.cpu(), step)
         return self.taken_at
-
-
-def vars_of(stats: dhspg.Stats) -> tuple[torch.Tensor, ...]:
-    return stats.xn, stats.xd, stats.dn, stats.hx

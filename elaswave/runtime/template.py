@@ -201,9 +201,8 @@ def _check(config: dict[str, Any]) -> dict[str, Any]:
             from elaswave.prune.groups import find_groups
             from elaswave.runtime.workload.base import build_layers
 
-            ties = [ref for pair in workload.tied() for ref in pair]
             model = build_layers(workload, cfg.train.seed, keep=range(0))  # shapes: on meta
-            find_groups(workload, model, ties, cfg.train.prune.kinds)
+            find_groups(workload, model, cfg.train.prune.kinds)
     except ElasWaveError as exc:
         return {"error": str(exc)}
     except Exception as exc:  # the job's own code: its error, on one line
