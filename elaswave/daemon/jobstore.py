@@ -245,16 +245,18 @@ class JobStore:
         kvs, revision = await self.etcd.get_prefix_at(self.keys.workers)
         return [WorkerRecord.parse(kv.value, kv.create_revision) for kv in kvs], revision
 
-    async def take_departures(self) -> tuple[list[str], int]:
+    async def take_departures(self) -> tuple[list[str], int, int]:
         """Why workers left since the last call (each departure is read once, then deleted),
-        and the newest departure's revision (0: none): its worker's key was deleted in that
-        same revision."""
+        the newest departure's revision (0: none): its worker's key was deleted in that same
+        revision, and the revision the departures were read at: every worker key deleted by
+        then with a departure had its reason in this read or an earlier one."""
         reasons, newest = [], 0
-        for kv in await self.etcd.get_prefix(self.keys.departures):
+        kvs, read_at = await self.etcd.get_prefix_at(self.keys.departures)
+        for kv in kvs:
             reasons.append(kv.value.decode())
             newest = max(newest, kv.mod_revision)
             await self.etcd.delete(kv.key)
-        return reasons, newest
+        return reasons, newest, read_at
 
     # ---- progress, measurements ---------------------------------------------------------------
     async def committed_step(self) -> int:

@@ -168,6 +168,7 @@ class Planner:
         self.roster: dict[str, WorkerRecord] = {}
         self.applied = 0
         self.snapshot = 0  # the revision the roster was last read at: older changes are in it
+        self.dropped = 0  # the revision of the newest worker the roster dropped
         self.moved = asyncio.Event()  # set whenever the watch applied a change
         # A relaunched job's plans come after the epochs it recorded (its progress record's).
         self.epoch_floor = 0
@@ -436,8 +437,8 @@ class Planner:
             if change.revision > self.snapshot:  # else the roster was read after it
                 if change.worker is not None:
                     self.roster[change.worker.worker_id] = change.worker
-                elif change.gone:
-                    self.roster.pop(change.gone, None)
+                elif change.gone and self.roster.pop(change.gone, None) is not None:
+                    self.dropped = change.revision
             self.applied = max(self.applied, change.revision)
             self.moved.set()
             if change.kind is Change.DONE:
@@ -485,21 +486,27 @@ class Planner:
     async def _take_departures(self) -> list[str]:
         """Why workers left since the last call, once the roster the watch keeps has caught up
         with them: a worker's departure and the deletion of its key are one revision, and no
-        plan may name a cause with its worker still in."""
-        causes, newest = await self.store.take_departures()
-        while self.applied < newest:
-            self.moved.clear()
-            try:
-                await wait_for(self.moved.wait(), CATCH_UP_S)
-            except asyncio.TimeoutError:  # the watch lags (its etcd member went away, say):
-                await self._read_roster()  # read the roster as it is now instead
-        return causes
+        plan may name a cause with its worker still in, nor drop a worker without its cause
+        (the watch may apply a departure while its reason's read is on the way: read again)."""
+        causes: list[str] = []
+        while True:
+            more, newest, read_at = await self.store.take_departures()
+            causes += more
+            while self.applied < newest:
+                self.moved.clear()
+                try:
+                    await wait_for(self.moved.wait(), CATCH_UP_S)
+                except asyncio.TimeoutError:  # the watch lags (its etcd member went away,
+                    await self._read_roster()  # say): read the roster as it is now instead
+            if self.dropped <= read_at:
+                return causes
 
     async def _read_roster(self) -> int:
         """Read the ready workers from etcd; the watch's changes up to that revision are in."""
         records, rev = await self.store.workers_at()
         self.roster = {r.worker_id: r for r in records}
         self.snapshot = rev
+        self.dropped = rev  # it may lack workers whose departures are still unread
         self.applied = max(self.applied, rev)
         return rev
 

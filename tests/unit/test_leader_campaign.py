@@ -17,7 +17,7 @@ from elaswave.config import ElasticConfig, JobConfig
 from elaswave.daemon.etcd import Etcd
 from elaswave.daemon.etcd_server import EmbeddedEtcd
 from elaswave.daemon.jobstore import JobStore
-from elaswave.daemon.leader import Candidate, Leadership, campaign
+from elaswave.daemon.leader import Candidate, Leadership, Planner, campaign
 from elaswave.keys import JobKeys
 from elaswave.planning.plan import Plan
 
@@ -155,5 +155,43 @@ def test_a_revoked_leader_stops_planning_until_registered_again(endpoint: str) -
             assert len(h.of("leader_elected")) == 1  # held throughout: not elected again
         finally:
             await h.stop()
+
+    run(endpoint, body)
+
+
+def test_a_worker_that_leaves_while_its_reason_is_read_is_planned_with_its_reason(
+    endpoint: str,
+) -> None:
+    """The departures are read at one revision and the roster is kept by a watch: a worker
+    whose departure lands after that read, and whose deletion the watch applies before the
+    planner looks at the roster, still comes with its reason (no plan drops it without one)."""
+
+    async def body(etcd: Etcd, store: JobStore, cfg: JobConfig) -> None:
+        lease = await etcd.lease(30)
+        w0 = await _register(etcd, store.keys, "h0", lease)
+        w1 = await _register(etcd, store.keys, "h1", lease)
+        planner = Planner(Host(store, cfg, "h0", lease).candidate)
+        watcher = asyncio.create_task(planner._watch(await planner._read_roster() + 1))
+        take = store.take_departures
+        why = f"worker {w1} (rank 1) killed by SIGKILL"
+
+        async def late(*args: Any, **kwargs: Any) -> tuple[list[str], int, int]:
+            taken = await take(*args, **kwargs)
+            if taken[0] or w1 not in planner.roster:
+                return taken
+            await store.record_departure(w1, why, lease=lease)  # after the read, before
+            while w1 in planner.roster:  # its answer: the watch applies the deletion first
+                await asyncio.sleep(0.01)
+            return taken
+
+        store.take_departures = late  # type: ignore[method-assign]
+        try:
+            members, causes = await planner._read_members()
+            assert [m.worker_id for m in members] == [w0]
+            assert causes == [why]
+        finally:
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
 
     run(endpoint, body)
