@@ -640,7 +640,7 @@ def _client_tls(cacert: Path | None, cert: Path | None, key: Path | None) -> Etc
 
 
 def _report_dirs(job_id: str | None, run_dirs: list[Path]) -> list[Path]:
-    from elaswave.daemon.launch import find_job
+    from elaswave.daemon.discovery import find_job
     from elaswave.errors import JobNotFound
 
     if run_dirs:

@@ -8,9 +8,9 @@ import time
 from typing import Any
 
 from elaswave.config import EtcdTLSConfig
+from elaswave.daemon.discovery import find_job
 from elaswave.daemon.etcd import Etcd, EtcdSecurity
 from elaswave.daemon.faultrelay import submit_fault
-from elaswave.daemon.launch import find_job
 from elaswave.daemon.netns import set_links
 from elaswave.errors import FaultSpecError, JobNotFound
 from elaswave.faults import FaultKind, FaultSpec

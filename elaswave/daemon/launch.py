@@ -3,8 +3,8 @@
 An embedded etcd (no ``--etcd`` given) is supervised by the daemon: restarted at once, on its own
 data directory and ports, if it exits.
 
-A discovery file ``<state dir>/jobs/<job_id>.json`` lets ``status``, ``inject-fault`` and ``report``
-find a job on this machine by its id alone; it is removed when the launch ends.
+It writes the job's discovery record (:mod:`elaswave.daemon.discovery`) and removes it when
+the launch ends.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ import signal
 from collections.abc import Callable
 from pathlib import Path
 
-from elaswave.config import JobConfig, check_packages, state_dir
+from elaswave.config import JobConfig, check_packages
+from elaswave.daemon.discovery import discovery_path, find_job
 from elaswave.daemon.earlier import archive, run_dir_records
 from elaswave.daemon.etcd import EtcdSecurity
 from elaswave.daemon.etcd_server import EmbeddedEtcd, ServerTLS, check_port_free
@@ -28,31 +29,6 @@ from elaswave.errors import ElasWaveError, JobNotFound
 from elaswave.runtime.durable.layout import latest
 
 log = logging.getLogger(__name__)
-
-
-def discovery_path(job_id: str) -> Path:
-    return state_dir() / "jobs" / f"{job_id}.json"
-
-
-def find_job(job_id: str) -> dict:
-    """The discovery record of a job launched on this machine, if its launcher is alive."""
-    path = discovery_path(job_id)
-    if not path.exists():
-        raise JobNotFound(
-            f"no running job {job_id!r} on this machine (give --etcd to look elsewhere)"
-        )
-    try:
-        record = json.loads(path.read_text())
-    except (OSError, ValueError):  # gone meanwhile, or not one (a write before they were atomic)
-        raise JobNotFound(f"no readable record of job {job_id!r} on this machine") from None
-    try:
-        os.kill(int(record["pid"]), 0)
-    except (ProcessLookupError, ValueError):
-        path.unlink(missing_ok=True)
-        raise JobNotFound(f"job {job_id!r} is no longer running (stale record removed)") from None
-    except PermissionError:
-        pass
-    return record
 
 
 def launch(

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from elaswave.daemon.launch import discovery_path, find_job
+from elaswave.daemon.discovery import discovery_path, find_job
 from elaswave.errors import JobNotFound
 
 
