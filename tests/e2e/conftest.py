@@ -16,7 +16,7 @@ import pytest
 from elaswave.events import distinct_records, read_jsonl
 
 ROOT = Path(__file__).resolve().parents[2]
-CONFIG = Path(__file__).with_name("gpt-test.yaml")  # gpt-tiny at half its width
+CONFIG = Path(__file__).with_name("gpt-test.yaml")  # a narrow, short gpt-tiny
 REL_TOL = 1e-6
 
 

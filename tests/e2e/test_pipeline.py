@@ -142,8 +142,9 @@ def test_clipping_by_the_global_norm_across_stages_is_bit_identical(
         tmp_path, env, 8, "--job-id", "pp-clip", "--pp", "2", "--migration", "async",
         "--fault", "kill,rank=1,at_step=4",
     )  # fmt: skip
-    # the clip binds: training differs from the run without it
-    assert abs(run.losses[6] - reference.losses[6]) > 1e-3 * reference.losses[6]
+    # the clip binds: training differs from the run without it (by about 1e-4 at step 6, where
+    # the float32 reference and this float64 run differ by about 1e-7 without a clip)
+    assert abs(run.losses[6] - reference.losses[6]) > 3e-5 * reference.losses[6]
     synced = [e for e in run.of("state_synced") if e["epoch"] == 2]
     assert {e["migration"] for e in synced} == {"async"}
     first = [e for e in run.of("state_synced") if e["epoch"] == 1]

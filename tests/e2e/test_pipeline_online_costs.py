@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from conftest import Run, assert_clean_run, launch
+import yaml
+from conftest import CONFIG, Run, assert_clean_run, launch
 
 from elaswave.planning.pipeplan import balanced_shares
 from elaswave.runtime.workload.gpt import gpt_layer_costs
@@ -44,7 +45,10 @@ def test_plan_after_a_fault_uses_online_layer_costs(
     assert costs != first["layer_costs"]
     # Seconds, not FLOPs: the measured ratios between layers are not the estimate's (the
     # embedding, a gather, is estimated ~1,700× cheaper than a block; it does not time so).
-    estimate = gpt_layer_costs(vocab_size=256, seq_len=64, d_model=64, n_layer=2)
+    model = yaml.safe_load(CONFIG.read_text())["model"]
+    estimate = gpt_layer_costs(
+        **{k: model[k] for k in ("vocab_size", "seq_len", "d_model", "n_layer")}
+    )
     ratios = [c / e for c, e in zip(costs, estimate, strict=True)]
     assert max(ratios) / min(ratios) > 10, (costs, estimate)
     # The survivor of replica 0 took over every layer; the replicas' shares of the global batch
