@@ -106,7 +106,10 @@ def recovered_incident(run_dir: str | Path, epoch: int) -> dict[str, Any] | None
     return None
 
 
-MEMORY_FIELDS = ("param_bytes", "grad_bytes", "optimizer_bytes", "replica_bytes", "gathered_bytes")
+MEMORY_FIELDS = (
+    "param_bytes", "grad_bytes", "optimizer_bytes", "replica_bytes", "gathered_bytes",
+    "verify_bytes",
+)  # fmt: skip
 
 
 def memory_by_worker(events: list[dict[str, Any]]) -> dict[str, dict[str, int]]:

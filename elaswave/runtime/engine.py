@@ -464,9 +464,10 @@ class Engine:
 
     def memory(self) -> dict[str, int]:
         """Bytes this rank holds by purpose (the strategy's, plus the step's reduction buffer
-        as gradient bytes)."""
+        as gradient bytes and the known-good state ``verify_every`` keeps for a rollback)."""
         out = self.strategy.memory()
         out["grad_bytes"] += nbytes(self.buffer)
+        out["verify_bytes"] = self.integrity.good_bytes
         return out
 
     def _report_memory(self, plan: Plan, memory: dict[str, int]) -> None:

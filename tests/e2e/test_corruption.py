@@ -141,3 +141,15 @@ def test_corruption_is_rolled_back_bit_identical(
     assert first["recomputed_steps"] == 5 and first["first_commit_step"] == 10
     assert first["mttr_s"] > first["detection_s"] > 0
     assert report["totals"]["duplicate_steps"] == [] and report["totals"]["missing_steps"] == []
+    # What each rank keeps for the rollback: the whole state with data parallelism; its own
+    # layers (and their moments or moment parts) in a pipeline stage, never the whole model.
+    (dp_params,) = {
+        m["param_bytes"] for m in build_report(float64_reference.dir)["totals"]["memory"].values()
+    }
+    whole = 3 * dp_params
+    for held in report["totals"]["memory"].values():
+        if "--pp" in flags:
+            assert 0 < held["verify_bytes"] <= held["param_bytes"] + held["optimizer_bytes"]
+            assert held["verify_bytes"] < 0.8 * whole
+        else:
+            assert held["verify_bytes"] == whole

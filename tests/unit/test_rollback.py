@@ -12,25 +12,39 @@ from elaswave.events import JsonlWriter, read_jsonl
 from elaswave.runtime.durable import checkpoints as durable
 from elaswave.runtime.integrity.rollback import NONE, RollbackVerdict, rollback_verdict
 
+VOID = RollbackVerdict(None, reason="a rank's layout changed since the last clean check")
+
 
 @pytest.mark.parametrize(
-    ("good", "step", "verdict"),
+    ("good", "step", "whole", "verdict"),
     [
-        ([5, 5, 5, 5], 10, RollbackVerdict(5, 0)),
-        ([NONE, 5, 5], 10, RollbackVerdict(5, 1)),  # a newcomer receives it from rank 1
-        ([10, 10], 10, RollbackVerdict(10, 0)),  # found by the check right after a clean one
-        ([0, 0, 0], 3, RollbackVerdict(0, 0)),  # the initial state is known good
-        ([NONE, NONE], 10, RollbackVerdict(None, reason="no rank keeps a known-good state")),
+        ([5, 5, 5, 5], 10, True, RollbackVerdict(5, 0)),
+        ([5, 5, 5, 5], 10, False, RollbackVerdict(5, 0)),  # each rank takes its own part back
+        ([NONE, 5, 5], 10, False, VOID),  # a part (a shard, a stage's layers) fits no newcomer
+        ([5, NONE], 10, False, VOID),
+        ([NONE, NONE], 10, False, RollbackVerdict(None, reason="no rank keeps a known-good state")),
+        ([NONE, 5, 5], 10, True, RollbackVerdict(5, 1)),  # a newcomer receives it from rank 1
+        ([10, 10], 10, True, RollbackVerdict(10, 0)),  # found by the check right after a clean one
+        ([0, 0, 0], 3, True, RollbackVerdict(0, 0)),  # the initial state is known good
+        ([NONE, NONE], 10, True, RollbackVerdict(None, reason="no rank keeps a known-good state")),
         (
             [5, 10],
             10,
+            True,
             RollbackVerdict(None, reason="ranks keep known-good states of steps [5, 10]"),
         ),
-        ([15, 15], 10, RollbackVerdict(None, reason="the known-good state (step 15) is newer")),
+        (
+            [15, 15],
+            10,
+            True,
+            RollbackVerdict(None, reason="the known-good state (step 15) is newer"),
+        ),
     ],
 )
-def test_rollback_verdict(good: list[int], step: int, verdict: RollbackVerdict) -> None:
-    assert rollback_verdict(good, step) == verdict
+def test_rollback_verdict(
+    good: list[int], step: int, whole: bool, verdict: RollbackVerdict
+) -> None:
+    assert rollback_verdict(good, step, whole=whole) == verdict
 
 
 def test_metrics_of_redone_steps_give_way(tmp_path: Path) -> None:

@@ -1,26 +1,25 @@
 """Silent corruption, as the engine's loop sees it: the seal, the periodic check, the known-good
 state and the rollback.
 
-After each clean check every rank keeps the whole state (``KnownGood``; step 0's too). A check
-compares the copies through the strategy (``Strategy.verify``: replicated votes, ZeRO shard
-copies, pipeline layer holders) and repairs bad ones. A *seal* — the CRC of the parameters a rank
-computes with, taken at commit and checked before the next step — catches flips that the next
-step would wash out of the copies. When anything was found, every rank rolls back to the known-good
-state (``rollback_verdict``) and the main loop redoes the steps since. Only strategies whose
-parameters are overwritten from peers every step (``Strategy.sealed``: ZeRO) pay for the seal:
-elsewhere a flip stays in the copy it hit, and the next check finds it.
+After each clean check every rank keeps the state (``KnownGood``; step 0's too): the whole, or what
+its layout holds (ZeRO-3's shard, a pipeline stage's layers), void once the layout changes. A check
+compares the copies through the strategy (``Strategy.verify``: replicated votes, ZeRO shard copies,
+pipeline layer holders) and repairs bad ones. A *seal* — the CRC of the parameters a rank computes
+with, taken at commit and checked before the next step — catches flips that the next step would
+wash out of the copies. When anything was found, every rank rolls back to the known-good state
+(``rollback_verdict``) and the main loop redoes the steps since. Only strategies whose parameters
+are overwritten from peers every step (``Strategy.sealed``: ZeRO) pay for the seal: elsewhere a
+flip stays in the copy it hit, and the next check finds it.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
-from elaswave.runtime.durable.checkpoints import DurableState
 from elaswave.runtime.integrity.checksums import fast_checksum
 from elaswave.runtime.integrity.inject import FaultInjector
 from elaswave.runtime.integrity.rollback import NONE, KnownGood, rollback_verdict
@@ -46,7 +45,7 @@ class Integrity:
         self.durable = durable
         self.faults = faults
         self.every = ctx.cfg.verify_every
-        self.good: KnownGood | None = None  # the whole state after the last clean check
+        self.good: KnownGood | None = None  # what it keeps of the last clean check's state
         self._good_key: object = None  # the layout it fits (None: the whole state fits any)
         self._seal: int | None = None  # CRC of the parameters as last committed
         self._tainted = False  # they changed at rest since
@@ -98,7 +97,7 @@ class Integrity:
         ctx = self.ctx
         plan, dev = ctx.plan, ctx.state.device
         assert plan is not None
-        good = self.good.step if self.good is not None else NONE
+        good = self.good.step if self._good_fits() else NONE
         mine = torch.tensor([int(tainted), int(found), good], dtype=torch.int64, device=dev)
         rows = [r.tolist() for r in ctx.comm.allgather(DP, mine, ctx.broken)]
         hit = [r for r, row in enumerate(rows) if row[0]]
@@ -111,7 +110,8 @@ class Integrity:
         if not hit and not found_any:
             self.capture_good(step)
             return False
-        verdict = rollback_verdict([row[2] for row in rows], step)
+        whole = self.strategy.layout_key() is None
+        verdict = rollback_verdict([row[2] for row in rows], step, whole=whole)
         if verdict.target is None:  # the in-place repair stands; the steps since keep its trace
             self.strategy.say("sdc_not_rolled_back", step=step, reason=verdict.reason)
             self._tainted = False
@@ -121,9 +121,20 @@ class Integrity:
         self._roll_back(step, verdict.target, verdict.source, [row[2] for row in rows])
         return True
 
+    def _good_fits(self) -> bool:
+        """This rank keeps a known-good state that fits its layout now (a pipeline stage's
+        migration may have moved layers within a plan)."""
+        return self.good is not None and self._good_key == self.strategy.layout_key()
+
+    @property
+    def good_bytes(self) -> int:
+        """What this rank keeps for a rollback."""
+        good = self.good
+        return good.whole.numel() * good.whole.element_size() if good is not None else 0
+
     def capture_good(self, step: int) -> None:
-        """Every rank keeps the whole state of ``step`` (a collective: ZeRO gathers the moments,
-        pipelines assemble the layers)."""
+        """Every rank keeps its known-good state of ``step`` (a collective where it is the whole
+        state: ZeRO-1 gathers the moments)."""
         whole = self.strategy.known_good(self.ctx.broken)
         self.good = KnownGood(step, self.ctx.state.last_loss, whole)
         self._good_key = self.strategy.layout_key()
@@ -145,11 +156,7 @@ class Integrity:
             ctx.comm.broadcast(DP, whole, source, broken)
             self.good = KnownGood(target, float(meta[1]), whole)
         assert self.good is not None
-        params, exp_avg, exp_avg_sq = self.good.parts()
-        state = DurableState(
-            target, self.good.loss, params, exp_avg, exp_avg_sq, Path(f"known-good@{target}")
-        )
-        self.strategy.roll_back(state, ctx.plan, broken)
+        self.strategy.take_known_good(target, self.good.loss, self.good.whole, ctx.plan, broken)
         self._tainted = False
         self.reseal()
         if ctx.comm.rank(DP) != 0:

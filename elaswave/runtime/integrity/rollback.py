@@ -1,12 +1,13 @@
 """Silent corruption leaves no trace in the trajectory: roll back to the last state known good.
 
-Repairing a corrupt copy is not enough: every step computed from it between the flip and the
-check already pushed its error into the gradients, and from there into every replica. So after
-each check that finds nothing, every rank keeps the whole training state of that step in memory
-(the *known-good* state: parameters and both Adam moments, as a durable checkpoint holds them, so
-it fits any later layout). When a check finds corruption, every rank restores the known-good state
-and the steps since are redone: with the same data and the same per-micro-batch random numbers
-they give the very values the fault-free run gives.
+Repairing a corrupt copy is not enough: every step computed from it between the flip and the check
+already pushed its error into the gradients, and from there into every replica. So after each check
+that finds nothing, every rank keeps the training state of that step in memory (the *known-good*
+state: parameters and both Adam moments). Data parallelism keeps the whole state, as a durable
+checkpoint holds it, so it fits any later layout; ZeRO-3 keeps its shard and pipeline stages their
+held layers, which fit only the layout they were taken under. When a check finds corruption, every
+rank restores the known-good state and the steps since are redone: with the same data and the same
+per-micro-batch random numbers they give the very values the fault-free run gives.
 
 Two things make a flip visible to the check:
 
@@ -31,15 +32,12 @@ NONE = -1  # a rank that keeps no known-good state
 
 @dataclass
 class KnownGood:
-    """The whole training state after a clean check at ``step``: [params | exp_avg | exp_avg_sq]."""
+    """What a rank keeps of the training state after a clean check at ``step`` (the strategy's
+    ``known_good``: the whole [params | exp_avg | exp_avg_sq], or the part its layout holds)."""
 
     step: int
     loss: float
     whole: torch.Tensor
-
-    def parts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        params, exp_avg, exp_avg_sq = self.whole.chunk(3)
-        return params, exp_avg, exp_avg_sq
 
 
 @dataclass(frozen=True)
@@ -52,17 +50,23 @@ class RollbackVerdict:
     reason: str = ""
 
 
-def rollback_verdict(good_steps: Sequence[int], step: int) -> RollbackVerdict:
+def rollback_verdict(
+    good_steps: Sequence[int], step: int, *, whole: bool = True
+) -> RollbackVerdict:
     """Decide the rollback from each rank's known-good step (``NONE``: it keeps none) at the
     check of ``step``. Pure: every rank computes it from the same all-gathered row.
 
     The ranks that keep a state must agree on its step (they took it at the same check); a rank
-    without one (a newcomer) receives it from the lowest rank that has it. A state newer than
-    the current step (the job went back to an older one since, e.g. a durable fallback) is not a
-    state this trajectory can roll back to."""
+    without one (a newcomer) receives it from the lowest rank that has it, where states are
+    ``whole`` (one rank's fits another's layout): a part of one (a shard, a stage's layers) fits
+    no other rank, so every rank must keep its own. A state newer than the current step (the job
+    went back to an older one since, e.g. a durable fallback) is not a state this trajectory can
+    roll back to."""
     kept = sorted({s for s in good_steps if s != NONE})
     if not kept:
         return RollbackVerdict(None, reason="no rank keeps a known-good state")
+    if not whole and NONE in good_steps:
+        return RollbackVerdict(None, reason="a rank's layout changed since the last clean check")
     if len(kept) > 1:
         return RollbackVerdict(None, reason=f"ranks keep known-good states of steps {kept}")
     target = kept[0]

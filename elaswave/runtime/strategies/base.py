@@ -276,9 +276,18 @@ class Strategy(ABC):
 
     def known_good(self, broken: Callable[[], bool]) -> torch.Tensor:
         """What this rank keeps of a state a check found clean, [params | exp_avg | exp_avg_sq]
-        (a collective): the whole state, which fits any later layout. :meth:`roll_back` takes it
-        back in three equal parts."""
+        (a collective): the whole state, which fits any later layout. :meth:`take_known_good`
+        takes it back."""
         return self.whole(broken).copy()
+
+    def take_known_good(
+        self, step: int, loss: float, good: torch.Tensor, plan: Plan, broken: Callable[[], bool]
+    ) -> None:
+        """Roll back to what :meth:`known_good` kept at ``step`` (three equal parts: the state
+        as a durable checkpoint holds it)."""
+        params, exp_avg, exp_avg_sq = good.chunk(3)
+        state = DurableState(step, loss, params, exp_avg, exp_avg_sq, Path(f"known-good@{step}"))
+        self.roll_back(state, plan, broken)
 
     def layout_key(self) -> Any:
         """What a kept known-good state depends on: None for the whole state; a strategy that

@@ -414,11 +414,37 @@ class PipelineStages(Strategy):
     def adopt(self, state: DurableState, plan: Plan, broken: Callable[[], bool]) -> dict[str, Any]:
         return self.pipe.restore_whole(plan, state)
 
-    def roll_back(self, state: DurableState, plan: Plan, broken: Callable[[], bool]) -> None:
-        if self.pipe.migration is not None:
-            self.ctx.comm.mark_broken()  # its posted messages are void: fresh groups next plan
-        self.pipe.restore_whole(plan, state)
-        stageverify.record(self.pipe, state.step)  # what the next check compares with
+    def known_good(self, broken: Callable[[], bool]) -> torch.Tensor:
+        """The units this rank keeps (its held layers' parameters, their moments or, ZeRO
+        inside the stages, its moment parts), one after another: no rank keeps the whole."""
+        pipe = self.pipe
+        units = sorted(stageverify.kept(pipe))
+        kept = [t.reshape(-1) for u in units for t in stageverify.tensors(pipe, u)]
+        return torch.cat(kept) if kept else self.state.flat.data.new_empty(0)
+
+    def layout_key(self) -> Any:
+        """A stage's known-good state fits only the layers it was taken from: the plan's
+        members, the held and target layers and the moment parts' keepers; never while layers
+        migrate (each call a new key: nothing taken then is kept)."""
+        pipe, plan = self.pipe, self.ctx.plan
+        if pipe.migration is not None or plan is None:
+            return object()
+        return (plan.workers, plan.bounds, pipe.held, pipe.target, tuple(pipe.parts))
+
+    def take_known_good(
+        self, step: int, loss: float, good: torch.Tensor, plan: Plan, broken: Callable[[], bool]
+    ) -> None:
+        """Each unit back from this rank's own known-good copy (same layout: nothing moves)."""
+        pipe = self.pipe
+        at = 0
+        for unit in sorted(stageverify.kept(pipe)):
+            for t in stageverify.tensors(pipe, unit):
+                t.copy_(good[at : at + t.numel()].view_as(t))
+                at += t.numel()
+        assert at == good.numel(), "a known-good state of another layout"
+        pipe.undo = None
+        self.state.step, self.state.last_loss = step, loss
+        stageverify.record(pipe, step)  # what the next check compares with
 
     def verify(self, step: int, broken: Callable[[], bool]) -> bool:
         """Every layer's and moment part's copies compared, bad ones repaired."""
