@@ -24,8 +24,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hosts", type=_sizes, default=None, metavar="N,N,...",
                         help="scale: simulated host counts (default 100,1000)")  # fmt: skip
     parser.add_argument("--tree", type=Path, default=None, metavar="DIR",
-                        help="startup: also run the jobs from this checkout (an earlier "
-                             "commit), for a before/after comparison")  # fmt: skip
+                        help="startup, stagestart: also run the jobs from this checkout (an "
+                             "earlier commit), for a before/after comparison")  # fmt: skip
     parser.add_argument("--device", choices=("cuda", "cpu"), default=None,
                         help="gpustep: cuda (default), or cpu: a dry run of its "
                              "plumbing")  # fmt: skip
@@ -50,8 +50,8 @@ def main(argv: list[str] | None = None) -> int:
                 parser.error("--hosts is an option of the scale scenario only")
             extra["hosts"] = args.hosts
         if args.tree is not None:
-            if args.scenario != "startup":
-                parser.error("--tree is an option of the startup scenario only")
+            if args.scenario not in ("startup", "stagestart"):
+                parser.error("--tree is an option of the startup and stagestart scenarios only")
             extra["tree"] = args.tree
         if args.device is not None:
             if args.scenario != "gpustep":

@@ -106,6 +106,18 @@ class Workload(abc.ABC):
         the whole global batch and divides once, after the reduction: the gradient is that of
         the mean over every counted term of the batch, whatever share of it each rank ran."""
 
+    def build_meta_layer(self, index: int, seed: int) -> nn.Module:
+        """Layer ``index`` with its shapes only, on the meta device: no memory, no initial
+        values (what a pipeline rank keeps of the layers it does not hold, and what the flat
+        layout is computed from). Default: :meth:`build_layer` under the meta device, or, where
+        that fails (a layer that reads a file, say), built on the CPU and then moved there."""
+        try:
+            with torch.device("meta"):
+                layer = self.build_layer(index, seed)
+        except Exception:  # noqa: BLE001 - any failure: the layer as built for training
+            layer = self.build_layer(index, seed)
+        return layer.to("meta")
+
     def layer_costs(self) -> Sequence[float] | None:
         """Relative cost of each layer for the pipeline partitioner, or ``None``: equal costs until
         measured (``layer_costs: profile`` or ``online``)."""
@@ -203,14 +215,17 @@ def build_layers(
     workload: Workload, seed: int, keep: range | None = None, *, shells: bool = False
 ) -> KeyedLayers:
     """Every layer of ``workload`` (:func:`build_layer`). With ``keep``, the layers outside it
-    are moved to the meta device as soon as they are built: they keep their shapes (the flat
-    layout of the whole model) and hold no memory. ``shells``: only their parameters are
-    (:func:`hollow`), their buffers stay."""
+    are built on the meta device (``Workload.build_meta_layer``): they have their shapes (the
+    flat layout of the whole model), no memory and cost no initialisation. ``shells``: only
+    their parameters are on the meta device (:func:`hollow`), their buffers are built."""
     layers = []
     for index in range(workload.num_layers):
-        layer = build_layer(workload, seed, index)
-        if keep is not None and index not in keep:
-            layer = hollow(layer) if shells else layer.to("meta")
+        if keep is None or index in keep:
+            layer = build_layer(workload, seed, index)
+        elif shells:
+            layer = hollow(build_layer(workload, seed, index))
+        else:
+            layer = workload.build_meta_layer(index, seed)
         layers.append(layer)
     return KeyedLayers(layers, seed=seed)
 

@@ -404,18 +404,40 @@ class HFCausalLM(Workload):
         self._check_set(layer, index)
         return layer.train()
 
+    def build_meta_layer(self, index: int, seed: int) -> nn.Module:
+        """Layer ``index``'s modules copied from the meta model, left there: no memory, no
+        initialisation, no checkpoint read."""
+        self._check_index(index)
+        parts, rotary = self._copied(index)
+        return self._layer(index, parts, rotary)
+
+    def _copied(self, index: int) -> tuple[dict[str, nn.Module], nn.Module | None]:
+        """Layer ``index``'s modules (and a block's rotary embedding) copied from the meta
+        model, still on the meta device."""
+        memo = {id(self.config): self.config}  # share the config, copy the modules
+        parts = {
+            local: copy.deepcopy(self._module(path), memo) for local, path in self._parts[index]
+        }
+        rotary = None
+        if 0 < index < len(self._parts) - 1 and self._rotary is not None:
+            rotary = copy.deepcopy(self._module(self._rotary), memo)
+        return parts, rotary
+
+    def _layer(
+        self, index: int, parts: dict[str, nn.Module], rotary: nn.Module | None
+    ) -> nn.Module:
+        if index == 0:
+            return EmbeddingLayer(parts, token=self._token)
+        if index == len(self._parts) - 1:
+            return HeadLayer(parts)
+        return BlockLayer(parts["block"], rotary)
+
     def _initialised(self, index: int, seed: int) -> nn.Module:
         """Layer ``index`` materialised and initialised with the default generator seeded from
         (seed, index), as the runtime seeds it around :meth:`build_layer`."""
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(layer_seed(seed, INIT_STEP, INIT_STEP, index))
-            memo = {id(self.config): self.config}  # share the config, copy the modules
-            parts = {
-                local: copy.deepcopy(self._module(path), memo) for local, path in self._parts[index]
-            }
-            rotary = None
-            if 0 < index < len(self._parts) - 1 and self._rotary is not None:
-                rotary = copy.deepcopy(self._module(self._rotary), memo)
+            parts, rotary = self._copied(index)
             modules = [*parts.values(), *([rotary] if rotary is not None else [])]
             with torch.no_grad():
                 for module in modules:
@@ -424,11 +446,7 @@ class HFCausalLM(Workload):
                 for module in modules:
                     for sub in _post_order(module):
                         self._model._init_weights(sub)
-        if index == 0:
-            return EmbeddingLayer(parts, token=self._token)
-        if index == len(self._parts) - 1:
-            return HeadLayer(parts)
-        return BlockLayer(parts["block"], rotary)
+        return self._layer(index, parts, rotary)
 
     def _load(self, layer: nn.Module, index: int) -> None:
         """Overwrite layer ``index``'s parameters (and persistent buffers) with the checkpoint's
