@@ -14,22 +14,44 @@ point-to-point from a good one before the next step.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from elaswave.runtime.integrity.checksums import fast_checksum
 from elaswave.runtime.integrity.verify import judge_copies
-from elaswave.runtime.strategies.pipeline.stagestate import unpack_into
+from elaswave.runtime.strategies.pipeline.stagestate import Migration, MomentStore, unpack_into
 
 if TYPE_CHECKING:
-    from elaswave.runtime.strategies.pipeline.stage import Pipeline
+    from elaswave.planning.stageshards import Interval
+    from elaswave.runtime.state import RankContext
 
 Unit = tuple[str, int, int]  # ("p" parameters | "m" moments, start, stop)
 TAG_REPAIR = 6
 
 
-def universe(pipe: Pipeline) -> list[Unit]:
+class VerifiedStage(Protocol):
+    """What the checks read of a rank's stage (the pipeline's runner, ``Pipeline``, is one):
+    the layers it holds, the moment parts it keeps, the CRCs it recorded (written here)."""
+
+    e: RankContext
+    num_layers: int
+    zero: bool
+    held: range | None
+    parts: list[tuple[Interval, tuple[int, ...]]]
+    store: MomentStore
+    migration: Migration | None
+    recorded: dict[Unit, int]
+    recorded_step: int
+
+    def span(self, layers: range) -> slice: ...
+
+    def exchange(
+        self, sends: list[Any], recvs: list[Any], broken: Callable[[], bool]
+    ) -> list[torch.Tensor]: ...
+
+
+def universe(pipe: VerifiedStage) -> list[Unit]:
     """Every unit of the current layout, in the same order on every rank."""
     layers = [pipe.span(range(i, i + 1)) for i in range(pipe.num_layers)]
     out: list[Unit] = [("p", r.start, r.stop) for r in layers]
@@ -40,7 +62,7 @@ def universe(pipe: Pipeline) -> list[Unit]:
     return out
 
 
-def kept(pipe: Pipeline) -> set[Unit]:
+def kept(pipe: VerifiedStage) -> set[Unit]:
     """The units this rank keeps current."""
     rank = pipe.e.comm.rank("dp")
     out: set[Unit] = set()
@@ -54,7 +76,7 @@ def kept(pipe: Pipeline) -> set[Unit]:
     return out
 
 
-def tensors(pipe: Pipeline, unit: Unit) -> list[torch.Tensor]:
+def tensors(pipe: VerifiedStage, unit: Unit) -> list[torch.Tensor]:
     kind, a, b = unit
     e = pipe.e
     if kind == "p":
@@ -64,13 +86,13 @@ def tensors(pipe: Pipeline, unit: Unit) -> list[torch.Tensor]:
     return [e.state.exp_avg[a:b], e.state.exp_avg_sq[a:b]]
 
 
-def record(pipe: Pipeline, step: int) -> None:
+def record(pipe: VerifiedStage, step: int) -> None:
     """The CRC of every kept unit as written by the update of ``step``."""
     pipe.recorded = {u: fast_checksum(*tensors(pipe, u)) for u in kept(pipe)}
     pipe.recorded_step = step
 
 
-def verify(pipe: Pipeline, step: int, broken: Callable[[], bool]) -> list[dict[str, Any]]:
+def verify(pipe: VerifiedStage, step: int, broken: Callable[[], bool]) -> list[dict[str, Any]]:
     """Compare every unit's copies, repair the bad ones; the findings (same on every rank).
     Skipped (by every rank alike) while a migration is in progress."""
     if pipe.migration is not None:

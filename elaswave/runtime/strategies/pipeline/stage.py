@@ -70,19 +70,16 @@ from elaswave.runtime.strategies.pipeline import stagezero
 from elaswave.runtime.strategies.pipeline.clocks import SimActuator, make_actuator
 from elaswave.runtime.strategies.pipeline.stagestate import (
     Migration,
+    MomentStore,
     Undo,
     bounds_of,
     hull,
     range_of,
     unpack_into,
 )
-from elaswave.runtime.strategies.pipeline.stagestep import StageStep
+from elaswave.runtime.strategies.pipeline.stagestep import StageStep, StageTools
 from elaswave.runtime.strategies.pipeline.stagetimes import StageTimer
-from elaswave.runtime.strategies.pipeline.stagezero import (
-    Contribution,
-    MomentStore,
-    gather_messages,
-)
+from elaswave.runtime.strategies.pipeline.stagezero import Contribution, gather_messages
 from elaswave.runtime.timing import clock
 from elaswave.runtime.workload.base import EVAL_STEP
 from elaswave.runtime.workload.data import MicroBatch
@@ -250,7 +247,10 @@ class Pipeline:
             return None  # out of service while its layers migrate: only reduce and update
         start = sum(self.shares[:d])
         mbs = everyone[start : start + self.shares[d]]
-        return StageStep(self, step, buf, mbs, broken).run(slow)
+        tools = StageTools(
+            self.num_layers, self.span, self.timer, self.cost_share, self.device_pause
+        )
+        return StageStep(self.e, tools, step, buf, mbs, broken).run(slow)
 
     def update(
         self,

@@ -1,20 +1,85 @@
-"""What a pipeline rank keeps between steps besides its tensors: an asynchronous migration in
-progress, the undo copy of its last update, and the small encodings of layer ranges that ranks
-exchange when they agree on a new layout.
+"""What a pipeline rank keeps between steps besides its parameters: the Adam moments of the
+intervals it keeps under ZeRO (:class:`MomentStore`), an asynchronous migration in progress, the
+undo copy of its last update, and the small encodings of layer ranges that ranks exchange when
+they agree on a new layout.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from bisect import bisect_right
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-if TYPE_CHECKING:
-    from elaswave.runtime.strategies.pipeline.stagezero import MomentStore
+from elaswave.planning.stageshards import Interval, merge
+from elaswave.runtime.optim import OptimHyper, Spans, update_
+
+
+class MomentStore:
+    """Adam's two moments for a set of flat element intervals, stored back to back."""
+
+    def __init__(
+        self, intervals: Sequence[Interval] = (), device: torch.device | None = None
+    ) -> None:
+        self.intervals = merge(intervals)
+        self._starts = [a for a, _ in self.intervals]
+        self._base: list[int] = []
+        total = 0
+        for a, b in self.intervals:
+            self._base.append(total)
+            total += b - a
+        self.exp_avg = torch.zeros(total, dtype=torch.float32, device=device)
+        self.exp_avg_sq = torch.zeros(total, dtype=torch.float32, device=device)
+
+    @property
+    def numel(self) -> int:
+        return self.exp_avg.numel()
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.numel * self.exp_avg.element_size()
+
+    def locate(self, start: int, stop: int) -> slice:
+        """The compact slice of flat elements ``start:stop`` (they must lie in one interval)."""
+        i = bisect_right(self._starts, start) - 1
+        if i < 0 or stop > self.intervals[i][1]:
+            raise KeyError(f"elements {start}:{stop} are not kept here")
+        lo = self._base[i] + start - self.intervals[i][0]
+        return slice(lo, lo + stop - start)
+
+    def view(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        s = self.locate(start, stop)
+        return self.exp_avg[s], self.exp_avg_sq[s]
+
+    def packed(self, start: int, stop: int) -> torch.Tensor:
+        """``[exp_avg | exp_avg_sq]`` of ``start:stop``: one message."""
+        m, v = self.view(start, stop)
+        return torch.cat([m, v])
+
+    def unpack(self, start: int, stop: int, payload: torch.Tensor) -> None:
+        unpack_into(payload, self.view(start, stop))
+
+    def fill_from(self, other: MomentStore) -> None:
+        """Copy every element both stores keep from ``other``."""
+        for a, b in self.intervals:
+            for c, d in other.intervals:
+                lo, hi = max(a, c), min(b, d)
+                if lo < hi:
+                    m, v = self.view(lo, hi)
+                    om, ov = other.view(lo, hi)
+                    m.copy_(om)
+                    v.copy_(ov)
+
+    def update(self, params: Spans, grad: Spans, step: int, hyper: OptimHyper) -> None:
+        """AdamW on every kept element (element-wise: the other keeper of a part computes the
+        same bits from the same all-reduced gradient)."""
+        for a, b in self.intervals:
+            m, v = self.view(a, b)
+            update_(params[a:b], grad[a:b], m, v, step, hyper, hyper.groups_of(slice(a, b)))
 
 
 @dataclass

@@ -11,21 +11,36 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from elaswave.planning.schedule import Comm, Compute, schedule_1f1b
 from elaswave.runtime.strategies.base import COUNT, LOSS
+from elaswave.runtime.strategies.pipeline.stagetimes import StageTimer
 from elaswave.runtime.timing import busy_mark, busy_since
 from elaswave.runtime.workload.data import MicroBatch
 
 if TYPE_CHECKING:
-    from elaswave.runtime.strategies.pipeline.stage import Pipeline
+    from elaswave.runtime.state import RankContext
 
 TAG_ACT, TAG_GRAD = 1, 2
 
-__all__ = ["StageStep"]
+__all__ = ["StageStep", "StageTools"]
+
+
+@dataclass(frozen=True)
+class StageTools:
+    """What a step needs of its rank's stage: the model's layer count, a layer range's flat
+    span, the timer of the stage's layers, a layer range's share of the model's cost, and the
+    emulated device's pause after a layer range's forward or backward."""
+
+    num_layers: int
+    span: Callable[[range], slice]
+    timer: StageTimer
+    cost_share: Callable[[range], float]
+    device_pause: Callable[[range, bool], None]
 
 
 class StageStep:
@@ -33,17 +48,17 @@ class StageStep:
 
     def __init__(
         self,
-        pipe: Pipeline,
+        ctx: RankContext,
+        tools: StageTools,
         step: int,
         buf: torch.Tensor,
         mbs: list[MicroBatch],
         broken: Callable[[], bool],
     ) -> None:
-        ctx = pipe.e
         plan = ctx.plan
         assert plan is not None
-        self.pipe, self.ctx, self.step, self.buf, self.mbs, self.broken = (
-            pipe, ctx, step, buf, mbs, broken,
+        self.ctx, self.tools, self.step, self.buf, self.mbs, self.broken = (
+            ctx, tools, step, buf, mbs, broken,
         )  # fmt: skip
         rank = ctx.comm.rank("dp")
         d, self.stage = plan.position(rank)
@@ -52,8 +67,8 @@ class StageStep:
         self.layers = layers = plan.stage_layers(rank)
         self.prev_rank = ranks[self.stage - 1] if self.stage > 0 else None
         self.next_rank = ranks[self.stage + 1] if self.stage + 1 < self.stages else None
-        self.first, self.last = layers.start == 0, layers.stop == pipe.num_layers
-        self.region = pipe.span(layers)
+        self.first, self.last = layers.start == 0, layers.stop == tools.num_layers
+        self.region = tools.span(layers)
         # What arrives from the previous stage and what goes back to it; what this stage sends
         # and the gradient that comes back for it (shapes and dtypes: the workload's).
         workload, size = ctx.state.workload, ctx.cfg.train.micro_batch_size
@@ -71,10 +86,10 @@ class StageStep:
         """The whole schedule; returns busy seconds per micro-batch (``None``: no micro-batch).
         ``slow``: extra seconds per micro-batch of the whole model (a ``slow`` fault); the stage
         sleeps its layers' cost share of it, half after the forward and half after the backward."""
-        pipe, ctx = self.pipe, self.ctx
-        pipe.timer.begin(self.layers)
+        tools, ctx = self.tools, self.ctx
+        tools.timer.begin(self.layers)
         busy = 0.0
-        extra = slow * pipe.cost_share(self.layers) / 2
+        extra = slow * tools.cost_share(self.layers) / 2
         for item in schedule_1f1b(self.stage, self.stages, len(self.mbs)):
             if isinstance(item, Compute):
                 ctx.enter("compute")
@@ -92,11 +107,11 @@ class StageStep:
             n = ctx.state.flat.numel
             self.buf[n + LOSS] += self.loss_sum.to(self.buf.dtype)
             self.buf[n + COUNT] += self.count
-        pipe.timer.end(len(self.mbs), [pipe.cost_share(range(i, i + 1)) for i in self.layers])
+        tools.timer.end(len(self.mbs), [tools.cost_share(range(i, i + 1)) for i in self.layers])
         return busy / len(self.mbs) if self.mbs else None
 
     def forward(self, i: int) -> None:
-        st, timer = self.ctx.state, self.pipe.timer
+        st, timer = self.ctx.state, self.tools.timer
         mb = self.mbs[i]
         # Only the first stage needs the inputs and only the last the targets.
         data, targets = st.microbatch(mb.sample_ids) if self.first or self.last else (None, None)
@@ -105,7 +120,7 @@ class StageStep:
             with timer.forward(index):
                 h = st.model.run_layer(index, h, self.step, mb.id)
         with timer.pause():
-            self.pipe.device_pause(self.layers, backward=False)
+            self.tools.device_pause(self.layers, False)
         if self.last:
             loss, count = st.loss(h, targets)
             self.loss_sum += loss.detach()
@@ -116,13 +131,13 @@ class StageStep:
 
     def backward(self, i: int) -> None:
         out = self.outputs.pop(i)
-        with self.pipe.timer.backward():
+        with self.tools.timer.backward():
             if self.last:
                 out.backward()
             else:
                 out.backward(self.grads_in.pop(i))
-        with self.pipe.timer.pause():
-            self.pipe.device_pause(self.layers, backward=True)
+        with self.tools.timer.pause():
+            self.tools.device_pause(self.layers, True)
         flat = self.ctx.state.flat
         grad = flat.at(flat.collect_grads())[self.region]
         flat.at(self.buf)[self.region].add_(grad)

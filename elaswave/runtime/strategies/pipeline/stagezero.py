@@ -1,22 +1,20 @@
-"""ZeRO-1 inside pipeline stages: the state a rank keeps, and the tensors that move.
+"""ZeRO-1 inside pipeline stages: the tensors that move.
 
 The layout is pure (:mod:`elaswave.planning.stageshards`): the layers a group of data-parallel
 ranks holds form a *block*; its Adam moments are cut into one part per holder and every part is
-kept, and updated, by two holders. This module holds the tensors: a :class:`MomentStore` with
-the moments of exactly the kept intervals (compact: a rank allocates ~2/k of its stage's
-moments, not the whole model's), the update of the kept elements, the messages of the per-step
-parameter gather, and what :class:`~elaswave.runtime.strategies.pipeline.stage.Pipeline`
-calls with itself on a layout change (:func:`sync`: blocking or asynchronous) and at the end
-(:func:`assemble`).
+kept, and updated, by two holders. This module moves the tensors (the moments of exactly the
+kept intervals live in a :class:`~elaswave.runtime.strategies.pipeline.stagestate.MomentStore`:
+compact, a rank allocates ~2/k of its stage's moments, not the whole model's): the messages of
+the per-step parameter gather, and what the pipeline calls with itself (a :class:`ZeroStage`) on
+a layout change (:func:`sync`: blocking or asynchronous) and at the end (:func:`contributions`).
 """
 
 from __future__ import annotations
 
 import time
-from bisect import bisect_right
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -37,18 +35,17 @@ from elaswave.planning.stageshards import (
 )
 from elaswave.runtime.durable.checkpoints import DurableState
 from elaswave.runtime.integrity.checksums import digest
-from elaswave.runtime.optim import OptimHyper, Spans, update_
+from elaswave.runtime.optim import Spans
 from elaswave.runtime.strategies.pipeline.stagestate import (
     Migration,
+    MomentStore,
     bounds_of,
     hull,
     range_of,
-    unpack_into,
 )
 
 if TYPE_CHECKING:
-    from elaswave.runtime.state import TrainState
-    from elaswave.runtime.strategies.pipeline.stage import Pipeline
+    from elaswave.runtime.state import RankContext, TrainState
 
 TAG_PARAM, TAG_MOMENT = 4, 5
 Message = tuple[int, torch.Tensor, int]  # (peer, tensor, tag)
@@ -57,67 +54,49 @@ Message = tuple[int, torch.Tensor, int]  # (peer, tensor, tag)
 Contribution = tuple[int, int, int, torch.Tensor]
 
 
-class MomentStore:
-    """Adam's two moments for a set of flat element intervals, stored back to back."""
+class ZeroStage(Protocol):
+    """What a layout change under ZeRO reads and changes of a rank's stage (the pipeline's
+    runner, ``Pipeline``, is one): its layers and parts, and the moves it makes."""
 
-    def __init__(
-        self, intervals: Sequence[Interval] = (), device: torch.device | None = None
-    ) -> None:
-        self.intervals = merge(intervals)
-        self._starts = [a for a, _ in self.intervals]
-        self._base: list[int] = []
-        total = 0
-        for a, b in self.intervals:
-            self._base.append(total)
-            total += b - a
-        self.exp_avg = torch.zeros(total, dtype=torch.float32, device=device)
-        self.exp_avg_sq = torch.zeros(total, dtype=torch.float32, device=device)
+    e: RankContext
+    num_layers: int
+    offsets: list[tuple[int, int]]
+    costs: tuple[float, ...]
+    held: range | None
+    target: range
+    fresh: bool
+    serving: list[bool]
+    shares: tuple[int, ...]
+    migration: Migration | None
+    store: MomentStore
+    gather: list[Piece]
+    parts: list[tuple[Interval, tuple[int, ...]]]
 
-    @property
-    def numel(self) -> int:
-        return self.exp_avg.numel()
+    def span(self, layers: range) -> slice: ...
 
-    @property
-    def nbytes(self) -> int:
-        return 2 * self.numel * self.exp_avg.element_size()
+    def fit_window(self) -> None: ...
 
-    def locate(self, start: int, stop: int) -> slice:
-        """The compact slice of flat elements ``start:stop`` (they must lie in one interval)."""
-        i = bisect_right(self._starts, start) - 1
-        if i < 0 or stop > self.intervals[i][1]:
-            raise KeyError(f"elements {start}:{stop} are not kept here")
-        lo = self._base[i] + start - self.intervals[i][0]
-        return slice(lo, lo + stop - start)
+    def exchange(
+        self, sends: list[Any], recvs: list[Any], broken: Callable[[], bool]
+    ) -> list[torch.Tensor]: ...
 
-    def view(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
-        s = self.locate(start, stop)
-        return self.exp_avg[s], self.exp_avg_sq[s]
+    def link_pause(self, received: Sequence[torch.Tensor]) -> None: ...
 
-    def packed(self, start: int, stop: int) -> torch.Tensor:
-        """``[exp_avg | exp_avg_sq]`` of ``start:stop``: one message."""
-        m, v = self.view(start, stop)
-        return torch.cat([m, v])
+    def begin_layout(
+        self, plan: Plan, resume: int, rolled_back: list[int]
+    ) -> tuple[list[range], dict[str, Any]]: ...
 
-    def unpack(self, start: int, stop: int, payload: torch.Tensor) -> None:
-        unpack_into(payload, self.view(start, stop))
+    def restore_whole(self, plan: Plan, state: DurableState) -> dict[str, Any]: ...
 
-    def fill_from(self, other: MomentStore) -> None:
-        """Copy every element both stores keep from ``other``."""
-        for a, b in self.intervals:
-            for c, d in other.intervals:
-                lo, hi = max(a, c), min(b, d)
-                if lo < hi:
-                    m, v = self.view(lo, hi)
-                    om, ov = other.view(lo, hi)
-                    m.copy_(om)
-                    v.copy_(ov)
+    def roll_back(self, resume: int) -> None: ...
 
-    def update(self, params: Spans, grad: Spans, step: int, hyper: OptimHyper) -> None:
-        """AdamW on every kept element (element-wise: the other keeper of a part computes the
-        same bits from the same all-reduced gradient)."""
-        for a, b in self.intervals:
-            m, v = self.view(a, b)
-            update_(params[a:b], grad[a:b], m, v, step, hyper, hyper.groups_of(slice(a, b)))
+    def start_migration(
+        self,
+        m: Migration,
+        sends: list[Any],
+        recvs: list[Any],
+        lands: list[Callable[[torch.Tensor], object]],
+    ) -> None: ...
 
 
 def gather_messages(
@@ -142,7 +121,7 @@ def moment_messages(
 
 # ---- recovery and checks (the pipeline calls these with itself) ---------------------------
 def sync(
-    pipe: Pipeline,
+    pipe: ZeroStage,
     plan: Plan,
     broken: Callable[[], bool],
     asynchronous: bool,
@@ -222,7 +201,7 @@ def sync(
 
 
 def _agree_resume(
-    pipe: Pipeline,
+    pipe: ZeroStage,
     plan: Plan,
     broken: Callable[[], bool],
     start_from: Callable[[], DurableState | None] | None,
@@ -246,7 +225,7 @@ def _agree_resume(
 
 
 def _what_ranks_have(
-    pipe: Pipeline, resume: int, broken: Callable[[], bool]
+    pipe: ZeroStage, resume: int, broken: Callable[[], bool]
 ) -> tuple[tuple[float, float], list[list[Interval]], list[list[Interval]]]:
     """Every rank's held layers and kept moment intervals, gathered: this rank's held bounds,
     then per rank the parameter intervals it holds and the moment intervals it keeps."""
@@ -269,7 +248,7 @@ def _what_ranks_have(
 
 
 def _move_blocking(
-    pipe: Pipeline,
+    pipe: ZeroStage,
     param_pieces: list[Piece],
     moment_pieces: list[Piece],
     store: MomentStore,
@@ -297,13 +276,13 @@ def _move_blocking(
     }
 
 
-def _gather_bytes(pipe: Pipeline) -> int:
+def _gather_bytes(pipe: ZeroStage) -> int:
     rank = pipe.e.comm.rank("dp")
     return 4 * sum(p.stop - p.start for p in pipe.gather if p.dst == rank)
 
 
 def _start_migration(
-    pipe: Pipeline,
+    pipe: ZeroStage,
     param_pieces: list[Piece],
     moment_pieces: list[Piece],
     newly: list[Interval],
@@ -348,8 +327,8 @@ def _land_params(state: TrainState, start: int, stop: int, payload: torch.Tensor
     state.params[start:stop].copy_(payload)
 
 
-def contributions(pipe: Pipeline, broken: Callable[[], bool]) -> tuple[list[Contribution], bool]:
-    """ZeRO: as :meth:`Pipeline.contributions`, with each moment part from its lowest-rank
+def contributions(pipe: ZeroStage, broken: Callable[[], bool]) -> tuple[list[Contribution], bool]:
+    """ZeRO: as the pipeline's ``contributions``, with each moment part from its lowest-rank
     keeper, and both keepers of every part compared as well as every layer's holders."""
     e = pipe.e
     params = e.state.params
