@@ -37,6 +37,7 @@ from typing import Any
 from bench.common import BenchError, console, print_table
 from bench.scalesim import ETCD_REQUEST_LIMIT, Sim
 from elaswave.daemon.etcd_server import EtcdCluster
+from elaswave.planning import planwire
 from elaswave.planning.pipeplan import next_pipeline_plan
 from elaswave.planning.plan import next_plan
 from elaswave.planning.plandelta import encode_delta
@@ -115,7 +116,7 @@ def planner_times(ranks: int = PLANNER_RANKS, rounds: int = 3) -> dict[str, Any]
             t = time.perf_counter()
             planner(after, [*lost, *extra])
             times["host joined"].append(time.perf_counter() - t)
-            sizes.append(len(after.to_json().encode()))
+            sizes.append(len(planwire.encode(after).encode()))
         out[kind] = {k: round(statistics.median(v), 4) for k, v in times.items()}
         out[kind]["plan_bytes"] = max(sizes)
     # Workers register as they become ready: at a real start the hosts' workers interleave in
@@ -126,7 +127,7 @@ def planner_times(ranks: int = PLANNER_RANKS, rounds: int = 3) -> dict[str, Any]
     plan = dp(None, shuffled)
     after = dp(plan, [m for m in shuffled if m.worker_id != shuffled[ranks // 2].worker_id])
     out["interleaved"] = {
-        "plan_bytes": len(after.to_json().encode()),
+        "plan_bytes": len(planwire.encode(after).encode()),
         "delta_bytes": len(encode_delta(plan, after).encode()),
     }
     worst = max(out[k]["plan_bytes"] for k in ("dp", "pp16", "interleaved"))

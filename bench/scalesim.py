@@ -9,7 +9,7 @@ A :class:`SimHost` is a host daemon without worker processes. It does what
   :class:`~elaswave.daemon.controlplane.ControlPlane` (an etcd outage, a renewal after expiry);
 - it campaigns for leader (:func:`~elaswave.daemon.leader.campaign`); the winner runs the real
   :class:`~elaswave.daemon.leader.Planner`, which makes real plans from the worker keys;
-- it follows the plan key (``JobStore.plans``) and decodes every plan (``Plan.from_json``).
+- it follows the plan key (``JobStore.plans``) and decodes every plan (``planwire.decode``).
 
 Faults are the daemon's own paths: a worker exit is the departure record a daemon writes when a
 worker process exits; a dying host stops refreshing its lease (its keys go when etcd expires
@@ -42,6 +42,7 @@ from elaswave.daemon.etcd_server import EtcdCluster
 from elaswave.daemon.jobstore import JobStore, PlanError
 from elaswave.daemon.leader import Candidate, Leadership, campaign, succession_turn
 from elaswave.keys import JobKeys
+from elaswave.planning import planwire
 from elaswave.planning.plan import Plan
 from elaswave.planning.plandelta import encode_delta
 
@@ -353,7 +354,7 @@ class Sim:
         whole, self.whole.count = self.whole.count, 0
         seen = [h.seen[epoch] - detected for h in self.live() if epoch in h.seen]
         plan = next(h.plan for h in self.live() if h.plan and h.plan.epoch == epoch)
-        value = plan.to_json().encode()
+        value = planwire.encode(plan).encode()
         base, self.held = self.held, plan
         return {
             "fault": fault,

@@ -15,6 +15,7 @@ from elaswave.daemon.netns import set_links
 from elaswave.errors import FaultSpecError, JobNotFound
 from elaswave.faults import FaultKind, FaultSpec
 from elaswave.keys import JobKeys
+from elaswave.planning import planwire
 from elaswave.planning.plan import Plan
 from elaswave.report import MEMORY_FIELDS  # null per rank until its worker reports under a plan
 
@@ -66,7 +67,7 @@ async def read_status(db: Etcd, job_id: str) -> dict[str, Any] | None:
     done_kv = await db.get(keys.done)
     if not hosts and plan_kv is None:
         return None
-    plan = Plan.from_json(plan_kv.value) if plan_kv else None
+    plan = planwire.decode(plan_kv.value) if plan_kv else None
     members = []
     if plan is not None:
         for rank, wid in enumerate(plan.workers):
@@ -148,7 +149,7 @@ async def _inject(
         plan_kv = await db.get(keys.plan)
         if plan_kv is None:
             raise FaultSpecError(f"job {job_id!r} has no plan yet; retry once it has started")
-        plan = Plan.from_json(plan_kv.value)
+        plan = planwire.decode(plan_kv.value)
         if fault.host is not None:
             return await _inject_host(db, keys, plan, hosts, fault)
         live = {kv.key.removeprefix(keys.workers) for kv in await db.get_prefix(keys.workers)}

@@ -23,6 +23,7 @@ from elaswave.daemon.aio import wait_for
 from elaswave.daemon.etcd import Etcd
 from elaswave.faults import FaultSpec
 from elaswave.keys import JobKeys
+from elaswave.planning import planwire
 from elaswave.planning.plan import Member, Plan
 from elaswave.planning.plandelta import apply_delta, delta_epochs, encode_delta
 
@@ -96,7 +97,7 @@ class PlanError(ValueError):
 def decode_plan(value: bytes) -> Plan | PlanError:
     """The plan a value of the plan key holds, or why it holds none."""
     try:
-        return Plan.from_json(value)
+        return planwire.decode(value)
     except (ValueError, KeyError, TypeError) as exc:
         return PlanError(f"malformed plan ({type(exc).__name__})")
 
@@ -157,7 +158,7 @@ class JobStore:
         kv = await self.etcd.get(self.keys.plan)
         if kv is None:
             return None, 0
-        return Plan.from_json(kv.value), kv.mod_revision
+        return planwire.decode(kv.value), kv.mod_revision
 
     async def publish_plan(
         self, plan: Plan, *, mod_revision: int, leader: str, base: Plan | None = None
@@ -168,7 +169,7 @@ class JobStore:
         this write landed, also when its answer was lost (the etcd member went away after
         applying it and the retry's compare failed): that write is recognised in etcd's
         history."""
-        data = plan.to_json()
+        data = planwire.encode(plan)
         if await self.etcd.compare_and_put(
             self.keys.plan,
             data,

@@ -64,6 +64,7 @@ from elaswave.errors import (
 )
 from elaswave.events import EVENTS_FILE, METRICS_FILE, EventLog, JsonlWriter
 from elaswave.keys import JobKeys
+from elaswave.planning import planwire
 from elaswave.planning.plan import Plan
 from elaswave.planning.relaunch import Records
 
@@ -498,7 +499,7 @@ class HostDaemon:
             )
             self.events.emit("worker_ready", host=self.host_id, worker=w.worker_id, pid=w.pid)
             if self.plan is not None:
-                conn.send({"type": "plan", "plan": self.plan.to_json()})
+                conn.send({"type": "plan", "plan": planwire.encode(self.plan)})
             self.faults.dispatch()
         elif kind == "event":
             event = dict(msg.get("event") or {})
@@ -604,7 +605,7 @@ class HostDaemon:
         ]
         if dropped:
             self.pool.fence(dropped, plan)  # before the plan reaches them: they must not act on it
-        msg = {"type": "plan", "plan": plan.to_json()}
+        msg = {"type": "plan", "plan": planwire.encode(plan)}
         for wid, conn in list(self.conns.items()):
             if self.workers.get(wid) and self.workers[wid].ready:
                 conn.send(msg)

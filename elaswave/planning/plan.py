@@ -120,19 +120,6 @@ class Plan:
         rank = range(self.world_size)[rank]  # IndexError and negative ranks as a tuple has them
         return range(self._starts[rank], self._starts[rank] + self.microbatches[rank])
 
-    def to_json(self) -> str:
-        """The plan as etcd holds it (:mod:`~elaswave.planning.planwire`, compact at any scale)."""
-        from elaswave.planning import planwire  # the codec imports this module
-
-        return planwire.encode(self)
-
-    @classmethod
-    def from_json(cls, text: str | bytes) -> Plan:
-        """The plan :meth:`to_json` wrote, or one in the plain format of before."""
-        from elaswave.planning import planwire  # the codec imports this module
-
-        return planwire.decode(text)
-
     @cached_property
     def _ranks(self) -> dict[str, int]:
         """Worker id → its rank (the first, should a plan list a worker twice)."""

@@ -18,6 +18,7 @@ from elaswave.daemon.etcd_server import EmbeddedEtcd
 from elaswave.daemon.jobstore import Change, JobChange, JobStore, PlanError
 from elaswave.faults import FaultKind, FaultSpec, decode_request
 from elaswave.keys import JobKeys
+from elaswave.planning import planwire
 from elaswave.planning.plan import Plan
 
 T = TypeVar("T")
@@ -428,7 +429,7 @@ def test_changes_name_what_planning_reacts_to(endpoint: str) -> None:
         await s.etcd.put(k.departures + "h1.w1", "gone")
         await s.etcd.delete(k.departures + "h1.w1")  # taken by the planner: nothing
         await s.share_speeds("h1", {"h1.w0": {"epoch": 1, "per_mb": [0.5]}}, lease=lease)
-        await s.etcd.put(k.plan, _plan(1, ["h1.w0"]).to_json())  # the plan itself: nothing
+        await s.etcd.put(k.plan, planwire.encode(_plan(1, ["h1.w0"])))  # the plan itself: nothing
         await s.etcd.put_json(k.progress, {"step": 1})  # progress: nothing
         await s.etcd.revoke_lease(lease)  # h1 goes: its host, worker and speed keys
         await s.etcd.put_json(k.done, {"step": 1})

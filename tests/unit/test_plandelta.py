@@ -11,6 +11,7 @@ from dataclasses import replace
 
 import pytest
 
+from elaswave.planning import planwire
 from elaswave.planning.pipeplan import next_pipeline_plan
 from elaswave.planning.plan import Member, Plan, next_plan, reshared_plan
 from elaswave.planning.plandelta import apply_delta, delta_epochs, encode_delta
@@ -165,6 +166,6 @@ def test_at_100000_ranks_a_worker_exit_is_a_few_hundred_bytes() -> None:
     members = [replace(m, order=i) for i, m in enumerate(members)]
     base = _dp(None, members, mbs=200_000)
     new = _dp(base, [m for m in members if m.worker_id != members[5_000].worker_id], mbs=200_000)
-    whole, delta = len(new.to_json().encode()), len(encode_delta(base, new).encode())
+    whole, delta = len(planwire.encode(new).encode()), len(encode_delta(base, new).encode())
     assert whole > 100_000 and delta < 1_000, (whole, delta)
     assert apply_delta(base, encode_delta(base, new)) == new

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from elaswave.planning import planwire
 from elaswave.planning.pipeplan import next_pipeline_plan
 from elaswave.planning.plan import Plan, next_plan, reshared_plan
 from elaswave.planning.scaleplans import synthetic_members
@@ -143,7 +144,7 @@ def test_reshared_plan_keeps_ranks_and_batch() -> None:
     assert p.epoch == 4 and p.workers == W and p.hosts == PLAN.hosts
     assert p.microbatches == (5, 5, 4, 2) and p.departed == () and p.evicted == ()
     assert p.reason == "straggler: x → epoch 4: dp 4, micro-batches [4, 4, 4, 4] → [5, 5, 4, 2]"
-    assert Plan.from_json(p.to_json()) == p
+    assert planwire.decode(planwire.encode(p)) == p
 
 
 def test_reshared_plan_evicts() -> None:
@@ -151,7 +152,7 @@ def test_reshared_plan_evicts() -> None:
     assert p.workers == ("a", "c", "d") and p.hosts == ("h0", "h1", "h1")
     assert p.departed == ("b",) and p.evicted == ("b",)
     assert "dp 4→3" in p.reason
-    assert Plan.from_json(p.to_json()) == p
+    assert planwire.decode(planwire.encode(p)) == p
 
 
 @pytest.mark.parametrize(

@@ -22,6 +22,7 @@ from typing import Any
 
 from elaswave import wire
 from elaswave.faults import FaultSpec
+from elaswave.planning import planwire
 from elaswave.planning.plan import Plan
 
 log = logging.getLogger(__name__)
@@ -127,7 +128,7 @@ class ControlClient:
             if kind == "config":
                 self.config = msg
             elif kind == "plan":
-                plan = Plan.from_json(msg["plan"])
+                plan = planwire.decode(msg["plan"])
                 if self.latest_plan is None or plan.epoch > self.latest_plan.epoch:
                     self.latest_plan = plan
             elif kind == "fault":
