@@ -18,11 +18,11 @@ from elaswave.errors import ElasWaveError, JobComplete, StartOverRefused
 from elaswave.planning.relaunch import Verdict, merge_records, relaunch_verdict
 
 if TYPE_CHECKING:
-    from elaswave.daemon.supervisor import HostDaemon
+    from elaswave.daemon.host import Host
 
 
 class JobEntry:
-    def __init__(self, d: HostDaemon) -> None:
+    def __init__(self, d: Host) -> None:
         self.d = d
 
     async def join(self) -> None:

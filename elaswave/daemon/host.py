@@ -1,6 +1,6 @@
 """What the per-host daemon's parts see of it.
 
-The control plane, the fault relay and the worker pool each work for one
+The control plane, the fault relay, the worker pool and the job entry each work for one
 :class:`~elaswave.daemon.supervisor.HostDaemon`; they are typed against this protocol instead, so
 no module of the daemon imports the supervisor back.
 """
@@ -20,10 +20,13 @@ if TYPE_CHECKING:
     from elaswave.daemon.jobstore import JobStore
     from elaswave.daemon.leader import Leadership
     from elaswave.daemon.outbox import Outbox
+    from elaswave.daemon.records import StepRecords
+    from elaswave.daemon.streams import JobStream
     from elaswave.daemon.workers import WorkerProc
     from elaswave.events import EventLog
     from elaswave.keys import JobKeys
     from elaswave.planning.plan import Plan
+    from elaswave.planning.relaunch import Records
 
 
 class Host(Protocol):
@@ -45,6 +48,14 @@ class Host(Protocol):
     stopping: bool
     unrecoverable: str | None
     finished: asyncio.Event  # set once every worker process of this host has exited
+    # what joining the job reads and sets (the entry)
+    host_addr: str
+    earlier: Records | None  # what an earlier run of this job id left in this run directory
+    moved: Path | None  # where --fresh moved it
+    resuming: bool
+    records: StepRecords
+    stream: JobStream | None
+    started: float
 
     @property
     def is_leader(self) -> bool: ...

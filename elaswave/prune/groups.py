@@ -18,42 +18,19 @@ output features.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
 from elaswave.errors import ConfigError
-from elaswave.runtime.workload.base import KeyedLayers, ParamRef, Workload
+from elaswave.runtime.workload.base import Family, KeyedLayers, Member, ParamRef, Workload
 
 __all__ = ["Family", "Member", "NoGroups", "find_groups", "flat_index", "traced_families"]
 
 
 class NoGroups(ConfigError):
     """The model has no zero-invariant group to prune."""
-
-
-@dataclass(frozen=True)
-class Member:
-    """Block ``j`` of parameter ``param``: elements ``[start + j*size, start + (j+1)*size)``
-    along ``axis``."""
-
-    param: ParamRef
-    axis: int
-    size: int = 1
-    start: int = 0
-
-
-@dataclass(frozen=True)
-class Family:
-    name: str  # e.g. layers.3.mlp
-    kind: str  # groups of one kind share a width in a compressed model (attention | mlp | ...)
-    count: int
-    members: tuple[Member, ...]
-    # Blocks removed with a zero group but not part of it: the next layer's inputs from a
-    # channel that is zero whenever its group is (a zero-preserving activation between).
-    consumers: tuple[Member, ...] = ()
 
 
 def find_groups(

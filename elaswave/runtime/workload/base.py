@@ -20,15 +20,12 @@ import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from elaswave.runtime.workload.rng import stream_seed
-
-if TYPE_CHECKING:
-    from elaswave.prune.groups import Family
 
 __all__ = [
     "Dataset",
@@ -61,6 +58,31 @@ class TensorSpec:
 
     shape: tuple[int, ...]
     dtype: torch.dtype = torch.float32
+
+
+@dataclass(frozen=True)
+class Member:
+    """Block ``j`` of parameter ``param``: elements ``[start + j*size, start + (j+1)*size)``
+    along ``axis``."""
+
+    param: ParamRef
+    axis: int
+    size: int = 1
+    start: int = 0
+
+
+@dataclass(frozen=True)
+class Family:
+    """``count`` zero-invariant groups over one hidden dimension (:mod:`elaswave.prune.groups`):
+    group ``j`` is block ``j`` of every member."""
+
+    name: str  # e.g. layers.3.mlp
+    kind: str  # groups of one kind share a width in a compressed model (attention | mlp | ...)
+    count: int
+    members: tuple[Member, ...]
+    # Blocks removed with a zero group but not part of it: the next layer's inputs from a
+    # channel that is zero whenever its group is (a zero-preserving activation between).
+    consumers: tuple[Member, ...] = ()
 
 
 class Workload(abc.ABC):
