@@ -302,7 +302,9 @@ def test_a_requeue_resumes_from_the_checkpoint(slurm: Any, reference: Run) -> No
     """``scontrol requeue`` kills the running job and runs the script again under its job id
     (on the same four nodes: the bed has four): etcd comes back with the job's records from its
     data directory, the launches resume from the newest checkpoint, no step is recorded twice."""
-    steps = CHECKPOINT_EVERY + 10
+    # Long enough past the checkpoint that the job still trains when the requeue's signal
+    # reaches it (Slurm takes a second or more; the test model trains ~10 steps a second).
+    steps = CHECKPOINT_EVERY + 40
     bed = slurm(steps=steps, nodes=4)
     job_id = submit(bed)
     checkpoints = run_dir(bed, job_id) / "checkpoints"
