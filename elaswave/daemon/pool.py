@@ -13,7 +13,7 @@ import contextlib
 from typing import TYPE_CHECKING
 
 from elaswave.daemon.template import Adopted
-from elaswave.daemon.workers import WorkerProc, spawn, worker_id
+from elaswave.daemon.workers import WorkerProc, spawn, stop_all, worker_id
 from elaswave.planning.verdicts import respawn_verdict
 
 if TYPE_CHECKING:
@@ -43,6 +43,8 @@ class WorkerPool:
             w = await self._spawn(slot, incarnation)
         finally:
             self.expecting.pop(wid).set()
+        if d.stopping:  # this host stopped while the worker was being made: it never joins
+            await stop_all([w], d.cfg.timeouts.shutdown_grace)
         return w
 
     async def registered(self, wid: str) -> None:
