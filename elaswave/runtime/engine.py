@@ -181,15 +181,19 @@ class Engine:
         while self.state.step < total:
             if self.control.stop_requested:
                 return EXIT_OK
-            try:
+            during = "recovery"  # what a fault interrupts: the sync before a step, the step
+            try:  # (its compute and reduction), or the checks after its commit
                 self.begin_step()
+                during = "step"
                 result = self.train_step(self.state.step + 1)
+                during = "checks"
                 self.commit_step(result)
                 self._after_commit(result.step)
             except (CommError, Interrupted) as exc:
                 self.control.event(
-                    "step_aborted", worker=self.me, step=self.state.step + 1, reason=str(exc)[:300]
-                )
+                    "step_aborted", worker=self.me, step=self.state.step + 1, during=during,
+                    reason=str(exc)[:300],
+                )  # fmt: skip
                 # An abandoned collective may still be running and write into its tensor (a
                 # peer cut off by a partition is not an error until TCP gives up): redo the
                 # step in a fresh buffer, never in the one gloo still holds.

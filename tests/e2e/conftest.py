@@ -114,7 +114,8 @@ def assert_redid_only(
 
     ``may_have_committed``: a fault at an arbitrary time (a host killed) may land after some
     survivor's reduction completed; that survivor committed the step, the others copy it and
-    nothing is redone (the sync's steps show it)."""
+    nothing is redone (the sync's steps show it). Or it lands between two steps (in the checks
+    after a commit): no survivor started the next step, and nothing is redone either."""
     plans = {p["epoch"]: p for p in run.of("plan_published")}
     before, after = plans[epoch - 1], plans[epoch]
     start, old = 0, {}
@@ -124,8 +125,15 @@ def assert_redid_only(
     synced = [e for e in run.of("state_synced") if e["epoch"] == epoch]
     assert len(synced) == after["world"], "every rank reports its sync"
     if may_have_committed and all("redo_microbatches" not in e for e in synced):
-        steps = synced[0]["steps"]
-        assert min(steps) < max(steps) == synced[0]["resume_step"], synced[0]
+        steps, resume = synced[0]["steps"], synced[0]["resume_step"]
+        if min(steps) == max(steps) == resume:  # between two steps
+            aborted = [
+                e for e in run.of("step_aborted")
+                if e["worker"] in after["workers"] and e["step"] == resume + 1
+            ]  # fmt: skip
+            assert aborted and all(e["during"] != "step" for e in aborted), aborted
+        else:
+            assert min(steps) < max(steps) == resume, synced[0]
         return {}
     (redo,) = {json.dumps(e["redo_microbatches"], sort_keys=True) for e in synced}
     (kept,) = {json.dumps(e["kept_microbatches"], sort_keys=True) for e in synced}
