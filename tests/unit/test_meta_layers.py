@@ -23,7 +23,7 @@ LLAMA = {
 
 class NeedsValues(GPTWorkload):
     """A workload whose layers read a value while they are built (as one that reads a file
-    would): it cannot be built on the meta device."""
+    would): it could not be built under the meta device."""
 
     def build_layer(self, index: int, seed: int) -> nn.Module:
         layer = super().build_layer(index, seed)

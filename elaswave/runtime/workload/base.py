@@ -131,14 +131,12 @@ class Workload(abc.ABC):
     def build_meta_layer(self, index: int, seed: int) -> nn.Module:
         """Layer ``index`` with its shapes only, on the meta device: no memory, no initial
         values (what a pipeline rank keeps of the layers it does not hold, and what the flat
-        layout is computed from). Default: :meth:`build_layer` under the meta device, or, where
-        that fails (a layer that reads a file, say), built on the CPU and then moved there."""
-        try:
-            with torch.device("meta"):
-                layer = self.build_layer(index, seed)
-        except Exception:  # noqa: BLE001 - any failure: the layer as built for training
-            layer = self.build_layer(index, seed)
-        return layer.to("meta")
+        layout is computed from). Default: :meth:`build_layer` on the CPU, moved there at once
+        (one layer's memory and initialisation at a time). Override it where that costs: the
+        Hugging Face workload copies its meta model's modules. (Building under
+        ``torch.device("meta")`` instead would run the initialisers on meta tensors, whose
+        ``normal_`` imports torch's compiler stack on first use: seconds per process.)"""
+        return self.build_layer(index, seed).to("meta")
 
     def layer_costs(self) -> Sequence[float] | None:
         """Relative cost of each layer for the pipeline partitioner, or ``None``: equal costs until
