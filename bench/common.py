@@ -46,6 +46,15 @@ def diffs(values: Sequence[float]) -> list[float]:
 
 
 # ---- configs ------------------------------------------------------------------------------------
+def earlier_tree(tree: Path) -> dict[str, Any]:
+    """How to run the jobs from another checkout of ElasWave (``--tree DIR``, an earlier commit,
+    for a before/after comparison): its launch runs with ``PYTHONPATH=DIR``, from ``DIR``."""
+    tree = tree.resolve()
+    if not (tree / "elaswave" / "__init__.py").is_file():
+        raise BenchError(f"--tree {tree}: not a checkout of ElasWave")
+    return {"env": {"PYTHONPATH": str(tree)}, "root": tree, "module": "elaswave.cli.app"}
+
+
 def write_config(path: Path, config: Path, changes: Mapping[str, Mapping[str, Any]]) -> Path:
     """``config`` with ``changes`` merged into its sections, written to ``path``."""
     data = yaml.safe_load(config.read_text())

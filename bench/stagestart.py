@@ -25,6 +25,7 @@ from bench.common import (
     BenchError,
     bench_env,
     console,
+    earlier_tree,
     print_table,
     read_jsonl,
     summarize,
@@ -40,11 +41,7 @@ STEPS = 2
 def run(repeat: int, config: Path, tree: Path | None = None) -> dict[str, Any]:
     modes: dict[str, dict[str, Any]] = {"now": {"env": {}, "root": REPO_ROOT}}
     if tree is not None:
-        tree = tree.resolve()
-        if not (tree / "elaswave" / "__init__.py").is_file():
-            raise BenchError(f"--tree {tree}: not a checkout of ElasWave")
-        modes["before"] = {"env": {"PYTHONPATH": str(tree)}, "root": tree,
-                           "module": "elaswave.cli.app"}  # fmt: skip
+        modes["before"] = earlier_tree(tree)
     tmp = Path(tempfile.mkdtemp(prefix="elaswave-bench-stagestart-"))
     cfg = job_config(tmp / "config.yaml", STEPS)
     rounds = []
@@ -63,7 +60,7 @@ def run(repeat: int, config: Path, tree: Path | None = None) -> dict[str, Any]:
         "scenario": "stagestart",
         "pp": PP,
         "repeat": repeat,
-        "tree": str(tree) if tree is not None else None,
+        "tree": str(tree.resolve()) if tree is not None else None,
         "rounds": rounds,
         "summary": {
             name: {k: summarize(r[k] for r in rounds if r["mode"] == name) for k in keys}

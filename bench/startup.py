@@ -30,6 +30,7 @@ from bench.common import (
     BenchError,
     bench_env,
     console,
+    earlier_tree,
     print_table,
     read_jsonl,
     summarize,
@@ -49,11 +50,7 @@ def run(repeat: int, config: Path, tree: Path | None = None) -> dict[str, Any]:
         "exec": {"env": {"ELASWAVE_ELASTIC__WORKER_START": "exec"}, "root": REPO_ROOT},
     }
     if tree is not None:
-        tree = tree.resolve()
-        if not (tree / "elaswave" / "__init__.py").is_file():
-            raise BenchError(f"--tree {tree}: not a checkout of ElasWave")
-        modes["before"] = {"env": {"PYTHONPATH": str(tree)}, "root": tree,
-                           "module": "elaswave.cli.app"}  # fmt: skip
+        modes["before"] = earlier_tree(tree)
     rounds: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="elaswave-bench-startup-") as tmp:
         for i in range(repeat):
@@ -77,7 +74,7 @@ def run(repeat: int, config: Path, tree: Path | None = None) -> dict[str, Any]:
         "scenario": "startup",
         "config": os.path.relpath(config, REPO_ROOT),
         "repeat": repeat,
-        "tree": str(tree) if tree is not None else None,
+        "tree": str(tree.resolve()) if tree is not None else None,
         "rounds": rounds,
         "summary": summary,
         "goals": GOALS,
