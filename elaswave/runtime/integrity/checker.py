@@ -24,7 +24,7 @@ from elaswave.runtime.integrity.checksums import fast_checksum
 from elaswave.runtime.integrity.inject import FaultInjector
 from elaswave.runtime.integrity.rollback import NONE, KnownGood, rollback_verdict
 from elaswave.runtime.integrity.verify import flip_bit
-from elaswave.runtime.strategies.base import DP, Strategy
+from elaswave.runtime.strategies.base import DP, Strategy, nbytes
 
 if TYPE_CHECKING:
     from elaswave.runtime.durable.restore import DurableSource
@@ -67,7 +67,7 @@ class Integrity:
         that finds something before the next clean one repairs in place, without a rollback)."""
         if self.every and self.ctx.state.step == 0:
             self.capture_good(0)
-        elif self.good is not None and self._good_key != self.strategy.layout_key():
+        elif not self._good_fits():
             self.good = None
 
     def after_commit(self, step: int) -> bool:
@@ -129,14 +129,13 @@ class Integrity:
     @property
     def good_bytes(self) -> int:
         """What this rank keeps for a rollback."""
-        good = self.good
-        return good.whole.numel() * good.whole.element_size() if good is not None else 0
+        return nbytes(self.good.kept) if self.good is not None else 0
 
     def capture_good(self, step: int) -> None:
         """Every rank keeps its known-good state of ``step`` (a collective where it is the whole
         state: ZeRO-1 gathers the moments)."""
-        whole = self.strategy.known_good(self.ctx.broken)
-        self.good = KnownGood(step, self.ctx.state.last_loss, whole)
+        kept = self.strategy.known_good(self.ctx.broken)
+        self.good = KnownGood(step, self.ctx.state.last_loss, kept)
         self._good_key = self.strategy.layout_key()
         self._tainted = False
 
@@ -151,12 +150,12 @@ class Integrity:
             meta = torch.tensor([float(target), math.nan], dtype=torch.float64, device=dev)
             whole = ctx.state.flat.data.new_empty(3 * n)
             if self.good is not None and self.good.step == target:
-                meta[1], whole = self.good.loss, self.good.whole
+                meta[1], whole = self.good.loss, self.good.kept
             ctx.comm.broadcast(DP, meta, source, broken)
             ctx.comm.broadcast(DP, whole, source, broken)
             self.good = KnownGood(target, float(meta[1]), whole)
         assert self.good is not None
-        self.strategy.take_known_good(target, self.good.loss, self.good.whole, ctx.plan, broken)
+        self.strategy.take_known_good(target, self.good.loss, self.good.kept, ctx.plan, broken)
         self._tainted = False
         self.reseal()
         if ctx.comm.rank(DP) != 0:

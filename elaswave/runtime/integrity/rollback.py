@@ -37,7 +37,7 @@ class KnownGood:
 
     step: int
     loss: float
-    whole: torch.Tensor
+    kept: torch.Tensor
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,7 @@ from elaswave.runtime.strategies.base import (
     state_digests,
 )
 from elaswave.runtime.strategies.pipeline.stage import MIG, Pipeline
+from elaswave.runtime.strategies.pipeline.stagestate import unpack_into
 from elaswave.runtime.workload.data import MicroBatch
 
 if TYPE_CHECKING:
@@ -414,12 +415,15 @@ class PipelineStages(Strategy):
     def adopt(self, state: DurableState, plan: Plan, broken: Callable[[], bool]) -> dict[str, Any]:
         return self.pipe.restore_whole(plan, state)
 
-    def known_good(self, broken: Callable[[], bool]) -> torch.Tensor:
-        """The units this rank keeps (its held layers' parameters, their moments or, ZeRO
-        inside the stages, its moment parts), one after another: no rank keeps the whole."""
+    def _kept_tensors(self) -> list[torch.Tensor]:
+        """The tensors of the units this rank keeps current (its held layers' parameters, their
+        moments or, ZeRO inside the stages, its moment parts), in unit order."""
         pipe = self.pipe
-        units = sorted(stageverify.kept(pipe))
-        kept = [t.reshape(-1) for u in units for t in stageverify.tensors(pipe, u)]
+        return [t for u in sorted(stageverify.kept(pipe)) for t in stageverify.tensors(pipe, u)]
+
+    def known_good(self, broken: Callable[[], bool]) -> torch.Tensor:
+        """The units this rank keeps, one after another: no rank keeps the whole."""
+        kept = [t.reshape(-1) for t in self._kept_tensors()]
         return torch.cat(kept) if kept else self.state.flat.data.new_empty(0)
 
     def layout_key(self) -> Any:
@@ -435,16 +439,14 @@ class PipelineStages(Strategy):
         self, step: int, loss: float, good: torch.Tensor, plan: Plan, broken: Callable[[], bool]
     ) -> None:
         """Each unit back from this rank's own known-good copy (same layout: nothing moves)."""
-        pipe = self.pipe
-        at = 0
-        for unit in sorted(stageverify.kept(pipe)):
-            for t in stageverify.tensors(pipe, unit):
-                t.copy_(good[at : at + t.numel()].view_as(t))
-                at += t.numel()
-        assert at == good.numel(), "a known-good state of another layout"
-        pipe.undo = None
+        tensors = self._kept_tensors()
+        assert sum(t.numel() for t in tensors) == good.numel(), (
+            "a known-good state of another layout"
+        )
+        unpack_into(good, tensors)
+        self.pipe.undo = None
         self.state.step, self.state.last_loss = step, loss
-        stageverify.record(pipe, step)  # what the next check compares with
+        stageverify.record(self.pipe, step)  # what the next check compares with
 
     def verify(self, step: int, broken: Callable[[], bool]) -> bool:
         """Every layer's and moment part's copies compared, bad ones repaired."""
