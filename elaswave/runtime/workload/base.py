@@ -131,12 +131,12 @@ class Workload(abc.ABC):
     def build_meta_layer(self, index: int, seed: int) -> nn.Module:
         """Layer ``index`` with its shapes only, on the meta device: no memory, no initial
         values (what a pipeline rank keeps of the layers it does not hold, and what the flat
-        layout is computed from). Default: :meth:`build_layer` on the CPU, moved there at once
-        (one layer's memory and initialisation at a time). Override it where that costs: the
-        Hugging Face workload copies its meta model's modules. (Building under
-        ``torch.device("meta")`` instead would run the initialisers on meta tensors, whose
-        ``normal_`` imports torch's compiler stack on first use: seconds per process.)"""
-        return self.build_layer(index, seed).to("meta")
+        layout is computed from). Default: the layer built on the CPU (:func:`build_layer`),
+        moved there at once: one layer's memory and initialisation at a time. Override it where
+        that costs: the Hugging Face workload copies its meta model's modules. (Not built under
+        ``torch.device("meta")``: ``normal_`` on meta tensors imports torch's compiler stack on
+        first use, seconds per process.)"""
+        return build_layer(self, seed, index).to("meta")
 
     def layer_costs(self) -> Sequence[float] | None:
         """Relative cost of each layer for the pipeline partitioner, or ``None``: equal costs until
@@ -235,9 +235,9 @@ def build_layers(
     workload: Workload, seed: int, keep: range | None = None, *, shells: bool = False
 ) -> KeyedLayers:
     """Every layer of ``workload`` (:func:`build_layer`). With ``keep``, the layers outside it
-    are built on the meta device (``Workload.build_meta_layer``): they have their shapes (the
-    flat layout of the whole model), no memory and cost no initialisation. ``shells``: only
-    their parameters are on the meta device (:func:`hollow`), their buffers are built."""
+    are on the meta device (``Workload.build_meta_layer``): they have their shapes (the flat
+    layout of the whole model) and no memory. ``shells``: only their parameters are on the meta
+    device (:func:`hollow`), their buffers are built."""
     layers = []
     for index in range(workload.num_layers):
         if keep is None or index in keep:
