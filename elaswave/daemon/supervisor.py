@@ -435,11 +435,11 @@ class HostDaemon:
             if early:
                 await asyncio.wait(early, timeout=5.0)
             await stop_all(list(self.workers.values()), self.cfg.timeouts.shutdown_grace)
-            for w in list(self.workers.values()):  # a respawn under way may add one meanwhile
+            # a respawn under way may add a worker meanwhile (the pool stops it: we are stopping)
+            for w in list(self.workers.values()):
                 if w.waiter is not None:
                     with contextlib.suppress(BaseException):
                         await wait_for(w.waiter, 1.0)
-            await stop_all(list(self.workers.values()), self.cfg.timeouts.shutdown_grace)
             await self.control.stop()
             if self.store is not None:
                 await self.store.stop(self.cfg.timeouts.shutdown_grace)
