@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from elaswave.runtime.workload import call_layer
+from elaswave.runtime.workload.base import layer_seed
 from elaswave.runtime.workload.rng import stream_seed
 
 
@@ -78,3 +79,33 @@ def test_a_layer_draws_other_numbers_for_other_keys() -> None:
     base = _draw(7, 3, 2, 1)
     for key in [(8, 3, 2, 1), (7, 4, 2, 1), (7, 3, 3, 1), (7, 3, 2, 2)]:
         assert not torch.equal(base, _draw(*key))
+
+
+class _DeviceNoise(torch.nn.Module):
+    """A layer that draws on its input's device, and on the host."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        host = torch.rand(4).to(x.device)
+        return torch.nn.functional.dropout(x + 1.0, 0.5) + torch.rand_like(x) + host.sum()
+
+
+def _as_if_manual_seed(device: torch.device) -> None:
+    """call_layer seeds only the generators its layer draws from: the numbers are those the
+    layer draws after ``torch.manual_seed`` of the same key (which seeds every generator)."""
+    seed = layer_seed(11, 5, 3, 2)  # (seed, step, micro-batch, layer)
+    x = torch.zeros(64, device=device)
+    torch.rand(7, device=device), torch.rand(3)  # whatever ran before
+    got = call_layer(_DeviceNoise(), x, seed=11, step=5, microbatch=3, index=2)
+    torch.manual_seed(seed)
+    want = _DeviceNoise()(x)
+    assert torch.equal(got, want)
+
+
+def test_a_layer_on_the_cpu_draws_what_manual_seed_gives_it() -> None:
+    _as_if_manual_seed(torch.device("cpu"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_layer_on_a_gpu_draws_what_manual_seed_gives_it() -> None:
+    _as_if_manual_seed(torch.device("cuda", torch.cuda.current_device()))
