@@ -15,8 +15,9 @@ checkpoint trained again on the way.
 
 An interrupted step is redone in part where the strategy can: the report says how many of its
 micro-batches the survivors kept and how many were computed again, by whom
-(``kept_microbatches``, ``redone_microbatches``, ``redone_by``; ``None`` where the strategy does
-not report it, e.g. pipelines, which redo the whole step).
+(``kept_microbatches``, ``redone_microbatches``, ``redone_by``: by worker, or by replica in
+pipelines, where every stage of a replica runs the redone micro-batches; ``None`` where the
+strategy does not report it, e.g. ZeRO-3, which redoes the whole step).
 
 Control-plane outages (etcd unreachable or restarted, a daemon paused) are incidents too, with
 their downtime and the steps trained meanwhile instead of phases: training does not stop for them,
@@ -438,6 +439,12 @@ def _state_sync(
         )
     promoted = [e["promoted_bytes"] for e in state if "promoted_bytes" in e]  # ZeRO only
     fields["state_promoted_bytes"] = max(promoted) if promoted else None
+    staged = _first(state, lambda e: "redo_replicas" in e)  # pipelines: by replica
+    if staged is not None:
+        by = {f"replica {d}": len(ids) for d, ids in enumerate(staged["redo_replicas"]) if ids}
+        fields["redone_by"] = by
+        fields["redone_microbatches"] = sum(by.values())
+        fields["kept_microbatches"] = staged["microbatches"] - fields["redone_microbatches"]
     redo = _first(state, lambda e: "redo_microbatches" in e)  # every rank reports the same
     if redo is not None:
         by = {w: len(ids) for w, ids in redo["redo_microbatches"].items()}

@@ -16,11 +16,12 @@ micro-batch is computed exactly once across the ranks' sums, only by other ranks
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
 
 from elaswave.planning.plan import assign_microbatches
 
-__all__ = ["redo_shares"]
+__all__ = ["StageRedo", "redo_shares", "stage_redo"]
 
 
 def redo_shares(
@@ -56,3 +57,58 @@ def redo_shares(
         out[r] = tuple(lost[cursor : cursor + n])
         cursor += n
     return tuple(out)
+
+
+@dataclass(frozen=True)
+class StageRedo:
+    """An interrupted pipeline step, agreed from every rank's kept sums: for each layer the
+    micro-batches whose gradient some survivor keeps (``kept[layer]``), and per replica of the
+    new plan the micro-batches it computes again (``shares[d]``, ascending). A replica computes
+    a micro-batch whole (every stage's forward and backward) but adds its gradient only to the
+    layers that do not keep it, and its loss only when the last layer does not."""
+
+    kept: tuple[frozenset[int], ...]
+    shares: tuple[tuple[int, ...], ...]
+
+    @property
+    def redone(self) -> tuple[int, ...]:
+        return tuple(sorted(i for share in self.shares for i in share))
+
+
+def stage_redo(
+    total: int,
+    layers: int,
+    kept: Sequence[Mapping[int, Collection[int]] | None],
+    weights: Sequence[float],
+) -> StageRedo | None:
+    """What the replicas of a pipeline plan compute of a step of ``total`` micro-batches over
+    ``layers`` layers, when rank ``r`` keeps, for each layer it holds, the gradient sums of the
+    micro-batches ``kept[r][layer]`` (``None``: nothing usable), and replica ``d`` of the new
+    plan has weight ``weights[d]`` (its share of the batch; 0: out of service).
+
+    A micro-batch is computed again when some layer keeps none of its gradient; the lost ones
+    are split in contiguous runs, in replica order, largest remainder by weight. ``None`` when
+    the whole step must be computed as planned: nobody keeps anything, a layer's kept sets
+    overlap (they could not be combined), or no replica is in service."""
+    per_layer: list[set[int]] = [set() for _ in range(layers)]
+    anything = False
+    for mine in kept:
+        for layer, ids in (mine or {}).items():
+            ids = set(ids)
+            if not 0 <= layer < layers or not all(0 <= i < total for i in ids):
+                return None
+            if per_layer[layer] & ids:
+                return None
+            per_layer[layer] |= ids
+            anything = anything or bool(ids)
+    share = [max(float(w), 0.0) for w in weights]
+    if not anything or sum(share) <= 0:
+        return None
+    lost = [i for i in range(total) if any(i not in k for k in per_layer)]
+    counts = assign_microbatches(len(lost), share) if lost else (0,) * len(share)
+    shares: list[tuple[int, ...]] = []
+    cursor = 0
+    for n in counts:
+        shares.append(tuple(lost[cursor : cursor + n]))
+        cursor += n
+    return StageRedo(tuple(frozenset(k) for k in per_layer), tuple(shares))

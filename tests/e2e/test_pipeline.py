@@ -7,6 +7,8 @@ pipelining changes who computes what, never the global batch or the per-sample r
 
 from __future__ import annotations
 
+import json
+from itertools import accumulate
 from pathlib import Path
 
 import pytest
@@ -36,6 +38,26 @@ def _check_layout(plan: dict, layers: int) -> None:
         assert len(cut) == len(ranks) + 1
         assert cut[0] == 0 and cut[-1] == layers
         assert all(a < b for a, b in zip(cut, cut[1:], strict=False)), cut
+
+
+def _redid_the_damaged_replicas(run: Run, plan: dict, dead: set[str]) -> list[list[int]]:
+    """The step interrupted before ``plan`` was redone in part: every rank agrees on what each
+    replica computes again, and that is exactly the micro-batches of the replicas that lost a
+    rank (the intact ones finished theirs before the fault was reported: ``detect_delay``).
+    Returns the redo shares by replica."""
+    before = next(p for p in _pipeline_plans(run) if p["epoch"] == plan["epoch"] - 1)
+    shares = [before["microbatches"][ranks[0]] for ranks in before["replicas"]]
+    starts = list(accumulate(shares, initial=0))
+    damaged = [d for d, ranks in enumerate(before["replicas"])
+               if {before["workers"][r] for r in ranks} & dead]  # fmt: skip
+    lost = sorted(i for d in damaged for i in range(starts[d], starts[d] + shares[d]))
+    synced = [e for e in run.of("state_synced") if e["epoch"] == plan["epoch"]]
+    assert len(synced) == plan["world"], "every rank reports its sync"
+    (redo,) = {json.dumps(e.get("redo_replicas")) for e in synced}
+    redone = json.loads(redo)
+    assert redone is not None, "the whole step was computed again"
+    assert sorted(i for share in redone for i in share) == lost, (redone, lost)
+    return redone
 
 
 def _bit_identical_to_data_parallel(tmp_path: Path, env: dict, steps: int, *args: str) -> Run:
@@ -109,7 +131,11 @@ def test_middle_stage_loss_blocking_is_bit_identical(tmp_path: Path, state_env: 
     for p in plans:
         _check_layout(p, layers=4)
     assert [len(r) for r in plans[1]["replicas"]] == [2, 3]
+    # Replica 0's micro-batches are computed again, by both replicas (by their new shares);
+    # its first stage kept its layers and its sums, so it adds none of those again.
+    _redid_the_damaged_replicas(run, plans[1], {plans[0]["workers"][1]})
     synced = [e for e in run.of("state_synced") if e["epoch"] == plans[1]["epoch"]]
+    assert synced[0]["kept_microbatches"][plans[0]["workers"][0]] == 8
     assert {e["migration"] for e in synced} == {"blocking"}
     moved = synced[0]["layer_transfers"]
     assert moved and all(t["dst"] in (0, 1) for t in moved)  # replica 0's survivors receive
@@ -171,11 +197,16 @@ def test_zero_inside_stages_survives_two_losses_bit_identical(
     run = _bit_identical_to_data_parallel(
         tmp_path, state_env, 10, "--job-id", "pp-zero", "--pp", "2", "--nproc-per-node", "6",
         "--zero", "1", "--migration", migration,
-        "--fault", "kill,rank=1,at_step=4", "--fault", "kill,rank=3,at_step=7,phase=optimizer",
+        "--fault", "kill,rank=1,at_step=4,detect_delay=1",
+        "--fault", "kill,rank=3,at_step=7,phase=optimizer",
     )  # fmt: skip
     assert all(f["holders_agree"] for f in run.of("final_state"))
     plans = _pipeline_plans(run)
     assert [p["world"] for p in plans] == [6, 5, 4]
+    # The first loss: only replica 0's micro-batches are computed again, by the replicas in
+    # service (an asynchronous migration takes replica 0 out until its layers arrive).
+    redone = _redid_the_damaged_replicas(run, plans[1], {plans[0]["workers"][1]})
+    assert (redone[0] == []) == (migration == "async"), redone
     first = [e for e in run.of("state_synced") if e["epoch"] == plans[0]["epoch"]]
     for e in first:  # three holders per layer: each keeps two thirds of its stage's moments
         assert abs(e["moment_bytes"] - 8 * e["held_elements"] * 2 / 3) <= 16, e

@@ -1,10 +1,11 @@
-"""Which micro-batches a recovery computes again (``redo_shares``): a table."""
+"""Which micro-batches a recovery computes again: data parallelism's ranks (``redo_shares``)
+and a pipeline plan's replicas (``stage_redo``), as tables."""
 
 from __future__ import annotations
 
 import pytest
 
-from elaswave.planning.redo import redo_shares
+from elaswave.planning.redo import redo_shares, stage_redo
 
 
 @pytest.mark.parametrize(
@@ -52,3 +53,60 @@ def test_the_whole_step_when_kept_sums_cannot_be_used(kept: list, why: str) -> N
 def test_one_kept_set_per_rank() -> None:
     with pytest.raises(ValueError, match="2 kept sets for 3 ranks"):
         redo_shares(4, [None, None], [1, 1, 1])
+
+
+def _stages(cut: list[int], ids: range | tuple) -> dict[int, tuple]:
+    """One stage's kept sums: every layer of ``cut`` (start, stop) keeps ``ids``."""
+    return {layer: tuple(ids) for layer in range(*cut)}
+
+
+@pytest.mark.parametrize(
+    ("kept", "weights", "shares", "why"),
+    [
+        # dp=2 x pp=2, 8 micro-batches, 4 layers: replica 0 lost a stage (its survivor took all
+        # four layers and kept nothing); replica 1 finished its four. Replica 0's micro-batches
+        # go to both replicas by their new weights.
+        ([None, None, _stages([0, 2], range(4, 8)), _stages([2, 4], range(4, 8))], [1, 3],
+         ((0,), (1, 2, 3)), "the damaged replica's micro-batches, by weight"),
+        # replica 0's stage 1 (layers 2, 3) finished the backward of micro-batch 0 before its
+        # stage 0 died: micro-batch 0 is still computed again (layers 0, 1 lack it)
+        ([None, _stages([2, 4], (0,)), _stages([0, 2], range(4, 8)), _stages([2, 4], range(4, 8))],
+         [1, 1], ((0, 1), (2, 3)), "a micro-batch is redone until every layer keeps it"),
+        # dp=3 x pp=2: two intact replicas keep theirs; the middle replica's two are split
+        ([_stages([0, 2], (0, 1, 2)), _stages([2, 4], (0, 1, 2)), None, None,
+          _stages([0, 2], (5, 6, 7)), _stages([2, 4], (5, 6, 7))], [1, 1, 1],
+         ((3,), (4,), ()), "a replica with no share left after the split computes nothing"),
+        # a replica out of service (its layers migrating) computes none of it
+        ([None, None, _stages([0, 2], range(4, 8)), _stages([2, 4], range(4, 8))], [0, 4],
+         ((), (0, 1, 2, 3)), "out of service: weight 0"),
+        # nothing lost: every layer keeps every micro-batch
+        ([_stages([0, 4], range(0, 4)), _stages([0, 4], range(4, 8))], [1, 1], ((), ()),
+         "nothing to compute again"),
+    ],
+)  # fmt: skip
+def test_a_pipeline_redoes_what_some_layer_lacks(
+    kept: list, weights: list, shares: tuple, why: str
+) -> None:
+    redo = stage_redo(8, 4, kept, weights)
+    assert redo is not None and redo.shares == shares, why
+    for layer in range(4):
+        have = sorted(i for mine in kept if mine for i in mine.get(layer, ()))
+        again = [i for i in redo.redone if i not in redo.kept[layer]]
+        assert sorted(have + again) == list(range(8)), f"layer {layer}: each micro-batch once"
+
+
+@pytest.mark.parametrize(
+    ("kept", "weights", "why"),
+    [
+        ([None, None], [1, 1], "nobody keeps anything: the whole step, as planned"),
+        ([{0: ()}, None], [1, 1], "empty sets keep nothing"),
+        ([{0: (0, 1)}, {0: (1, 2)}], [1, 1], "one layer's sums overlap"),
+        ([{0: (0, 9)}, None], [1, 1], "an index outside the step"),
+        ([{7: (0,)}, None], [1, 1], "a layer outside the model"),
+        ([{0: (0,)}, None], [0, 0], "no replica in service"),
+    ],
+)
+def test_a_pipeline_step_is_computed_whole_when_kept_sums_cannot_be_used(
+    kept: list, weights: list, why: str
+) -> None:
+    assert stage_redo(4, 4, kept, weights) is None, why

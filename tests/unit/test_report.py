@@ -137,6 +137,12 @@ REDO = {
     "kept_microbatches": {"w0": 4, "w2": 4, "w3": 4},
     "redo_microbatches": {"w0": [4, 5], "w2": [6], "w3": [7]},
 }
+STAGE_REDO = {
+    "redo_step": 15,
+    "kept_microbatches": {"w0": 0, "w2": 8, "w3": 8},
+    "redo_replicas": [[0], [1, 2, 3]],
+    "microbatches": 16,
+}
 ZERO = {"transfers": 3, "bytes": 3000, "pairs": 2, "max_over_mean": 1.25, "promoted_bytes": 512}
 ROLLED_BACK = "; rolled back to snapshot step 14, 2 step(s) redone"
 RESTORED = "; in-memory copies lost, restored checkpoint step 10, 5 step(s) recomputed"
@@ -178,7 +184,11 @@ def restore(reason: str) -> dict[str, Any]:
         ({r: REDO for r in range(3)}, [],
          {"kept_microbatches": 12, "redone_microbatches": 4, "redone_by": {"w0": 2, "w2": 1,
                                                                           "w3": 1}}),
-        # a strategy that does not say (pipelines)
+        # pipelines: every stage of a replica runs its share of the lost micro-batches
+        ({r: STAGE_REDO for r in range(3)}, [],
+         {"kept_microbatches": 12, "redone_microbatches": 4,
+          "redone_by": {"replica 0": 1, "replica 1": 3}}),
+        # a strategy that does not say (ZeRO-3)
         ({}, [], {"kept_microbatches": None, "redone_microbatches": None, "redone_by": None}),
     ],
 )  # fmt: skip

@@ -48,6 +48,7 @@ import torch
 from elaswave.planning.dvfs import DvfsError, frequency_plan
 from elaswave.planning.pipeplan import serving_shares
 from elaswave.planning.plan import Plan
+from elaswave.planning.redo import StageRedo
 from elaswave.planning.schedule import (
     LayerTransfer,
     plan_layer_transfers,
@@ -68,6 +69,7 @@ from elaswave.runtime.integrity.checksums import digest
 from elaswave.runtime.optim import update_
 from elaswave.runtime.strategies.pipeline import stagezero
 from elaswave.runtime.strategies.pipeline.clocks import SimActuator, make_actuator
+from elaswave.runtime.strategies.pipeline.stageredo import StageKept
 from elaswave.runtime.strategies.pipeline.stagestate import (
     Migration,
     MomentStore,
@@ -230,6 +232,9 @@ class Pipeline:
         buf: torch.Tensor,
         everyone: list[MicroBatch],
         broken: Callable[[], bool],
+        kept: StageKept,
+        acc: torch.Tensor | None = None,
+        redo: StageRedo | None = None,
         slow: float = 0.0,
     ) -> float | None:
         """Forward/backward of this rank's stage over its replica's micro-batches; the layer
@@ -239,18 +244,24 @@ class Pipeline:
         time, without the point-to-point waits and the time the thread sat waiting for a CPU
         (the straggler detector's input); ``None`` when the rank computed nothing. ``slow`` (a
         ``slow`` fault) is extra seconds per micro-batch of the whole model: the stage sleeps
-        its layers' cost share of it, as a slower device would."""
+        its layers' cost share of it, as a slower device would. ``kept`` and ``acc``: the
+        accumulator's record and float64 buffer (:class:`StageStep`); ``redo``: the step is an
+        interrupted one's partial redo, the replica computes its share of it."""
         plan = self.e.plan
         assert plan is not None
         d, _ = plan.position(self.e.comm.rank("dp"))
         if not self.serving[d]:
             return None  # out of service while its layers migrate: only reduce and update
-        start = sum(self.shares[:d])
-        mbs = everyone[start : start + self.shares[d]]
+        if redo is not None:
+            mbs = [everyone[i] for i in redo.shares[d]]
+            masks = {j: redo.kept[j] for j in self.target}
+        else:
+            start = sum(self.shares[:d])
+            mbs, masks = everyone[start : start + self.shares[d]], {}
         tools = StageTools(
             self.num_layers, self.span, self.timer, self.cost_share, self.device_pause
         )
-        return StageStep(self.e, tools, step, buf, mbs, broken).run(slow)
+        return StageStep(self.e, tools, step, buf, mbs, broken, kept, acc, masks).run(slow)
 
     def update(
         self,

@@ -1,10 +1,12 @@
 """One training step of one pipeline stage: the 1F1B schedule over its replica's micro-batches.
 
 Forward runs this stage's layers (RNG keyed by (seed, step, micro-batch, layer)); the last stage
-computes the workload's loss, scaled by 1/B. Backward adds the stage's layer gradients into the
-step's reduction buffer. Activations go forward and their gradients back as point-to-point
-messages whose shapes and dtypes come from the workload (``Workload.boundary``), on the state's
-device.
+computes the workload's loss, scaled by 1/B. Backward sums the stage's layer gradients in an
+accumulator that no collective writes into (autograd's gradient buffer, or a float64 one), and
+records what it holds there (:class:`~elaswave.runtime.strategies.pipeline.stageredo.StageKept`,
+what a partial redo keeps after a fault); the sums go into the step's reduction buffer once the
+schedule is done. Activations go forward and their gradients back as point-to-point messages
+whose shapes and dtypes come from the workload (``Workload.boundary``), on the state's device.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 
 from elaswave.planning.schedule import Comm, Compute, schedule_1f1b
 from elaswave.runtime.strategies.base import COUNT, LOSS
+from elaswave.runtime.strategies.pipeline.stageredo import StageKept, masked
 from elaswave.runtime.strategies.pipeline.stagetimes import StageTimer
 from elaswave.runtime.timing import busy_mark, busy_since
 from elaswave.runtime.workload.data import MicroBatch
@@ -54,12 +57,20 @@ class StageStep:
         buf: torch.Tensor,
         mbs: list[MicroBatch],
         broken: Callable[[], bool],
+        kept: StageKept,
+        acc: torch.Tensor | None = None,
+        masks: dict[int, frozenset[int]] | None = None,
     ) -> None:
+        """``kept``: the record of what the accumulator holds (continued by a redo); ``acc``:
+        the float64 accumulator of the stage's layers (``None``: autograd's gradient buffer
+        accumulates, in the reduction's own dtype); ``masks``: per layer, the micro-batches
+        whose gradient (and, for the last layer, loss) another rank keeps."""
         plan = ctx.plan
         assert plan is not None
         self.ctx, self.tools, self.step, self.buf, self.mbs, self.broken = (
             ctx, tools, step, buf, mbs, broken,
         )  # fmt: skip
+        self.kept, self.acc, self.masks = kept, acc, masks or {}
         rank = ctx.comm.rank("dp")
         d, self.stage = plan.position(rank)
         ranks = plan.replicas[d]
@@ -77,10 +88,10 @@ class StageStep:
         self.inputs: dict[int, torch.Tensor] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.grads_in: dict[int, torch.Tensor] = {}
-        # The last stage's loss sum stays where the loss is (no host sync per micro-batch), in
-        # float64 like the Python float it replaces, so the sums keep their bits.
-        self.loss_sum = torch.zeros((), dtype=torch.float64, device=self.buf.device)
-        self.count = 0
+        # The last stage's losses stay where they are computed (no host sync per micro-batch)
+        # until their backward is done: then they count, in float64 like the Python float they
+        # replace, so the sums keep their bits.
+        self.losses: dict[int, tuple[torch.Tensor, int]] = {}
 
     def run(self, slow: float) -> float | None:
         """The whole schedule; returns busy seconds per micro-batch (``None``: no micro-batch).
@@ -103,10 +114,13 @@ class StageStep:
                 busy += busy_since(mark)
             else:
                 self.exchange(item)
-        if self.last:
-            n = ctx.state.flat.numel
-            self.buf[n + LOSS] += self.loss_sum.to(self.buf.dtype)
-            self.buf[n + COUNT] += self.count
+        flat = ctx.state.flat
+        sums = self.acc if self.acc is not None else flat.at(flat.collect_grads())[self.region]
+        flat.at(self.buf)[self.region].copy_(sums)
+        if self.last and self.kept.loss is not None:
+            n = flat.numel
+            self.buf[n + LOSS] += self.kept.loss.to(self.buf.dtype)
+            self.buf[n + COUNT] += self.kept.count
         tools.timer.end(len(self.mbs), [tools.cost_share(range(i, i + 1)) for i in self.layers])
         return busy / len(self.mbs) if self.mbs else None
 
@@ -116,32 +130,38 @@ class StageStep:
         # Only the first stage needs the inputs and only the last the targets.
         data, targets = st.microbatch(mb.sample_ids) if self.first or self.last else (None, None)
         h = data if self.first else self.inputs[i]
-        for index in self.layers:
-            with timer.forward(index):
-                h = st.model.run_layer(index, h, self.step, mb.id)
+        kept_elsewhere = [st.model.layers[j] for j in self.layers if mb.id in self.masks.get(j, ())]
+        with masked(kept_elsewhere):
+            for index in self.layers:
+                with timer.forward(index):
+                    h = st.model.run_layer(index, h, self.step, mb.id)
         with timer.pause():
             self.tools.device_pause(self.layers, False)
         if self.last:
             loss, count = st.loss(h, targets)
-            self.loss_sum += loss.detach()
-            self.count += count
+            self.losses[i] = (loss.detach(), count)
             self.outputs[i] = loss  # its gradient is divided by the batch's count later
         else:
             self.outputs[i] = h
 
     def backward(self, i: int) -> None:
         out = self.outputs.pop(i)
+        grad_in = None if self.last else self.grads_in.pop(i)
         with self.tools.timer.backward():
-            if self.last:
-                out.backward()
-            else:
-                out.backward(self.grads_in.pop(i))
+            if out.requires_grad:  # not when every layer of a first stage is kept elsewhere
+                out.backward(grad_in)
         with self.tools.timer.pause():
             self.tools.device_pause(self.layers, True)
         flat = self.ctx.state.flat
         grad = flat.at(flat.collect_grads())[self.region]
-        flat.at(self.buf)[self.region].add_(grad)
-        grad.zero_()
+        if self.acc is not None:  # the float64 sums take each micro-batch's as it comes
+            self.acc.add_(grad)
+            grad.zero_()
+        mb = self.mbs[i].id
+        loss, count = self.losses.pop(i, (None, 0))
+        if loss is not None and mb in self.masks.get(self.tools.num_layers - 1, ()):
+            loss, count = None, 0  # another rank counted it
+        self.kept.add(mb, self.masks, loss, count)
 
     def exchange(self, item: Comm) -> None:
         """Post this slot's sends and receives together; received activations need gradients."""

@@ -25,6 +25,7 @@ from elaswave.planning.gradgroups import (
     tie_copies,
 )
 from elaswave.planning.plan import Plan
+from elaswave.planning.redo import StageRedo
 from elaswave.planning.stageshards import Block, LayersLost, holder_blocks
 from elaswave.runtime.durable.checkpoints import DurableState, Piece
 from elaswave.runtime.integrity import stageverify
@@ -42,6 +43,7 @@ from elaswave.runtime.strategies.base import (
     state_digests,
 )
 from elaswave.runtime.strategies.pipeline.stage import MIG, Pipeline
+from elaswave.runtime.strategies.pipeline.stageredo import StageKept, agree, kept_row
 from elaswave.runtime.strategies.pipeline.stagestate import unpack_into
 from elaswave.runtime.workload.data import MicroBatch
 
@@ -142,6 +144,11 @@ class PipelineStages(Strategy):
         # each tied weight's first copy -> its second (a rank that holds only the second brings
         # the weight's gradient from there)
         self.second_copy = {(a.start, a.stop): (b.start, b.stop) for a, b in ctx.state.ties}
+        # A partial redo: what this stage's accumulator holds of a step not committed yet, the
+        # float64 accumulator (the float64 reduction), and the agreed redo of an interrupted step
+        self.kept: StageKept | None = None
+        self._acc: torch.Tensor | None = None
+        self.redo: tuple[int, StageRedo] | None = None
 
     def ready(self) -> dict[str, Any]:
         """The leader partitions with the workload's estimate, or with what the layers measured,
@@ -173,11 +180,49 @@ class PipelineStages(Strategy):
     ) -> float | None:
         plan = self.ctx.plan
         assert plan is not None
-        self.state.flat.grad.zero_()
+        redo = self.redo[1] if self.redo is not None and self.redo[0] == step else None
+        kept, acc = self._accumulator(step, buf, continued=redo is not None)
         slow = slowdown * len(plan.replicas) / len(every)  # per micro-batch
-        per_mb = self.pipe.run_step(step, buf, list(every), self._broken, slow=slow)
+        per_mb = self.pipe.run_step(step, buf, list(every), self._broken, kept, acc, redo, slow)
         buf[self.state.flat.numel + FLAG] = self.pipe.ready_flag
-        return per_mb
+        return None if redo is not None else per_mb  # a redo's share says nothing of speed
+
+    def _accumulator(
+        self, step: int, buf: torch.Tensor, continued: bool
+    ) -> tuple[StageKept, torch.Tensor | None]:
+        """The record of this stage's sums for ``step`` and the float64 accumulator (``None``:
+        autograd's gradient buffer accumulates): the kept ones when ``continued`` (a redo) and
+        this rank kept its sums, else new and zeroed."""
+        st, layers = self.state, self.pipe.target
+        region = self.pipe.span(layers)
+        size = region.stop - region.start
+        acc = None
+        if buf.dtype != st.flat.grad.dtype:
+            if self._acc is None or self._acc.numel() != size or self._acc.dtype != buf.dtype:
+                self._acc = buf.new_zeros(size)
+            acc = self._acc
+        kept = self.kept
+        if not continued or kept is None or kept.step != step:
+            st.flat.grad.zero_()
+            if acc is not None:
+                acc.zero_()
+            loss = torch.zeros((), dtype=torch.float64, device=st.device)
+            kept = self.kept = StageKept(step, layers, self._window(), loss=loss)
+        return kept, acc
+
+    def _window(self) -> tuple[Any, ...]:
+        """What the accumulator's sums live in: they survive a new plan only if it is the same."""
+        flat, acc = self.state.flat, self._acc
+        return (
+            flat.base,
+            flat.numel,
+            flat.grad.data_ptr(),
+            acc.data_ptr() if acc is not None else 0,
+        )
+
+    def forget_partial(self) -> None:
+        """The state changed under the kept sums (a restore, a rollback): drop them."""
+        self.kept, self.redo = None, None
 
     def reduce_update(
         self,
@@ -194,6 +239,7 @@ class PipelineStages(Strategy):
             sumsq = self._reduce_among_holders(buf, broken)
         else:  # receivers replay every layer they take over: the whole model's gradient
             sumsq = self._reduce_over_everyone(buf, broken)
+        self.forget_partial()  # reduced: every rank holds the step's sums of its layers
         ctx.enter("compute")
         clip = ctx.cfg.train.grad_clip
         # the norm for the job's curves: a collective here (``sumsq``), so every rank asks for
@@ -300,6 +346,7 @@ class PipelineStages(Strategy):
             start = self.durable.start_over(plan, broken)
             return self.durable.load(*start) if start is not None else None
 
+        step_before = self.state.step
         try:
             info = self.pipe.sync(plan, broken, self.ctx.cfg.migration == "async", start_from)
         except LayersLost as exc:
@@ -308,6 +355,8 @@ class PipelineStages(Strategy):
                 raise
             state = self.durable.load(Path(chosen), self.state.step, str(exc))
             info = self.pipe.restore_whole(plan, state)
+            self.forget_partial()
+        info.update(self._agree_redo(plan, step_before, broken))
         assert self.grads is not None
         self.my_grads = self.grads.of_rank(self.ctx.comm.rank(DP), self.state.segments)
         element = reduction_dtype(self.ctx.cfg.train.reduce_dtype).itemsize
@@ -322,6 +371,49 @@ class PipelineStages(Strategy):
             grad_sent_bytes=round(sum(2 * (k - 1) / k * n for k, n in groups) * element),
         )
         return info
+
+    def _agree_redo(
+        self, plan: Plan, step_before: int, broken: Callable[[], bool]
+    ) -> dict[str, Any]:
+        """After the layout is agreed: which micro-batches of the interrupted step (the one
+        after the resume step) each replica computes again (``train.partial_redo``). A rank
+        offers its kept sums when its stage kept its layers and buffers and had not gone past
+        the resume step. What is redone, for the event (nothing when no step was interrupted)."""
+        st, pipe, cfg = self.state, self.pipe, self.ctx.cfg.train
+        resume, kept = st.step, self.kept
+        layers, total = pipe.num_layers, cfg.global_batch // cfg.micro_batch_size
+        d, _ = plan.position(self.ctx.comm.rank(DP))
+        usable = (
+            kept is not None
+            and kept.step == resume + 1
+            and step_before == resume
+            and kept.layers == pipe.held == pipe.target
+            and pipe.serving[d]
+            and kept.window == self._window()
+        )
+        mine = torch.tensor(kept_row(kept, usable, total, layers), dtype=torch.float64,
+                            device=st.device)  # fmt: skip
+        rows = [r.tolist() for r in self.ctx.comm.allgather(DP, mine, broken)]
+        weights = [share if serving else 0 for share, serving in zip(pipe.shares, pipe.serving,
+                                                                     strict=True)]  # fmt: skip
+        redo = agree(rows, total, layers, weights) if cfg.partial_redo else None
+        self.redo = (resume + 1, redo) if redo is not None else None
+        if not usable or redo is None:
+            self.kept = None  # the step starts from zero
+        if not any(row[0] for row in rows) or redo is None:
+            return {}
+        workers = plan.workers
+        return {
+            "redo_step": resume + 1,
+            "kept_microbatches": {
+                workers[r]: sum(
+                    all(row[1 + j * total + i] for j in plan.stage_layers(r)) for i in range(total)
+                )
+                for r, row in enumerate(rows)
+            },  # fmt: skip
+            "redo_replicas": [list(share) for share in redo.shares],
+            "microbatches": total,
+        }
 
     def after_apply(self, plan: Plan) -> None:
         self._set_clocks()
@@ -413,6 +505,7 @@ class PipelineStages(Strategy):
         self.pipe.score(batches, slots, broken)
 
     def adopt(self, state: DurableState, plan: Plan, broken: Callable[[], bool]) -> dict[str, Any]:
+        self.forget_partial()
         return self.pipe.restore_whole(plan, state)
 
     def _kept_tensors(self) -> list[torch.Tensor]:
@@ -439,6 +532,7 @@ class PipelineStages(Strategy):
         self, step: int, loss: float, good: torch.Tensor, plan: Plan, broken: Callable[[], bool]
     ) -> None:
         """Each unit back from this rank's own known-good copy (same layout: nothing moves)."""
+        self.forget_partial()
         tensors = self._kept_tensors()
         assert sum(t.numel() for t in tensors) == good.numel(), (
             "a known-good state of another layout"
