@@ -501,15 +501,19 @@ def _finished_below(level: float, bottleneck: float, stages: int, cap: int) -> i
     return k
 
 
-def serving_shares(plan: Plan, serving: Sequence[bool], costs: Sequence[float]) -> tuple[int, ...]:
-    """Shares while some replicas are out of service (migrating): the global batch is spread
-    over the serving replicas only, balanced the same way."""
+def serving_shares(
+    plan: Plan, serving: Sequence[bool], costs: Sequence[float], total: int | None = None
+) -> tuple[int, ...]:
+    """Shares while some replicas are out of service (migrating): the global batch (or
+    ``total`` micro-batches, e.g. those a partial redo runs again) spread over the serving
+    replicas only, balanced the same way."""
     if not any(serving):
         raise ValueError("no replica left in service")
     bottlenecks = [
         _bottleneck(costs, b) if serving[d] else float("inf") for d, b in enumerate(plan.bounds)
     ]
-    return balanced_shares(sum(plan.shares), bottlenecks, [len(b) - 1 for b in plan.bounds])
+    total = sum(plan.shares) if total is None else total
+    return balanced_shares(total, bottlenecks, [len(b) - 1 for b in plan.bounds])
 
 
 def _usable_profile(profile: Sequence[float], layers: int) -> bool:

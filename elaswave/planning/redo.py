@@ -16,7 +16,7 @@ micro-batch is computed exactly once across the ranks' sums, only by other ranks
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from elaswave.planning.plan import assign_microbatches
@@ -79,17 +79,18 @@ def stage_redo(
     total: int,
     layers: int,
     kept: Sequence[Mapping[int, Collection[int]] | None],
-    weights: Sequence[float],
+    split: Callable[[int], Sequence[int]],
 ) -> StageRedo | None:
     """What the replicas of a pipeline plan compute of a step of ``total`` micro-batches over
     ``layers`` layers, when rank ``r`` keeps, for each layer it holds, the gradient sums of the
-    micro-batches ``kept[r][layer]`` (``None``: nothing usable), and replica ``d`` of the new
-    plan has weight ``weights[d]`` (its share of the batch; 0: out of service).
+    micro-batches ``kept[r][layer]`` (``None``: nothing usable); ``split(n)`` says how many of
+    ``n`` micro-batches each replica of the new plan runs (the plan's balance: a replica's
+    1F1B time, its bubble included; 0 for one out of service).
 
     A micro-batch is computed again when some layer keeps none of its gradient; the lost ones
-    are split in contiguous runs, in replica order, largest remainder by weight. ``None`` when
-    the whole step must be computed as planned: nobody keeps anything, a layer's kept sets
-    overlap (they could not be combined), or no replica is in service."""
+    are handed out in contiguous runs, in replica order. ``None`` when the whole step must be
+    computed as planned: nobody keeps anything, or a layer's kept sets overlap (they could not
+    be combined)."""
     per_layer: list[set[int]] = [set() for _ in range(layers)]
     anything = False
     for mine in kept:
@@ -101,11 +102,12 @@ def stage_redo(
                 return None
             per_layer[layer] |= ids
             anything = anything or bool(ids)
-    share = [max(float(w), 0.0) for w in weights]
-    if not anything or sum(share) <= 0:
+    if not anything:
         return None
     lost = [i for i in range(total) if any(i not in k for k in per_layer)]
-    counts = assign_microbatches(len(lost), share) if lost else (0,) * len(share)
+    counts = split(len(lost))
+    if sum(counts) != len(lost) or min(counts, default=0) < 0:
+        raise ValueError(f"split({len(lost)}) gave {list(counts)}")
     shares: list[tuple[int, ...]] = []
     cursor = 0
     for n in counts:

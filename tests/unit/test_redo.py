@@ -3,8 +3,11 @@ and a pipeline plan's replicas (``stage_redo``), as tables."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
+from elaswave.planning.plan import assign_microbatches
 from elaswave.planning.redo import redo_shares, stage_redo
 
 
@@ -55,6 +58,11 @@ def test_one_kept_set_per_rank() -> None:
         redo_shares(4, [None, None], [1, 1, 1])
 
 
+def _by(weights: list[int]) -> Callable[[int], tuple[int, ...]]:
+    """The split a plan would give: in proportion to ``weights``."""
+    return lambda n: assign_microbatches(n, weights) if n else (0,) * len(weights)
+
+
 def _stages(cut: list[int], ids: range | tuple) -> dict[int, tuple]:
     """One stage's kept sums: every layer of ``cut`` (start, stop) keeps ``ids``."""
     return {layer: tuple(ids) for layer in range(*cut)}
@@ -87,7 +95,7 @@ def _stages(cut: list[int], ids: range | tuple) -> dict[int, tuple]:
 def test_a_pipeline_redoes_what_some_layer_lacks(
     kept: list, weights: list, shares: tuple, why: str
 ) -> None:
-    redo = stage_redo(8, 4, kept, weights)
+    redo = stage_redo(8, 4, kept, _by(weights))
     assert redo is not None and redo.shares == shares, why
     for layer in range(4):
         have = sorted(i for mine in kept if mine for i in mine.get(layer, ()))
@@ -103,10 +111,14 @@ def test_a_pipeline_redoes_what_some_layer_lacks(
         ([{0: (0, 1)}, {0: (1, 2)}], [1, 1], "one layer's sums overlap"),
         ([{0: (0, 9)}, None], [1, 1], "an index outside the step"),
         ([{7: (0,)}, None], [1, 1], "a layer outside the model"),
-        ([{0: (0,)}, None], [0, 0], "no replica in service"),
     ],
 )
 def test_a_pipeline_step_is_computed_whole_when_kept_sums_cannot_be_used(
     kept: list, weights: list, why: str
 ) -> None:
-    assert stage_redo(4, 4, kept, weights) is None, why
+    assert stage_redo(4, 4, kept, _by(weights)) is None, why
+
+
+def test_a_split_that_does_not_hand_out_every_lost_micro_batch_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"split\(4\) gave \[1, 1\]"):
+        stage_redo(4, 2, [{0: (), 1: ()}, {0: (0,)}], lambda n: (1, 1))

@@ -17,7 +17,7 @@ micro-batch) gradient and every loss is then summed exactly once, as in a fault-
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,7 +66,7 @@ def kept_row(kept: StageKept | None, usable: bool, total: int, layers: int) -> l
 
 
 def agree(
-    rows: Sequence[Sequence[float]], total: int, layers: int, weights: Sequence[float]
+    rows: Sequence[Sequence[float]], total: int, layers: int, split: Callable[[int], Sequence[int]]
 ) -> StageRedo | None:
     """Every rank's rows of :func:`kept_row` -> the redo (``None``: the whole step, as
     planned). Pure: every rank derives the same from the same rows."""
@@ -80,7 +80,7 @@ def agree(
             for layer in range(layers)
         }
         kept.append({layer: ids for layer, ids in mine.items() if ids})
-    return stage_redo(total, layers, kept, weights)
+    return stage_redo(total, layers, kept, split)
 
 
 @contextlib.contextmanager

@@ -24,6 +24,7 @@ from elaswave.planning.gradgroups import (
     reductions,
     tie_copies,
 )
+from elaswave.planning.pipeplan import serving_shares
 from elaswave.planning.plan import Plan
 from elaswave.planning.redo import StageRedo
 from elaswave.planning.stageshards import Block, LayersLost, holder_blocks
@@ -394,9 +395,11 @@ class PipelineStages(Strategy):
         mine = torch.tensor(kept_row(kept, usable, total, layers), dtype=torch.float64,
                             device=st.device)  # fmt: skip
         rows = [r.tolist() for r in self.ctx.comm.allgather(DP, mine, broken)]
-        weights = [share if serving else 0 for share, serving in zip(pipe.shares, pipe.serving,
-                                                                     strict=True)]  # fmt: skip
-        redo = agree(rows, total, layers, weights) if cfg.partial_redo else None
+
+        def split(n: int) -> tuple[int, ...]:  # balanced like the step: 1F1B time, bubble too
+            return serving_shares(plan, pipe.serving, pipe.costs, n)
+
+        redo = agree(rows, total, layers, split) if cfg.partial_redo else None
         self.redo = (resume + 1, redo) if redo is not None else None
         if not usable or redo is None:
             self.kept = None  # the step starts from zero
