@@ -142,7 +142,7 @@ def show(result: dict[str, Any]) -> None:
         whole = result["cells"][f"{name}/whole"]
         for mode in MODES:
             cell = result["cells"][f"{name}/{mode}"]
-            redone = sorted({r["redone_microbatches"] for r in cell["runs"]})
+            redone = sorted({r["redone_microbatches"] or MICROBATCHES for r in cell["runs"]})
             ratio = cell["redo_s"]["median"] / whole["redo_s"]["median"]
             rows.append(
                 (name, mode, f"{cell['device_time']:.3g}",
