@@ -20,7 +20,8 @@ respawn is fast again); that kill counts as a fault of its own. Each fault waits
 one to be answered: the job back at full size (six workers) under a plan newer than the fault,
 and a step committed under it (corrupt: repaired, then a commit), plus a few steps of margin.
 
-Variants (``CHAOS_VARIANTS=dp,zero,...``; all by default), one job each:
+Variants (``CHAOS_VARIANTS=dp,zero,...``; all by default), one job each (``CHAOS_KEEP=DIR`` keeps
+each bed's directory, the run directories of every host, under ``DIR``):
 
 - ``dp``: data parallelism, the six kinds above;
 - ``zero``: ZeRO-1 (``--zero 1``), the six kinds;
@@ -45,14 +46,16 @@ four workers on an embedded etcd, rank faults only) and the result says so in ``
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -161,6 +164,21 @@ def selected_variants() -> list[Variant]:
     return [VARIANTS[n] for n in names if n]
 
 
+@contextlib.contextmanager
+def _workdir(name: str) -> Iterator[str]:
+    """A bed's directory: temporary, or ``$CHAOS_KEEP/name`` kept for inspection (its run
+    directories hold every host's events, metrics and logs)."""
+    keep = os.environ.get("CHAOS_KEEP")
+    if not keep:
+        with tempfile.TemporaryDirectory(prefix="elaswave-chaos-") as tmp:
+            yield tmp
+        return
+    path = Path(keep) / name
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+    yield str(path)
+
+
 def run(repeat: int, config: Path) -> dict[str, Any]:
     reason = netbed.skip_reason()
     variants = selected_variants()
@@ -192,7 +210,7 @@ def run(repeat: int, config: Path) -> dict[str, Any]:
             # float64: one data-parallel reference for all (same bits); float32: its own.
             key = () if REDUCE_DTYPE == "float64" else v.flags
             if key not in refs:
-                with tempfile.TemporaryDirectory(prefix="elaswave-chaos-") as tmp:
+                with _workdir(f"ref-{i}") as tmp:
                     refs[key] = _on_bed(make_bed(Path(tmp) / "ref", 1), nproc,
                                         f"chaos-ref-{i}", [], Variant("ref", (), key))  # fmt: skip
             plan = schedule(SEED, FAULTS, v.kinds)
@@ -200,7 +218,7 @@ def run(repeat: int, config: Path) -> dict[str, Any]:
                 f"[bold]{v.name}[/bold] schedule (seed {SEED}): "
                 + "; ".join(describe(f) for f in plan)
             )
-            with tempfile.TemporaryDirectory(prefix="elaswave-chaos-") as tmp:
+            with _workdir(f"{v.name}-{i}") as tmp:
                 soak = _on_bed(make_bed(Path(tmp) / "soak", v.etcd_members), nproc,
                                f"chaos-{v.name}-{i}", plan, v)  # fmt: skip
             by_variant[v.name] = {
