@@ -10,6 +10,7 @@ import torch
 
 from elaswave.events import JsonlWriter, read_jsonl
 from elaswave.runtime.durable import checkpoints as durable
+from elaswave.runtime.integrity.checker import check_due
 from elaswave.runtime.integrity.rollback import NONE, RollbackVerdict, rollback_verdict
 
 VOID = RollbackVerdict(None, reason="a rank's layout changed since the last clean check")
@@ -45,6 +46,25 @@ def test_rollback_verdict(
     good: list[int], step: int, whole: bool, verdict: RollbackVerdict
 ) -> None:
     assert rollback_verdict(good, step, whole=whole) == verdict
+
+
+@pytest.mark.parametrize(
+    ("step", "every", "per_layout", "generation", "checked", "due"),
+    [
+        (20, 10, False, 1, 1, True),  # the periodic check
+        (21, 10, False, 2, 1, False),  # the whole state fits any layout: no extra check
+        (21, 10, True, 1, 1, False),  # per layout, the same generation as the last clean check
+        (21, 10, True, 2, 1, True),  # a new layout: its first commit is checked
+        (21, 10, True, (2, 1), (2, 0), True),  # a migration switched under the same plan
+        (21, 10, True, None, 1, False),  # layers still migrating: nothing would be kept
+        (21, 10, True, 2, None, True),  # a newcomer, with no clean check of its own yet
+        (21, 0, True, 2, 1, False),  # verification off
+    ],
+)
+def test_a_check_is_due_periodically_and_at_a_new_layouts_first_commit(
+    step: int, every: int, per_layout: bool, generation: object, checked: object, due: bool
+) -> None:
+    assert check_due(step, every, per_layout, generation, checked) is due
 
 
 def test_metrics_of_redone_steps_give_way(tmp_path: Path) -> None:

@@ -30,7 +30,21 @@ if TYPE_CHECKING:
     from elaswave.runtime.durable.restore import DurableSource
     from elaswave.runtime.state import RankContext
 
-__all__ = ["Integrity"]
+__all__ = ["Integrity", "check_due"]
+
+
+def check_due(step: int, every: int, per_layout: bool, generation: object, checked: object) -> bool:
+    """Whether the commit of ``step`` is checked: every ``every`` steps, and, where known-good
+    states are kept per layout (``per_layout``: a stage's layers, a shard), at the first commit
+    of a settled layout generation (``generation``, the same on every rank; ``None`` while not
+    settled) other than the one of the last clean check (``checked``): a new layout voids the
+    known-good state, and without this check a corruption found before the next periodic one
+    could only be repaired in place, not rolled back. Pure."""
+    if not every:
+        return False
+    if step % every == 0:
+        return True
+    return per_layout and generation is not None and generation != checked
 
 
 class Integrity:
@@ -47,6 +61,7 @@ class Integrity:
         self.every = ctx.cfg.verify_every
         self.good: KnownGood | None = None  # what it keeps of the last clean check's state
         self._good_key: object = None  # the layout it fits (None: the whole state fits any)
+        self._good_generation: object = None  # the layout generation of the last clean check
         self._seal: int | None = None  # CRC of the parameters as last committed
         self._tainted = False  # they changed at rest since
 
@@ -75,7 +90,8 @@ class Integrity:
         rank rolled back (the main loop redoes the steps since the known-good state)."""
         self.reseal()
         self.faults.corrupt(step, self._flip)
-        if not self.every or step % self.every:
+        if not check_due(step, self.every, self.strategy.layout_key() is not None,
+                         self.strategy.layout_generation(), self._good_generation):  # fmt: skip
             return False
         self.ctx.enter("collective")
         tainted = self._tainted or self._seal_broken()  # before a repair rewrites anything
@@ -137,6 +153,7 @@ class Integrity:
         kept = self.strategy.known_good(self.ctx.broken)
         self.good = KnownGood(step, self.ctx.state.last_loss, kept)
         self._good_key = self.strategy.layout_key()
+        self._good_generation = self.strategy.layout_generation()
         self._tainted = False
 
     def _roll_back(self, step: int, target: int, source: int, kept: list[int]) -> None:

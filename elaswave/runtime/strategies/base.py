@@ -294,6 +294,14 @@ class Strategy(ABC):
         keeps only its shard names its layout, and a plan that changes it voids the state."""
         return None
 
+    def layout_generation(self) -> Any:
+        """Which layout every rank runs, the same value on every rank: a known-good state kept
+        per layout (``layout_key``) is taken again at the first commit of a new one, so that a
+        corruption found later can still be rolled back (``None``: not yet settled, e.g. while
+        layers migrate)."""
+        plan = self.ctx.plan
+        return plan.epoch if plan is not None else None
+
     @abstractmethod
     def corrupt_target(self, target: str) -> tuple[torch.Tensor, str]:
         """Where an injected bit flip aimed at ``target`` (parameters | snapshot) lands."""

@@ -150,6 +150,7 @@ class PipelineStages(Strategy):
         self.kept: StageKept | None = None
         self._acc: torch.Tensor | None = None
         self.redo: tuple[int, StageRedo] | None = None
+        self._switches = 0  # asynchronous migrations switched to their layout (every rank alike)
 
     def ready(self) -> dict[str, Any]:
         """The leader partitions with the workload's estimate, or with what the layers measured,
@@ -253,6 +254,7 @@ class PipelineStages(Strategy):
         if switched is not None:
             assert ctx.plan is not None
             self.say("migration_done", epoch=ctx.plan.epoch, **switched)
+            self._switches += 1
             self._set_clocks()
         return float(buf[n + EPOCH])
 
@@ -521,6 +523,13 @@ class PipelineStages(Strategy):
         """The units this rank keeps, one after another: no rank keeps the whole."""
         kept = [t.reshape(-1) for t in self._kept_tensors()]
         return torch.cat(kept) if kept else self.state.flat.data.new_empty(0)
+
+    def layout_generation(self) -> Any:
+        """The plan and the migrations switched under it; ``None`` while layers migrate."""
+        plan = self.ctx.plan
+        if self.pipe.migration is not None or plan is None:
+            return None
+        return (plan.epoch, self._switches)
 
     def layout_key(self) -> Any:
         """A stage's known-good state fits only the layers it was taken from: the plan's
