@@ -26,7 +26,11 @@ def single_host(tmp_path_factory: pytest.TempPathFactory) -> Run:
 
 
 def _run(bed: NetBed, job: str, mode: str, state_env: dict[str, str]) -> Run:
+    # Emulated device time (50 ms per micro-batch, four per rank): the eight steps after the
+    # kill last about 2 s, so the respawned worker (ready ~0.2 s after the kill) is planned
+    # back in (a grow waits 0.5 s for more joiners) before the job ends, however fast the CPU.
     env = {**state_env, **F64, "ELASWAVE_TRAIN__HIERARCHY": mode,
+           "ELASWAVE_TRAIN__DEVICE_TIME": "0.05",
            "ELASWAVE_TIMEOUTS__LEASE_TTL": "2", "ELASWAVE_TIMEOUTS__RENDEZVOUS": "60"}  # fmt: skip
     for host in bed.hosts:
         bed.launch(host, "--job-id", job, "--nproc-per-node", "2", "--nnodes", "2:2",
