@@ -52,11 +52,18 @@ def redo_shares(
         share = [1.0] * len(keepers)
     counts = assign_microbatches(len(lost), share) if lost else (0,) * len(keepers)
     out: list[tuple[int, ...]] = [()] * len(kept)
-    cursor = 0
-    for r, n in zip(keepers, counts, strict=True):
-        out[r] = tuple(lost[cursor : cursor + n])
-        cursor += n
+    for r, run in zip(keepers, _runs(lost, counts), strict=True):
+        out[r] = run
     return tuple(out)
+
+
+def _runs(lost: Sequence[int], counts: Sequence[int]) -> list[tuple[int, ...]]:
+    """``lost`` cut in contiguous runs of ``counts`` (which add up to its length), in order."""
+    out, cursor = [], 0
+    for n in counts:
+        out.append(tuple(lost[cursor : cursor + n]))
+        cursor += n
+    return out
 
 
 @dataclass(frozen=True)
@@ -108,9 +115,4 @@ def stage_redo(
     counts = split(len(lost))
     if sum(counts) != len(lost) or min(counts, default=0) < 0:
         raise ValueError(f"split({len(lost)}) gave {list(counts)}")
-    shares: list[tuple[int, ...]] = []
-    cursor = 0
-    for n in counts:
-        shares.append(tuple(lost[cursor : cursor + n]))
-        cursor += n
-    return StageRedo(tuple(frozenset(k) for k in per_layer), tuple(shares))
+    return StageRedo(tuple(frozenset(k) for k in per_layer), tuple(_runs(lost, counts)))

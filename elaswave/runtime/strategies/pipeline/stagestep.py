@@ -152,9 +152,9 @@ class StageStep:
                 out.backward(grad_in)
         with self.tools.timer.pause():
             self.tools.device_pause(self.layers, True)
-        flat = self.ctx.state.flat
-        grad = flat.at(flat.collect_grads())[self.region]
         if self.acc is not None:  # the float64 sums take each micro-batch's as it comes
+            flat = self.ctx.state.flat
+            grad = flat.at(flat.collect_grads())[self.region]
             self.acc.add_(grad)
             grad.zero_()
         mb = self.mbs[i].id

@@ -205,7 +205,7 @@ class PipelineStages(Strategy):
             acc = self._acc
         kept = self.kept
         if not continued or kept is None or kept.step != step:
-            st.flat.grad.zero_()
+            st.flat.collect_grads().zero_()  # re-pointed first, as autograd may replace one
             if acc is not None:
                 acc.zero_()
             loss = torch.zeros((), dtype=torch.float64, device=st.device)
@@ -383,6 +383,9 @@ class PipelineStages(Strategy):
         offers its kept sums when its stage kept its layers and buffers and had not gone past
         the resume step. What is redone, for the event (nothing when no step was interrupted)."""
         st, pipe, cfg = self.state, self.pipe, self.ctx.cfg.train
+        if not cfg.partial_redo:  # the same on every rank: no records to gather
+            self.kept, self.redo = None, None
+            return {}
         resume, kept = st.step, self.kept
         layers, total = pipe.num_layers, cfg.global_batch // cfg.micro_batch_size
         d, _ = plan.position(self.ctx.comm.rank(DP))
@@ -401,7 +404,7 @@ class PipelineStages(Strategy):
         def split(n: int) -> tuple[int, ...]:  # balanced like the step: 1F1B time, bubble too
             return serving_shares(plan, pipe.serving, pipe.costs, n)
 
-        redo = agree(rows, total, layers, split) if cfg.partial_redo else None
+        redo = agree(rows, total, layers, split)
         self.redo = (resume + 1, redo) if redo is not None else None
         if not usable or redo is None:
             self.kept = None  # the step starts from zero
