@@ -9,6 +9,7 @@ Text form (``launch --fault`` and ``ELASWAVE_FAULTS``)::
     kill,rank=1,at_step=3,repeat    # whoever holds rank 1 dies at step 3, every time
     kill,rank=1,at_step=8,phase=forward,detect_delay=2  # dies before step 8's first forward;
                                     # its daemon reports the death 2 s late
+    hang,rank=2,at_step=8,epoch=3   # from step 8 on, once the job runs plan epoch 3 or later
     host,host=h2                    # whole-host faults name a host instead of a rank
 
 YAML form (``faults:`` in a config)::
@@ -69,7 +70,10 @@ class FaultSpec:
     dead peer in their sends and receives). ``detect_delay`` (``kill`` only): the victim's daemon
     reports the death that many seconds late, as a slow detector would (a host found dead only
     when its lease expires): meanwhile the survivors meet the dead peer in the transport itself,
-    and every error they get there must latch.
+    and every error they get there must latch. ``epoch`` arms the fault only once the job runs
+    a plan of that epoch or a later one (its rank is resolved in that plan, its ``at_step`` then
+    means the first step from ``at_step`` on): a second fault scripted to land after the
+    membership the first one caused, e.g. after a respawned worker has joined.
     """
 
     kind: FaultKind
@@ -81,6 +85,7 @@ class FaultSpec:
     delay: float | None = None  # slow: extra compute seconds per step (even share)
     repeat: bool = False  # re-arm on whichever worker holds ``rank`` in later plans
     detect_delay: float | None = None  # kill: the death is reported this many seconds late
+    epoch: int | None = None  # armed from the plan of this epoch on
 
     def __post_init__(self) -> None:
         if not isinstance(self.kind, FaultKind):
@@ -88,7 +93,7 @@ class FaultSpec:
         if self.kind.targets_host:
             if not self.host:
                 raise FaultSpecError(f"fault '{self.kind.value}' needs a target: host=H")
-            if self.rank is not None or self.at_step is not None:
+            if self.rank is not None or self.at_step is not None or self.epoch is not None:
                 raise FaultSpecError(
                     f"fault '{self.kind.value}' takes host=H only (it fires at once)"
                 )
@@ -101,6 +106,8 @@ class FaultSpec:
             raise FaultSpecError(f"fault rank must be >= 0, got {self.rank}")
         if self.at_step is not None and self.at_step < 1:
             raise FaultSpecError(f"fault at_step must be >= 1, got {self.at_step}")
+        if self.epoch is not None and self.epoch < 1:
+            raise FaultSpecError(f"fault epoch must be >= 1, got {self.epoch}")
         if self.target not in TARGETS:
             raise FaultSpecError(
                 f"fault target must be one of {', '.join(TARGETS)}, got {self.target!r}"
@@ -151,7 +158,8 @@ class FaultSpec:
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, source: str = "fault spec") -> FaultSpec:
         known = {
-            "kind", "rank", "host", "at_step", "phase", "target", "delay", "repeat", "detect_delay"
+            "kind", "rank", "host", "at_step", "phase", "target", "delay", "repeat", "detect_delay",
+            "epoch",
         }  # fmt: skip
         unknown = sorted(set(data) - known)
         if unknown:
@@ -171,6 +179,7 @@ class FaultSpec:
             delay=_float(data.get("delay"), "delay", source),
             repeat=_bool(data.get("repeat", False), "repeat", source),
             detect_delay=_float(data.get("detect_delay"), "detect_delay", source),
+            epoch=_int(data.get("epoch"), "epoch", source),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -183,6 +192,10 @@ class FaultSpec:
         if not out["repeat"]:
             del out["repeat"]
         return {k: v for k, v in out.items() if v is not None}
+
+    def armed(self, epoch: int, step: int) -> bool:
+        """Whether the fault is due in a worker running plan ``epoch`` at ``step``."""
+        return (self.epoch or 0) <= epoch and (self.at_step or 0) <= step
 
     def describe(self) -> str:
         if self.host is not None:
@@ -197,6 +210,8 @@ class FaultSpec:
             extra += f" (reported {self.detect_delay:g} s late)"
         if self.repeat:
             extra += ", repeated"
+        if self.epoch is not None:
+            extra += f" (from plan epoch {self.epoch})"
         return f"{self.kind.value} rank {self.rank}{when}{extra}"
 
 

@@ -88,6 +88,8 @@ class FaultRelay:
                     asyncio.create_task(self._die(key, fault))
                 continue
             assert fault.rank is not None
+            if fault.epoch is not None and d.plan.epoch < fault.epoch:
+                continue  # armed later: its rank is resolved in that plan
             if fault.repeat:
                 self._dispatch_repeat(key, fault)
                 continue

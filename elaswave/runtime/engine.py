@@ -149,6 +149,7 @@ class Engine:
         self.phase, self.phase_since = "idle", time.monotonic()
         self.faults = FaultInjector(
             control, worker_id=worker_id, rank=lambda: self.comm.rank(DP),
+            epoch=lambda: self.plan.epoch if self.plan is not None else 0,
             sharded=self.strategy.sharded,
         )  # fmt: skip
         self.integrity = Integrity(self.ctx, self.strategy, self.durable, self.faults)

@@ -288,13 +288,14 @@ def test_a_job_runs_on_a_secured_etcd_while_strangers_are_refused(
 def test_a_single_host_job_with_its_embedded_etcd_on_tls(
     tmp_path: Path, state_env: dict[str, str], reference: Run
 ) -> None:
-    # No external etcd: launch starts its own with TLS + client-cert auth; status and
-    # inject-fault find it, and its TLS files, through the discovery record.
+    # No external etcd: launch starts its own with TLS + client-cert auth; status finds it,
+    # and its TLS files, through the discovery record. Emulated device
+    # time (0.4 s a step) keeps the job, and so its etcd, up for the clients' checks.
     ca = CA(tmp_path / "pki")
     server, host = ca.issue("etcd-server", server=True), ca.issue("job-host")
-    steps = 6
+    steps = 16
     run_dir = tmp_path / "run"
-    env = env_as(state_env, None, None)
+    env = {**env_as(state_env, None, None), "ELASWAVE_TRAIN__DEVICE_TIME": "0.1"}
     proc = start(
         run_dir, env, "--job-id", "solo", "--steps", str(steps),
         "--etcd-cacert", str(ca.cert), "--etcd-cert", str(host.cert), "--etcd-key", str(host.key),
@@ -305,6 +306,7 @@ def test_a_single_host_job_with_its_embedded_etcd_on_tls(
         record = json.loads((Path(env["ELASWAVE_STATE_DIR"]) / "jobs" / "solo.json").read_text())
         ca_only = ["--etcd", record["etcd"][0], "--etcd-cacert", str(ca.cert)]
         refused = one_line_error(cli("status", "--job-id", "solo", *ca_only, env=env))
+        assert proc.poll() is None, "the job ended before the clients' checks"
         out, err = proc.communicate(timeout=180)
     finally:
         if proc.poll() is None:

@@ -242,14 +242,16 @@ def gpt64(tmp_path_factory: pytest.TempPathFactory) -> Run:
 
 @pytest.fixture(scope="module")
 def z3_faults(tmp_path_factory: pytest.TempPathFactory) -> Run:
-    """ZeRO-3 on 4 workers through a SIGKILL in step 4 (the worker is respawned and joins), then
-    a hang in step 8 (the daemon kills it after 1.5 s; no restart left): 4 → 3 → 4 → 3 ranks.
-    A durable checkpoint every 6 steps, written per shard."""
+    """ZeRO-3 on 4 workers through a SIGKILL in step 3 (the worker is respawned and joins), then,
+    once it has joined (plan epoch 3), a hang from step 8 on (the daemon kills it after 1.5 s; no
+    restart left): 4 → 3 → 4 → 3 ranks. A durable checkpoint every 6 steps, written per shard.
+    Emulated device time (0.2 s a step) leaves the respawn the job's last nine steps to join."""
     base = tmp_path_factory.mktemp("z3-faults")
     r = launch(base / "run", "--job-id", "z3-faults", "--zero", "3", "--steps", str(Z3_STEPS),
-               "--max-restarts", "1", "--fault", "kill,rank=1,at_step=4",
-               "--fault", "hang,rank=2,at_step=8", "--hang-timeout", "1.5",
-               "--durable-every", "6", env=_f64(base))  # fmt: skip
+               "--max-restarts", "1", "--fault", "kill,rank=1,at_step=3",
+               "--fault", "hang,rank=2,at_step=8,epoch=3", "--hang-timeout", "1.5",
+               "--durable-every", "6",
+               env={**_f64(base), "ELASWAVE_TRAIN__DEVICE_TIME": "0.05"})  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     return Run(base / "run")
 
@@ -273,13 +275,15 @@ def test_zero3_survives_a_kill_a_respawn_and_a_hang_bit_identical(
     assert [e["exit_code"] for e in run.of("worker_exit")] == [-9, -9]
     (hang,) = run.of("hang_detected")
     assert "heartbeat" in hang["reason"]
-    for epoch in (2, 4):  # a loss: promoted where the pieces are, the step redone whole
+    kill, hung = (e["step"] for e in run.of("fault_injected"))
+    assert kill == 3 and hung >= 8
+    for epoch, step in ((2, kill), (4, hung)):  # a loss: promoted, the step redone whole
         synced = _synced(run, epoch)
         assert len(synced) == 3 and all(e["bytes"] == 0 and e["transfers"] == 0 for e in synced)
         assert all(e["promoted_bytes"] > 0 and e["max_over_mean"] < 1.01 for e in synced)
-        (redo,) = {e["redo_step"] for e in synced}
-        assert redo == {2: 4, 4: 8}[epoch]
-    assert all(e["bytes"] > 0 for e in _synced(run, 3)), "the newcomer's share is sent"
+        assert {e["redo_step"] for e in synced} == {step}
+    grown = _synced(run, 3)
+    assert len(grown) == 4 and all(e["bytes"] > 0 for e in grown), "the newcomer's share is sent"
     total = sum(e["param_bytes"] for e in run.of("memory") if e["epoch"] == 1)
     for e in run.of("memory"):
         world = {1: 4, 2: 3, 3: 4, 4: 3}[e["epoch"]]

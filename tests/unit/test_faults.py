@@ -168,6 +168,7 @@ def test_describe(spec: FaultSpec, text: str) -> None:
             "kill,rank=1,at_step=8,phase=forward,detect_delay=2",
             FaultSpec(kind="kill", rank=1, at_step=8, phase="forward", detect_delay=2.0),
         ),
+        ("hang,rank=2,at_step=8,epoch=3", FaultSpec(kind="hang", rank=2, at_step=8, epoch=3)),
     ],
 )
 def test_slow_recovery_and_repeat_round_trip(text: str, expected: FaultSpec) -> None:
@@ -193,6 +194,9 @@ def test_slow_recovery_and_repeat_round_trip(text: str, expected: FaultSpec) -> 
         ("hang,rank=1,detect_delay=1", "detect_delay applies to 'kill' faults only"),
         ("kill,rank=1,detect_delay=-1", "detect_delay must be between 0 and 60"),
         ("kill,rank=1,detect_delay=nan", "detect_delay must be between 0 and 60"),
+        ("kill,rank=1,epoch=0", "fault epoch must be >= 1"),
+        ("kill,rank=1,epoch=soon", "epoch must be an integer"),
+        ("host,host=h2,epoch=2", "takes host=H only"),
     ],
 )
 def test_slow_recovery_and_repeat_errors(text: str, fragment: str) -> None:
@@ -213,6 +217,10 @@ def test_slow_recovery_and_repeat_errors(text: str, fragment: str) -> None:
             "kill rank 2 at step 9 during recovery",
         ),
         (FaultSpec(kind="kill", rank=1, at_step=3, repeat=True), "kill rank 1 at step 3, repeated"),
+        (
+            FaultSpec(kind="hang", rank=2, at_step=8, epoch=3),
+            "hang rank 2 at step 8 (from plan epoch 3)",
+        ),
     ],
 )
 def test_describe_new_forms(spec: FaultSpec, text: str) -> None:
@@ -228,3 +236,23 @@ def test_host_fault_text_form_round_trips() -> None:
     assert spec == FaultSpec(kind=FaultKind.HOST, host="h2") and spec.kind.targets_host
     assert FaultSpec.from_dict(spec.to_dict()) == spec
     assert spec.kind.signal is None  # the daemon acts, not a signal to one worker
+
+
+@pytest.mark.parametrize(
+    ("spec", "epoch", "step", "armed"),
+    [
+        (FaultSpec(kind="kill", rank=1), 1, 1, True),
+        (FaultSpec(kind="kill", rank=1, at_step=8), 2, 7, False),
+        (FaultSpec(kind="kill", rank=1, at_step=8), 2, 8, True),
+        (FaultSpec(kind="kill", rank=1, at_step=8), 2, 11, True),  # a later step: still due
+        (FaultSpec(kind="hang", rank=2, at_step=8, epoch=3), 2, 8, False),  # not that plan yet
+        (FaultSpec(kind="hang", rank=2, at_step=8, epoch=3), 3, 7, False),
+        (FaultSpec(kind="hang", rank=2, at_step=8, epoch=3), 3, 10, True),  # joined late: at once
+        (FaultSpec(kind="hang", rank=2, at_step=8, epoch=3), 4, 8, True),
+        (FaultSpec(kind="hang", rank=2, epoch=3), 0, 1, False),  # before the first plan
+    ],
+)
+def test_a_fault_is_armed_from_its_step_and_its_plan_epoch(
+    spec: FaultSpec, epoch: int, step: int, armed: bool
+) -> None:
+    assert spec.armed(epoch, step) is armed

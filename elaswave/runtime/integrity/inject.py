@@ -20,18 +20,25 @@ class FaultInjector:
     without it every step fault lands before the gradient reduction."""
 
     def __init__(
-        self, control: ControlClient, *, worker_id: str, rank: Callable[[], int], sharded: bool
+        self,
+        control: ControlClient,
+        *,
+        worker_id: str,
+        rank: Callable[[], int],
+        epoch: Callable[[], int],
+        sharded: bool,
     ) -> None:
         self.control = control
         self.worker_id = worker_id
         self.rank = rank
+        self.epoch = epoch  # the plan epoch this worker runs (0 before its first)
         self.sharded = sharded
         self._slow_started: list[FaultSpec] = []  # slow faults already announced
 
     def fire(self, step: int, phase: str) -> None:
         """Signal faults due at ``step`` that aim at ``phase``: announce, flush, then the signal."""
         for fault in list(self.control.faults):
-            if fault.at_step is not None and fault.at_step > step:
+            if not fault.armed(self.epoch(), step):
                 continue
             if fault.kind.signal is None:
                 continue  # corruption lands after the commit (see corrupt); slow: compute
@@ -48,7 +55,7 @@ class FaultInjector:
         """Extra compute seconds per step (at an even share) from ``slow`` faults in force."""
         total = 0.0
         for fault in list(self.control.faults):
-            if fault.kind is not FaultKind.SLOW or (fault.at_step or 0) > step:
+            if fault.kind is not FaultKind.SLOW or not fault.armed(self.epoch(), step):
                 continue
             if fault not in self._slow_started:
                 self._slow_started.append(fault)
@@ -60,7 +67,7 @@ class FaultInjector:
         """``corrupt`` faults due at ``step``: ``flip(target, step)`` flips a bit of committed
         state and says where."""
         for fault in list(self.control.faults):
-            if fault.kind is FaultKind.CORRUPT and (fault.at_step or 0) <= step:
+            if fault.kind is FaultKind.CORRUPT and fault.armed(self.epoch(), step):
                 self.control.faults.remove(fault)
                 self.injected(fault, step, corrupted=flip(fault.target, step))
 
