@@ -69,23 +69,32 @@ class JobEntry:
         )
 
     async def _outlive_earlier_self(self, live: list[Any]) -> list[Any]:
-        """This host id may still be registered by an earlier launch of this host that was
-        killed and is launched again at once (a scheduler's requeue, with the node's name for
-        host id), and so may the other hosts of that run: their keys last until their leases
-        expire. Wait for the keys registered then to go (a host still running keeps its key,
-        and is joined), then read again; which host starts the job again is :meth:`_start`'s
-        to decide."""
+        """This host may have run the job before and be launched again at once (a scheduler's
+        requeue, with the node's name for host id): killed, its own key is still registered;
+        stopped, its id is still in the job's newest plan. Either way the other hosts of that
+        run may still be registered too: their keys last until their leases expire (an etcd
+        restarted from its data directory gives every lease a whole TTL again). Wait for the
+        keys registered then to go, or, if the job still runs, for its leader to plan without
+        this host, then read again; which host starts the job again is :meth:`_start`'s to
+        decide, and a host still running keeps its key and is joined."""
         d = self.d
         mine = d.keys.host(d.host_id)
-        if not any(kv.key == mine for kv in live):
+        plan, _ = await d.jobstore.read_plan()
+        planned = plan is not None and d.host_id in plan.hosts
+        if not live or not (planned or any(kv.key == mine for kv in live)):
             return live
         earlier = {(kv.key, kv.create_revision) for kv in live}
         deadline = time.monotonic() + d.cfg.timeouts.lease_ttl + 2.0
         while time.monotonic() < deadline:
             await asyncio.sleep(0.2)
-            now = {(kv.key, kv.create_revision) for kv in await d.etcd.get_prefix(d.keys.hosts)}
+            kvs = await d.etcd.get_prefix(d.keys.hosts)
+            now = {(kv.key, kv.create_revision) for kv in kvs}
             if not now & earlier:
                 break
+            if plan is not None and all(kv.key != mine for kv in kvs):
+                newer, _ = await d.jobstore.read_plan()
+                if newer is not None and newer.epoch > plan.epoch and d.host_id not in newer.hosts:
+                    break  # the job runs on: its leader planned without this host
         return await d.etcd.get_prefix(d.keys.hosts)
 
     async def _start(self) -> Any:

@@ -215,6 +215,14 @@ def status_json(job_id: str, env: dict[str, str], *extra: str) -> dict[str, Any]
 F64 = {"ELASWAVE_TRAIN__REDUCE_DTYPE": "float64"}  # the deterministic mode
 
 
+def paced(env: dict[str, str], device_time: float) -> dict[str, str]:
+    """``env`` with emulated device time (``train.device_time``: seconds per micro-batch, slept
+    beside the real compute): every step takes at least its micro-batches' share, whatever the
+    CPU. For tests that act on a job while it runs (a second host joins, a fault lands after
+    Slurm marks a node down): without it a faster machine ends the job before they act."""
+    return {**env, "ELASWAVE_TRAIN__DEVICE_TIME": str(device_time)}
+
+
 def float64_run(factory: pytest.TempPathFactory, job_id: str, steps: int) -> Run:
     """A fault-free data-parallel run in the deterministic mode (float64 reduction): the run
     that faults of any kind, under any strategy, must match bit for bit."""

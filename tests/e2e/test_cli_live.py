@@ -14,6 +14,7 @@ from conftest import (
     assert_no_orphans,
     cli,
     launch,
+    paced,
     start,
     status_json,
     wait_for,
@@ -167,25 +168,22 @@ def test_second_host_joins_and_the_plan_grows(
     tmp_path: Path, state_env: dict[str, str], reference: Run
 ) -> None:
     """Two launches on one machine act as two hosts; the second joins mid-run (--nnodes 1:2)."""
+    env = paced(state_env, 0.02)  # 0.16 s a step on h1 alone: h2 joins long before the end
     first = start(
-        tmp_path / "h1", state_env,
+        tmp_path / "h1", env,
         "--job-id", "grow", "--nproc-per-node", "2", "--nnodes", "1:2", "--host-id", "h1",
-        "--steps", "150",
+        "--steps", "100",
     )  # fmt: skip
     try:
-        wait_for(lambda: step_of("grow", state_env) >= 5, timeout=90)
-        record = json.loads(
-            (Path(state_env["ELASWAVE_STATE_DIR"]) / "jobs" / "grow.json").read_text()
-        )
+        wait_for(lambda: step_of("grow", env) >= 5, timeout=90)
+        record = json.loads((Path(env["ELASWAVE_STATE_DIR"]) / "jobs" / "grow.json").read_text())
         endpoint = ",".join(record["etcd"])
         host2 = ("--job-id", "grow", "--nproc-per-node", "2", "--nnodes", "1:2", "--host-id", "h2")
-        mismatch = launch(tmp_path / "bad", *host2, "--etcd", endpoint, env=state_env)
+        mismatch = launch(tmp_path / "bad", *host2, "--etcd", endpoint, env=env)
         assert mismatch.returncode != 0
-        assert "train.steps: job has 150, this host 40" in mismatch.stderr
+        assert "train.steps: job has 100, this host 40" in mismatch.stderr
         assert len(mismatch.stderr.strip().splitlines()) == 1
-        second = launch(
-            tmp_path / "h2", *host2, "--steps", "150", "--etcd", endpoint, env=state_env
-        )
+        second = launch(tmp_path / "h2", *host2, "--steps", "100", "--etcd", endpoint, env=env)
         assert second.returncode == 0, second.stderr[-2000:]
         assert first.wait(timeout=120) == 0, first.stderr.read() if first.stderr else ""
     finally:
@@ -195,7 +193,7 @@ def test_second_host_joins_and_the_plan_grows(
     worlds = [p["world"] for p in h1.of("plan_published")]
     assert worlds[0] == 2 and worlds[-1] == 4, worlds
     committed = [m["step"] for m in h1.metrics]
-    assert committed == list(range(1, 151))
+    assert committed == list(range(1, 101))
     assert h1.metrics[-1]["world_size"] == 4
     ref = reference.losses
     for step, loss in h1.losses.items():
@@ -215,7 +213,8 @@ def test_the_leader_host_leaves_with_its_last_worker_and_the_store_moves(
     membership did not change, the store did: the new leader publishes the same layout with
     its own store (the ranks would otherwise wait for the old one for ever), and the job
     trains to the end on h2 and h3."""
-    steps = 150  # long enough for the joins and the eviction to land before the end
+    steps = 100  # long enough for the joins and the eviction to land before the end:
+    env = paced(state_env, 0.02)  # 0.11 s a step on three workers, 0.32 s on h1 alone
     hosts = ("h1", "h2", "h3")
     procs = {}
     with EmbeddedEtcd() as etcd:
@@ -223,18 +222,18 @@ def test_the_leader_host_leaves_with_its_last_worker_and_the_store_moves(
                   str(steps), "--nproc-per-node", "1", "--straggler-threshold", "3")  # fmt: skip
 
         def world(size: int) -> dict | None:
-            st = status_json("moved", state_env, "--etcd", etcd.endpoint)
+            st = status_json("moved", env, "--etcd", etcd.endpoint)
             return st if st and st["world_size"] == size and st.get("progress") else None
 
         try:
-            procs["h1"] = start(tmp_path / "h1", state_env, *common, "--host-id", "h1")
+            procs["h1"] = start(tmp_path / "h1", env, *common, "--host-id", "h1")
             wait_for(lambda: world(1), timeout=90)  # h1 leads: it started alone
             for host in hosts[1:]:
-                procs[host] = start(tmp_path / host, state_env, *common, "--host-id", host)
+                procs[host] = start(tmp_path / host, env, *common, "--host-id", host)
             st = wait_for(lambda: world(3), timeout=90)
             (rank,) = [m["rank"] for m in st["members"] if m["worker"] == "h1.w0"]
             slow = cli("inject-fault", "--job-id", "moved", "--kind", "slow", "--rank", str(rank),
-                       "--delay", "2", "--etcd", etcd.endpoint, env=state_env)  # fmt: skip
+                       "--delay", "2", "--etcd", etcd.endpoint, env=env)  # fmt: skip
             assert slow.returncode == 0, slow.stderr
             assert procs["h1"].wait(timeout=120) != 0  # every worker of h1 evicted
             for host in hosts[1:]:

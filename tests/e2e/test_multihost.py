@@ -12,7 +12,7 @@ from itertools import groupby
 from typing import Any
 
 import pytest
-from conftest import Run, assert_clean_run, assert_redid_only, wait_for
+from conftest import Run, assert_clean_run, assert_redid_only, paced, wait_for
 from netbed import NetBed, netbed_fixture  # noqa: F401 - provides the netbed_factory fixture
 
 from elaswave.daemon.etcd import start_order
@@ -256,7 +256,7 @@ def test_single_etcd_stopped_for_two_lease_ttls(
     no host is fenced, no worker lost, no plan made, and training goes on meanwhile."""
     steps = 60
     bed = netbed_factory(hosts=3, etcd_members=1)
-    env = _env(state_env)
+    env = paced(_env(state_env), 0.05)  # ≥ 0.15 s a step: the job outlives the outage
     _start(bed, "mh-etcd-down", env, steps=steps)
     _wait_step(bed, 6)
     down_at = time.time()

@@ -25,6 +25,7 @@ from conftest import (
     assert_clean_run,
     cli,
     launch,
+    paced,
     start,
     status_json,
     wait_for,
@@ -295,7 +296,7 @@ def test_a_single_host_job_with_its_embedded_etcd_on_tls(
     server, host = ca.issue("etcd-server", server=True), ca.issue("job-host")
     steps = 16
     run_dir = tmp_path / "run"
-    env = {**env_as(state_env, None, None), "ELASWAVE_TRAIN__DEVICE_TIME": "0.1"}
+    env = paced(env_as(state_env, None, None), 0.1)
     proc = start(
         run_dir, env, "--job-id", "solo", "--steps", str(steps),
         "--etcd-cacert", str(ca.cert), "--etcd-cert", str(host.cert), "--etcd-key", str(host.key),

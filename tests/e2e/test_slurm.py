@@ -51,20 +51,22 @@ CHECKPOINT_EVERY = int(re.findall(r"--durable-every (\d+)", recipe("elaswave"))[
 
 @pytest.fixture
 def slurm(tmp_path: Path) -> Any:
-    """``make(steps, nodes=5)`` → a started :class:`SlurmBed` whose shared directory holds
-    ``job.yaml`` (the test model, one CPU worker per node, ``steps`` steps) and the docs' scripts;
+    """``make(steps, nodes=5, device_time=0)`` → a started :class:`SlurmBed` whose shared
+    directory holds ``job.yaml`` (the test model, one CPU worker per node, ``steps`` steps,
+    ``train.device_time`` seconds of emulated device time per micro-batch: a test that acts on
+    the job while it runs paces its steps so that no CPU ends it first) and the docs' scripts;
     always torn down, and checked to leave nothing behind."""
     reason = skip_reason()
     if reason:
         pytest.skip(f"Slurm test bed unavailable: {reason}")
     beds: list[SlurmBed] = []
 
-    def make(steps: int, nodes: int = 5) -> SlurmBed:
+    def make(steps: int, nodes: int = 5, device_time: float = 0.0) -> SlurmBed:
         bed = SlurmBed(tmp_path, nodes=nodes)
         beds.append(bed)
         bed.env["ELASWAVE_STATE_DIR"] = str(tmp_path / "state")
         job = yaml.safe_load(CONFIG.read_text())
-        job["train"].update(steps=steps, device="cpu")
+        job["train"].update(steps=steps, device="cpu", device_time=device_time)
         job["elastic"]["nproc_per_node"] = 1
         (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
         for name in ("elaswave", "elaswave-join"):
@@ -225,8 +227,10 @@ def test_a_node_lost_mid_run_and_a_replacement_joining(slurm: Any, reference: Ru
     """n3 (an etcd member's node) loses power: Slurm marks it DOWN, the job goes on without it
     and completes; a replacement submitted with the docs' join script on the spare node n5
     joins the running job at a step boundary and trains to the end."""
-    steps = 240  # the job still runs when Slurm has marked n3 down (seconds later)
-    bed = slurm(steps=steps)
+    # The job still runs when Slurm has marked n3 down (seconds later) and n5 has joined:
+    # 0.12 s a step on four nodes (0.16 s on three), 25 s in all.
+    steps = 200
+    bed = slurm(steps=steps, device_time=0.03)
     job_id = submit(bed)
     wait_committed(bed, job_id, 10)
     bed.power_off("n3")
@@ -281,7 +285,7 @@ def test_the_first_node_lost_mid_run(slurm: Any, reference: Run) -> None:
 
 
 def test_scancel_leaves_nothing_running(slurm: Any) -> None:
-    bed = slurm(steps=400)
+    bed = slurm(steps=400, device_time=0.03)  # ≥ 48 s: running when scancel comes
     job_id = submit(bed)
     wait_committed(bed, job_id, 5)
     for node in ("n1", "n2", "n3", "n4"):  # what must stop: launches, workers, etcd
@@ -303,9 +307,9 @@ def test_a_requeue_resumes_from_the_checkpoint(slurm: Any, reference: Run) -> No
     (on the same four nodes: the bed has four): etcd comes back with the job's records from its
     data directory, the launches resume from the newest checkpoint, no step is recorded twice."""
     # Long enough past the checkpoint that the job still trains when the requeue's signal
-    # reaches it (Slurm takes a second or more; the test model trains ~10 steps a second).
+    # reaches it (Slurm takes a second or more): 40 steps of at least 0.12 s.
     steps = CHECKPOINT_EVERY + 40
-    bed = slurm(steps=steps, nodes=4)
+    bed = slurm(steps=steps, nodes=4, device_time=0.03)
     job_id = submit(bed)
     checkpoints = run_dir(bed, job_id) / "checkpoints"
     wait_for(lambda: (checkpoints / f"step-{CHECKPOINT_EVERY:08d}").is_dir()

@@ -13,6 +13,7 @@ from conftest import (
     assert_no_orphans,
     cli,
     launch,
+    paced,
     start,
     status_json,
     wait_for,
@@ -30,9 +31,12 @@ pytestmark = pytest.mark.e2e
 def test_slow_rank_gets_fewer_microbatches(
     tmp_path: Path, state_env: dict[str, str], reference: Run
 ) -> None:
-    """A moderately slow rank keeps its place but computes less; the batch and losses hold."""
+    """A moderately slow rank keeps its place but computes less; the batch and losses hold.
+    Emulated device time (0.04 s a step at four micro-batches) makes the 0.05 s delay about
+    2× slower, whatever the CPU: under the eviction threshold (6×), well over a re-share's gain."""
     r = launch(tmp_path / "run", "--job-id", "slow", "--straggler-threshold", "6",
-               "--fault", "slow,rank=3,at_step=3,delay=0.05", env=state_env)  # fmt: skip
+               "--fault", "slow,rank=3,at_step=3,delay=0.05",
+               env=paced(state_env, 0.01))  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     run = Run(tmp_path / "run")
     assert_clean_run(run, 40, reference)
@@ -61,7 +65,8 @@ def test_very_slow_rank_is_evicted(
     tmp_path: Path, state_env: dict[str, str], reference: Run
 ) -> None:
     """inject-fault --kind slow: past the threshold the rank is stopped cleanly, not respawned."""
-    steps = 120  # the fault lands while most of them are left, however slow the status call
+    steps = 120  # the fault lands while most of them are left, however slow the status call:
+    state_env = paced(state_env, 0.01)  # ≥ 0.04 s a step, 5 s in all, on any CPU
     proc = start(tmp_path / "run", state_env, "--job-id", "evict", "--straggler-threshold", "3",
                  "--max-restarts", "2", "--steps", str(steps))  # fmt: skip
     try:

@@ -20,6 +20,7 @@ from conftest import (
     assert_redid_only,
     elaswave_cmd,
     launch,
+    paced,
     wait_for,
 )
 
@@ -251,7 +252,7 @@ def z3_faults(tmp_path_factory: pytest.TempPathFactory) -> Run:
                "--max-restarts", "1", "--fault", "kill,rank=1,at_step=3",
                "--fault", "hang,rank=2,at_step=8,epoch=3", "--hang-timeout", "1.5",
                "--durable-every", "6",
-               env={**_f64(base), "ELASWAVE_TRAIN__DEVICE_TIME": "0.05"})  # fmt: skip
+               env=paced(_f64(base), 0.05))  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     return Run(base / "run")
 
