@@ -4,13 +4,19 @@ Two hosts × four workers, each host a network namespace of the multi-host bed (
 real etcd, real daemons, gloo over veths), the 10 M-parameter Llama of ``bench/llama-10m.yaml``
 (transformers, random init), data parallelism. For each link — unshaped, then each host's egress
 shaped by ``tc`` (a token bucket at 400 and at 100 Mbit/s) — one job with ``train.hierarchy:
-flat`` and one with ``auto`` (summed inside each host, each lane between the hosts, shared back).
+flat``, one with ``auto`` (summed inside each host, each lane between the hosts, shared back)
+and one with ``auto`` and ``train.grad_compress: int8`` (the lanes cross as block-wise int8).
 
 Per job: the bytes each host's ``eth0`` sent per step (its veth counter sampled while the job
 runs, between the commits of step ``WARM`` and of the last step: the gradients, and the etcd
 and control traffic beside them) and the median step time over the same steps. The theory for
 ranks laid out host by host, M the gradient buffer's bytes: a flat ring sends
-2 (N − 1) / N × M per host across (1.75 M at N = 8), the tiers 2 (H − 1) / H × M (1.0 M).
+2 (N − 1) / N × M per host across (1.75 M at N = 8), the tiers 2 (H − 1) / H × M (1.0 M), int8
+lanes (H − 1) × M / 4 × (1 + 4 / 256) (0.25 M: an all-gather of each host's codes and scales).
+
+What int8 does to training: ``CURVE_STEPS`` steps of gpt-tiny (configs/gpt-tiny.yaml) on two
+hosts × two workers, float32, tiers with and without int8: the largest and the last relative
+distance between the two loss curves.
 """
 
 from __future__ import annotations
@@ -27,14 +33,18 @@ from typing import Any
 from bench.common import BenchError, bench_env, diffs, print_table, read_jsonl, write_config
 from elaswave import netbed
 
-DESCRIPTION = "bytes between hosts and step time, flat ring vs tiers (2 netns hosts × 4, 10 M)"
+DESCRIPTION = (
+    "bytes between hosts and step time: flat ring, tiers, int8 lanes (2 netns hosts × 4, 10 M)"
+)
 DEFAULT_REPEAT = 1
 HOSTS, PER_HOST = 2, 4
 STEPS = 8
 WARM = 2  # steps before the measured window (start-up, the first step's allocations)
 LINKS = ("unshaped", "400mbit", "100mbit")
-MODES = ("flat", "auto")
+MODES = ("flat", "auto", "int8")  # int8: hierarchy auto, grad_compress int8
 CONFIG = Path(__file__).with_name("llama-10m.yaml")
+CURVE_CONFIG = Path(__file__).parents[1] / "configs" / "gpt-tiny.yaml"
+CURVE_STEPS = 200
 
 
 def run(repeat: int, config: Path) -> dict[str, Any]:
@@ -52,6 +62,10 @@ def run(repeat: int, config: Path) -> dict[str, Any]:
                 with tempfile.TemporaryDirectory(prefix="elaswave-bench-") as tmp:
                     cell, grad_bytes = _one_job(Path(tmp), f"hier-{link}-{mode}-{i}", link, mode)
                 cells[link][mode].append(cell)
+    with tempfile.TemporaryDirectory(prefix="elaswave-bench-") as tmp:
+        curves = {c: _curve(Path(tmp) / c, c) for c in ("off", "int8")}
+    exact, int8 = curves["off"], curves["int8"]
+    deviation = [abs(int8[s] - exact[s]) / abs(exact[s]) for s in sorted(exact)]
     return {
         "scenario": "hier",
         "repeat": repeat,
@@ -63,14 +77,24 @@ def run(repeat: int, config: Path) -> dict[str, Any]:
         "theory_per_host": {
             "flat": 2 * (HOSTS * PER_HOST - 1) / (HOSTS * PER_HOST),
             "auto": 2 * (HOSTS - 1) / HOSTS,
+            "int8": (HOSTS - 1) / 4 * (1 + 4 / 256),
         },
         "cells": cells,
+        "curve": {
+            "steps": CURVE_STEPS,
+            "max_rel_deviation": max(deviation),
+            "final_rel_deviation": deviation[-1],
+            "final_loss": {"exact": exact[CURVE_STEPS], "int8": int8[CURVE_STEPS]},
+        },
     }
 
 
 def _one_job(tmp: Path, job: str, link: str, mode: str) -> tuple[dict[str, Any], int]:
+    hierarchy, compress = ("flat", "off") if mode == "flat" else ("auto", "off")
+    if mode == "int8":
+        compress = "int8"
     cfg = write_config(tmp / "job.yaml", CONFIG, {
-        "train": {"steps": STEPS, "hierarchy": mode},
+        "train": {"steps": STEPS, "hierarchy": hierarchy, "grad_compress": compress},
         "elastic": {"nproc_per_node": PER_HOST, "nnodes": f"{HOSTS}:{HOSTS}"},
     })  # fmt: skip
     bed = netbed.NetBed(tmp, config=cfg, hosts=HOSTS)
@@ -109,6 +133,31 @@ def _one_job(tmp: Path, job: str, link: str, mode: str) -> tuple[dict[str, Any],
         }, grad
     finally:
         bed.close()
+
+
+def _curve(tmp: Path, compress: str) -> dict[int, float]:
+    """The loss per step of gpt-tiny on two hosts × two workers, by tiers, ``compress``."""
+    tmp.mkdir(parents=True)
+    cfg = write_config(tmp / "job.yaml", CURVE_CONFIG, {
+        "train": {"steps": CURVE_STEPS, "hierarchy": "auto", "grad_compress": compress},
+        "elastic": {"nproc_per_node": 2, "nnodes": "2:2"},
+    })  # fmt: skip
+    bed = netbed.NetBed(tmp, config=cfg, hosts=2)
+    try:
+        bed.start()
+        env = bench_env(tmp / "state", {"ELASWAVE_TIMEOUTS__RENDEZVOUS": "120"})
+        for host in bed.hosts:
+            bed.launch(host, "--job-id", f"curve-{compress}", env=env)
+        codes = bed.wait(timeout=900)
+        if any(codes.values()):
+            raise BenchError(f"curve {compress}: exit codes {codes}")
+        losses = {m["step"]: m["loss"] for h in bed.hosts
+                  for m in read_jsonl(bed.run_dirs[h] / "metrics.jsonl")}  # fmt: skip
+    finally:
+        bed.close()
+    if sorted(losses) != list(range(1, CURVE_STEPS + 1)):
+        raise BenchError(f"curve {compress}: steps committed {sorted(losses)}")
+    return losses
 
 
 def _shape(ns: str, rate: str) -> None:
@@ -168,16 +217,25 @@ def show(result: dict[str, Any]) -> None:
             )
             for mode, cells in modes.items()
         }
-        (fb, ft), (hb, ht) = med["flat"], med["auto"]
+        (fb, ft), (hb, ht), (qb, qt) = med["flat"], med["auto"], med["int8"]
         rows.append((link, f"{fb * mb:.1f} ({fb / grad:.2f} M)",
-                     f"{hb * mb:.1f} ({hb / grad:.2f} M)", f"{fb / hb:.2f}", f"{ft:.2f}",
-                     f"{ht:.2f}", f"{ht / ft:.2f}"))  # fmt: skip
+                     f"{hb * mb:.1f} ({hb / grad:.2f} M)", f"{qb * mb:.1f} ({qb / grad:.2f} M)",
+                     f"{fb / hb:.2f}", f"{ft:.2f}", f"{ht:.2f}", f"{qt:.2f}", f"{ht / ft:.2f}",
+                     f"{qt / ft:.2f}"))  # fmt: skip
     theory = result["theory_per_host"]
     print_table(
-        f"Flat ring vs tiers, {result['hosts']} hosts × {result['per_host']} workers "
-        f"(M = {grad * mb:.1f} MB of gradient; theory per host: flat "
-        f"{theory['flat']:.2f} M, tiers {theory['auto']:.2f} M)",
-        ("link", "flat: MB/host/step", "tiers: MB/host/step", "flat / tiers bytes",
-         "flat step s", "tiers step s", "tiers / flat time"),
+        f"Flat ring vs tiers vs tiers with int8 lanes, {result['hosts']} hosts × "
+        f"{result['per_host']} workers (M = {grad * mb:.1f} MB of gradient; theory per host: "
+        f"flat {theory['flat']:.2f} M, tiers {theory['auto']:.2f} M, int8 "
+        f"{theory['int8']:.2f} M)",
+        ("link", "flat: MB/host/step", "tiers", "tiers int8", "flat / tiers bytes",
+         "flat step s", "tiers step s", "int8 step s", "tiers / flat", "int8 / flat"),
         rows,
+    )  # fmt: skip
+    curve = result["curve"]
+    print_table(
+        f"int8 lanes vs exact tiers, gpt-tiny, 2 hosts × 2 workers, {curve['steps']} steps",
+        ("max relative loss deviation", "at the last step", "last loss exact", "last loss int8"),
+        [(f"{curve['max_rel_deviation']:.2e}", f"{curve['final_rel_deviation']:.2e}",
+          f"{curve['final_loss']['exact']:.4f}", f"{curve['final_loss']['int8']:.4f}")],
     )  # fmt: skip

@@ -74,6 +74,11 @@ class TrainConfig:
     # plan spans two hosts or more and some host has two ranks (summed inside each host, one rank
     # per host and lane between them, shared back inside the host); "flat": one ring over all.
     hierarchy: str = "auto"
+    # The inter-host hop of that reduction as block-wise int8 (one scale per 256 values: ~1/4
+    # of float32's bytes between hosts, 1/8 of float64's); the sum inside each host stays in
+    # full precision and every rank still gets the same bits. Changes the sums (each host's part
+    # rounded to half a step per value): off (default) or int8. Needs hierarchy auto.
+    grad_compress: str = "off"
     # A fault in the middle of a step: survivors keep the micro-batches they finished and only
     # the lost ones are computed again (data parallelism and ZeRO-1; pipelines redo the step).
     # false: the whole step is redone (for comparisons).
@@ -103,6 +108,15 @@ class TrainConfig:
             )
         if self.hierarchy not in ("auto", "flat"):
             raise ConfigError(f"train.hierarchy must be auto or flat, got {self.hierarchy!r}")
+        if self.grad_compress not in ("off", "int8"):
+            raise ConfigError(
+                f"train.grad_compress must be off or int8, got {self.grad_compress!r}"
+            )
+        if self.grad_compress == "int8" and self.hierarchy == "flat":
+            raise ConfigError(
+                "train.grad_compress int8 compresses the hop between hosts of the reduction by "
+                "tiers: it needs train.hierarchy auto, not flat"
+            )
         if self.reduce_dtype not in ("float32", "float64"):
             raise ConfigError(
                 f"train.reduce_dtype must be float32 or float64, got {self.reduce_dtype!r}"

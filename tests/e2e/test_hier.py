@@ -18,6 +18,7 @@ from netbed import NetBed, netbed_fixture  # noqa: F401 - provides the netbed_fa
 pytestmark = [pytest.mark.e2e, pytest.mark.netns]
 
 STEPS = 12
+LOSS_TOL = 5e-4  # int8 between hosts: relative distance from the exact curve (measured ≤ 7e-5)
 
 
 @pytest.fixture(scope="module")
@@ -25,12 +26,12 @@ def single_host(tmp_path_factory: pytest.TempPathFactory) -> Run:
     return float64_run(tmp_path_factory, "hier-ref", STEPS)
 
 
-def _run(bed: NetBed, job: str, mode: str, state_env: dict[str, str]) -> Run:
+def _run(bed: NetBed, job: str, mode: str, state_env: dict[str, str], compress: str = "off") -> Run:
     # Emulated device time (50 ms per micro-batch, four per rank): the eight steps after the
     # kill last about 2 s, so the respawned worker (ready ~0.2 s after the kill) is planned
     # back in (a grow waits 0.5 s for more joiners) before the job ends, however fast the CPU.
     env = {**state_env, **F64, "ELASWAVE_TRAIN__HIERARCHY": mode,
-           "ELASWAVE_TRAIN__DEVICE_TIME": "0.05",
+           "ELASWAVE_TRAIN__DEVICE_TIME": "0.05", "ELASWAVE_TRAIN__GRAD_COMPRESS": compress,
            "ELASWAVE_TIMEOUTS__LEASE_TTL": "2", "ELASWAVE_TIMEOUTS__RENDEZVOUS": "60"}  # fmt: skip
     for host in bed.hosts:
         bed.launch(host, "--job-id", job, "--nproc-per-node", "2", "--nnodes", "2:2",
@@ -65,3 +66,20 @@ def test_tiers_reduce_what_the_flat_ring_reduces_through_a_kill_and_a_respawn(
     # when the hosts went uneven (the survivor on its host carries both lanes); none without tiers.
     assert _lanes_built(tiered) >= {"dp.host0", "dp.host1", "dp.lane0", "dp.lane1"}
     assert _lanes_built(flat) == set()
+
+
+def test_int8_between_hosts_keeps_every_rank_on_one_curve_near_the_exact_one(
+    netbed_factory: Any, state_env: dict[str, str], single_host: Run
+) -> None:
+    """``train.grad_compress: int8`` through the same kill and respawn: every step committed
+    once, every rank ends with the same bits (every lane rank sums the same int8 parts in the
+    same order), and the curve stays within LOSS_TOL (relative) of the exact sums' while
+    not being it (the hop between hosts was int8)."""
+    run = _run(netbed_factory(hosts=2, name="int8"), "hier-int8", "auto", state_env, "int8")
+    assert [m["step"] for m in run.metrics] == list(range(1, STEPS + 1))
+    assert len({f["params_sha256"] for f in run.of("final_state")}) == 1
+    assert len(run.of("final_state")) == 4
+    exact = single_host.losses
+    worst = max(abs(run.losses[s] - exact[s]) / abs(exact[s]) for s in exact)
+    assert 0 < worst <= LOSS_TOL, worst
+    assert _lanes_built(run) >= {"dp.host0", "dp.host1", "dp.lane0", "dp.lane1"}

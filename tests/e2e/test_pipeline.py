@@ -227,6 +227,32 @@ def test_zero_inside_stages_survives_two_losses_bit_identical(
         assert len(done) == 1 and done[0]["step"] < 7  # switched before the second fault
 
 
+def test_zero_inside_two_by_two_stages_redoes_only_the_damaged_replica_blocking(
+    tmp_path: Path, state_env: dict
+) -> None:
+    """dp=2 × pp=2 with ZeRO-1 inside the stages and a blocking migration: replica 0's last
+    stage dies mid-step; its layers and their moment parts reach replica 0's survivor before
+    training resumes, and only replica 0's micro-batches are computed again, by both replicas
+    (the intact replica keeps its sums; replica 0's survivor, now holding every layer, starts
+    from zero). Bit-identical to data parallelism."""
+    run = _bit_identical_to_data_parallel(
+        tmp_path, state_env, 8, "--job-id", "pp-zero22", "--pp", "2", "--zero", "1",
+        "--migration", "blocking", "--fault", "kill,rank=1,at_step=4,detect_delay=1",
+    )  # fmt: skip
+    assert all(f["holders_agree"] for f in run.of("final_state"))
+    plans = _pipeline_plans(run)
+    assert [p["world"] for p in plans] == [4, 3]
+    assert plans[1]["bounds"][0] == [0, 4], "replica 0's survivor holds every layer"
+    redone = _redid_the_damaged_replicas(run, plans[1], {plans[0]["workers"][1]})
+    assert redone[0] and redone[1], redone  # blocking: replica 0 takes its part at once
+    synced = [e for e in run.of("state_synced") if e["epoch"] == plans[1]["epoch"]]
+    assert {e["migration"] for e in synced} == {"blocking"}
+    assert [m for e in synced for m in e["moment_moves"]], "the lost layers' moments moved"
+    kept = synced[0]["kept_microbatches"]
+    damaged = {plans[0]["workers"][r] for r in plans[0]["replicas"][0]}
+    assert kept == {w: 0 if w in damaged else 8 for w in plans[1]["workers"]}, kept
+
+
 def test_a_stage_budget_no_cut_meets_stops_the_job_in_one_line(
     tmp_path: Path, state_env: dict
 ) -> None:

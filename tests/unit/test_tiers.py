@@ -108,10 +108,12 @@ SCRIPT = textwrap.dedent(
             comm.configure(groups, store=address, epoch=1, abort=never)
             got = {}
             for n in (11, 2, 1000):  # 2 < 3 lanes: an empty lane
-                flat, tiered = values(rank, n), values(rank, n)
+                flat, tiered, int8 = values(rank, n), values(rank, n), values(rank, n)
                 comm.allreduce("dp", flat, never)
                 allreduce_tiered(comm, "dp", tiers, tiered, never)
-                got[n] = [flat.tolist(), tiered.tolist()]
+                # all but the last value (a count, say) cross between hosts as int8
+                allreduce_tiered(comm, "dp", tiers, int8, never, compressed=n - 1)
+                got[n] = [flat.tolist(), tiered.tolist(), int8.tolist()]
             out[rank] = got
         except BaseException as exc:
             errors.append(repr(exc))
@@ -138,6 +140,37 @@ def test_the_tiered_all_reduce_sums_what_the_flat_ring_sums() -> None:
     assert result["errors"] == []
     assert sorted(result["out"]) == ["0", "1", "2", "3", "4"]
     for rank, got in result["out"].items():
-        for n, (flat, tiered) in got.items():
+        for n, (flat, tiered, _) in got.items():
             assert tiered == flat, (rank, n)
             assert tiered == pytest.approx(result["expected"][n], abs=1e-12)
+
+
+def test_the_int8_hop_gives_every_rank_the_same_sums_within_the_rounding() -> None:
+    """``compressed``: each host's partial sum crosses as int8. Every rank still ends with the
+    same bits; each value is off the exact sum by at most half a quantization step per host
+    (a step is the block's largest partial / 127); the values after ``compressed`` are exact."""
+    r = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True,
+                       timeout=120)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    result = json.loads(r.stdout.strip().splitlines()[-1])
+    assert result["errors"] == []
+    hosts = {"a": (0, 1), "b": (2, 3, 4)}
+    for n in ("11", "2", "1000"):
+        (got,) = {tuple(out[n][2]) for out in result["out"].values()}  # one result, bit for bit
+        exact, count = result["expected"][n], int(n)
+        assert got[-1] == result["out"]["0"][n][0][-1], "the count is summed exactly"
+        partials = [
+            [sum(_values(r, count)[i] for r in ranks) for i in range(count)]
+            for ranks in hosts.values()
+        ]
+        bound = sum(max(abs(x) for x in p[:-1] or [0.0]) / 254 for p in partials) + 1e-12
+        assert all(abs(g - e) <= bound for g, e in zip(got, exact, strict=True)), n
+        if count > 100:
+            assert got != exact, "nothing was rounded: the hop was not int8"
+
+
+def _values(rank: int, n: int) -> list[float]:
+    import torch
+
+    g = torch.Generator().manual_seed(rank)
+    return torch.randn(n, generator=g).to(torch.float64).tolist()

@@ -1,5 +1,6 @@
 """The all-reduce by tiers (:mod:`elaswave.planning.tiers`): summed inside each host, each lane
-all-reduced between the hosts by one rank per host, each lane shared back inside the host."""
+all-reduced between the hosts by one rank per host (as int8 with ``train.grad_compress: int8``:
+:mod:`~elaswave.runtime.comm.compress`), each lane shared back inside the host."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from elaswave.planning.tiers import HOST, LANE, Tiers, lane_bounds
+from elaswave.runtime.comm.compress import allreduce_int8
 
 if TYPE_CHECKING:
     from elaswave.runtime.comm.communicator import Communicator
@@ -20,9 +22,12 @@ def allreduce_tiered(
     tiers: Tiers | None,
     tensor: torch.Tensor,
     abort: Callable[[], bool],
+    compressed: int = 0,
 ) -> None:
     """SUM-reduce the contiguous ``tensor`` in place over group ``flat`` (whose rank ``r`` is
-    the tiers' rank ``r``): by tiers, or with one ring over every rank without them."""
+    the tiers' rank ``r``): by tiers, or with one ring over every rank without them.
+    ``compressed``: how many leading elements (the gradient, not the counts after it) cross
+    between hosts as int8 (tiers only; 0: none)."""
     if tiers is None:
         comm.allreduce(flat, tensor, abort)
         return
@@ -35,7 +40,12 @@ def allreduce_tiered(
     bounds = lane_bounds(values.numel(), tiers.lanes)
     for j in tiers.my_lanes(rank):  # ascending on every rank: no cycle between lane groups
         if bounds[j] < bounds[j + 1]:
-            comm.allreduce(f"{LANE}{j}", values[bounds[j] : bounds[j + 1]], abort)
+            lane = values[bounds[j] : bounds[j + 1]]
+            cut = max(0, min(lane.numel(), compressed - bounds[j]))
+            if cut:
+                allreduce_int8(comm, f"{LANE}{j}", lane[:cut], abort)
+            if cut < lane.numel():
+                comm.allreduce(f"{LANE}{j}", lane[cut:], abort)
     if host:
         k = len(tiers.hosts[h])
         for j in range(tiers.lanes):

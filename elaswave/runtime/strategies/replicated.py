@@ -183,7 +183,8 @@ class Replicated(Strategy):
         before_update: Callable[[], None],
     ) -> float:
         st, n = self.state, self.state.flat.numel
-        allreduce_tiered(self.ctx.comm, DP, self.tiers, buf, broken)
+        compressed = n if self.ctx.cfg.train.grad_compress == "int8" else 0
+        allreduce_tiered(self.ctx.comm, DP, self.tiers, buf, broken, compressed)
         # -- the reduction succeeded: every rank now holds the identical full-batch gradient.
         self.forget_partial()
         self.ctx.enter("compute")

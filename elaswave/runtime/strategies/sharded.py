@@ -35,6 +35,7 @@ class Zero1(Replicated):
         self.zero = self.make_shards()
         self.zero.snapshot_every = ctx.cfg.snapshot_every
         self.zero.prune = self.state.prune
+        self.zero.compressed = ctx.cfg.train.grad_compress == "int8"
         # NCCL's reduce-scatter moves half an all-reduce's bytes; gloo's is slower than its
         # all-reduce (see ``ZeroState.native_reduce_scatter``).
         self.zero.native_reduce_scatter = getattr(ctx.comm, "backend", "gloo") != "gloo"

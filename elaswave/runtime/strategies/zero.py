@@ -100,6 +100,7 @@ class ZeroState:
     # squares of its part (``shard_sumsq``, one more all-reduce of a float per layer).
     native_reduce_scatter: bool = False
     tiers: Tiers | None = None  # the all-reduce by hosts (without a native reduce-scatter)
+    compressed: bool = False  # train.grad_compress int8: the gradient crosses hosts as int8
     snapshot_every: int = 1  # replicate every K committed steps (0: never)
     prune: Pruner | None = None  # train.prune: DHSPG on the whole updated parameters
     grad_norm: float | None = None  # of the last staged step's mean gradient, where measured
@@ -206,7 +207,8 @@ class ZeroState:
             total = reduced[-1:].clone()
             comm.allreduce(DP, total, abort)  # the count, beside the gradient
         else:  # same sum, each rank keeps its part (see ``native_reduce_scatter``)
-            allreduce_tiered(comm, DP, self.tiers, reduced, abort)
+            compressed = world * size if self.compressed else 0
+            allreduce_tiered(comm, DP, self.tiers, reduced, abort, compressed)
             mine, total = reduced[:-1].view(world, size)[self.rank], reduced[-1:]
         batch_count = float(total)
         if batch_count <= 0:
