@@ -15,7 +15,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, Run, assert_clean_run, assert_no_orphans, cli, elaswave_cmd
+from conftest import ROOT, Run, assert_clean_run, assert_no_orphans, cli, elaswave_cmd, paced
 
 CONFIG = ROOT / "examples" / "mlp.yaml"
 STEPS = 20
@@ -64,14 +64,17 @@ def test_user_workload_under_zero3_survives_a_kill_a_respawn_and_a_hang(
     tmp_path: Path, state_env: dict, mlp_reference: Run
 ) -> None:
     """ZeRO-3 on three workers (parameters sharded, every layer of the user's model gathered
-    while it runs): a SIGKILL (the worker is respawned and joins), then a hang the daemon kills
-    after 1.5 s: 3 → 2 → 3 → 2 ranks, and still the reference's bits (float64 mode)."""
-    env = {**state_env, "ELASWAVE_TRAIN__REDUCE_DTYPE": "float64"}
+    while it runs): a SIGKILL (the worker is respawned and joins), then, once it has joined, a
+    hang the daemon kills after 1.5 s: 3 → 2 → 3 → 2 ranks, and still the reference's bits
+    (float64 mode). Emulated device time (≥ 0.2 s a step) leaves the respawn time to join."""
+    env = paced({**state_env, "ELASWAVE_TRAIN__REDUCE_DTYPE": "float64"}, 0.04)
     run = _launch(tmp_path / "run", env, "--job-id", "mlp-z3", "--zero", "3",
                   "--nproc-per-node", "3", "--max-restarts", "1", "--hang-timeout", "1.5",
                   "--fault", "kill,rank=1,at_step=5",
-                  "--fault", "hang,rank=2,at_step=12")  # fmt: skip
+                  "--fault", "hang,rank=2,at_step=12,epoch=3")  # fmt: skip
     assert [p["world"] for p in run.of("plan_published")] == [3, 2, 3, 2]
+    grown = [e for e in run.of("state_synced") if e["epoch"] == 3]
+    assert len(grown) == 3, "the respawned worker joined before the hang"
     assert len(run.of("hang_detected")) == 1
     assert_clean_run(run, STEPS, mlp_reference)
     assert run.losses == mlp_reference.losses
