@@ -23,7 +23,9 @@ and a step committed under it (corrupt: repaired, then a commit), plus a few ste
 Variants (``CHAOS_VARIANTS=dp,zero,...``; all by default), one job each (``CHAOS_KEEP=DIR`` keeps
 each bed's directory, the run directories of every host, under ``DIR``):
 
-- ``dp``: data parallelism, the six kinds above;
+- ``dp``: data parallelism, the six kinds above; the gradient is reduced by tiers
+  (``train.hierarchy: auto``, the default: inside each host, then lanes between them), through
+  plans whose hosts hold different numbers of workers (``uneven_plans`` in the result);
 - ``zero``: ZeRO-1 (``--zero 1``), the six kinds;
 - ``zero3``: ZeRO-3 (``--zero 3``: parameters, gradients and moments sharded), the six kinds;
 - ``pipeline``: dp 3 × pp 2 with ZeRO-1 inside the stages, the six kinds;
@@ -620,6 +622,7 @@ def _figures(ref: dict[str, Any], soak: dict[str, Any]) -> dict[str, Any]:
         ],
         "replicas_agree": len({f["params_sha256"] for f in finals}) == 1 and bool(finals),
         "plans": sum(1 for e in soak["events"] if e["kind"] == "plan_published"),
+        **_tiers(soak["events"]),
         "wall_ref_s": ref["wall_s"],
         "wall_soak_s": soak["wall_s"],
         "time_lost_per_fault_s": (soak["wall_s"] - ref["wall_s"]) / max(1, len(injected)),
@@ -627,6 +630,23 @@ def _figures(ref: dict[str, Any], soak: dict[str, Any]) -> dict[str, Any]:
         "faults": per_fault,
         "report_totals": soak["report"]["totals"],
         "outputs": soak["outputs"],
+    }
+
+
+def _tiers(events: list[dict[str, Any]]) -> dict[str, int]:
+    """How much of the soak ran reduced by tiers (``train.hierarchy: auto``, the default): the
+    plans whose hosts had different worker counts, and the host and lane groups built."""
+    plans = [e for e in events if e["kind"] == "plan_published"]
+    uneven = 0
+    for p in plans:
+        per_host: dict[str, int] = {}
+        for w in p["workers"]:
+            per_host[w.split(".")[0]] = per_host.get(w.split(".")[0], 0) + 1
+        uneven += len(set(per_host.values())) > 1
+    built = [g for e in events if e["kind"] == "comm_rebuilt" for g in e.get("rebuilt", [])]
+    return {
+        "uneven_plans": uneven,
+        "tier_groups_built": sum(g.startswith(("dp.host", "dp.lane")) for g in built),
     }
 
 
@@ -747,3 +767,5 @@ def show(result: dict[str, Any]) -> None:
                     s(k["report_detection_s"]["median"]), s(k["report_mttr_s"]["median"]),
                 ))  # fmt: skip
             print_table(f"{name}: per kind (medians, seconds)", COLUMNS, kinds)
+            print(f"{name}: {r['uneven_plans']} of {r['plans']} plans with uneven hosts; "
+                  f"{r['tier_groups_built']} host and lane groups built")  # fmt: skip

@@ -6,13 +6,24 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import Run, assert_clean_run, assert_groups_edited, launch, pipeline_groups
+from conftest import (
+    Run,
+    assert_clean_run,
+    assert_groups_edited,
+    launch,
+    paced,
+    pipeline_groups,
+)
 
 from elaswave.report import build_report
 
 pytestmark = pytest.mark.e2e
 
 STEPS = 30
+# Emulated device time per micro-batch (each stage sleeps its layers' share): the busy times the
+# straggler detector compares are then the devices', not a fast CPU's few noisy milliseconds,
+# where a healthy stage can read 1.27x the median and be named a straggler beside the slow one.
+DEVICE_TIME = 0.01
 
 
 def test_slow_pipeline_stage_is_re_cut(tmp_path: Path, state_env: dict, reference: Run) -> None:
@@ -21,7 +32,8 @@ def test_slow_pipeline_stage_is_re_cut(tmp_path: Path, state_env: dict, referenc
     every step is committed once and the losses are those of the fault-free run."""
     r = launch(tmp_path / "run", "--job-id", "pp-slow", "--pp", "2", "--steps", str(STEPS),
                "--straggler-threshold", "0",
-               "--fault", "slow,rank=1,at_step=2,delay=1.0", env=state_env)  # fmt: skip
+               "--fault", "slow,rank=1,at_step=2,delay=1.0",
+               env=paced(state_env, DEVICE_TIME))  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     run = Run(tmp_path / "run")
     assert_clean_run(run, STEPS, reference)
@@ -77,7 +89,8 @@ def test_very_slow_pipeline_stage_is_evicted_and_taken_over(
     the fault-free curve."""
     r = launch(tmp_path / "run", "--job-id", "pp-evict", "--pp", "2", "--steps", str(STEPS),
                "--straggler-threshold", "3", "--max-restarts", "2",
-               "--fault", "slow,rank=1,at_step=2,delay=2.0", env=state_env)  # fmt: skip
+               "--fault", "slow,rank=1,at_step=2,delay=2.0",
+               env=paced(state_env, DEVICE_TIME))  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     run = Run(tmp_path / "run")
     assert_clean_run(run, STEPS, reference)
