@@ -78,10 +78,12 @@ class JobEntry:
         this host, then read again; which host starts the job again is :meth:`_start`'s to
         decide, and a host still running keeps its key and is joined."""
         d = self.d
+        if not live:
+            return live  # nobody registered: nothing to outlive (and no plan to read)
         mine = d.keys.host(d.host_id)
         plan, _ = await d.jobstore.read_plan()
         planned = plan is not None and d.host_id in plan.hosts
-        if not live or not (planned or any(kv.key == mine for kv in live)):
+        if not (planned or any(kv.key == mine for kv in live)):
             return live
         earlier = {(kv.key, kv.create_revision) for kv in live}
         deadline = time.monotonic() + d.cfg.timeouts.lease_ttl + 2.0
