@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from conftest import F64, Run, assert_clean_run, float64_run
+from conftest import F64, Run, assert_clean_run, float64_run, paced
 from netbed import NetBed, netbed_fixture  # noqa: F401 - provides the netbed_factory fixture
 
 pytestmark = [pytest.mark.e2e, pytest.mark.netns]
@@ -30,9 +30,9 @@ def _run(bed: NetBed, job: str, mode: str, state_env: dict[str, str], compress: 
     # Emulated device time (50 ms per micro-batch, four per rank): the eight steps after the
     # kill last about 2 s, so the respawned worker (ready ~0.2 s after the kill) is planned
     # back in (a grow waits 0.5 s for more joiners) before the job ends, however fast the CPU.
-    env = {**state_env, **F64, "ELASWAVE_TRAIN__HIERARCHY": mode,
-           "ELASWAVE_TRAIN__DEVICE_TIME": "0.05", "ELASWAVE_TRAIN__GRAD_COMPRESS": compress,
-           "ELASWAVE_TIMEOUTS__LEASE_TTL": "2", "ELASWAVE_TIMEOUTS__RENDEZVOUS": "60"}  # fmt: skip
+    env = paced({**state_env, **F64, "ELASWAVE_TRAIN__HIERARCHY": mode,
+                 "ELASWAVE_TRAIN__GRAD_COMPRESS": compress, "ELASWAVE_TIMEOUTS__LEASE_TTL": "2",
+                 "ELASWAVE_TIMEOUTS__RENDEZVOUS": "60"}, 0.05)  # fmt: skip
     for host in bed.hosts:
         bed.launch(host, "--job-id", job, "--nproc-per-node", "2", "--nnodes", "2:2",
                    "--steps", str(STEPS), "--max-restarts", "1",

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import subprocess
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -227,7 +228,7 @@ def test_a_refusal_keeps_the_records_in_etcd(tmp_path: Path, state_env: dict[str
         env = dict(state_env, ELASWAVE_TIMEOUTS__LEASE_TTL="2")
         args = ("--job-id", "kept", "--etcd", etcd.endpoint, "--host-id", "node1")
         committed = _kill_whole_job(tmp_path / "run", env, *args, after=5)
-        recorded = asyncio.run(_progress(etcd.endpoint, "kept"))["step"]
+        recorded = _progress(etcd.endpoint, "kept")["step"]
         lines = []
         for where in ("elsewhere", "again"):  # no records on these disks
             r = launch(tmp_path / where, *args, env=env)
@@ -281,26 +282,28 @@ def test_a_host_relaunched_beside_a_dead_hosts_key_resumes_the_job(
 
 
 def _registered_in(endpoint: str, job_id: str) -> list[str]:
-    async def read() -> list[str]:
+    kvs = _read(endpoint, job_id, lambda db, keys: db.get_prefix(keys.hosts))
+    return [kv.key.rsplit("/", 1)[-1] for kv in kvs]
+
+
+def _progress(endpoint: str, job_id: str) -> dict[str, Any]:
+    kv = _read(endpoint, job_id, lambda db, keys: db.get(keys.progress))
+    assert kv is not None, "no progress record"
+    return dict(kv.json())
+
+
+def _read(endpoint: str, job_id: str, query: Callable[[Etcd, JobKeys], Awaitable[Any]]) -> Any:
+    """One read of ``job_id``'s keys in the etcd at ``endpoint``."""
+
+    async def read() -> Any:
         keys = JobKeys(job_id)
         db = await Etcd.connect([endpoint], prefix=keys.prefix, timeout=5.0)
         try:
-            return [kv.key.rsplit("/", 1)[-1] for kv in await db.get_prefix(keys.hosts)]
+            return await query(db, keys)
         finally:
             await db.close()
 
     return asyncio.run(read())
-
-
-async def _progress(endpoint: str, job_id: str) -> dict[str, Any]:
-    keys = JobKeys(job_id)
-    db = await Etcd.connect([endpoint], prefix=keys.prefix, timeout=5.0)
-    try:
-        kv = await db.get(keys.progress)
-        assert kv is not None, "no progress record"
-        return dict(kv.json())
-    finally:
-        await db.close()
 
 
 def test_hosts_stopped_and_relaunched_together_resume_once(

@@ -130,39 +130,42 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def test_the_tiered_all_reduce_sums_what_the_flat_ring_sums() -> None:
-    """Every rank ends with the same sums as a flat ring's, bit for bit (float32 values summed
-    in float64), on uneven hosts, with a lane left empty by a short buffer."""
+@pytest.fixture(scope="module")
+def collectives() -> dict:
+    """One run of the five ranks' collectives (flat, tiered, tiered with int8), for both tests."""
     r = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True,
                        timeout=120)  # fmt: skip
     assert r.returncode == 0, r.stderr[-2000:]
     result = json.loads(r.stdout.strip().splitlines()[-1])
     assert result["errors"] == []
     assert sorted(result["out"]) == ["0", "1", "2", "3", "4"]
-    for rank, got in result["out"].items():
+    return result
+
+
+def test_the_tiered_all_reduce_sums_what_the_flat_ring_sums(collectives: dict) -> None:
+    """Every rank ends with the same sums as a flat ring's, bit for bit (float32 values summed
+    in float64), on uneven hosts, with a lane left empty by a short buffer."""
+    for rank, got in collectives["out"].items():
         for n, (flat, tiered, _) in got.items():
             assert tiered == flat, (rank, n)
-            assert tiered == pytest.approx(result["expected"][n], abs=1e-12)
+            assert tiered == pytest.approx(collectives["expected"][n], abs=1e-12)
 
 
-def test_the_int8_hop_gives_every_rank_the_same_sums_within_the_rounding() -> None:
+def test_the_int8_hop_gives_every_rank_the_same_sums_within_the_rounding(
+    collectives: dict,
+) -> None:
     """``compressed``: each host's partial sum crosses as int8. Every rank still ends with the
     same bits; each value is off the exact sum by at most half a quantization step per host
     (a step is the block's largest partial / 127); the values after ``compressed`` are exact."""
-    r = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True,
-                       timeout=120)  # fmt: skip
-    assert r.returncode == 0, r.stderr[-2000:]
-    result = json.loads(r.stdout.strip().splitlines()[-1])
-    assert result["errors"] == []
     hosts = {"a": (0, 1), "b": (2, 3, 4)}
+    out = collectives["out"]
     for n in ("11", "2", "1000"):
-        (got,) = {tuple(out[n][2]) for out in result["out"].values()}  # one result, bit for bit
-        exact, count = result["expected"][n], int(n)
-        assert got[-1] == result["out"]["0"][n][0][-1], "the count is summed exactly"
-        partials = [
-            [sum(_values(r, count)[i] for r in ranks) for i in range(count)]
-            for ranks in hosts.values()
-        ]
+        (got,) = {tuple(o[n][2]) for o in out.values()}  # one result, bit for bit
+        exact, count = collectives["expected"][n], int(n)
+        assert got[-1] == out["0"][n][0][-1], "the count is summed exactly"
+        values = {r: _values(r, count) for ranks in hosts.values() for r in ranks}
+        partials = [[sum(values[r][i] for r in ranks) for i in range(count)]
+                    for ranks in hosts.values()]  # fmt: skip
         bound = sum(max(abs(x) for x in p[:-1] or [0.0]) / 254 for p in partials) + 1e-12
         assert all(abs(g - e) <= bound for g, e in zip(got, exact, strict=True)), n
         if count > 100:
