@@ -57,6 +57,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -637,12 +638,9 @@ def _tiers(events: list[dict[str, Any]]) -> dict[str, int]:
     """How much of the soak ran reduced by tiers (``train.hierarchy: auto``, the default): the
     plans whose hosts had different worker counts, and the host and lane groups built."""
     plans = [e for e in events if e["kind"] == "plan_published"]
-    uneven = 0
-    for p in plans:
-        per_host: dict[str, int] = {}
-        for w in p["workers"]:
-            per_host[w.split(".")[0]] = per_host.get(w.split(".")[0], 0) + 1
-        uneven += len(set(per_host.values())) > 1
+    uneven = sum(
+        len(set(Counter(w.split(".")[0] for w in p["workers"]).values())) > 1 for p in plans
+    )
     built = [g for e in events if e["kind"] == "comm_rebuilt" for g in e.get("rebuilt", [])]
     return {
         "uneven_plans": uneven,

@@ -41,7 +41,8 @@ HOSTS, PER_HOST = 2, 4
 STEPS = 8
 WARM = 2  # steps before the measured window (start-up, the first step's allocations)
 LINKS = ("unshaped", "400mbit", "100mbit")
-MODES = ("flat", "auto", "int8")  # int8: hierarchy auto, grad_compress int8
+# mode -> (train.hierarchy, train.grad_compress)
+MODES = {"flat": ("flat", "off"), "auto": ("auto", "off"), "int8": ("auto", "int8")}
 CONFIG = Path(__file__).with_name("llama-10m.yaml")
 CURVE_CONFIG = Path(__file__).parents[1] / "configs" / "gpt-tiny.yaml"
 CURVE_STEPS = 200
@@ -90,9 +91,7 @@ def run(repeat: int, config: Path) -> dict[str, Any]:
 
 
 def _one_job(tmp: Path, job: str, link: str, mode: str) -> tuple[dict[str, Any], int]:
-    hierarchy, compress = ("flat", "off") if mode == "flat" else ("auto", "off")
-    if mode == "int8":
-        compress = "int8"
+    hierarchy, compress = MODES[mode]
     cfg = write_config(tmp / "job.yaml", CONFIG, {
         "train": {"steps": STEPS, "hierarchy": hierarchy, "grad_compress": compress},
         "elastic": {"nproc_per_node": PER_HOST, "nnodes": f"{HOSTS}:{HOSTS}"},
@@ -103,7 +102,6 @@ def _one_job(tmp: Path, job: str, link: str, mode: str) -> tuple[dict[str, Any],
         if link != "unshaped":
             for host in bed.hosts:
                 _shape(bed.ns(host), link)
-        env = bench_env(tmp / "state", {"ELASWAVE_TIMEOUTS__RENDEZVOUS": "120"})
         samples: list[tuple[float, list[int]]] = []
         stop = threading.Event()
 
@@ -114,13 +112,11 @@ def _one_job(tmp: Path, job: str, link: str, mode: str) -> tuple[dict[str, Any],
 
         poller = threading.Thread(target=sample, daemon=True)
         poller.start()
-        for host in bed.hosts:
-            bed.launch(host, "--job-id", job, env=env)
-        codes = bed.wait(timeout=900)
-        stop.set()
-        poller.join()
-        if any(codes.values()):
-            raise BenchError(f"{job}: exit codes {codes}: {bed.output(bed.hosts[0])[-500:]}")
+        try:
+            _run_job(bed, tmp, job)
+        finally:
+            stop.set()
+            poller.join()
         commits = _commits(bed)
         t0, t1 = commits[WARM], commits[STEPS]
         sent = [b - a for a, b in zip(_at(samples, t0), _at(samples, t1), strict=True)]
@@ -145,12 +141,7 @@ def _curve(tmp: Path, compress: str) -> dict[int, float]:
     bed = netbed.NetBed(tmp, config=cfg, hosts=2)
     try:
         bed.start()
-        env = bench_env(tmp / "state", {"ELASWAVE_TIMEOUTS__RENDEZVOUS": "120"})
-        for host in bed.hosts:
-            bed.launch(host, "--job-id", f"curve-{compress}", env=env)
-        codes = bed.wait(timeout=900)
-        if any(codes.values()):
-            raise BenchError(f"curve {compress}: exit codes {codes}")
+        _run_job(bed, tmp, f"curve-{compress}")
         losses = {m["step"]: m["loss"] for h in bed.hosts
                   for m in read_jsonl(bed.run_dirs[h] / "metrics.jsonl")}  # fmt: skip
     finally:
@@ -158,6 +149,16 @@ def _curve(tmp: Path, compress: str) -> dict[int, float]:
     if sorted(losses) != list(range(1, CURVE_STEPS + 1)):
         raise BenchError(f"curve {compress}: steps committed {sorted(losses)}")
     return losses
+
+
+def _run_job(bed: Any, tmp: Path, job: str) -> None:
+    """Launch ``job`` on every host of the started ``bed`` and wait for it to end cleanly."""
+    env = bench_env(tmp / "state", {"ELASWAVE_TIMEOUTS__RENDEZVOUS": "120"})
+    for host in bed.hosts:
+        bed.launch(host, "--job-id", job, env=env)
+    codes = bed.wait(timeout=900)
+    if any(codes.values()):
+        raise BenchError(f"{job}: exit codes {codes}: {bed.output(bed.hosts[0])[-500:]}")
 
 
 def _shape(ns: str, rate: str) -> None:
