@@ -27,7 +27,7 @@ def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return ranked[(len(ranked) - 1) // 2]
 
 
-def _pyplot() -> Any:
+def pyplot() -> Any:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -38,7 +38,7 @@ def _pyplot() -> Any:
 
 def plot_losses(result: dict[str, Any], out: Path) -> Path:
     """Top: loss vs step. Bottom: relative difference to ElasWave's fault-free run (log)."""
-    plt = _pyplot()
+    plt = pyplot()
     ref = result["fault_free"]["elaswave"]["loss"]
     steps = list(range(1, len(ref) + 1))
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True,
@@ -62,7 +62,7 @@ def plot_losses(result: dict[str, Any], out: Path) -> Path:
     bottom.set_ylim(floor / 2, 1)
     bottom.set_ylabel(f"|Δloss| / loss vs\nElasWave fault-free\n(≤{floor:g} drawn at {floor:g})")
     bottom.set_xlabel("step")
-    return _save(fig, plt, out)
+    return save_figure(fig, plt, out)
 
 
 def plot_throughput(result: dict[str, Any], out: Path) -> Path:
@@ -71,7 +71,7 @@ def plot_throughput(result: dict[str, Any], out: Path) -> Path:
     Both against time since the fault. Progress is the number of samples the model state has
     trained on after each commit, so a restart from a checkpoint shows as a drop.
     """
-    plt = _pyplot()
+    plt = pyplot()
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
     for name, label in _systems(result):
         run = _median_run(result["runs"][name])
@@ -93,10 +93,10 @@ def plot_throughput(result: dict[str, Any], out: Path) -> Path:
     bottom.set_ylabel("samples trained into the\nmodel state (after each commit)")
     bottom.set_xlabel("seconds since the fault (each point: one committed step, at its end)")
     bottom.legend(fontsize=8, loc="upper left")
-    return _save(fig, plt, out)
+    return save_figure(fig, plt, out)
 
 
-def _save(fig: Any, plt: Any, out: Path) -> Path:
+def save_figure(fig: Any, plt: Any, out: Path) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
     fig.savefig(out, dpi=100)

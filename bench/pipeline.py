@@ -15,6 +15,12 @@ instead of removing it. Each worker therefore emulates its device with ``train.d
 makes 4 workers behave like 4 devices; real compute and communication still run. Post-change
 throughput is the global batch over the median step time of the steps after the migration.
 
+ReCycle (``recycle``) is not a policy ElasWave runs: :mod:`bench.recycle` gives its throughput,
+with ElasWave's, drop's and the ideal, from the device model of :mod:`bench.pipesim`, whose one
+free number (a step's fixed cost) is fitted to this run's ``healthy`` step; the model's
+``reshard`` and ``drop`` are then checked against what this run measured. The same model runs
+the dp × pp grid (dp = 2, 3, 4 × pp = 2, 4, one and two failures) on a 10-layer model.
+
 Migration MTTR (async vs blocking) uses a wider model so that the moved state is large enough
 to matter (≈40 MB), over loopback as it is and over an emulated slower link
 (``train.state_bandwidth``: a receiver waits bytes / bandwidth after its copy lands), where the
@@ -30,7 +36,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import yaml
+
+from bench import recycle
 from bench.common import (
+    RESULTS_DIR,
     BenchError,
     bench_env,
     console,
@@ -59,6 +69,9 @@ LINKS = {"loopback": 0.0, "40 MB/s": 40.0}  # train.state_bandwidth of the wide 
 LINK_STEPS = 20  # room after the fault for a copy of ~1 s to land and switch
 GOAL_VS_DROP = 1.4
 GOAL_VS_IDEAL = 0.9
+GOAL_VS_RECYCLE = 1.35  # the paper's
+GRID = {"dp": (2, 3, 4), "pp": (2, 4), "failures": (1, 2), "per_replica": (8, 32)}
+GRID_MODEL = {"vocab_size": 256, "seq_len": 64, "d_model": 128, "n_layer": 8}  # 10 layers
 
 
 def run(repeat: int, config: Path) -> dict[str, Any]:
@@ -101,6 +114,8 @@ def run(repeat: int, config: Path) -> dict[str, Any]:
                 key = _mode(mode, link)
                 mttr[key].append(_incident(run_dir))
                 console.print(f"run {i}/{repeat} wide {key}: MTTR {ms(mttr[key][-1]['mttr_s'])} ms")
+    model = _model(tput_cfg, {v: statistics.median(r["median_step_s"] for r in rs)
+                              for v, rs in runs.items()})  # fmt: skip
     shutil.rmtree(tmp, ignore_errors=True)
     tput = {v: summarize(r["samples_per_s"] for r in rs) for v, rs in runs.items()}
     healthy = tput["healthy"]["median"]
@@ -136,9 +151,12 @@ def run(repeat: int, config: Path) -> dict[str, Any]:
         "mttr": mttr_summary,
         "links_mb_s": LINKS,
         "async_mttr_change": change,
+        "model": model,
+        "plots": [str(_plot(runs, model, RESULTS_DIR / "pipeline_recycle.png"))],
         "goal": {
             "reshard_over_drop": GOAL_VS_DROP,
             "reshard_over_ideal": GOAL_VS_IDEAL,
+            "reshard_over_recycle": GOAL_VS_RECYCLE,
             "met": bool(
                 ratio_drop
                 and ratio_ideal
@@ -147,6 +165,116 @@ def run(repeat: int, config: Path) -> dict[str, Any]:
             ),
         },
     }
+
+
+def _show_model(result: dict[str, Any]) -> None:
+    model, tput = result["model"], result["throughput"]
+    here = model["here"]
+    rows = [(v, f"{c['measured_s']:.3f}", f"{c['model_s']:.3f}", f"{c['error']:+.1%}")
+            for v, c in model["check"].items()]  # fmt: skip
+    print_table(f"Device model vs this run (median step, s; fixed cost fitted to healthy: "
+                f"{model['overhead_s'] * 1000:.0f} ms)", ("variant", "measured", "model", "error"),
+                rows)  # fmt: skip
+    parts = here["recycle_parts_samples_per_s"]
+    rows = [("ElasWave reshard (measured)", f"{tput['reshard-async']['median']:.1f}"),
+            ("drop (measured)", f"{tput['drop']['median']:.1f}")]  # fmt: skip
+    rows += [(f"ReCycle {k} (model)", f"{v:.1f}") for k, v in parts.items() if v]
+    rows.append(("ideal", f"{here['samples_per_s']['ideal']:.1f}"))
+    print_table("After the stage loss, this run's dp=2 × pp=2 (samples/s)", ("policy", "samples/s"),
+                rows)  # fmt: skip
+    console.print(
+        f"ElasWave measured / ReCycle model = "
+        f"{model['reshard_measured_over_recycle']:.2f} (goal ≥ {GOAL_VS_RECYCLE})"
+    )
+    rows = []
+    for g in model["grid"]:
+        t, ret = g["samples_per_s"], g["retained"]
+        rows.append((
+            f"{g['microbatches'] // g['dp']}", f"{g['dp']}×{g['pp']}", str(g["failures"]),
+            *(f"{t[k]:.1f}" if t[k] else "—" for k in ("healthy", "reshard", "recycle", "drop",
+                                                       "ideal")),
+            *(f"{x:.2f}" if x else "—" for x in (g["reshard_over_recycle"],
+                                                 g["reshard_over_drop"], ret["reshard"],
+                                                 ret["recycle"])),
+        ))  # fmt: skip
+    print_table("Device model over the grid (10-layer GPT, samples/s after the losses; mb: per "
+                "replica, free: fault-free, E: ElasWave reshard, R: ReCycle, D: drop, kept: "
+                "over its own fault-free schedule)",
+                ("mb", "dp×pp", "lost", "free", "E", "R", "D", "ideal", "E/R", "E/D", "E kept",
+                 "R kept"),
+                rows)  # fmt: skip
+
+
+def _model(config: Path, measured: dict[str, float]) -> dict[str, Any]:
+    """ReCycle and the grid from the device model: its step's fixed cost fitted to the measured
+    ``healthy`` step (median), its ``reshard`` and ``drop`` checked against the measured ones."""
+    from elaswave.runtime.workload.gpt import gpt_layer_costs
+
+    data = yaml.safe_load(config.read_text())
+    model, train = data.get("model", {}), data.get("train", {})
+    shape = ("vocab_size", "seq_len", "d_model", "n_layer")
+    if any(k not in model for k in shape):
+        raise BenchError(f"{config}: the model comparison needs the built-in GPT's {shape}")
+    costs = gpt_layer_costs(**{k: int(model[k]) for k in shape})
+    batch, size = int(train["global_batch"]), int(train["micro_batch_size"])
+    kw = {"costs": costs, "device_time": DEVICE_TIME, "microbatches": batch // size,
+          "batch": batch}  # fmt: skip
+    bare = recycle.compare(2, 2, 1, overhead=0.0, **kw)["step_s"]["healthy"]
+    overhead = max(measured["healthy"] - bare, 0.0)
+    here = recycle.compare(2, 2, 1, overhead=overhead, **kw)
+    check = {
+        variant: {"model_s": here["step_s"][key], "measured_s": measured[variant],
+                  "error": here["step_s"][key] / measured[variant] - 1.0}
+        for variant, key in (("reshard-async", "reshard"), ("drop", "drop"))
+    }  # fmt: skip
+    grid_costs = gpt_layer_costs(**GRID_MODEL)
+    grid = [
+        recycle.compare(dp, pp, f, costs=grid_costs, device_time=DEVICE_TIME,
+                        microbatches=m * dp, batch=m * dp * size, overhead=overhead)
+        for m in GRID["per_replica"] for pp in GRID["pp"] for dp in GRID["dp"]
+        for f in GRID["failures"]
+    ]  # fmt: skip
+    measured_reshard = batch / measured["reshard-async"]
+    return {
+        "overhead_s": overhead,
+        "here": here,
+        "check": check,
+        "reshard_measured_over_recycle": measured_reshard / here["samples_per_s"]["recycle"],
+        "grid_model": GRID_MODEL,
+        "grid": grid,
+    }
+
+
+def _plot(runs: dict[str, list[dict[str, Any]]], model: dict[str, Any], out: Path) -> Path:
+    """Samples/s per step through the fault: the median run of each measured variant, and
+    ReCycle's modelled throughput after the fault (before it, the healthy run's)."""
+    from bench.crash_plots import pyplot, save_figure
+
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    batch = model["here"]["samples_per_s"]["healthy"] * model["here"]["step_s"]["healthy"]
+    labels = {"healthy": "fault-free", "reshard-async": "ElasWave reshard (async)",
+              "drop": "drop the replica (TorchFT's policy)"}  # fmt: skip
+    for name, label in labels.items():
+        rs = sorted(runs[name], key=lambda r: r["samples_per_s"])
+        series = rs[len(rs) // 2]["series"]
+        ax.plot([s for s, _ in series], [batch / t if t > 0 else None for _, t in series],
+                marker="o", ms=3, lw=1, label=label)  # fmt: skip
+    healthy = sorted(runs["healthy"], key=lambda r: r["samples_per_s"])[len(runs["healthy"]) // 2]
+    before = [(s, batch / t) for s, t in healthy["series"] if s < FAULT_STEP and t > 0]
+    after = model["here"]["samples_per_s"]["recycle"]
+    xs = [s for s, _ in before] + [FAULT_STEP + 1, STEPS]
+    ax.plot(xs, [v for _, v in before] + [after, after], ls="--", lw=1.5,
+            label="ReCycle (device model after the fault)")  # fmt: skip
+    ideal = model["here"]["samples_per_s"]["ideal"]
+    ax.axhline(ideal, color="grey", ls=":", lw=1, label="ideal: fault-free × 3/4")
+    ax.axvline(FAULT_STEP, color="grey", ls="--", lw=1)
+    ax.set_xlabel(f"step (SIGKILL of replica 0's last stage at step {FAULT_STEP})")
+    ax.set_ylabel("samples / s")
+    ax.set_title("dp=2 × pp=2 through a stage loss (emulated devices)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="lower left")
+    return save_figure(fig, plt, out)
 
 
 def _mode(migration: str, link: str) -> str:
@@ -165,12 +293,13 @@ def _throughput(run_dir: Path, *, faulted: bool) -> dict[str, Any]:
         done = [e["step"] for e in events if e["kind"] == "migration_done"]
         start = (max(done) if done else FAULT_STEP) + 2
     window = [m["step_seconds"] for m in metrics if m["step"] >= start and m["step_seconds"] > 0]
+    series = [(m["step"], m["step_seconds"]) for m in metrics]
     if len(window) < 5:
         raise BenchError(f"{run_dir}: only {len(window)} steps after the change to measure")
     batch = metrics[-1]["samples"] // metrics[-1]["step"]
     step_s = statistics.median(window)
     return {"from_step": start, "median_step_s": step_s, "samples_per_s": batch / step_s,
-            "world_after": metrics[-1]["world_size"]}  # fmt: skip
+            "world_after": metrics[-1]["world_size"], "series": series}  # fmt: skip
 
 
 def _incident(run_dir: Path) -> dict[str, Any]:
@@ -209,6 +338,7 @@ def show(result: dict[str, Any]) -> None:
     print_table("Migration MTTR (wide model), milliseconds (median)",
                 ("migration", "MTTR", "state", "migration", "redo", "fault → full layout"),
                 mrows)  # fmt: skip
+    _show_model(result)
     goal, r = result["goal"], result
     verdict = "[green]met[/green]" if goal["met"] else "[red]NOT met[/red]"
     console.print(
