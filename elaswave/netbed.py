@@ -29,7 +29,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -114,14 +114,27 @@ class Switch:
         _ip("-n", switch, "link", "set", "br0", "up")
         return self
 
-    def attach(self, node: str) -> str:
-        """A namespace for ``node`` on the bridge; its address."""
+    def add_bridge(self, k: int) -> str:
+        """A second-tier switch (a rack's): bridge ``br<k>`` joined to ``br0`` by the veth pair
+        ``up<k>`` (on ``br<k>``) / ``dn<k>`` (on ``br0``), the link between the racks that a test
+        reads the counters of or shapes with ``tc``. Returns the bridge's name."""
+        sw, bridge = self.ns("sw"), f"br{k}"
+        _ip("-n", sw, "link", "add", bridge, "type", "bridge")
+        _ip("-n", sw, "link", "add", f"up{k}", "type", "veth", "peer", "name", f"dn{k}")
+        _ip("-n", sw, "link", "set", f"up{k}", "master", bridge)
+        _ip("-n", sw, "link", "set", f"dn{k}", "master", "br0")
+        for link in (bridge, f"up{k}", f"dn{k}"):
+            _ip("-n", sw, "link", "set", link, "up")
+        return bridge
+
+    def attach(self, node: str, bridge: str = "br0") -> str:
+        """A namespace for ``node`` on ``bridge``; its address."""
         ns, i = self.ns(node), len(self.addr)
         self._add_ns(ns)
         port = f"p{i}"
         _ip("link", "add", "eth0", "netns", ns, "type", "veth", "peer", "name", port,
             "netns", self.ns("sw"))  # fmt: skip
-        _ip("-n", self.ns("sw"), "link", "set", port, "master", "br0")
+        _ip("-n", self.ns("sw"), "link", "set", port, "master", bridge)
         _ip("-n", self.ns("sw"), "link", "set", port, "up")
         self.addr[node] = f"{self.subnet}.{i + 2}"
         _ip("-n", ns, "addr", "add", f"{self.addr[node]}/24", "dev", "eth0")
@@ -147,7 +160,21 @@ class Switch:
 
 
 class NetBed:
-    def __init__(self, workdir: Path, *, config: Path, hosts: int, etcd_members: int = 1) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        *,
+        config: Path,
+        hosts: int,
+        etcd_members: int = 1,
+        racks: Sequence[str] = (),
+    ) -> None:
+        """``racks``: each host's rack label (empty: one switch). The first rack's hosts and
+        the etcd members sit on ``br0``, each other rack's on a bridge of its own joined to
+        ``br0`` by one link (:meth:`Switch.add_bridge`); every host launches with ``--rack``."""
+        if racks and len(racks) != hosts:
+            raise ValueError(f"need one rack label per host ({hosts}), got {len(racks)}")
+        self.racks = dict(zip([f"h{i}" for i in range(hosts)], racks, strict=True)) if racks else {}
         self.workdir = workdir
         self.config = config  # the job every host launches
         self.net = Switch(f"ew{secrets.token_hex(3)}")
@@ -170,8 +197,11 @@ class NetBed:
     # ---- topology ---------------------------------------------------------------------------
     def start(self) -> NetBed:
         self.net.start()
+        bridges = {}
+        for k, label in enumerate(dict.fromkeys(self.racks.values())):
+            bridges[label] = self.net.add_bridge(k) if k else "br0"
         for node in self.hosts + self.members:
-            self.net.attach(node)
+            self.net.attach(node, bridges.get(self.racks.get(node, ""), "br0"))
         self._start_etcd()
         return self
 
@@ -217,9 +247,10 @@ class NetBed:
         """``elaswave launch`` of the bed's job config as ``host``, inside its namespace."""
         run_dir = self.workdir / host
         self.run_dirs[host] = run_dir
+        rack = ("--rack", self.racks[host]) if host in self.racks else ()
         cmd = elaswave_cmd(
             "launch", str(self.config), "--run-dir", str(run_dir), "--quiet",
-            "--host-id", host, "--etcd", self.endpoints, *args,
+            "--host-id", host, "--etcd", self.endpoints, *rack, *args,
         )  # fmt: skip
         out = open(self.workdir / f"{host}.out", "w")  # noqa: SIM115 - owned by the proc
         proc = subprocess.Popen(

@@ -15,6 +15,14 @@ host, whatever the host's size; with ranks interleaved, every one does). Reduced
 worker hands its lanes to its survivors). Every rank takes its lanes in lane order, so ranks that
 share several lane groups never wait on each other in a cycle.
 
+With racks (``launch --rack``, every host of the plan labelled, two racks or more, one of them
+with two hosts or more), step 2 has two levels: lane ``j`` is first all-reduced inside each rack by
+its owners there (``rack_lane_groups``); then the lane is cut into ``sublanes`` slices (the most
+hosts any rack has), slice ``q`` all-reduced between the racks by one lane owner per rack, the one
+on the rack's host ``q mod n`` (``cross_groups``); each slice is then shared back inside the rack's
+lane group by its carrier. A rack sends ``2 (R - 1) / R × M`` between racks in all, spread over its
+hosts, instead of once per host.
+
 The sums are the same sums as the flat ring's, in another order, divided once by the global count
 afterwards (never an average of averages); in the float64 reduction mode the losses are bit for
 bit the flat ones (the tests check it).
@@ -26,20 +34,25 @@ bit the flat ones (the tests check it).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
 MODES = ("auto", "flat")
 HOST = "dp.host"  # group names: the host's ranks, ``dp.host<h>``; a lane's, ``dp.lane<j>``
 LANE = "dp.lane"
+RACK_LANE = "dp.rlane"  # with racks: lane j inside rack r, ``dp.rlane<j>.<r>``; slice q of lane
+CROSS = "dp.xlane"  # j between the racks, ``dp.xlane<j>.<q>``
 
 
 @dataclass(frozen=True)
 class Tiers:
-    """The ranks of each host (hosts in the order of their first rank) and the lanes."""
+    """The ranks of each host (hosts in the order of their first rank) and the lanes; with
+    racks, the hosts (indices into ``hosts``) of each rack, racks in the order of their first
+    host (empty: no rack level)."""
 
     hosts: tuple[tuple[int, ...], ...]
+    racks: tuple[tuple[int, ...], ...] = ()
 
     @cached_property
     def lanes(self) -> int:
@@ -70,30 +83,80 @@ class Tiers:
         k = len(self.hosts[h])
         return [j for j in range(self.lanes) if j % k == i]
 
+    # ---- the rack level ------------------------------------------------------------------
+    @cached_property
+    def sublanes(self) -> int:
+        """Slices of a lane between the racks: the most hosts any rack has (0: no racks)."""
+        return max((len(r) for r in self.racks), default=0)
+
+    @cached_property
+    def _rack_of(self) -> dict[int, tuple[int, int]]:
+        return {h: (r, i) for r, hosts in enumerate(self.racks) for i, h in enumerate(hosts)}
+
+    def rack_place(self, rank: int) -> tuple[int, int]:
+        """(its rack's index, its host's index in the rack)."""
+        return self._rack_of[self.place(rank)[0]]
+
+    def rack_lane_groups(self, lane: int) -> tuple[tuple[int, ...], ...]:
+        """Per rack, the owners of ``lane`` on its hosts (in the rack's host order)."""
+        return tuple(tuple(self.lane_owner(h, lane) for h in hosts) for hosts in self.racks)
+
+    def cross_group(self, lane: int, sub: int) -> tuple[int, ...]:
+        """Slice ``sub`` of ``lane``'s carriers between the racks: per rack, the lane's owner on
+        its host ``sub mod n`` (rack order)."""
+        return tuple(self.lane_owner(hosts[sub % len(hosts)], lane) for hosts in self.racks)
+
+    def my_sublanes(self, rank: int) -> list[int]:
+        """The slices of each of its lanes that ``rank`` carries between the racks, ascending."""
+        r, i = self.rack_place(rank)
+        n = len(self.racks[r])
+        return [q for q in range(self.sublanes) if q % n == i]
+
     def groups(self, workers: Sequence[str]) -> dict[str, tuple[str, ...]]:
         """The process groups of the tiers, by name, members in rank order (a host of one rank
-        needs no host group)."""
+        needs no host group, a rack of one host no rack group)."""
         out = {
             f"{HOST}{h}": tuple(workers[r] for r in ranks)
             for h, ranks in enumerate(self.hosts)
             if len(ranks) > 1
         }
-        for j, ranks in enumerate(self.lane_groups()):
-            out[f"{LANE}{j}"] = tuple(workers[r] for r in ranks)
+        if not self.racks:
+            for j, ranks in enumerate(self.lane_groups()):
+                out[f"{LANE}{j}"] = tuple(workers[r] for r in ranks)
+            return out
+        for j in range(self.lanes):
+            for r, ranks in enumerate(self.rack_lane_groups(j)):
+                if len(ranks) > 1:
+                    out[f"{RACK_LANE}{j}.{r}"] = tuple(workers[x] for x in ranks)
+            for q in range(self.sublanes):
+                out[f"{CROSS}{j}.{q}"] = tuple(workers[x] for x in self.cross_group(j, q))
         return out
 
 
-def tiers_of(hosts: Sequence[str], mode: str) -> Tiers | None:
+def tiers_of(
+    hosts: Sequence[str], mode: str, racks: Mapping[str, str] | None = None
+) -> Tiers | None:
     """The tiers of a plan whose rank ``r`` runs on ``hosts[r]``, or None for a flat reduction:
-    ``mode`` flat, one host, or no host with two ranks (tiers would only add hops)."""
+    ``mode`` flat, one host, or no host with two ranks and no rack with two hosts (tiers would
+    only add hops). ``racks``: each host's rack (the plan's ``--rack`` labels); the rack level
+    is used when every host has one, there are two racks or more and one has two hosts."""
     if mode not in MODES:
         raise ValueError(f"hierarchy must be one of {', '.join(MODES)}, got {mode!r}")
     ranks: dict[str, list[int]] = {}
     for r, host in enumerate(hosts):
         ranks.setdefault(host, []).append(r)
-    if mode == "flat" or len(ranks) < 2 or all(len(v) < 2 for v in ranks.values()):
+    names = list(ranks)
+    by_rack: dict[str, list[int]] = {}
+    if racks and all(racks.get(h) for h in names):
+        for h, name in enumerate(names):
+            by_rack.setdefault(racks[name], []).append(h)
+    if len(by_rack) < 2 or all(len(v) < 2 for v in by_rack.values()):
+        by_rack = {}
+    if mode == "flat" or len(ranks) < 2:
         return None
-    return Tiers(tuple(tuple(v) for v in ranks.values()))
+    if all(len(v) < 2 for v in ranks.values()) and not by_rack:
+        return None
+    return Tiers(tuple(tuple(v) for v in ranks.values()), tuple(tuple(v) for v in by_rack.values()))
 
 
 def lane_bounds(n: int, lanes: int) -> list[int]:

@@ -16,17 +16,20 @@ __all__ = ["NetBed", "in_netns", "netbed_fixture"]
 
 @pytest.fixture(name="netbed_factory")
 def netbed_fixture(tmp_path: Path) -> Any:
-    """``make(hosts=3, etcd_members=1, name="")`` → a started :class:`NetBed` working in
-    ``tmp_path / name``, always torn down."""
+    """``make(hosts=3, etcd_members=1, name="", racks=())`` → a started :class:`NetBed` working
+    in ``tmp_path / name`` (``racks``: each host's rack, each rack on a bridge of its own),
+    always torn down."""
     reason = skip_reason()
     if reason:
         pytest.skip(f"netns test bed unavailable: {reason}")
     beds: list[NetBed] = []
 
-    def make(hosts: int = 3, etcd_members: int = 1, name: str = "") -> NetBed:
+    def make(
+        hosts: int = 3, etcd_members: int = 1, name: str = "", racks: tuple[str, ...] = ()
+    ) -> NetBed:
         workdir = tmp_path / name
         workdir.mkdir(exist_ok=True)
-        bed = NetBed(workdir, config=CONFIG, hosts=hosts, etcd_members=etcd_members)
+        bed = NetBed(workdir, config=CONFIG, hosts=hosts, etcd_members=etcd_members, racks=racks)
         beds.append(bed)
         return bed.start()
 

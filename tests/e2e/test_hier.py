@@ -26,17 +26,25 @@ def single_host(tmp_path_factory: pytest.TempPathFactory) -> Run:
     return float64_run(tmp_path_factory, "hier-ref", STEPS)
 
 
-def _run(bed: NetBed, job: str, mode: str, state_env: dict[str, str], compress: str = "off") -> Run:
+def _run(
+    bed: NetBed,
+    job: str,
+    mode: str,
+    state_env: dict[str, str],
+    compress: str = "off",
+    kill: int = 3,
+) -> Run:
     # Emulated device time (50 ms per micro-batch, four per rank): the eight steps after the
     # kill last about 2 s, so the respawned worker (ready ~0.2 s after the kill) is planned
     # back in (a grow waits 0.5 s for more joiners) before the job ends, however fast the CPU.
     env = paced({**state_env, **F64, "ELASWAVE_TRAIN__HIERARCHY": mode,
                  "ELASWAVE_TRAIN__GRAD_COMPRESS": compress, "ELASWAVE_TIMEOUTS__LEASE_TTL": "2",
                  "ELASWAVE_TIMEOUTS__RENDEZVOUS": "60"}, 0.05)  # fmt: skip
+    n = len(bed.hosts)
     for host in bed.hosts:
-        bed.launch(host, "--job-id", job, "--nproc-per-node", "2", "--nnodes", "2:2",
+        bed.launch(host, "--job-id", job, "--nproc-per-node", "2", "--nnodes", f"{n}:{n}",
                    "--steps", str(STEPS), "--max-restarts", "1",
-                   "--fault", "kill,rank=3,at_step=4", env=env)  # fmt: skip
+                   "--fault", f"kill,rank={kill},at_step=4", env=env)  # fmt: skip
     codes = bed.wait(timeout=180)
     assert codes == {h: 0 for h in bed.hosts}, [bed.output(h) for h in bed.hosts]
     return Run(*(bed.run_dirs[h] for h in bed.hosts))
@@ -83,3 +91,31 @@ def test_int8_between_hosts_keeps_every_rank_on_one_curve_near_the_exact_one(
     worst = max(abs(run.losses[s] - exact[s]) / abs(exact[s]) for s in exact)
     assert 0 < worst <= LOSS_TOL, worst
     assert _lanes_built(run) >= {"dp.host0", "dp.host1", "dp.lane0", "dp.lane1"}
+
+
+def test_racks_add_a_level_and_reduce_what_the_flat_ring_reduces(
+    netbed_factory: Any, state_env: dict[str, str], single_host: Run
+) -> None:
+    """Two bridges: rack A (h0, h1) on one, rack B (h2) on the other, joined by one link; two
+    workers a host. Each lane is summed inside the rack, cut in two slices between the racks
+    (rack A's hosts carry one each) and shared back. Through a SIGKILL of rank 3 (a worker in
+    rack A, whichever rack comes first: its host goes uneven) and its respawn, the losses and the final state are the single-host run's
+    bit for bit."""
+    bed = netbed_factory(hosts=3, name="racks", racks=("A", "A", "B"))
+    run = _run(bed, "hier-racks", "auto", state_env, kill=3)
+    assert_clean_run(run, STEPS, single_host)
+    assert run.losses == single_host.losses
+    worlds = [p["world"] for p in run.of("plan_published")]
+    assert worlds[:2] == [6, 5] and worlds[-1] == 6, worlds
+    assert {f["params_sha256"] for f in run.of("final_state")} == {
+        f["params_sha256"] for f in single_host.of("final_state")
+    }
+    built = _lanes_built(run)
+    # both lanes inside rack A (whichever rack index it has: racks go in join order), both
+    # lanes' two slices between the racks; no host-to-host lanes
+    assert built >= {"dp.host0", "dp.host1", "dp.host2", "dp.xlane0.0", "dp.xlane0.1",
+                     "dp.xlane1.0", "dp.xlane1.1"}, built  # fmt: skip
+    inside = {g.rsplit(".", 1)[0] for g in built if g.startswith("dp.rlane")}
+    assert inside == {"dp.rlane0", "dp.rlane1"}, built
+    assert len({g for g in built if g.startswith("dp.rlane")}) == 2, built  # one rack of two
+    assert not {g for g in built if g.startswith("dp.lane")}

@@ -13,6 +13,12 @@ import pytest
 
 from elaswave.planning.tiers import Tiers, lane_bounds, tiers_of
 
+HOSTS = ["a", "a", "b", "b", "b"]
+# Two racks of two hosts; host c has one rank (it carries every lane), rack X's lanes are cut in
+# two slices between the racks, one carried by host a's owner, the other by host b's.
+RACKED = ["a", "a", "b", "b", "b", "c", "d", "d"]
+RACKS = {"a": "X", "b": "X", "c": "Y", "d": "Y"}
+
 
 @pytest.mark.parametrize(
     ("hosts", "mode", "expected", "lanes", "lane_groups"),
@@ -57,6 +63,48 @@ def test_flat_mode_and_errors() -> None:
         lane_bounds(4, 0)
 
 
+def test_racks_table() -> None:
+    """Two racks (X: hosts a, b; Y: c, d): lane j summed inside each rack by its owners, then
+    cut in two slices, each carried between the racks by one owner per rack."""
+    t = tiers_of(RACKED, "auto", RACKS)
+    assert t is not None and t.hosts == ((0, 1), (2, 3, 4), (5,), (6, 7))
+    assert t.racks == ((0, 1), (2, 3)) and t.lanes == 3 and t.sublanes == 2
+    assert t.rack_lane_groups(2) == ((0, 4), (5, 6))  # host a's rank 0 owns lane 2 (2 mod 2)
+    assert [t.cross_group(2, q) for q in (0, 1)] == [(0, 5), (4, 6)]
+    assert t.my_sublanes(0) == [0] and t.my_sublanes(4) == [1] and t.my_sublanes(5) == [0]
+    groups = t.groups([f"w{r}" for r in range(8)])
+    assert not any(g.startswith("dp.lane") for g in groups)  # the rack level replaces them
+    assert groups["dp.rlane2.0"] == ("w0", "w4") and groups["dp.xlane2.1"] == ("w4", "w6")
+    # each slice between the racks has one carrier per rack; each rank carries only its lanes'
+    for j in range(t.lanes):
+        for q in range(t.sublanes):
+            group = t.cross_group(j, q)
+            assert [t.rack_place(r)[0] for r in group] == [0, 1]
+            assert all(j in t.my_lanes(r) and q in t.my_sublanes(r) for r in group)
+
+
+@pytest.mark.parametrize(
+    ("racks", "levels"),
+    [
+        (None, 0),
+        ({"a": "X", "b": "X", "c": "Y"}, 0),  # host d without a rack: no rack level
+        ({"a": "X", "b": "Y", "c": "Z", "d": "W"}, 0),  # no rack with two hosts
+        ({"a": "X", "b": "X", "c": "X", "d": "X"}, 0),  # one rack
+        (RACKS, 2),
+    ],
+)
+def test_the_rack_level_only_where_it_saves_hops(racks, levels) -> None:
+    t = tiers_of(RACKED, "auto", racks)
+    assert t is not None and t.sublanes == levels
+
+
+def test_racks_alone_make_tiers() -> None:
+    """One rank per host, two racks of two hosts: the racks are the tiers."""
+    t = tiers_of(["a", "b", "c", "d"], "auto", RACKS)
+    assert t is not None and t.lanes == 1 and t.racks == ((0, 1), (2, 3))
+    assert tiers_of(["a", "b", "c", "d"], "auto") is None
+
+
 def test_groups_by_name() -> None:
     t = Tiers(((0, 1), (2,)))
     assert t.groups(["w0", "w1", "w2"]) == {
@@ -83,8 +131,8 @@ SCRIPT = textwrap.dedent(
     from elaswave.runtime.comm.communicator import Communicator
     from elaswave.runtime.comm.tiered import allreduce_tiered
 
-    HOSTS = ["a", "a", "b", "b", "b"]
-    WORKERS = [f"w{r}" for r in range(5)]
+    HOSTS, RACKS = json.loads(sys.argv[1])
+    WORKERS = [f"w{r}" for r in range(len(HOSTS))]
     never = lambda: False
 
     def waker(event):
@@ -93,7 +141,7 @@ SCRIPT = textwrap.dedent(
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=30))
     address = f"127.0.0.1:{store.port}"
-    tiers = tiers_of(HOSTS, "auto")
+    tiers = tiers_of(HOSTS, "auto", RACKS)
     groups = {"dp": tuple(WORKERS), **tiers.groups(WORKERS)}
     out, errors = {}, []
 
@@ -118,28 +166,49 @@ SCRIPT = textwrap.dedent(
         except BaseException as exc:
             errors.append(repr(exc))
 
-    threads = [threading.Thread(target=body, args=(r,)) for r in range(5)]
+    threads = [threading.Thread(target=body, args=(r,)) for r in range(len(HOSTS))]
     for t in threads:
         t.start()
     for t in threads:
         t.join(60)
-    expected = {n: sum(values(r, n) for r in range(5)).tolist() for n in (11, 2, 1000)}
+    expected = {n: sum(values(r, n) for r in range(len(HOSTS))).tolist() for n in (11, 2, 1000)}
     print(json.dumps({"out": out, "errors": errors, "expected": expected}), flush=True)
     os._exit(0)
     """
 )
 
 
-@pytest.fixture(scope="module")
-def collectives() -> dict:
-    """One run of the five ranks' collectives (flat, tiered, tiered with int8), for both tests."""
-    r = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True,
-                       timeout=120)  # fmt: skip
+def _collectives(hosts: list[str], racks: dict[str, str] | None) -> dict:
+    """One run of the ranks' collectives (flat, tiered, tiered with int8)."""
+    r = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps([hosts, racks])],
+                       capture_output=True, text=True, timeout=120)  # fmt: skip
     assert r.returncode == 0, r.stderr[-2000:]
     result = json.loads(r.stdout.strip().splitlines()[-1])
     assert result["errors"] == []
-    assert sorted(result["out"]) == ["0", "1", "2", "3", "4"]
+    assert sorted(result["out"], key=int) == [str(r) for r in range(len(hosts))]
     return result
+
+
+@pytest.fixture(scope="module")
+def collectives() -> dict:
+    """Five ranks on two uneven hosts, for both tests below."""
+    return _collectives(HOSTS, None)
+
+
+def test_three_levels_sum_what_the_flat_ring_sums() -> None:
+    """Racks: hosts, lanes inside the racks, slices between them. Every rank ends with the flat
+    ring's sums bit for bit; with int8 between the racks, every rank with the same bits, near
+    the exact sums, and not them (the slowest hop was int8)."""
+    result = _collectives(RACKED, RACKS)
+    int8 = set()
+    for rank, got in result["out"].items():
+        for n, (flat, tiered, compressed) in got.items():
+            assert tiered == flat, (rank, n)
+            assert compressed == pytest.approx(flat, abs=0.1), (rank, n)
+            int8.add((n, tuple(compressed)))
+    assert len(int8) == 3  # one result per size, on every rank
+    big = next(v for n, v in int8 if n == "1000")
+    assert list(big) != result["expected"]["1000"]
 
 
 def test_the_tiered_all_reduce_sums_what_the_flat_ring_sums(collectives: dict) -> None:
