@@ -14,6 +14,12 @@ ranks laid out host by host, M the gradient buffer's bytes: a flat ring sends
 2 (N − 1) / N × M per host across (1.75 M at N = 8), the tiers 2 (H − 1) / H × M (1.0 M), int8
 lanes (H − 1) × M / 4 × (1 + 4 / 256) (0.25 M: an all-gather of each host's codes and scales).
 
+After a worker's loss (``killed``): the tiers job on the unshaped link, rank 1 (the second worker
+of the host that holds ranks 0-3) SIGKILLed at step ``KILL_STEP`` and not respawned; the window
+starts ``KILL_WINDOW`` steps later (the new plan in place) and runs ``STEPS - WARM`` steps. That
+host then has three workers for four lanes (its worker j mod 3 carries lane j); each host should
+still send about 2 (H − 1) / H × M.
+
 What int8 does to training: ``CURVE_STEPS`` steps of gpt-tiny (configs/gpt-tiny.yaml) on two
 hosts × two workers, float32, tiers with and without int8: the largest and the last relative
 distance between the two loss curves.
@@ -21,12 +27,14 @@ distance between the two loss curves.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
 import subprocess
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +54,7 @@ MODES = {"flat": ("flat", "off"), "auto": ("auto", "off"), "int8": ("auto", "int
 CONFIG = Path(__file__).with_name("llama-10m.yaml")
 CURVE_CONFIG = Path(__file__).parents[1] / "configs" / "gpt-tiny.yaml"
 CURVE_STEPS = 200
+KILL_STEP, KILL_WINDOW = 3, 3  # the killed cell: fault at step 3, measured from step 6
 
 
 def run(repeat: int, config: Path) -> dict[str, Any]:
@@ -57,12 +66,16 @@ def run(repeat: int, config: Path) -> dict[str, Any]:
         link: {mode: [] for mode in MODES} for link in LINKS
     }
     grad_bytes = 0
+    killed: list[dict[str, Any]] = []
     for i in range(repeat):
         for link in LINKS:
             for mode in MODES:  # side by side on the same link, in the same round
                 with tempfile.TemporaryDirectory(prefix="elaswave-bench-") as tmp:
                     cell, grad_bytes = _one_job(Path(tmp), f"hier-{link}-{mode}-{i}", link, mode)
                 cells[link][mode].append(cell)
+        with tempfile.TemporaryDirectory(prefix="elaswave-bench-") as tmp:
+            cell, _ = _one_job(Path(tmp), f"hier-killed-{i}", "unshaped", "auto", killed=True)
+        killed.append(cell)
     with tempfile.TemporaryDirectory(prefix="elaswave-bench-") as tmp:
         curves = {c: _curve(Path(tmp) / c, c) for c in ("off", "int8")}
     exact, int8 = curves["off"], curves["int8"]
@@ -81,6 +94,7 @@ def run(repeat: int, config: Path) -> dict[str, Any]:
             "int8": (HOSTS - 1) / 4 * (1 + 4 / 256),
         },
         "cells": cells,
+        "killed": killed,
         "curve": {
             "steps": CURVE_STEPS,
             "max_rel_deviation": max(deviation),
@@ -90,10 +104,16 @@ def run(repeat: int, config: Path) -> dict[str, Any]:
     }
 
 
-def _one_job(tmp: Path, job: str, link: str, mode: str) -> tuple[dict[str, Any], int]:
+def _one_job(
+    tmp: Path, job: str, link: str, mode: str, *, killed: bool = False
+) -> tuple[dict[str, Any], int]:
+    """One job's bytes per host per step and median step over the window (``killed``: rank 1
+    SIGKILLed at ``KILL_STEP``; the window after the new plan)."""
     hierarchy, compress = MODES[mode]
+    warm = KILL_STEP + KILL_WINDOW if killed else WARM
+    steps = warm + STEPS - WARM
     cfg = write_config(tmp / "job.yaml", CONFIG, {
-        "train": {"steps": STEPS, "hierarchy": hierarchy, "grad_compress": compress},
+        "train": {"steps": steps, "hierarchy": hierarchy, "grad_compress": compress},
         "elastic": {"nproc_per_node": PER_HOST, "nnodes": f"{HOSTS}:{HOSTS}"},
     })  # fmt: skip
     bed = netbed.NetBed(tmp, config=cfg, hosts=HOSTS)
@@ -101,34 +121,43 @@ def _one_job(tmp: Path, job: str, link: str, mode: str) -> tuple[dict[str, Any],
         bed.start()
         if link != "unshaped":
             for host in bed.hosts:
-                _shape(bed.ns(host), link)
-        samples: list[tuple[float, list[int]]] = []
-        stop = threading.Event()
-
-        def sample() -> None:
-            while not stop.is_set():
-                samples.append((time.time(), [_tx_bytes(bed.ns(h)) for h in bed.hosts]))
-                stop.wait(0.2)
-
-        poller = threading.Thread(target=sample, daemon=True)
-        poller.start()
-        try:
-            _run_job(bed, tmp, job)
-        finally:
-            stop.set()
-            poller.join()
-        commits = _commits(bed)
-        t0, t1 = commits[WARM], commits[STEPS]
-        sent = [b - a for a, b in zip(_at(samples, t0), _at(samples, t1), strict=True)]
-        times = diffs([commits[s] for s in range(WARM, STEPS + 1)])
-        grad = _grad_bytes(bed)
+                shape(bed.ns(host), link)
+        fault = ["--fault", f"kill,rank=1,at_step={KILL_STEP}"] if killed else []
+        with counting(lambda: [tx_bytes(bed.ns(h)) for h in bed.hosts]) as samples:
+            run_job(bed, tmp, job, fault)
+        commits = commit_times(bed, steps)
+        t0, t1 = commits[warm], commits[steps]
+        sent = sent_between(samples, t0, t1)
+        times = diffs([commits[s] for s in range(warm, steps + 1)])
+        grad = grad_bytes_of(bed)
         return {
-            "per_host_bytes_per_step": [s / (STEPS - WARM) for s in sent],
+            "per_host_bytes_per_step": [s / (steps - warm) for s in sent],
             "step_s": statistics.median(times),
-            "lanes": _lanes(bed),
+            "lanes": tier_groups(bed),
+            "world_after": _world_after(bed),
         }, grad
     finally:
         bed.close()
+
+
+@contextlib.contextmanager
+def counting(read: Callable[[], list[int]]) -> Iterator[list[tuple[float, list[int]]]]:
+    """``read()`` (byte counters) sampled every 0.2 s while the block runs: (time, counters)."""
+    samples: list[tuple[float, list[int]]] = []
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            samples.append((time.time(), read()))
+            stop.wait(0.2)
+
+    poller = threading.Thread(target=sample, daemon=True)
+    poller.start()
+    try:
+        yield samples
+    finally:
+        stop.set()
+        poller.join()
 
 
 def _curve(tmp: Path, compress: str) -> dict[int, float]:
@@ -141,7 +170,7 @@ def _curve(tmp: Path, compress: str) -> dict[int, float]:
     bed = netbed.NetBed(tmp, config=cfg, hosts=2)
     try:
         bed.start()
-        _run_job(bed, tmp, f"curve-{compress}")
+        run_job(bed, tmp, f"curve-{compress}")
         losses = {m["step"]: m["loss"] for h in bed.hosts
                   for m in read_jsonl(bed.run_dirs[h] / "metrics.jsonl")}  # fmt: skip
     finally:
@@ -151,43 +180,55 @@ def _curve(tmp: Path, compress: str) -> dict[int, float]:
     return losses
 
 
-def _run_job(bed: Any, tmp: Path, job: str) -> None:
-    """Launch ``job`` on every host of the started ``bed`` and wait for it to end cleanly."""
+def run_job(bed: Any, tmp: Path, job: str, extra: list[str] | None = None) -> None:
+    """Launch ``job`` on every host of the started ``bed`` (``extra``: more launch flags, the
+    same on every host) and wait for it to end cleanly."""
     env = bench_env(tmp / "state", {"ELASWAVE_TIMEOUTS__RENDEZVOUS": "120"})
     for host in bed.hosts:
-        bed.launch(host, "--job-id", job, env=env)
+        bed.launch(host, "--job-id", job, *(extra or []), env=env)
     codes = bed.wait(timeout=900)
     if any(codes.values()):
         raise BenchError(f"{job}: exit codes {codes}: {bed.output(bed.hosts[0])[-500:]}")
 
 
-def _shape(ns: str, rate: str) -> None:
-    """A token bucket on the host's egress: ``rate``, a 64 kB burst, 400 ms of queue."""
-    subprocess.run(["tc", "-n", ns, "qdisc", "replace", "dev", "eth0", "root", "tbf", "rate",
+def shape(ns: str, rate: str, dev: str = "eth0") -> None:
+    """A token bucket on ``dev``'s egress: ``rate``, a 64 kB burst, 400 ms of queue."""
+    subprocess.run(["tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf", "rate",
                     rate, "burst", "64kb", "latency", "400ms"], check=True)  # fmt: skip
 
 
-def _tx_bytes(ns: str) -> int:
-    out = subprocess.run(["ip", "-n", ns, "-s", "-j", "link", "show", "eth0"],
+def tx_bytes(ns: str, dev: str = "eth0") -> int:
+    out = subprocess.run(["ip", "-n", ns, "-s", "-j", "link", "show", dev],
                          capture_output=True, text=True, check=True).stdout  # fmt: skip
     return int(json.loads(out)[0]["stats64"]["tx"]["bytes"])
 
 
-def _at(samples: list[tuple[float, list[int]]], t: float) -> list[int]:
+def sent_between(samples: list[tuple[float, list[int]]], t0: float, t1: float) -> list[int]:
+    """Each counter's growth from ``t0`` to ``t1``."""
+    return [b - a for a, b in zip(counters_at(samples, t0), counters_at(samples, t1), strict=True)]
+
+
+def counters_at(samples: list[tuple[float, list[int]]], t: float) -> list[int]:
     """The counters sampled last at or before ``t`` (the first sample if none)."""
     before = [c for when, c in samples if when <= t]
     return before[-1] if before else samples[0][1]
 
 
-def _commits(bed: Any) -> dict[int, float]:
+def commit_times(bed: Any, steps: int = STEPS) -> dict[int, float]:
     """When each step was committed (its record's time), over every host's records."""
     out: dict[int, float] = {}
     for h in bed.hosts:
         for m in read_jsonl(bed.run_dirs[h] / "metrics.jsonl"):
             out.setdefault(m["step"], m["time"])
-    if sorted(out) != list(range(1, STEPS + 1)):
+    if sorted(out) != list(range(1, steps + 1)):
         raise BenchError(f"steps committed: {sorted(out)}")
     return out
+
+
+def _world_after(bed: Any) -> int:
+    """The world size of the last step committed."""
+    last = [m for h in bed.hosts for m in read_jsonl(bed.run_dirs[h] / "metrics.jsonl")]
+    return int(max(last, key=lambda m: m["step"])["world_size"])
 
 
 def _events(bed: Any, kind: str) -> list[dict[str, Any]]:
@@ -195,13 +236,13 @@ def _events(bed: Any, kind: str) -> list[dict[str, Any]]:
             if e["kind"] == kind]  # fmt: skip
 
 
-def _grad_bytes(bed: Any) -> int:
+def grad_bytes_of(bed: Any) -> int:
     """The reduction buffer's bytes (every rank's parameters, float32, and a short tail)."""
     (first, *_) = _events(bed, "memory") or [{}]
     return int(first.get("param_bytes", 0))
 
 
-def _lanes(bed: Any) -> list[str]:
+def tier_groups(bed: Any) -> list[str]:
     built = {g for e in _events(bed, "comm_rebuilt") for g in e["rebuilt"]}
     return sorted(g for g in built if g.startswith("dp."))
 
@@ -233,6 +274,18 @@ def show(result: dict[str, Any]) -> None:
          "flat step s", "tiers step s", "int8 step s", "tiers / flat", "int8 / flat"),
         rows,
     )  # fmt: skip
+    killed = result.get("killed") or []
+    if killed:
+        per_host = [statistics.median(c["per_host_bytes_per_step"][h] for c in killed)
+                    for h in range(result["hosts"])]  # fmt: skip
+        print_table(
+            f"Tiers after rank 1 was SIGKILLed at step {KILL_STEP} (unshaped; "
+            f"theory per host {theory['auto']:.2f} M)",
+            ("host", "MB sent per step", "× M", "world after", "step s"),
+            [(f"host {h}", f"{b * mb:.1f}", f"{b / grad:.2f}", str(killed[0]["world_after"]),
+              f"{statistics.median(c['step_s'] for c in killed):.2f}")
+             for h, b in enumerate(per_host)],
+        )  # fmt: skip
     curve = result["curve"]
     print_table(
         f"int8 lanes vs exact tiers, gpt-tiny, 2 hosts × 2 workers, {curve['steps']} steps",

@@ -168,13 +168,16 @@ class NetBed:
         hosts: int,
         etcd_members: int = 1,
         racks: Sequence[str] = (),
+        label_racks: bool = True,
     ) -> None:
         """``racks``: each host's rack label (empty: one switch). The first rack's hosts and
         the etcd members sit on ``br0``, each other rack's on a bridge of its own joined to
-        ``br0`` by one link (:meth:`Switch.add_bridge`); every host launches with ``--rack``."""
+        ``br0`` by one link (:meth:`Switch.add_bridge`); every host launches with ``--rack``
+        (``label_racks=False``: without, so the job does not know the racks it runs on)."""
         if racks and len(racks) != hosts:
             raise ValueError(f"need one rack label per host ({hosts}), got {len(racks)}")
         self.racks = dict(zip([f"h{i}" for i in range(hosts)], racks, strict=True)) if racks else {}
+        self.label_racks = label_racks
         self.workdir = workdir
         self.config = config  # the job every host launches
         self.net = Switch(f"ew{secrets.token_hex(3)}")
@@ -247,7 +250,7 @@ class NetBed:
         """``elaswave launch`` of the bed's job config as ``host``, inside its namespace."""
         run_dir = self.workdir / host
         self.run_dirs[host] = run_dir
-        rack = ("--rack", self.racks[host]) if host in self.racks else ()
+        rack = ("--rack", self.racks[host]) if host in self.racks and self.label_racks else ()
         cmd = elaswave_cmd(
             "launch", str(self.config), "--run-dir", str(run_dir), "--quiet",
             "--host-id", host, "--etcd", self.endpoints, *rack, *args,

@@ -99,8 +99,8 @@ def test_racks_add_a_level_and_reduce_what_the_flat_ring_reduces(
     """Two bridges: rack A (h0, h1) on one, rack B (h2) on the other, joined by one link; two
     workers a host. Each lane is summed inside the rack, cut in two slices between the racks
     (rack A's hosts carry one each) and shared back. Through a SIGKILL of rank 3 (a worker in
-    rack A, whichever rack comes first: its host goes uneven) and its respawn, the losses and the final state are the single-host run's
-    bit for bit."""
+    rack A, whichever rack comes first: its host goes uneven) and its respawn, the losses and
+    the final state are the single-host run's bit for bit."""
     bed = netbed_factory(hosts=3, name="racks", racks=("A", "A", "B"))
     run = _run(bed, "hier-racks", "auto", state_env, kill=3)
     assert_clean_run(run, STEPS, single_host)
