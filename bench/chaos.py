@@ -26,6 +26,9 @@ each bed's directory, the run directories of every host, under ``DIR``):
 - ``dp``: data parallelism, the six kinds above; the gradient is reduced by tiers
   (``train.hierarchy: auto``, the default: inside each host, then lanes between them), through
   plans whose hosts hold different numbers of workers (``uneven_plans`` in the result);
+- ``hier``: ``dp`` with racks: hosts h0 and h1 in rack A, h2 in rack B, each rack a bridge of
+  its own joined by one link (``launch --rack``), so the gradient goes by three levels (hosts,
+  lanes inside the racks, slices between them) whenever rack A has two hosts in the plan;
 - ``zero``: ZeRO-1 (``--zero 1``), the six kinds;
 - ``zero3``: ZeRO-3 (``--zero 3``: parameters, gradients and moments sharded), the six kinds;
 - ``pipeline``: dp 3 × pp 2 with ZeRO-1 inside the stages, the six kinds;
@@ -108,12 +111,14 @@ class Variant:
     flags: tuple[str, ...] = ()
     etcd_members: int = 1
     at_leader: bool = False  # host faults hit the leader's host, rank faults its workers
+    racks: tuple[str, ...] = ()  # each host's rack (``launch --rack``; each rack a bridge)
 
 
 VARIANTS = {
     v.name: v
     for v in (
         Variant("dp", KINDS),
+        Variant("hier", KINDS, racks=("A", "A", "B")),
         Variant("zero", KINDS, ("--zero", "1")),
         Variant("zero3", KINDS, ("--zero", "3")),
         Variant("pipeline", KINDS, ("--pp", "2", "--zero", "1")),
@@ -196,14 +201,16 @@ def run(repeat: int, config: Path) -> dict[str, Any]:
             if v.name in ("dp", "zero", "zero3", "pipeline")
         ]  # fmt: skip
 
-        def make_bed(workdir: Path, members: int) -> Any:
+        def make_bed(workdir: Path, members: int, racks: tuple[str, ...] = ()) -> Any:
             return _LocalBed(workdir, config)
     else:
         bed_name = f"netns: {HOSTS} hosts × {NPROC} workers"
         hosts, nproc = HOSTS, NPROC
 
-        def make_bed(workdir: Path, members: int) -> Any:
-            return netbed.NetBed(workdir, config=config, hosts=HOSTS, etcd_members=members)
+        def make_bed(workdir: Path, members: int, racks: tuple[str, ...] = ()) -> Any:
+            return netbed.NetBed(
+                workdir, config=config, hosts=HOSTS, etcd_members=members, racks=racks
+            )
 
     rounds = []
     for i in range(repeat):
@@ -222,13 +229,14 @@ def run(repeat: int, config: Path) -> dict[str, Any]:
                 + "; ".join(describe(f) for f in plan)
             )
             with _workdir(f"{v.name}-{i}") as tmp:
-                soak = _on_bed(make_bed(Path(tmp) / "soak", v.etcd_members), nproc,
+                soak = _on_bed(make_bed(Path(tmp) / "soak", v.etcd_members, v.racks), nproc,
                                f"chaos-{v.name}-{i}", plan, v)  # fmt: skip
             by_variant[v.name] = {
                 "flags": list(v.flags),
                 "kinds": list(v.kinds),
                 "etcd_members": v.etcd_members,
                 "at_leader": v.at_leader,
+                "racks": list(v.racks),
                 "schedule": plan,
                 **_figures(refs[key], soak),
             }
@@ -645,6 +653,7 @@ def _tiers(events: list[dict[str, Any]]) -> dict[str, int]:
     return {
         "uneven_plans": uneven,
         "tier_groups_built": sum(g.startswith(("dp.host", "dp.lane")) for g in built),
+        "rack_groups_built": sum(g.startswith(("dp.rlane", "dp.xlane")) for g in built),
     }
 
 
@@ -766,4 +775,5 @@ def show(result: dict[str, Any]) -> None:
                 ))  # fmt: skip
             print_table(f"{name}: per kind (medians, seconds)", COLUMNS, kinds)
             print(f"{name}: {r['uneven_plans']} of {r['plans']} plans with uneven hosts; "
-                  f"{r['tier_groups_built']} host and lane groups built")  # fmt: skip
+                  f"{r['tier_groups_built']} host and lane groups built, "
+                  f"{r['rack_groups_built']} rack lane and slice groups")  # fmt: skip
