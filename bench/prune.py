@@ -32,6 +32,7 @@ import torch
 import yaml
 
 from bench.common import REPO_ROOT, BenchError, bench_env, console, elaswave_launch, print_table
+from elaswave.prune.compress import matmul_flops
 
 DESCRIPTION = "structured pruning (DHSPG): quality vs dense, parameters, FLOPs, CPU latency"
 DEFAULT_REPEAT = 1
@@ -137,11 +138,6 @@ def _latency(model: torch.nn.Module, x: torch.Tensor) -> float:
     return statistics.median(times)
 
 
-def _matmul_flops(model: torch.nn.Module) -> int:
-    """2 × the weights of every matrix product (Linear) per sample or token."""
-    return 2 * sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
-
-
 def _digits(base: Path, env: dict) -> dict[str, Any]:
     from safetensors.torch import load_file
 
@@ -162,7 +158,7 @@ def _digits(base: Path, env: dict) -> dict[str, Any]:
         out[name] = {
             "accuracy": accuracy,
             "params": sum(p.numel() for p in layers.parameters()),
-            "flops_per_sample": _matmul_flops(layers),
+            "flops_per_sample": matmul_flops(layers),
             "latency_s": _latency(layers, x),
             "sparsity": _last(run_dir, "sparsity"),
         }
@@ -188,7 +184,7 @@ def _llama(base: Path, env: dict, tokens: Path) -> dict[str, Any]:
             "eval_step": int(evals[-1]["step"]),
             "params": model.num_parameters(),
             "intermediate_size": model.config.intermediate_size,
-            "flops_per_token": _matmul_flops(model),
+            "flops_per_token": matmul_flops(model),
             "latency_s": _latency(model, ids),
             "sparsity": _last(run_dir, "sparsity"),
         }

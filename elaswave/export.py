@@ -28,6 +28,7 @@ class Exported:
     checkpoint: Path
     out: Path
     sizes: tuple[int, int] | None = None  # --compress: (parameters before, after)
+    flops: tuple[int, int] | None = None  # --compress: (matrix FLOPs per sample before, after)
 
 
 def run_config(run_dir: Path) -> JobConfig:
@@ -88,12 +89,18 @@ def export_model(
     flat.data.copy_(state.params)
     out.parent.mkdir(parents=True, exist_ok=True)
     kinds = cfg.train.prune.kinds if cfg.train.prune is not None else []
-    sizes = compressed(workload, model, flat.data, kinds) if compress else None
+    sizes = flops = None
+    if compress:
+        from elaswave.prune.compress import matmul_flops
+
+        before = matmul_flops(model)
+        sizes = compressed(workload, model, flat.data, kinds)
+        flops = (before, matmul_flops(model))
     workload.export(model, out)
     if sizes is not None and not out.is_dir():  # the new shapes, beside the safetensors file
         shapes = {n: list(p.shape) for n, p in model.named_parameters()}
         out.with_name(out.name + ".shapes.json").write_text(json.dumps(shapes, indent=1))
-    return Exported(state.step, state.loss, path, out, sizes)
+    return Exported(state.step, state.loss, path, out, sizes, flops)
 
 
 def compressed(workload: Any, model: Any, flat: Any, kinds: list[str]) -> tuple[int, int]:

@@ -611,11 +611,13 @@ def export(
         highlight=False,
         soft_wrap=True,
     )
-    if done.sizes is not None:
-        before, after = done.sizes
+    if done.sizes is not None and done.flops is not None:
+        (before, after), (f0, f1) = done.sizes, done.flops
         out.print(
-            f"compressed: {after:,} parameters of {before:,} ({after / before:.1%})",
+            f"compressed: {after:,} parameters of {before:,} ({after / before:.1%}); "
+            f"{f1:,} matrix FLOPs per sample or token of {f0:,} ({f1 / f0:.1%})",
             highlight=False,
+            soft_wrap=True,
         )
 
 

@@ -3,7 +3,8 @@
 :func:`kept_groups` decides which groups stay (the non-zero ones; with ``same_width`` every family
 of a kind keeps as many as the widest of them, padding with zero groups, which change nothing);
 :func:`shrink` slices the parameters; :func:`hf_config` writes the smaller widths into a
-Hugging Face config so that ``from_pretrained`` loads the result.
+Hugging Face config so that ``from_pretrained`` loads the result; :func:`matmul_flops` is what the
+export reports a forward costs before and after.
 """
 
 from __future__ import annotations
@@ -20,7 +21,17 @@ from elaswave.prune.families import LLAMA_LIKE, attention_shape
 from elaswave.prune.groups import Family, flat_index
 from elaswave.runtime.workload.base import KeyedLayers, ParamRef
 
-__all__ = ["hf_config", "kept_groups", "shrink"]
+__all__ = ["hf_config", "kept_groups", "matmul_flops", "shrink"]
+
+
+def matmul_flops(model: nn.Module) -> int:
+    """FLOPs of one sample (or token, for a language model) through ``model``'s matrix products:
+    2 × the weights of every ``Linear`` and transformers' ``Conv1D`` (gpt2's projections)."""
+    return 2 * sum(
+        m.weight.numel()
+        for m in model.modules()
+        if isinstance(m, nn.Linear) or (hasattr(m, "nf") and getattr(m, "weight", None) is not None)
+    )
 
 
 def kept_groups(

@@ -48,9 +48,10 @@ def _sparsity(run: Run) -> dict[int, float | None]:
     return {r["step"]: r["sparsity"] for r in run.metrics}
 
 
-def _export(run: Run, out: Path, env: dict[str, str], *extra: str) -> None:
+def _export(run: Run, out: Path, env: dict[str, str], *extra: str) -> str:
     r = cli("export", "--run-dir", str(run.dir), "--out", str(out), *extra, env=env, timeout=120)
     assert r.returncode == 0, r.stderr
+    return r.stdout
 
 
 @pytest.fixture(scope="module")
@@ -139,11 +140,17 @@ def test_a_compressed_llama_loads_and_matches_the_sparse_one(
     }  # fmt: skip
     run = _launch(tmp_path, state_env, doc, "--job-id", "prune-llama")
     _export(run, tmp_path / "full", state_env)
-    _export(run, tmp_path / "small", state_env, "--compress")
+    said = _export(run, tmp_path / "small", state_env, "--compress")
     full = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "full"))
     small = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "small"))
     assert small.config.intermediate_size < 64
     assert small.num_parameters() < full.num_parameters()
+    # the report: parameters, and the matrix FLOPs per token of the models as they load
+    flops = [2 * sum(m.weight.numel() for m in x.modules() if isinstance(m, torch.nn.Linear))
+             for x in (full, small)]  # fmt: skip
+    expect = f"{flops[1]:,} matrix FLOPs per sample or token of {flops[0]:,}"
+    assert expect in " ".join(said.split()), said
+    assert f"{small.num_parameters():,} parameters of {full.num_parameters():,}" in said
     ids = torch.randint(0, 128, (3, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         torch.testing.assert_close(small(ids).logits, full(ids).logits, rtol=0, atol=1e-5)
