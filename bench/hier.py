@@ -14,11 +14,12 @@ ranks laid out host by host, M the gradient buffer's bytes: a flat ring sends
 2 (N − 1) / N × M per host across (1.75 M at N = 8), the tiers 2 (H − 1) / H × M (1.0 M), int8
 lanes (H − 1) × M / 4 × (1 + 4 / 256) (0.25 M: an all-gather of each host's codes and scales).
 
-After a worker's loss (``killed``): the tiers job on the unshaped link, rank 1 (the second worker
-of the host that holds ranks 0-3) SIGKILLed at step ``KILL_STEP`` and not respawned; the window
-starts ``KILL_WINDOW`` steps later (the new plan in place) and runs ``STEPS - WARM`` steps. That
-host then has three workers for four lanes (its worker j mod 3 carries lane j); each host should
-still send about 2 (H − 1) / H × M.
+After a worker's loss (``killed``): the flat and the tiers job on the unshaped link, rank 1 (the
+second worker of the host that holds ranks 0-3) SIGKILLed at step ``KILL_STEP`` and not
+respawned: the MTTR of each (the report's), and the bytes in a window that starts
+``KILL_WINDOW`` steps later (the new plan in place) and runs ``STEPS - WARM`` steps. With tiers
+that host then has three workers for four lanes (its worker j mod 3 carries lane j); each host
+should still send about 2 (H − 1) / H × M.
 
 What int8 does to training: ``CURVE_STEPS`` steps of gpt-tiny (configs/gpt-tiny.yaml) on two
 hosts × two workers, float32, tiers with and without int8: the largest and the last relative
@@ -66,16 +67,17 @@ def run(repeat: int, config: Path) -> dict[str, Any]:
         link: {mode: [] for mode in MODES} for link in LINKS
     }
     grad_bytes = 0
-    killed: list[dict[str, Any]] = []
+    killed: dict[str, list[dict[str, Any]]] = {"flat": [], "auto": []}
     for i in range(repeat):
         for link in LINKS:
             for mode in MODES:  # side by side on the same link, in the same round
                 with tempfile.TemporaryDirectory(prefix="elaswave-bench-") as tmp:
                     cell, grad_bytes = _one_job(Path(tmp), f"hier-{link}-{mode}-{i}", link, mode)
                 cells[link][mode].append(cell)
-        with tempfile.TemporaryDirectory(prefix="elaswave-bench-") as tmp:
-            cell, _ = _one_job(Path(tmp), f"hier-killed-{i}", "unshaped", "auto", killed=True)
-        killed.append(cell)
+        for mode, runs in killed.items():
+            with tempfile.TemporaryDirectory(prefix="elaswave-bench-") as tmp:
+                job = f"hier-killed-{mode}-{i}"
+                runs.append(_one_job(Path(tmp), job, "unshaped", mode, killed=True)[0])
     with tempfile.TemporaryDirectory(prefix="elaswave-bench-") as tmp:
         curves = {c: _curve(Path(tmp) / c, c) for c in ("off", "int8")}
     exact, int8 = curves["off"], curves["int8"]
@@ -130,7 +132,14 @@ def _one_job(
         sent = sent_between(samples, t0, t1)
         times = diffs([commits[s] for s in range(warm, steps + 1)])
         grad = grad_bytes_of(bed)
+        mttr = None
+        if killed:
+            from elaswave.report import build_report
+
+            (incident,) = build_report(*(bed.run_dirs[h] for h in bed.hosts))["incidents"]
+            mttr = incident["mttr_s"]
         return {
+            "mttr_s": mttr,
             "per_host_bytes_per_step": [s / (steps - warm) for s in sent],
             "step_s": statistics.median(times),
             "lanes": tier_groups(bed),
@@ -274,13 +283,15 @@ def show(result: dict[str, Any]) -> None:
          "flat step s", "tiers step s", "int8 step s", "tiers / flat", "int8 / flat"),
         rows,
     )  # fmt: skip
-    killed = result.get("killed") or []
-    if killed:
+    for mode, killed in (result.get("killed") or {}).items():
         per_host = [statistics.median(c["per_host_bytes_per_step"][h] for c in killed)
                     for h in range(result["hosts"])]  # fmt: skip
+        mttr = statistics.median(c["mttr_s"] for c in killed)
+        n = result["hosts"] * result["per_host"] - 1  # ranks after the kill
+        expect = theory["auto"] if mode == "auto" else 2 * (n - 1) / n
         print_table(
-            f"Tiers after rank 1 was SIGKILLed at step {KILL_STEP} (unshaped; "
-            f"theory per host {theory['auto']:.2f} M)",
+            f"{mode} after rank 1 was SIGKILLed at step {KILL_STEP}: MTTR {mttr:.2f} s (unshaped; "
+            f"theory per host {expect:.2f} M)",
             ("host", "MB sent per step", "× M", "world after", "step s"),
             [(f"host {h}", f"{b * mb:.1f}", f"{b / grad:.2f}", str(killed[0]["world_after"]),
               f"{statistics.median(c['step_s'] for c in killed):.2f}")

@@ -80,6 +80,7 @@ def run(repeat: int, config: Path) -> dict[str, Any]:
     tput_cfg = write_config(
         tmp / "throughput.yaml", config, {"train": {"steps": STEPS, "device_time": DEVICE_TIME}}
     )
+    model_input = _model_input(tput_cfg)
     wide_cfgs = {}
     for j, (link, mb_s) in enumerate(LINKS.items()):
         slow = {"state_bandwidth": mb_s, "steps": LINK_STEPS} if mb_s else {}
@@ -114,8 +115,8 @@ def run(repeat: int, config: Path) -> dict[str, Any]:
                 key = _mode(mode, link)
                 mttr[key].append(_incident(run_dir))
                 console.print(f"run {i}/{repeat} wide {key}: MTTR {ms(mttr[key][-1]['mttr_s'])} ms")
-    model = _model(tput_cfg, {v: statistics.median(r["median_step_s"] for r in rs)
-                              for v, rs in runs.items()})  # fmt: skip
+    model = _model(model_input, {v: statistics.median(r["median_step_s"] for r in rs)
+                                 for v, rs in runs.items()})  # fmt: skip
     shutil.rmtree(tmp, ignore_errors=True)
     tput = {v: summarize(r["samples_per_s"] for r in rs) for v, rs in runs.items()}
     healthy = tput["healthy"]["median"]
@@ -205,9 +206,10 @@ def _show_model(result: dict[str, Any]) -> None:
                 rows)  # fmt: skip
 
 
-def _model(config: Path, measured: dict[str, float]) -> dict[str, Any]:
-    """ReCycle and the grid from the device model: its step's fixed cost fitted to the measured
-    ``healthy`` step (median), its ``reshard`` and ``drop`` checked against the measured ones."""
+def _model_input(config: Path) -> dict[str, Any]:
+    """The job's layer costs (the built-in GPT's estimate), global batch and micro-batches, as
+    :func:`bench.recycle.compare` takes them; read before the runs, so a config the model cannot
+    take fails at once."""
     from elaswave.runtime.workload.gpt import gpt_layer_costs
 
     data = yaml.safe_load(config.read_text())
@@ -215,10 +217,18 @@ def _model(config: Path, measured: dict[str, float]) -> dict[str, Any]:
     shape = ("vocab_size", "seq_len", "d_model", "n_layer")
     if any(k not in model for k in shape):
         raise BenchError(f"{config}: the model comparison needs the built-in GPT's {shape}")
-    costs = gpt_layer_costs(**{k: int(model[k]) for k in shape})
     batch, size = int(train["global_batch"]), int(train["micro_batch_size"])
-    kw = {"costs": costs, "device_time": DEVICE_TIME, "microbatches": batch // size,
-          "batch": batch}  # fmt: skip
+    return {"costs": gpt_layer_costs(**{k: int(model[k]) for k in shape}),
+            "device_time": DEVICE_TIME, "microbatches": batch // size, "batch": batch}  # fmt: skip
+
+
+def _model(kw: dict[str, Any], measured: dict[str, float]) -> dict[str, Any]:
+    """ReCycle and the grid from the device model: its step's fixed cost fitted to the measured
+    ``healthy`` step (median), its ``reshard`` and ``drop`` checked against the measured ones."""
+    from elaswave.runtime.workload.gpt import gpt_layer_costs
+
+    batch = kw["batch"]
+    size = batch // kw["microbatches"]
     bare = recycle.compare(2, 2, 1, overhead=0.0, **kw)["step_s"]["healthy"]
     overhead = max(measured["healthy"] - bare, 0.0)
     here = recycle.compare(2, 2, 1, overhead=overhead, **kw)

@@ -19,9 +19,9 @@ With racks (``launch --rack``, every host of the plan labelled, two racks or mor
 with two hosts or more), step 2 has two levels: lane ``j`` is first all-reduced inside each rack by
 its owners there (``rack_lane_groups``); then the lane is cut into ``sublanes`` slices (the most
 hosts any rack has), slice ``q`` all-reduced between the racks by one lane owner per rack, the one
-on the rack's host ``q mod n`` (``cross_groups``); each slice is then shared back inside the rack's
+on the rack's host ``q mod n`` (``cross_group``); each slice is then shared back inside the rack's
 lane group by its carrier. A rack sends ``2 (R - 1) / R × M`` between racks in all, spread over its
-hosts, instead of once per host.
+hosts, where each lane's ring over all the hosts would send ``2 (H - 1) / H × M``.
 
 The sums are the same sums as the flat ring's, in another order, divided once by the global count
 afterwards (never an average of averages); in the float64 reduction mode the losses are bit for

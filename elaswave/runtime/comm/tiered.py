@@ -77,7 +77,7 @@ def _across_racks(
     """Lane ``lane`` (``values``, this host's sum) summed inside the rack, each of its slices
     all-reduced between the racks by its carrier (the first ``cut`` elements as int8), then
     shared back inside the rack. Every rank goes slice by slice in ascending order."""
-    r, i = tiers.rack_place(rank)
+    r, _ = tiers.rack_place(rank)
     n = len(tiers.racks[r])
     inside = f"{RACK_LANE}{lane}.{r}" if n > 1 else None
     if inside:
