@@ -14,6 +14,9 @@ ranks laid out host by host, M the gradient buffer's bytes: a flat ring sends
 2 (N − 1) / N × M per host across (1.75 M at N = 8), the tiers 2 (H − 1) / H × M (1.0 M), int8
 lanes (H − 1) × M / 4 × (1 + 4 / 256) (0.25 M: an all-gather of each host's codes and scales).
 
+Four hosts of two (``wide``, unshaped): the same 8 workers, where the tiers save less (theory: flat
+1.75 M, tiers 2 (H − 1) / H = 1.5 M, int8 0.76 M).
+
 After a worker's loss (``killed``): the flat and the tiers job on the unshaped link, rank 1 (the
 second worker of the host that holds ranks 0-3) SIGKILLed at step ``KILL_STEP`` and not
 respawned: the MTTR of each (the report's), and the bytes in a window that starts
@@ -47,6 +50,7 @@ DESCRIPTION = (
 )
 DEFAULT_REPEAT = 1
 HOSTS, PER_HOST = 2, 4
+WIDE = (4, 2)  # the same 8 workers on 4 hosts of 2 (unshaped): where tiers save less
 STEPS = 8
 WARM = 2  # steps before the measured window (start-up, the first step's allocations)
 LINKS = ("unshaped", "400mbit", "100mbit")
@@ -68,6 +72,7 @@ def run(repeat: int, config: Path) -> dict[str, Any]:
     }
     grad_bytes = 0
     killed: dict[str, list[dict[str, Any]]] = {"flat": [], "auto": []}
+    wide: dict[str, list[dict[str, Any]]] = {mode: [] for mode in MODES}
     for i in range(repeat):
         for link in LINKS:
             for mode in MODES:  # side by side on the same link, in the same round
@@ -78,6 +83,10 @@ def run(repeat: int, config: Path) -> dict[str, Any]:
             with tempfile.TemporaryDirectory(prefix="elaswave-bench-") as tmp:
                 job = f"hier-killed-{mode}-{i}"
                 runs.append(_one_job(Path(tmp), job, "unshaped", mode, killed=True)[0])
+        for mode, runs in wide.items():
+            with tempfile.TemporaryDirectory(prefix="elaswave-bench-") as tmp:
+                job = f"hier-wide-{mode}-{i}"
+                runs.append(_one_job(Path(tmp), job, "unshaped", mode, layout=WIDE)[0])
     with tempfile.TemporaryDirectory(prefix="elaswave-bench-") as tmp:
         curves = {c: _curve(Path(tmp) / c, c) for c in ("off", "int8")}
     exact, int8 = curves["off"], curves["int8"]
@@ -90,13 +99,10 @@ def run(repeat: int, config: Path) -> dict[str, Any]:
         "steps": STEPS,
         "warm": WARM,
         "grad_bytes": grad_bytes,
-        "theory_per_host": {
-            "flat": 2 * (HOSTS * PER_HOST - 1) / (HOSTS * PER_HOST),
-            "auto": 2 * (HOSTS - 1) / HOSTS,
-            "int8": (HOSTS - 1) / 4 * (1 + 4 / 256),
-        },
+        "theory_per_host": _theory(HOSTS, PER_HOST),
         "cells": cells,
         "killed": killed,
+        "wide": {"layout": list(WIDE), "cells": wide, "theory_per_host": _theory(*WIDE)},
         "curve": {
             "steps": CURVE_STEPS,
             "max_rel_deviation": max(deviation),
@@ -106,8 +112,21 @@ def run(repeat: int, config: Path) -> dict[str, Any]:
     }
 
 
+def _theory(hosts: int, per_host: int) -> dict[str, float]:
+    """Bytes per host per step across, × M: a flat ring, the tiers, int8 lanes."""
+    n = hosts * per_host
+    return {"flat": 2 * (n - 1) / n, "auto": 2 * (hosts - 1) / hosts,
+            "int8": (hosts - 1) / 4 * (1 + 4 / 256)}  # fmt: skip
+
+
 def _one_job(
-    tmp: Path, job: str, link: str, mode: str, *, killed: bool = False
+    tmp: Path,
+    job: str,
+    link: str,
+    mode: str,
+    *,
+    killed: bool = False,
+    layout: tuple[int, int] = (HOSTS, PER_HOST),
 ) -> tuple[dict[str, Any], int]:
     """One job's bytes per host per step and median step over the window (``killed``: rank 1
     SIGKILLed at ``KILL_STEP``; the window after the new plan)."""
@@ -116,9 +135,9 @@ def _one_job(
     steps = warm + STEPS - WARM
     cfg = write_config(tmp / "job.yaml", CONFIG, {
         "train": {"steps": steps, "hierarchy": hierarchy, "grad_compress": compress},
-        "elastic": {"nproc_per_node": PER_HOST, "nnodes": f"{HOSTS}:{HOSTS}"},
+        "elastic": {"nproc_per_node": layout[1], "nnodes": f"{layout[0]}:{layout[0]}"},
     })  # fmt: skip
-    bed = netbed.NetBed(tmp, config=cfg, hosts=HOSTS)
+    bed = netbed.NetBed(tmp, config=cfg, hosts=layout[0])
     try:
         bed.start()
         if link != "unshaped":
@@ -296,6 +315,20 @@ def show(result: dict[str, Any]) -> None:
             [(f"host {h}", f"{b * mb:.1f}", f"{b / grad:.2f}", str(killed[0]["world_after"]),
               f"{statistics.median(c['step_s'] for c in killed):.2f}")
              for h, b in enumerate(per_host)],
+        )  # fmt: skip
+    wide = result.get("wide")
+    if wide:
+        h, k = wide["layout"]
+        med = {mode: statistics.median(statistics.mean(c["per_host_bytes_per_step"]) for c in cs)
+               for mode, cs in wide["cells"].items()}  # fmt: skip
+        step = {mode: statistics.median(c["step_s"] for c in cs)
+                for mode, cs in wide["cells"].items()}  # fmt: skip
+        print_table(
+            f"The same 8 workers on {h} hosts × {k} (unshaped)",
+            ("mode", "MB/host/step", "× M", "theory × M", "step s", "step / flat"),
+            [(mode, f"{b * mb:.1f}", f"{b / grad:.2f}", f"{wide['theory_per_host'][mode]:.2f}",
+              f"{step[mode]:.2f}", f"{step[mode] / step['flat']:.2f}")
+             for mode, b in med.items()],
         )  # fmt: skip
     curve = result["curve"]
     print_table(
