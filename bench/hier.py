@@ -62,23 +62,38 @@ CURVE_STEPS = 200
 KILL_STEP, KILL_WINDOW = 3, 3  # the killed cell: fault at step 3, measured from step 6
 
 
-def run(repeat: int, config: Path) -> dict[str, Any]:
-    del config  # the 10 M llama, always
+Cells = dict[str, dict[str, list[dict[str, Any]]]]  # link → mode → one result per round
+
+
+def require_bed() -> None:
     reason = netbed.skip_reason()
     if reason:
         raise BenchError(f"the netns test bed is unavailable: {reason}")
-    cells: dict[str, dict[str, list[dict[str, Any]]]] = {
-        link: {mode: [] for mode in MODES} for link in LINKS
-    }
+
+
+def one_round(
+    cells: Cells, name: str, i: int, job: Callable[..., tuple[dict[str, Any], int]]
+) -> int:
+    """Round ``i`` of every (link, mode) of ``cells``, side by side: ``job(tmp, job_id, link,
+    mode)`` in a directory of its own, its result appended; returns the gradient's bytes."""
+    grad = 0
+    for link, modes in cells.items():
+        for mode, results in modes.items():
+            with tempfile.TemporaryDirectory(prefix="elaswave-bench-") as tmp:
+                cell, grad = job(Path(tmp), f"{name}-{link}-{mode}-{i}", link, mode)
+            results.append(cell)
+    return grad
+
+
+def run(repeat: int, config: Path) -> dict[str, Any]:
+    del config  # the 10 M llama, always
+    require_bed()
+    cells: Cells = {link: {mode: [] for mode in MODES} for link in LINKS}
     grad_bytes = 0
     killed: dict[str, list[dict[str, Any]]] = {"flat": [], "auto": []}
     wide: dict[str, list[dict[str, Any]]] = {mode: [] for mode in MODES}
     for i in range(repeat):
-        for link in LINKS:
-            for mode in MODES:  # side by side on the same link, in the same round
-                with tempfile.TemporaryDirectory(prefix="elaswave-bench-") as tmp:
-                    cell, grad_bytes = _one_job(Path(tmp), f"hier-{link}-{mode}-{i}", link, mode)
-                cells[link][mode].append(cell)
+        grad_bytes = one_round(cells, "hier", i, _one_job)
         for mode, runs in killed.items():
             with tempfile.TemporaryDirectory(prefix="elaswave-bench-") as tmp:
                 job = f"hier-killed-{mode}-{i}"

@@ -229,8 +229,8 @@ def _model(kw: dict[str, Any], measured: dict[str, float]) -> dict[str, Any]:
 
     batch = kw["batch"]
     size = batch // kw["microbatches"]
-    bare = recycle.compare(2, 2, 1, overhead=0.0, **kw)["step_s"]["healthy"]
-    overhead = max(measured["healthy"] - bare, 0.0)
+    shape = {k: kw[k] for k in ("costs", "device_time", "microbatches")}
+    overhead = max(measured["healthy"] - recycle.fault_free_step(2, 2, **shape), 0.0)
     here = recycle.compare(2, 2, 1, overhead=overhead, **kw)
     check = {
         variant: {"model_s": here["step_s"][key], "measured_s": measured[variant],
@@ -246,6 +246,7 @@ def _model(kw: dict[str, Any], measured: dict[str, float]) -> dict[str, Any]:
     ]  # fmt: skip
     measured_reshard = batch / measured["reshard-async"]
     return {
+        "batch": batch,
         "overhead_s": overhead,
         "here": here,
         "check": check,
@@ -262,7 +263,7 @@ def _plot(runs: dict[str, list[dict[str, Any]]], model: dict[str, Any], out: Pat
 
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    batch = model["here"]["samples_per_s"]["healthy"] * model["here"]["step_s"]["healthy"]
+    batch = model["batch"]
     labels = {"healthy": "fault-free", "reshard-async": "ElasWave reshard (async)",
               "drop": "drop the replica (TorchFT's policy)"}  # fmt: skip
     for name, label in labels.items():

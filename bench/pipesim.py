@@ -66,9 +66,6 @@ class Timeline:
     step_s: float
     spans: dict[Op, tuple[Device, float, float]] = field(default_factory=dict)
 
-    def busy(self, device: Device) -> float:
-        return sum(e - s for d, s, e in self.spans.values() if d == device)
-
 
 def stage_seconds(costs: Sequence[float], bounds: Sequence[int], device_time: float) -> tuple:
     """Per stage of a cut (``bounds``), a micro-batch's forward + backward seconds: its layers'

@@ -20,16 +20,18 @@ across: 2.0 M at R = 2.
 from __future__ import annotations
 
 import statistics
-import tempfile
 from pathlib import Path
 from typing import Any
 
-from bench.common import BenchError, diffs, print_table, write_config
+from bench.common import diffs, print_table, write_config
 from bench.hier import (
     CONFIG,
+    Cells,
     commit_times,
     counting,
     grad_bytes_of,
+    one_round,
+    require_bed,
     run_job,
     sent_between,
     shape,
@@ -52,19 +54,11 @@ CROSS = ("up1", "dn1")  # the veth pair between the racks, in the switch's names
 
 def run(repeat: int, config: Path) -> dict[str, Any]:
     del config  # the 10 M llama, always
-    reason = netbed.skip_reason()
-    if reason:
-        raise BenchError(f"the netns test bed is unavailable: {reason}")
-    cells: dict[str, dict[str, list[dict[str, Any]]]] = {
-        link: {mode: [] for mode in MODES} for link in LINKS
-    }
+    require_bed()
+    cells: Cells = {link: {mode: [] for mode in MODES} for link in LINKS}
     grad = 0
     for i in range(repeat):
-        for link in LINKS:
-            for mode in MODES:
-                with tempfile.TemporaryDirectory(prefix="elaswave-bench-") as tmp:
-                    cell, grad = _job(Path(tmp), f"racks-{link}-{mode}-{i}", link, mode)
-                cells[link][mode].append(cell)
+        grad = one_round(cells, "racks", i, _job)
     return {
         "scenario": "racks",
         "repeat": repeat,

@@ -15,6 +15,7 @@ first stage (no replica is left intact at dp = 2: dropping replicas has nothing 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -39,25 +40,41 @@ def _members(n: int) -> list[Member]:
     return [Member(worker_id=f"w{i}", host="h", order=i) for i in range(n)]
 
 
-def _plans(
-    dp: int, pp: int, costs: Sequence[float], microbatches: int, failed: Sequence[tuple[int, int]],
-    policy: str,
-) -> tuple[Plan, Plan | None]:  # fmt: skip
-    """The fault-free plan and the one after ``failed`` under ``policy`` (``None``: nothing
-    left to run). Replica d's stage s is worker d·pp + s (join order)."""
-    kw = {"pp": pp, "costs": costs, "num_microbatches": microbatches,
-          "max_workers": dp * pp, "store": "-", "now": 0.0}  # fmt: skip
-    members = _members(dp * pp)
-    start = next_pipeline_plan(None, members, **kw)
+def _start(dp: int, pp: int, costs: Sequence[float], microbatches: int) -> Plan:
+    """The fault-free plan: replica d's stage s is worker d·pp + s (join order)."""
+    start = next_pipeline_plan(None, _members(dp * pp), **_plan_kw(dp, pp, costs, microbatches))
     assert start is not None and len(start.replicas) == dp
+    return start
+
+
+def _after(
+    start: Plan, costs: Sequence[float], microbatches: int, failed: Sequence[tuple[int, int]],
+    policy: str,
+) -> Plan | None:  # fmt: skip
+    """The plan after ``failed`` under ``policy`` (``None``: nothing left to run)."""
+    dp, pp = len(start.replicas), len(start.replicas[0])
     lost = {f"w{d * pp + s}" for d, s in failed}
-    left = [m for m in members if m.worker_id not in lost]
+    left = [m for m in _members(dp * pp) if m.worker_id not in lost]
     try:
-        after = next_pipeline_plan(start, left, policy=policy, **kw)
+        # A plan that loses workers always changes; none means no replica is left to run.
+        return next_pipeline_plan(
+            start, left, policy=policy, **_plan_kw(dp, pp, costs, microbatches)
+        )
     except ValueError:
-        return start, None
-    # A plan that loses workers always changes; none means no replica is left to run.
-    return start, after
+        return None
+
+
+def _plan_kw(dp: int, pp: int, costs: Sequence[float], microbatches: int) -> dict[str, Any]:
+    return {"pp": pp, "costs": costs, "num_microbatches": microbatches,
+            "max_workers": dp * pp, "store": "-", "now": 0.0}  # fmt: skip
+
+
+def fault_free_step(
+    dp: int, pp: int, *, costs: Sequence[float], device_time: float, microbatches: int
+) -> float:
+    """The model's fault-free 1F1B step without the fixed cost (what a run's measured step
+    fits that cost against)."""
+    return run_orders(pipes_of(_start(dp, pp, costs, microbatches), costs, device_time)).step_s
 
 
 def pipes_of(plan: Plan, costs: Sequence[float], device_time: float) -> list[Pipe]:
@@ -82,8 +99,9 @@ def compare(
     """Samples/s of each policy after ``failures`` losses (``None``: the policy cannot run),
     ReCycle's parts one at a time, and the ideal."""
     failed = failed_slots(dp, pp, failures)
-    start, reshard = _plans(dp, pp, costs, microbatches, failed, "reshard")
-    _, drop = _plans(dp, pp, costs, microbatches, failed, "drop")
+    start = _start(dp, pp, costs, microbatches)
+    reshard = _after(start, costs, microbatches, failed, "reshard")
+    drop = _after(start, costs, microbatches, failed, "drop")
     healthy = pipes_of(start, costs, device_time)
     step = {
         "healthy": run_orders(healthy, overhead=overhead).step_s,
@@ -101,7 +119,7 @@ def compare(
     step["recycle"] = parts["+ staggered optimizer"]
     # ReCycle's own fault-free step: its decoupled, staggered schedule fills some of the 1F1B
     # bubbles even without a failure, which is not failure handling; "retained" divides it out.
-    step["recycle fault-free"] = run_recycle(healthy, [], overhead=overhead).step_s
+    step["recycle fault-free"] = _recycle_fault_free(tuple(healthy), overhead)
     tput = {k: (batch / v if v else None) for k, v in step.items()}
     alive = (dp * pp - failures) / (dp * pp)
     tput["ideal"] = tput["healthy"] * alive
@@ -124,6 +142,12 @@ def compare(
         },
         "layout": {"reshard": _layout(reshard), "drop": _layout(drop)},
     }
+
+
+@functools.cache
+def _recycle_fault_free(pipes: tuple[Pipe, ...], overhead: float) -> float:
+    """ReCycle's step without a loss: the same for every loss of a grid cell, run once."""
+    return run_recycle(pipes, [], overhead=overhead).step_s
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:

@@ -89,13 +89,7 @@ def export_model(
     flat.data.copy_(state.params)
     out.parent.mkdir(parents=True, exist_ok=True)
     kinds = cfg.train.prune.kinds if cfg.train.prune is not None else []
-    sizes = flops = None
-    if compress:
-        from elaswave.prune.compress import matmul_flops
-
-        before = matmul_flops(model)
-        sizes = compressed(workload, model, flat.data, kinds)
-        flops = (before, matmul_flops(model))
+    sizes, flops = compressed(workload, model, flat.data, kinds) if compress else (None, None)
     workload.export(model, out)
     if sizes is not None and not out.is_dir():  # the new shapes, beside the safetensors file
         shapes = {n: list(p.shape) for n, p in model.named_parameters()}
@@ -103,18 +97,22 @@ def export_model(
     return Exported(state.step, state.loss, path, out, sizes, flops)
 
 
-def compressed(workload: Any, model: Any, flat: Any, kinds: list[str]) -> tuple[int, int]:
+def compressed(
+    workload: Any, model: Any, flat: Any, kinds: list[str]
+) -> tuple[tuple[int, int], tuple[int, int]]:
     """Shrink ``model`` (holding ``flat``, a pruned run's parameters) to its non-zero groups;
     a Hugging Face workload's config takes the new widths (one per kind in every layer, so
-    that ``from_pretrained`` loads it). Returns the parameter counts before and after."""
-    from elaswave.prune.compress import hf_config, kept_groups, shrink
+    that ``from_pretrained`` loads it). Returns the parameter counts and the matrix FLOPs per
+    sample or token (:func:`~elaswave.prune.compress.matmul_flops`), each before and after."""
+    from elaswave.prune.compress import hf_config, kept_groups, matmul_flops, shrink
     from elaswave.prune.groups import find_groups
 
-    before = sum(p.numel() for p in model.parameters())
+    before, flops = sum(p.numel() for p in model.parameters()), matmul_flops(model)
     families = find_groups(workload, model, kinds)
     hf = getattr(workload, "config", None) is not None and hasattr(workload, "hf_names")
     kept = kept_groups(families, model, flat, same_width=hf)
     shrink(model, families, kept)
     if hf:
         workload.config = hf_config(workload.config, families, kept)
-    return before, sum(p.numel() for p in model.parameters())
+    after = sum(p.numel() for p in model.parameters())
+    return (before, after), (flops, matmul_flops(model))
