@@ -174,13 +174,15 @@ class StepRecords:
                     mine = kv.mod_revision if _writer(kv) == progress["writer"] else rev + 1
                     self._landed(record, progress, befores.get(rev), mine)
                 elif self._orphaned(kv, record["step"]):
-                    self.metrics.write(_line(kv.json()))
+                    self._adopt(kv)
                 return  # recorded by another host (or redone after a recovery)
             rev = kv.mod_revision if kv is not None else 0
             tried.append(rev)
-            befores[rev] = kv.json() if kv is not None else None
+            before = befores[rev] = kv.json() if kv is not None else None
+            # the epoch it follows: what a host that adopts the record marks with it (_adopt)
+            sent = {**progress, "prior_epoch": before.get("epoch") if before else None}
             ok, kv = await self.etcd.compare_and_put_get(
-                self.keys.progress, json.dumps(progress, sort_keys=True), mod_revision=rev
+                self.keys.progress, json.dumps(sent, sort_keys=True), mod_revision=rev
             )
             self._progress = kv
             if ok:
@@ -209,6 +211,17 @@ class StepRecords:
             self._last_writer = str(progress["writer"])
         else:
             self._local = progress
+
+    def _adopt(self, kv: KV) -> None:
+        """Write the line of the progress record ``kv``, whose writer left the plan
+        (``_orphaned``), and put the step into the job's stream again, on which this host's
+        next records follow (:meth:`~elaswave.daemon.streams.JobStream.adopted`)."""
+        value = kv.json()
+        line = _line(value)
+        self.metrics.write(line)
+        if self.stream is not None:
+            self.stream.adopted(line, value, revision=kv.mod_revision)
+        self._last_writer = str(value.get("writer"))
 
     def _orphaned(self, kv: KV, step: int) -> bool:
         """Whether the progress record ``kv``, this very ``step`` written by another host that

@@ -122,6 +122,35 @@ class JobStream:
         except (KeyError, TypeError, ValueError):  # a malformed record: not the loop's problem
             log.exception("the job's stream skipped a record: %r", record)
             return
+        self._record(entries, due, revision, continues)
+
+    def adopted(self, record: dict[str, Any], progress: dict[str, Any], *, revision: int) -> None:
+        """A step whose writer left the plan right after moving the progress record to it (its
+        host died): this host writes it again, from that record (``revision``: its write's).
+        The writer may have put the step into its own file before it died, or not: a restart
+        marker at the step first (readers drop what they hold from it on), then the step and
+        the incidents the writer would have marked with it, in a file keyed right after that
+        write (the writer's file may be keyed at the write itself, where it took the stream over
+        at this step: a tie the hosts' names would break), which this host's next records
+        continue. What the writer put into the stream after the step (an evaluation made after
+        it) goes with its host."""
+        try:
+            step, t, epoch = int(record["step"]), float(record["time"]), int(record["epoch"])
+            # the epoch of the record it followed (a record without one: nothing to mark)
+            prior = progress.get("prior_epoch", epoch)
+            due = incidents_between(self.notes, int(prior) if prior is not None else None, epoch)
+            entries = step_entries(record, progress, first=False, recoveries=[])
+        except (KeyError, TypeError, ValueError):
+            log.exception("the job's stream skipped a record: %r", record)
+            return
+        entries.insert(0, Entry(step, t, restart=True))
+        self._record(entries, due, revision + 1, False)
+
+    def _record(
+        self, entries: list[Entry], due: list[PlanNote], revision: int | None, continues: bool
+    ) -> None:
+        """A recorded step's entries into this host's event file; onto the stream's thread the
+        incidents it answers (``due``) and the W&B row."""
         self._write_events(entries, revision, continues)
         if due or self._wandb_wanted:
             self._queue.put(("step", (entries, due, entries[-1].step, entries[-1].wall_time)))

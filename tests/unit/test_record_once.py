@@ -64,6 +64,7 @@ def _daemon(etcd: FakeEtcd) -> tuple[Any, list[dict[str, Any]]]:
     )
     d._landed = lambda *args: StepRecords._landed(d, *args)
     d._orphaned = lambda kv, step: StepRecords._orphaned(d, kv, step)
+    d._adopt = lambda kv: StepRecords._adopt(d, kv)
     d.stream, d._last_writer = None, ""
     d.host_id, d.planned_hosts = "h1", lambda: None
     return d, lines
@@ -186,7 +187,8 @@ def test_the_stream_gets_the_record_the_write_replaced() -> None:
     assert calls == [
         {"before": {"step": 4, "writer": "other host", "epoch": 1}, "revision": 12,
          "continues": False},
-        {"before": {"step": 5, "writer": "mine"}, "revision": 13, "continues": True},
+        {"before": {"step": 5, "writer": "mine", "prior_epoch": 1}, "revision": 13,
+         "continues": True},
     ]  # fmt: skip
     _land(d, 6, "a re-report")  # recorded already: nothing for the stream either
     assert len(calls) == 2

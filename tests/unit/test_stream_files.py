@@ -258,3 +258,47 @@ def test_files_of_one_stream_copied_together_read_as_one(tmp_path: Path) -> None
         for path in (tmp_path / h / JOB).iterdir():
             (merged / path.name).write_bytes(path.read_bytes())
     assert [s for s, _ in scalars(accumulate(merged), "train/loss")] == list(range(1, 7))
+
+
+@pytest.mark.parametrize("wrote_it", [True, False], ids=["written", "not-written"])
+def test_a_step_whose_writer_died_is_in_the_stream_once(tmp_path: Path, wrote_it: bool) -> None:
+    """Rank 0 moves to host b at step 5, the first step under a plan that answered a loss; b
+    moves the progress record to step 5 and dies, after putting the step into its own file or
+    before. Host a, which takes rank 0 over, writes step 5 again from the progress record and
+    goes on: both readers see every step once, and each incident once at its step, though b's
+    file (keyed at that write) sorts after a's name."""
+    etcd, tb = Etcd(), tmp_path / "tb"
+    a = Host("a", etcd, _cfg(tb), tmp_path / "a", lookup=lambda d, e: None)
+    b = Host("b", etcd, _cfg(tb), tmp_path / "b", lookup=lambda d, e: None)
+    for h in (a, b):
+        h.plan(1, 4)
+    for step in range(1, 5):
+        a.commit(step, 10.0 - step)
+    for h in (a, b):
+        h.plan(2, 3, departed=("w1",))
+    if not wrote_it:  # killed between its metrics.jsonl line and its event file
+        b.records.stream = None
+    b.commit(5, 5.0, epoch=2)
+    b.stream.close()
+    a.plan(3, 2, departed=("w2",))  # b's loss
+    a.records.planned_hosts = lambda: {"a"}
+    a.commit(5, 5.0, epoch=3)  # the new rank 0 re-reports its resume step
+    for step in range(6, 9):
+        a.commit(step, 10.0 - step, epoch=3)
+    a.stream.close()
+
+    lines = [m["step"] for h in (a, b) for m in h.metrics.lines]
+    assert sorted(lines) == [1, 2, 3, 4, 5, 5, 6, 7, 8]  # step 5's line twice, with b's token
+    files = sorted(p.name for p in (tb / JOB).iterdir())
+    assert [f.split(".")[-2] for f in files] == (["a", "b", "a"] if wrote_it else ["a", "a"])
+    acc = accumulate(tb / JOB)
+    loss = scalars(acc, "train/loss")
+    assert loss == [(s, pytest.approx(10.0 - s)) for s in range(1, 9)]
+    assert scalars(acc, "incidents/count") == [(5, 1.0), (6, 1.0)]
+    assert scalars(acc, "incidents/world_size") == [(5, 3.0), (6, 2.0)]
+    try:
+        fast = data_server_scalars(tb, ["train/loss", "incidents/count"])
+    except Exception as exc:  # noqa: BLE001 - no data server binary on this platform
+        pytest.skip(f"TensorBoard's data server: {exc}")
+    assert fast[JOB]["train/loss"] == loss
+    assert fast[JOB]["incidents/count"] == [(5, 1.0), (6, 1.0)]
