@@ -24,6 +24,12 @@ respawned: the MTTR of each (the report's), and the bytes in a window that start
 that host then has three workers for four lanes (its worker j mod 3 carries lane j); each host
 should still send about 2 (H − 1) / H × M.
 
+ZeRO-3 (``zero3``, unshaped and 100 Mbit/s): the flat and the tiers job with ``zero: 3``. Each
+layer is all-gathered twice a step (flat: a ring over all 8 ranks, in both modes) and its gradient
+reduced as backward produces it, by tiers in ``auto`` (an all-reduce of which each rank keeps its
+part, as gloo's reduce-scatter is underneath): the tiers should save 2 (N − 1) / N − 2 (H − 1) / H
+= 0.75 M per host per step, the gathers' bytes being the same in both.
+
 What int8 does to training: ``CURVE_STEPS`` steps of gpt-tiny (configs/gpt-tiny.yaml) on two
 hosts × two workers, float32, tiers with and without int8: the largest and the last relative
 distance between the two loss curves.
@@ -60,6 +66,7 @@ CONFIG = Path(__file__).with_name("llama-10m.yaml")
 CURVE_CONFIG = Path(__file__).parents[1] / "configs" / "gpt-tiny.yaml"
 CURVE_STEPS = 200
 KILL_STEP, KILL_WINDOW = 3, 3  # the killed cell: fault at step 3, measured from step 6
+ZERO3_LINKS = ("unshaped", "100mbit")
 
 
 Cells = dict[str, dict[str, list[dict[str, Any]]]]  # link → mode → one result per round
@@ -92,8 +99,10 @@ def run(repeat: int, config: Path) -> dict[str, Any]:
     grad_bytes = 0
     killed: dict[str, list[dict[str, Any]]] = {"flat": [], "auto": []}
     wide: dict[str, list[dict[str, Any]]] = {mode: [] for mode in MODES}
+    zero3: Cells = {link: {"flat": [], "auto": []} for link in ZERO3_LINKS}
     for i in range(repeat):
         grad_bytes = one_round(cells, "hier", i, _one_job)
+        one_round(zero3, "hier-zero3", i, lambda *a: _one_job(*a, zero=3))
         for mode, runs in killed.items():
             with tempfile.TemporaryDirectory(prefix="elaswave-bench-") as tmp:
                 job = f"hier-killed-{mode}-{i}"
@@ -118,6 +127,7 @@ def run(repeat: int, config: Path) -> dict[str, Any]:
         "cells": cells,
         "killed": killed,
         "wide": {"layout": list(WIDE), "cells": wide, "theory_per_host": _theory(*WIDE)},
+        "zero3": {"cells": zero3, "theory_saved": _theory(HOSTS, PER_HOST)["flat"] - 1.0},
         "curve": {
             "steps": CURVE_STEPS,
             "max_rel_deviation": max(deviation),
@@ -142,13 +152,16 @@ def _one_job(
     *,
     killed: bool = False,
     layout: tuple[int, int] = (HOSTS, PER_HOST),
+    zero: int = 0,
 ) -> tuple[dict[str, Any], int]:
     """One job's bytes per host per step and median step over the window (``killed``: rank 1
-    SIGKILLed at ``KILL_STEP``; the window after the new plan)."""
+    SIGKILLed at ``KILL_STEP``; the window after the new plan; ``zero``: the data-parallel
+    mode)."""
     hierarchy, compress = MODES[mode]
     warm = KILL_STEP + KILL_WINDOW if killed else WARM
     steps = warm + STEPS - WARM
     cfg = write_config(tmp / "job.yaml", CONFIG, {
+        "zero": zero,
         "train": {"steps": steps, "hierarchy": hierarchy, "grad_compress": compress},
         "elastic": {"nproc_per_node": layout[1], "nnodes": f"{layout[0]}:{layout[0]}"},
     })  # fmt: skip
@@ -344,6 +357,25 @@ def show(result: dict[str, Any]) -> None:
             [(mode, f"{b * mb:.1f}", f"{b / grad:.2f}", f"{wide['theory_per_host'][mode]:.2f}",
               f"{step[mode]:.2f}", f"{step[mode] / step['flat']:.2f}")
              for mode, b in med.items()],
+        )  # fmt: skip
+    zero3 = result.get("zero3")
+    if zero3:
+        rows = []
+        for link, modes in zero3["cells"].items():
+            b = {m: statistics.median(statistics.mean(c["per_host_bytes_per_step"]) for c in cs)
+                 for m, cs in modes.items()}  # fmt: skip
+            t = {m: statistics.median(c["step_s"] for c in cs) for m, cs in modes.items()}
+            rows.append((link, f"{b['flat'] * mb:.1f} ({b['flat'] / grad:.2f} M)",
+                         f"{b['auto'] * mb:.1f} ({b['auto'] / grad:.2f} M)",
+                         f"{(b['flat'] - b['auto']) / grad:.2f}", f"{t['flat']:.2f}",
+                         f"{t['auto']:.2f}", f"{t['auto'] / t['flat']:.2f}"))  # fmt: skip
+        print_table(
+            f"ZeRO-3, {result['hosts']} hosts × {result['per_host']} workers: each layer's "
+            f"gradient flat vs by tiers (the gathers flat in both; theory: tiers save "
+            f"{zero3['theory_saved']:.2f} M per host)",
+            ("link", "flat: MB/host/step", "tiers", "saved × M", "flat step s", "tiers step s",
+             "tiers / flat"),
+            rows,
         )  # fmt: skip
     curve = result["curve"]
     print_table(

@@ -100,11 +100,10 @@ class JobConfig:
                 "the data-parallel ranks only (use zero: 1 inside pipeline stages)"
             )
         self._check_pipeline()
-        if self.train.grad_compress == "int8" and (self.zero == 3 or self.pp > 1):
+        if self.train.grad_compress == "int8" and self.pp > 1:
             raise ConfigError(
                 "train.grad_compress int8 compresses the reduction by tiers of data parallelism "
-                f"and ZeRO-1; ZeRO-3 and pipelines reduce flat (got zero: {self.zero}, "
-                f"pp: {self.pp})"
+                f"(replicated, ZeRO-1, ZeRO-3); pipelines reduce flat (got pp: {self.pp})"
             )
         if self.train.prune is not None and (self.zero == 3 or self.pp > 1):
             raise ConfigError(

@@ -78,7 +78,7 @@ class TrainConfig:
     # of float32's bytes between hosts, 1/8 of float64's); the sum inside each host stays in
     # full precision and every rank still gets the same bits. Changes the sums (each host's part
     # rounded to half a step per value): off (default) or int8. Needs hierarchy auto; data
-    # parallelism and ZeRO-1 only (ZeRO-3 and pipelines reduce flat).
+    # parallelism, replicated or ZeRO-1 or ZeRO-3 (pipelines reduce flat).
     grad_compress: str = "off"
     # A fault in the middle of a step: survivors keep the micro-batches they finished and only
     # the lost ones are computed again (data parallelism and ZeRO-1; pipelines redo the step).

@@ -33,6 +33,7 @@ def _run(
     state_env: dict[str, str],
     compress: str = "off",
     kill: int = 3,
+    zero: int = 0,
 ) -> Run:
     # Emulated device time (50 ms per micro-batch, four per rank): the eight steps after the
     # kill last about 2 s, so the respawned worker (ready ~0.2 s after the kill) is planned
@@ -43,7 +44,7 @@ def _run(
     n = len(bed.hosts)
     for host in bed.hosts:
         bed.launch(host, "--job-id", job, "--nproc-per-node", "2", "--nnodes", f"{n}:{n}",
-                   "--steps", str(STEPS), "--max-restarts", "1",
+                   "--steps", str(STEPS), "--max-restarts", "1", "--zero", str(zero),
                    "--fault", f"kill,rank={kill},at_step=4", env=env)  # fmt: skip
     codes = bed.wait(timeout=180)
     assert codes == {h: 0 for h in bed.hosts}, [bed.output(h) for h in bed.hosts]
@@ -74,6 +75,24 @@ def test_tiers_reduce_what_the_flat_ring_reduces_through_a_kill_and_a_respawn(
     # when the hosts went uneven (the survivor on its host carries both lanes); none without tiers.
     assert _lanes_built(tiered) >= {"dp.host0", "dp.host1", "dp.lane0", "dp.lane1"}
     assert _lanes_built(flat) == set()
+
+
+def test_zero3_reduces_each_layer_by_tiers_what_data_parallelism_reduces(
+    netbed_factory: Any, state_env: dict[str, str], single_host: Run
+) -> None:
+    """``--zero 3``: each layer's gradient reduced by tiers as backward produces it (every rank
+    keeps its part), through the same kill (uneven hosts) and respawn: the single-host
+    replicated run's losses and final state bit for bit."""
+    run = _run(netbed_factory(hosts=2, name="zero3"), "hier-zero3", "auto", state_env, zero=3)
+    assert_clean_run(run, STEPS, single_host)
+    assert run.losses == single_host.losses
+    worlds = [p["world"] for p in run.of("plan_published")]
+    assert worlds[:2] == [4, 3] and worlds[-1] == 4, worlds
+    for key in ("params_sha256", "state_sha256"):
+        assert {f[key] for f in run.of("final_state")} == {
+            f[key] for f in single_host.of("final_state")
+        }
+    assert _lanes_built(run) >= {"dp.host0", "dp.host1", "dp.lane0", "dp.lane1"}
 
 
 def test_int8_between_hosts_keeps_every_rank_on_one_curve_near_the_exact_one(

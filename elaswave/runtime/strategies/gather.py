@@ -42,7 +42,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from elaswave.planning.tiers import Tiers
 from elaswave.runtime.comm.communicator import Communicator, Pending
+from elaswave.runtime.comm.tiered import allreduce_tiered
 from elaswave.runtime.strategies.paramshards import ParamShards, pack_layer, unpack_layer
 from elaswave.runtime.strategies.zero import DP
 from elaswave.runtime.workload.base import KeyedLayers
@@ -110,6 +112,8 @@ class LayerGather:
         self.model, self.comm, self.enter = model, comm, enter
         self.native, self.prefetch = native, prefetch
         self.slots = [_slots(layer) for layer in model.layers]
+        self.tiers: Tiers | None = None  # the plan's tiers: gradients reduced by them
+        self.compressed = False  # by tiers, the hop between hosts as int8
         self.peak = 0  # the most bytes of gathered layers and layer gradients held at once
         self.waited = 0.0  # seconds this step spent waiting for peers
         self._live = 0
@@ -176,6 +180,11 @@ class LayerGather:
             self._drop(sums)
         if world == 1:
             return _Reducing(i, send, send, None)
+        if self.tiers is not None:  # by hosts: the same sums; this rank keeps its part
+            with self._waiting():  # a chain of collectives on the tiers' groups, done here
+                int8 = send.numel() if self.compressed else 0
+                allreduce_tiered(self.comm, DP, self.tiers, send, abort, int8)
+            return _Reducing(i, send, send.view(world, cut.pad)[shards.rank], None)
         if self.native:
             out = sums.new_empty(cut.pad)
             self._hold(out)
@@ -333,12 +342,17 @@ class LayerGather:
         return self.post_gather(shards, i, abort)
 
     def _wait(self, work: Pending | None, abort: Callable[[], bool]) -> None:
-        if work is None:
-            return
+        if work is not None:
+            with self._waiting():
+                self.comm.wait([work], abort)
+
+    @contextlib.contextmanager
+    def _waiting(self) -> Iterator[None]:
+        """The rank waits for its peers (the hang detector is told; the time is counted)."""
         start = time.perf_counter()
         self.enter("collective")
         try:
-            self.comm.wait([work], abort)
+            yield
         finally:
             self.enter("compute")
             self.waited += time.perf_counter() - start

@@ -66,7 +66,9 @@ class Zero3(Zero1):
     """Data parallelism with parameters, gradients and optimizer state sharded over the ranks;
     layers gathered while they run."""
 
-    tiered = False  # each layer's gradient is reduce-scattered: flat (no tiers yet)
+    # each layer's gradient goes by tiers where the plan has them, on gloo (an all-reduce of
+    # which each rank keeps its part); NCCL's real reduce-scatter goes flat
+    tiered = True
 
     def __init__(self, ctx: RankContext, durable: DurableSource) -> None:
         super().__init__(ctx, durable)
@@ -105,6 +107,8 @@ class Zero3(Zero1):
         self.grads.zero_()
         self.started = step
         self.path.comm = self.ctx.comm
+        self.path.tiers = self.tiers if self.tiered else None
+        self.path.compressed = t.grad_compress == "int8"
         loss, count = self.path.train(
             z, step, batches, self.grads, st.loss, self.ctx.broken, st.ties
         )
