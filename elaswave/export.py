@@ -18,7 +18,7 @@ from typing import Any
 from elaswave.config import JobConfig
 from elaswave.errors import ConfigError, ElasWaveError
 
-__all__ = ["Exported", "export_model", "find_checkpoint", "run_config"]
+__all__ = ["Exported", "cpu_latency", "export_model", "find_checkpoint", "run_config"]
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,13 @@ class Exported:
     out: Path
     sizes: tuple[int, int] | None = None  # --compress: (parameters before, after)
     flops: tuple[int, int] | None = None  # --compress: (matrix FLOPs per sample before, after)
+    # --compress: (seconds, seconds) of one forward of a micro-batch on one CPU thread, before
+    # and after (medians), and the input's shape; None where no sample could be built
+    latency: tuple[float, float] | None = None
+    latency_input: tuple[int, ...] | None = None
+
+
+LATENCY_RUNS = 20  # forwards timed (after 3 untimed) for the latency before and after
 
 
 def run_config(run_dir: Path) -> JobConfig:
@@ -67,10 +74,16 @@ def find_checkpoint(directory: Path, step: int | None) -> Path:
 
 
 def export_model(
-    run_dir: Path, out: Path, step: int | None = None, *, compress: bool = False
+    run_dir: Path,
+    out: Path,
+    step: int | None = None,
+    *,
+    compress: bool = False,
+    pad: bool = False,
 ) -> Exported:
     """Write the model of ``run_dir`` at ``step`` (default: its newest saved state) to ``out``;
-    ``compress``: a pruned run's smaller model (:func:`compressed`)."""
+    ``compress``: a pruned run's smaller model (:func:`compressed`); ``pad``: a Hugging Face
+    model's layers all as wide as the widest (so that ``from_pretrained`` loads it)."""
     from elaswave.runtime.durable.checkpoints import load
     from elaswave.runtime.optim import FlatParams
     from elaswave.runtime.workload.base import build_layers
@@ -81,6 +94,8 @@ def export_model(
     cfg = run_config(run_dir)
     if compress and cfg.train.prune is None:
         raise ConfigError(f"--compress: the run at {run_dir} was not pruned (no train.prune)")
+    if pad and not compress:
+        raise ConfigError("--pad pads the layers of a compressed model: it needs --compress")
     path = find_checkpoint(cfg.resolved_durable_dir, step)
     workload = load_workload(cfg)
     model = build_layers(workload, cfg.train.seed)
@@ -89,28 +104,74 @@ def export_model(
     flat.data.copy_(state.params)
     out.parent.mkdir(parents=True, exist_ok=True)
     kinds = cfg.train.prune.kinds if cfg.train.prune is not None else []
-    sizes, flops = compressed(workload, model, flat.data, kinds) if compress else (None, None)
+    sizes = flops = latency = None
+    sample = _sample(workload, cfg) if compress else None
+    before = cpu_latency(model, sample) if sample is not None else None
+    if compress:
+        sizes, flops = compressed(workload, model, flat.data, kinds, pad=pad)
+        if before is not None:
+            latency = (before, cpu_latency(model, sample))
     workload.export(model, out)
     if sizes is not None and not out.is_dir():  # the new shapes, beside the safetensors file
         shapes = {n: list(p.shape) for n, p in model.named_parameters()}
         out.with_name(out.name + ".shapes.json").write_text(json.dumps(shapes, indent=1))
-    return Exported(state.step, state.loss, path, out, sizes, flops)
+    shape = tuple(sample.shape) if sample is not None and latency is not None else None
+    return Exported(state.step, state.loss, path, out, sizes, flops, latency, shape)
+
+
+def _sample(workload: Any, cfg: JobConfig) -> Any:
+    """One micro-batch's inputs of the run's own data (the first samples), or None where the
+    data cannot be read here (the run's files moved): the latency is then not measured."""
+    try:
+        data = workload.dataset(cfg.train.seed)
+        n = min(cfg.train.micro_batch_size, len(data))
+        inputs, _ = workload.collate([data[i] for i in range(n)])
+    except Exception:  # noqa: BLE001 - the export itself does not need the data
+        return None
+    return inputs if hasattr(inputs, "shape") else None
+
+
+def cpu_latency(model: Any, x: Any, runs: int = LATENCY_RUNS) -> float:
+    """Median seconds of one forward of ``x`` through ``model`` (its layers in order, eval
+    mode, no autograd) on one CPU thread, after 3 untimed forwards."""
+    import statistics
+    import time
+
+    import torch
+
+    threads, mode = torch.get_num_threads(), model.training
+    torch.set_num_threads(1)
+    model.eval()
+    times = []
+    try:
+        with torch.no_grad():
+            for i in range(runs + 3):
+                start = time.perf_counter()
+                model(x, 0, 0)
+                if i >= 3:
+                    times.append(time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(threads)
+        model.train(mode)
+    return statistics.median(times)
 
 
 def compressed(
-    workload: Any, model: Any, flat: Any, kinds: list[str]
+    workload: Any, model: Any, flat: Any, kinds: list[str], *, pad: bool = False
 ) -> tuple[tuple[int, int], tuple[int, int]]:
     """Shrink ``model`` (holding ``flat``, a pruned run's parameters) to its non-zero groups;
-    a Hugging Face workload's config takes the new widths (one per kind in every layer, so
-    that ``from_pretrained`` loads it). Returns the parameter counts and the matrix FLOPs per
-    sample or token (:func:`~elaswave.prune.compress.matmul_flops`), each before and after."""
+    a Hugging Face workload's config takes the new widths: the widest layer's, with each
+    layer's own beside them where they differ (``elaswave.prune.load.load_compressed`` loads that;
+    ``pad``: every layer padded to the widest with zero groups, so that ``from_pretrained``
+    loads it). Returns the parameter counts and the matrix FLOPs per sample or token
+    (:func:`~elaswave.prune.compress.matmul_flops`), each before and after."""
     from elaswave.prune.compress import hf_config, kept_groups, matmul_flops, shrink
     from elaswave.prune.groups import find_groups
 
     before, flops = sum(p.numel() for p in model.parameters()), matmul_flops(model)
     families = find_groups(workload, model, kinds)
     hf = getattr(workload, "config", None) is not None and hasattr(workload, "hf_names")
-    kept = kept_groups(families, model, flat, same_width=hf)
+    kept = kept_groups(families, model, flat, same_width=hf and pad)
     shrink(model, families, kept)
     if hf:
         workload.config = hf_config(workload.config, families, kept)

@@ -597,13 +597,20 @@ def export(
     compress: bool = typer.Option(
         False, "--compress", help="A pruned run (train.prune): write the smaller model."
     ),
+    pad: bool = typer.Option(
+        False,
+        "--pad",
+        help="With --compress, HF models: every layer as wide as the widest (from_pretrained "
+        "loads it; without --pad, layers of different widths load with "
+        "elaswave.prune.load.load_compressed).",
+    ),
 ) -> None:
     """Write a run's trained model: for model.source hf a directory that
     AutoModelForCausalLM.from_pretrained loads, otherwise one safetensors file."""
-    from elaswave.export import export_model
+    from elaswave.export import LATENCY_RUNS, export_model
 
     try:
-        done = export_model(run_dir, out_path, step, compress=compress)
+        done = export_model(run_dir, out_path, step, compress=compress, pad=pad)
     except ElasWaveError as exc:
         raise _fail(exc) from None
     out.print(
@@ -616,6 +623,14 @@ def export(
         out.print(
             f"compressed: {after:,} parameters of {before:,} ({after / before:.1%}); "
             f"{f1:,} matrix FLOPs per sample or token of {f0:,} ({f1 / f0:.1%})",
+            highlight=False,
+            soft_wrap=True,
+        )
+    if done.latency is not None and done.latency_input is not None:
+        (l0, l1), shape = done.latency, "×".join(map(str, done.latency_input))
+        out.print(
+            f"CPU latency (one thread, a {shape} micro-batch, median of {LATENCY_RUNS}): "
+            f"{l1 * 1e3:.2f} ms of {l0 * 1e3:.2f} ms ({l1 / l0:.2f}×)",
             highlight=False,
             soft_wrap=True,
         )

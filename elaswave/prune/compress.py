@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import copy
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -86,11 +86,34 @@ def _resized(module: nn.Module) -> None:
         module.nf = weight.shape[1]
 
 
+def fit_shapes(model: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
+    """Make every parameter of ``model`` that ``state`` holds at another shape that shape (an
+    uninitialised tensor on the parameter's device; ``load_state_dict`` fills it), with the size
+    attributes its module's forward reads: a compressed export whose layers kept different
+    widths loads into the model its config builds (the widest)."""
+    for key, tensor in state.items():
+        owner, _, leaf = key.rpartition(".")
+        module = model.get_submodule(owner)
+        current = module._parameters.get(leaf)
+        if current is None or current.shape == tensor.shape:
+            continue
+        empty = torch.empty(tensor.shape, dtype=current.dtype, device=current.device)
+        setattr(module, leaf, nn.Parameter(empty, requires_grad=current.requires_grad))
+        _resized(module)
+
+
 def hf_config(config: Any, families: Sequence[Family], kept: Sequence[Sequence[int]]) -> Any:
-    """A copy of an HF ``config`` with the widths of ``kept`` (one per kind: ``kept`` comes
-    from :func:`kept_groups` with ``same_width``)."""
-    width = {f.kind: len(k) for f, k in zip(families, kept, strict=True)}
+    """A copy of an HF ``config`` with the widths of ``kept``: one per kind, the widest layer's
+    (``kept`` from :func:`kept_groups` with ``same_width``: every layer's). Where the layers
+    kept different widths, ``elaswave_widths`` lists each layer's per kind (the model then
+    loads with :func:`~elaswave.prune.load.load_compressed`)."""
+    widths: dict[str, list[int]] = defaultdict(list)
+    for f, k in zip(families, kept, strict=True):
+        widths[f.kind].append(len(k))
+    width = {kind: max(w) for kind, w in widths.items()}
     out = copy.deepcopy(config)
+    if any(len(set(w)) > 1 for w in widths.values()):
+        out.elaswave_widths = dict(widths)
     kind = config.model_type
     if "attention" in width and kind in LLAMA_LIKE:
         heads, kv, out.head_dim = attention_shape(config)

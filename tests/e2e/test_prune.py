@@ -7,6 +7,7 @@ outputs; bad input is one line."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from pathlib import Path
 
@@ -151,6 +152,10 @@ def test_a_compressed_llama_loads_and_matches_the_sparse_one(
     expect = f"{flops[1]:,} matrix FLOPs per sample or token of {flops[0]:,}"
     assert expect in " ".join(said.split()), said
     assert f"{small.num_parameters():,} parameters of {full.num_parameters():,}" in said
+    # and one forward of a micro-batch of the run's data, timed before and after (its ratio is
+    # the benchmark's to show: bench prune)
+    assert re.search(r"CPU latency \(one thread, a 2×16 micro-batch, median of 20\): "
+                     r"[0-9.]+ ms of [0-9.]+ ms", " ".join(said.split())), said  # fmt: skip
     ids = torch.randint(0, 128, (3, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         torch.testing.assert_close(small(ids).logits, full(ids).logits, rtol=0, atol=1e-5)
@@ -167,6 +172,11 @@ def test_compress_on_a_run_without_pruning_is_one_line(tmp_path: Path, state_env
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "was not pruned" in lines[0], r.stderr
     assert not (tmp_path / "x").exists()
+    r = cli("export", "--run-dir", str(run.dir), "--out", str(tmp_path / "x"), "--pad",
+            env=state_env)  # fmt: skip
+    assert r.returncode != 0 and not (tmp_path / "x").exists()
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--pad pads the layers of a compressed model" in lines[0], r.stderr
 
 
 def test_a_model_with_no_groups_is_refused_before_any_worker_starts(

@@ -245,3 +245,50 @@ def test_the_redundant_set_survives_a_durable_checkpoint(tmp_path: Path) -> None
     store.save_async(8, 0.5, params, params, params)  # without pruning: no set
     store.flush()
     assert checkpoints.load(tmp_path / "step-00000008", 10).prune is None
+
+
+@pytest.mark.parametrize("name", ["llama-gqa", "qwen2-gqa", "gpt2", "gpt_neox"])
+def test_layers_of_different_widths_export_and_load(tmp_path: Path, name: str) -> None:
+    """The first block keeps half of each family's groups, the second a quarter: the export
+    writes each layer at its own width (the config the widest, each layer's under
+    ``elaswave_widths``). ``from_pretrained`` refuses it (a size mismatch); ``load_compressed``
+    loads it with the sparse model's outputs within 1e-5. With ``pad`` every layer is as wide
+    as the widest and ``from_pretrained`` loads it, with the same outputs."""
+    import transformers
+
+    from elaswave.export import compressed
+    from elaswave.prune.load import load_compressed
+
+    def sparse_model() -> tuple[object, KeyedLayers, torch.Tensor]:
+        workload, model = _model(name)
+        families = find_groups(workload, model)
+        first = min(f.members[0].param[0] for f in families)
+        flat = FlatParams(model)
+        with torch.no_grad():
+            for f in families:
+                every = 2 if f.members[0].param[0] == first else 4
+                gone = [j for j in range(f.count) if j % every]
+                flat.data[flat_index(f, model)[gone]] = 0.0
+        return workload, model, flat.data
+
+    workload, model, flat = sparse_model()
+    sparse = _outputs(workload, model, name)
+    torch.manual_seed(0)
+    ids = torch.randint(0, 64, (3, 8))
+    (before, after), _ = compressed(workload, model, flat, [])
+    workload.export(model, tmp_path / "hf")
+    widths = transformers.AutoConfig.from_pretrained(tmp_path / "hf").elaswave_widths
+    assert widths["mlp"][0] == 2 * widths["mlp"][1], widths  # (two key-value heads keep one)
+    with pytest.raises(Exception, match="size mismatch|mismatch"):
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    small = load_compressed(tmp_path / "hf")
+    with torch.no_grad():
+        torch.testing.assert_close(small(ids).logits, sparse, rtol=0, atol=1e-5)
+
+    workload, model, flat = sparse_model()
+    (_, padded), _ = compressed(workload, model, flat, [], pad=True)
+    workload.export(model, tmp_path / "padded")
+    wide = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "padded").eval()
+    assert after < padded < before and small.num_parameters() < wide.num_parameters()
+    with torch.no_grad():
+        torch.testing.assert_close(wide(ids).logits, sparse, rtol=0, atol=1e-5)

@@ -527,14 +527,33 @@ class HFCausalLM(Workload):
             local = layer.state_dict()
             for name, key in {**self.hf_names(index), **self._buffer_names(index)}.items():
                 state[key] = local[name].detach().cpu()
+        from elaswave.prune.compress import fit_shapes
+
         with torch.device("meta"):
             hf_model = transformers.AutoModelForCausalLM.from_config(
                 self.config, dtype=torch.float32
             )
+        fit_shapes(hf_model, state)  # a compressed model's layers of different widths
         hf_model.load_state_dict(state, strict=True, assign=True)
         hf_model.tie_weights()
         transformers.utils.logging.disable_progress_bar()
-        hf_model.save_pretrained(str(out))
+        if getattr(self.config, "elaswave_widths", None) is None:
+            hf_model.save_pretrained(str(out))
+            return
+        # Layers of different widths, which from_pretrained cannot build: the weights under
+        # the model's own names (save_pretrained may rename some to older checkpoints' keys),
+        # for elaswave.prune.load.load_compressed.
+        from safetensors.torch import save_file
+
+        weights: dict[str, torch.Tensor] = {}
+        seen: set[int] = set()
+        for key, tensor in hf_model.state_dict().items():
+            if tensor.data_ptr() not in seen:  # a tied copy once
+                seen.add(tensor.data_ptr())
+                weights[key] = tensor.detach().clone()
+        out.mkdir(parents=True)
+        hf_model.config.save_pretrained(str(out))
+        save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
 
     # -- data and loss -----------------------------------------------------------------------------
 
