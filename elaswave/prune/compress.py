@@ -74,6 +74,11 @@ def shrink(model: KeyedLayers, families: Sequence[Family], kept: Sequence[Sequen
         p = getattr(module, leaf)
         keep = torch.tensor([i for i in range(p.shape[axis]) if i not in gone], dtype=torch.long)
         setattr(module, leaf, nn.Parameter(p.detach().index_select(axis, keep).clone()))
+        if isinstance(module, nn.modules.batchnorm._BatchNorm) and leaf == "weight":
+            for stat in ("running_mean", "running_var"):  # the kept channels' statistics
+                buffer = getattr(module, stat)
+                if buffer is not None:
+                    setattr(module, stat, buffer.index_select(0, keep).clone())
         _resized(module)
 
 
@@ -84,6 +89,10 @@ def _resized(module: nn.Module) -> None:
         module.out_features, module.in_features = weight.shape
     elif hasattr(module, "nf") and weight is not None:  # transformers' Conv1D (gpt2)
         module.nf = weight.shape[1]
+    elif isinstance(module, nn.modules.conv._ConvNd) and weight is not None:
+        module.out_channels, module.in_channels = weight.shape[0], weight.shape[1] * module.groups
+    elif isinstance(module, nn.modules.batchnorm._BatchNorm) and weight is not None:
+        module.num_features = weight.shape[0]
 
 
 def fit_shapes(model: nn.Module, state: Mapping[str, torch.Tensor]) -> None:

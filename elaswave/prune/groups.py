@@ -12,7 +12,8 @@ Families come from the workload (:meth:`Workload.zero_invariant_groups`: Hugging
 qwen2 / mistral / gpt2 / gpt_neox and the built-in GPT declare theirs), or, for any other
 model, from tracing it with ``torch.fx``: a ``Linear`` whose output reaches exactly one other
 ``Linear`` through element-wise modules only (activations, dropout) makes a family over its
-output features.
+output features; so does a convolution reaching one other convolution of its dimension through
+element-wise modules and BatchNorms (whose per-channel weight and bias join the group).
 """
 
 from __future__ import annotations
@@ -100,11 +101,28 @@ _ELEMENTWISE_FUNCTIONS = {
 }  # fmt: skip
 
 
+# Per-channel affine normalisations: channel j's output is (x_j - mean_j) / std_j × weight_j +
+# bias_j, whatever the statistics; with weight_j and bias_j in the group, a zero group gives 0.
+_PER_CHANNEL_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+
+
+def _projection(module: nn.Module | None) -> type | None:
+    """The kind of ``module`` a chain can start and end at (a ``Linear``, or a convolution of
+    one group, whose weight's axis 0 is its output channels and axis 1 its input channels)."""
+    if isinstance(module, nn.Linear):
+        return nn.Linear
+    if isinstance(module, nn.Conv1d | nn.Conv2d | nn.Conv3d) and module.groups == 1:
+        return type(module)
+    return None
+
+
 def traced_families(model: KeyedLayers) -> list[Family]:
-    """Families found by tracing the layers in sequence (``torch.fx``): each ``Linear`` whose
-    every use reaches one other ``Linear``'s input through element-wise, zero-preserving
-    operations only; a group is a row of the first and its bias, the second's column is
-    removed with it. A model that does not trace has none."""
+    """Families found by tracing the layers in sequence (``torch.fx``): each ``Linear`` (or
+    convolution) whose every use reaches one other of its kind's input through element-wise,
+    zero-preserving operations and per-channel affine normalisations (BatchNorm) only; a
+    group is an output row (channel) of the first, its bias, the normalisations' weight and
+    bias of that channel, and the second's input column (channel) is removed with it. A model
+    that does not trace has none."""
     try:
         graph = fx.symbolic_trace(nn.Sequential(*model.layers)).graph
     except Exception:  # noqa: BLE001 (any model code may refuse to trace)
@@ -112,17 +130,24 @@ def traced_families(model: KeyedLayers) -> list[Family]:
     modules = dict(nn.Sequential(*model.layers).named_modules())
     out = []
     for node in graph.nodes:
-        if node.op != "call_module" or not isinstance(modules[node.target], nn.Linear):
+        kind = _projection(modules[node.target]) if node.op == "call_module" else None
+        if kind is None:
             continue
-        target = _sole_linear_user(node, modules)
-        if target is None:
+        found = _sole_user(node, modules, kind)
+        if found is None:
             continue
+        target, norms = found
         a, b = _ref(node.target), _ref(target.target)
         members = [Member(_param(a, "weight"), 0)]
         if modules[node.target].bias is not None:
             members.append(Member(_param(a, "bias"), 0))
+        for norm in norms:
+            members += [
+                Member(_param(_ref(norm), "weight"), 0),
+                Member(_param(_ref(norm), "bias"), 0),
+            ]
         consumers = (Member(_param(b, "weight"), 1),)
-        features = modules[node.target].out_features
+        features = modules[node.target].weight.shape[0]
         out.append(Family(f"layers.{node.target}", "channels", features, tuple(members), consumers))
     return out
 
@@ -138,22 +163,29 @@ def _param(module: tuple[int, str], leaf: str) -> ParamRef:
     return layer, f"{path}.{leaf}" if path else leaf
 
 
-def _sole_linear_user(node: fx.Node, modules: dict[str, nn.Module]) -> fx.Node | None:
-    """The one ``Linear`` that ``node``'s output reaches through element-wise operations, or
-    None when it reaches anything else (or more than one)."""
+def _sole_user(
+    node: fx.Node, modules: dict[str, nn.Module], kind: type
+) -> tuple[fx.Node, list[str]] | None:
+    """The one module of ``kind`` that ``node``'s output reaches through element-wise
+    operations and per-channel affine normalisations (with the normalisations passed, by
+    name), or None when it reaches anything else (or more than one)."""
     found: list[fx.Node] = []
+    norms: list[str] = []
     frontier = list(node.users)
     while frontier:
         user = frontier.pop()
         mod = modules.get(user.target) if user.op == "call_module" else None
-        if isinstance(mod, nn.Linear):
+        if mod is not None and _projection(mod) is kind:
             found.append(user)
-        elif isinstance(mod, _ELEMENTWISE_MODULES) or (
-            user.op == "call_function" and user.target in _ELEMENTWISE_FUNCTIONS
+            continue
+        if isinstance(mod, _PER_CHANNEL_NORMS) and mod.affine:
+            norms.append(str(user.target))
+        elif not (
+            isinstance(mod, _ELEMENTWISE_MODULES)
+            or (user.op == "call_function" and user.target in _ELEMENTWISE_FUNCTIONS)
         ):
-            if sum(isinstance(a, fx.Node) for a in (*user.args, *user.kwargs.values())) != 1:
-                return None
-            frontier.extend(user.users)
-        else:
             return None
-    return found[0] if len(found) == 1 else None
+        if sum(isinstance(a, fx.Node) for a in (*user.args, *user.kwargs.values())) != 1:
+            return None
+        frontier.extend(user.users)
+    return (found[0], norms) if len(found) == 1 else None

@@ -156,6 +156,64 @@ def one_linear() -> object:
     return One(features=16, hidden=8, depth=0, classes=4, dropout=0.0, num_samples=64)
 
 
+def conv_net(dims: int = 1) -> object:
+    """Two layers: [a 16-feature sample as one channel → conv → BatchNorm → ReLU] and [conv →
+    ReLU → flatten → Linear]: one chain between the convolutions (8 channels)."""
+    from examples.mlp_classifier import MLPClassifier
+
+    conv, norm = {1: (nn.Conv1d, nn.BatchNorm1d), 2: (nn.Conv2d, nn.BatchNorm2d)}[dims]
+    shape = (1, 16) if dims == 1 else (1, 4, 4)
+
+    class Conv(MLPClassifier):
+        @property
+        def num_layers(self) -> int:
+            return 2
+
+        def build_layer(self, index: int, seed: int) -> nn.Module:
+            torch.manual_seed(seed + index)
+            if index == 0:
+                return nn.Sequential(nn.Unflatten(1, shape), conv(1, 8, 3, padding=1), norm(8),
+                                     nn.ReLU())  # fmt: skip
+            return nn.Sequential(conv(8, 6, 3, padding=1), nn.ReLU(), nn.Flatten(),
+                                 nn.Linear(6 * 16, 4))  # fmt: skip
+
+    return Conv(features=16, hidden=8, depth=0, classes=4, dropout=0.0, num_samples=64)
+
+
+@pytest.mark.parametrize("dims", [1, 2])
+def test_a_conv_norm_relu_conv_chain_is_traced_and_removed_exactly(dims: int) -> None:
+    """The tracer finds the convolutions' chain through a BatchNorm (whose weight and bias join
+    each channel's group); every other channel zeroed, then removed (BatchNorm's statistics
+    sliced with it): the eval-mode outputs within 1e-5."""
+    factory = "tests.unit.test_prune_units:conv_net"
+    model_cfg = {"source": "module", "factory": factory, "args": {"dims": dims}}
+    cfg = JobConfig.from_dict({"model": model_cfg})
+    workload = load_workload(cfg)
+    model = build_layers(workload, 3)
+    (family,) = find_groups(workload, model)
+    assert (family.kind, family.count) == ("channels", 8)
+    assert [m.param for m in family.members] == [
+        (0, "1.weight"), (0, "1.bias"), (0, "2.weight"), (0, "2.bias")
+    ]  # fmt: skip
+    assert [(m.param, m.axis) for m in family.consumers] == [((1, "0.weight"), 1)]
+    norm = model.layers[0][2]
+    with torch.no_grad():
+        norm.running_mean.uniform_(-1, 1, generator=torch.Generator().manual_seed(1))
+        norm.running_var.uniform_(0.5, 2, generator=torch.Generator().manual_seed(2))
+    flat = FlatParams(model)
+    with torch.no_grad():
+        flat.data[flat_index(family, model)[1::2]] = 0.0
+    x = torch.randn(5, 16, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        sparse = model.eval()(x, step=1, microbatch=0)
+    kept = kept_groups([family], model, flat.data, same_width=False)
+    shrink(model, [family], kept)
+    assert norm.num_features == 4 and norm.running_mean.numel() == 4
+    assert model.layers[1][0].in_channels == 4 and model.layers[0][1].out_channels == 4
+    with torch.no_grad():
+        torch.testing.assert_close(model(x, step=1, microbatch=0), sparse, rtol=0, atol=1e-5)
+
+
 # -- DHSPG's decisions ---------------------------------------------------------------------------
 
 HP = dhspg.Hyper(target=0.5, tolerance=0.1, epsilon=0.0, lmbda=0.1, lmbda_amplify=2.0,
