@@ -55,11 +55,15 @@ def earlier_tree(tree: Path) -> dict[str, Any]:
     return {"env": {"PYTHONPATH": str(tree)}, "root": tree, "module": "elaswave.cli.app"}
 
 
-def write_config(path: Path, config: Path, changes: Mapping[str, Mapping[str, Any]]) -> Path:
-    """``config`` with ``changes`` merged into its sections, written to ``path``."""
+def write_config(path: Path, config: Path, changes: Mapping[str, Any]) -> Path:
+    """``config`` with ``changes`` merged into its sections (a top-level key that is not a
+    section, ``zero``, set), written to ``path``."""
     data = yaml.safe_load(config.read_text())
     for section, values in changes.items():
-        data.setdefault(section, {}).update(values)
+        if isinstance(values, Mapping):
+            data.setdefault(section, {}).update(values)
+        else:
+            data[section] = values
     path.write_text(yaml.safe_dump(data))
     return path
 
