@@ -8,8 +8,9 @@ Per round, in this order (each mode with its defaults: snapshots every step, ver
 - *fault-free*: ``elaswave launch`` of ``STEPS`` steps with ``--zero 0`` (replicated),
   ``--zero 1`` and ``--zero 3``. Per rank, what the worker says it holds (its ``memory`` events:
   parameter, gradient — with the step's reduction buffer —, optimizer and recovery-copy bytes,
-  the last each worker reported; ``gathered_bytes``, ZeRO-3's most bytes of gathered layers and
-  layer gradients held at once in a step, the largest it reported), and its peak resident set
+  the last each worker reported; ZeRO-3's most bytes held at once in a step, the largest it
+  reported: of gathered layers' parameters ``gathered_bytes``, of layer gradients and their
+  reduction's buffers ``layer_grad_bytes``, of both ``transient_bytes``), and its peak resident set
   sampled from the operating system every 0.1 s as ``stagemem`` samples it. Step time: the
   median ``step_seconds`` of the steps after the first ``WARMUP`` (start-up, first allocations),
   and the median wall interval between their commits;
@@ -20,7 +21,7 @@ Per round, in this order (each mode with its defaults: snapshots every step, ver
 The whole model's state is its parameter, gradient and optimizer bytes: float32 parameters, a
 float32 gradient (the job's ``reduce_dtype``) and two float32 Adam moments, 16 bytes per
 parameter. A ZeRO-3 rank's (parameters + gradients + optimizer) is compared with that over N,
-the number of data-parallel ranks; ``gathered_bytes`` with the largest layer's float32
+the number of data-parallel ranks; the transient peaks with the largest layer's float32
 parameters (the embedding and the head here: 16.4 M each, a block 3.4 M). Ratios between modes
 are paired within a round; memory figures are over every rank of every round, time figures
 over rounds.
@@ -74,7 +75,9 @@ MODES: dict[str, tuple[str, list[str]]] = {
 }
 CRASHED = ("zero1", "zero3")
 STEP_KEYS = ("step_s", "interval_s")  # step_seconds; commit to commit
-FIELDS = ("param_bytes", "grad_bytes", "optimizer_bytes", "replica_bytes", "gathered_bytes")
+FIELDS = ("param_bytes", "grad_bytes", "optimizer_bytes", "replica_bytes", "gathered_bytes",
+          "layer_grad_bytes", "transient_bytes")  # fmt: skip
+PEAKS = ("gathered_bytes", "layer_grad_bytes", "transient_bytes")  # the most a step held
 PARAM_BYTES = 4  # float32 parameters
 STATE_BYTES = 4 + 4 + 8  # per parameter: float32 parameter, gradient, two Adam moments
 GOALS = {
@@ -177,13 +180,15 @@ def _fault_free(
 
 
 def _memory(events: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
-    """Per worker: the bytes it last said it holds, and the most ``gathered_bytes`` it said."""
+    """Per worker: the bytes it last said it holds, and the most of each of ``PEAKS`` it
+    said."""
     out: dict[str, dict[str, int]] = {}
     for e in events:
         if e["kind"] != "memory" or not e.get("worker"):
             continue
         m = {f: int(e.get(f, 0)) for f in FIELDS}
-        m["gathered_bytes"] = max(m["gathered_bytes"], out.get(e["worker"], m)["gathered_bytes"])
+        for f in PEAKS:
+            m[f] = max(m[f], out.get(e["worker"], m)[f])
         out[e["worker"]] = m
     return out
 
@@ -226,6 +231,8 @@ def summary(rounds: list[dict[str, Any]], layers: Sequence[int], world: int) -> 
             "state_bytes": summarize(_state(m) for m in ranks),
             "state_over_share": summarize(_state(m) / share for m in ranks),
             "gathered_layers": summarize(m["gathered_bytes"] / layer for m in ranks),
+            "layer_grad_layers": summarize(m["layer_grad_bytes"] / layer for m in ranks),
+            "transient_layers": summarize(m["transient_bytes"] / layer for m in ranks),
             "peak_rss_bytes": summarize(
                 p for r in rounds for p in r["fault_free"][mode]["peak_rss_bytes"]
             ),
@@ -311,6 +318,14 @@ def show(result: dict[str, Any]) -> None:
         ("mode", "params", "grads", "optimizer", "params+grads+opt", "/ (whole / N)",
          "recovery copies", "gathered peak", "layers' worth", "peak RSS"),
         rows,
+    )  # fmt: skip
+    z3 = result["memory"]["zero3"]
+    print_table(
+        "ZeRO-3's transient buffers at their peak in a step: MB (layers' worth: / the largest "
+        "layer's float32 parameters), median rank (min–max)",
+        ("gathered parameters", "layer gradients and their reduction", "both at once"),
+        [tuple(f"{_spread(z3[f'{k}_bytes'], mb)}; {_spread(z3[f'{k}_layers'], digits=2)}"
+               for k in ("gathered", "layer_grad", "transient"))],
     )  # fmt: skip
     rows = []
     for mode, label in result["modes"].items():

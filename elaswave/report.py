@@ -109,8 +109,10 @@ def recovered_incident(run_dir: str | Path, epoch: int) -> dict[str, Any] | None
 
 MEMORY_FIELDS = (
     "param_bytes", "grad_bytes", "optimizer_bytes", "replica_bytes", "gathered_bytes",
-    "verify_bytes",
+    "layer_grad_bytes", "transient_bytes", "verify_bytes",
 )  # fmt: skip
+# ZeRO-3's peaks of gathered parameters and of layer gradients: parts of ``transient_bytes``
+PEAK_PARTS = ("gathered_bytes", "layer_grad_bytes")
 
 
 def memory_by_worker(events: list[dict[str, Any]]) -> dict[str, dict[str, int]]:

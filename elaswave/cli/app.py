@@ -414,10 +414,10 @@ def _watch_status(st: dict[str, Any], read: Any) -> None:
 
 def _held(member: dict[str, Any]) -> str:
     """A rank's bytes (parameters, gradients, optimizer state, recovery copies, ZeRO-3's gathered
-    layers at their peak) in MiB."""
-    from elaswave.report import MEMORY_FIELDS
+    layers and layer gradients at their peak) in MiB."""
+    from elaswave.report import MEMORY_FIELDS, PEAK_PARTS
 
-    parts = [member.get(k) for k in MEMORY_FIELDS]
+    parts = [member.get(k) for k in MEMORY_FIELDS if k not in PEAK_PARTS]
     if any(p is None for p in parts[:4]):
         return "–"
     return f"{sum(p or 0 for p in parts) / 2**20:.1f} MiB"

@@ -19,7 +19,9 @@ WORLD = 4
 
 def _rank(param: int, grad: int, opt: int, replica: int = 0, gathered: int = 0) -> dict[str, int]:
     return {"param_bytes": param, "grad_bytes": grad, "optimizer_bytes": opt,
-            "replica_bytes": replica, "gathered_bytes": gathered}  # fmt: skip
+            "replica_bytes": replica, "gathered_bytes": gathered,
+            "layer_grad_bytes": gathered // 2,
+            "transient_bytes": gathered + gathered // 4}  # fmt: skip
 
 
 def _cell(ranks: list[dict[str, int]], step: float, loss: list[float]) -> dict[str, Any]:
@@ -60,6 +62,7 @@ def test_summary_is_bytes_against_the_share_layers_worth_and_paired_ratios() -> 
     assert z3["state_bytes"]["median"] == 968 and z3["state_bytes"]["n"] == 8  # every rank, run
     assert z3["state_over_share"]["max"] == pytest.approx(1048 / 960)
     assert z3["gathered_layers"]["median"] == 2.0 and z3["gathered_layers"]["max"] == 2.25
+    assert z3["transient_layers"]["median"] == 2.5  # parameters and gradients at once
     assert r["memory"]["replicated"]["state_over_share"]["median"] == 5.0
     assert r["memory"]["zero1"]["peak_rss_bytes"] == {"median": 1015, "min": 1000, "max": 1030,
                                                       "n": 8}  # fmt: skip

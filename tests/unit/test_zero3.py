@@ -194,23 +194,30 @@ def test_durable_pieces_tile_the_model_and_a_whole_state_resumes_at_another_size
 def test_each_rank_holds_a_shard_and_gathers_at_most_two_layers() -> None:
     """memory(): parameters, moments and the step's gradient sums (float64) of one shard, about
     a quarter of the model each at 4 ranks; replica pieces of the peers' shards (the shard kept
-    twice over the ranks); gathered layers at their peak, a few layers' worth, never the
-    model."""
+    twice over the ranks); gathered layers' parameters at their peak, two layers' worth at
+    most; layer gradients at their peak, never the model's."""
 
     def body(rank: int, comm: ThreadComm) -> tuple[int, int, dict[str, int], list[int]]:
         strategy, _ = _strategy(_cfg(3), comm, _plan_of(tuple(f"w{r}" for r in range(4)), 1, 0))
         strategy.sync(strategy.ctx.plan, lambda: False)  # type: ignore[arg-type]
         _train(strategy, 1)
         assert isinstance(strategy, Zero3)
-        layers = [n for _, n in strategy.state.segments]
-        return strategy.shards.size, strategy.state.flat.total, strategy.memory(), layers
+        z = strategy.shards  # each layer as gathered: every rank's part, padded alike
+        layers = [len(z.workers) * cut.pad for cut in z.cuts]
+        return z.size, strategy.state.flat.total, strategy.memory(), layers
 
     out = run_ranks(4, body)
     for shard, total, mem, layers in out:
         assert total / 4 <= shard < total / 2
         assert mem["param_bytes"] == 4 * shard and mem["optimizer_bytes"] == 8 * shard
         assert mem["grad_bytes"] == 8 * shard  # the float64 sums of the shard
-        assert 0 < mem["gathered_bytes"] <= 4 * max(layers) * 8 < 4 * total * 3
+        # gathered float32 parameters: at most two (padded) layers' worth
+        assert 0 < mem["gathered_bytes"] <= 2 * 4 * max(layers) < 4 * total
+        # layer gradients: one layer's float32 gradient and float64 sums, and the reduction of
+        # the layer before it in flight (its float64 send buffer and this rank's quarter)
+        assert 0 < mem["layer_grad_bytes"] <= (4 + 8 + 8 + 8 / 4) * max(layers)
+        peaks = (mem["gathered_bytes"], mem["layer_grad_bytes"])
+        assert max(peaks) <= mem["transient_bytes"] <= sum(peaks)
     total = out[0][1]
     replicas = sum(m["replica_bytes"] for _, _, m, _ in out)
     owned = sum(m["param_bytes"] + m["optimizer_bytes"] for _, _, m, _ in out)

@@ -216,7 +216,8 @@ class Strategy(ABC):
         """Bytes this rank holds, by purpose: parameters, gradients (the engine adds its
         reduction buffer), optimizer state, copies kept for recovery (``replica_bytes``: ZeRO
         replica pieces of peers' shards, a pipeline's pre-update copies), and the most bytes of
-        whole layers gathered at once during a step (``gathered_bytes``: ZeRO-3 only)."""
+        whole layers' parameters gathered at once during a step (``gathered_bytes``), of whole
+        layers' gradients (``layer_grad_bytes``) and of both (``transient_bytes``): ZeRO-3 only."""
         st = self.state
         return {
             "param_bytes": nbytes(st.flat.data),
@@ -224,6 +225,8 @@ class Strategy(ABC):
             "optimizer_bytes": nbytes(st.opt.exp_avg, st.opt.exp_avg_sq),
             "replica_bytes": 0,
             "gathered_bytes": 0,
+            "layer_grad_bytes": 0,
+            "transient_bytes": 0,
         }
 
     # ---- whole state: integrity and durability ------------------------------------------------

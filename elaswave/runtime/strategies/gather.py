@@ -114,9 +114,11 @@ class LayerGather:
         self.slots = [_slots(layer) for layer in model.layers]
         self.tiers: Tiers | None = None  # the plan's tiers: gradients reduced by them
         self.compressed = False  # by tiers, the hop between hosts as int8
-        self.peak = 0  # the most bytes of gathered layers and layer gradients held at once
+        # the most bytes held at once during the last step: of gathered layers' parameters, of
+        # layer gradients (and their reduction's buffers), and of both together
+        self.peak_params = self.peak_grads = self.peak = 0
         self.waited = 0.0  # seconds this step spent waiting for peers
-        self._live = 0
+        self._live = [0, 0]  # bytes held now: [gathered parameters, layer gradients]
 
     # ---- parameters in and out ------------------------------------------------------------------
     def post_gather(self, shards: ParamShards, i: int, abort: Callable[[], bool]) -> _Gathering:
@@ -176,8 +178,8 @@ class LayerGather:
             send = sums  # still held, now as the send buffer
         else:
             send = pack_layer(sums, cut, sums.new_empty(world * cut.pad))
-            self._hold(send)
-            self._drop(sums)
+            self._hold(send, grads=True)
+            self._drop(sums, grads=True)
         if world == 1:
             return _Reducing(i, send, send, None)
         if self.tiers is not None:  # by hosts: the same sums; this rank keeps its part
@@ -187,7 +189,7 @@ class LayerGather:
             return _Reducing(i, send, send.view(world, cut.pad)[shards.rank], None)
         if self.native:
             out = sums.new_empty(cut.pad)
-            self._hold(out)
+            self._hold(out, grads=True)
             parts = list(send.view(world, cut.pad).unbind(0))
             return _Reducing(i, send, out, self.comm.start_reduce_scatter(DP, parts, out, abort))
         work = self.comm.start_allreduce(DP, send, abort)  # the same sums; this rank keeps its part
@@ -201,9 +203,9 @@ class LayerGather:
         cut = shards.cuts[r.layer]
         start, size = cut.starts[shards.rank], cut.sizes[shards.rank]
         grads[start : start + size] = r.out[:size]
-        self._drop(r.send)
+        self._drop(r.send, grads=True)
         if r.out.untyped_storage().data_ptr() != r.send.untyped_storage().data_ptr():
-            self._drop(r.out)
+            self._drop(r.out, grads=True)
 
     # ---- the passes -----------------------------------------------------------------------------
     def train(
@@ -221,7 +223,8 @@ class LayerGather:
         reduction's dtype) receives the batch's gradient sums of its part. Returns the
         micro-batches' loss sum (float64) and count."""
         model, layers = self.model, len(self.model.layers)
-        self.waited, self._live, self.peak = 0.0, 0, 0
+        self.waited, self._live = 0.0, [0, 0]
+        self.peak_params = self.peak_grads = self.peak = 0
         acts: list[list[Any] | None] = [[b.inputs for b in batches]]
         pending = self._post(shards, 0 if layers > 1 else layers - 1, abort)
         try:
@@ -268,7 +271,7 @@ class LayerGather:
             # In the reduction's own dtype autograd's buffer is the accumulator (the same float32
             # sums, in the same order); a wider one (float64) takes each micro-batch's as it comes.
             acc = grads.new_zeros(flat.numel()) if grads.dtype != grad.dtype else None
-            self._hold(grad, acc)
+            self._hold(grad, acc, grads=True)
             xs = acts[i]
             assert xs is not None
             with self.filled(i, flat, grad):
@@ -293,7 +296,7 @@ class LayerGather:
             if i > 0 and pending is None:
                 pending = self._post(shards, i - 1, abort)
             if acc is not None:
-                self._drop(grad)
+                self._drop(grad, grads=True)
             for layer, sums in tied.ready(i, acc if acc is not None else grad):
                 for r in reducing:  # one reduction in flight (its buffers are a layer each)
                     self.finish_reduce(r, shards, grads, abort)
@@ -361,12 +364,17 @@ class LayerGather:
         if pending is not None and pending.work is not None:
             self.comm.abandon([pending.work])
 
-    def _hold(self, *tensors: torch.Tensor | None) -> None:
-        self._live += sum(t.untyped_storage().nbytes() for t in tensors if t is not None)
-        self.peak = max(self.peak, self._live)
+    def _hold(self, *tensors: torch.Tensor | None, grads: bool = False) -> None:
+        """``tensors`` are now held (layer gradients where ``grads``, else gathered layers)."""
+        self._live[int(grads)] += sum(
+            t.untyped_storage().nbytes() for t in tensors if t is not None
+        )
+        self.peak_params = max(self.peak_params, self._live[0])
+        self.peak_grads = max(self.peak_grads, self._live[1])
+        self.peak = max(self.peak, sum(self._live))
 
-    def _drop(self, what: torch.Tensor | int) -> None:
-        self._live -= what if isinstance(what, int) else what.untyped_storage().nbytes()
+    def _drop(self, what: torch.Tensor, grads: bool = False) -> None:
+        self._live[int(grads)] -= what.untyped_storage().nbytes()
 
 
 class TiedLayers:

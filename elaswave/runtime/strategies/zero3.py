@@ -262,7 +262,9 @@ class Zero3(Zero1):
     def memory(self) -> dict[str, int]:
         """The shard (its parameters, moments, and the snapshot where it is a copy of its own),
         the step's gradient sums of the shard, the pieces of peers' shards, and the most bytes
-        of gathered layers and layer gradients held at once during the last step."""
+        held at once during the last step: of gathered layers' parameters (``gathered_bytes``),
+        of whole layers' gradients and their reduction's buffers (``layer_grad_bytes``), and of
+        both together (``transient_bytes``)."""
         z = self.shards
         shards = [s for s in (z.own, z.snap) if s is not None]
         return {
@@ -270,5 +272,7 @@ class Zero3(Zero1):
             "grad_bytes": nbytes(self.grads),
             "optimizer_bytes": nbytes(*(t for s in shards for t in (s.exp_avg, s.exp_avg_sq))),
             "replica_bytes": nbytes(*(t for r in z.replicas.values() for t in r.tensors())),
-            "gathered_bytes": self.path.peak,
+            "gathered_bytes": self.path.peak_params,
+            "layer_grad_bytes": self.path.peak_grads,
+            "transient_bytes": self.path.peak,
         }
