@@ -161,6 +161,7 @@ def _digits(base: Path, env: dict) -> dict[str, Any]:
             "flops_per_sample": matmul_flops(layers),
             "latency_s": _latency(layers, x),
             "sparsity": _last(run_dir, "sparsity"),
+            "train_step_s": _train_step(run_dir, DIGITS_PRUNE["start_step"]),
         }
     return out
 
@@ -187,6 +188,7 @@ def _llama(base: Path, env: dict, tokens: Path) -> dict[str, Any]:
             "flops_per_token": matmul_flops(model),
             "latency_s": _latency(model, ids),
             "sparsity": _last(run_dir, "sparsity"),
+            "train_step_s": _train_step(run_dir, LLAMA_PRUNE["start_step"]),
         }
     return out
 
@@ -194,6 +196,16 @@ def _llama(base: Path, env: dict, tokens: Path) -> dict[str, Any]:
 def _lines(run_dir: Path) -> list[dict[str, Any]]:
     path = run_dir / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _train_step(run_dir: Path, after: int) -> float:
+    """The median ``step_seconds`` of the steps after ``after`` (DHSPG at work in the pruned
+    run; the same steps of the dense one)."""
+    times = [r["step_seconds"] for r in _lines(run_dir)
+             if r.get("kind") != "eval" and r.get("step", 0) > after]  # fmt: skip
+    if not times:
+        raise BenchError(f"{run_dir}: no step after step {after}")
+    return statistics.median(times)
 
 
 def _last(run_dir: Path, key: str) -> Any:
@@ -210,15 +222,17 @@ COLUMNS = {
 
 
 def _rows(result: dict[str, Any], part: str) -> list[tuple[str, ...]]:
-    """Each model's medians over the runs: the part's columns, then latency (ms), sparsity."""
+    """Each model's medians over the runs: the part's columns, then latency (ms), sparsity and
+    the training step while pruning (ms; the dense run's same steps)."""
     cells = result["cells"][part]
     rows = []
     for name in ("dense", "pruned"):
         med = {k: statistics.median(c[name][k] for c in cells) for k, _ in COLUMNS[part]}
         latency = statistics.median(c[name]["latency_s"] for c in cells) * 1e3
+        step = statistics.median(c[name].get("train_step_s", float("nan")) for c in cells) * 1e3
         rows.append(
             (name, *(fmt.format(med[k]) for k, fmt in COLUMNS[part]), f"{latency:.3f}",
-             str(cells[0][name]["sparsity"]))
+             str(cells[0][name]["sparsity"]), f"{step:.2f}")
         )  # fmt: skip
     return rows
 
@@ -226,12 +240,29 @@ def _rows(result: dict[str, Any], part: str) -> list[tuple[str, ...]]:
 def show(result: dict[str, Any]) -> None:
     print_table(
         "Digits MLP, 360 held-out images (latency: one forward of all 360, ms)",
-        ("model", "test accuracy", "parameters", "FLOPs / sample", "latency", "sparsity"),
+        (
+            "model",
+            "test accuracy",
+            "parameters",
+            "FLOPs / sample",
+            "latency",
+            "sparsity",
+            "train step",
+        ),
         _rows(result, "digits"),
     )
     print_table(
         "Tiny llama on this repository's text (held-out loss at the last step; latency: one "
         "forward of 8 x 64 tokens, ms)",
-        ("model", "eval loss", "parameters", "MLP width", "FLOPs / token", "latency", "sparsity"),
+        (
+            "model",
+            "eval loss",
+            "parameters",
+            "MLP width",
+            "FLOPs / token",
+            "latency",
+            "sparsity",
+            "train step",
+        ),
         _rows(result, "llama"),
     )

@@ -83,7 +83,9 @@ def export_model(
 ) -> Exported:
     """Write the model of ``run_dir`` at ``step`` (default: its newest saved state) to ``out``;
     ``compress``: a pruned run's smaller model (:func:`compressed`); ``pad``: a Hugging Face
-    model's layers all as wide as the widest (so that ``from_pretrained`` loads it)."""
+    model's layers all as wide as the widest (so that ``from_pretrained`` loads it), as a run
+    with ``train.prune.uniform`` always has them (a layer may still keep a group or two fewer
+    than another: groups outside the redundant set that reached zero too)."""
     from elaswave.runtime.durable.checkpoints import load
     from elaswave.runtime.optim import FlatParams
     from elaswave.runtime.workload.base import build_layers
@@ -108,7 +110,8 @@ def export_model(
     sample = _sample(workload, cfg) if compress else None
     before = cpu_latency(model, sample) if sample is not None else None
     if compress:
-        sizes, flops = compressed(workload, model, flat.data, kinds, pad=pad)
+        uniform = cfg.train.prune is not None and cfg.train.prune.uniform
+        sizes, flops = compressed(workload, model, flat.data, kinds, pad=pad or uniform)
         if before is not None:
             latency = (before, cpu_latency(model, sample))
     workload.export(model, out)

@@ -600,9 +600,9 @@ def export(
     pad: bool = typer.Option(
         False,
         "--pad",
-        help="With --compress, HF models: every layer as wide as the widest (from_pretrained "
-        "loads it; without --pad, layers of different widths load with "
-        "elaswave.prune.load.load_compressed).",
+        help="With --compress, HF models: every layer as wide as the widest, so that "
+        "from_pretrained loads it (always so after train.prune.uniform; otherwise layers of "
+        "different widths load with elaswave.prune.load.load_compressed).",
     ),
 ) -> None:
     """Write a run's trained model: for model.source hf a directory that

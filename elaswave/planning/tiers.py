@@ -10,10 +10,13 @@ host, whatever the host's size; with ranks interleaved, every one does). Reduced
    spread over its ranks;
 3. inside each host, each lane's owner shares the reduced slice with the others.
 
-``lanes`` is the most ranks any host has; on a host with fewer ranks, rank ``j mod k`` owns lane
-``j`` (so every lane group has one rank per host, whatever the hosts' sizes: a host that lost a
-worker hands its lanes to its survivors). Every rank takes its lanes in lane order, so ranks that
-share several lane groups never wait on each other in a cycle.
+``lanes`` is the most ranks any host has. A worker carries the lane of its slot on the host (the
+``w<slot>`` of its id, which a respawn keeps), so a plan that loses or regains a worker changes
+only the lanes of that slot; lanes without a worker of their slot go round robin to the host's
+ranks, fewest lanes first (:func:`lane_owners`). Without slots (ids of another form) rank ``i``
+of a host stands in slot ``i``: on a host of ``k`` ranks, rank ``j mod k`` carries lane ``j``.
+Every lane group has one rank per host whatever the hosts' sizes, and every rank takes its lanes
+in lane order, so ranks that share several lane groups never wait on each other in a cycle.
 
 With racks (``launch --rack``, every host of the plan labelled, two racks or more, one of them
 with two hosts or more), step 2 has two levels: lane ``j`` is first all-reduced inside each rack by
@@ -34,6 +37,7 @@ bit the flat ones (the tests check it).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -53,15 +57,24 @@ class Tiers:
 
     hosts: tuple[tuple[int, ...], ...]
     racks: tuple[tuple[int, ...], ...] = ()
+    slots: tuple[int | None, ...] = ()  # each rank's slot on its host (empty: its position)
 
     @cached_property
     def lanes(self) -> int:
         return max(len(h) for h in self.hosts)
 
+    @cached_property
+    def owners(self) -> tuple[tuple[int, ...], ...]:
+        """``owners[h][j]``: the rank of host ``h`` that carries lane ``j``."""
+        out = []
+        for ranks in self.hosts:
+            slots = [self.slots[r] for r in ranks] if self.slots else list(range(len(ranks)))
+            out.append(lane_owners(ranks, slots, self.lanes))
+        return tuple(out)
+
     def lane_owner(self, host: int, lane: int) -> int:
         """The rank of host ``host`` that carries lane ``lane`` between the hosts."""
-        ranks = self.hosts[host]
-        return ranks[lane % len(ranks)]
+        return self.owners[host][lane]
 
     def lane_groups(self) -> tuple[tuple[int, ...], ...]:
         """Lane ``j``'s ranks: one per host, in host order."""
@@ -79,9 +92,12 @@ class Tiers:
 
     def my_lanes(self, rank: int) -> list[int]:
         """The lanes ``rank`` carries, ascending."""
-        h, i = self.place(rank)
-        k = len(self.hosts[h])
-        return [j for j in range(self.lanes) if j % k == i]
+        h, _ = self.place(rank)
+        return [j for j, owner in enumerate(self.owners[h]) if owner == rank]
+
+    def owner_index(self, host: int, lane: int) -> int:
+        """The lane's carrier as a rank of its host's group (the broadcast's root)."""
+        return self.hosts[host].index(self.owners[host][lane])
 
     # ---- the rack level ------------------------------------------------------------------
     @cached_property
@@ -133,13 +149,53 @@ class Tiers:
         return out
 
 
+def lane_owners(ranks: Sequence[int], slots: Sequence[int | None], lanes: int) -> tuple[int, ...]:
+    """Lane ``j``'s carrier among one host's ``ranks`` (``slots``: each one's slot on the host,
+    None where unknown): the rank of slot ``j`` where there is one; each other lane to the rank
+    that carries the fewest so far (the first in ``ranks`` among equals).
+
+        >>> lane_owners([5, 6, 7], [0, 2, 3], 4)  # slot 1's worker was lost: its lane moves
+        (5, 5, 6, 7)
+        >>> lane_owners([0, 1], [0, 1], 3)  # a host of two among hosts of three: j mod 2
+        (0, 1, 0)
+    """
+    owner: dict[int, int] = {}
+    for rank, slot in zip(ranks, slots, strict=True):
+        if slot is not None and 0 <= slot < lanes and slot not in owner:
+            owner[slot] = rank
+    load = dict.fromkeys(ranks, 0)
+    for rank in owner.values():
+        load[rank] += 1
+    for j in range(lanes):
+        if j not in owner:
+            rank = min(ranks, key=lambda r: load[r])  # min keeps the first among equals
+            owner[j] = rank
+            load[rank] += 1
+    return tuple(owner[j] for j in range(lanes))
+
+
+def worker_slot(worker: str) -> int | None:
+    """A worker's slot on its host, from its id (``<host>.w<slot>``, ``.r<n>`` after a respawn:
+    :func:`elaswave.daemon.workers.worker_id`); None for an id of another form."""
+    match = _WORKER_ID.fullmatch(worker)
+    return int(match.group(1)) if match else None
+
+
+_WORKER_ID = re.compile(r".+\.w(\d+)(?:\.r\d+)?")
+
+
 def tiers_of(
-    hosts: Sequence[str], mode: str, racks: Mapping[str, str] | None = None
+    hosts: Sequence[str],
+    mode: str,
+    racks: Mapping[str, str] | None = None,
+    workers: Sequence[str] = (),
 ) -> Tiers | None:
     """The tiers of a plan whose rank ``r`` runs on ``hosts[r]``, or None for a flat reduction:
     ``mode`` flat, one host, or no host with two ranks and no rack with two hosts (tiers would
     only add hops). ``racks``: each host's rack (the plan's ``--rack`` labels); the rack level
-    is used when every host has one, there are two racks or more and one has two hosts."""
+    is used when every host has one, there are two racks or more and one has two hosts.
+    ``workers``: the ranks' ids, whose slots keep each worker on its lanes from plan to plan
+    (a host's ranks stand in their positions' slots without them)."""
     if mode not in MODES:
         raise ValueError(f"hierarchy must be one of {', '.join(MODES)}, got {mode!r}")
     ranks: dict[str, list[int]] = {}
@@ -156,7 +212,10 @@ def tiers_of(
         return None
     if all(len(v) < 2 for v in ranks.values()) and not by_rack:
         return None
-    return Tiers(tuple(tuple(v) for v in ranks.values()), tuple(tuple(v) for v in by_rack.values()))
+    slots = tuple(worker_slot(w) for w in workers) if len(workers) == len(hosts) else ()
+    return Tiers(
+        tuple(tuple(v) for v in ranks.values()), tuple(tuple(v) for v in by_rack.values()), slots
+    )
 
 
 def lane_bounds(n: int, lanes: int) -> list[int]:

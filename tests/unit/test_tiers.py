@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from elaswave.planning.tiers import Tiers, lane_bounds, tiers_of
+from elaswave.planning.tiers import Tiers, lane_bounds, lane_owners, tiers_of
 
 HOSTS = ["a", "a", "b", "b", "b"]
 # Two racks of two hosts; host c has one rank (it carries every lane), rack X's lanes are cut in
@@ -112,6 +112,45 @@ def test_groups_by_name() -> None:
         "dp.lane0": ("w0", "w2"),
         "dp.lane1": ("w1", "w2"),
     }
+
+
+@pytest.mark.parametrize(
+    ("ranks", "slots", "lanes", "owners"),
+    [
+        ([0, 1, 2, 3], [0, 1, 2, 3], 4, (0, 1, 2, 3)),  # each worker its slot's lane
+        ([5, 6, 7], [0, 2, 3], 4, (5, 5, 6, 7)),  # slot 1 lost: its lane to the first rank
+        ([5, 6, 7], [1, 2, 3], 4, (5, 5, 6, 7)),  # slot 0 lost: lane 0 to the first rank
+        ([5, 6], [0, 3], 4, (5, 5, 6, 6)),  # two lost: their lanes to the least loaded
+        ([0, 1], [0, 1], 3, (0, 1, 0)),  # a smaller host: lane j to rank j mod k
+        ([4, 9], [None, None], 2, (4, 9)),  # no slots: by position, fewest lanes first
+        ([4, 9], [7, 0], 2, (9, 4)),  # a slot past the lanes carries what is left
+    ],
+)  # fmt: skip
+def test_lane_owners_table(ranks, slots, lanes, owners) -> None:
+    assert lane_owners(ranks, slots, lanes) == owners
+
+
+def test_a_lost_worker_changes_only_its_own_lane_group() -> None:
+    """Hosts a and b of four workers; a.w1 is lost, then respawned (a.w1.r1, last on its host in
+    rank order): of the lane groups only lane 1's changes, each time; without the workers' ids
+    (positions as slots) the loss moves lanes 2 and 3 as well."""
+    full = [f"{h}.w{i}" for h in "ab" for i in range(4)]
+    lost = [w for w in full if w != "a.w1"]
+    back = ["a.w0", "a.w2", "a.w3", "a.w1.r1", *full[4:]]
+
+    def lanes(workers: list[str], ids: bool = True) -> dict[str, tuple[str, ...]]:
+        hosts = [w.split(".")[0] for w in workers]
+        t = tiers_of(hosts, "auto", None, workers if ids else ())
+        assert t is not None
+        return {g: m for g, m in t.groups(workers).items() if g.startswith("dp.lane")}
+
+    before, after, again = lanes(full), lanes(lost), lanes(back)
+    assert {g for g in before if before[g] != after[g]} == {"dp.lane1"}
+    assert after["dp.lane1"] == ("a.w0", "b.w1")
+    assert {g for g in after if after[g] != again[g]} == {"dp.lane1"}
+    assert again["dp.lane1"] == ("a.w1.r1", "b.w1")  # the respawned worker's slot, its lane
+    moved = lanes(lost, ids=False)
+    assert {g for g in before if before[g] != moved[g]} == {"dp.lane1", "dp.lane2", "dp.lane3"}
 
 
 @pytest.mark.parametrize(

@@ -49,10 +49,10 @@ def allreduce_tiered(
             else:
                 _allreduce_lane(comm, f"{LANE}{j}", lane, cut, abort)
     if host:
-        k = len(tiers.hosts[h])
         for j in range(tiers.lanes):
             if bounds[j] < bounds[j + 1]:
-                comm.broadcast(host, values[bounds[j] : bounds[j + 1]], j % k, abort)
+                root = tiers.owner_index(h, j)
+                comm.broadcast(host, values[bounds[j] : bounds[j + 1]], root, abort)
 
 
 def _allreduce_lane(

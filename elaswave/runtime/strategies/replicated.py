@@ -203,7 +203,7 @@ class Replicated(Strategy):
         """Every rank, and the tiers' groups (each host's ranks, each lane's) when the
         gradient is reduced by tiers."""
         mode = self.ctx.cfg.train.hierarchy if self.tiered else "flat"
-        self.tiers = tiers_of(plan.hosts, mode, dict(plan.racks))
+        self.tiers = tiers_of(plan.hosts, mode, dict(plan.racks), plan.workers)
         extra = self.tiers.groups(plan.workers) if self.tiers is not None else {}
         return {**super().groups(plan), **extra}
 
