@@ -21,8 +21,8 @@ After a worker's loss (``killed``): the flat and the tiers job on the unshaped l
 second worker of the host that holds ranks 0-3) SIGKILLed at step ``KILL_STEP`` and not
 respawned: the MTTR of each (the report's), and the bytes in a window that starts
 ``KILL_WINDOW`` steps later (the new plan in place) and runs ``STEPS - WARM`` steps. With tiers
-that host then has three workers for four lanes (the lost worker's lane goes to its first); each host
-should still send about 2 (H − 1) / H × M.
+that host then has three workers for four lanes (the lost worker's lane goes to its first);
+each host should still send about 2 (H − 1) / H × M.
 
 ZeRO-3 (``zero3``, unshaped and 100 Mbit/s): the flat and the tiers job with ``zero: 3``. Each
 layer is all-gathered twice a step (flat: a ring over all 8 ranks, in both modes) and its gradient
