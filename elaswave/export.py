@@ -30,12 +30,15 @@ class Exported:
     sizes: tuple[int, int] | None = None  # --compress: (parameters before, after)
     flops: tuple[int, int] | None = None  # --compress: (matrix FLOPs per sample before, after)
     # --compress: (seconds, seconds) of one forward of a micro-batch on one CPU thread, before
-    # and after (medians), and the input's shape; None where no sample could be built
+    # and after (medians), the input's shape and the forwards timed of each; None where no
+    # sample could be built
     latency: tuple[float, float] | None = None
     latency_input: tuple[int, ...] | None = None
+    latency_runs: tuple[int, int] | None = None
 
 
-LATENCY_RUNS = 20  # forwards timed (after 3 untimed) for the latency before and after
+LATENCY_RUNS = 20  # forwards timed (after 3 untimed) for the latency before and after,
+LATENCY_BUDGET_S = 10.0  # or as many as fit in this many seconds (3 at least): a large model
 
 
 def run_config(run_dir: Path) -> JobConfig:
@@ -106,20 +109,21 @@ def export_model(
     flat.data.copy_(state.params)
     out.parent.mkdir(parents=True, exist_ok=True)
     kinds = cfg.train.prune.kinds if cfg.train.prune is not None else []
-    sizes = flops = latency = None
+    sizes = flops = latency = runs = None
     sample = _sample(workload, cfg) if compress else None
     before = cpu_latency(model, sample) if sample is not None else None
     if compress:
         uniform = cfg.train.prune is not None and cfg.train.prune.uniform
         sizes, flops = compressed(workload, model, flat.data, kinds, pad=pad or uniform)
         if before is not None:
-            latency = (before, cpu_latency(model, sample))
+            after = cpu_latency(model, sample)
+            latency, runs = (before[0], after[0]), (before[1], after[1])
     workload.export(model, out)
     if sizes is not None and not out.is_dir():  # the new shapes, beside the safetensors file
         shapes = {n: list(p.shape) for n, p in model.named_parameters()}
         out.with_name(out.name + ".shapes.json").write_text(json.dumps(shapes, indent=1))
     shape = tuple(sample.shape) if sample is not None and latency is not None else None
-    return Exported(state.step, state.loss, path, out, sizes, flops, latency, shape)
+    return Exported(state.step, state.loss, path, out, sizes, flops, latency, shape, runs)
 
 
 def _sample(workload: Any, cfg: JobConfig) -> Any:
@@ -134,9 +138,12 @@ def _sample(workload: Any, cfg: JobConfig) -> Any:
     return inputs if hasattr(inputs, "shape") else None
 
 
-def cpu_latency(model: Any, x: Any, runs: int = LATENCY_RUNS) -> float:
-    """Median seconds of one forward of ``x`` through ``model`` (its layers in order, eval
-    mode, no autograd) on one CPU thread, after 3 untimed forwards."""
+def cpu_latency(
+    model: Any, x: Any, runs: int = LATENCY_RUNS, budget_s: float = LATENCY_BUDGET_S
+) -> tuple[float, int]:
+    """(median seconds, forwards timed) of one forward of ``x`` through ``model`` (its layers
+    in order, eval mode, no autograd) on one CPU thread, after 3 untimed forwards: ``runs``
+    forwards, or as many as ``budget_s`` seconds allow (3 at least)."""
     import statistics
     import time
 
@@ -145,7 +152,8 @@ def cpu_latency(model: Any, x: Any, runs: int = LATENCY_RUNS) -> float:
     threads, mode = torch.get_num_threads(), model.training
     torch.set_num_threads(1)
     model.eval()
-    times = []
+    times: list[float] = []
+    began = time.perf_counter()
     try:
         with torch.no_grad():
             for i in range(runs + 3):
@@ -153,10 +161,12 @@ def cpu_latency(model: Any, x: Any, runs: int = LATENCY_RUNS) -> float:
                 model(x, 0, 0)
                 if i >= 3:
                     times.append(time.perf_counter() - start)
+                if len(times) >= 3 and time.perf_counter() - began > budget_s:
+                    break
     finally:
         torch.set_num_threads(threads)
         model.train(mode)
-    return statistics.median(times)
+    return statistics.median(times), len(times)
 
 
 def compressed(

@@ -607,7 +607,7 @@ def export(
 ) -> None:
     """Write a run's trained model: for model.source hf a directory that
     AutoModelForCausalLM.from_pretrained loads, otherwise one safetensors file."""
-    from elaswave.export import LATENCY_RUNS, export_model
+    from elaswave.export import export_model
 
     try:
         done = export_model(run_dir, out_path, step, compress=compress, pad=pad)
@@ -626,10 +626,11 @@ def export(
             highlight=False,
             soft_wrap=True,
         )
-    if done.latency is not None and done.latency_input is not None:
+    if done.latency and done.latency_input and done.latency_runs:
         (l0, l1), shape = done.latency, "×".join(map(str, done.latency_input))
+        n = min(done.latency_runs)
         out.print(
-            f"CPU latency (one thread, a {shape} micro-batch, median of {LATENCY_RUNS}): "
+            f"CPU latency (one thread, a {shape} micro-batch, median of {n}): "
             f"{l1 * 1e3:.2f} ms of {l0 * 1e3:.2f} ms ({l1 / l0:.2f}×)",
             highlight=False,
             soft_wrap=True,
