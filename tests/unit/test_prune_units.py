@@ -350,3 +350,12 @@ def test_layers_of_different_widths_export_and_load(tmp_path: Path, name: str) -
     assert after < padded < before and small.num_parameters() < wide.num_parameters()
     with torch.no_grad():
         torch.testing.assert_close(wide(ids).logits, sparse, rtol=0, atol=1e-5)
+
+
+def test_load_compressed_of_a_directory_without_weights_is_one_line(tmp_path: Path) -> None:
+    from elaswave.errors import ElasWaveError
+    from elaswave.prune.load import load_compressed
+
+    with pytest.raises(ElasWaveError) as err:
+        load_compressed(tmp_path)
+    assert "no safetensors weights" in str(err.value) and "\n" not in str(err.value)
