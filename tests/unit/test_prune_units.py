@@ -28,6 +28,7 @@ MODELS = {
             "args": {"hidden": 16, "dropout": 0.0}},
     "gpt": {"source": "gpt", "n_layer": 2, "d_model": 32, "n_head": 4, "vocab_size": 64,
             "seq_len": 8},
+    "llama": {"source": "hf", "seq_len": 8, "hf": {"model_type": "llama", **LLAMA}},
     "llama-gqa": {"source": "hf", "seq_len": 8,
                   "hf": {"model_type": "llama", **LLAMA, "num_key_value_heads": 2}},
     "qwen2-gqa": {"source": "hf", "seq_len": 8,
@@ -305,7 +306,7 @@ def test_the_redundant_set_survives_a_durable_checkpoint(tmp_path: Path) -> None
     assert checkpoints.load(tmp_path / "step-00000008", 10).prune is None
 
 
-@pytest.mark.parametrize("name", ["llama-gqa", "qwen2-gqa", "gpt2", "gpt_neox"])
+@pytest.mark.parametrize("name", ["llama", "llama-gqa", "qwen2-gqa", "gpt2", "gpt_neox"])
 def test_layers_of_different_widths_export_and_load(tmp_path: Path, name: str) -> None:
     """The first block keeps half of each family's groups, the second a quarter: the export
     writes each layer at its own width (the config the widest, each layer's under
@@ -336,7 +337,9 @@ def test_layers_of_different_widths_export_and_load(tmp_path: Path, name: str) -
     (before, after), _ = compressed(workload, model, flat, [])
     workload.export(model, tmp_path / "hf")
     widths = transformers.AutoConfig.from_pretrained(tmp_path / "hf").elaswave_widths
-    assert widths["mlp"][0] == 2 * widths["mlp"][1], widths  # (two key-value heads keep one)
+    assert widths["mlp"][0] == 2 * widths["mlp"][1], widths
+    if name == "llama":  # four key-value heads: two kept in one layer, one in the other
+        assert widths["attention"] == [2, 1], widths
     with pytest.raises(Exception, match="size mismatch|mismatch"):
         transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     small = load_compressed(tmp_path / "hf")
