@@ -18,6 +18,7 @@ from conftest import (
     assert_redid_only,
     elaswave_cmd,
     launch,
+    paced,
     wait_for,
 )
 
@@ -38,9 +39,11 @@ def test_fault_free_reference_is_consistent(reference: Run) -> None:
 def test_kill_one_worker_at_step_15(
     tmp_path: Path, state_env: dict[str, str], reference: Run
 ) -> None:
+    # Emulated device time (20 ms per micro-batch, four per rank): the 14 steps before the kill
+    # last over a second however fast the CPU, so progress lines (every 0.2 s) show epoch 1.
     r = launch(
         tmp_path / "run", "--job-id", "kill15", "--fault", "kill,rank=1,at_step=15",
-        "--progress-every", "0.5", env=state_env, quiet=False,
+        "--progress-every", "0.2", env=paced(state_env, 0.02), quiet=False,
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     run = Run(tmp_path / "run")
