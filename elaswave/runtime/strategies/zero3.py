@@ -74,6 +74,7 @@ class Zero3(Zero1):
         super().__init__(ctx, durable)
         native = getattr(ctx.comm, "backend", "gloo") != "gloo" or GLOO_REDUCE_SCATTER
         self.path = LayerGather(ctx.state.model, ctx.comm, ctx.enter, native=native)
+        self.path.compressed = ctx.cfg.train.grad_compress == "int8"
         self.grads: torch.Tensor | None = None  # the step's gradient sums of this rank's part
         self.started = -1  # the step this rank began computing and has not committed
 
@@ -107,8 +108,6 @@ class Zero3(Zero1):
         self.grads.zero_()
         self.started = step
         self.path.comm = self.ctx.comm
-        self.path.tiers = self.tiers if self.tiered else None
-        self.path.compressed = t.grad_compress == "int8"
         loss, count = self.path.train(
             z, step, batches, self.grads, st.loss, self.ctx.broken, st.ties
         )
@@ -156,6 +155,13 @@ class Zero3(Zero1):
         return float(tail[EPOCH])
 
     # ---- a new plan -----------------------------------------------------------------------------
+    def groups(self, plan: Plan) -> dict[str, tuple[str, ...]]:
+        """Data parallelism's groups; the layers' gradients go by the plan's tiers (none where
+        the reduction is flat)."""
+        out = super().groups(plan)
+        self.path.tiers = self.tiers
+        return out
+
     def partial_row(self) -> list[float]:
         """[the step this rank began and did not commit (-1: none), then nothing kept]."""
         t = self.ctx.cfg.train
