@@ -103,14 +103,8 @@ def run(repeat: int, config: Path) -> dict[str, Any]:
     for i in range(repeat):
         grad_bytes = one_round(cells, "hier", i, _one_job)
         one_round(zero3, "hier-zero3", i, lambda *a: _one_job(*a, zero=3))
-        for mode, runs in killed.items():
-            with tempfile.TemporaryDirectory(prefix="elaswave-bench-") as tmp:
-                job = f"hier-killed-{mode}-{i}"
-                runs.append(_one_job(Path(tmp), job, "unshaped", mode, killed=True)[0])
-        for mode, runs in wide.items():
-            with tempfile.TemporaryDirectory(prefix="elaswave-bench-") as tmp:
-                job = f"hier-wide-{mode}-{i}"
-                runs.append(_one_job(Path(tmp), job, "unshaped", mode, layout=WIDE)[0])
+        one_round({"unshaped": killed}, "hier-killed", i, lambda *a: _one_job(*a, killed=True))
+        one_round({"unshaped": wide}, "hier-wide", i, lambda *a: _one_job(*a, layout=WIDE))
     with tempfile.TemporaryDirectory(prefix="elaswave-bench-") as tmp:
         curves = {c: _curve(Path(tmp) / c, c) for c in ("off", "int8")}
     exact, int8 = curves["off"], curves["int8"]
