@@ -105,10 +105,10 @@ class JobConfig:
                 "train.grad_compress int8 compresses the reduction by tiers of data parallelism "
                 f"(replicated, ZeRO-1, ZeRO-3); pipelines reduce flat (got pp: {self.pp})"
             )
-        if self.train.prune is not None and (self.zero == 3 or self.pp > 1):
+        if self.train.prune is not None and self.zero == 3:
             raise ConfigError(
-                "train.prune runs with data parallelism, replicated or ZeRO-1, for now "
-                f"(pp: 1, zero: 0 or 1), got zero: {self.zero}, pp: {self.pp}"
+                "train.prune runs with replicated parameters or ZeRO-1 (in data parallelism or "
+                "inside pipeline stages), not with zero: 3 yet"
             )
         if self.train.eval_every and not self.data.eval_samples:
             raise ConfigError("train.eval_every needs held-out samples: set data.eval_samples")

@@ -10,7 +10,8 @@ Where this differs from OTOv2's reference code (``only_train_once/optimizer/dhsp
 
 - the direction is that of ElasWave's update, weight decay included (OTOv2 recomputes its own
   Adam direction, with first moments that start at the first gradient, not at zero);
-- norms and inner products are taken in float64;
+- norms and inner products are taken in float64, each a sum of per-layer sums added in layer
+  order, so a pipeline (whose stages hold different layers) takes the same numbers;
 - when a half-space projection would zero more groups than ``target + tolerance`` allows, the
   groups projected are those that cross the half-space furthest (smallest ``<h, x> / |x|^2``,
   then the lower index), not a random subset: the choice must be the same on every rank and in
@@ -27,7 +28,9 @@ from dataclasses import dataclass, fields
 
 import torch
 
-__all__ = ["Hyper", "Stats", "apply", "decide", "group_stats", "lambdas", "partition"]
+__all__ = [
+    "Hyper", "Stats", "apply", "decide", "group_stats", "lambdas", "part_sums", "partition",
+]  # fmt: skip
 
 SAFE = 1e-8  # OTOv2's safe guard in x / |x|
 
@@ -64,17 +67,28 @@ class Stats:
         """The statistics of several families' groups, one after another."""
         return cls(*(torch.cat([getattr(s, f.name) for s in parts]) for f in fields(cls)))
 
+    @classmethod
+    def of_sums(cls, sums: torch.Tensor) -> Stats:
+        """The statistics from :func:`part_sums` (a group's parts already added)."""
+        return cls(xn=sums[:, 0].sqrt(), xd=sums[:, 2], dn=sums[:, 1].sqrt(), hx=sums[:, 3])
+
+
+def part_sums(x: torch.Tensor, h: torch.Tensor, lr: float) -> torch.Tensor:
+    """``(G, 4)`` float64 sums over one part of groups ``x`` (before the update) and ``h``
+    (after), each ``(G, S)``: ``|x|^2``, ``|d|^2``, ``<x, d>``, ``<h, x>``. A group whose
+    elements lie in several layers is the sum of its parts in layer order (:meth:`Stats.of_sums`),
+    whichever ranks hold them."""
+    x64, h64 = x.double(), h.double()
+    d = (x64 - h64) / lr
+    return torch.stack(
+        [(x64 * x64).sum(dim=1), (d * d).sum(dim=1), (x64 * d).sum(dim=1), (h64 * x64).sum(dim=1)],
+        dim=1,
+    )
+
 
 def group_stats(x: torch.Tensor, h: torch.Tensor, lr: float) -> Stats:
     """The statistics of groups ``x`` (before the update) and ``h`` (after), each ``(G, S)``."""
-    x64, h64 = x.double(), h.double()
-    d = (x64 - h64) / lr
-    return Stats(
-        xn=torch.linalg.vector_norm(x64, dim=1),
-        xd=(x64 * d).sum(dim=1),
-        dn=torch.linalg.vector_norm(d, dim=1),
-        hx=(h64 * x64).sum(dim=1),
-    )
+    return Stats.of_sums(part_sums(x, h, lr))
 
 
 def partition(

@@ -1,4 +1,4 @@
-"""A rank's pruning: DHSPG applied to its whole flat parameters after each update.
+"""A rank's pruning: DHSPG applied to the parameters it holds after each update.
 
 The only state pruning adds is the redundant set, chosen once at ``partition_step`` from that
 step's parameters and direction: :attr:`Pruner.redundant` (with :attr:`taken_at`, the step it
@@ -6,6 +6,12 @@ was chosen at). Which groups are zero is read off the parameters themselves, and
 are recomputed every step, so snapshots, transfers and checkpoints of the parameters carry the
 rest. A newcomer receives the set from a peer when the plan is applied (:meth:`share`), and a
 durable checkpoint stores it beside the parameters (:meth:`saved`, :meth:`adopt`).
+
+Every decision reads every group's statistics. A rank that holds the whole model takes them
+alone; a pipeline stage holds some layers (:class:`Holding`): each layer's sums come from one
+rank, the others bring zeros, and one all-reduce adds them (exactly: each entry has a single
+non-zero term), so every rank takes the same decisions, on the same numbers as data
+parallelism, whatever the cut.
 """
 
 from __future__ import annotations
@@ -19,17 +25,52 @@ import torch
 from elaswave.config import JobConfig
 from elaswave.prune import dhspg
 from elaswave.prune.groups import Family, find_groups, flat_index
+from elaswave.runtime.optim import Spans
 from elaswave.runtime.workload.base import KeyedLayers, Workload
 
-__all__ = ["Pruner"]
+__all__ = ["WHOLE", "Holding", "Part", "Pruner"]
 
 DP = "dp"
+
+
+@dataclass(frozen=True)
+class Part:
+    """One family's elements in one layer: ``(count, k)`` flat offsets (the whole model's
+    layout), a slice of each group."""
+
+    layer: int
+    index: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Holding:
+    """What a rank reads and writes of the groups: the layers whose parts it updates
+    (``held``), those whose sums it brings (``counted``: every layer by exactly one rank), and
+    how every rank's sums are added (``reduce``, in place; None: this rank counts them all)."""
+
+    held: Callable[[int], bool]
+    counted: Callable[[int], bool]
+    reduce: Callable[[torch.Tensor], None] | None = None
+
+
+WHOLE = Holding(held=lambda _: True, counted=lambda _: True)  # the whole model, alone
+
+
+def _parts(index: torch.Tensor, starts: torch.Tensor) -> list[Part]:
+    """A family's flat offsets (``(count, size)``) cut by layer, in layer order (a member's
+    elements lie in one layer; every group has the same members)."""
+    layers = torch.searchsorted(starts, index[0], right=True) - 1
+    return [Part(int(i), index[:, layers == i]) for i in torch.unique(layers).tolist()]
+
+
+def _at(spans: Spans, index: torch.Tensor) -> torch.Tensor:
+    return spans.tensor[index - spans.base]
 
 
 @dataclass(eq=False)
 class Pruner:
     families: list[Family]
-    index: list[torch.Tensor]  # each family's (count, size) flat offsets
+    parts: list[list[Part]]  # each family's elements, layer by layer
     hp: dhspg.Hyper
     partition_at: int
     start_step: int
@@ -50,8 +91,9 @@ class Pruner:
         hp = dhspg.Hyper(
             p.target_sparsity, p.tolerance, p.epsilon, p.lmbda, p.lmbda_amplify, p.hat_lmbda_coeff
         )
-        index = [flat_index(f, model) for f in families]
-        return cls(families, index, hp, p.partition_at, p.start_step, p.uniform)
+        starts = torch.tensor([offset for offset, _ in model.segments()], dtype=torch.int64)
+        parts = [_parts(flat_index(f, model), starts) for f in families]
+        return cls(families, parts, hp, p.partition_at, p.start_step, p.uniform)
 
     @property
     def groups(self) -> int:
@@ -61,31 +103,34 @@ class Pruner:
         """Whether step ``step`` prunes (before it, training is exactly as without pruning)."""
         return step >= self.partition_at
 
-    def before(self, step: int, params: torch.Tensor) -> torch.Tensor | None:
-        """The parameters before the update, where step ``step`` prunes."""
-        return params.clone() if self.active(step) else None
+    def before(self, step: int, params: Spans) -> Spans | None:
+        """A copy of the parameters before the update, where step ``step`` prunes."""
+        return Spans(params.tensor.clone(), params.base) if self.active(step) else None
 
-    def after(self, step: int, old: torch.Tensor | None, params: torch.Tensor, lr: float) -> None:
-        """DHSPG on ``params`` (the whole model's, just updated from ``old``) in place."""
+    def after(
+        self, step: int, old: Spans | None, params: Spans, lr: float, holding: Holding = WHOLE
+    ) -> None:
+        """DHSPG on ``params`` (just updated from ``old``; the parts ``holding`` holds) in
+        place."""
         if old is None:
             return
-        if self.index[0].device != params.device:
-            self.index = [i.to(params.device) for i in self.index]
-        xs = [old[i] for i in self.index]
-        hs = [params[i] for i in self.index]
-        stats = dhspg.Stats.cat([dhspg.group_stats(x, h, lr) for x, h in zip(xs, hs, strict=True)])
+        device = params.tensor.device
+        if self.parts[0][0].index.device != device:
+            self.parts = [[Part(p.layer, p.index.to(device)) for p in ps] for ps in self.parts]
+        stats = self._stats(old, params, lr, holding)
         zero = stats.zero
         zero_before = int(zero.sum())
         if self.taken_at == 0 or self.taken_at >= step:  # chosen now (or again, in a redo)
             sizes = torch.tensor(
-                [i.shape[1] for i in self.index for _ in range(i.shape[0])],
-                dtype=torch.float64, device=params.device,
+                [sum(p.index.shape[1] for p in ps) for f, ps in zip(self.families, self.parts,
+                 strict=True) for _ in range(f.count)],
+                dtype=torch.float64, device=device,
             )  # fmt: skip
             buckets = [f.count for f in self.families] if self.uniform else None
             self.redundant = dhspg.partition(stats, sizes, self.hp.upper, buckets).cpu()
             self.taken_at = step
         pulling = zero_before < self.hp.target * self.groups
-        redundant = self.redundant.to(params.device)
+        redundant = self.redundant.to(device)
         if not pulling:  # the target is reached: no more pulls, zero groups stay zero
             redundant = torch.zeros_like(redundant)
         scale, projected = dhspg.decide(
@@ -93,16 +138,45 @@ class Pruner:
         )
         cleared = projected | zero
         start = 0
-        for i, x, h in zip(self.index, xs, hs, strict=True):
-            n = i.shape[0]
-            params[i] = dhspg.apply(x, h, scale[start : start + n], cleared[start : start + n])
-            start += n
+        for f, ps in zip(self.families, self.parts, strict=True):
+            end = start + f.count
+            for p in ps:
+                if holding.held(p.layer):
+                    x, h = _at(old, p.index), _at(params, p.index)
+                    params.tensor[p.index - params.base] = dhspg.apply(
+                        x, h, scale[start:end], cleared[start:end]
+                    )
+            start = end
         zeros = int(cleared.sum())
         self.last = {
             "prune_sparsity": zeros / self.groups,
             "prune_zero_groups": zeros,
             "prune_projected": int(projected.sum()),
         }
+
+    def _stats(self, old: Spans, params: Spans, lr: float, holding: Holding) -> dhspg.Stats:
+        """Every group's statistics: each part's sums from the rank that counts its layer,
+        added over the ranks (``holding.reduce``), then a group's parts in layer order."""
+        rows = sum(f.count * len(ps) for f, ps in zip(self.families, self.parts, strict=True))
+        sums = torch.zeros(rows, 4, dtype=torch.float64, device=params.tensor.device)
+        row = 0
+        for f, ps in zip(self.families, self.parts, strict=True):
+            for p in ps:
+                if holding.counted(p.layer):
+                    sums[row : row + f.count] = dhspg.part_sums(
+                        _at(old, p.index), _at(params, p.index), lr
+                    )
+                row += f.count
+        if holding.reduce is not None:
+            holding.reduce(sums)
+        totals, row = [], 0
+        for f, ps in zip(self.families, self.parts, strict=True):
+            total = sums[row : row + f.count]
+            for k in range(1, len(ps)):
+                total = total + sums[row + k * f.count : row + (k + 1) * f.count]
+            totals.append(total)
+            row += f.count * len(ps)
+        return dhspg.Stats.of_sums(torch.cat(totals))
 
     # ---- carried state ----------------------------------------------------------------------
     def saved(self) -> torch.Tensor:

@@ -72,19 +72,33 @@ def test_pruning_reaches_its_target_and_zero_groups_stay_zero(pruned: Run) -> No
     assert TARGET <= curve[-1] <= TARGET + TOLERANCE, curve
 
 
-@pytest.mark.parametrize("strategy", [[], ["--zero", "1"]], ids=["replicated", "zero1"])
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        [],
+        ["--zero", "1"],
+        ["--pp", "2", "--nproc-per-node", "4"],
+        ["--pp", "2", "--nproc-per-node", "4", "--zero", "1"],
+    ],
+    ids=["replicated", "zero1", "dp2xpp2", "dp2xpp2-zero1"],
+)
 def test_a_kill_while_pruning_changes_nothing(
     tmp_path: Path, state_env: dict, pruned: Run, strategy: list[str]
 ) -> None:
     """Rank 1 SIGKILLed at step 9, pruning under way; it is respawned and receives the
-    redundant set from a peer: the same bits as the fault-free pruned run (replicated; ZeRO-1
-    prunes the whole parameters after its all-gather, so it gives the same bits too)."""
+    redundant set from a peer: the same bits as the fault-free pruned run of replicated data
+    parallelism on 3 workers (ZeRO-1 prunes the whole parameters after its all-gather; two
+    pipelines of two stages, ZeRO-1 inside them, add each layer's group sums from its first
+    holder and take the same decisions, through the stage's loss, its re-cut and the respawn)."""
     run = _launch(tmp_path, state_env, MLP, "--job-id", "prune-kill", *strategy,
                   "--fault", "kill,rank=1,at_step=9")  # fmt: skip
     assert [e["exit_code"] for e in run.of("worker_exit")] == [-9]
-    assert [p["world"] for p in run.of("plan_published")] == [3, 2, 3]
+    n = 4 if "--pp" in strategy else 3
+    assert [p["world"] for p in run.of("plan_published")] == [n, n - 1, n]
     rejoined = [e for e in run.of("state_synced") if e["epoch"] == 3]
-    assert [e["prune_partition_step"] for e in rejoined] == [6, 6, 6]  # the newcomer's too
+    assert [e["prune_partition_step"] for e in rejoined] == [6] * n  # the newcomer's too
+    if "--pp" in strategy:  # pruning reads every layer each step: layers move blocking
+        assert {e["migration"] for e in run.of("state_synced") if e["epoch"] > 1} == {"blocking"}
     assert_clean_run(run, STEPS, pruned)
     assert run.losses == pruned.losses
     assert _sparsity(run) == _sparsity(pruned)

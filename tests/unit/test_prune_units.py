@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import copy as copy_module
+import threading
 from pathlib import Path
 
 import pytest
@@ -14,10 +16,10 @@ from elaswave.errors import ConfigError
 from elaswave.prune import dhspg
 from elaswave.prune.compress import kept_groups, shrink
 from elaswave.prune.groups import NoGroups, find_groups, flat_index
-from elaswave.prune.pruner import Pruner
+from elaswave.prune.pruner import Holding, Pruner
 from elaswave.runtime.durable import checkpoints
 from elaswave.runtime.durable.checkpoints import DurableCheckpoints
-from elaswave.runtime.optim import FlatParams
+from elaswave.runtime.optim import FlatParams, Spans
 from elaswave.runtime.workload.base import KeyedLayers, build_layers
 from elaswave.runtime.workload.load import load_workload
 
@@ -65,11 +67,11 @@ def test_bad_prune_settings_are_one_line_errors(prune: dict, message: str) -> No
         JobConfig.from_dict({"train": {"prune": prune}})
 
 
-@pytest.mark.parametrize("other", [{"zero": 3}, {"pp": 2}, {"pp": 2, "zero": 1}])
-def test_pruning_runs_with_data_parallelism_only_for_now(other: dict) -> None:
-    with pytest.raises(ConfigError, match="train.prune runs with data parallelism"):
+def test_pruning_is_refused_with_zero3_only() -> None:
+    with pytest.raises(ConfigError, match="train.prune runs with replicated parameters or ZeRO-1"):
+        JobConfig.from_dict({"zero": 3, "train": {"prune": {}}})
+    for other in ({"zero": 1}, {"pp": 2}, {"pp": 2, "zero": 1}):  # these prune
         JobConfig.from_dict({**other, "train": {"prune": {}}})
-    JobConfig.from_dict({"zero": 1, "train": {"prune": {}}})  # ZeRO-1 prunes
 
 
 def test_unset_hyper_parameters_take_the_reference_defaults_of_the_optimizer() -> None:
@@ -285,6 +287,77 @@ def _pruner() -> Pruner:
     pruner = Pruner.build(cfg, workload, model)
     assert pruner is not None
     return pruner
+
+
+def _stages(
+    pruner: Pruner,
+    cuts: list[int],
+    old: torch.Tensor,
+    new: torch.Tensor,
+    starts: list[int],
+    step: int,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``pruner``'s step on pipeline stages cut at ``cuts`` (one thread each, its sums added by
+    an all-reduce over threads): each stage's window after the step, and its redundant set."""
+    bounds = [0, *cuts, len(starts) - 1]  # layer ranges; ``starts`` ends with the total
+    sums: list[torch.Tensor | None] = [None] * (len(bounds) - 1)
+    barrier = threading.Barrier(len(sums))
+    out: list = [None] * len(sums)
+
+    def stage(s: int) -> None:
+        lo, hi = bounds[s], bounds[s + 1]
+        a, b = starts[lo], starts[hi]
+        copy = copy_module.deepcopy(pruner)
+
+        def reduce(t: torch.Tensor) -> None:
+            sums[s] = t.clone()
+            barrier.wait()
+            t.copy_(torch.stack([x for x in sums if x is not None]).sum(dim=0))
+            barrier.wait()
+
+        holding = Holding(
+            held=lambda i: lo <= i < hi, counted=lambda i: lo <= i < hi, reduce=reduce
+        )
+        params = Spans(new[a:b].clone(), a)
+        copy.after(step, Spans(old[a:b].clone(), a), params, 0.1, holding)
+        out[s] = (params.tensor, copy.redundant)
+
+    threads = [threading.Thread(target=stage, args=(s,)) for s in range(len(sums))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+@pytest.mark.parametrize("name", ["mlp", "llama-gqa"])
+def test_pipeline_stages_prune_exactly_as_the_whole_model_whatever_the_cut(name: str) -> None:
+    """Each stage brings the group sums of its layers, zeros for the rest; the added sums give
+    every stage the whole model's decisions: the stages' windows put together are the whole
+    model's parameters after DHSPG, bit for bit, for every cut."""
+    cfg = JobConfig.from_dict(
+        {"model": MODELS[name], "train": {"prune": {"start_step": 1, "target_sparsity": 0.5,
+                                                    "epsilon": 0.9}}}
+    )  # fmt: skip
+    workload, model = _model(name)
+    pruner = Pruner.build(cfg, workload, model)
+    assert pruner is not None
+    starts = [o for o, _ in model.segments()]
+    starts.append(sum(model.segments()[-1]))
+    gen = torch.Generator().manual_seed(0)
+    old = torch.randn(starts[-1], generator=gen)
+    new = old * 0.6 + 0.05 * torch.randn(starts[-1], generator=gen)  # some groups cross zero
+    for step in (1, 2):  # the partition is chosen, then kept
+        whole = copy_module.deepcopy(pruner)
+        expected = new.clone()
+        whole.after(step, Spans(old.clone()), Spans(expected), 0.1)
+        assert whole.last["prune_projected"] > 0  # the step decides something
+        for cut in range(1, len(starts) - 1):
+            stages = _stages(pruner, [cut], old, new, starts, step)
+            assert torch.equal(torch.cat([p for p, _ in stages]), expected), cut
+            for _, redundant in stages:
+                assert torch.equal(redundant, whole.redundant)
+        pruner = whole
 
 
 def test_the_redundant_set_survives_a_durable_checkpoint(tmp_path: Path) -> None:

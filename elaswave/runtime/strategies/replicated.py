@@ -192,10 +192,10 @@ class Replicated(Strategy):
         grad, st.last_loss, st.last_grad_norm = mean_gradient(
             buf, n, self.ctx.cfg.train.grad_clip, st.ties, st.segments, measure=measure
         )
-        old = st.prune.before(step, st.flat.data) if st.prune else None
+        old = st.prune.before(step, st.params) if st.prune else None
         st.opt.step(st.flat.data, grad, st.opt.hyper.groups)
         if st.prune:
-            st.prune.after(step, old, st.flat.data, st.opt.hyper.lr_at(step))
+            st.prune.after(step, old, st.params, st.opt.hyper.lr_at(step))
         st.step = step
         return float(buf[n + EPOCH])
 

@@ -59,6 +59,7 @@ from elaswave.runtime.optim import (
     FlatOptimizer,
     FlatParams,
     OptimHyper,
+    Spans,
     clip_and_norm,
     clip_scale,
     global_norm,
@@ -254,7 +255,7 @@ class ZeroState:
         assert self.prune is not None
         whole = self._ext(self.flat.data).clone()
         whole.index_copy_(0, self.index, gathered)  # padding lands in the extra slot
-        self.prune.after(step, self.flat.data, whole[:-1], self.hyper.lr_at(step))
+        self.prune.after(step, Spans(self.flat.data), Spans(whole[:-1]), self.hyper.lr_at(step))
         out = whole[self.index]
         param.copy_(out.view(len(self.workers), self.size)[self.rank])
         return out

@@ -269,13 +269,15 @@ class Pipeline:
         grad: torch.Tensor,
         broken: Callable[[], bool],
         before_gather: Callable[[], None] = lambda: None,
+        finish: Callable[[], None] = lambda: None,
     ) -> None:
         """Apply step ``step``'s summed gradient to the held layers (and to layers being taken
         over once caught up); keep the undo copy; queue gradients a migration still needs.
 
         With ZeRO, only the kept moments are updated and the other parameters of the held layers
-        arrive from their keepers; if that gather fails this rank restores its undo copy at once,
-        so it either applied the step completely or not at all."""
+        arrive from their keepers. ``finish`` runs on the updated layers (pruning: a collective
+        too). If the gather or ``finish`` fails this rank restores its undo copy at once, so it
+        either applied the step completely or not at all."""
         e = self.e
         st = e.state
         held = self.span(self.held) if self.held else slice(0, 0)
@@ -295,17 +297,19 @@ class Pipeline:
         if self.zero:
             self.store.update(params, grads, step, st.opt.hyper)
             before_gather()  # where an ``phase=optimizer`` fault lands
-            try:
-                self._gather(broken)
-            except BaseException:
-                self.undo.restore()
-                raise
         else:
             h = st.opt.hyper
             update_(
                 params[held], grads[held], st.exp_avg[held], st.exp_avg_sq[held], step, h,
                 h.groups_of(held),
             )  # fmt: skip
+        try:
+            if self.zero:
+                self._gather(broken)
+            finish()
+        except BaseException:
+            self.undo.restore()
+            raise
         m = self.migration  # regions a migration brings up to date: replayed once caught up
         if m is not None and m.replay:
             missed = [grads[r] for r, _ in m.replay]

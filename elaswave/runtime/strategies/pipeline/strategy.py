@@ -28,9 +28,10 @@ from elaswave.planning.pipeplan import serving_shares
 from elaswave.planning.plan import Plan
 from elaswave.planning.redo import StageRedo
 from elaswave.planning.stageshards import Block, LayersLost, holder_blocks
+from elaswave.prune.pruner import Holding
 from elaswave.runtime.durable.checkpoints import DurableState, Piece
 from elaswave.runtime.integrity import stageverify
-from elaswave.runtime.optim import layer_sumsq
+from elaswave.runtime.optim import Spans, layer_sumsq
 from elaswave.runtime.strategies.base import (
     DP,
     EPOCH,
@@ -248,7 +249,7 @@ class PipelineStages(Strategy):
         # it or none (``logging`` is a section every host agrees on)
         measure = ctx.cfg.logging.enabled
         grad, loss, norm = mean_gradient(buf, n, clip, st.ties, st.segments, sumsq, measure=measure)
-        pipe.update(step, grad, broken, before_update)
+        pipe.update(step, grad, broken, before_update, self._pruning(step, broken))
         st.step, st.last_loss, st.last_grad_norm = step, loss, norm
         switched = pipe.after_step(step, float(buf[n + FLAG]))
         if switched is not None:
@@ -260,6 +261,24 @@ class PipelineStages(Strategy):
 
     def _broken(self) -> bool:
         return self.ctx.broken()
+
+    def _pruning(self, step: int, broken: Callable[[], bool]) -> Callable[[], None]:
+        """DHSPG on the held layers once they are updated (nothing where step ``step`` does not
+        prune): each layer's group sums from its first holder under the plan, added over every
+        rank, so all ranks decide alike (:class:`~elaswave.prune.pruner.Holding`)."""
+        st, pipe, mine, prune = self.state, self.pipe, self.my_grads, self.state.prune
+        if prune is None or not prune.active(step):
+            return lambda: None
+        assert mine is not None
+        held = pipe.span(pipe.held) if pipe.held else slice(st.flat.base, st.flat.base)
+        old = prune.before(step, Spans(st.params[held], held.start))
+        holding = Holding(
+            held=lambda layer: layer in pipe.held,
+            counted=lambda layer: mine.counted[layer],
+            reduce=lambda sums: self.ctx.comm.allreduce(DP, sums, broken),
+        )
+        lr = st.opt.hyper.lr_at(step)
+        return lambda: prune.after(step, old, st.params, lr, holding)
 
     def _reduce_among_holders(
         self, buf: torch.Tensor, broken: Callable[[], bool]
@@ -351,7 +370,9 @@ class PipelineStages(Strategy):
 
         step_before = self.state.step
         try:
-            info = self.pipe.sync(plan, broken, self.ctx.cfg.migration == "async", start_from)
+            # pruning reads every layer's current values each step: layers move blocking
+            moving = self.ctx.cfg.migration == "async" and self.state.prune is None
+            info = self.pipe.sync(plan, broken, moving, start_from)
         except LayersLost as exc:
             chosen = self.durable.newest(broken)
             if not chosen:  # every rank sees the same choice, so all raise together
