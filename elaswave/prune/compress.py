@@ -11,17 +11,17 @@ from __future__ import annotations
 
 import copy
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from elaswave.prune.families import LLAMA_LIKE, attention_shape
+from elaswave.prune.families import HEADS_FIXED, LLAMA_LIKE, attention_shape
 from elaswave.prune.groups import Family, flat_index
 from elaswave.runtime.workload.base import KeyedLayers, ParamRef
 
-__all__ = ["hf_config", "kept_groups", "matmul_flops", "shrink"]
+__all__ = ["fit_attention", "fit_shapes", "hf_config", "kept_groups", "matmul_flops", "shrink"]
 
 
 def matmul_flops(model: nn.Module) -> int:
@@ -35,24 +35,29 @@ def matmul_flops(model: nn.Module) -> int:
 
 
 def kept_groups(
-    families: Sequence[Family], model: KeyedLayers, flat: torch.Tensor, same_width: bool
+    families: Sequence[Family],
+    model: KeyedLayers,
+    flat: torch.Tensor,
+    same_width: bool,
+    whole: Collection[str] = (),
 ) -> list[list[int]]:
     """The groups each family keeps (sorted): those with a non-zero element; with
     ``same_width``, as many in every family of a kind as its widest keeps (lowest-index zero
-    groups added)."""
+    groups added); every group of the kinds in ``whole``."""
     kept = [
         torch.nonzero((flat[flat_index(f, model)] != 0).any(dim=1)).flatten().tolist()
         for f in families
     ]
-    if not same_width:
+    if not same_width and not whole:
         return kept
     width: dict[str, int] = defaultdict(int)
     for f, k in zip(families, kept, strict=True):
         width[f.kind] = max(width[f.kind], len(k))
     out = []
     for f, k in zip(families, kept, strict=True):
+        want = f.count if f.kind in whole else width[f.kind] if same_width else len(k)
         have = set(k)
-        pad = [j for j in range(f.count) if j not in have][: width[f.kind] - len(k)]
+        pad = [j for j in range(f.count) if j not in have][: want - len(k)]
         out.append(sorted(k + pad))
     return out
 
@@ -80,6 +85,8 @@ def shrink(model: KeyedLayers, families: Sequence[Family], kept: Sequence[Sequen
                 if buffer is not None:
                     setattr(module, stat, buffer.index_select(0, keep).clone())
         _resized(module)
+    for layer in model.layers:
+        fit_attention(layer)
 
 
 def _resized(module: nn.Module) -> None:
@@ -93,6 +100,17 @@ def _resized(module: nn.Module) -> None:
         module.out_channels, module.in_channels = weight.shape[0], weight.shape[1] * module.groups
     elif isinstance(module, nn.modules.batchnorm._BatchNorm) and weight is not None:
         module.num_features = weight.shape[0]
+
+
+def fit_attention(model: nn.Module) -> None:
+    """The head counts gpt2's attention reads, from its (sliced) fused ``c_attn``: it splits
+    the projection into q, k and v by ``split_size``, the other families by the weights'
+    shapes."""
+    for m in model.modules():
+        c_attn = getattr(m, "c_attn", None)
+        if hasattr(m, "split_size") and c_attn is not None and hasattr(m, "head_dim"):
+            m.split_size = c_attn.weight.shape[1] // 3
+            m.num_heads = m.split_size // m.head_dim
 
 
 def fit_shapes(model: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
@@ -109,6 +127,7 @@ def fit_shapes(model: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
         empty = torch.empty(tensor.shape, dtype=current.dtype, device=current.device)
         setattr(module, leaf, nn.Parameter(empty, requires_grad=current.requires_grad))
         _resized(module)
+    fit_attention(model)
 
 
 def hf_config(config: Any, families: Sequence[Family], kept: Sequence[Sequence[int]]) -> Any:
@@ -121,9 +140,11 @@ def hf_config(config: Any, families: Sequence[Family], kept: Sequence[Sequence[i
         widths[f.kind].append(len(k))
     width = {kind: max(w) for kind, w in widths.items()}
     out = copy.deepcopy(config)
-    if any(len(set(w)) > 1 for w in widths.values()):
-        out.elaswave_widths = dict(widths)
     kind = config.model_type
+    full = {f.kind: f.count for f in families}
+    fewer_heads = kind in HEADS_FIXED and width.get("attention", 0) < full.get("attention", 0)
+    if any(len(set(w)) > 1 for w in widths.values()) or fewer_heads:
+        out.elaswave_widths = dict(widths)  # the config keeps gpt2's and gpt_neox's head count
     if "attention" in width and kind in LLAMA_LIKE:
         heads, kv, out.head_dim = attention_shape(config)
         out.num_key_value_heads = width["attention"]

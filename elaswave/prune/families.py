@@ -1,11 +1,14 @@
 """The zero-invariant groups of the transformer families ElasWave trains: Hugging Face llama /
-qwen2 / mistral (GQA-aware attention heads and MLP channels), gpt2 and gpt_neox (MLP channels),
-and the built-in GPT (attention heads and MLP channels). Pure functions of a config and the
-layers' parameter names; the workloads declare them through
+qwen2 / mistral (GQA-aware attention heads and MLP channels), gpt2 (heads of its fused ``c_attn``
+``Conv1D``, MLP channels), gpt_neox (heads of its per-head interleaved ``query_key_value``, MLP
+channels) and the built-in GPT (attention heads and MLP channels). Pure functions of a config
+and the layers' parameter names; the workloads declare them through
 :meth:`Workload.zero_invariant_groups`.
 
-gpt2 and gpt_neox attention heads are left whole: their configs derive a head's width from the
-hidden size and the head count, so a model with fewer heads could not be written as one.
+gpt2's and gpt_neox's configs derive a head's width from the hidden size and the head count
+(:data:`HEADS_FIXED`), so a model with fewer heads cannot be written as one: its export keeps the
+config's head count and each layer's under ``elaswave_widths``
+(:func:`elaswave.prune.load.load_compressed` loads it; ``--pad`` keeps every head instead).
 """
 
 from __future__ import annotations
@@ -16,9 +19,10 @@ from torch import nn
 
 from elaswave.prune.groups import Family, Member
 
-__all__ = ["LLAMA_LIKE", "attention_shape", "gpt_families", "hf_families"]
+__all__ = ["HEADS_FIXED", "LLAMA_LIKE", "attention_shape", "gpt_families", "hf_families"]
 
 LLAMA_LIKE = ("llama", "qwen2", "mistral", "qwen3")
+HEADS_FIXED = ("gpt2", "gpt_neox")  # a head's width is hidden size / head count
 
 
 def _params(layer: nn.Module) -> set[str]:
@@ -67,6 +71,15 @@ def hf_families(config: Any, layers: list[tuple[int, nn.Module]]) -> list[Family
                 Family(f"layers.{index}.mlp", "mlp", config.intermediate_size, tuple(members))
             )
         elif kind == "gpt2":
+            e, heads = config.n_embd, config.n_head
+            hd, a = e // heads, "block.attn"
+            members = []
+            for third in range(3):  # Conv1D: (in, out); c_attn's outputs are [q | k | v]
+                members.append(Member((index, f"{a}.c_attn.weight"), 1, hd, third * e))
+                if f"{a}.c_attn.bias" in names:
+                    members.append(Member((index, f"{a}.c_attn.bias"), 0, hd, third * e))
+            members.append(Member((index, f"{a}.c_proj.weight"), 0, hd))
+            out.append(Family(f"layers.{index}.attention", "attention", heads, tuple(members)))
             inner = config.n_inner or 4 * config.n_embd
             m = "block.mlp"
             members = [Member((index, f"{m}.c_fc.weight"), 1)]  # Conv1D: (in, out)
@@ -75,6 +88,13 @@ def hf_families(config: Any, layers: list[tuple[int, nn.Module]]) -> list[Family
             members.append(Member((index, f"{m}.c_proj.weight"), 0))
             out.append(Family(f"layers.{index}.mlp", "mlp", inner, tuple(members)))
         elif kind == "gpt_neox":
+            heads = config.num_attention_heads
+            hd, a = config.hidden_size // heads, "block.attention"
+            members = [  # query_key_value's rows are [q_h k_h v_h] head by head
+                *_rows_and_bias(index, names, f"{a}.query_key_value", 3 * hd),
+                Member((index, f"{a}.dense.weight"), 1, hd),
+            ]
+            out.append(Family(f"layers.{index}.attention", "attention", heads, tuple(members)))
             m = "block.mlp"
             members = [
                 *_rows_and_bias(index, names, f"{m}.dense_h_to_4h", 1),

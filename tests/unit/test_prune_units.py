@@ -88,8 +88,8 @@ def test_unset_hyper_parameters_take_the_reference_defaults_of_the_optimizer() -
         ("gpt", [("attention", 4), ("mlp", 128)] * 2),
         ("llama-gqa", [("attention", 2), ("mlp", 48)] * 2),  # one group per key-value head
         ("qwen2-gqa", [("attention", 2), ("mlp", 48)] * 2),
-        ("gpt2", [("mlp", 128)] * 2),
-        ("gpt_neox", [("mlp", 48)] * 2),
+        ("gpt2", [("attention", 4), ("mlp", 128)] * 2),  # heads of the fused c_attn
+        ("gpt_neox", [("attention", 4), ("mlp", 48)] * 2),  # heads of the interleaved qkv
     ],
 )
 def test_each_family_finds_its_groups(name: str, expected: list) -> None:
@@ -411,7 +411,7 @@ def test_layers_of_different_widths_export_and_load(tmp_path: Path, name: str) -
     workload.export(model, tmp_path / "hf")
     widths = transformers.AutoConfig.from_pretrained(tmp_path / "hf").elaswave_widths
     assert widths["mlp"][0] == 2 * widths["mlp"][1], widths
-    if name == "llama":  # four key-value heads: two kept in one layer, one in the other
+    if name in ("llama", "gpt2", "gpt_neox"):  # four heads: two kept in one layer, one in the other
         assert widths["attention"] == [2, 1], widths
     with pytest.raises(Exception, match="size mismatch|mismatch"):
         transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
@@ -426,6 +426,34 @@ def test_layers_of_different_widths_export_and_load(tmp_path: Path, name: str) -
     assert after < padded < before and small.num_parameters() < wide.num_parameters()
     with torch.no_grad():
         torch.testing.assert_close(wide(ids).logits, sparse, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "gpt_neox"])
+def test_fewer_heads_of_one_width_keep_the_config_head_count(tmp_path: Path, name: str) -> None:
+    """gpt2's and gpt_neox's configs derive a head's width from the head count: half the heads
+    of every layer zeroed (a uniform run) exports with the config's head count and each layer's
+    under ``elaswave_widths``; ``load_compressed`` gives the sparse model's outputs."""
+    import transformers
+
+    from elaswave.export import compressed
+    from elaswave.prune.load import load_compressed
+
+    workload, model = _model(name)
+    families = find_groups(workload, model, ["attention"])
+    flat = FlatParams(model)
+    with torch.no_grad():
+        for f in families:
+            flat.data[flat_index(f, model)[1::2]] = 0.0
+    sparse = _outputs(workload, model, name)
+    compressed(workload, model, flat.data, ["attention"], uniform=True)
+    workload.export(model, tmp_path / "hf")
+    config = transformers.AutoConfig.from_pretrained(tmp_path / "hf")
+    assert config.num_attention_heads == 4 and config.elaswave_widths == {"attention": [2, 2]}
+    small = load_compressed(tmp_path / "hf")
+    torch.manual_seed(0)
+    ids = torch.randint(0, 64, (3, 8))
+    with torch.no_grad():
+        torch.testing.assert_close(small(ids).logits, sparse, rtol=0, atol=1e-5)
 
 
 def test_load_compressed_of_a_directory_without_weights_is_one_line(tmp_path: Path) -> None:
