@@ -29,6 +29,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", choices=("cuda", "cpu"), default=None,
                         help="gpustep: cuda (default), or cpu: a dry run of its "
                              "plumbing")  # fmt: skip
+    parser.add_argument("--parts", type=_parts, default=None, metavar="PART,...",
+                        help="hier: only these parts (dp, zero3, zero1, killed, wide, "
+                             "curve)")  # fmt: skip
     args = parser.parse_args(argv)
     if args.list:
         for name, module in sorted(SCENARIOS.items()):
@@ -57,6 +60,10 @@ def main(argv: list[str] | None = None) -> int:
             if args.scenario != "gpustep":
                 parser.error("--device is an option of the gpustep scenario only")
             extra["device"] = args.device
+        if args.parts is not None:
+            if args.scenario != "hier":
+                parser.error("--parts is an option of the hier scenario only")
+            extra["parts"] = args.parts
         result = module.run(repeat, args.config.resolve(), **extra)
     except BenchError as exc:
         console.print(f"[red]benchmark failed:[/red] {exc}", highlight=False, soft_wrap=True)
@@ -70,6 +77,16 @@ def main(argv: list[str] | None = None) -> int:
     module.show(result)
     console.print(f"result: {out}  ({result['duration_s']:.0f} s)")
     return 0
+
+
+def _parts(text: str) -> list[str]:
+    from bench.hier import PARTS
+
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    unknown = sorted(set(parts) - set(PARTS))
+    if not parts or unknown:
+        raise argparse.ArgumentTypeError(f"parts are {', '.join(PARTS)}; got {text!r}")
+    return parts
 
 
 def _sizes(text: str) -> list[int]:

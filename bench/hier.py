@@ -24,11 +24,19 @@ respawned: the MTTR of each (the report's), and the bytes in a window that start
 that host then has three workers for four lanes (the lost worker's lane goes to its first);
 each host should still send about 2 (H − 1) / H × M.
 
-ZeRO-3 (``zero3``, unshaped and 100 Mbit/s): the flat and the tiers job with ``zero: 3``. Each
-layer is all-gathered twice a step (flat: a ring over all 8 ranks, in both modes) and its gradient
-reduced as backward produces it, by tiers in ``auto`` (an all-reduce of which each rank keeps its
-part, as gloo's reduce-scatter is underneath): the tiers should save 2 (N − 1) / N − 2 (H − 1) / H
-= 0.75 M per host per step, the gathers' bytes being the same in both.
+ZeRO-3 (``zero3``, unshaped and 100 Mbit/s): three jobs with ``zero: 3``. Each layer is
+all-gathered for its forward (a ring over all 8 ranks) and again for its backward, and its
+gradient reduced as backward produces it. ``flat``: every collective over all ranks. ``tiers``
+(``hpz: off``): the gradient by tiers (an all-reduce of which each rank keeps its part, as gloo's
+reduce-scatter is underneath): 2 (N − 1) / N − 2 (H − 1) / H = 0.75 M per host per step less.
+``hpz``: the tiers, and each layer's backward gathered inside the host from the secondary parts
+its forward left (1/4 of the layer per rank): the backward ring's (N − 1) / N = 0.88 M per host
+less again (all layers but the last, which is gathered once).
+
+ZeRO-1 (``zero1``, unshaped and 100 Mbit/s): the flat and the tiers job with ``zero: 1``: the
+gradient all-reduced and the updated parameters all-gathered, over one ring each (3 (N − 1) / N
+= 2.63 M per host per step) or by tiers (2 (H − 1) / H + (H − 1) / H = 1.5 M: each host's
+block of shards crosses once, lane by lane).
 
 What int8 does to training: ``CURVE_STEPS`` steps of gpt-tiny (configs/gpt-tiny.yaml) on two
 hosts × two workers, float32, tiers with and without int8: the largest and the last relative
@@ -67,6 +75,11 @@ CURVE_CONFIG = Path(__file__).parents[1] / "configs" / "gpt-tiny.yaml"
 CURVE_STEPS = 200
 KILL_STEP, KILL_WINDOW = 3, 3  # the killed cell: fault at step 3, measured from step 6
 ZERO3_LINKS = ("unshaped", "100mbit")
+# what ``--parts`` picks from (all by default): data parallelism's links × modes, ZeRO-3's and
+# ZeRO-1's, the killed and the wide layout, and int8's curve
+PARTS = ("dp", "zero3", "zero1", "killed", "wide", "curve")
+# ZeRO-3's modes -> (the mode's hierarchy, train.hpz)
+ZERO3_MODES = {"flat": ("flat", "off"), "tiers": ("auto", "off"), "hpz": ("auto", "auto")}
 
 
 Cells = dict[str, dict[str, list[dict[str, Any]]]]  # link → mode → one result per round
@@ -92,42 +105,62 @@ def one_round(
     return grad
 
 
-def run(repeat: int, config: Path) -> dict[str, Any]:
+def run(repeat: int, config: Path, parts: list[str] | None = None) -> dict[str, Any]:
+    """Every part of :data:`PARTS` (``parts``: only those), ``repeat`` rounds each."""
     del config  # the 10 M llama, always
+    parts = list(PARTS) if parts is None else parts
     require_bed()
-    cells: Cells = {link: {mode: [] for mode in MODES} for link in LINKS}
+    cells: Cells = {link: {mode: [] for mode in MODES} for link in LINKS} if "dp" in parts else {}
     grad_bytes = 0
     killed: dict[str, list[dict[str, Any]]] = {"flat": [], "auto": []}
     wide: dict[str, list[dict[str, Any]]] = {mode: [] for mode in MODES}
-    zero3: Cells = {link: {"flat": [], "auto": []} for link in ZERO3_LINKS}
+    zero3: Cells = {link: {m: [] for m in ZERO3_MODES} for link in ZERO3_LINKS}
+    zero1: Cells = {link: {"flat": [], "auto": []} for link in ZERO3_LINKS}
     for i in range(repeat):
-        grad_bytes = one_round(cells, "hier", i, _one_job)
-        one_round(zero3, "hier-zero3", i, lambda *a: _one_job(*a, zero=3))
-        one_round({"unshaped": killed}, "hier-killed", i, lambda *a: _one_job(*a, killed=True))
-        one_round({"unshaped": wide}, "hier-wide", i, lambda *a: _one_job(*a, layout=WIDE))
-    with tempfile.TemporaryDirectory(prefix="elaswave-bench-") as tmp:
-        curves = {c: _curve(Path(tmp) / c, c) for c in ("off", "int8")}
-    exact, int8 = curves["off"], curves["int8"]
-    deviation = [abs(int8[s] - exact[s]) / abs(exact[s]) for s in sorted(exact)]
+        grad_bytes = one_round(cells, "hier", i, _one_job) or grad_bytes
+        if "zero3" in parts:
+            grad_bytes = one_round(zero3, "hier-zero3", i, _zero3_job) or grad_bytes
+        if "zero1" in parts:
+            grad_bytes = one_round(zero1, "hier-zero1", i, lambda *a: _one_job(*a, zero=1))
+        if "killed" in parts:
+            one_round({"unshaped": killed}, "hier-killed", i, lambda *a: _one_job(*a, killed=True))
+        if "wide" in parts:
+            one_round({"unshaped": wide}, "hier-wide", i, lambda *a: _one_job(*a, layout=WIDE))
+    curve = None
+    if "curve" in parts:
+        with tempfile.TemporaryDirectory(prefix="elaswave-bench-") as tmp:
+            curves = {c: _curve(Path(tmp) / c, c) for c in ("off", "int8")}
+        exact, int8 = curves["off"], curves["int8"]
+        deviation = [abs(int8[s] - exact[s]) / abs(exact[s]) for s in sorted(exact)]
+        curve = {
+            "steps": CURVE_STEPS,
+            "max_rel_deviation": max(deviation),
+            "final_rel_deviation": deviation[-1],
+            "final_loss": {"exact": exact[CURVE_STEPS], "int8": int8[CURVE_STEPS]},
+        }
+    theory = _theory(HOSTS, PER_HOST)
     return {
         "scenario": "hier",
         "repeat": repeat,
+        "parts": parts,
         "hosts": HOSTS,
         "per_host": PER_HOST,
         "steps": STEPS,
         "warm": WARM,
         "grad_bytes": grad_bytes,
-        "theory_per_host": _theory(HOSTS, PER_HOST),
+        "theory_per_host": theory,
         "cells": cells,
-        "killed": killed,
-        "wide": {"layout": list(WIDE), "cells": wide, "theory_per_host": _theory(*WIDE)},
-        "zero3": {"cells": zero3, "theory_saved": _theory(HOSTS, PER_HOST)["flat"] - 1.0},
-        "curve": {
-            "steps": CURVE_STEPS,
-            "max_rel_deviation": max(deviation),
-            "final_rel_deviation": deviation[-1],
-            "final_loss": {"exact": exact[CURVE_STEPS], "int8": int8[CURVE_STEPS]},
-        },
+        "killed": killed if "killed" in parts else None,
+        "wide": {"layout": list(WIDE), "cells": wide, "theory_per_host": _theory(*WIDE)}
+        if "wide" in parts
+        else None,
+        "zero3": {"cells": zero3, "theory_saved": theory["flat"] - 1.0}
+        if "zero3" in parts
+        else None,
+        "zero1": {"cells": zero1, "theory_per_host": _zero1_theory(HOSTS, PER_HOST)}
+        if "zero1" in parts
+        else None,
+        "curve": curve,
     }
 
 
@@ -136,6 +169,17 @@ def _theory(hosts: int, per_host: int) -> dict[str, float]:
     n = hosts * per_host
     return {"flat": 2 * (n - 1) / n, "auto": 2 * (hosts - 1) / hosts,
             "int8": (hosts - 1) / 4 * (1 + 4 / 256)}  # fmt: skip
+
+
+def _zero3_job(tmp: Path, job: str, link: str, mode: str) -> tuple[dict[str, Any], int]:
+    hierarchy, hpz = ZERO3_MODES[mode]
+    return _one_job(tmp, job, link, hierarchy, zero=3, hpz=hpz)
+
+
+def _zero1_theory(hosts: int, per_host: int) -> dict[str, float]:
+    """ZeRO-1's bytes per host per step across, × M: the all-reduce and the all-gather."""
+    n = hosts * per_host
+    return {"flat": 3 * (n - 1) / n, "auto": 3 * (hosts - 1) / hosts}
 
 
 def _one_job(
@@ -147,16 +191,18 @@ def _one_job(
     killed: bool = False,
     layout: tuple[int, int] = (HOSTS, PER_HOST),
     zero: int = 0,
+    hpz: str = "off",
 ) -> tuple[dict[str, Any], int]:
     """One job's bytes per host per step and median step over the window (``killed``: rank 1
     SIGKILLed at ``KILL_STEP``; the window after the new plan; ``zero``: the data-parallel
-    mode)."""
+    mode; ``hpz``: ZeRO-3's host-local backward gathers)."""
     hierarchy, compress = MODES[mode]
     warm = KILL_STEP + KILL_WINDOW if killed else WARM
     steps = warm + STEPS - WARM
     cfg = write_config(tmp / "job.yaml", CONFIG, {
         "zero": zero,
-        "train": {"steps": steps, "hierarchy": hierarchy, "grad_compress": compress},
+        "train": {"steps": steps, "hierarchy": hierarchy, "grad_compress": compress,
+                  "hpz": hpz},
         "elastic": {"nproc_per_node": layout[1], "nnodes": f"{layout[0]}:{layout[0]}"},
     })  # fmt: skip
     bed = netbed.NetBed(tmp, config=cfg, hosts=layout[0])
@@ -172,7 +218,7 @@ def _one_job(
         t0, t1 = commits[warm], commits[steps]
         sent = sent_between(samples, t0, t1)
         times = diffs([commits[s] for s in range(warm, steps + 1)])
-        grad = grad_bytes_of(bed)
+        grad = grad_bytes_of(bed, sharded=zero == 3)
         mttr = None
         if killed:
             from elaswave.report import build_report
@@ -286,10 +332,16 @@ def _events(bed: Any, kind: str) -> list[dict[str, Any]]:
             if e["kind"] == kind]  # fmt: skip
 
 
-def grad_bytes_of(bed: Any) -> int:
-    """The reduction buffer's bytes (every rank's parameters, float32, and a short tail)."""
-    (first, *_) = _events(bed, "memory") or [{}]
-    return int(first.get("param_bytes", 0))
+def grad_bytes_of(bed: Any, sharded: bool = False) -> int:
+    """The reduction buffer's bytes (every rank's parameters, float32, and a short tail); with
+    ``sharded`` (ZeRO-3: a rank holds its shard only), the first plan's shards added up."""
+    memory = _events(bed, "memory")
+    if not memory:
+        return 0
+    if not sharded:
+        return int(memory[0].get("param_bytes", 0))
+    first = {e["worker"]: e["param_bytes"] for e in memory if e.get("epoch") == 1}
+    return int(sum(first.values()))
 
 
 def tier_groups(bed: Any) -> list[str]:
@@ -297,33 +349,19 @@ def tier_groups(bed: Any) -> list[str]:
     return sorted(g for g in built if g.startswith("dp."))
 
 
+def _medians(modes: dict[str, list[dict[str, Any]]]) -> tuple[dict[str, float], dict[str, float]]:
+    """Each mode's median over rounds of its bytes per host per step, and of its step time."""
+    sent = {m: statistics.median(statistics.mean(c["per_host_bytes_per_step"]) for c in cs)
+            for m, cs in modes.items()}  # fmt: skip
+    return sent, {m: statistics.median(c["step_s"] for c in cs) for m, cs in modes.items()}
+
+
 def show(result: dict[str, Any]) -> None:
     grad = result["grad_bytes"] or 1
     mb = 1 / 2**20
-    rows = []
-    for link, modes in result["cells"].items():
-        med = {
-            mode: (
-                statistics.median(statistics.mean(c["per_host_bytes_per_step"]) for c in cells),
-                statistics.median(c["step_s"] for c in cells),
-            )
-            for mode, cells in modes.items()
-        }
-        (fb, ft), (hb, ht), (qb, qt) = med["flat"], med["auto"], med["int8"]
-        rows.append((link, f"{fb * mb:.1f} ({fb / grad:.2f} M)",
-                     f"{hb * mb:.1f} ({hb / grad:.2f} M)", f"{qb * mb:.1f} ({qb / grad:.2f} M)",
-                     f"{fb / hb:.2f}", f"{ft:.2f}", f"{ht:.2f}", f"{qt:.2f}", f"{ht / ft:.2f}",
-                     f"{qt / ft:.2f}"))  # fmt: skip
+    if result["cells"]:
+        _show_dp(result, grad, mb)
     theory = result["theory_per_host"]
-    print_table(
-        f"Flat ring vs tiers vs tiers with int8 lanes, {result['hosts']} hosts × "
-        f"{result['per_host']} workers (M = {grad * mb:.1f} MB of gradient; theory per host: "
-        f"flat {theory['flat']:.2f} M, tiers {theory['auto']:.2f} M, int8 "
-        f"{theory['int8']:.2f} M)",
-        ("link", "flat: MB/host/step", "tiers", "tiers int8", "flat / tiers bytes",
-         "flat step s", "tiers step s", "int8 step s", "tiers / flat", "int8 / flat"),
-        rows,
-    )  # fmt: skip
     for mode, killed in (result.get("killed") or {}).items():
         per_host = [statistics.median(c["per_host_bytes_per_step"][h] for c in killed)
                     for h in range(result["hosts"])]  # fmt: skip
@@ -356,25 +394,69 @@ def show(result: dict[str, Any]) -> None:
     if zero3:
         rows = []
         for link, modes in zero3["cells"].items():
-            b = {m: statistics.median(statistics.mean(c["per_host_bytes_per_step"]) for c in cs)
-                 for m, cs in modes.items()}  # fmt: skip
-            t = {m: statistics.median(c["step_s"] for c in cs) for m, cs in modes.items()}
-            rows.append((link, f"{b['flat'] * mb:.1f} ({b['flat'] / grad:.2f} M)",
-                         f"{b['auto'] * mb:.1f} ({b['auto'] / grad:.2f} M)",
-                         f"{(b['flat'] - b['auto']) / grad:.2f}", f"{t['flat']:.2f}",
-                         f"{t['auto']:.2f}", f"{t['auto'] / t['flat']:.2f}"))  # fmt: skip
+            b, t = _medians(modes)
+            sent = [f"{b[m] * mb:.1f} ({b[m] / grad:.2f} M)" for m in ZERO3_MODES]
+            steps = [f"{t[m]:.2f}" for m in ZERO3_MODES]
+            ratios = [f"{t[m] / t['flat']:.2f}" for m in ("tiers", "hpz")]
+            rows.append((link, *sent, *steps, *ratios))
         print_table(
-            f"ZeRO-3, {result['hosts']} hosts × {result['per_host']} workers: each layer's "
-            f"gradient flat vs by tiers (the gathers flat in both; theory: tiers save "
-            f"{zero3['theory_saved']:.2f} M per host)",
-            ("link", "flat: MB/host/step", "tiers", "saved × M", "flat step s", "tiers step s",
-             "tiers / flat"),
+            f"ZeRO-3, {result['hosts']} hosts × {result['per_host']} workers: flat; the "
+            f"gradient by tiers (theory: {zero3['theory_saved']:.2f} M per host less); and the "
+            f"backward gathers inside the host (hpz)",
+            ("link", "flat: MB/host/step", "tiers", "hpz", "flat step s", "tiers step s",
+             "hpz step s", "tiers / flat", "hpz / flat"),
+            rows,
+        )  # fmt: skip
+    zero1 = result.get("zero1")
+    if zero1:
+        rows = []
+        for link, modes in zero1["cells"].items():
+            b, t = _medians(modes)
+            theory = zero1["theory_per_host"]
+            rows.append((link, *(f"{b[m] * mb:.1f} ({b[m] / grad:.2f} M; {theory[m]:.2f})"
+                                 for m in ("flat", "auto")),
+                         f"{b['flat'] / b['auto']:.2f}", f"{t['flat']:.2f}", f"{t['auto']:.2f}",
+                         f"{t['auto'] / t['flat']:.2f}"))  # fmt: skip
+        print_table(
+            f"ZeRO-1, {result['hosts']} hosts × {result['per_host']} workers: the gradient's "
+            "all-reduce and the parameters' all-gather, flat vs by tiers (theory × M)",
+            ("link", "flat: MB/host/step", "tiers", "flat / tiers", "flat step s",
+             "tiers step s", "tiers / flat"),
             rows,
         )  # fmt: skip
     curve = result["curve"]
+    if not curve:
+        return
     print_table(
         f"int8 lanes vs exact tiers, gpt-tiny, 2 hosts × 2 workers, {curve['steps']} steps",
         ("max relative loss deviation", "at the last step", "last loss exact", "last loss int8"),
         [(f"{curve['max_rel_deviation']:.2e}", f"{curve['final_rel_deviation']:.2e}",
           f"{curve['final_loss']['exact']:.4f}", f"{curve['final_loss']['int8']:.4f}")],
+    )  # fmt: skip
+
+
+def _show_dp(result: dict[str, Any], grad: float, mb: float) -> None:
+    rows = []
+    for link, modes in result["cells"].items():
+        med = {
+            mode: (
+                statistics.median(statistics.mean(c["per_host_bytes_per_step"]) for c in cells),
+                statistics.median(c["step_s"] for c in cells),
+            )
+            for mode, cells in modes.items()
+        }
+        (fb, ft), (hb, ht), (qb, qt) = med["flat"], med["auto"], med["int8"]
+        rows.append((link, f"{fb * mb:.1f} ({fb / grad:.2f} M)",
+                     f"{hb * mb:.1f} ({hb / grad:.2f} M)", f"{qb * mb:.1f} ({qb / grad:.2f} M)",
+                     f"{fb / hb:.2f}", f"{ft:.2f}", f"{ht:.2f}", f"{qt:.2f}", f"{ht / ft:.2f}",
+                     f"{qt / ft:.2f}"))  # fmt: skip
+    theory = result["theory_per_host"]
+    print_table(
+        f"Flat ring vs tiers vs tiers with int8 lanes, {result['hosts']} hosts × "
+        f"{result['per_host']} workers (M = {grad * mb:.1f} MB of gradient; theory per host: "
+        f"flat {theory['flat']:.2f} M, tiers {theory['auto']:.2f} M, int8 "
+        f"{theory['int8']:.2f} M)",
+        ("link", "flat: MB/host/step", "tiers", "tiers int8", "flat / tiers bytes",
+         "flat step s", "tiers step s", "int8 step s", "tiers / flat", "int8 / flat"),
+        rows,
     )  # fmt: skip

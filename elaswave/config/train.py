@@ -80,6 +80,12 @@ class TrainConfig:
     # rounded to half a step per value): off (default) or int8. Needs hierarchy auto; data
     # parallelism, replicated or ZeRO-1 or ZeRO-3 (pipelines reduce flat).
     grad_compress: str = "off"
+    # ZeRO-3's hpZ: "auto" keeps, from each layer's forward gather, a secondary partition of it
+    # over the host's ranks (1/k of the layer each, held until its backward), so the backward
+    # gather stays inside the host; used when the gradient goes by tiers and every host of the
+    # plan has two ranks or more (a lone rank would hold whole layers). "off": every gather
+    # goes over every rank.
+    hpz: str = "auto"
     # A fault in the middle of a step: survivors keep the micro-batches they finished and only
     # the lost ones are computed again (data parallelism and ZeRO-1; pipelines redo the step).
     # false: the whole step is redone (for comparisons).
@@ -109,6 +115,8 @@ class TrainConfig:
             )
         if self.hierarchy not in ("auto", "flat"):
             raise ConfigError(f"train.hierarchy must be auto or flat, got {self.hierarchy!r}")
+        if self.hpz not in ("auto", "off"):
+            raise ConfigError(f"train.hpz must be auto or off, got {self.hpz!r}")
         if self.grad_compress not in ("off", "int8"):
             raise ConfigError(
                 f"train.grad_compress must be off or int8, got {self.grad_compress!r}"

@@ -128,6 +128,21 @@ class Tiers:
         n = len(self.racks[r])
         return [q for q in range(self.sublanes) if q % n == i]
 
+    def secondary(self, rank: int) -> tuple[str, int, int] | None:
+        """ZeRO-3's host-local secondary partition (hpZ) for ``rank``: (its host's group, its
+        index in it, the host's ranks); None when some host of the plan has a single rank (it
+        would keep whole layers), so that every rank gathers alike.
+
+            >>> Tiers(((0, 1), (2, 3, 4))).secondary(3)
+            ('dp.host1', 1, 3)
+            >>> Tiers(((0, 1), (2,))).secondary(0) is None
+            True
+        """
+        if min(len(ranks) for ranks in self.hosts) < 2:
+            return None
+        h, i = self.place(rank)
+        return f"{HOST}{h}", i, len(self.hosts[h])
+
     def groups(self, workers: Sequence[str]) -> dict[str, tuple[str, ...]]:
         """The process groups of the tiers, by name, members in rank order (a host of one rank
         needs no host group, a rack of one host no rack group)."""

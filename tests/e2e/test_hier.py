@@ -77,13 +77,19 @@ def test_tiers_reduce_what_the_flat_ring_reduces_through_a_kill_and_a_respawn(
     assert _lanes_built(flat) == set()
 
 
-def test_zero3_reduces_each_layer_by_tiers_what_data_parallelism_reduces(
-    netbed_factory: Any, state_env: dict[str, str], single_host: Run
+@pytest.mark.parametrize("zero", [1, 3], ids=["zero1", "zero3"])
+def test_zero_sharded_by_tiers_is_what_data_parallelism_computes(
+    netbed_factory: Any, state_env: dict[str, str], single_host: Run, zero: int
 ) -> None:
-    """``--zero 3``: each layer's gradient reduced by tiers as backward produces it (every rank
-    keeps its part), through the same kill (uneven hosts) and respawn: the single-host
-    replicated run's losses and final state bit for bit."""
-    run = _run(netbed_factory(hosts=2, name="zero3"), "hier-zero3", "auto", state_env, zero=3)
+    """``--zero 1``: the gradient all-reduced and the updated parameters all-gathered by tiers
+    (each host's shards inside the host, each lane of them between the hosts, shared back).
+    ``--zero 3``: each layer's gradient reduced by tiers as backward produces it (every rank
+    keeps its part), and each layer's backward gathered inside the host from the secondary
+    parts its forward left (hpZ) while both hosts have two ranks. Through the same kill (hosts
+    of 2 and 1: lanes of unequal widths, and no hpZ) and respawn: the single-host replicated
+    run's losses and final state bit for bit."""
+    bed = netbed_factory(hosts=2, name=f"zero{zero}")
+    run = _run(bed, f"hier-zero{zero}", "auto", state_env, zero=zero)
     assert_clean_run(run, STEPS, single_host)
     assert run.losses == single_host.losses
     worlds = [p["world"] for p in run.of("plan_published")]
@@ -93,6 +99,11 @@ def test_zero3_reduces_each_layer_by_tiers_what_data_parallelism_reduces(
             f[key] for f in single_host.of("final_state")
         }
     assert _lanes_built(run) >= {"dp.host0", "dp.host1", "dp.lane0", "dp.lane1"}
+    if zero == 3:  # hpZ while every host has two ranks
+        world = {p["epoch"]: p["world"] for p in run.of("plan_published")}
+        hpz = {(e["epoch"], e["hpz"]) for e in run.of("state_synced")}
+        assert hpz == {(epoch, world[epoch] == 4) for epoch, _ in hpz}, hpz
+        assert {on for _, on in hpz} == {True, False}, hpz
 
 
 def test_int8_between_hosts_keeps_every_rank_on_one_curve_near_the_exact_one(

@@ -168,7 +168,7 @@ SCRIPT = textwrap.dedent(
     import torch.distributed as dist
     from elaswave.planning.tiers import tiers_of
     from elaswave.runtime.comm.communicator import Communicator
-    from elaswave.runtime.comm.tiered import allreduce_tiered
+    from elaswave.runtime.comm.tiered import allgather_tiered, allreduce_tiered
 
     HOSTS, RACKS = json.loads(sys.argv[1])
     WORKERS = [f"w{r}" for r in range(len(HOSTS))]
@@ -200,7 +200,13 @@ SCRIPT = textwrap.dedent(
                 allreduce_tiered(comm, "dp", tiers, tiered, never)
                 # all but the last value (a count, say) cross between hosts as int8
                 allreduce_tiered(comm, "dp", tiers, int8, never, compressed=n - 1)
-                got[n] = [flat.tolist(), tiered.tolist(), int8.tolist()]
+                part = values(rank, n)
+                rings = part.new_empty(len(HOSTS) * n)
+                comm.allgather_into("dp", rings, part, never)
+                gathered = part.new_full((len(HOSTS) * n,), float("nan"))
+                allgather_tiered(comm, "dp", tiers, gathered, part, never)
+                got[n] = [flat.tolist(), tiered.tolist(), int8.tolist(), rings.tolist(),
+                          gathered.tolist()]
             out[rank] = got
         except BaseException as exc:
             errors.append(repr(exc))
@@ -241,9 +247,10 @@ def test_three_levels_sum_what_the_flat_ring_sums() -> None:
     result = _collectives(RACKED, RACKS)
     int8 = set()
     for rank, got in result["out"].items():
-        for n, (flat, tiered, compressed) in got.items():
+        for n, (flat, tiered, compressed, rings, gathered) in got.items():
             assert tiered == flat, (rank, n)
             assert compressed == pytest.approx(flat, abs=0.1), (rank, n)
+            assert gathered == rings, (rank, n)
             int8.add((n, tuple(compressed)))
     assert len(int8) == 3  # one result per size, on every rank
     big = next(v for n, v in int8 if n == "1000")
@@ -254,9 +261,20 @@ def test_the_tiered_all_reduce_sums_what_the_flat_ring_sums(collectives: dict) -
     """Every rank ends with the same sums as a flat ring's, bit for bit (float32 values summed
     in float64), on uneven hosts, with a lane left empty by a short buffer."""
     for rank, got in collectives["out"].items():
-        for n, (flat, tiered, _) in got.items():
+        for n, (flat, tiered, *_) in got.items():
             assert tiered == flat, (rank, n)
             assert tiered == pytest.approx(collectives["expected"][n], abs=1e-12)
+
+
+def test_the_tiered_all_gather_gathers_what_the_flat_ring_gathers(collectives: dict) -> None:
+    """Every rank ends with every rank's part in rank order, as the flat ring gives it: host
+    blocks of two and three parts, lanes of unequal widths, and lanes left empty by parts of
+    two values (a block of four values in three lanes)."""
+    for rank, got in collectives["out"].items():
+        for n, (*_, rings, gathered) in got.items():
+            assert gathered == rings, (rank, n)
+            parts = [_values(r, int(n)) for r in range(len(HOSTS))]
+            assert gathered == [x for part in parts for x in part], (rank, n)
 
 
 def test_the_int8_hop_gives_every_rank_the_same_sums_within_the_rounding(

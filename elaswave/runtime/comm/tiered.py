@@ -2,7 +2,12 @@
 all-reduced between the hosts by one rank per host (as int8 with ``train.grad_compress: int8``:
 :mod:`~elaswave.runtime.comm.compress`), each lane shared back inside the host. With racks, a
 lane is summed inside each rack, its slices all-reduced between the racks (int8 there, the slowest
-hop, when compressed) and shared back inside the rack."""
+hop, when compressed) and shared back inside the rack.
+
+The all-gather by tiers: each host's parts gathered inside the host (its *block*), each lane of
+every block gathered between the hosts by one rank per host, each lane shared back inside the
+host. A host sends its own block across once per other host, ``(H - 1) / H × M`` in all, where a
+flat ring's hosts send ``(N - 1) / N × M`` each."""
 
 from __future__ import annotations
 
@@ -12,6 +17,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from elaswave.planning.tiers import CROSS, HOST, LANE, RACK_LANE, Tiers, lane_bounds
+
+__all__ = ["allgather_tiered", "allreduce_tiered"]
 from elaswave.runtime.comm.compress import allreduce_int8
 
 if TYPE_CHECKING:
@@ -92,3 +99,53 @@ def _across_racks(
         for q in range(tiers.sublanes):
             if subs[q] < subs[q + 1]:
                 comm.broadcast(inside, values[subs[q] : subs[q + 1]], q % n, abort)
+
+
+def allgather_tiered(
+    comm: Communicator,
+    flat: str,
+    tiers: Tiers | None,
+    out: torch.Tensor,
+    part: torch.Tensor,
+    abort: Callable[[], bool],
+) -> None:
+    """Concatenate every rank's equally sized ``part`` into ``out`` (rank order) over group
+    ``flat`` (whose rank ``r`` is the tiers' rank ``r``): by hosts and lanes, or with one ring
+    over every rank without tiers (or with racks: the lanes' groups are the racks' then)."""
+    if tiers is None or tiers.racks:
+        comm.allgather_into(flat, out, part, abort)
+        return
+    rank, size = comm.rank(flat), part.numel()
+    if size == 0:
+        return
+    h, _ = tiers.place(rank)
+    mine = tiers.hosts[h]
+    host = f"{HOST}{h}" if len(mine) > 1 else None
+    block = part.new_empty(len(mine) * size)
+    if host:
+        comm.allgather_into(host, block, part, abort)
+    else:
+        block.copy_(part)
+    bounds = [lane_bounds(len(ranks) * size, tiers.lanes) for ranks in tiers.hosts]
+    width = max(b[j + 1] - b[j] for b in bounds for j in range(tiers.lanes))
+    hosts = len(tiers.hosts)
+    lanes: dict[int, torch.Tensor] = {}
+    for j in tiers.my_lanes(rank):  # ascending on every rank: no cycle between lane groups
+        a, b = bounds[h][j], bounds[h][j + 1]
+        piece = part.new_zeros(width)
+        piece[: b - a] = block[a:b]
+        lanes[j] = part.new_empty(hosts * width)
+        comm.allgather_into(f"{LANE}{j}", lanes[j], piece, abort)
+    for j in range(tiers.lanes):
+        if j not in lanes:
+            lanes[j] = part.new_empty(hosts * width)
+        if host:
+            comm.broadcast(host, lanes[j], tiers.owner_index(h, j), abort)
+    for g, ranks in enumerate(tiers.hosts):
+        pieces = [
+            lanes[j][g * width : g * width + bounds[g][j + 1] - bounds[g][j]]
+            for j in range(tiers.lanes)
+        ]
+        blk = torch.cat(pieces)
+        for i, r in enumerate(ranks):
+            out[r * size : (r + 1) * size] = blk[i * size : (i + 1) * size]

@@ -82,6 +82,7 @@ class _Gathering:
     layer: int
     out: torch.Tensor
     work: Pending | None
+    piece: torch.Tensor | None = None  # hpZ: this rank's secondary part, gathered in its host
 
 
 @dataclass
@@ -113,6 +114,11 @@ class LayerGather:
         self.native, self.prefetch = native, prefetch
         self.slots = [_slots(layer) for layer in model.layers]
         self.tiers: Tiers | None = None  # the plan's tiers: gradients reduced by them
+        # hpZ: (the host's group, this rank's index in it, the host's ranks), or None: each
+        # layer's forward gather leaves this rank its secondary part of the layer, which the
+        # layer's backward gathers inside the host (see ``_keep``)
+        self.secondary: tuple[str, int, int] | None = None
+        self._kept: dict[int, torch.Tensor] = {}
         self.compressed = False  # by tiers, the hop between hosts as int8
         # the most bytes held at once during the last step: of gathered layers' parameters, of
         # layer gradients (and their reduction's buffers), and of both together
@@ -139,6 +145,9 @@ class LayerGather:
     ) -> torch.Tensor:
         """Layer ``g.layer``'s parameters, whole and in flat order."""
         self._wait(g.work, abort)
+        if g.piece is not None:  # from the host's secondary parts: in flat order already
+            self._drop(g.piece)
+            return g.out[: shards.cuts[g.layer].length]
         layer = unpack_layer(g.out, shards.cuts[g.layer])
         self._hold(layer)
         self._drop(g.out)
@@ -223,7 +232,7 @@ class LayerGather:
         reduction's dtype) receives the batch's gradient sums of its part. Returns the
         micro-batches' loss sum (float64) and count."""
         model, layers = self.model, len(self.model.layers)
-        self.waited, self._live = 0.0, [0, 0]
+        self.waited, self._live, self._kept = 0.0, [0, 0], {}
         self.peak_params = self.peak_grads = self.peak = 0
         acts: list[list[Any] | None] = [[b.inputs for b in batches]]
         pending = self._post(shards, 0 if layers > 1 else layers - 1, abort)
@@ -231,6 +240,7 @@ class LayerGather:
             for i in range(layers - 1):  # forward, no graph kept: only each layer's inputs
                 flat = self.finish_gather(pending, shards, abort)
                 pending = self._post(shards, i + 1, abort) if self.prefetch else None
+                self._keep(i, flat)
                 with self.filled(i, flat), torch.no_grad():
                     xs = acts[i]
                     assert xs is not None
@@ -317,6 +327,7 @@ class LayerGather:
         each batch's (loss sum, count). Every rank calls it together, with its own batches."""
         model, layers = self.model, len(self.model.layers)
         xs = [b.inputs for b in batches]
+        self._kept = {}
         pending = self._post(shards, 0, abort)
         try:
             for i in range(layers):
@@ -342,7 +353,31 @@ class LayerGather:
 
     # ---- helpers --------------------------------------------------------------------------------
     def _post(self, shards: ParamShards, i: int, abort: Callable[[], bool]) -> _Gathering:
-        return self.post_gather(shards, i, abort)
+        """Post layer ``i``'s gather: inside the host from the secondary parts where this step's
+        forward kept them (hpZ), else over every rank."""
+        piece = self._kept.pop(i, None)
+        if piece is None:
+            return self.post_gather(shards, i, abort)
+        assert self.secondary is not None
+        group, _, k = self.secondary
+        out = piece.new_empty(k * piece.numel())
+        self._hold(out)
+        return _Gathering(i, out, self.comm.start_allgather(group, out, piece, abort), piece)
+
+    def _keep(self, i: int, flat: torch.Tensor) -> None:
+        """hpZ: this rank's secondary part of layer ``i`` (``flat``, gathered whole for its
+        forward): the ``j``-th of ``k`` contiguous slices of the layer in flat order (padded to
+        one size), held until the layer's backward gathers the host's parts again."""
+        if self.secondary is None:
+            return
+        _, j, k = self.secondary
+        n = flat.numel()
+        size = -(-n // k)
+        a, b = min(n, j * size), min(n, (j + 1) * size)
+        piece = flat.new_zeros(size)
+        piece[: b - a] = flat[a:b]
+        self._kept[i] = piece
+        self._hold(piece)
 
     def _wait(self, work: Pending | None, abort: Callable[[], bool]) -> None:
         if work is not None:

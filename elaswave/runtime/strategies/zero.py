@@ -53,7 +53,7 @@ from elaswave.planning.shards import (
 from elaswave.planning.tiers import Tiers
 from elaswave.prune.pruner import Pruner
 from elaswave.runtime.comm.communicator import Communicator
-from elaswave.runtime.comm.tiered import allreduce_tiered
+from elaswave.runtime.comm.tiered import allgather_tiered, allreduce_tiered
 from elaswave.runtime.integrity.checksums import fast_checksum
 from elaswave.runtime.optim import (
     FlatOptimizer,
@@ -100,7 +100,7 @@ class ZeroState:
     # only its part of the sums, and clipping takes the global norm from every rank's per-layer
     # squares of its part (``shard_sumsq``, one more all-reduce of a float per layer).
     native_reduce_scatter: bool = False
-    tiers: Tiers | None = None  # the all-reduce by hosts (without a native reduce-scatter)
+    tiers: Tiers | None = None  # the all-reduce and all-gather by hosts (gloo: no native ones)
     compressed: bool = False  # train.grad_compress int8: the gradient crosses hosts as int8
     snapshot_every: int = 1  # replicate every K committed steps (0: never)
     prune: Pruner | None = None  # train.prune: DHSPG on the whole updated parameters
@@ -233,7 +233,7 @@ class ZeroState:
         opt.step_count = step - 1
         opt.step(param, grad, self.groups)
         gathered = self.flat.data.new_empty(world * size)
-        comm.allgather_into(DP, gathered, param, abort)
+        allgather_tiered(comm, DP, self.tiers, gathered, param, abort)  # by hosts where tiered
         if self.prune is not None and self.prune.active(step):
             gathered = self._pruned(step, gathered, param)
         if self.is_snapshot(step):

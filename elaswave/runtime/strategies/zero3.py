@@ -160,7 +160,14 @@ class Zero3(Zero1):
         the reduction is flat)."""
         out = super().groups(plan)
         self.path.tiers = self.tiers
+        hpz = self.tiers is not None and self.ctx.cfg.train.hpz == "auto"
+        rank = plan.workers.index(self.ctx.worker)
+        self.path.secondary = self.tiers.secondary(rank) if hpz and self.tiers else None
         return out
+
+    def sync(self, plan: Plan, broken: Callable[[], bool]) -> dict[str, Any]:
+        """ZeRO-1's, and whether this plan's backward gathers stay inside the hosts (hpZ)."""
+        return {**super().sync(plan, broken), "hpz": self.path.secondary is not None}
 
     def partial_row(self) -> list[float]:
         """[the step this rank began and did not commit (-1: none), then nothing kept]."""
