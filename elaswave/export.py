@@ -114,7 +114,9 @@ def export_model(
     before = cpu_latency(model, sample) if sample is not None else None
     if compress:
         uniform = cfg.train.prune is not None and cfg.train.prune.uniform
-        sizes, flops = compressed(workload, model, flat.data, kinds, pad=pad, uniform=uniform)
+        sizes, flops = compressed(
+            workload, model, flat.data, kinds, pad=pad, uniform=uniform, sample=sample
+        )
         if before is not None:
             after = cpu_latency(model, sample)
             latency, runs = (before[0], after[0]), (before[1], after[1])
@@ -177,6 +179,7 @@ def compressed(
     *,
     pad: bool = False,
     uniform: bool = False,
+    sample: Any = None,
 ) -> tuple[tuple[int, int], tuple[int, int]]:
     """Shrink ``model`` (holding ``flat``, a pruned run's parameters) to its non-zero groups;
     a Hugging Face workload's config takes the new widths: the widest layer's, with each
@@ -184,12 +187,13 @@ def compressed(
     ``pad``: every layer padded with zero groups to a width its config can express, the widest
     layer's, every head of gpt2 and gpt_neox, so that ``from_pretrained`` loads it; ``uniform``:
     every layer as wide as the widest). Returns the parameter counts and the matrix FLOPs per
-    sample or token (:func:`~elaswave.prune.compress.matmul_flops`), each before and after."""
+    sample or token (:func:`~elaswave.prune.compress.matmul_flops`; convolutions counted at the
+    size of ``sample``'s inputs), each before and after."""
     from elaswave.prune.compress import hf_config, kept_groups, matmul_flops, shrink
     from elaswave.prune.families import HEADS_FIXED
     from elaswave.prune.groups import find_groups
 
-    before, flops = sum(p.numel() for p in model.parameters()), matmul_flops(model)
+    before, flops = sum(p.numel() for p in model.parameters()), matmul_flops(model, sample)
     families = find_groups(workload, model, kinds)
     hf = getattr(workload, "config", None) is not None and hasattr(workload, "hf_names")
     fixed = hf and pad and getattr(workload.config, "model_type", "") in HEADS_FIXED
@@ -199,4 +203,4 @@ def compressed(
     if hf:
         workload.config = hf_config(workload.config, families, kept)
     after = sum(p.numel() for p in model.parameters())
-    return (before, after), (flops, matmul_flops(model))
+    return (before, after), (flops, matmul_flops(model, sample))

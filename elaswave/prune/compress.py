@@ -24,14 +24,35 @@ from elaswave.runtime.workload.base import KeyedLayers, ParamRef
 __all__ = ["fit_attention", "fit_shapes", "hf_config", "kept_groups", "matmul_flops", "shrink"]
 
 
-def matmul_flops(model: nn.Module) -> int:
+def matmul_flops(model: nn.Module, sample: torch.Tensor | None = None) -> int:
     """FLOPs of one sample (or token, for a language model) through ``model``'s matrix products:
-    2 × the weights of every ``Linear`` and transformers' ``Conv1D`` (gpt2's projections)."""
-    return 2 * sum(
+    2 × the weights of every ``Linear`` and transformers' ``Conv1D`` (gpt2's projections), and
+    2 × the weights of every convolution × the positions it computes for one sample of
+    ``sample`` (a micro-batch of the model's inputs, run once in eval mode; without it,
+    convolutions are not counted: their cost depends on the input's size)."""
+    total = 2 * sum(
         m.weight.numel()
         for m in model.modules()
         if isinstance(m, nn.Linear) or (hasattr(m, "nf") and getattr(m, "weight", None) is not None)
     )
+    convs = [m for m in model.modules() if isinstance(m, nn.modules.conv._ConvNd)]
+    if sample is None or not convs:
+        return total
+    positions: dict[nn.Module, int] = {}
+
+    def seen(module: nn.Module, _: Any, out: torch.Tensor) -> None:
+        positions[module] = out[0, 0].numel()  # one sample's, one channel's
+
+    hooks = [m.register_forward_hook(seen) for m in convs]
+    training = model.training
+    try:
+        with torch.no_grad():
+            model.eval()(sample, 0, 0)
+    finally:
+        for h in hooks:
+            h.remove()
+        model.train(training)
+    return total + 2 * sum(m.weight.numel() * positions.get(m, 0) for m in convs)
 
 
 def kept_groups(

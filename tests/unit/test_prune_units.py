@@ -14,7 +14,7 @@ from torch import nn
 from elaswave.config import JobConfig
 from elaswave.errors import ConfigError
 from elaswave.prune import dhspg
-from elaswave.prune.compress import kept_groups, shrink
+from elaswave.prune.compress import kept_groups, matmul_flops, shrink
 from elaswave.prune.groups import NoGroups, find_groups, flat_index
 from elaswave.prune.pruner import Holding, Pruner
 from elaswave.runtime.durable import checkpoints
@@ -209,8 +209,16 @@ def test_a_conv_norm_relu_conv_chain_is_traced_and_removed_exactly(dims: int) ->
     x = torch.randn(5, 16, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         sparse = model.eval()(x, step=1, microbatch=0)
+    positions = 16  # a 16-feature sample: 16 positions (1-d) or 4 × 4 (2-d), padded convs
+
+    def flops() -> int:  # both convolutions at every position, the Linear once
+        convs = model.layers[0][1].weight.numel() + model.layers[1][0].weight.numel()
+        return 2 * (convs * positions + model.layers[1][3].weight.numel())
+
+    assert matmul_flops(model, x) == flops() and matmul_flops(model) < flops()
     kept = kept_groups([family], model, flat.data, same_width=False)
     shrink(model, [family], kept)
+    assert matmul_flops(model, x) == flops()  # the halved convolutions
     assert norm.num_features == 4 and norm.running_mean.numel() == 4
     assert model.layers[1][0].in_channels == 4 and model.layers[0][1].out_channels == 4
     with torch.no_grad():
