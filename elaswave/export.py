@@ -6,6 +6,12 @@ default). Export rebuilds the workload's layers from the config, loads a checkpo
 into them and lets the workload write them: a Hugging Face model as a directory that
 ``AutoModelForCausalLM.from_pretrained`` loads, any other workload as one safetensors file keyed
 by its global parameter names (``layers.<index>.<name>``).
+
+BatchNorm's running statistics are not part of the elastic state (each process's own follow the
+micro-batches it ran): export recomputes them from the trained parameters, as a cumulative
+average of the batch statistics of the run's first training samples
+(:func:`recompute_norm_stats`), so that the exported model evaluates alike however the run's
+membership changed.
 """
 
 from __future__ import annotations
@@ -18,7 +24,10 @@ from typing import Any
 from elaswave.config import JobConfig
 from elaswave.errors import ConfigError, ElasWaveError
 
-__all__ = ["Exported", "cpu_latency", "export_model", "find_checkpoint", "run_config"]
+__all__ = [
+    "Exported", "cpu_latency", "export_model", "find_checkpoint", "recompute_norm_stats",
+    "run_config",
+]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -35,10 +44,14 @@ class Exported:
     latency: tuple[float, float] | None = None
     latency_input: tuple[int, ...] | None = None
     latency_runs: tuple[int, int] | None = None
+    # BatchNorm's running statistics recomputed over this many training samples (None: the
+    # model has none; 0: the run's data cannot be read here, they keep their initial values)
+    norm_samples: int | None = None
 
 
 LATENCY_RUNS = 20  # forwards timed (after 3 untimed) for the latency before and after,
 LATENCY_BUDGET_S = 10.0  # or as many as fit in this many seconds (3 at least): a large model
+NORM_SAMPLES = 1024  # training samples BatchNorm's running statistics are recomputed from
 
 
 def run_config(run_dir: Path) -> JobConfig:
@@ -107,6 +120,7 @@ def export_model(
     flat = FlatParams(model)
     state = load(path, flat.numel)
     flat.data.copy_(state.params)
+    norm_samples = recompute_norm_stats(model, workload, cfg)
     out.parent.mkdir(parents=True, exist_ok=True)
     kinds = cfg.train.prune.kinds if cfg.train.prune is not None else []
     sizes = flops = latency = runs = None
@@ -125,7 +139,54 @@ def export_model(
         shapes = {n: list(p.shape) for n, p in model.named_parameters()}
         out.with_name(out.name + ".shapes.json").write_text(json.dumps(shapes, indent=1))
     shape = tuple(sample.shape) if sample is not None and latency is not None else None
-    return Exported(state.step, state.loss, path, out, sizes, flops, latency, shape, runs)
+    return Exported(
+        state.step, state.loss, path, out, sizes, flops, latency, shape, runs, norm_samples
+    )
+
+
+def recompute_norm_stats(
+    model: Any, workload: Any, cfg: JobConfig, samples: int = NORM_SAMPLES
+) -> int | None:
+    """Every BatchNorm's running statistics of ``model`` (holding the trained parameters) from
+    the run's first ``samples`` training samples, whole micro-batches of the run's size: reset,
+    then each micro-batch's batch statistics averaged with equal weight (``momentum=None``),
+    forwards in training mode under the keyed random streams of step 0. Returns the samples
+    used; None where the model has no running statistics, 0 where the data cannot be read (the
+    statistics then keep their initial values)."""
+    import torch
+    from torch import nn
+
+    norms = [
+        m
+        for m in model.modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats
+    ]
+    if not norms:
+        return None
+    size = cfg.train.micro_batch_size
+    try:
+        data = workload.dataset(cfg.train.seed)
+        n = max(size, min(samples, len(data)) // size * size)
+        batches = [
+            workload.collate([data[i] for i in range(a, min(a + size, len(data)))])[0]
+            for a in range(0, min(n, len(data)), size)
+        ]
+    except Exception:  # noqa: BLE001 - the export itself does not need the data
+        return 0
+    momenta, training = [m.momentum for m in norms], model.training
+    for m in norms:
+        m.reset_running_stats()
+        m.momentum = None  # a cumulative average
+    model.train()
+    try:
+        with torch.no_grad():
+            for k, inputs in enumerate(batches):
+                model(inputs, 0, k)
+    finally:
+        for m, momentum in zip(norms, momenta, strict=True):
+            m.momentum = momentum
+        model.train(training)
+    return sum(int(b.shape[0]) for b in batches)
 
 
 def _sample(workload: Any, cfg: JobConfig) -> Any:

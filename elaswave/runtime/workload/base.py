@@ -160,10 +160,16 @@ class Workload(abc.ABC):
     def export(self, model: KeyedLayers, out: Path) -> None:
         """Write the trained ``model`` (every layer, as :func:`build_layers` builds it, holding
         the trained parameters) to ``out``. Default: one safetensors file of every parameter
-        keyed by its global name (``layers.<index>.<name>``; both copies of a tied weight)."""
+        and persistent buffer (BatchNorm's running statistics, say) keyed by its global name
+        (``layers.<index>.<name>``; both copies of a tied weight)."""
         from safetensors.torch import save_file
 
-        tensors = {n: p.detach().cpu().contiguous().clone() for n, p in model.named_parameters()}
+        kept = model.state_dict(keep_vars=True)  # parameters and persistent buffers
+        tensors = {
+            n: t.detach().cpu().contiguous().clone()
+            for n, t in [*model.named_parameters(), *model.named_buffers()]
+            if n in kept
+        }
         save_file(tensors, str(out), metadata={"format": "pt"})
 
 
