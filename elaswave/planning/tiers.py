@@ -43,10 +43,6 @@ from dataclasses import dataclass
 from functools import cached_property
 
 MODES = ("auto", "flat")
-HOST = "dp.host"  # group names: the host's ranks, ``dp.host<h>``; a lane's, ``dp.lane<j>``
-LANE = "dp.lane"
-RACK_LANE = "dp.rlane"  # with racks: lane j inside rack r, ``dp.rlane<j>.<r>``; slice q of lane
-CROSS = "dp.xlane"  # j between the racks, ``dp.xlane<j>.<q>``
 
 
 @dataclass(frozen=True)
@@ -58,6 +54,26 @@ class Tiers:
     hosts: tuple[tuple[int, ...], ...]
     racks: tuple[tuple[int, ...], ...] = ()
     slots: tuple[int | None, ...] = ()  # each rank's slot on its host (empty: its position)
+    # The groups' names start with it: data parallelism's ``dp``; a pipeline's holder group
+    # has its own (:func:`~elaswave.planning.gradgroups.group_name`)
+    prefix: str = "dp"
+
+    # ---- the groups' names ----------------------------------------------------------------
+    def host_group(self, h: int) -> str:
+        """Host ``h``'s ranks: ``dp.host<h>``."""
+        return f"{self.prefix}.host{h}"
+
+    def lane_group(self, j: int) -> str:
+        """Lane ``j``'s ranks between the hosts: ``dp.lane<j>``."""
+        return f"{self.prefix}.lane{j}"
+
+    def rack_lane_group(self, j: int, r: int) -> str:
+        """With racks, lane ``j``'s owners inside rack ``r``: ``dp.rlane<j>.<r>``."""
+        return f"{self.prefix}.rlane{j}.{r}"
+
+    def cross_group_name(self, j: int, q: int) -> str:
+        """With racks, slice ``q`` of lane ``j`` between the racks: ``dp.xlane<j>.<q>``."""
+        return f"{self.prefix}.xlane{j}.{q}"
 
     @cached_property
     def lanes(self) -> int:
@@ -141,26 +157,27 @@ class Tiers:
         if min(len(ranks) for ranks in self.hosts) < 2:
             return None
         h, i = self.place(rank)
-        return f"{HOST}{h}", i, len(self.hosts[h])
+        return self.host_group(h), i, len(self.hosts[h])
 
     def groups(self, workers: Sequence[str]) -> dict[str, tuple[str, ...]]:
         """The process groups of the tiers, by name, members in rank order (a host of one rank
         needs no host group, a rack of one host no rack group)."""
         out = {
-            f"{HOST}{h}": tuple(workers[r] for r in ranks)
+            self.host_group(h): tuple(workers[r] for r in ranks)
             for h, ranks in enumerate(self.hosts)
             if len(ranks) > 1
         }
         if not self.racks:
             for j, ranks in enumerate(self.lane_groups()):
-                out[f"{LANE}{j}"] = tuple(workers[r] for r in ranks)
+                out[self.lane_group(j)] = tuple(workers[r] for r in ranks)
             return out
         for j in range(self.lanes):
             for r, ranks in enumerate(self.rack_lane_groups(j)):
                 if len(ranks) > 1:
-                    out[f"{RACK_LANE}{j}.{r}"] = tuple(workers[x] for x in ranks)
+                    out[self.rack_lane_group(j, r)] = tuple(workers[x] for x in ranks)
             for q in range(self.sublanes):
-                out[f"{CROSS}{j}.{q}"] = tuple(workers[x] for x in self.cross_group(j, q))
+                members = tuple(workers[x] for x in self.cross_group(j, q))
+                out[self.cross_group_name(j, q)] = members
         return out
 
 
@@ -204,13 +221,15 @@ def tiers_of(
     mode: str,
     racks: Mapping[str, str] | None = None,
     workers: Sequence[str] = (),
+    prefix: str = "dp",
 ) -> Tiers | None:
     """The tiers of a plan whose rank ``r`` runs on ``hosts[r]``, or None for a flat reduction:
     ``mode`` flat, one host, or no host with two ranks and no rack with two hosts (tiers would
     only add hops). ``racks``: each host's rack (the plan's ``--rack`` labels); the rack level
     is used when every host has one, there are two racks or more and one has two hosts.
     ``workers``: the ranks' ids, whose slots keep each worker on its lanes from plan to plan
-    (a host's ranks stand in their positions' slots without them)."""
+    (a host's ranks stand in their positions' slots without them). ``prefix``: the groups'
+    names start with it."""
     if mode not in MODES:
         raise ValueError(f"hierarchy must be one of {', '.join(MODES)}, got {mode!r}")
     ranks: dict[str, list[int]] = {}
@@ -229,7 +248,10 @@ def tiers_of(
         return None
     slots = tuple(worker_slot(w) for w in workers) if len(workers) == len(hosts) else ()
     return Tiers(
-        tuple(tuple(v) for v in ranks.values()), tuple(tuple(v) for v in by_rack.values()), slots
+        tuple(tuple(v) for v in ranks.values()),
+        tuple(tuple(v) for v in by_rack.values()),
+        slots,
+        prefix,
     )
 
 

@@ -34,6 +34,8 @@ def _run(
     compress: str = "off",
     kill: int = 3,
     zero: int = 0,
+    per_host: int = 2,
+    *extra: str,
 ) -> Run:
     # Emulated device time (50 ms per micro-batch, four per rank): the eight steps after the
     # kill last about 2 s, so the respawned worker (ready ~0.2 s after the kill) is planned
@@ -43,9 +45,10 @@ def _run(
                  "ELASWAVE_TIMEOUTS__RENDEZVOUS": "60"}, 0.05)  # fmt: skip
     n = len(bed.hosts)
     for host in bed.hosts:
-        bed.launch(host, "--job-id", job, "--nproc-per-node", "2", "--nnodes", f"{n}:{n}",
-                   "--steps", str(STEPS), "--max-restarts", "1", "--zero", str(zero),
-                   "--fault", f"kill,rank={kill},at_step=4", env=env)  # fmt: skip
+        bed.launch(host, "--job-id", job, "--nproc-per-node", str(per_host),
+                   "--nnodes", f"{n}:{n}", "--steps", str(STEPS), "--max-restarts", "1",
+                   "--zero", str(zero), "--fault", f"kill,rank={kill},at_step=4", *extra,
+                   env=env)  # fmt: skip
     codes = bed.wait(timeout=180)
     assert codes == {h: 0 for h in bed.hosts}, [bed.output(h) for h in bed.hosts]
     return Run(*(bed.run_dirs[h] for h in bed.hosts))
@@ -104,6 +107,27 @@ def test_zero_sharded_by_tiers_is_what_data_parallelism_computes(
         hpz = {(e["epoch"], e["hpz"]) for e in run.of("state_synced")}
         assert hpz == {(epoch, world[epoch] == 4) for epoch, _ in hpz}, hpz
         assert {on for _, on in hpz} == {True, False}, hpz
+
+
+def test_pipeline_holder_groups_sum_by_tiers_what_data_parallelism_sums(
+    netbed_factory: Any, state_env: dict[str, str], single_host: Run
+) -> None:
+    """``--pp 2`` on two hosts of three workers: each stage's three holders span both hosts,
+    two on one, so each holder group sums its layers' gradient by tiers (its own host and lane
+    groups, named after it). Through the kill of rank 3 (a stage re-cut) and the respawn: the
+    single-host replicated run's losses and final parameters bit for bit."""
+    bed = netbed_factory(hosts=2, name="pp")
+    run = _run(bed, "hier-pp", "auto", state_env, "off", 3, 0, 3, "--pp", "2")
+    assert_clean_run(run, STEPS, single_host)
+    assert run.losses == single_host.losses
+    worlds = [p["world"] for p in run.of("plan_published")]
+    assert worlds[:2] == [6, 5] and worlds[-1] == 6, worlds
+    assert {f["params_sha256"] for f in run.of("final_state")} == {
+        f["params_sha256"] for f in single_host.of("final_state")
+    }
+    built = {g for e in run.of("comm_rebuilt") for g in e["rebuilt"] if g.startswith("grad-")}
+    tiered = {g.split(".", 1)[1] for g in built if "." in g}
+    assert {"host0", "lane0", "lane1"} <= tiered, built  # the host with two holders, the lanes
 
 
 def test_int8_between_hosts_keeps_every_rank_on_one_curve_near_the_exact_one(

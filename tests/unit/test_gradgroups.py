@@ -69,3 +69,46 @@ def test_a_group_is_named_by_its_workers_in_order() -> None:
     assert group_name(["w0", "w2"]) == group_name(["w0", "w2"])
     assert group_name(["w0", "w2"]) != group_name(["w2", "w0"])
     assert group_name(["w0", "w2"]) != group_name(["w0", "w3"])
+
+
+@pytest.mark.parametrize(
+    ("replicas", "hierarchy", "tiered"),
+    [
+        (
+            ((0, 3), (1, 4), (5, 2)),
+            "auto",
+            2,
+        ),  # each stage's holders: two on one host, one on the other
+        (((0, 3), (1, 4), (5, 2)), "flat", 0),
+        (((0, 3), (1, 4), (2, 5)), "auto", 0),  # each stage's holders on one host: nothing to gain
+    ],
+)
+def test_holder_groups_go_by_tiers_where_they_span_hosts_and_share_one(
+    replicas: tuple, hierarchy: str, tiered: int
+) -> None:
+    """Two hosts of three ranks, three pipelines of two stages: each holder group gets its own
+    tiers over its members (host and lane groups named after it) where ``hierarchy: auto``,
+    its members span both hosts and two of them share one."""
+    from elaswave.planning.plan import Plan
+    from elaswave.runtime.strategies.pipeline.strategy import GradLayout
+
+    workers = tuple(f"{h}.w{i}" for h in "ab" for i in range(3))
+    plan = Plan(epoch=1, workers=workers, hosts=("a",) * 3 + ("b",) * 3,
+                microbatches=(1,) * 6, store="s", replicas=replicas, bounds=((0, 2, 4),) * 3,
+                shares=(2, 2, 2))  # fmt: skip
+    offsets = [(0, 10), (10, 20), (20, 30), (30, 40)]  # each layer's (start, stop)
+    layout = GradLayout.of(plan, offsets, (), hierarchy)
+    assert sum(t is not None for t in layout.tiers) == tiered
+    groups = layout.groups(plan)
+    for name, tiers in zip(layout.names, layout.tiers, strict=True):
+        extra = {g for g in groups if g.startswith(f"{name}.")}
+        if tiers is None:
+            assert not extra
+            continue
+        (host,) = {g for g in extra if ".host" in g}  # the host with two of the holders
+        assert extra == {host, f"{name}.lane0", f"{name}.lane1"}
+        assert len({plan.hosts[plan.workers.index(w)] for w in groups[host]}) == 1
+        for lane in (f"{name}.lane0", f"{name}.lane1"):  # one holder per host
+            assert len({plan.hosts[plan.workers.index(w)] for w in groups[lane]}) == 2
+    mine = layout.of_rank(0, [(a, b - a) for a, b in offsets])  # segments: (offset, length)
+    assert set(mine.tiered) == ({mine.mine[0][0]} if tiered else set())

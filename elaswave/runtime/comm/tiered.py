@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from elaswave.planning.tiers import CROSS, HOST, LANE, RACK_LANE, Tiers, lane_bounds
+from elaswave.planning.tiers import Tiers, lane_bounds
 
 __all__ = ["allgather_tiered", "allreduce_tiered"]
 from elaswave.runtime.comm.compress import allreduce_int8
@@ -42,7 +42,7 @@ def allreduce_tiered(
         return
     rank = comm.rank(flat)
     h, _ = tiers.place(rank)
-    host = f"{HOST}{h}" if len(tiers.hosts[h]) > 1 else None
+    host = tiers.host_group(h) if len(tiers.hosts[h]) > 1 else None
     if host:
         comm.allreduce(host, tensor, abort)
     values = tensor.view(-1)
@@ -54,7 +54,7 @@ def allreduce_tiered(
             if tiers.racks:
                 _across_racks(comm, tiers, rank, j, lane, cut, abort)
             else:
-                _allreduce_lane(comm, f"{LANE}{j}", lane, cut, abort)
+                _allreduce_lane(comm, tiers.lane_group(j), lane, cut, abort)
     if host:
         for j in range(tiers.lanes):
             if bounds[j] < bounds[j + 1]:
@@ -86,7 +86,7 @@ def _across_racks(
     shared back inside the rack. Every rank goes slice by slice in ascending order."""
     r, _ = tiers.rack_place(rank)
     n = len(tiers.racks[r])
-    inside = f"{RACK_LANE}{lane}.{r}" if n > 1 else None
+    inside = tiers.rack_lane_group(lane, r) if n > 1 else None
     if inside:
         comm.allreduce(inside, values, abort)
     subs = lane_bounds(values.numel(), tiers.sublanes)
@@ -94,7 +94,8 @@ def _across_racks(
         a, b = subs[q], subs[q + 1]
         if a < b:
             part_cut = max(0, min(b - a, cut - a))
-            _allreduce_lane(comm, f"{CROSS}{lane}.{q}", values[a:b], part_cut, abort)
+            group = tiers.cross_group_name(lane, q)
+            _allreduce_lane(comm, group, values[a:b], part_cut, abort)
     if inside:
         for q in range(tiers.sublanes):
             if subs[q] < subs[q + 1]:
@@ -120,7 +121,7 @@ def allgather_tiered(
         return
     h, _ = tiers.place(rank)
     mine = tiers.hosts[h]
-    host = f"{HOST}{h}" if len(mine) > 1 else None
+    host = tiers.host_group(h) if len(mine) > 1 else None
     block = part.new_empty(len(mine) * size)
     if host:
         comm.allgather_into(host, block, part, abort)
@@ -135,7 +136,7 @@ def allgather_tiered(
         piece = part.new_zeros(width)
         piece[: b - a] = block[a:b]
         lanes[j] = part.new_empty(hosts * width)
-        comm.allgather_into(f"{LANE}{j}", lanes[j], piece, abort)
+        comm.allgather_into(tiers.lane_group(j), lanes[j], piece, abort)
     for j in range(tiers.lanes):
         if j not in lanes:
             lanes[j] = part.new_empty(hosts * width)

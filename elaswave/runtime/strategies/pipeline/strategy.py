@@ -11,7 +11,7 @@ rest), so no rank allocates the whole model."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -28,7 +28,9 @@ from elaswave.planning.pipeplan import serving_shares
 from elaswave.planning.plan import Plan
 from elaswave.planning.redo import StageRedo
 from elaswave.planning.stageshards import Block, LayersLost, holder_blocks
+from elaswave.planning.tiers import Tiers, tiers_of
 from elaswave.prune.pruner import Holding
+from elaswave.runtime.comm.tiered import allreduce_tiered
 from elaswave.runtime.durable.checkpoints import DurableState, Piece
 from elaswave.runtime.integrity import stageverify
 from elaswave.runtime.optim import Spans, layer_sumsq
@@ -71,11 +73,19 @@ class GradLayout:
     reductions: tuple[Reduction, ...]
     names: tuple[str, ...]  # the group of each reduction ("" for a single holder: no collective)
     ties: tuple[tuple[tuple[int, int], tuple[int, int]], ...]
+    # each reduction's tiers over its members (their ranks in it), None where it goes flat
+    tiers: tuple[Tiers | None, ...] = ()
 
     @classmethod
     def of(
-        cls, plan: Plan, offsets: list[tuple[int, int]], ties: tuple[tuple[slice, slice], ...]
+        cls,
+        plan: Plan,
+        offsets: list[tuple[int, int]],
+        ties: tuple[tuple[slice, slice], ...],
+        hierarchy: str = "flat",
     ) -> GradLayout:
+        """The plan's reductions; ``hierarchy`` (``train.hierarchy``): auto sums each holder
+        group by tiers where its members span two hosts or more and two share one."""
         targets = [plan.stage_layers(r) for r in range(plan.world_size)]
         blocks = tuple(holder_blocks(targets, offsets))
         pairs = tuple(((a.start, a.stop), (b.start, b.stop)) for a, b in ties)
@@ -84,14 +94,24 @@ class GradLayout:
             group_name([plan.workers[r] for r in red.members]) if len(red.members) > 1 else ""
             for red in reds
         )
-        return cls(plan.epoch, blocks, reds, names, pairs)
+        tiers = tuple(
+            tiers_of(
+                [plan.hosts[r] for r in red.members], hierarchy if name else "flat",
+                dict(plan.racks), [plan.workers[r] for r in red.members], prefix=name,
+            )
+            for name, red in zip(names, reds, strict=True)
+        )  # fmt: skip
+        return cls(plan.epoch, blocks, reds, names, pairs, tiers)
 
     def groups(self, plan: Plan) -> dict[str, tuple[str, ...]]:
-        return {
-            name: tuple(plan.workers[r] for r in red.members)
-            for name, red in zip(self.names, self.reductions, strict=True)
-            if name
-        }
+        out = {}
+        for name, red, tiers in zip(self.names, self.reductions, self.tiers, strict=True):
+            if name:
+                members = tuple(plan.workers[r] for r in red.members)
+                out[name] = members
+                if tiers is not None:
+                    out.update(tiers.groups(members))
+        return out
 
     def mine(self, rank: int) -> list[tuple[str, Reduction]]:
         """The reductions ``rank`` takes part in, in issue order."""
@@ -103,11 +123,14 @@ class GradLayout:
 
     def of_rank(self, rank: int, segments: Sequence[tuple[int, int]]) -> RankGrads:
         """What ``rank`` does each step under this layout (computed once per plan)."""
+        mine = self.mine(rank)
+        tiers = dict(zip(self.names, self.tiers, strict=True))
         return RankGrads(
             self.epoch,
-            self.mine(rank),
+            mine,
             tie_copies(self.blocks, self.ties, rank),
             [first == rank for first in first_holders(self.blocks, segments)],
+            {name: t for name, _ in mine if (t := tiers.get(name)) is not None},
         )
 
 
@@ -120,6 +143,7 @@ class RankGrads:
     mine: list[tuple[str, Reduction]]
     copies: list[tuple[tuple[int, int], tuple[int, int]]]
     counted: list[bool]
+    tiered: dict[str, Tiers] = field(default_factory=dict)  # the groups of ``mine`` by tiers
 
 
 def chunks(total: int, size: int, lo: int, hi: int) -> list[tuple[int, int, int, int]]:
@@ -302,7 +326,10 @@ class PipelineStages(Strategy):
                 t = torch.cat([grads[a:b] for a, b in red.spans])
                 packed.append((red, t))
                 items.append((name, t))
-        ctx.comm.allreduce_many(items, broken)
+        tiered = [(name, t) for name, t in items if name in mine.tiered]
+        ctx.comm.allreduce_many([(name, t) for name, t in items if name not in mine.tiered], broken)
+        for name, t in tiered:  # after the flat ones, one by one in issue order: no cycle
+            allreduce_tiered(ctx.comm, name, mine.tiered[name], t, broken)
         for red, t in packed:
             offset = 0
             for a, b in red.spans:
@@ -357,7 +384,8 @@ class PipelineStages(Strategy):
     def groups(self, plan: Plan) -> dict[str, tuple[str, ...]]:
         """The training group, the migrations' group beside it, and one group per holder set
         (kept from plan to plan while its holders are the same)."""
-        self.grads = GradLayout.of(plan, self.pipe.offsets, self.state.ties)
+        hierarchy = self.ctx.cfg.train.hierarchy
+        self.grads = GradLayout.of(plan, self.pipe.offsets, self.state.ties, hierarchy)
         return {DP: plan.workers, MIG: plan.workers, **self.grads.groups(plan)}
 
     def sync(self, plan: Plan, broken: Callable[[], bool]) -> dict[str, Any]:
