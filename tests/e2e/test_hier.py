@@ -58,6 +58,19 @@ def _lanes_built(run: Run) -> set[str]:
     return {g for e in run.of("comm_rebuilt") for g in e["rebuilt"] if g.startswith("dp.")}
 
 
+def _as_single_host(run: Run, single_host: Run, world: int, keys: tuple[str, ...]) -> None:
+    """Every step committed once, the single-host run's losses and final ``keys`` bit for bit,
+    through the kill (``world - 1`` ranks) and the respawn (``world`` again)."""
+    assert_clean_run(run, STEPS, single_host)
+    assert run.losses == single_host.losses  # bit for bit, step by step
+    worlds = [p["world"] for p in run.of("plan_published")]
+    assert worlds[:2] == [world, world - 1] and worlds[-1] == world, worlds
+    for key in keys:
+        assert {f[key] for f in run.of("final_state")} == {
+            f[key] for f in single_host.of("final_state")
+        }
+
+
 def test_tiers_reduce_what_the_flat_ring_reduces_through_a_kill_and_a_respawn(
     netbed_factory: Any, state_env: dict[str, str], single_host: Run
 ) -> None:
@@ -93,14 +106,7 @@ def test_zero_sharded_by_tiers_is_what_data_parallelism_computes(
     run's losses and final state bit for bit."""
     bed = netbed_factory(hosts=2, name=f"zero{zero}")
     run = _run(bed, f"hier-zero{zero}", "auto", state_env, zero=zero)
-    assert_clean_run(run, STEPS, single_host)
-    assert run.losses == single_host.losses
-    worlds = [p["world"] for p in run.of("plan_published")]
-    assert worlds[:2] == [4, 3] and worlds[-1] == 4, worlds
-    for key in ("params_sha256", "state_sha256"):
-        assert {f[key] for f in run.of("final_state")} == {
-            f[key] for f in single_host.of("final_state")
-        }
+    _as_single_host(run, single_host, 4, ("params_sha256", "state_sha256"))
     assert _lanes_built(run) >= {"dp.host0", "dp.host1", "dp.lane0", "dp.lane1"}
     if zero == 3:  # hpZ while every host has two ranks
         world = {p["epoch"]: p["world"] for p in run.of("plan_published")}
@@ -118,13 +124,7 @@ def test_pipeline_holder_groups_sum_by_tiers_what_data_parallelism_sums(
     single-host replicated run's losses and final parameters bit for bit."""
     bed = netbed_factory(hosts=2, name="pp")
     run = _run(bed, "hier-pp", "auto", state_env, "off", 3, 0, 3, "--pp", "2")
-    assert_clean_run(run, STEPS, single_host)
-    assert run.losses == single_host.losses
-    worlds = [p["world"] for p in run.of("plan_published")]
-    assert worlds[:2] == [6, 5] and worlds[-1] == 6, worlds
-    assert {f["params_sha256"] for f in run.of("final_state")} == {
-        f["params_sha256"] for f in single_host.of("final_state")
-    }
+    _as_single_host(run, single_host, 6, ("params_sha256",))
     built = {g for e in run.of("comm_rebuilt") for g in e["rebuilt"] if g.startswith("grad-")}
     tiered = {g.split(".", 1)[1] for g in built if "." in g}
     assert {"host0", "lane0", "lane1"} <= tiered, built  # the host with two holders, the lanes
@@ -157,13 +157,7 @@ def test_racks_add_a_level_and_reduce_what_the_flat_ring_reduces(
     the final state are the single-host run's bit for bit."""
     bed = netbed_factory(hosts=3, name="racks", racks=("A", "A", "B"))
     run = _run(bed, "hier-racks", "auto", state_env, kill=3)
-    assert_clean_run(run, STEPS, single_host)
-    assert run.losses == single_host.losses
-    worlds = [p["world"] for p in run.of("plan_published")]
-    assert worlds[:2] == [6, 5] and worlds[-1] == 6, worlds
-    assert {f["params_sha256"] for f in run.of("final_state")} == {
-        f["params_sha256"] for f in single_host.of("final_state")
-    }
+    _as_single_host(run, single_host, 6, ("params_sha256",))
     built = _lanes_built(run)
     # both lanes inside rack A (whichever rack index it has: racks go in join order), both
     # lanes' two slices between the racks; no host-to-host lanes
