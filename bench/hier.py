@@ -33,6 +33,10 @@ reduce-scatter is underneath): 2 (N − 1) / N − 2 (H − 1) / H = 0.75 M per 
 its forward left (1/4 of the layer per rank): the backward ring's (N − 1) / N = 0.88 M per host
 less again (all layers but the last, which is gathered once).
 
+Pipelines (``pp``, unshaped): ``pp: 2`` on the 8 workers, so each stage's 4 holders span both
+hosts, 2 on each; flat: each holder group's ring (a host sends 2 × (4 − 1) / 4 × M_s per stage
+it holds, M_s a stage's gradient) vs by tiers (2 (H − 1) / H × M_s).
+
 ZeRO-1 (``zero1``, unshaped and 100 Mbit/s): the flat and the tiers job with ``zero: 1``: the
 gradient all-reduced and the updated parameters all-gathered, over one ring each (3 (N − 1) / N
 = 2.63 M per host per step) or by tiers (2 (H − 1) / H + (H − 1) / H = 1.5 M: each host's
@@ -77,7 +81,7 @@ KILL_STEP, KILL_WINDOW = 3, 3  # the killed cell: fault at step 3, measured from
 ZERO3_LINKS = ("unshaped", "100mbit")
 # what ``--parts`` picks from (all by default): data parallelism's links × modes, ZeRO-3's and
 # ZeRO-1's, the killed and the wide layout, and int8's curve
-PARTS = ("dp", "zero3", "zero1", "killed", "wide", "curve")
+PARTS = ("dp", "zero3", "zero1", "pp", "killed", "wide", "curve")
 # ZeRO-3's modes -> (the mode's hierarchy, train.hpz)
 ZERO3_MODES = {"flat": ("flat", "off"), "tiers": ("auto", "off"), "hpz": ("auto", "auto")}
 
@@ -116,12 +120,15 @@ def run(repeat: int, config: Path, parts: list[str] | None = None) -> dict[str, 
     wide: dict[str, list[dict[str, Any]]] = {mode: [] for mode in MODES}
     zero3: Cells = {link: {m: [] for m in ZERO3_MODES} for link in ZERO3_LINKS}
     zero1: Cells = {link: {"flat": [], "auto": []} for link in ZERO3_LINKS}
+    pp: Cells = {"unshaped": {"flat": [], "auto": []}}
     for i in range(repeat):
         grad_bytes = one_round(cells, "hier", i, _one_job) or grad_bytes
         if "zero3" in parts:
             grad_bytes = one_round(zero3, "hier-zero3", i, _zero3_job) or grad_bytes
         if "zero1" in parts:
             grad_bytes = one_round(zero1, "hier-zero1", i, lambda *a: _one_job(*a, zero=1))
+        if "pp" in parts:
+            one_round(pp, "hier-pp", i, lambda *a: _one_job(*a, pp=2))
         if "killed" in parts:
             one_round({"unshaped": killed}, "hier-killed", i, lambda *a: _one_job(*a, killed=True))
         if "wide" in parts:
@@ -160,6 +167,7 @@ def run(repeat: int, config: Path, parts: list[str] | None = None) -> dict[str, 
         "zero1": {"cells": zero1, "theory_per_host": _zero1_theory(HOSTS, PER_HOST)}
         if "zero1" in parts
         else None,
+        "pp": {"cells": pp} if "pp" in parts else None,
         "curve": curve,
     }
 
@@ -192,6 +200,7 @@ def _one_job(
     layout: tuple[int, int] = (HOSTS, PER_HOST),
     zero: int = 0,
     hpz: str = "off",
+    pp: int = 1,
 ) -> tuple[dict[str, Any], int]:
     """One job's bytes per host per step and median step over the window (``killed``: rank 1
     SIGKILLed at ``KILL_STEP``; the window after the new plan; ``zero``: the data-parallel
@@ -201,6 +210,7 @@ def _one_job(
     steps = warm + STEPS - WARM
     cfg = write_config(tmp / "job.yaml", CONFIG, {
         "zero": zero,
+        "pp": pp,
         "train": {"steps": steps, "hierarchy": hierarchy, "grad_compress": compress,
                   "hpz": hpz},
         "elastic": {"nproc_per_node": layout[1], "nnodes": f"{layout[0]}:{layout[0]}"},
@@ -423,6 +433,17 @@ def show(result: dict[str, Any]) -> None:
             ("link", "flat: MB/host/step", "tiers", "flat / tiers", "flat step s",
              "tiers step s", "tiers / flat"),
             rows,
+        )  # fmt: skip
+    pp = result.get("pp")
+    if pp:
+        b, t = _medians(pp["cells"]["unshaped"])
+        print_table(
+            f"pp = 2 on {result['hosts']} hosts × {result['per_host']} workers (unshaped): each "
+            "stage's holder group flat vs by tiers",
+            ("flat: MB/host/step", "tiers", "flat / tiers", "flat step s", "tiers step s",
+             "tiers / flat"),
+            [(f"{b['flat'] * mb:.1f}", f"{b['auto'] * mb:.1f}", f"{b['flat'] / b['auto']:.2f}",
+              f"{t['flat']:.2f}", f"{t['auto']:.2f}", f"{t['auto'] / t['flat']:.2f}")],
         )  # fmt: skip
     curve = result["curve"]
     if not curve:
