@@ -121,9 +121,9 @@ class Pruner:
         zero = stats.zero
         zero_before = int(zero.sum())
         if self.taken_at == 0 or self.taken_at >= step:  # chosen now (or again, in a redo)
+            width = [sum(p.index.shape[1] for p in ps) for ps in self.parts]  # a group's size
             sizes = torch.tensor(
-                [sum(p.index.shape[1] for p in ps) for f, ps in zip(self.families, self.parts,
-                 strict=True) for _ in range(f.count)],
+                [w for f, w in zip(self.families, width, strict=True) for _ in range(f.count)],
                 dtype=torch.float64, device=device,
             )  # fmt: skip
             buckets = [f.count for f in self.families] if self.uniform else None
