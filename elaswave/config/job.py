@@ -103,7 +103,7 @@ class JobConfig:
         if self.train.grad_compress == "int8" and self.pp > 1:
             raise ConfigError(
                 "train.grad_compress int8 compresses the reduction by tiers of data parallelism "
-                f"(replicated, ZeRO-1, ZeRO-3); pipelines reduce flat (got pp: {self.pp})"
+                f"(replicated, ZeRO-1, ZeRO-3), not pipelines' holder groups (got pp: {self.pp})"
             )
         if self.train.prune is not None and self.zero == 3:
             raise ConfigError(

@@ -78,7 +78,7 @@ class TrainConfig:
     # of float32's bytes between hosts, 1/8 of float64's); the sum inside each host stays in
     # full precision and every rank still gets the same bits. Changes the sums (each host's part
     # rounded to half a step per value): off (default) or int8. Needs hierarchy auto; data
-    # parallelism, replicated or ZeRO-1 or ZeRO-3 (pipelines reduce flat).
+    # parallelism, replicated or ZeRO-1 or ZeRO-3 (not pipelines).
     grad_compress: str = "off"
     # ZeRO-3's hpZ: "auto" keeps, from each layer's forward gather, a secondary partition of it
     # over the host's ranks (1/k of the layer each, held until its backward), so the backward

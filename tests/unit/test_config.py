@@ -187,7 +187,7 @@ def test_missing_config_file(tmp_path: Path) -> None:
         ({"zero": 2}, "zero must be 0, 1 or 3, got 2"),
         ({"rack": "row 1/a"}, "rack must be 1-64 of [A-Za-z0-9_.-], got 'row 1/a'"),
         ({"zero": 3, "pp": 2}, "zero: 3 with pipelines (pp=2) is not supported yet"),
-        ({"train.grad_compress": "int8", "pp": 2}, "pipelines reduce flat (got pp: 2)"),
+        ({"train.grad_compress": "int8", "pp": 2}, "not pipelines' holder groups (got pp: 2)"),
         ({"elastic.workers_per_device": 0}, "elastic.workers_per_device must be > 0, got 0"),
         (
             {"elastic.workers_per_device": 2, "dvfs": "nvml", "pp": 2},
