@@ -31,7 +31,9 @@ gradient reduced as backward produces it. ``flat``: every collective over all ra
 reduce-scatter is underneath): 2 (N − 1) / N − 2 (H − 1) / H = 0.75 M per host per step less.
 ``hpz``: the tiers, and each layer's backward gathered inside the host from the secondary parts
 its forward left (1/4 of the layer per rank): the backward ring's (N − 1) / N = 0.88 M per host
-less again (all layers but the last, which is gathered once).
+less again (all layers but the last, which is gathered once). ``hpz+gather``: that, and each
+layer's forward gathered by tiers (``zero3_gather: tiers``: each host's parts inside the host,
+the lanes between them): the forward ring's 0.88 M becomes (H − 1) / H = 0.5 M.
 
 Pipelines (``pp``, unshaped): ``pp: 2`` on the 8 workers, so each stage's 4 holders span both
 hosts, 2 on each; flat: each holder group's ring (a host sends 2 × (4 − 1) / 4 × M_s per stage
@@ -82,8 +84,13 @@ ZERO3_LINKS = ("unshaped", "100mbit")
 # what ``--parts`` picks from (all by default): data parallelism's links × modes, ZeRO-3's and
 # ZeRO-1's, the killed and the wide layout, and int8's curve
 PARTS = ("dp", "zero3", "zero1", "pp", "killed", "wide", "curve")
-# ZeRO-3's modes -> (the mode's hierarchy, train.hpz)
-ZERO3_MODES = {"flat": ("flat", "off"), "tiers": ("auto", "off"), "hpz": ("auto", "auto")}
+# ZeRO-3's modes -> (the mode's hierarchy, train.hpz, train.zero3_gather)
+ZERO3_MODES = {
+    "flat": ("flat", "off", "flat"),
+    "tiers": ("auto", "off", "flat"),
+    "hpz": ("auto", "auto", "flat"),
+    "hpz+gather": ("auto", "auto", "tiers"),
+}
 
 
 Cells = dict[str, dict[str, list[dict[str, Any]]]]  # link → mode → one result per round
@@ -180,8 +187,8 @@ def _theory(hosts: int, per_host: int) -> dict[str, float]:
 
 
 def _zero3_job(tmp: Path, job: str, link: str, mode: str) -> tuple[dict[str, Any], int]:
-    hierarchy, hpz = ZERO3_MODES[mode]
-    return _one_job(tmp, job, link, hierarchy, zero=3, hpz=hpz)
+    hierarchy, hpz, gather = ZERO3_MODES[mode]
+    return _one_job(tmp, job, link, hierarchy, zero=3, hpz=hpz, gather=gather)
 
 
 def _zero1_theory(hosts: int, per_host: int) -> dict[str, float]:
@@ -201,6 +208,7 @@ def _one_job(
     zero: int = 0,
     hpz: str = "off",
     pp: int = 1,
+    gather: str = "flat",
 ) -> tuple[dict[str, Any], int]:
     """One job's bytes per host per step and median step over the window (``killed``: rank 1
     SIGKILLed at ``KILL_STEP``; the window after the new plan; ``zero``: the data-parallel
@@ -212,7 +220,7 @@ def _one_job(
         "zero": zero,
         "pp": pp,
         "train": {"steps": steps, "hierarchy": hierarchy, "grad_compress": compress,
-                  "hpz": hpz},
+                  "hpz": hpz, "zero3_gather": gather},
         "elastic": {"nproc_per_node": layout[1], "nnodes": f"{layout[0]}:{layout[0]}"},
     })  # fmt: skip
     bed = netbed.NetBed(tmp, config=cfg, hosts=layout[0])
@@ -407,14 +415,15 @@ def show(result: dict[str, Any]) -> None:
             b, t = _medians(modes)
             sent = [f"{b[m] * mb:.1f} ({b[m] / grad:.2f} M)" for m in ZERO3_MODES]
             steps = [f"{t[m]:.2f}" for m in ZERO3_MODES]
-            ratios = [f"{t[m] / t['flat']:.2f}" for m in ("tiers", "hpz")]
+            ratios = [f"{t[m] / t['flat']:.2f}" for m in ZERO3_MODES if m != "flat"]
             rows.append((link, *sent, *steps, *ratios))
         print_table(
             f"ZeRO-3, {result['hosts']} hosts × {result['per_host']} workers: flat; the "
             f"gradient by tiers (theory: {zero3['theory_saved']:.2f} M per host less); and the "
             f"backward gathers inside the host (hpz)",
-            ("link", "flat: MB/host/step", "tiers", "hpz", "flat step s", "tiers step s",
-             "hpz step s", "tiers / flat", "hpz / flat"),
+            ("link", *(f"{m}: MB/host/step" for m in ZERO3_MODES),
+             *(f"{m} step s" for m in ZERO3_MODES),
+             *(f"{m} / flat" for m in ZERO3_MODES if m != "flat")),
             rows,
         )  # fmt: skip
     zero1 = result.get("zero1")

@@ -86,6 +86,11 @@ class TrainConfig:
     # plan has two ranks or more (a lone rank would hold whole layers). "off": every gather
     # goes over every rank.
     hpz: str = "auto"
+    # ZeRO-3's forward gather of each layer: "flat" (one ring over every rank, posted ahead so it
+    # overlaps the layer before) or "tiers" (each host's parts gathered inside the host, each lane
+    # between the hosts, shared back: fewer bytes between hosts, but a chain of collectives on the
+    # computing thread, not overlapped). Where the plan has tiers.
+    zero3_gather: str = "flat"
     # A fault in the middle of a step: survivors keep the micro-batches they finished and only
     # the lost ones are computed again (data parallelism and ZeRO-1; pipelines redo the step).
     # false: the whole step is redone (for comparisons).
@@ -117,6 +122,10 @@ class TrainConfig:
             raise ConfigError(f"train.hierarchy must be auto or flat, got {self.hierarchy!r}")
         if self.hpz not in ("auto", "off"):
             raise ConfigError(f"train.hpz must be auto or off, got {self.hpz!r}")
+        if self.zero3_gather not in ("flat", "tiers"):
+            raise ConfigError(
+                f"train.zero3_gather must be flat or tiers, got {self.zero3_gather!r}"
+            )
         if self.grad_compress not in ("off", "int8"):
             raise ConfigError(
                 f"train.grad_compress must be off or int8, got {self.grad_compress!r}"

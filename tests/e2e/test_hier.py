@@ -93,19 +93,24 @@ def test_tiers_reduce_what_the_flat_ring_reduces_through_a_kill_and_a_respawn(
     assert _lanes_built(flat) == set()
 
 
-@pytest.mark.parametrize("zero", [1, 3], ids=["zero1", "zero3"])
+@pytest.mark.parametrize(
+    ("zero", "gather"), [(1, "flat"), (3, "flat"), (3, "tiers")],
+    ids=["zero1", "zero3", "zero3-gather-tiers"],
+)  # fmt: skip
 def test_zero_sharded_by_tiers_is_what_data_parallelism_computes(
-    netbed_factory: Any, state_env: dict[str, str], single_host: Run, zero: int
+    netbed_factory: Any, state_env: dict[str, str], single_host: Run, zero: int, gather: str
 ) -> None:
     """``--zero 1``: the gradient all-reduced and the updated parameters all-gathered by tiers
     (each host's shards inside the host, each lane of them between the hosts, shared back).
     ``--zero 3``: each layer's gradient reduced by tiers as backward produces it (every rank
     keeps its part), and each layer's backward gathered inside the host from the secondary
-    parts its forward left (hpZ) while both hosts have two ranks. Through the same kill (hosts
-    of 2 and 1: lanes of unequal widths, and no hpZ) and respawn: the single-host replicated
-    run's losses and final state bit for bit."""
-    bed = netbed_factory(hosts=2, name=f"zero{zero}")
-    run = _run(bed, f"hier-zero{zero}", "auto", state_env, zero=zero)
+    parts its forward left (hpZ) while both hosts have two ranks; with ``zero3_gather: tiers``
+    each layer's forward gathered by tiers too. Through the same kill (hosts of 2 and 1: lanes
+    of unequal widths, and no hpZ) and respawn: the single-host replicated run's losses and
+    final state bit for bit."""
+    bed = netbed_factory(hosts=2, name=f"zero{zero}{gather[0]}")
+    env = {**state_env, "ELASWAVE_TRAIN__ZERO3_GATHER": gather}
+    run = _run(bed, f"hier-zero{zero}-{gather}", "auto", env, zero=zero)
     _as_single_host(run, single_host, 4, ("params_sha256", "state_sha256"))
     assert _lanes_built(run) >= {"dp.host0", "dp.host1", "dp.lane0", "dp.lane1"}
     if zero == 3:  # hpZ while every host has two ranks

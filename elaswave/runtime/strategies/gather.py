@@ -44,7 +44,7 @@ from torch import nn
 
 from elaswave.planning.tiers import Tiers
 from elaswave.runtime.comm.communicator import Communicator, Pending
-from elaswave.runtime.comm.tiered import allreduce_tiered
+from elaswave.runtime.comm.tiered import allgather_tiered, allreduce_tiered
 from elaswave.runtime.strategies.paramshards import ParamShards, pack_layer, unpack_layer
 from elaswave.runtime.strategies.zero import DP
 from elaswave.runtime.workload.base import KeyedLayers
@@ -120,6 +120,7 @@ class LayerGather:
         self.secondary: tuple[str, int, int] | None = None
         self._kept: dict[int, torch.Tensor] = {}
         self.compressed = False  # by tiers, the hop between hosts as int8
+        self.gather_tiers = False  # train.zero3_gather tiers: a layer gathered by the tiers
         # the most bytes held at once during the last step: of gathered layers' parameters, of
         # layer gradients (and their reduction's buffers), and of both together
         self.peak_params = self.peak_grads = self.peak = 0
@@ -135,6 +136,10 @@ class LayerGather:
         mine[:size] = shards.params[start : start + size]
         out = mine.new_empty(world * cut.pad)
         self._hold(out)
+        if self.gather_tiers and self.tiers is not None:  # done here, on the computing thread
+            with self._waiting():
+                allgather_tiered(self.comm, DP, self.tiers, out, mine, abort)
+            return _Gathering(i, out, None)
         work = self.comm.start_allgather(DP, out, mine, abort) if world > 1 else None
         if work is None:
             out.copy_(mine)

@@ -75,6 +75,7 @@ class Zero3(Zero1):
         native = getattr(ctx.comm, "backend", "gloo") != "gloo" or GLOO_REDUCE_SCATTER
         self.path = LayerGather(ctx.state.model, ctx.comm, ctx.enter, native=native)
         self.path.compressed = ctx.cfg.train.grad_compress == "int8"
+        self.path.gather_tiers = ctx.cfg.train.zero3_gather == "tiers"
         self.grads: torch.Tensor | None = None  # the step's gradient sums of this rank's part
         self.started = -1  # the step this rank began computing and has not committed
 
