@@ -31,7 +31,7 @@ gradient reduced as backward produces it. ``flat``: every collective over all ra
 reduce-scatter is underneath): 2 (N − 1) / N − 2 (H − 1) / H = 0.75 M per host per step less.
 ``hpz``: the tiers, and each layer's backward gathered inside the host from the secondary parts
 its forward left (1/4 of the layer per rank): the backward ring's (N − 1) / N = 0.88 M per host
-less again (all layers but the last, which is gathered once). ``hpz+gather``: that, and each
+less again (all layers but the last, which is gathered once). ``hpz-gather``: that, and each
 layer's forward gathered by tiers (``zero3_gather: tiers``: each host's parts inside the host,
 the lanes between them): the forward ring's 0.88 M becomes (H − 1) / H = 0.5 M.
 
@@ -89,7 +89,7 @@ ZERO3_MODES = {
     "flat": ("flat", "off", "flat"),
     "tiers": ("auto", "off", "flat"),
     "hpz": ("auto", "auto", "flat"),
-    "hpz+gather": ("auto", "auto", "tiers"),
+    "hpz-gather": ("auto", "auto", "tiers"),
 }
 
 
