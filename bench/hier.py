@@ -397,10 +397,7 @@ def show(result: dict[str, Any]) -> None:
     wide = result.get("wide")
     if wide:
         h, k = wide["layout"]
-        med = {mode: statistics.median(statistics.mean(c["per_host_bytes_per_step"]) for c in cs)
-               for mode, cs in wide["cells"].items()}  # fmt: skip
-        step = {mode: statistics.median(c["step_s"] for c in cs)
-                for mode, cs in wide["cells"].items()}  # fmt: skip
+        med, step = _medians(wide["cells"])
         print_table(
             f"The same 8 workers on {h} hosts × {k} (unshaped)",
             ("mode", "MB/host/step", "× M", "theory × M", "step s", "step / flat"),
@@ -413,17 +410,17 @@ def show(result: dict[str, Any]) -> None:
         rows = []
         for link, modes in zero3["cells"].items():
             b, t = _medians(modes)
-            sent = [f"{b[m] * mb:.1f} ({b[m] / grad:.2f} M)" for m in ZERO3_MODES]
-            steps = [f"{t[m]:.2f}" for m in ZERO3_MODES]
-            ratios = [f"{t[m] / t['flat']:.2f}" for m in ZERO3_MODES if m != "flat"]
+            sent = [f"{b[m] * mb:.1f} ({b[m] / grad:.2f} M)" for m in modes]
+            steps = [f"{t[m]:.2f}" for m in modes]
+            ratios = [f"{t[m] / t['flat']:.2f}" for m in modes if m != "flat"]
             rows.append((link, *sent, *steps, *ratios))
+        shown = list(modes)  # the modes the result has (an older one: fewer)
         print_table(
             f"ZeRO-3, {result['hosts']} hosts × {result['per_host']} workers: flat; the "
             f"gradient by tiers (theory: {zero3['theory_saved']:.2f} M per host less); and the "
             f"backward gathers inside the host (hpz)",
-            ("link", *(f"{m}: MB/host/step" for m in ZERO3_MODES),
-             *(f"{m} step s" for m in ZERO3_MODES),
-             *(f"{m} / flat" for m in ZERO3_MODES if m != "flat")),
+            ("link", *(f"{m}: MB/host/step" for m in shown), *(f"{m} step s" for m in shown),
+             *(f"{m} / flat" for m in shown if m != "flat")),
             rows,
         )  # fmt: skip
     zero1 = result.get("zero1")
@@ -468,14 +465,8 @@ def show(result: dict[str, Any]) -> None:
 def _show_dp(result: dict[str, Any], grad: float, mb: float) -> None:
     rows = []
     for link, modes in result["cells"].items():
-        med = {
-            mode: (
-                statistics.median(statistics.mean(c["per_host_bytes_per_step"]) for c in cells),
-                statistics.median(c["step_s"] for c in cells),
-            )
-            for mode, cells in modes.items()
-        }
-        (fb, ft), (hb, ht), (qb, qt) = med["flat"], med["auto"], med["int8"]
+        b, t = _medians(modes)
+        (fb, ft), (hb, ht), (qb, qt) = ((b[m], t[m]) for m in ("flat", "auto", "int8"))
         rows.append((link, f"{fb * mb:.1f} ({fb / grad:.2f} M)",
                      f"{hb * mb:.1f} ({hb / grad:.2f} M)", f"{qb * mb:.1f} ({qb / grad:.2f} M)",
                      f"{fb / hb:.2f}", f"{ft:.2f}", f"{ht:.2f}", f"{qt:.2f}", f"{ht / ft:.2f}",

@@ -163,14 +163,8 @@ def recompute_norm_stats(
     ]
     if not norms:
         return None
-    size = cfg.train.micro_batch_size
     try:
-        data = workload.dataset(cfg.train.seed)
-        n = max(size, min(samples, len(data)) // size * size)
-        batches = [
-            workload.collate([data[i] for i in range(a, min(a + size, len(data)))])[0]
-            for a in range(0, min(n, len(data)), size)
-        ]
+        batches = _micro_batches(workload, cfg, samples)
     except Exception:  # noqa: BLE001 - the export itself does not need the data
         return 0
     momenta, training = [m.momentum for m in norms], model.training
@@ -189,13 +183,23 @@ def recompute_norm_stats(
     return sum(int(b.shape[0]) for b in batches)
 
 
+def _micro_batches(workload: Any, cfg: JobConfig, samples: int) -> list[Any]:
+    """The inputs of the run's first ``samples`` training samples (no more than it has), in
+    whole micro-batches of the run's size, one at least."""
+    data = workload.dataset(cfg.train.seed)
+    size = cfg.train.micro_batch_size
+    n = min(len(data), max(size, min(samples, len(data)) // size * size))
+    return [
+        workload.collate([data[i] for i in range(a, min(a + size, n))])[0]
+        for a in range(0, n, size)
+    ]
+
+
 def _sample(workload: Any, cfg: JobConfig) -> Any:
     """One micro-batch's inputs of the run's own data (the first samples), or None where the
     data cannot be read here (the run's files moved): the latency is then not measured."""
     try:
-        data = workload.dataset(cfg.train.seed)
-        n = min(cfg.train.micro_batch_size, len(data))
-        inputs, _ = workload.collate([data[i] for i in range(n)])
+        (inputs,) = _micro_batches(workload, cfg, cfg.train.micro_batch_size)
     except Exception:  # noqa: BLE001 - the export itself does not need the data
         return None
     return inputs if hasattr(inputs, "shape") else None

@@ -161,9 +161,10 @@ class Zero3(Zero1):
         the reduction is flat)."""
         out = super().groups(plan)
         self.path.tiers = self.tiers
-        hpz = self.tiers is not None and self.ctx.cfg.train.hpz == "auto"
-        rank = plan.workers.index(self.ctx.worker)
-        self.path.secondary = self.tiers.secondary(rank) if hpz and self.tiers else None
+        tiers = self.tiers if self.ctx.cfg.train.hpz == "auto" else None
+        self.path.secondary = (
+            tiers.secondary(plan.workers.index(self.ctx.worker)) if tiers else None
+        )
         return out
 
     def sync(self, plan: Plan, broken: Callable[[], bool]) -> dict[str, Any]:
