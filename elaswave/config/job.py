@@ -105,11 +105,6 @@ class JobConfig:
                 "train.grad_compress int8 compresses the reduction by tiers of data parallelism "
                 f"(replicated, ZeRO-1, ZeRO-3), not pipelines' holder groups (got pp: {self.pp})"
             )
-        if self.train.prune is not None and self.zero == 3:
-            raise ConfigError(
-                "train.prune runs with replicated parameters or ZeRO-1 (in data parallelism or "
-                "inside pipeline stages), not with zero: 3 yet"
-            )
         if self.train.eval_every and not self.data.eval_samples:
             raise ConfigError("train.eval_every needs held-out samples: set data.eval_samples")
         if self.data.source == "text" and self.model.source == "module":

@@ -382,6 +382,16 @@ class LayerCut:
             runs == ((r * pad, pad),) for r, runs in enumerate(self.local)
         )
 
+    def positions(self, rank: int) -> torch.Tensor:
+        """For each element of the layer (layer-local order), where it lies in ``rank``'s shard
+        buffer; -1 where another rank owns it."""
+        out = torch.full((self.length,), -1, dtype=torch.long)
+        cursor = self.starts[rank]
+        for lo, n in self.local[rank]:
+            out[lo : lo + n] = torch.arange(cursor, cursor + n)
+            cursor += n
+        return out
+
 
 def layer_cuts(layout: ShardLayout) -> tuple[LayerCut, ...]:
     """Every layer's :class:`LayerCut` under ``layout``. A range never crosses a layer boundary

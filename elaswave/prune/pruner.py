@@ -11,12 +11,14 @@ Every decision reads every group's statistics. A rank that holds the whole model
 alone; a pipeline stage holds some layers (:class:`Holding`): each layer's sums come from one
 rank, the others bring zeros, and one all-reduce adds them (exactly: each entry has a single
 non-zero term), so every rank takes the same decisions, on the same numbers as data
-parallelism, whatever the cut.
+parallelism, whatever the cut. ZeRO-3 holds no layer whole: it gathers each layer for its sums
+(:meth:`sums` asks for the parameters a layer at a time) and applies the decisions to the
+elements it owns (:meth:`rows`, :meth:`decide`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -114,10 +116,67 @@ class Pruner:
         place."""
         if old is None:
             return
-        device = params.tensor.device
+        self.to(params.tensor.device)
+        sums = self.sums(lambda layer: (old, params) if holding.counted(layer) else None, lr)
+        if holding.reduce is not None:
+            holding.reduce(sums)
+        scale, cleared = self.decide(step, sums, lr)
+        for start, count, p in self.rows():
+            if holding.held(p.layer):
+                x, h = _at(old, p.index), _at(params, p.index)
+                params.tensor[p.index - params.base] = dhspg.apply(
+                    x, h, scale[start : start + count], cleared[start : start + count]
+                )
+
+    def to(self, device: torch.device) -> None:
+        """The groups' indices on ``device`` (where the parameters are)."""
         if self.parts[0][0].index.device != device:
             self.parts = [[Part(p.layer, p.index.to(device)) for p in ps] for ps in self.parts]
-        stats = self._stats(old, params, lr, holding)
+
+    def rows(self) -> Iterator[tuple[int, int, Part]]:
+        """Every part with its family's groups: (the first group's number, their count)."""
+        start = 0
+        for f, ps in zip(self.families, self.parts, strict=True):
+            for p in ps:
+                yield start, f.count, p
+            start += f.count
+
+    @property
+    def layers(self) -> list[int]:
+        """The layers that hold some group's elements, in order."""
+        return sorted({p.layer for ps in self.parts for p in ps})
+
+    def sums(self, spans: Callable[[int], tuple[Spans, Spans] | None], lr: float) -> torch.Tensor:
+        """Each part's sums (:func:`~elaswave.prune.dhspg.part_sums`, one row per group and
+        part), a layer at a time in layer order: ``spans(layer)`` gives the parameters before
+        and after the update that hold the layer's parts (None: this rank does not count it;
+        its rows stay zero)."""
+        rows = sum(f.count * len(ps) for f, ps in zip(self.families, self.parts, strict=True))
+        where, row = {}, 0
+        for _, count, p in self.rows():
+            where[id(p)] = row
+            row += count
+        sums = torch.zeros(rows, 4, dtype=torch.float64, device=self.parts[0][0].index.device)
+        for layer in self.layers:
+            held = spans(layer)
+            if held is None:
+                continue
+            old, params = held
+            for _, count, p in self.rows():
+                if p.layer == layer:
+                    at = where[id(p)]
+                    sums[at : at + count] = dhspg.part_sums(
+                        _at(old, p.index), _at(params, p.index), lr
+                    )
+        return sums
+
+    def decide(self, step: int, sums: torch.Tensor, lr: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Step ``step``'s decisions from every part's sums (added over the ranks): each
+        group's pull and whether it is zero after the step (see
+        :func:`~elaswave.prune.dhspg.decide`); the redundant set is chosen first where this
+        step chooses it."""
+        stats = self._stats(sums)
+        device = sums.device
         zero = stats.zero
         zero_before = int(zero.sum())
         if self.taken_at == 0 or self.taken_at >= step:  # chosen now (or again, in a redo)
@@ -137,38 +196,16 @@ class Pruner:
             stats, redundant, zero_before, lr, self.hp, project=step >= self.start_step
         )
         cleared = projected | zero
-        start = 0
-        for f, ps in zip(self.families, self.parts, strict=True):
-            end = start + f.count
-            for p in ps:
-                if holding.held(p.layer):
-                    x, h = _at(old, p.index), _at(params, p.index)
-                    params.tensor[p.index - params.base] = dhspg.apply(
-                        x, h, scale[start:end], cleared[start:end]
-                    )
-            start = end
         zeros = int(cleared.sum())
         self.last = {
             "prune_sparsity": zeros / self.groups,
             "prune_zero_groups": zeros,
             "prune_projected": int(projected.sum()),
         }
+        return scale, cleared
 
-    def _stats(self, old: Spans, params: Spans, lr: float, holding: Holding) -> dhspg.Stats:
-        """Every group's statistics: each part's sums from the rank that counts its layer,
-        added over the ranks (``holding.reduce``), then a group's parts in layer order."""
-        rows = sum(f.count * len(ps) for f, ps in zip(self.families, self.parts, strict=True))
-        sums = torch.zeros(rows, 4, dtype=torch.float64, device=params.tensor.device)
-        row = 0
-        for f, ps in zip(self.families, self.parts, strict=True):
-            for p in ps:
-                if holding.counted(p.layer):
-                    sums[row : row + f.count] = dhspg.part_sums(
-                        _at(old, p.index), _at(params, p.index), lr
-                    )
-                row += f.count
-        if holding.reduce is not None:
-            holding.reduce(sums)
+    def _stats(self, sums: torch.Tensor) -> dhspg.Stats:
+        """Every group's statistics: a group's parts added in layer order."""
         totals, row = [], 0
         for f, ps in zip(self.families, self.parts, strict=True):
             total = sums[row : row + f.count]

@@ -77,17 +77,20 @@ def test_pruning_reaches_its_target_and_zero_groups_stay_zero(pruned: Run) -> No
     [
         [],
         ["--zero", "1"],
+        ["--zero", "3"],
         ["--pp", "2", "--nproc-per-node", "4"],
         ["--pp", "2", "--nproc-per-node", "4", "--zero", "1"],
     ],
-    ids=["replicated", "zero1", "dp2xpp2", "dp2xpp2-zero1"],
+    ids=["replicated", "zero1", "zero3", "dp2xpp2", "dp2xpp2-zero1"],
 )
 def test_a_kill_while_pruning_changes_nothing(
     tmp_path: Path, state_env: dict, pruned: Run, strategy: list[str]
 ) -> None:
     """Rank 1 SIGKILLed at step 9, pruning under way; it is respawned and receives the
     redundant set from a peer: the same bits as the fault-free pruned run of replicated data
-    parallelism on 3 workers (ZeRO-1 prunes the whole parameters after its all-gather; two
+    parallelism on 3 workers (ZeRO-1 prunes the whole parameters after its all-gather; ZeRO-3
+    gathers each layer with groups, before and after the update, for the sums, and prunes the
+    elements of its shard, whose lost piece comes back from its replicas; two
     pipelines of two stages, ZeRO-1 inside them, add each layer's group sums from its first
     holder and take the same decisions, through the stage's loss, its re-cut and the respawn)."""
     run = _launch(tmp_path, state_env, MLP, "--job-id", "prune-kill", *strategy,
@@ -116,12 +119,12 @@ def test_a_resume_mid_pruning_continues_the_same_run(
     tmp_path: Path, state_env: dict, pruned: Run
 ) -> None:
     """20 steps (the redundant set, chosen at step 6, is saved with the final checkpoint), then
-    ``--resume`` to step 40 on 2 workers under ZeRO-1: the fault-free pruned run's steps 21-40
+    ``--resume`` to step 40 on 2 workers under ZeRO-3: the fault-free pruned run's steps 21-40
     and final state, bit for bit."""
     first = _launch(tmp_path / "a", state_env, {**MLP, "train": {**MLP["train"], "steps": 20}},
                     "--job-id", "prune-res-a")  # fmt: skip
     resume = str(first.dir / "checkpoints")
-    second = _launch(tmp_path / "b", state_env, MLP, "--job-id", "prune-res-b", "--zero", "1",
+    second = _launch(tmp_path / "b", state_env, MLP, "--job-id", "prune-res-b", "--zero", "3",
                      "--nproc-per-node", "2", "--resume", resume)  # fmt: skip
     assert {e["step"] for e in second.of("durable_restored")} == {20}
     assert {e["prune_partition_step"] for e in second.of("state_synced")} == {6}

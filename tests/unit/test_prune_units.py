@@ -67,11 +67,27 @@ def test_bad_prune_settings_are_one_line_errors(prune: dict, message: str) -> No
         JobConfig.from_dict({"train": {"prune": prune}})
 
 
-def test_pruning_is_refused_with_zero3_only() -> None:
-    with pytest.raises(ConfigError, match="train.prune runs with replicated parameters or ZeRO-1"):
-        JobConfig.from_dict({"zero": 3, "train": {"prune": {}}})
-    for other in ({"zero": 1}, {"pp": 2}, {"pp": 2, "zero": 1}):  # these prune
+def test_every_mode_prunes_but_zero3_inside_pipelines() -> None:
+    for other in ({"zero": 1}, {"zero": 3}, {"pp": 2}, {"pp": 2, "zero": 1}):
         JobConfig.from_dict({**other, "train": {"prune": {}}})
+    with pytest.raises(ConfigError, match="zero: 3 with pipelines"):  # ZeRO-3's own limit
+        JobConfig.from_dict({"zero": 3, "pp": 2, "train": {"prune": {}}})
+
+
+@pytest.mark.parametrize(("world", "zero"), [(2, 1), (3, 3), (4, 3)])
+def test_sharded_data_parallelism_prunes_exactly_as_one_rank_alone(world: int, zero: int) -> None:
+    """8 steps, pruning from step 2 with a high target: ZeRO-1 prunes the gathered whole
+    parameters; ZeRO-3 gathers each layer with groups before and after the update for the sums
+    and prunes its own elements. Both reach the state of one replicated rank, bit for bit (float64
+    reduction), and pruning did zero groups."""
+    from tests.unit.test_strategies import _run
+
+    prune = {"start_step": 2, "target_sparsity": 0.5, "epsilon": 0.9, "lmbda": 0.5}
+    alone = _run(1, 0, 8, prune=prune, lr=0.01)[0]
+    unpruned = _run(1, 0, 8, lr=0.01)[0]
+    assert int((alone == 0).sum()) > int((unpruned == 0).sum()) + 100  # groups went to zero
+    wholes = _run(world, zero, 8, prune=prune, lr=0.01)
+    assert all(torch.equal(w, alone) for w in wholes)
 
 
 def test_unset_hyper_parameters_take_the_reference_defaults_of_the_optimizer() -> None:

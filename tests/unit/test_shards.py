@@ -403,3 +403,12 @@ def test_layer_cuts_reassemble_every_layer(deaths: list[int]) -> None:
                 layer[lo : lo + n] = part[cursor : cursor + n]
                 cursor += n
         assert torch.equal(layer, flat[cut.offset : cut.offset + cut.length])
+        # and each element found where ``positions`` says, in exactly one rank's buffer
+        owners = torch.zeros(cut.length, dtype=torch.long)
+        for r in range(layout.world):
+            at = cut.positions(r)
+            mine = at >= 0
+            owners += mine
+            expected = flat[cut.offset : cut.offset + cut.length][mine]
+            assert torch.equal(buffers[r][at[mine]], expected)
+        assert torch.equal(owners, torch.ones_like(owners))

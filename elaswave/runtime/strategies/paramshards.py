@@ -23,7 +23,7 @@ import torch
 from elaswave.planning.shards import LayerCut, ShardLayout, layer_cuts
 from elaswave.runtime.comm.communicator import Communicator
 from elaswave.runtime.durable.checkpoints import Piece
-from elaswave.runtime.optim import FlatOptimizer
+from elaswave.runtime.optim import FlatOptimizer, Spans
 from elaswave.runtime.strategies.shard import Shard, Staged
 from elaswave.runtime.strategies.zero import DP, ZeroState
 
@@ -139,6 +139,8 @@ class ParamShards(ZeroState):
         opt.exp_avg, opt.exp_avg_sq = self.own.exp_avg.clone(), self.own.exp_avg_sq.clone()
         opt.step_count = step - 1
         opt.step(param, grad, self.groups)
+        if self.prune is not None and self.prune.active(step):
+            self._pruned(comm, step, param, abort)
         if self.is_snapshot(step):
             own = Shard.of(step, opt.exp_avg, opt.exp_avg_sq, param)
             self.staged = Staged(step, param, own, None)
@@ -147,6 +149,44 @@ class ParamShards(ZeroState):
             own = Shard(step, opt.exp_avg, opt.exp_avg_sq, None, param)
             self.staged = Staged(step, param, own, None)
         return norm
+
+    def _pruned(
+        self, comm: Communicator, step: int, param: torch.Tensor, abort: Callable[[], bool]
+    ) -> None:
+        """DHSPG on the updated chunk ``param``. No rank holds the whole parameters: each layer
+        with groups is gathered whole, before and after the update, for its groups' sums (the
+        numbers replicated data parallelism takes, on every rank alike, whatever the layout);
+        the decisions then apply to this rank's elements, each as
+        :func:`~elaswave.prune.dhspg.apply` computes it."""
+        prune, old = self.prune, self.params
+        assert prune is not None
+        prune.to(param.device)
+
+        def spans(layer: int) -> tuple[Spans, Spans]:
+            cut = self.cuts[layer]
+            before = self.gather_layer(comm, old, cut, abort)
+            return Spans(before, cut.offset), Spans(
+                self.gather_layer(comm, param, cut, abort), cut.offset
+            )
+
+        lr = self.hyper.lr_at(step)
+        scale, cleared = prune.decide(step, prune.sums(spans, lr), lr)
+        positions: dict[int, torch.Tensor] = {}  # per layer: its elements in this rank's buffer
+        for start, count, part in prune.rows():
+            cut = self.cuts[part.layer]
+            if part.layer not in positions:
+                positions[part.layer] = cut.positions(self.rank).to(param.device)
+            at = positions[part.layer][part.index - cut.offset]
+            mine = at >= 0
+            if not bool(mine.any()):
+                continue
+            group = torch.arange(start, start + count, device=param.device).unsqueeze(1)
+            group = group.expand_as(at)[mine]
+            at = at[mine]
+            x, h = old[at], param[at]
+            out = h - scale[group].to(h.dtype) * x
+            out[cleared[group]] = 0.0
+            param[at] = out
 
     def take(
         self,
