@@ -13,7 +13,9 @@ qwen2 / mistral / gpt2 / gpt_neox and the built-in GPT declare theirs), or, for 
 model, from tracing it with ``torch.fx``: a ``Linear`` whose output reaches exactly one other
 ``Linear`` through element-wise modules only (activations, dropout) makes a family over its
 output features; so does a convolution reaching one other convolution of its dimension through
-element-wise modules and BatchNorms (whose per-channel weight and bias join the group).
+element-wise modules, pooling and BatchNorms (whose per-channel weight and bias join the group),
+or reaching one ``Linear`` through a flatten of its channels (channel ``j`` is then a block of
+the ``Linear``'s input columns, one per position).
 """
 
 from __future__ import annotations
@@ -116,13 +118,24 @@ def _projection(module: nn.Module | None) -> type | None:
     return None
 
 
+# Per-channel and zero-preserving: pooling reads one channel's values only (a max or a mean of
+# zeros is zero; a max pool's padding is -inf, never chosen over a zero).
+_PER_CHANNEL_POOLS = (
+    nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d,
+    nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d, nn.AdaptiveMaxPool1d,
+    nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d,
+)  # fmt: skip
+
+
 def traced_families(model: KeyedLayers) -> list[Family]:
     """Families found by tracing the layers in sequence (``torch.fx``): each ``Linear`` (or
     convolution) whose every use reaches one other of its kind's input through element-wise,
-    zero-preserving operations and per-channel affine normalisations (BatchNorm) only; a
-    group is an output row (channel) of the first, its bias, the normalisations' weight and
-    bias of that channel, and the second's input column (channel) is removed with it. A model
-    that does not trace has none."""
+    zero-preserving operations, pooling and per-channel affine normalisations (BatchNorm)
+    only, or, from a convolution, one ``Linear`` through a flatten of the channels (channel
+    ``c`` is then a block of the ``Linear``'s columns, one per position); a group is an output
+    row (channel) of the first, its bias, the normalisations' weight and bias of that channel,
+    and the second's input column (channel, or block) is removed with it. A model that does not
+    trace has none."""
     try:
         graph = fx.symbolic_trace(nn.Sequential(*model.layers)).graph
     except Exception:  # noqa: BLE001 (any model code may refuse to trace)
@@ -133,10 +146,11 @@ def traced_families(model: KeyedLayers) -> list[Family]:
         kind = _projection(modules[node.target]) if node.op == "call_module" else None
         if kind is None:
             continue
-        found = _sole_user(node, modules, kind)
+        features = modules[node.target].weight.shape[0]
+        found = _sole_user(node, modules, kind, features)
         if found is None:
             continue
-        target, norms = found
+        target, norms, block = found
         a, b = _ref(node.target), _ref(target.target)
         members = [Member(_param(a, "weight"), 0)]
         if modules[node.target].bias is not None:
@@ -146,8 +160,7 @@ def traced_families(model: KeyedLayers) -> list[Family]:
                 Member(_param(_ref(norm), "weight"), 0),
                 Member(_param(_ref(norm), "bias"), 0),
             ]
-        consumers = (Member(_param(b, "weight"), 1),)
-        features = modules[node.target].weight.shape[0]
+        consumers = (Member(_param(b, "weight"), 1, block),)
         out.append(Family(f"layers.{node.target}", "channels", features, tuple(members), consumers))
     return out
 
@@ -163,23 +176,41 @@ def _param(module: tuple[int, str], leaf: str) -> ParamRef:
     return layer, f"{path}.{leaf}" if path else leaf
 
 
+def _flattens_channels(user: fx.Node, mod: nn.Module | None) -> bool:
+    """Whether ``user`` flattens (batch, channels, positions...) into (batch, features),
+    channel-major: ``nn.Flatten()`` or ``torch.flatten(x, 1)``."""
+    if isinstance(mod, nn.Flatten):
+        return mod.start_dim == 1 and mod.end_dim == -1
+    if user.op == "call_function" and user.target is torch.flatten:
+        start = user.args[1] if len(user.args) > 1 else user.kwargs.get("start_dim", 0)
+        end = user.args[2] if len(user.args) > 2 else user.kwargs.get("end_dim", -1)
+        return start == 1 and end == -1
+    return False
+
+
 def _sole_user(
-    node: fx.Node, modules: dict[str, nn.Module], kind: type
-) -> tuple[fx.Node, list[str]] | None:
-    """The one module of ``kind`` that ``node``'s output reaches through element-wise
-    operations and per-channel affine normalisations (with the normalisations passed, by
-    name), or None when it reaches anything else (or more than one)."""
-    found: list[fx.Node] = []
+    node: fx.Node, modules: dict[str, nn.Module], kind: type, channels: int
+) -> tuple[fx.Node, list[str], int] | None:
+    """The one module that ``node``'s output (``channels`` of them) reaches: of ``kind``
+    through element-wise operations, pooling and per-channel affine normalisations (with the
+    normalisations passed, by name, and block 1), or, from a convolution through a flatten, a
+    ``Linear`` (block: its inputs per channel); None when it reaches anything else (or more
+    than one)."""
+    found: list[tuple[fx.Node, bool]] = []
     norms: list[str] = []
-    frontier = list(node.users)
+    frontier = [(user, False) for user in node.users]  # (node, after a flatten)
     while frontier:
-        user = frontier.pop()
+        user, flat = frontier.pop()
         mod = modules.get(user.target) if user.op == "call_module" else None
-        if mod is not None and _projection(mod) is kind:
-            found.append(user)
+        if mod is not None and _projection(mod) is (nn.Linear if flat else kind):
+            found.append((user, flat))
             continue
-        if isinstance(mod, _PER_CHANNEL_NORMS) and mod.affine:
+        if _flattens_channels(user, mod) and kind is not nn.Linear and not flat:
+            flat = True
+        elif isinstance(mod, _PER_CHANNEL_NORMS) and mod.affine and not flat:
             norms.append(str(user.target))
+        elif isinstance(mod, _PER_CHANNEL_POOLS) and not flat:
+            pass
         elif not (
             isinstance(mod, _ELEMENTWISE_MODULES)
             or (user.op == "call_function" and user.target in _ELEMENTWISE_FUNCTIONS)
@@ -187,5 +218,13 @@ def _sole_user(
             return None
         if sum(isinstance(a, fx.Node) for a in (*user.args, *user.kwargs.values())) != 1:
             return None
-        frontier.extend(user.users)
-    return (found[0], norms) if len(found) == 1 else None
+        frontier.extend((u, flat) for u in user.users)
+    if len(found) != 1:
+        return None
+    target, flat = found[0]
+    if not flat:
+        return target, norms, 1
+    inputs = modules[str(target.target)].weight.shape[1]
+    if inputs % channels:  # not a whole number of positions per channel
+        return None
+    return target, norms, inputs // channels

@@ -41,6 +41,9 @@ MODELS = {
     "gpt_neox": {"source": "hf", "seq_len": 8,
                  "hf": {"model_type": "gpt_neox", "hidden_size": 32, "intermediate_size": 48,
                         "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 64}},
+    # a group cut by a layer boundary: the first convolution in layer 0, its BatchNorm in layer 1
+    "conv-split": {"source": "module", "factory": "tests.unit.test_prune_units:conv_net",
+                   "args": {"split": True}},
 }  # fmt: skip
 
 
@@ -106,6 +109,7 @@ def test_unset_hyper_parameters_take_the_reference_defaults_of_the_optimizer() -
         ("qwen2-gqa", [("attention", 2), ("mlp", 48)] * 2),
         ("gpt2", [("attention", 4), ("mlp", 128)] * 2),  # heads of the fused c_attn
         ("gpt_neox", [("attention", 4), ("mlp", 48)] * 2),  # heads of the interleaved qkv
+        ("conv-split", [("channels", 8), ("channels", 6)]),  # the second through the flatten
     ],
 )
 def test_each_family_finds_its_groups(name: str, expected: list) -> None:
@@ -123,7 +127,7 @@ def test_each_family_finds_its_groups(name: str, expected: list) -> None:
 
 def _outputs(workload: object, model: KeyedLayers, name: str) -> torch.Tensor:
     torch.manual_seed(0)
-    if name == "mlp":
+    if name in ("mlp", "conv-split"):
         x = torch.randn(5, 16)
     else:
         x = torch.randint(0, 64, (3, 8))
@@ -144,7 +148,9 @@ def test_zeroed_groups_removed_leave_the_outputs_unchanged(name: str) -> None:
     sparse = _outputs(workload, model, name)
     before = sum(p.numel() for p in model.parameters())
     kept = kept_groups(families, model, flat.data, same_width=True)
-    assert [len(k) for k in kept] == [f.count - f.count // 2 for f in families]
+    width = {f.kind: max(g.count - g.count // 2 for g in families if g.kind == f.kind)
+             for f in families}  # fmt: skip
+    assert [len(k) for k in kept] == [width[f.kind] for f in families]  # one width per kind
     shrink(model, families, kept)
     assert sum(p.numel() for p in model.parameters()) < before
     if name == "gpt":  # its blocks take head and MLP widths from the config: shapes only
@@ -175,9 +181,13 @@ def one_linear() -> object:
     return One(features=16, hidden=8, depth=0, classes=4, dropout=0.0, num_samples=64)
 
 
-def conv_net(dims: int = 1) -> object:
+def conv_net(dims: int = 1, pooled: bool = False, split: bool = False) -> object:
     """Two layers: [a 16-feature sample as one channel → conv → BatchNorm → ReLU] and [conv →
-    ReLU → flatten → Linear]: one chain between the convolutions (8 channels)."""
+    ReLU → flatten → Linear]: a chain between the convolutions (8 channels) and one from the
+    second convolution to the Linear through the flatten (6 channels, 16 positions each).
+    ``pooled`` (2-d): a max pool after the first ReLU and a global average pool before the
+    flatten (one position per channel), as image classifiers have them. ``split``: the
+    BatchNorm and ReLU open the second layer (the first chain's groups lie in both layers)."""
     from examples.mlp_classifier import MLPClassifier
 
     conv, norm = {1: (nn.Conv1d, nn.BatchNorm1d), 2: (nn.Conv2d, nn.BatchNorm2d)}[dims]
@@ -190,53 +200,73 @@ def conv_net(dims: int = 1) -> object:
 
         def build_layer(self, index: int, seed: int) -> nn.Module:
             torch.manual_seed(seed + index)
+            if split:
+                if index == 0:
+                    return nn.Sequential(nn.Unflatten(1, shape), conv(1, 8, 3, padding=1))
+                return nn.Sequential(norm(8), nn.ReLU(), conv(8, 6, 3, padding=1), nn.ReLU(),
+                                     nn.Flatten(), nn.Linear(6 * 16, 4))  # fmt: skip
             if index == 0:
+                pool = [nn.MaxPool2d(2)] if pooled else []
                 return nn.Sequential(nn.Unflatten(1, shape), conv(1, 8, 3, padding=1), norm(8),
-                                     nn.ReLU())  # fmt: skip
+                                     nn.ReLU(), *pool)  # fmt: skip
+            if pooled:
+                return nn.Sequential(conv(8, 6, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                                     nn.Flatten(), nn.Linear(6, 4))  # fmt: skip
             return nn.Sequential(conv(8, 6, 3, padding=1), nn.ReLU(), nn.Flatten(),
                                  nn.Linear(6 * 16, 4))  # fmt: skip
 
     return Conv(features=16, hidden=8, depth=0, classes=4, dropout=0.0, num_samples=64)
 
 
-@pytest.mark.parametrize("dims", [1, 2])
-def test_a_conv_norm_relu_conv_chain_is_traced_and_removed_exactly(dims: int) -> None:
+@pytest.mark.parametrize(("dims", "pooled"), [(1, False), (2, False), (2, True)])
+def test_convolution_chains_are_traced_and_removed_exactly(dims: int, pooled: bool) -> None:
     """The tracer finds the convolutions' chain through a BatchNorm (whose weight and bias join
-    each channel's group); every other channel zeroed, then removed (BatchNorm's statistics
-    sliced with it): the eval-mode outputs within 1e-5."""
+    each channel's group) and the pooling, and the second convolution's channels as blocks of
+    the Linear's columns behind the flatten (16 positions each, or 1 after a global pool);
+    every other channel of both zeroed, then removed (BatchNorm's statistics sliced with it):
+    the eval-mode outputs within 1e-5."""
     factory = "tests.unit.test_prune_units:conv_net"
-    model_cfg = {"source": "module", "factory": factory, "args": {"dims": dims}}
+    model_cfg = {"source": "module", "factory": factory, "args": {"dims": dims, "pooled": pooled}}
     cfg = JobConfig.from_dict({"model": model_cfg})
     workload = load_workload(cfg)
     model = build_layers(workload, 3)
-    (family,) = find_groups(workload, model)
-    assert (family.kind, family.count) == ("channels", 8)
-    assert [m.param for m in family.members] == [
+    families = find_groups(workload, model)
+    assert [(f.kind, f.count) for f in families] == [("channels", 8), ("channels", 6)]
+    first, second = families
+    assert [m.param for m in first.members] == [
         (0, "1.weight"), (0, "1.bias"), (0, "2.weight"), (0, "2.bias")
     ]  # fmt: skip
-    assert [(m.param, m.axis) for m in family.consumers] == [((1, "0.weight"), 1)]
+    assert [(m.param, m.axis, m.size) for m in first.consumers] == [((1, "0.weight"), 1, 1)]
+    linear = "4.weight" if pooled else "3.weight"
+    block = 1 if pooled else 16
+    assert [(m.param, m.axis, m.size) for m in second.consumers] == [((1, linear), 1, block)]
     norm = model.layers[0][2]
     with torch.no_grad():
         norm.running_mean.uniform_(-1, 1, generator=torch.Generator().manual_seed(1))
         norm.running_var.uniform_(0.5, 2, generator=torch.Generator().manual_seed(2))
     flat = FlatParams(model)
     with torch.no_grad():
-        flat.data[flat_index(family, model)[1::2]] = 0.0
+        for f in families:
+            flat.data[flat_index(f, model)[1::2]] = 0.0
     x = torch.randn(5, 16, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         sparse = model.eval()(x, step=1, microbatch=0)
-    positions = 16  # a 16-feature sample: 16 positions (1-d) or 4 × 4 (2-d), padded convs
+    # a 16-feature sample: 16 positions (1-d) or 4 × 4 (2-d), padded convs; 2 × 2 after the pool
+    first_at, second_at = (16, 4) if pooled else (16, 16)
 
     def flops() -> int:  # both convolutions at every position, the Linear once
-        convs = model.layers[0][1].weight.numel() + model.layers[1][0].weight.numel()
-        return 2 * (convs * positions + model.layers[1][3].weight.numel())
+        convs = (model.layers[0][1].weight.numel() * first_at
+                 + model.layers[1][0].weight.numel() * second_at)  # fmt: skip
+        return 2 * (convs + model.layers[1][-1].weight.numel())
 
     assert matmul_flops(model, x) == flops() and matmul_flops(model) < flops()
-    kept = kept_groups([family], model, flat.data, same_width=False)
-    shrink(model, [family], kept)
-    assert matmul_flops(model, x) == flops()  # the halved convolutions
+    kept = kept_groups(families, model, flat.data, same_width=False)
+    shrink(model, families, kept)
+    assert matmul_flops(model, x) == flops()  # the halved convolutions and Linear
     assert norm.num_features == 4 and norm.running_mean.numel() == 4
     assert model.layers[1][0].in_channels == 4 and model.layers[0][1].out_channels == 4
+    assert model.layers[1][0].out_channels == 3
+    assert model.layers[1][-1].in_features == 3 * block
     with torch.no_grad():
         torch.testing.assert_close(model(x, step=1, microbatch=0), sparse, rtol=0, atol=1e-5)
 
@@ -354,11 +384,12 @@ def _stages(
     return out
 
 
-@pytest.mark.parametrize("name", ["mlp", "llama-gqa"])
+@pytest.mark.parametrize("name", ["mlp", "llama-gqa", "conv-split"])
 def test_pipeline_stages_prune_exactly_as_the_whole_model_whatever_the_cut(name: str) -> None:
     """Each stage brings the group sums of its layers, zeros for the rest; the added sums give
     every stage the whole model's decisions: the stages' windows put together are the whole
-    model's parameters after DHSPG, bit for bit, for every cut."""
+    model's parameters after DHSPG, bit for bit, for every cut (``conv-split``: a group whose
+    convolution and BatchNorm lie in different stages)."""
     cfg = JobConfig.from_dict(
         {"model": MODELS[name], "train": {"prune": {"start_step": 1, "target_sparsity": 0.5,
                                                     "epsilon": 0.9}}}
