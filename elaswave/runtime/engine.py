@@ -372,9 +372,11 @@ class Engine:
                 parts=plan.world_size,
             )  # fmt: skip
 
+        prune = self.state.prune.saved() if self.state.prune is not None else None
         store.save_pieces_async(
             step, self.state.last_loss, rank=rank, world=plan.world_size,
             attempt=f"e{plan.epoch}", pieces=pieces, on_done=saved if rank == 0 else None,
+            extra=prune,
         )  # fmt: skip
 
     # ---- recovery ---------------------------------------------------------------------------

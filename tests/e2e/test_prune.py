@@ -118,13 +118,14 @@ def test_a_kill_while_pruning_changes_nothing(
 def test_a_resume_mid_pruning_continues_the_same_run(
     tmp_path: Path, state_env: dict, pruned: Run
 ) -> None:
-    """20 steps (the redundant set, chosen at step 6, is saved with the final checkpoint), then
-    ``--resume`` to step 40 on 2 workers under ZeRO-3: the fault-free pruned run's steps 21-40
-    and final state, bit for bit."""
+    """20 steps under ZeRO-3 (the redundant set, chosen at step 6, is saved in the index of the
+    final checkpoint, written by every rank), then ``--resume`` to step 40 on 2 workers under
+    ZeRO-1: the fault-free pruned run's steps 21-40 and final state, bit for bit."""
     first = _launch(tmp_path / "a", state_env, {**MLP, "train": {**MLP["train"], "steps": 20}},
-                    "--job-id", "prune-res-a")  # fmt: skip
+                    "--job-id", "prune-res-a", "--zero", "3")  # fmt: skip
     resume = str(first.dir / "checkpoints")
-    second = _launch(tmp_path / "b", state_env, MLP, "--job-id", "prune-res-b", "--zero", "3",
+    assert [e["parts"] for e in first.of("final_saved")] == [3]  # a part per rank
+    second = _launch(tmp_path / "b", state_env, MLP, "--job-id", "prune-res-b", "--zero", "1",
                      "--nproc-per-node", "2", "--resume", resume)  # fmt: skip
     assert {e["step"] for e in second.of("durable_restored")} == {20}
     assert {e["prune_partition_step"] for e in second.of("state_synced")} == {6}

@@ -432,6 +432,18 @@ def test_the_redundant_set_survives_a_durable_checkpoint(tmp_path: Path) -> None
     store.save_async(8, 0.5, params, params, params)  # without pruning: no set
     store.flush()
     assert checkpoints.load(tmp_path / "step-00000008", 10).prune is None
+    # written per rank (ZeRO-3, pipelines): the set in the checkpoint's index
+    for step, extra in ((9, source.saved()), (10, None)):
+        store.save_pieces_async(step, 0.5, rank=0, world=1, attempt="e1",
+                                pieces=[(0, 10, params, params, params)], extra=extra)  # fmt: skip
+        store.flush()
+        state = checkpoints.load(tmp_path / f"step-{step:08d}", 10)
+        assert torch.equal(state.params, params)
+        if extra is None:
+            assert state.prune is None
+        else:
+            fresh.adopt(state.prune, state.step)
+            assert (fresh.taken_at, fresh.redundant.tolist()) == (3, source.redundant.tolist())
 
 
 @pytest.mark.parametrize("name", ["llama", "llama-gqa", "qwen2-gqa", "gpt2", "gpt_neox"])

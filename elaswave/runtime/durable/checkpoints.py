@@ -45,7 +45,7 @@ __all__ = ["LATEST", "PIECES", "DurableCheckpoints", "DurableState", "complete",
 log = logging.getLogger(__name__)
 
 KINDS = ("params", "exp_avg", "exp_avg_sq")
-PRUNE = "prune"  # the key of pruning's state in a whole checkpoint
+PRUNE = "prune"  # the key of pruning's state in a whole checkpoint (and in a per-rank one's index)
 COMMIT_S = 120.0  # how long rank 0 waits for the other ranks' parts before giving up
 FLUSH_S = 10.0  # how long a flush waits for a commit still waiting on other ranks
 
@@ -137,12 +137,14 @@ class DurableCheckpoints:
         attempt: str,
         pieces: Sequence[Piece],
         on_done: Callable[[Path, float], None] | None = None,
+        extra: torch.Tensor | None = None,
     ) -> None:
         """Snapshot this rank's ``pieces`` now (copies) and write them in the background, beside
         the other ranks' parts of the same checkpoint (``attempt`` names the plan: every rank
         of it passes the same, a redo under a later plan writes afresh). Rank 0 commits the
         checkpoint once every one of the ``world`` ranks has written its part, and then calls
-        ``on_done``."""
+        ``on_done``; its ``extra`` (pruning's state, the same on every rank) goes into the
+        checkpoint's index."""
         state = {
             f"{kind}/{a}-{b}": _host_copy(t)
             for a, b, *tensors in pieces
@@ -156,8 +158,9 @@ class DurableCheckpoints:
         if rank == 0:
             if self._committing is not None:
                 self._committing.result()
+            kept = extra.tolist() if extra is not None else None
             self._committing = self._committer.submit(
-                self._commit, tmp, step, loss, world, self._pending, self._discards, on_done
+                self._commit, tmp, step, loss, world, self._pending, self._discards, on_done, kept
             )
 
     def _write_part(
@@ -180,6 +183,7 @@ class DurableCheckpoints:
         own: Future[Any],
         discards: int,
         on_done: Callable[[Path, float], None] | None,
+        extra: list[float] | None = None,
     ) -> Path | None:
         """Rank 0: once every rank's part is written, index them and make the checkpoint
         visible. A rank that died before writing its part leaves the checkpoint uncommitted
@@ -205,7 +209,10 @@ class DurableCheckpoints:
             numel = b
         if discards != self._discards:  # the state it holds was found corrupt meanwhile
             return None
-        _write_json(tmp / PIECES, {"step": step, "loss": loss, "numel": numel, "pieces": pieces})
+        index = {"step": step, "loss": loss, "numel": numel, "pieces": pieces}
+        if extra is not None:
+            index[PRUNE] = extra
+        _write_json(tmp / PIECES, index)
         final = self._publish(tmp, step)
         if on_done is not None:
             on_done(final, time.perf_counter() - start)
@@ -300,9 +307,11 @@ def _load_pieces(path: Path, numel: int) -> DurableState:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             _dcp().load(state, checkpoint_id=str(path / f"rank-{rank:05d}"), no_dist=True)
+    prune = index.get(PRUNE)
     return DurableState(
         int(index["step"]), float(index["loss"]), whole["params"], whole["exp_avg"],
         whole["exp_avg_sq"], path,
+        torch.tensor(prune, dtype=torch.float64) if prune is not None else None,
     )  # fmt: skip
 
 
