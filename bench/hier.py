@@ -33,7 +33,9 @@ reduce-scatter is underneath): 2 (N − 1) / N − 2 (H − 1) / H = 0.75 M per 
 its forward left (1/4 of the layer per rank): the backward ring's (N − 1) / N = 0.88 M per host
 less again (all layers but the last, which is gathered once). ``hpz-gather``: that, and each
 layer's forward gathered by tiers (``zero3_gather: tiers``: each host's parts inside the host,
-the lanes between them): the forward ring's 0.88 M becomes (H − 1) / H = 0.5 M.
+the lanes between them): the forward ring's 0.88 M becomes (H − 1) / H = 0.5 M. ``hsdp``
+(``shard_scope: host``): each host holds the whole model over its four ranks, so no gather leaves
+the host and no snapshot is sent; only the gradient crosses, by tiers: 2 (H − 1) / H = 1.0 M.
 
 Pipelines (``pp``, unshaped): ``pp: 2`` on the 8 workers, so each stage's 4 holders span both
 hosts, 2 on each; flat: each holder group's ring (a host sends 2 × (4 − 1) / 4 × M_s per stage
@@ -84,12 +86,13 @@ ZERO3_LINKS = ("unshaped", "100mbit")
 # what ``--parts`` picks from (all by default): data parallelism's links × modes, ZeRO-3's and
 # ZeRO-1's, the killed and the wide layout, and int8's curve
 PARTS = ("dp", "zero3", "zero1", "pp", "killed", "wide", "curve")
-# ZeRO-3's modes -> (the mode's hierarchy, train.hpz, train.zero3_gather)
+# ZeRO-3's modes -> (the mode's hierarchy, train.hpz, train.zero3_gather, train.shard_scope)
 ZERO3_MODES = {
-    "flat": ("flat", "off", "flat"),
-    "tiers": ("auto", "off", "flat"),
-    "hpz": ("auto", "auto", "flat"),
-    "hpz-gather": ("auto", "auto", "tiers"),
+    "flat": ("flat", "off", "flat", "job"),
+    "tiers": ("auto", "off", "flat", "job"),
+    "hpz": ("auto", "auto", "flat", "job"),
+    "hpz-gather": ("auto", "auto", "tiers", "job"),
+    "hsdp": ("auto", "off", "flat", "host"),
 }
 
 
@@ -187,8 +190,8 @@ def _theory(hosts: int, per_host: int) -> dict[str, float]:
 
 
 def _zero3_job(tmp: Path, job: str, link: str, mode: str) -> tuple[dict[str, Any], int]:
-    hierarchy, hpz, gather = ZERO3_MODES[mode]
-    return _one_job(tmp, job, link, hierarchy, zero=3, hpz=hpz, gather=gather)
+    hierarchy, hpz, gather, scope = ZERO3_MODES[mode]
+    return _one_job(tmp, job, link, hierarchy, zero=3, hpz=hpz, gather=gather, scope=scope)
 
 
 def _zero1_theory(hosts: int, per_host: int) -> dict[str, float]:
@@ -209,10 +212,12 @@ def _one_job(
     hpz: str = "off",
     pp: int = 1,
     gather: str = "flat",
+    scope: str = "job",
 ) -> tuple[dict[str, Any], int]:
     """One job's bytes per host per step and median step over the window (``killed``: rank 1
     SIGKILLed at ``KILL_STEP``; the window after the new plan; ``zero``: the data-parallel
-    mode; ``hpz``: ZeRO-3's host-local backward gathers)."""
+    mode; ``hpz``: ZeRO-3's host-local backward gathers; ``scope``: ZeRO-3's shards over every
+    rank or inside each host)."""
     hierarchy, compress = MODES[mode]
     warm = KILL_STEP + KILL_WINDOW if killed else WARM
     steps = warm + STEPS - WARM
@@ -220,7 +225,7 @@ def _one_job(
         "zero": zero,
         "pp": pp,
         "train": {"steps": steps, "hierarchy": hierarchy, "grad_compress": compress,
-                  "hpz": hpz, "zero3_gather": gather},
+                  "hpz": hpz, "zero3_gather": gather, "shard_scope": scope},
         "elastic": {"nproc_per_node": layout[1], "nnodes": f"{layout[0]}:{layout[0]}"},
     })  # fmt: skip
     bed = netbed.NetBed(tmp, config=cfg, hosts=layout[0])
@@ -237,6 +242,8 @@ def _one_job(
         sent = sent_between(samples, t0, t1)
         times = diffs([commits[s] for s in range(warm, steps + 1)])
         grad = grad_bytes_of(bed, sharded=zero == 3)
+        if scope == "host":  # every host's shards add up to the whole model
+            grad //= layout[0]
         mttr = None
         if killed:
             from elaswave.report import build_report
@@ -418,7 +425,7 @@ def show(result: dict[str, Any]) -> None:
         print_table(
             f"ZeRO-3, {result['hosts']} hosts × {result['per_host']} workers: flat; the "
             f"gradient by tiers (theory: {zero3['theory_saved']:.2f} M per host less); and the "
-            f"backward gathers inside the host (hpz)",
+            f"backward gathers inside the host (hpz); shards inside each host (hsdp)",
             ("link", *(f"{m}: MB/host/step" for m in shown), *(f"{m} step s" for m in shown),
              *(f"{m} / flat" for m in shown if m != "flat")),
             rows,

@@ -100,6 +100,16 @@ class JobConfig:
                 "the data-parallel ranks only (use zero: 1 inside pipeline stages)"
             )
         self._check_pipeline()
+        if self.train.shard_scope == "host" and self.zero != 3:
+            raise ConfigError(
+                f"train.shard_scope host shards ZeRO-3's state inside each host: it needs zero: 3 "
+                f"(got zero: {self.zero})"
+            )
+        if self.train.shard_scope == "host" and self.train.zero3_gather == "tiers":
+            raise ConfigError(
+                "train.zero3_gather tiers gathers across hosts; with train.shard_scope host every "
+                "gather stays inside the host"
+            )
         if self.train.grad_compress == "int8" and self.pp > 1:
             raise ConfigError(
                 "train.grad_compress int8 compresses the reduction by tiers of data parallelism "

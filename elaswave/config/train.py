@@ -91,6 +91,12 @@ class TrainConfig:
     # between the hosts, shared back: fewer bytes between hosts, but a chain of collectives on the
     # computing thread, not overlapped). Where the plan has tiers.
     zero3_gather: str = "flat"
+    # ZeRO-3's shards: over every data-parallel rank ("job"), or over the ranks of each host,
+    # every host holding the whole model ("host": hybrid sharding, FSDP's HSDP): each layer's
+    # gathers stay inside the host, only the gradient's reduction crosses hosts, and a worker
+    # lost on one host is rebuilt from the same elements on another (no snapshots kept). Needs
+    # zero: 3.
+    shard_scope: str = "job"
     # A fault in the middle of a step: survivors keep the micro-batches they finished and only
     # the lost ones are computed again (data parallelism and ZeRO-1; pipelines redo the step).
     # false: the whole step is redone (for comparisons).
@@ -122,6 +128,8 @@ class TrainConfig:
             raise ConfigError(f"train.hierarchy must be auto or flat, got {self.hierarchy!r}")
         if self.hpz not in ("auto", "off"):
             raise ConfigError(f"train.hpz must be auto or off, got {self.hpz!r}")
+        if self.shard_scope not in ("job", "host"):
+            raise ConfigError(f"train.shard_scope must be job or host, got {self.shard_scope!r}")
         if self.zero3_gather not in ("flat", "tiers"):
             raise ConfigError(
                 f"train.zero3_gather must be flat or tiers, got {self.zero3_gather!r}"

@@ -9,11 +9,16 @@ workers and one) and the respawn that evens them again — and both equal the si
 
 from __future__ import annotations
 
+import hashlib
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import F64, Run, assert_clean_run, float64_run, paced
+from conftest import F64, Run, assert_clean_run, float64_run, paced, read_jsonl, wait_for
 from netbed import NetBed, netbed_fixture  # noqa: F401 - provides the netbed_factory fixture
+
+from elaswave.runtime.durable import checkpoints
 
 pytestmark = [pytest.mark.e2e, pytest.mark.netns]
 
@@ -118,6 +123,93 @@ def test_zero_sharded_by_tiers_is_what_data_parallelism_computes(
         hpz = {(e["epoch"], e["hpz"]) for e in run.of("state_synced")}
         assert hpz == {(epoch, world[epoch] == 4) for epoch, _ in hpz}, hpz
         assert {on for _, on in hpz} == {True, False}, hpz
+
+
+def test_zero3_sharded_inside_each_host_is_what_data_parallelism_computes(
+    netbed_factory: Any, state_env: dict[str, str], single_host: Run, tmp_path: Path
+) -> None:
+    """``train.shard_scope: host`` (hybrid sharding): each host holds the whole model cut over
+    its ranks, gathers stay inside the host, each layer's gradient is summed over both hosts by
+    tiers. Rank 3 (host 1) killed: host 1's survivor takes its ranges from host 0's copy (bytes
+    cross between the hosts, no snapshot exists); the respawned worker carves its share from its
+    host peer (nothing crosses). The single-host replicated run's losses and final state bit for
+    bit, and a final checkpoint (in a directory both hosts reach) of host 0's parts only that
+    holds that state."""
+    bed = netbed_factory(hosts=2, name="hsdp")
+    env = {**state_env, "ELASWAVE_TRAIN__SHARD_SCOPE": "host", "ELASWAVE_TRAIN__SAVE_FINAL": "true"}
+    shared = tmp_path / "checkpoints"
+    run = _run(bed, "hier-hsdp", "auto", env, "off", 3, 3, 2, "--durable-dir", str(shared))
+    _as_single_host(run, single_host, 4, ("params_sha256", "state_sha256"))
+    synced = [e for e in run.of("state_synced") if e["epoch"] > 1]
+    assert {e["shard_scope"] for e in synced} == {"host"}
+    world = {p["epoch"]: p["world"] for p in run.of("plan_published")}
+    lost = [e for e in synced if world[e["epoch"]] == 3]
+    back = [e for e in synced if world[e["epoch"]] == 4]
+    assert lost and back
+    # the lost ranges: a quarter of the model's parameters and moments, from the other host
+    assert all(e["cross_host_bytes"] > 0 and e["cross_host_bytes"] == e["bytes"] for e in lost)
+    assert all(e["cross_host_bytes"] == 0 and e["bytes"] > 0 for e in back)
+    (saved,) = run.of("final_saved")
+    assert saved["parts"] == 4
+    parts = json.loads((Path(saved["path"]) / checkpoints.PIECES).read_text())["pieces"]
+    assert {rank for *_, rank in parts} == {0, 1}  # host 0's two ranks tile the model
+    state = checkpoints.load(Path(saved["path"]), parts[-1][1])
+    digest = hashlib.sha256(state.params.numpy().tobytes()).hexdigest()
+    assert {digest} == {f["params_sha256"] for f in single_host.of("final_state")}
+
+
+def test_zero3_inside_each_host_through_a_host_loss_and_its_return(
+    netbed_factory: Any, state_env: dict[str, str], single_host: Run
+) -> None:
+    """``train.shard_scope: host``, two hosts of two: the host that does not lead is SIGKILLed
+    whole (daemon and workers); the other host's copy is whole already, so it goes on alone
+    with nothing moved. Launched again, the host's new workers take the whole model from the
+    other host (every byte crosses). The single-host run's losses and final state bit for bit."""
+    bed = netbed_factory(hosts=2, name="hsdpo")
+    env = paced({**state_env, **F64, "ELASWAVE_TRAIN__SHARD_SCOPE": "host",
+                 "ELASWAVE_TIMEOUTS__LEASE_TTL": "2", "ELASWAVE_TIMEOUTS__RENDEZVOUS": "60"},
+                0.25)  # fmt: skip
+    args = ("--job-id", "hier-hsdp-host", "--nproc-per-node", "2", "--nnodes", "2:2",
+            "--steps", str(STEPS), "--zero", "3")  # fmt: skip
+    for host in bed.hosts:
+        bed.launch(host, *args, env=env)
+
+    def events(host: str) -> list[dict[str, Any]]:
+        path = bed.run_dirs[host] / "events.jsonl"
+        return list(read_jsonl(path)) if path.exists() else []
+
+    leader = wait_for(
+        lambda: next((h for h in bed.hosts if any(e["kind"] == "leader_elected"
+                                                  for e in events(h))), None),
+        timeout=60,
+    )  # fmt: skip
+    victim = next(h for h in bed.hosts if h != leader)
+
+    def committed() -> int:  # the metrics are written where rank 0 runs, the leader or not
+        return max((m["step"] for h in bed.hosts
+                    for m in read_jsonl(bed.run_dirs[h] / "metrics.jsonl")), default=0)  # fmt: skip
+
+    wait_for(lambda: committed() >= 2, timeout=120, interval=0.05)
+    bed.kill_host(victim)
+    wait_for(lambda: any(e["kind"] == "host_lost" for e in events(leader)), timeout=60)
+    bed.launch(victim, *args, env=env)
+    codes = bed.wait(timeout=180)
+    assert codes == {h: 0 for h in bed.hosts}, [bed.output(h) for h in bed.hosts]
+    run = Run(*(bed.run_dirs[h] for h in bed.hosts))
+    assert_clean_run(run, STEPS, single_host)
+    assert run.losses == single_host.losses
+    for key in ("params_sha256", "state_sha256"):
+        assert {f[key] for f in run.of("final_state")} == {
+            f[key] for f in single_host.of("final_state")
+        }
+    world = {p["epoch"]: p["world"] for p in run.of("plan_published")}
+    assert [world[e] for e in sorted(world)][:2] == [4, 2] and world[max(world)] == 4, world
+    synced = [e for e in run.of("state_synced") if e["epoch"] > 1]
+    alone = [e for e in synced if world[e["epoch"]] == 2]
+    back = [e for e in synced if world[e["epoch"]] == 4]
+    assert alone and all(e["bytes"] == 0 for e in alone)  # the host's copy was whole
+    assert back and all(e["cross_host_bytes"] == e["bytes"] > 0 for e in back)
+    assert len({e["bytes"] for e in back}) == 1  # every rank reports the same plan's moves
 
 
 def test_pipeline_holder_groups_sum_by_tiers_what_data_parallelism_sums(

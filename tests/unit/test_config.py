@@ -188,6 +188,12 @@ def test_missing_config_file(tmp_path: Path) -> None:
         ({"rack": "row 1/a"}, "rack must be 1-64 of [A-Za-z0-9_.-], got 'row 1/a'"),
         ({"zero": 3, "pp": 2}, "zero: 3 with pipelines (pp=2) is not supported yet"),
         ({"train.grad_compress": "int8", "pp": 2}, "not pipelines' holder groups (got pp: 2)"),
+        ({"train.shard_scope": "rack"}, "train.shard_scope must be job or host, got 'rack'"),
+        ({"train.shard_scope": "host", "zero": 1}, "it needs zero: 3 (got zero: 1)"),
+        (
+            {"train.shard_scope": "host", "zero": 3, "train.zero3_gather": "tiers"},
+            "with train.shard_scope host every gather stays inside the host",
+        ),
         ({"elastic.workers_per_device": 0}, "elastic.workers_per_device must be > 0, got 0"),
         (
             {"elastic.workers_per_device": 2, "dvfs": "nvml", "pp": 2},

@@ -120,6 +120,10 @@ class LayerGather:
         self.secondary: tuple[str, int, int] | None = None
         self._kept: dict[int, torch.Tensor] = {}
         self.compressed = False  # by tiers, the hop between hosts as int8
+        # train.shard_scope host: the shards are laid out over the host's ranks, every host a
+        # whole copy; each layer's gradient is all-reduced over every rank (by tiers where the
+        # plan has them) in flat order and each rank keeps its part
+        self.across_hosts = False
         self.gather_tiers = False  # train.zero3_gather tiers: a layer gathered by the tiers
         # the most bytes held at once during the last step: of gathered layers' parameters, of
         # layer gradients (and their reduction's buffers), and of both together
@@ -140,7 +144,7 @@ class LayerGather:
             with self._waiting():
                 allgather_tiered(self.comm, DP, self.tiers, out, mine, abort)
             return _Gathering(i, out, None)
-        work = self.comm.start_allgather(DP, out, mine, abort) if world > 1 else None
+        work = self.comm.start_allgather(shards.group, out, mine, abort) if world > 1 else None
         if work is None:
             out.copy_(mine)
         return _Gathering(i, out, work)
@@ -188,6 +192,17 @@ class LayerGather:
         the ranks of its part. Takes ``sums`` over (held; the caller no longer touches them): a
         rank-major layer's sums are the send buffer itself, others are packed into one."""
         cut, world = shards.cuts[i], len(shards.workers)
+        if self.across_hosts:  # every host's ranks hold other parts: the whole layer, summed
+            with self._waiting():
+                int8 = sums.numel() if self.compressed else 0
+                allreduce_tiered(self.comm, DP, self.tiers, sums, abort, int8)
+            out = sums.new_empty(cut.pad)
+            self._hold(out, grads=True)
+            cursor = 0
+            for lo, n in cut.local[shards.rank]:
+                out[cursor : cursor + n] = sums[lo : lo + n]
+                cursor += n
+            return _Reducing(i, sums, out, None)
         if cut.rank_major:
             send = sums  # still held, now as the send buffer
         else:

@@ -25,7 +25,7 @@ from elaswave.runtime.comm.communicator import Communicator
 from elaswave.runtime.durable.checkpoints import Piece
 from elaswave.runtime.optim import FlatOptimizer, Spans
 from elaswave.runtime.strategies.shard import Shard, Staged
-from elaswave.runtime.strategies.zero import DP, ZeroState
+from elaswave.runtime.strategies.zero import ZeroState
 
 __all__ = ["ParamShards"]
 
@@ -105,7 +105,7 @@ class ParamShards(ZeroState):
         start, size = cut.starts[self.rank], cut.sizes[self.rank]
         mine[:size] = part[start : start + size]
         gathered = part.new_empty(world * pad)
-        comm.allgather_into(DP, gathered, mine, abort)
+        comm.allgather_into(self.group, gathered, mine, abort)
         return unpack_layer(gathered, cut)
 
     # ---- one step -------------------------------------------------------------------------------

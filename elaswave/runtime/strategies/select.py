@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from elaswave.runtime.strategies.base import Strategy
+from elaswave.runtime.strategies.hostzero3 import HostZero3
 from elaswave.runtime.strategies.pipeline.strategy import PipelineStages
 from elaswave.runtime.strategies.replicated import Replicated
 from elaswave.runtime.strategies.sharded import Zero1
@@ -23,6 +24,8 @@ def strategy_for(ctx: RankContext, durable: DurableSource) -> Strategy:
     if ctx.cfg.pp > 1:
         return PipelineStages(ctx, durable)
     if ctx.cfg.zero == 3:
+        if ctx.cfg.train.shard_scope == "host":
+            return HostZero3(ctx, durable)
         return Zero3(ctx, durable)
     if ctx.cfg.zero:
         return Zero1(ctx, durable)

@@ -28,7 +28,7 @@ import bisect
 import math
 import time
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -103,6 +103,12 @@ class ZeroState:
     tiers: Tiers | None = None  # the all-reduce and all-gather by hosts (gloo: no native ones)
     compressed: bool = False  # train.grad_compress int8: the gradient crosses hosts as int8
     snapshot_every: int = 1  # replicate every K committed steps (0: never)
+    # The group the shards are laid out over: every data-parallel rank, or (ZeRO-3 with
+    # ``train.shard_scope: host``) the ranks of this rank's host, each host a whole copy.
+    group: str = DP
+    # Whether this rank's squares count in the clipping norm (host scope: the first host's
+    # only, so that every host clips by the same number and the copies stay the same bits).
+    norm_share: bool = True
     prune: Pruner | None = None  # train.prune: DHSPG on the whole updated parameters
     grad_norm: float | None = None  # of the last staged step's mean gradient, where measured
     _send_spans: dict[int, list[Range]] = field(default_factory=dict)
@@ -301,6 +307,8 @@ class ZeroState:
         if self._layer_runs is None:  # once per layout: every step's clip reads the same runs
             self._layer_runs = layer_runs(pieces, segments)
         squares = shard_sumsq(mean, pieces, segments, self._layer_runs, ties)
+        if not self.norm_share:
+            squares.zero_()
         comm.allreduce(DP, squares, abort)
         norm = global_norm(squares)
         return (clip_scale(norm, max_norm) if max_norm else 1.0), norm
@@ -336,7 +344,7 @@ class ZeroState:
             (o, self.flat.data.new_empty(nt * n + 4, dtype=torch.int32))
             for o, n in sorted(self._recv_sizes.items())
         ]
-        comm.exchange(DP, sends=sends, recvs=recvs, abort=abort, tag=1000)
+        comm.exchange(self.group, sends=sends, recvs=recvs, abort=abort, tag=1000)
         out = {}
         for owner, got in recvs:
             n = self._recv_sizes[owner]
@@ -395,7 +403,7 @@ class ZeroState:
     ) -> torch.Tensor:
         assert self.layout is not None
         gathered = self.flat.data.new_empty(len(self.workers) * self.size)
-        comm.allgather_into(DP, gathered, part, abort)
+        comm.allgather_into(self.group, gathered, part, abort)
         flat = self.flat.data.new_zeros(self.layout.numel + 1)
         flat.index_copy_(0, self.index, gathered)
         return flat[:-1]
@@ -448,7 +456,7 @@ class ZeroState:
                 replica_in += [
                     (o, self.flat.data.new_empty(nt * self._recv_sizes[o])) for o in owners
                 ]
-        comm.exchange(DP, sends, own_in + replica_in, abort, tag=3000)
+        comm.exchange(self.group, sends, own_in + replica_in, abort, tag=3000)
         for holder, buf in own_in:
             self._repair_own(holder, buf)
         if own_in:
@@ -545,19 +553,13 @@ class ZeroState:
         sends, recvs, unpack = self._pack(moves, me, found, sources, nt)
         recv_buffers = {peer: self.flat.data.new_empty(total) for peer, total in recvs.items()}
         comm.exchange(
-            DP,
+            self.group,
             sends=[(new_workers.index(dst), buf) for dst, buf in sends.items()],
             recvs=[(new_workers.index(src), recv_buffers[src]) for src in recvs],
             abort=abort,
             tag=2000,
         )
-        for src, ranges in unpack.items():
-            buf, cursor = recv_buffers[src], 0
-            for lo, n in ranges:
-                pos = position(new_pieces, lo)
-                for t in out:
-                    t[pos : pos + n] = buf[cursor : cursor + n]
-                    cursor += n
+        unpack_into(out, recv_buffers, unpack, new_pieces)
         self.adopt_layout(new_layout, new_workers, new_rank, epoch, new_hosts)
         own = Shard.of(resume_step, *out)
         self._rebuilt(comm, own, abort)
@@ -612,7 +614,7 @@ class ZeroState:
         dev = self.flat.data.device
         flags = torch.zeros(len(new_workers), dtype=torch.int64, device=dev)
         mine = torch.tensor([0 if problem else 1], dtype=torch.int64, device=dev)
-        comm.allgather_into(DP, flags, mine, abort)
+        comm.allgather_into(self.group, flags, mine, abort)
         if not bool(flags.all()):
             first = int((flags == 0).nonzero()[0])
             raise ShardLost(
@@ -673,6 +675,23 @@ class ZeroState:
                 unpack[mv.src].append((mv.offset, mv.length))
         sends = {dst: torch.cat(parts) for dst, parts in outgoing.items()}
         return sends, dict(recv_sizes), dict(unpack)
+
+
+def unpack_into(
+    out: Sequence[torch.Tensor],
+    received: Mapping[str, torch.Tensor],
+    ranges: Mapping[str, Sequence[Range]],
+    pieces: Sequence[Range],
+) -> None:
+    """A reshard's received transfers into the new shard ``out`` (laid out as ``pieces``): from
+    each peer, its ``ranges`` one after another, each as every tensor of ``out`` in turn."""
+    for src, spans in ranges.items():
+        buf, cursor = received[src], 0
+        for lo, n in spans:
+            pos = position(pieces, lo)
+            for t in out:
+                t[pos : pos + n] = buf[cursor : cursor + n]
+                cursor += n
 
 
 def layer_runs(
