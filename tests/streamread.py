@@ -56,7 +56,9 @@ def data_server_scalars(logdir: Path, tags: list[str]) -> dict[str, dict[str, li
 
 def wandb_records(path: Path) -> Iterator[Any]:
     """The records of a W&B run file (``run-<id>.wandb``): a 7-byte header, then 32 KiB blocks
-    of chunks (crc32, length, type: full / first / middle / last), each record a protobuf."""
+    of chunks (crc32, length, type: full / first / middle / last), each record a protobuf. The
+    file may be read while W&B's service still appends to it: a chunk cut short at the end is
+    not read (nor the record it belongs to)."""
     from wandb.proto import wandb_internal_pb2
 
     data = path.read_bytes()
@@ -71,6 +73,8 @@ def wandb_records(path: Path) -> Iterator[Any]:
         if kind == 0 and length == 0:
             pos += left
             continue
+        if pos + 7 + length > len(data):  # the writer is still appending this chunk
+            return
         chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
         pending = chunk if kind in (1, 2) else pending + chunk
         if kind in (1, 4):
