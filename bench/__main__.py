@@ -30,8 +30,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="gpustep: cuda (default), or cpu: a dry run of its "
                              "plumbing")  # fmt: skip
     parser.add_argument("--parts", type=_parts, default=None, metavar="PART,...",
-                        help="hier: only these parts (dp, zero3, zero1, pp, killed, wide, "
-                             "curve)")  # fmt: skip
+                        help="hier: only these parts (dp, zero3, zero1, pp, killed, "
+                             "zero3-killed, wide, curve)")  # fmt: skip
     args = parser.parse_args(argv)
     if args.list:
         for name, module in sorted(SCENARIOS.items()):

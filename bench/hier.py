@@ -41,6 +41,10 @@ Pipelines (``pp``, unshaped): ``pp: 2`` on the 8 workers, so each stage's 4 hold
 hosts, 2 on each; flat: each holder group's ring (a host sends 2 × (4 − 1) / 4 × M_s per stage
 it holds, M_s a stage's gradient) vs by tiers (2 (H − 1) / H × M_s).
 
+ZeRO-3 after a worker's loss (``zero3-killed``, unshaped): rank 1 SIGKILLed at ``KILL_STEP`` and
+not respawned, shards over every rank (hpZ on: the survivors promote the snapshot pieces they
+hold) or inside each host (the lost ranges read from the other host's copy): the MTTR of each.
+
 ZeRO-1 (``zero1``, unshaped and 100 Mbit/s): the flat and the tiers job with ``zero: 1``: the
 gradient all-reduced and the updated parameters all-gathered, over one ring each (3 (N − 1) / N
 = 2.63 M per host per step) or by tiers (2 (H − 1) / H + (H − 1) / H = 1.5 M: each host's
@@ -85,7 +89,7 @@ KILL_STEP, KILL_WINDOW = 3, 3  # the killed cell: fault at step 3, measured from
 ZERO3_LINKS = ("unshaped", "100mbit")
 # what ``--parts`` picks from (all by default): data parallelism's links × modes, ZeRO-3's and
 # ZeRO-1's, the killed and the wide layout, and int8's curve
-PARTS = ("dp", "zero3", "zero1", "pp", "killed", "wide", "curve")
+PARTS = ("dp", "zero3", "zero1", "pp", "killed", "zero3-killed", "wide", "curve")
 # ZeRO-3's modes -> (the mode's hierarchy, train.hpz, train.zero3_gather, train.shard_scope)
 ZERO3_MODES = {
     "flat": ("flat", "off", "flat", "job"),
@@ -127,6 +131,7 @@ def run(repeat: int, config: Path, parts: list[str] | None = None) -> dict[str, 
     cells: Cells = {link: {mode: [] for mode in MODES} for link in LINKS} if "dp" in parts else {}
     grad_bytes = 0
     killed: dict[str, list[dict[str, Any]]] = {"flat": [], "auto": []}
+    zero3_killed: dict[str, list[dict[str, Any]]] = {"job": [], "host": []}
     wide: dict[str, list[dict[str, Any]]] = {mode: [] for mode in MODES}
     zero3: Cells = {link: {m: [] for m in ZERO3_MODES} for link in ZERO3_LINKS}
     zero1: Cells = {link: {"flat": [], "auto": []} for link in ZERO3_LINKS}
@@ -141,6 +146,8 @@ def run(repeat: int, config: Path, parts: list[str] | None = None) -> dict[str, 
             one_round(pp, "hier-pp", i, lambda *a: _one_job(*a, pp=2))
         if "killed" in parts:
             one_round({"unshaped": killed}, "hier-killed", i, lambda *a: _one_job(*a, killed=True))
+        if "zero3-killed" in parts:
+            one_round({"unshaped": zero3_killed}, "hier-zero3-killed", i, _zero3_killed_job)
         if "wide" in parts:
             one_round({"unshaped": wide}, "hier-wide", i, lambda *a: _one_job(*a, layout=WIDE))
     curve = None
@@ -168,6 +175,7 @@ def run(repeat: int, config: Path, parts: list[str] | None = None) -> dict[str, 
         "theory_per_host": theory,
         "cells": cells,
         "killed": killed if "killed" in parts else None,
+        "zero3_killed": zero3_killed if "zero3-killed" in parts else None,
         "wide": {"layout": list(WIDE), "cells": wide, "theory_per_host": _theory(*WIDE)}
         if "wide" in parts
         else None,
@@ -192,6 +200,13 @@ def _theory(hosts: int, per_host: int) -> dict[str, float]:
 def _zero3_job(tmp: Path, job: str, link: str, mode: str) -> tuple[dict[str, Any], int]:
     hierarchy, hpz, gather, scope = ZERO3_MODES[mode]
     return _one_job(tmp, job, link, hierarchy, zero=3, hpz=hpz, gather=gather, scope=scope)
+
+
+def _zero3_killed_job(tmp: Path, job: str, link: str, scope: str) -> tuple[dict[str, Any], int]:
+    """ZeRO-3 (hpZ as by default) with its shards over every rank or inside each host, rank 1
+    SIGKILLed: the job scope promotes the snapshot pieces the survivors hold, the host scope
+    reads the lost ranges from the other host."""
+    return _one_job(tmp, job, link, "auto", killed=True, zero=3, hpz="auto", scope=scope)
 
 
 def _zero1_theory(hosts: int, per_host: int) -> dict[str, float]:
@@ -400,6 +415,27 @@ def show(result: dict[str, Any]) -> None:
             [(f"host {h}", f"{b * mb:.1f}", f"{b / grad:.2f}", str(killed[0]["world_after"]),
               f"{statistics.median(c['step_s'] for c in killed):.2f}")
              for h, b in enumerate(per_host)],
+        )  # fmt: skip
+    zero3_killed = result.get("zero3_killed")
+    if zero3_killed:
+        rows = []
+        for scope, cs in zero3_killed.items():
+            mttr = [c["mttr_s"] for c in cs]
+            sent = statistics.median(statistics.mean(c["per_host_bytes_per_step"]) for c in cs)
+            rows.append(
+                (
+                    scope,
+                    f"{statistics.median(mttr):.2f} ({min(mttr):.2f}-{max(mttr):.2f})",
+                    f"{sent * mb:.1f}",
+                    f"{statistics.median(c['step_s'] for c in cs):.2f}",
+                )
+            )
+        print_table(
+            f"ZeRO-3 after rank 1 was SIGKILLed at step {KILL_STEP} (unshaped): shards over every "
+            "rank (snapshot pieces promoted) or inside each host (the lost ranges from the other "
+            "host)",
+            ("shard scope", "MTTR s (median, min-max)", "MB/host/step after", "step s after"),
+            rows,
         )  # fmt: skip
     wide = result.get("wide")
     if wide:
