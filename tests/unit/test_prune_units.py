@@ -33,6 +33,8 @@ MODELS = {
     "llama": {"source": "hf", "seq_len": 8, "hf": {"model_type": "llama", **LLAMA}},
     "llama-gqa": {"source": "hf", "seq_len": 8,
                   "hf": {"model_type": "llama", **LLAMA, "num_key_value_heads": 2}},
+    "mistral-gqa": {"source": "hf", "seq_len": 8,
+                    "hf": {"model_type": "mistral", **LLAMA, "num_key_value_heads": 2}},
     "qwen2-gqa": {"source": "hf", "seq_len": 8,
                   "hf": {"model_type": "qwen2", **LLAMA, "num_key_value_heads": 2}},
     "gpt2": {"source": "hf", "seq_len": 8,
@@ -107,6 +109,7 @@ def test_unset_hyper_parameters_take_the_reference_defaults_of_the_optimizer() -
         ("gpt", [("attention", 4), ("mlp", 128)] * 2),
         ("llama-gqa", [("attention", 2), ("mlp", 48)] * 2),  # one group per key-value head
         ("qwen2-gqa", [("attention", 2), ("mlp", 48)] * 2),
+        ("mistral-gqa", [("attention", 2), ("mlp", 48)] * 2),
         ("gpt2", [("attention", 4), ("mlp", 128)] * 2),  # heads of the fused c_attn
         ("gpt_neox", [("attention", 4), ("mlp", 48)] * 2),  # heads of the interleaved qkv
         ("conv-split", [("channels", 8), ("channels", 6)]),  # the second through the flatten
@@ -446,7 +449,9 @@ def test_the_redundant_set_survives_a_durable_checkpoint(tmp_path: Path) -> None
             assert (fresh.taken_at, fresh.redundant.tolist()) == (3, source.redundant.tolist())
 
 
-@pytest.mark.parametrize("name", ["llama", "llama-gqa", "qwen2-gqa", "gpt2", "gpt_neox"])
+@pytest.mark.parametrize(
+    "name", ["llama", "llama-gqa", "qwen2-gqa", "mistral-gqa", "gpt2", "gpt_neox"]
+)
 def test_layers_of_different_widths_export_and_load(tmp_path: Path, name: str) -> None:
     """The first block keeps half of each family's groups, the second a quarter: the export
     writes each layer at its own width (the config the widest, each layer's under
