@@ -120,6 +120,17 @@ def committed(bed: SlurmBed, job_id: int) -> int:
     return max(steps, default=0)
 
 
+def planned(bed: SlurmBed, job_id: int) -> set[str]:
+    """Every worker some plan of the job has named so far."""
+    if not run_dir(bed, job_id).is_dir():
+        return set()
+    return {
+        w for d in host_dirs(bed, job_id).values() if (d / "events.jsonl").exists()
+        for e in read_jsonl(d / "events.jsonl") if e["kind"] == "plan_published"
+        for w in e["workers"]
+    }  # fmt: skip
+
+
 def wait_committed(bed: SlurmBed, job_id: int, step: int, timeout: float = 120) -> int:
     def reached() -> int:
         state = bed.job(job_id).get("JobState")
@@ -203,8 +214,12 @@ def test_the_recipe_as_written_completes_through_a_launch_killed_on_a_healthy_no
     directory), one launch per node named after it with a run directory each. One launch is
     SIGKILLed on a healthy node mid-run: the others train to the end and the job is COMPLETED,
     every step once, on the fault-free curve."""
-    bed = slurm(steps=40)
+    # The job starts once three of the four nodes are ready (--nnodes 3:4), so n2's worker may
+    # join later (its template imports the checkpoint module first): it is killed once it
+    # trains, and the job is paced (at least 0.12 s a step) so that it is still running then.
+    bed = slurm(steps=60, device_time=0.03)
     job_id = submit(bed)
+    wait_for(lambda: "n2.w0" in planned(bed, job_id), timeout=120, interval=0.1)
     wait_committed(bed, job_id, 8)
     (launch,) = bed.find("n2", r"bin/elaswave launch ")
     launch.send_signal(signal.SIGKILL)
@@ -216,7 +231,7 @@ def test_the_recipe_as_written_completes_through_a_launch_killed_on_a_healthy_no
     codes = exit_codes(bed, job_id)
     assert codes == {"n1": 0, "n2": 128 + signal.SIGKILL, "n3": 0, "n4": 0}, codes
     run = Run(*dirs.values())
-    assert_clean_run(run, 40, reference)
+    assert_clean_run(run, 60, reference)
     assert_hosts_are_nodes(run, dirs)
     members = sorted(p.name for p in (run_dir(bed, job_id) / "etcd").iterdir())
     assert members == nodes[:3]  # etcd on the first three nodes, its data in the run directory
