@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -66,47 +65,32 @@ class HostZero3(Zero3):
         return out
 
     def sync(self, plan: Plan, broken: Callable[[], bool]) -> dict[str, Any]:
-        """Agree on the resume step, then rebuild every host's shards of the plan's layouts
-        from the copies the ranks hold."""
-        z, st, comm = self.shards, self.state, self.ctx.comm
-        committed, staged = z.info()
-        mine = torch.tensor(
-            [committed, staged, float(z.layout_epoch), st.last_loss, float(st.step),
-             *self.partial_row()],
-            dtype=torch.float64, device=st.device,
-        )  # fmt: skip
-        rows = [r.tolist() for r in comm.allgather(DP, mine, broken)]
-        with_state = [i for i, r in enumerate(rows) if r[0] >= 0]
-        group, workers, index = self.host
-        if not with_state:  # a fresh start: a durable checkpoint, or the initial parameters
-            start = self.durable.start_over(plan, broken)
-            if start is not None:
-                return self.restore(plan, broken, *start)
-            z.group, z.norm_share = group, self._first_host(plan)
-            stats = z.reshard(comm, (), None, workers, index, 0, plan.epoch, broken)
-            return {"resume_step": 0, "source_rank": 0, "steps": [0] * len(rows),
-                    "shard_scope": "host", "hpz": False, **stats}  # fmt: skip
-        resume = int(max(rows[i][0] for i in with_state))
-        newest = int(max(rows[i][4] for i in with_state))
+        """ZeRO-3's agreement on the resume step, each host's shards rebuilt from the copies
+        the ranks hold (:meth:`_reshard`)."""
+        return {**super().sync(plan, broken), "shard_scope": "host"}
+
+    def _start_fresh(self, plan: Plan, broken: Callable[[], bool]) -> dict[str, Any]:
+        """The initial parameters, each host's over its ranks."""
+        z, (group, workers, index) = self.shards, self.host
+        z.group, z.norm_share = group, self._first_host(plan)
+        return z.reshard(self.ctx.comm, (), None, workers, index, 0, plan.epoch, broken)
+
+    def _reshard(
+        self,
+        plan: Plan,
+        broken: Callable[[], bool],
+        rows: list[list[float]],
+        with_state: list[int],
+        resume: int,
+    ) -> tuple[int, dict[str, Any]]:
+        """Every host's shards of its next layout, from the copies at ``resume`` wherever they
+        are (no snapshots: a shard's layout epoch does not matter, only what it holds)."""
         source = next(i for i in with_state if int(rows[i][0]) == resume)
-        try:
-            stats = self._rebuild(plan, resume, broken)
-        except ShardLost as exc:  # no copy left of some elements: the durable checkpoint
-            chosen = self.durable.newest(broken)
-            if not chosen:
-                raise
-            return self.restore(plan, broken, Path(chosen), newest, str(exc))
-        st.step, st.last_loss = resume, float(rows[source][3])
-        return {
-            **self.plan_redo(plan, resume, [int(r[4]) for r in rows], [r[5:] for r in rows]),
-            "resume_step": resume,
-            "redone_steps": newest - resume,
-            "source_rank": source,
-            "steps": [int(r[0]) for r in rows],
-            "shard_scope": "host",
-            "hpz": False,
-            **stats,
-        }
+        return source, self._rebuild(plan, resume, broken)
+
+    def holders(self) -> dict[str, list[int]]:
+        """No replica pieces: the other hosts' copies take their place."""
+        return {}
 
     def _first_host(self, plan: Plan) -> bool:
         return plan.hosts[plan.workers.index(self.ctx.worker)] == plan.hosts[0]

@@ -16,7 +16,7 @@ layer as it needs it).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -40,6 +40,8 @@ class ParamShards(ZeroState):
 
     initial: Initial | None = None
     cuts: tuple[LayerCut, ...] = ()
+    # per layer: where its elements lie in this rank's buffer (pruning; of this layout)
+    _positions: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @property
     def keeps_params(self) -> bool:
@@ -55,6 +57,7 @@ class ParamShards(ZeroState):
     def _index_of(self, layout: ShardLayout) -> torch.Tensor:
         """No whole-model index (it would cost 8 bytes per parameter): per-layer cuts."""
         self.cuts = layer_cuts(layout)
+        self._positions = {}
         return torch.zeros(0, dtype=torch.long, device=self.flat.data.device)
 
     def _mine(self, whole: torch.Tensor) -> torch.Tensor:
@@ -171,12 +174,11 @@ class ParamShards(ZeroState):
 
         lr = self.hyper.lr_at(step)
         scale, cleared = prune.decide(step, prune.sums(spans, lr), lr)
-        positions: dict[int, torch.Tensor] = {}  # per layer: its elements in this rank's buffer
         for start, count, part in prune.rows():
             cut = self.cuts[part.layer]
-            if part.layer not in positions:
-                positions[part.layer] = cut.positions(self.rank).to(param.device)
-            at = positions[part.layer][part.index - cut.offset]
+            if part.layer not in self._positions:  # once per layout, not every pruning step
+                self._positions[part.layer] = cut.positions(self.rank).to(param.device)
+            at = self._positions[part.layer][part.index - cut.offset]
             mine = at >= 0
             if not bool(mine.any()):
                 continue

@@ -80,9 +80,9 @@ class Zero1(Replicated):
     def sync(self, plan: Plan, broken: Callable[[], bool]) -> dict[str, Any]:
         """Agree on the resume step, settle staged state, move shards to the new layout."""
         z, st, comm = self.zero, self.state, self.ctx.comm
-        rank = comm.rank(DP)
         committed, staged = z.info()
-        loss = z.snap_loss if z.keeps_params else st.last_loss  # K > 1: the snapshot's
+        # what recovery restores: the snapshot (K > 1: its loss) or the live shard
+        loss = z.snap_loss if z.keeps_params and z.snapshot_every else st.last_loss
         mine = torch.tensor(
             [committed, staged, float(z.layout_epoch), loss, float(st.step), *self.partial_row()],
             dtype=torch.float64,
@@ -94,9 +94,7 @@ class Zero1(Replicated):
             start = self.durable.start_over(plan, broken)
             if start is not None:
                 return self.restore(plan, broken, *start)
-            stats = z.reshard(
-                comm, (), None, plan.workers, rank, 0, plan.epoch, broken, new_hosts=plan.domains
-            )
+            stats = self._start_fresh(plan, broken)
             return {
                 "resume_step": 0,
                 "source_rank": 0,
@@ -125,6 +123,14 @@ class Zero1(Replicated):
             "steps": [int(r[0]) for r in rows],
             **stats,
         }
+
+    def _start_fresh(self, plan: Plan, broken: Callable[[], bool]) -> dict[str, Any]:
+        """Nobody holds state: every shard starts from its initial values."""
+        z, comm = self.zero, self.ctx.comm
+        return z.reshard(
+            comm, (), None, plan.workers, comm.rank(DP), 0, plan.epoch, broken,
+            new_hosts=plan.domains,
+        )  # fmt: skip
 
     def _reshard(
         self,
