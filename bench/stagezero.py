@@ -1,4 +1,4 @@
-"""ZeRO-1 inside pipeline stages vs replicated stage state, dp=3 × pp=2 (6 workers).
+"""ZeRO-1 and ZeRO-3 inside pipeline stages vs replicated stage state, dp=3 × pp=2 (6 workers).
 
 All variants run the same wide model, data and batch, with rank 1 (replica 0's last stage)
 SIGKILLed mid-run; replicated and ZeRO state, each with asynchronous and blocking migration.
@@ -10,7 +10,9 @@ Per run:
   gather after every update and saves the update of 1/3 of the elements);
 - MTTR of the loss and the state bytes moved to recover;
 - the cost of online verification (a CRC of every kept unit after each update, a check every
-  10 steps): ZeRO async with and without it.
+  10 steps): ZeRO async with and without it;
+- ZeRO-3 (blocking: it moves only kept parts): the parameter bytes a rank keeps between steps
+  (its parts', 2/3 of its stage) against ZeRO-1's (the whole stage), step time and MTTR.
 
 Devices are emulated with ``train.device_time`` as in ``bench pipeline`` (6 workers share 2
 cores), so the step time shows communication and update costs rather than CPU contention.
@@ -38,7 +40,7 @@ from bench.common import (
     write_config,
 )
 
-DESCRIPTION = "dp=3×pp=2: ZeRO-1 inside stages vs replicated — state bytes, step time, MTTR"
+DESCRIPTION = "dp=3×pp=2: ZeRO-1/3 inside stages vs replicated — state bytes, step time, MTTR"
 DEFAULT_REPEAT = 3
 STEPS = 14
 FAULT_STEP = 9
@@ -55,6 +57,7 @@ VARIANTS = {
     "replicated-blocking": ["--migration", "blocking"],
     "zero-blocking": ["--zero", "1", "--migration", "blocking"],
     "zero-async-noverify": ["--zero", "1", "--migration", "async", "--verify-every", "0"],
+    "zero3-blocking": ["--zero", "3", "--migration", "blocking"],
 }
 
 
@@ -74,13 +77,21 @@ def run(repeat: int, config: Path) -> dict[str, Any]:
                 f"run {i}/{repeat} {name}: step {ms(r['step_s'])} ms, MTTR {ms(r['mttr_s'])} ms"
             )
     shutil.rmtree(tmp, ignore_errors=True)
-    keys = ("step_s", "mttr_s", "moved_bytes", "state_bytes_per_rank")
+    keys = (
+        "step_s", "mttr_s", "moved_bytes", "state_bytes_per_rank", "param_bytes_per_rank",
+        "held_bytes_per_rank",
+    )  # fmt: skip
     summary = {v: {k: summarize(r[k] for r in rs) for k in keys} for v, rs in runs.items()}
 
-    def ratio(key: str, mode: str = "async") -> float | None:
-        a = summary[f"zero-{mode}"][key]["median"]
-        b = summary[f"replicated-{mode}"][key]["median"]
+    def ratio(
+        key: str, mode: str = "async", zero: str = "zero", other: str = "replicated"
+    ) -> float | None:
+        a = summary[f"{zero}-{mode}"][key]["median"]
+        b = summary[f"{other}-{mode}"][key]["median"]
         return a / b if a and b else None
+
+    def zero3(key: str) -> float | None:  # ZeRO-3 against ZeRO-1, both blocking
+        return ratio(key, "blocking", "zero3", "zero")
 
     return {
         "scenario": "stagezero",
@@ -94,6 +105,10 @@ def run(repeat: int, config: Path) -> dict[str, Any]:
         "step_ratio": ratio("step_s"),
         "mttr_ratio": ratio("mttr_s"),
         "mttr_ratio_blocking": ratio("mttr_s", "blocking"),
+        "zero3_param_ratio": zero3("param_bytes_per_rank"),
+        "zero3_held_ratio": zero3("held_bytes_per_rank"),
+        "zero3_step_ratio": zero3("step_s"),
+        "zero3_mttr_ratio": zero3("mttr_s"),
         "verify_cost": (
             summary["zero-async"]["step_s"]["median"]
             / summary["zero-async-noverify"]["step_s"]["median"]
@@ -115,9 +130,13 @@ def _measure(run_dir: Path, cfg: Path) -> dict[str, Any]:
     synced = [e for e in events if e["kind"] == "state_synced"]
     first = min(e["epoch"] for e in synced)
     start = [e for e in synced if e["epoch"] == first]
-    # Optimizer state a rank keeps current at the start: the kept moments (ZeRO), or both
-    # moments of every element of its stage (replicated; 4-byte floats).
-    per_rank = [e["moment_bytes"] if "moment_bytes" in e else None for e in start]
+    # Optimizer state a rank keeps current at the start: the kept moments (ZeRO; ZeRO-3's store
+    # keeps the parameters beside them: two of its three 4-byte arrays), or both moments of
+    # every element of its stage (replicated; 4-byte floats).
+    memory = [e for e in events if e["kind"] == "memory" and e["epoch"] == first]
+    zero3 = any(e["gathered_bytes"] for e in memory)
+    share = 2 / 3 if zero3 else 1.0
+    per_rank = [e["moment_bytes"] * share if "moment_bytes" in e else None for e in start]
     if None in per_rank:
         per_rank = [8 * _stage_elements(cfg, e["layers"]) for e in start]
     inc = report["incidents"][0]
@@ -125,13 +144,21 @@ def _measure(run_dir: Path, cfg: Path) -> dict[str, Any]:
     change = next(e for e in synced if e["epoch"] == inc["epoch"])
     if "bytes" in change:  # replicated: layers with both moments
         moved = change["bytes"]
-    else:  # ZeRO: parameter pieces and moment pieces (two moments each)
-        moved = 4 * change["param_elements"] + 8 * change["moment_elements"]
+    else:  # ZeRO: parameter pieces and moment pieces (two moments each; ZeRO-3: and params)
+        moved = 4 * change["param_elements"] + (12 if zero3 else 8) * change["moment_elements"]
     return {
         "step_s": statistics.median(window),
         "mttr_s": inc["mttr_s"],
         "moved_bytes": moved,
         "state_bytes_per_rank": statistics.mean(per_rank),
+        # parameters a rank keeps between steps (ZeRO-3: its parts'; else its whole stage)
+        "param_bytes_per_rank": statistics.mean(e["param_bytes"] for e in memory),
+        # everything it keeps between steps: parameters, gradients and the reduction buffer,
+        # optimizer state, the pre-update copy a rollback restores
+        "held_bytes_per_rank": statistics.mean(
+            sum(e[k] for k in ("param_bytes", "grad_bytes", "optimizer_bytes", "replica_bytes"))
+            for e in memory
+        ),
     }
 
 
@@ -154,11 +181,22 @@ def show(result: dict[str, Any]) -> None:
             f"{ms(s['step_s']['min'])}–{ms(s['step_s']['max'])}",
             ms(s["mttr_s"]["median"]),
             f"{s['moved_bytes']['median'] / 1e6:.2f}",
+            f"{s['param_bytes_per_rank']['median'] / 1e6:.2f}",
+            f"{s['held_bytes_per_rank']['median'] / 1e6:.2f}",
         ))  # fmt: skip
     print_table(
-        f"ZeRO-1 inside stages, dp=3 × pp=2 ({result['repeat']} runs, medians, "
+        f"ZeRO-1 and ZeRO-3 inside stages, dp=3 × pp=2 ({result['repeat']} runs, medians, "
         f"device_time {result['device_time']} s)",
-        ("variant", "opt. state MB/rank", "step ms", "range", "MTTR ms", "moved MB"),
+        (
+            "variant",
+            "opt. state MB/rank",
+            "step ms",
+            "range",
+            "MTTR ms",
+            "moved MB",
+            "params MB/rank between steps",
+            "all MB/rank between steps",
+        ),
         rows,
     )
     r = result
@@ -167,4 +205,9 @@ def show(result: dict[str, Any]) -> None:
         f"step time {r['step_ratio']:.3f}, MTTR {r['mttr_ratio']:.3f} (async) / "
         f"{r['mttr_ratio_blocking']:.3f} (blocking); CRC records + checks every 10 steps vs "
         f"none: step time {r['verify_cost']:.3f}"
+    )
+    console.print(
+        f"zero3 / zero (blocking): parameters kept between steps {r['zero3_param_ratio']:.3f}, "
+        f"everything kept between steps {r['zero3_held_ratio']:.3f}, "
+        f"step time {r['zero3_step_ratio']:.3f}, MTTR {r['zero3_mttr_ratio']:.3f}"
     )

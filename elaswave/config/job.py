@@ -95,10 +95,7 @@ class JobConfig:
         if self.zero not in (0, 1, 3):
             raise ConfigError(f"zero must be 0, 1 or 3, got {self.zero}")
         if self.zero == 3 and self.pp > 1:
-            raise ConfigError(
-                f"zero: 3 with pipelines (pp={self.pp}) is not supported yet: ZeRO-3 shards over "
-                "the data-parallel ranks only (use zero: 1 inside pipeline stages)"
-            )
+            self._check_zero3_stages()
         self._check_pipeline()
         if self.train.shard_scope == "host" and self.zero != 3:
             raise ConfigError(
@@ -155,6 +152,19 @@ class JobConfig:
             if fault.rank is not None and fault.rank >= most:
                 raise ConfigError(
                     f"fault '{fault.describe()}': rank out of range (job has ranks 0..{most - 1})"
+                )
+
+    def _check_zero3_stages(self) -> None:
+        """What ZeRO-3 inside pipeline stages does not do yet, refused in one line each."""
+        unsupported = {
+            "train.prune": self.train.prune is not None,
+            "grad_reduce: all": self.grad_reduce == "all",
+        }
+        for name, used in unsupported.items():
+            if used:
+                raise ConfigError(
+                    f"{name} is not supported with zero: 3 inside pipeline stages (pp={self.pp}); "
+                    "use zero: 1 there"
                 )
 
     def _check_pipeline(self) -> None:

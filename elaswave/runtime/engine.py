@@ -274,7 +274,7 @@ class Engine:
         self._writer_busy = self.store is not None and self.store.writing()
         self.strategy.before_step()  # a pipeline rank may change which layers it allocates
         t, n = self.cfg.train, self.state.flat.numel
-        if self.buffer.numel() != n + TAIL:
+        if self.buffer.numel() != n + TAIL or not self.buffer.untyped_storage().nbytes():
             self.buffer = reduction_buffer(self.state, t.reduce_dtype)
         buf = self.buffer
         buf.zero_()

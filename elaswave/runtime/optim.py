@@ -51,6 +51,20 @@ class FlatParams:
             p.grad = self.grad[offset : offset + n].view_as(p)
             offset += n
 
+    def release(self) -> None:
+        """Free both buffers' memory (a ZeRO-3 pipeline stage between steps). The parameters
+        and gradients keep viewing them, with no storage behind, until :meth:`reserve`."""
+        for t in (self.data, self.grad):
+            t.untyped_storage().resize_(0)
+
+    def reserve(self) -> None:
+        """The buffers' memory back after :meth:`release`; what they hold is undefined until
+        the caller fills it."""
+        for t in (self.data, self.grad):
+            size = t.numel() * t.element_size()
+            if t.untyped_storage().nbytes() < size:
+                t.untyped_storage().resize_(size)
+
     def at(self, tensor: torch.Tensor) -> Spans:
         """``tensor`` (laid out like these buffers) indexed by the whole model's offsets."""
         return Spans(tensor, self.base)

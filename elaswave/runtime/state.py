@@ -69,7 +69,7 @@ class TrainState:
         t = cfg.train
         device = torch.device("cpu") if device is None else device
         workload = load_workload(cfg)
-        shells = cfg.zero == 3
+        shells = cfg.zero == 3 and cfg.pp == 1  # a ZeRO-3 stage allocates its window per step
         window = range(0) if cfg.pp > 1 or shells else range(workload.num_layers)
         model = build_layers(workload, t.seed, keep=window, shells=shells)
         for index in window:
@@ -109,6 +109,7 @@ class TrainState:
         if layers == self.window:
             return
         model, old, flat, opt, device = self.model, self.window, self.flat, self.opt, self.device
+        flat.reserve()  # the staying layers' values are copied (a ZeRO-3 stage may have freed them)
         for index in layers:
             if index not in old:
                 layer = build_layer(self.workload, model.seed, index).to(device)

@@ -111,8 +111,11 @@ def float64_reference(tmp_path_factory: pytest.TempPathFactory) -> Run:
         ),
         (("--pp", "2"), ("corrupt,rank=1,at_step=7", "corrupt,rank=2,at_step=11,target=snapshot")),
         (("--pp", "2", "--zero", "1"), ("corrupt,rank=1,at_step=7",)),
+        # ZeRO-3 keeps a stage's parameters only in its parts between steps: the flip lands in
+        # the part, the next step gathers it to the other holders; the seal finds it
+        (("--pp", "2", "--zero", "3"), ("corrupt,rank=1,at_step=7",)),
     ],
-    ids=["data-parallel", "zero", "pipeline", "pipeline-zero"],
+    ids=["data-parallel", "zero", "pipeline", "pipeline-zero", "pipeline-zero3"],
 )
 def test_corruption_is_rolled_back_bit_identical(
     tmp_path: Path, state_env: dict[str, str], float64_reference: Run, flags: tuple, faults: tuple

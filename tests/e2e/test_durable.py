@@ -101,17 +101,18 @@ def test_pipeline_loses_both_holders_of_a_stage_and_falls_back(
     assert all(f["holders_agree"] for f in run.of("final_state"))
 
 
+@pytest.mark.parametrize("zero", ["1", "3"])
 def test_resume_a_data_parallel_checkpoint_into_zero_pipelines(
-    tmp_path: Path, state_env: dict[str, str], reference: Run
+    tmp_path: Path, state_env: dict[str, str], reference: Run, zero: str
 ) -> None:
     """A checkpoint holds whole tensors: a data-parallel run's step-20 checkpoint resumes as
-    dp=3 × pp=2 with ZeRO inside the stages, on the fault-free curve."""
+    dp=3 × pp=2 with ZeRO-1 or ZeRO-3 inside the stages, on the fault-free curve."""
     first = launch(tmp_path / "a", "--job-id", "pp-resume-a", "--steps", "20",
                    "--durable-every", "10", env=state_env)  # fmt: skip
     assert first.returncode == 0, first.stderr[-2000:]
     second = launch(
         tmp_path / "b", "--job-id", "pp-resume-b", "--steps", "26", "--nproc-per-node", "6",
-        "--pp", "2", "--zero", "1", "--resume", str(tmp_path / "a" / "checkpoints"),
+        "--pp", "2", "--zero", zero, "--resume", str(tmp_path / "a" / "checkpoints"),
         env=state_env,
     )  # fmt: skip
     assert second.returncode == 0, second.stderr[-2000:]
@@ -171,6 +172,31 @@ def test_a_per_stage_checkpoint_resumes_on_another_layout(
                env=state_env)  # fmt: skip
     assert r.returncode == 0, r.stderr[-2000:]
     _resumed_on_the_curve(tmp_path / "run", reference, 21, 24)
+
+
+def test_a_zero3_stage_checkpoint_resumes_as_zero3_data_parallelism(
+    tmp_path: Path, state_env: dict[str, str], reference: Run
+) -> None:
+    """dp=3 × pp=2 with ZeRO-3 inside the stages: no rank holds a layer whole between steps,
+    so the step-10 checkpoint is written from the parts (each by its first keeper, parameters
+    and moments) and tiles the model; it resumes on three workers as ZeRO-3 data parallelism,
+    on the fault-free curve."""
+    r = launch(tmp_path / "run", "--job-id", "pp-zero3-ckpt", "--pp", "2", "--zero", "3",
+               "--nproc-per-node", "6", "--steps", "10", "--durable-every", "10",
+               env=state_env)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    run = _resumed_on_the_curve(tmp_path / "run", reference, 1, 10)
+    assert all(f["holders_agree"] for f in run.of("final_state"))
+    index = json.loads((tmp_path / "run" / "checkpoints" / "step-00000010" / PIECES).read_text())
+    edges = sorted((a, b) for a, b, _ in index["pieces"])
+    assert edges[0][0] == 0 and edges[-1][1] == index["numel"]
+    assert all(x[1] == y[0] for x, y in zip(edges, edges[1:], strict=False))  # a tiling
+    assert len({rank for _, _, rank in index["pieces"]}) > 2  # parts of several keepers
+    r = launch(tmp_path / "resumed", "--job-id", "pp-zero3-resumed", "--steps", "14",
+               "--nproc-per-node", "3", "--zero", "3",
+               "--resume", str(tmp_path / "run" / "checkpoints"), env=state_env)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    _resumed_on_the_curve(tmp_path / "resumed", reference, 11, 14)
 
 
 @pytest.mark.parametrize("zero", ["0", "1"])

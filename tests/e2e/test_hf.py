@@ -130,15 +130,17 @@ def test_llama_survives_a_kill_bit_identical(
         ["--dp", "2", "--zero", "1", "--migration", "blocking"],
         ["--nproc-per-node", "6", "--migration", "blocking"],
         ["--nproc-per-node", "6", "--zero", "1", "--migration", "async"],
+        ["--nproc-per-node", "6", "--zero", "3", "--migration", "blocking"],
     ],
-    ids=["dp2-async", "dp2-zero-blocking", "dp3-blocking", "dp3-zero-async"],
+    ids=["dp2-async", "dp2-zero-blocking", "dp3-blocking", "dp3-zero-async", "dp3-zero3"],
 )
 def test_llama_stages_hold_only_their_layers_through_a_stage_loss(
     configs: dict[str, Path], llama_reference: Run, tmp_path: Path, layout: list[str]
 ) -> None:
     """dp × pp = 2 × 2 and 3 × 2, with and without ZeRO inside the stages: a stage dies at step
     6 and its replica is cut again. Every rank allocates the parameters of its stage's layers
-    only, before the loss and after the takeover, and the run stays bit-identical to data
+    only, before the loss and after the takeover (ZeRO-3: for the step; between steps two
+    thirds of them while three ranks hold each layer), and the run stays bit-identical to data
     parallelism (4 workers) in the deterministic mode."""
     run = _launch(configs["llama"], tmp_path / "run", tmp_path / "state", "--job-id",
                   "llama-stages", "--pp", "2", *layout,
@@ -167,6 +169,11 @@ def _assert_stage_shares(run: Run, config: Path) -> None:
         s = plan["replicas"][d].index(rank)
         share = 4 * sum(n for _, n in segments[plan["bounds"][d][s] : plan["bounds"][d][s + 1]])
         assert share < 0.8 * whole or epoch != min(plans)  # a stage, not the model
+        if memory["gathered_bytes"]:  # ZeRO-3 inside the stages: the stage, for the step
+            assert memory["gathered_bytes"] == share, (epoch, worker, memory, share)
+            kept = 2 / 3 if epoch == min(plans) else 1.0  # each part kept by two of k holders
+            assert memory["param_bytes"] <= kept * share + 64, (epoch, worker, memory, share)
+            continue
         assert abs(memory["param_bytes"] - share) <= 0.1 * share, (epoch, worker, memory, share)
 
 

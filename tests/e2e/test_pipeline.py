@@ -18,6 +18,7 @@ from conftest import (
     assert_groups_edited,
     assert_no_orphans,
     launch,
+    paced,
     pipeline_groups,
 )
 
@@ -188,19 +189,22 @@ def test_clipping_by_the_global_norm_across_stages_is_bit_identical(
         assert all(e["grad_reduce_bytes"] < 0.6 * whole for e in first), first
 
 
-@pytest.mark.parametrize("migration", ["async", "blocking"])
+@pytest.mark.parametrize(
+    ("zero", "migration"), [("1", "async"), ("1", "blocking"), ("3", "blocking")]
+)
 def test_zero_inside_stages_survives_two_losses_bit_identical(
-    tmp_path: Path, state_env: dict, migration: str
+    tmp_path: Path, state_env: dict, zero: str, migration: str
 ) -> None:
-    """dp=3 × pp=2 with ZeRO-1 inside the stages: each layer's Adam moments are cut over its
-    three holders and every part is kept by two of them. Two ranks die one after the other, the
-    second after its update and before the parameter gather (peers that gathered roll back);
+    """dp=3 × pp=2 with ZeRO inside the stages: each layer's Adam moments (ZeRO-3: and its
+    parameters, between steps) are cut over its three holders and every part is kept by two of
+    them. Two ranks die one after the other, the second after its update and before the
+    parameter gather (ZeRO-3: before it frees its layers, a step its peers commit);
     nothing is lost, and in the deterministic mode every loss, the final parameters and the
     final optimizer state are bit-identical to a fault-free data-parallel run, whether the lost
     layers and moment parts move in the background or before training resumes."""
     run = _bit_identical_to_data_parallel(
         tmp_path, state_env, 10, "--job-id", "pp-zero", "--pp", "2", "--nproc-per-node", "6",
-        "--zero", "1", "--migration", migration,
+        "--zero", zero, "--migration", migration,
         "--fault", "kill,rank=1,at_step=4,detect_delay=1",
         "--fault", "kill,rank=3,at_step=7,phase=optimizer",
     )  # fmt: skip
@@ -212,31 +216,43 @@ def test_zero_inside_stages_survives_two_losses_bit_identical(
     redone = _redid_the_damaged_replicas(run, plans[1], {plans[0]["workers"][1]})
     assert (redone[0] == []) == (migration == "async"), redone
     first = [e for e in run.of("state_synced") if e["epoch"] == plans[0]["epoch"]]
-    for e in first:  # three holders per layer: each keeps two thirds of its stage's moments
-        assert abs(e["moment_bytes"] - 8 * e["held_elements"] * 2 / 3) <= 16, e
+    # three holders per layer: each keeps two thirds of its stage's moments (ZeRO-3: and of
+    # its parameters), and gathers the other third of the parameters each step
+    kept = 12 if zero == "3" else 8
+    for e in first:
+        assert abs(e["moment_bytes"] - kept * e["held_elements"] * 2 / 3) <= 24, e
         assert abs(e["gather_bytes"] - 4 * e["held_elements"] / 3) <= 8, e
     for plan in plans[1:]:
         synced = [e for e in run.of("state_synced") if e["epoch"] == plan["epoch"]]
         assert {e["migration"] for e in synced} == {migration}
-        assert any(e["rolled_back"] for e in synced) == (plan is plans[2])  # gathered, undone
+        # ZeRO-1: peers that updated and gathered from the dead rank roll back; ZeRO-3: nothing
+        # of the step follows its update, so every survivor committed it
+        rolled_back = any(e["rolled_back"] for e in synced)
+        assert rolled_back == (plan is plans[2] and zero == "1")
         moved = [m for e in synced for m in e["moment_moves"]]
         assert moved, "the lost rank's parts must come from their second keepers"
         assert sum(e["moment_transfers"] for e in synced) == len(moved)
+        if zero == "3":  # no layer is held whole between steps: only the kept parts move
+            assert not [m for e in synced for m in e["param_moves"]]
     if migration == "async":
         done = [e for e in run.of("migration_done") if e["epoch"] == plans[1]["epoch"]]
         assert len(done) == 1 and done[0]["step"] < 7  # switched before the second fault
+    if zero == "3":  # between steps: only the kept parts, their parameters included
+        for m in run.of("memory"):
+            assert m["param_bytes"] * 3 <= m["gathered_bytes"] * 2 + 24, m
 
 
+@pytest.mark.parametrize("zero", ["1", "3"])
 def test_zero_inside_two_by_two_stages_redoes_only_the_damaged_replica_blocking(
-    tmp_path: Path, state_env: dict
+    tmp_path: Path, state_env: dict, zero: str
 ) -> None:
-    """dp=2 × pp=2 with ZeRO-1 inside the stages and a blocking migration: replica 0's last
-    stage dies mid-step; its layers and their moment parts reach replica 0's survivor before
-    training resumes, and only replica 0's micro-batches are computed again, by both replicas
-    (the intact replica keeps its sums; replica 0's survivor, now holding every layer, starts
-    from zero). Bit-identical to data parallelism."""
+    """dp=2 × pp=2 with ZeRO inside the stages and a blocking migration: replica 0's last
+    stage dies mid-step; its layers and their moment parts (ZeRO-3: with their parameters)
+    reach replica 0's survivor before training resumes, and only replica 0's micro-batches are
+    computed again, by both replicas (the intact replica keeps its sums; replica 0's survivor,
+    now holding every layer, starts from zero). Bit-identical to data parallelism."""
     run = _bit_identical_to_data_parallel(
-        tmp_path, state_env, 8, "--job-id", "pp-zero22", "--pp", "2", "--zero", "1",
+        tmp_path, state_env, 8, "--job-id", "pp-zero22", "--pp", "2", "--zero", zero,
         "--migration", "blocking", "--fault", "kill,rank=1,at_step=4,detect_delay=1",
     )  # fmt: skip
     assert all(f["holders_agree"] for f in run.of("final_state"))
@@ -251,6 +267,35 @@ def test_zero_inside_two_by_two_stages_redoes_only_the_damaged_replica_blocking(
     kept = synced[0]["kept_microbatches"]
     damaged = {plans[0]["workers"][r] for r in plans[0]["replicas"][0]}
     assert kept == {w: 0 if w in damaged else 8 for w in plans[1]["workers"]}, kept
+
+
+def test_zero3_inside_stages_through_a_respawn_and_a_hang_bit_identical(
+    tmp_path: Path, state_env: dict
+) -> None:
+    """dp=3 × pp=2 with ZeRO-3 inside the stages: rank 1 is SIGKILLed in step 3 and respawned;
+    once it has joined (plan epoch 3) rank 2 hangs from step 8 (killed after 1.5 s, no restart
+    left): 6 → 5 → 6 → 5 ranks. The newcomer receives its parts (parameters and moments) from
+    the ranks that keep them and gathers its stage's layers for its first step; every loss, the
+    final parameters and the final optimizer state are data parallelism's, bit for bit."""
+    steps = 14
+    run = _bit_identical_to_data_parallel(
+        tmp_path, paced(state_env, 0.05), steps, "--job-id", "pp-zero3-join", "--pp", "2",
+        "--nproc-per-node", "6", "--zero", "3", "--max-restarts", "1",
+        "--fault", "kill,rank=1,at_step=3", "--fault", "hang,rank=2,at_step=8,epoch=3",
+        "--hang-timeout", "1.5",
+    )  # fmt: skip
+    assert all(f["holders_agree"] for f in run.of("final_state"))
+    plans = _pipeline_plans(run)
+    assert [p["world"] for p in plans] == [6, 5, 6, 5]
+    assert [e["exit_code"] for e in run.of("worker_exit")] == [-9, -9]
+    joined = plans[2]
+    newcomer = joined["workers"].index(sorted(set(joined["workers"]) - set(plans[1]["workers"]))[0])
+    synced = [e for e in run.of("state_synced") if e["epoch"] == joined["epoch"]]
+    moves = [m for e in synced for m in e["moment_moves"]]
+    assert any(m["dst"] == newcomer for m in moves), "the newcomer's parts are sent to it"
+    assert not [m for e in synced for m in e["param_moves"]]  # its layers: the step's gather
+    for m in run.of("memory"):  # between steps a rank keeps parts, never more than its stage
+        assert 0 < m["param_bytes"] <= m["gathered_bytes"], m
 
 
 def test_a_stage_budget_no_cut_meets_stops_the_job_in_one_line(

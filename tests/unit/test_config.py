@@ -186,7 +186,7 @@ def test_missing_config_file(tmp_path: Path) -> None:
         ({"elastic.loop_breaker": -1}, "loop_breaker"),
         ({"zero": 2}, "zero must be 0, 1 or 3, got 2"),
         ({"rack": "row 1/a"}, "rack must be 1-64 of [A-Za-z0-9_.-], got 'row 1/a'"),
-        ({"zero": 3, "pp": 2}, "zero: 3 with pipelines (pp=2) is not supported yet"),
+        ({"zero": 3, "pp": 2, "grad_reduce": "all"}, "grad_reduce: all is not supported with"),
         ({"train.grad_compress": "int8", "pp": 2}, "not pipelines' holder groups (got pp: 2)"),
         ({"train.shard_scope": "rack"}, "train.shard_scope must be job or host, got 'rack'"),
         ({"train.shard_scope": "host", "zero": 1}, "it needs zero: 3 (got zero: 1)"),

@@ -2,7 +2,8 @@
 
 A *unit* is an element range of one kind: the parameters of a layer (kept by every rank that
 holds the layer), and Adam's moments of a layer (replicated stages) or of a moment part (ZeRO,
-its two keepers). After each update a rank records a CRC of every unit it keeps; every
+its two keepers; under ZeRO-3 the part's parameters too, and no layer is a unit: none is held
+whole between steps). After each update a rank records a CRC of every unit it keeps; every
 ``verify_every`` committed steps the ranks all-gather their current CRCs and whether each unit
 still matches its record. A copy that no longer matches its own record was hit after it was
 written (a bit flip in memory) and is bad for sure, which decides the otherwise undecidable
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
 
 Unit = tuple[str, int, int]  # ("p" parameters | "m" moments, start, stop)
 TAG_REPAIR = 6
+MOMENTS = {False: "optimizer moments", True: "parameters and optimizer moments"}
 
 
 class VerifiedStage(Protocol):
@@ -37,6 +39,7 @@ class VerifiedStage(Protocol):
     e: RankContext
     num_layers: int
     zero: bool
+    zero3: bool
     held: range | None
     parts: list[tuple[Interval, tuple[int, ...]]]
     store: MomentStore
@@ -53,7 +56,7 @@ class VerifiedStage(Protocol):
 
 def universe(pipe: VerifiedStage) -> list[Unit]:
     """Every unit of the current layout, in the same order on every rank."""
-    layers = [pipe.span(range(i, i + 1)) for i in range(pipe.num_layers)]
+    layers = [] if pipe.zero3 else [pipe.span(range(i, i + 1)) for i in range(pipe.num_layers)]
     out: list[Unit] = [("p", r.start, r.stop) for r in layers]
     if pipe.zero:
         out += [("m", a, b) for (a, b), _ in pipe.parts]
@@ -66,7 +69,7 @@ def kept(pipe: VerifiedStage) -> set[Unit]:
     """The units this rank keeps current."""
     rank = pipe.e.comm.rank("dp")
     out: set[Unit] = set()
-    for layer in pipe.held or ():
+    for layer in pipe.held or () if not pipe.zero3 else ():
         r = pipe.span(range(layer, layer + 1))
         out.add(("p", r.start, r.stop))
         if not pipe.zero:
@@ -81,8 +84,8 @@ def tensors(pipe: VerifiedStage, unit: Unit) -> list[torch.Tensor]:
     e = pipe.e
     if kind == "p":
         return [e.state.params[a:b]]
-    if pipe.zero:
-        return list(pipe.store.view(a, b))
+    if pipe.zero:  # the part's moments (ZeRO-3: after its parameters)
+        return list(pipe.store.views(a, b))
     return [e.state.exp_avg[a:b], e.state.exp_avg_sq[a:b]]
 
 
@@ -120,7 +123,7 @@ def verify(pipe: VerifiedStage, step: int, broken: Callable[[], bool]) -> list[d
         if not verdict.bad:
             continue
         findings.append({
-            "what": "parameters" if u[0] == "p" else "optimizer moments",
+            "what": "parameters" if u[0] == "p" else MOMENTS[pipe.zero3],
             "elements": [u[1], u[2]],
             "ranks": list(verdict.bad),
             "source_rank": verdict.source,

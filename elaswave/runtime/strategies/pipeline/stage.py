@@ -123,15 +123,23 @@ class Pipeline:
         self.actuator = make_actuator(ctx.cfg.dvfs, **_actuator_options(ctx.cfg.dvfs))
         self.stage_key = nvml_index(ctx.state.device)  # what the actuator clocks: this device
         self.clocks = _clock_range(self.actuator, self.stage_key)
-        # ZeRO-1 inside the stages: moments of the kept intervals only (the state has none),
-        # and the parameter pieces this rank sends or receives after every update.
+        # ZeRO inside the stages: moments of the kept intervals only (the state has none),
+        # and the parameter pieces this rank sends or receives after every update (ZeRO-1) or
+        # before every step (ZeRO-3: the store keeps the intervals' parameters too, and the
+        # window's buffers are freed between steps; ``stale`` while they do not hold them).
         self.zero = bool(ctx.cfg.zero)
-        self.store = MomentStore((), ctx.state.device)
+        self.zero3 = ctx.cfg.zero == 3
+        self.stale = False
+        self.store = self.new_store(())
         self.gather: list[Piece] = []
         self.parts: list[tuple[Interval, tuple[int, ...]]] = []  # (part, its keepers)
         self.timer = StageTimer()  # what this stage's layers cost in real steps
         self.recorded: dict[stageverify.Unit, int] = {}  # CRC per kept unit, as last written
         self.recorded_step = -1
+
+    def new_store(self, intervals: Sequence[Interval]) -> MomentStore:
+        """A store of ``intervals`` (with their parameters under ZeRO-3), zeroed."""
+        return MomentStore(intervals, self.e.state.device, params=self.zero3)
 
     def profile_layers(self, repeats: int = 3) -> list[float]:
         """Seconds of forward + backward per layer for one micro-batch (median of ``repeats``).
@@ -224,6 +232,26 @@ class Pipeline:
         else:
             undo = self.undo.held if self.undo else None
             self.e.state.set_window(hull(self.held, self.target, undo))
+        self.e.state.flat.reserve()  # a ZeRO-3 stage's window, freed after the last update
+
+    def fill(self, broken: Callable[[], bool]) -> None:
+        """ZeRO-3, before a step or an evaluation: the held layers' parameters into the window,
+        the kept intervals from the store and the rest from their keepers (the same pieces a
+        ZeRO-1 stage gathers after its update)."""
+        if not self.stale:
+            return
+        self.e.state.flat.reserve()
+        params = self.e.state.params
+        for a, b in self.store.intervals:
+            params[a:b].copy_(self.store.views(a, b)[0])
+        self._gather(broken)
+        self.stale = False
+
+    def release(self) -> None:
+        """ZeRO-3, after an update: free the window's parameters and gradients (the store keeps
+        this rank's intervals of them; :meth:`fill` brings the rest back)."""
+        self.e.state.flat.release()
+        self.stale = True
 
     # ---- one step --------------------------------------------------------------------------
     def run_step(
@@ -275,24 +303,28 @@ class Pipeline:
         over once caught up); keep the undo copy; queue gradients a migration still needs.
 
         With ZeRO, only the kept moments are updated and the other parameters of the held layers
-        arrive from their keepers. ``finish`` runs on the updated layers (pruning: a collective
-        too). If the gather or ``finish`` fails this rank restores its undo copy at once, so it
-        either applied the step completely or not at all."""
+        arrive from their keepers (ZeRO-1: now; ZeRO-3: the store keeps the updated intervals,
+        the window is freed, and the next step's :meth:`fill` gathers it). ``finish`` runs on
+        the updated layers (pruning: a collective too). If the gather or ``finish`` fails this
+        rank restores its undo copy at once, so it either applied the step completely or not
+        at all."""
         e = self.e
         st = e.state
         held = self.span(self.held) if self.held else slice(0, 0)
         params, grads = st.params, st.flat.at(grad)
-        if self.zero:
-            store = self.store
-            moments = [lambda: store.exp_avg, lambda: store.exp_avg_sq]
+        store = self.store
+        if self.zero3:  # the store is all this rank keeps
+            live = [partial(getattr, store, name) for name in ("params", "exp_avg", "exp_avg_sq")]
+        elif self.zero:
+            live = [lambda: st.params[held], lambda: store.exp_avg, lambda: store.exp_avg_sq]
         else:
-            moments = [lambda: st.exp_avg[held], lambda: st.exp_avg_sq[held]]
+            live = [lambda: st.params[held], lambda: st.exp_avg[held], lambda: st.exp_avg_sq[held]]
         self.undo = Undo(
             step=st.step,
             loss=st.last_loss,
             held=self.held,
-            saved=_saved(lambda: st.params[held], *moments),
-            store=self.store if self.zero else None,
+            saved=_saved(*live),
+            store=store if self.zero else None,
         )
         if self.zero:
             self.store.update(params, grads, step, st.opt.hyper)
@@ -304,12 +336,14 @@ class Pipeline:
                 h.groups_of(held),
             )  # fmt: skip
         try:
-            if self.zero:
+            if self.zero and not self.zero3:
                 self._gather(broken)
             finish()
         except BaseException:
             self.undo.restore()
             raise
+        if self.zero3:
+            self.release()
         m = self.migration  # regions a migration brings up to date: replayed once caught up
         if m is not None and m.replay:
             missed = [grads[r] for r, _ in m.replay]
@@ -575,11 +609,13 @@ class Pipeline:
         flat = e.state.flat
         window = slice(flat.base, flat.base + flat.numel)
         e.state.params[window].copy_(state.params[window])
+        self.stale = False  # every held layer's parameters are in the window
         if self.zero:
             blocks = holder_blocks(targets, self.offsets, plan.domains)
-            store = MomentStore(moment_duty(blocks, plan.world_size)[rank], e.state.device)
+            store = self.new_store(moment_duty(blocks, plan.world_size)[rank])
+            whole = (state.params, state.exp_avg, state.exp_avg_sq)[-len(store.arrays) :]
             for a, b in store.intervals:
-                store.unpack(a, b, torch.cat([state.exp_avg[a:b], state.exp_avg_sq[a:b]]))
+                store.unpack(a, b, torch.cat([t[a:b] for t in whole]))
             self.store = store
             self.parts = part_keepers(blocks)
             self.gather = [p for p in gather_plan(blocks) if rank in (p.src, p.dst)]
@@ -604,6 +640,7 @@ class Pipeline:
             self.store = undo.store
         self.held = undo.held
         self.undo = None
+        self.stale = self.zero3  # the store went back; the window is gathered again
         e.state.step, e.state.last_loss = resume, undo.loss
 
     def _payload(self, t: LayerTransfer) -> torch.Tensor:

@@ -20,10 +20,15 @@ from elaswave.runtime.optim import OptimHyper, Spans, update_
 
 
 class MomentStore:
-    """Adam's two moments for a set of flat element intervals, stored back to back."""
+    """Adam's two moments for a set of flat element intervals, stored back to back; under
+    ZeRO-3 (``params``) the parameters of those intervals too: then the store is all a rank
+    keeps of its layers between steps."""
 
     def __init__(
-        self, intervals: Sequence[Interval] = (), device: torch.device | None = None
+        self,
+        intervals: Sequence[Interval] = (),
+        device: torch.device | None = None,
+        params: bool = False,
     ) -> None:
         self.intervals = merge(intervals)
         self._starts = [a for a, _ in self.intervals]
@@ -34,6 +39,13 @@ class MomentStore:
             total += b - a
         self.exp_avg = torch.zeros(total, dtype=torch.float32, device=device)
         self.exp_avg_sq = torch.zeros(total, dtype=torch.float32, device=device)
+        self.params = torch.zeros(total, dtype=torch.float32, device=device) if params else None
+
+    @property
+    def arrays(self) -> tuple[torch.Tensor, ...]:
+        """What the store keeps per element: ([parameters,] exp_avg, exp_avg_sq)."""
+        moments = (self.exp_avg, self.exp_avg_sq)
+        return moments if self.params is None else (self.params, *moments)
 
     @property
     def numel(self) -> int:
@@ -41,7 +53,7 @@ class MomentStore:
 
     @property
     def nbytes(self) -> int:
-        return 2 * self.numel * self.exp_avg.element_size()
+        return sum(t.numel() * t.element_size() for t in self.arrays)
 
     def locate(self, start: int, stop: int) -> slice:
         """The compact slice of flat elements ``start:stop`` (they must lie in one interval)."""
@@ -55,13 +67,18 @@ class MomentStore:
         s = self.locate(start, stop)
         return self.exp_avg[s], self.exp_avg_sq[s]
 
+    def views(self, start: int, stop: int) -> tuple[torch.Tensor, ...]:
+        """Every array's elements ``start:stop``, in :attr:`arrays` order."""
+        s = self.locate(start, stop)
+        return tuple(t[s] for t in self.arrays)
+
     def packed(self, start: int, stop: int) -> torch.Tensor:
-        """``[exp_avg | exp_avg_sq]`` of ``start:stop``: one message."""
-        m, v = self.view(start, stop)
-        return torch.cat([m, v])
+        """``[params | exp_avg | exp_avg_sq]`` of ``start:stop`` (no parameters outside
+        ZeRO-3): one message."""
+        return torch.cat(self.views(start, stop))
 
     def unpack(self, start: int, stop: int, payload: torch.Tensor) -> None:
-        unpack_into(payload, self.view(start, stop))
+        unpack_into(payload, self.views(start, stop))
 
     def fill_from(self, other: MomentStore) -> None:
         """Copy every element both stores keep from ``other``."""
@@ -69,17 +86,17 @@ class MomentStore:
             for c, d in other.intervals:
                 lo, hi = max(a, c), min(b, d)
                 if lo < hi:
-                    m, v = self.view(lo, hi)
-                    om, ov = other.view(lo, hi)
-                    m.copy_(om)
-                    v.copy_(ov)
+                    for mine, theirs in zip(self.views(lo, hi), other.views(lo, hi), strict=True):
+                        mine.copy_(theirs)
 
     def update(self, params: Spans, grad: Spans, step: int, hyper: OptimHyper) -> None:
         """AdamW on every kept element (element-wise: the other keeper of a part computes the
-        same bits from the same all-reduced gradient)."""
+        same bits from the same all-reduced gradient): of the store's own parameters under
+        ZeRO-3, else of ``params``."""
         for a, b in self.intervals:
             m, v = self.view(a, b)
-            update_(params[a:b], grad[a:b], m, v, step, hyper, hyper.groups_of(slice(a, b)))
+            p = params[a:b] if self.params is None else self.params[self.locate(a, b)]
+            update_(p, grad[a:b], m, v, step, hyper, hyper.groups_of(slice(a, b)))
 
 
 @dataclass

@@ -43,6 +43,7 @@ from elaswave.runtime.strategies.pipeline.stagestate import (
     hull,
     range_of,
 )
+from elaswave.runtime.workload.base import build_layer
 
 if TYPE_CHECKING:
     from elaswave.runtime.state import RankContext, TrainState
@@ -65,6 +66,8 @@ class ZeroStage(Protocol):
     held: range | None
     target: range
     fresh: bool
+    zero3: bool
+    stale: bool
     serving: list[bool]
     shares: tuple[int, ...]
     migration: Migration | None
@@ -73,6 +76,8 @@ class ZeroStage(Protocol):
     parts: list[tuple[Interval, tuple[int, ...]]]
 
     def span(self, layers: range) -> slice: ...
+
+    def new_store(self, intervals: Sequence[Interval]) -> MomentStore: ...
 
     def fit_window(self) -> None: ...
 
@@ -115,7 +120,8 @@ def moment_messages(
     """This rank's sends (copies of kept moments) and receive buffers of a moment relayout."""
     sends = [(p.dst, store.packed(p.start, p.stop), TAG_MOMENT) for p in pieces if p.src == rank]
     mine = [p for p in pieces if p.dst == rank]
-    recvs = [(p.src, store.exp_avg.new_empty(2 * (p.stop - p.start)), TAG_MOMENT) for p in mine]
+    width = len(store.arrays)  # ZeRO-3: the parameters travel with their moments
+    recvs = [(p.src, store.exp_avg.new_empty(width * (p.stop - p.start)), TAG_MOMENT) for p in mine]
     return sends, recvs, mine
 
 
@@ -130,10 +136,15 @@ def sync(
     """ZeRO recovery: agree on the resume step and roll back; then every rank says what it
     has (held layers, kept moment intervals) and the parameters and moments the new layout
     needs move from ranks that have them, as disjoint pieces: before training resumes
-    (blocking) or in the background (asynchronous, see :func:`_start_migration`)."""
+    (blocking) or in the background (asynchronous, see :func:`_start_migration`).
+
+    ZeRO-3 keeps no layer whole between steps: what a rank has, and what it needs, is its
+    intervals' parameters and moments (they move together, blocking); the held layers' other
+    parameters come with the next step's gather."""
     e = pipe.e
     rank = e.comm.rank("dp")
     pipe.migration = None  # a migration cut short by this change is void
+    asynchronous = asynchronous and not pipe.zero3
     agreed = _agree_resume(pipe, plan, broken, start_from)
     if isinstance(agreed, dict):
         return agreed  # every rank was fresh: the whole state from a checkpoint
@@ -143,7 +154,10 @@ def sync(
     info["held_elements"] = pipe.span(pipe.target).stop - pipe.span(pipe.target).start
     blocks = holder_blocks(targets, pipe.offsets, plan.domains)
     duty = moment_duty(blocks, plan.world_size)
-    param_pieces = plan_piece_transfers(have_params, [spans(pipe.span, t) for t in targets])
+    if pipe.zero3:
+        have_params, param_pieces = have_moments, []
+    else:
+        param_pieces = plan_piece_transfers(have_params, [spans(pipe.span, t) for t in targets])
 
     def adopt(store: MomentStore) -> None:  # the new layout's duties
         pipe.store = store
@@ -154,7 +168,11 @@ def sync(
         pipe.held = pipe.target
         pipe.serving, pipe.shares = [True] * len(plan.replicas), plan.shares
         pipe.fit_window()  # the parameters are their initial values, which any rank builds
-        adopt(MomentStore(duty[rank], e.state.device))
+        store = pipe.new_store(duty[rank])
+        if pipe.zero3:
+            _initial_params(pipe, store)
+            pipe.stale = True
+        adopt(store)
         return {**info, "moment_bytes": pipe.store.nbytes, "gather_bytes": _gather_bytes(pipe)}
     # Asynchronously, a rank brings up to date the layers it newly holds (parameters and
     # both moments, to replay their updates) and the parts it newly keeps.
@@ -190,14 +208,30 @@ def sync(
             receivers,
         )  # fmt: skip
         return {**info, "migration": "async", "serving": serving, "shares": list(pipe.shares)}
-    store = MomentStore(duty[rank], e.state.device)
+    store = pipe.new_store(duty[rank])
     e.state.set_window(hull(range_of(*held_bounds), pipe.target))
     moved = _move_blocking(pipe, param_pieces, moment_pieces, store, broken)
     pipe.held = pipe.target
     pipe.serving, pipe.shares = [True] * len(plan.replicas), plan.shares
     pipe.fit_window()
+    pipe.stale = pipe.zero3  # the window is gathered at the next step
     adopt(store)
     return {**info, **moved, "gather_bytes": _gather_bytes(pipe)}
+
+
+def _initial_params(pipe: ZeroStage, store: MomentStore) -> None:
+    """ZeRO-3 at step 0: the store's parameters are their initial values (each layer that
+    meets the store's intervals built alone, as every rank builds it)."""
+    st = pipe.e.state
+    assert store.params is not None
+    for layer, (lo, hi) in enumerate(pipe.offsets):
+        meets = [(max(a, lo), min(b, hi)) for a, b in store.intervals if max(a, lo) < min(b, hi)]
+        if not meets:
+            continue
+        built = build_layer(st.workload, st.model.seed, layer)
+        values = torch.cat([p.detach().reshape(-1) for p in built.parameters() if p.requires_grad])
+        for a, b in meets:
+            store.views(a, b)[0].copy_(values[a - lo : b - lo])
 
 
 def _agree_resume(
@@ -333,13 +367,14 @@ def contributions(pipe: ZeroStage, broken: Callable[[], bool]) -> tuple[list[Con
     e = pipe.e
     params = e.state.params
     rank = e.comm.rank("dp")
-    units = [pipe.span(range(layer, layer + 1)) for layer in range(pipe.num_layers)]
+    # ZeRO-3 holds no layer whole between steps: its parts carry their parameters
+    units = [] if pipe.zero3 else [pipe.span(range(n, n + 1)) for n in range(pipe.num_layers)]
     sums = torch.full((len(units) + len(pipe.parts),), -1, dtype=torch.int64, device=e.state.device)
-    for layer in pipe.held or ():
+    for layer in pipe.held or () if units else ():
         sums[layer] = digest(params[units[layer]])
     for j, ((a, b), keepers) in enumerate(pipe.parts):
         if rank in keepers:
-            sums[len(units) + j] = digest(*pipe.store.view(a, b))
+            sums[len(units) + j] = digest(*pipe.store.views(a, b))
     rows = [x.tolist() for x in e.comm.allgather("dp", sums, broken)]
     agree = all(len({row[u] for row in rows if row[u] >= 0}) == 1 for u in range(len(sums)))
     out: list[Contribution] = []
@@ -350,8 +385,8 @@ def contributions(pipe: ZeroStage, broken: Callable[[], bool]) -> tuple[list[Con
             out.append((0, units[u].start, units[u].stop, params[units[u]]))
         else:
             (a, b), _ = pipe.parts[u - len(units)]
-            m, v = pipe.store.view(a, b)
-            out += [(1, a, b, m), (2, a, b, v)]
+            kept = pipe.store.views(a, b)
+            out += [(part, a, b, t) for part, t in zip((0, 1, 2)[-len(kept) :], kept, strict=True)]
     return out, agree
 
 

@@ -146,6 +146,11 @@ class RankGrads:
     tiered: dict[str, Tiers] = field(default_factory=dict)  # the groups of ``mine`` by tiers
 
 
+def freed(t: torch.Tensor) -> bool:
+    """Whether ``t``'s memory was released (a ZeRO-3 stage's buffers between steps)."""
+    return t.untyped_storage().nbytes() == 0 < t.numel()
+
+
 def chunks(total: int, size: int, lo: int, hi: int) -> list[tuple[int, int, int, int]]:
     """``[0, total)`` in chunks of ``size`` elements: ``(a, b, x, y)`` for each chunk ``[a, b)``
     with its overlap ``[x, y)`` with a window ``[lo, hi)`` (``x == y`` where they do not meet)."""
@@ -190,12 +195,21 @@ class PipelineStages(Strategy):
 
     def memory(self) -> dict[str, int]:
         """ZeRO inside the stages: the moments of the parts this rank keeps; the pre-update
-        copies of the held layers (a rollback's source) as copies kept for recovery."""
+        copies of the held layers (a rollback's source) as copies kept for recovery. ZeRO-3:
+        the parameters of those parts, and the window (the held layers' parameters and their
+        gradients, freed between steps) as gathered and transient bytes."""
         out = super().memory()
         pipe = self.pipe
         out["optimizer_bytes"] += nbytes(pipe.store.exp_avg, pipe.store.exp_avg_sq)
         undo = pipe.undo
         out["replica_bytes"] = nbytes(*(copy for _, copy in undo.saved)) if undo else 0
+        if pipe.zero3:
+            flat = self.state.flat
+            window = flat.numel * flat.data.element_size()
+            out.update(
+                param_bytes=nbytes(pipe.store.params), grad_bytes=0, gathered_bytes=window,
+                layer_grad_bytes=window, transient_bytes=2 * window,
+            )  # fmt: skip
         return out
 
     # ---- one step -----------------------------------------------------------------------------
@@ -210,6 +224,7 @@ class PipelineStages(Strategy):
         redo = self.redo[1] if self.redo is not None and self.redo[0] == step else None
         kept, acc = self._accumulator(step, buf, continued=redo is not None)
         slow = slowdown * len(plan.replicas) / len(every)  # per micro-batch
+        self.pipe.fill(self._broken)  # ZeRO-3: the held layers gathered for the step
         per_mb = self.pipe.run_step(step, buf, list(every), self._broken, kept, acc, redo, slow)
         buf[self.state.flat.numel + FLAG] = self.pipe.ready_flag
         return None if redo is not None else per_mb  # a redo's share says nothing of speed
@@ -225,7 +240,8 @@ class PipelineStages(Strategy):
         size = region.stop - region.start
         acc = None
         if buf.dtype != st.flat.grad.dtype:
-            if self._acc is None or self._acc.numel() != size or self._acc.dtype != buf.dtype:
+            acc = self._acc
+            if acc is None or acc.numel() != size or acc.dtype != buf.dtype or freed(acc):
                 self._acc = buf.new_zeros(size)
             acc = self._acc
         kept = self.kept
@@ -276,12 +292,17 @@ class PipelineStages(Strategy):
         pipe.update(step, grad, broken, before_update, self._pruning(step, broken))
         st.step, st.last_loss, st.last_grad_norm = step, loss, norm
         switched = pipe.after_step(step, float(buf[n + FLAG]))
+        epochs = float(buf[n + EPOCH])
+        if pipe.zero3:  # no gradient outlives the step: the next one allocates its buffers
+            for t in (buf, self._acc):
+                if t is not None:
+                    t.untyped_storage().resize_(0)
         if switched is not None:
             assert ctx.plan is not None
             self.say("migration_done", epoch=ctx.plan.epoch, **switched)
             self._switches += 1
             self._set_clocks()
-        return float(buf[n + EPOCH])
+        return epochs
 
     def _broken(self) -> bool:
         return self.ctx.broken()
@@ -398,7 +419,8 @@ class PipelineStages(Strategy):
 
         step_before = self.state.step
         try:
-            # pruning reads every layer's current values each step: layers move blocking
+            # pruning reads every layer's current values each step, and ZeRO-3 moves only
+            # its intervals (every layer is gathered each step anyway): layers move blocking
             moving = self.ctx.cfg.migration == "async" and self.state.prune is None
             info = self.pipe.sync(plan, broken, moving, start_from)
         except LayersLost as exc:
@@ -539,8 +561,8 @@ class PipelineStages(Strategy):
             out = []
             for (a, b), keepers in pipe.parts:
                 if keepers[0] == rank and b > a:
-                    m, v = pipe.store.view(a, b)
-                    out.append((a, b, params[a:b], m, v))
+                    kept = pipe.store.views(a, b)  # ZeRO-3: the parameters are the store's
+                    out.append((a, b, kept[0] if pipe.zero3 else params[a:b], *kept[-2:]))
             return out
         m, v = st.exp_avg, st.exp_avg_sq
         blocks = grads.blocks
@@ -559,6 +581,7 @@ class PipelineStages(Strategy):
         """Micro-batch ``i`` through the stages of serving replica ``i mod replicas`` (those out
         of service while layers migrate score nothing), forward only: no rank needs a layer it
         does not hold."""
+        self.pipe.fill(broken)  # ZeRO-3: the held layers gathered (kept for the next step)
         self.pipe.score(batches, slots, broken)
 
     def adopt(self, state: DurableState, plan: Plan, broken: Callable[[], bool]) -> dict[str, Any]:
@@ -619,11 +642,15 @@ class PipelineStages(Strategy):
 
     def computes_with(self) -> torch.Tensor:
         pipe = self.pipe
+        if pipe.store.params is not None:  # ZeRO-3: between steps only the store's intervals
+            return pipe.store.params
         return self.state.params[pipe.span(pipe.held) if pipe.held else slice(0, 0)]
 
     def corrupt_target(self, target: str) -> tuple[torch.Tensor, str]:
         """What this rank keeps current: its held layers (or their kept moments)."""
         pipe, st = self.pipe, self.state
+        if pipe.store.params is not None and target != "snapshot":
+            return pipe.store.params, "parameter shard"
         if not pipe.held:
             if target == "snapshot":
                 return st.opt.exp_avg, "optimizer state (exp_avg)"

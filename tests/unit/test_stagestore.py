@@ -1,0 +1,84 @@
+"""What a ZeRO pipeline stage keeps between steps: the store of its intervals (moments, and under
+ZeRO-3 the parameters too), and the window's buffers that ZeRO-3 frees and takes back."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from elaswave.runtime.optim import FlatParams, OptimHyper, Spans, update_
+from elaswave.runtime.strategies.pipeline.stagestate import MomentStore
+
+INTERVALS = [(10, 14), (20, 23)]
+
+
+def _filled(params: bool) -> MomentStore:
+    store = MomentStore(INTERVALS, params=params)
+    for i, t in enumerate(store.arrays):
+        t.copy_(torch.arange(t.numel(), dtype=torch.float32) + 100 * i)
+    return store
+
+
+@pytest.mark.parametrize(("params", "width"), [(False, 2), (True, 3)])
+def test_a_piece_travels_as_one_message_with_every_array(params: bool, width: int) -> None:
+    store = _filled(params)
+    assert len(store.arrays) == width and store.nbytes == width * 7 * 4
+    message = store.packed(11, 13)
+    assert message.numel() == width * 2
+    other = MomentStore([(11, 13)], params=params)
+    other.unpack(11, 13, message)
+    for mine, theirs in zip(store.views(11, 13), other.views(11, 13), strict=True):
+        assert torch.equal(mine, theirs)
+
+
+@pytest.mark.parametrize("params", [False, True])
+def test_fill_from_copies_exactly_what_both_keep(params: bool) -> None:
+    source = _filled(params)
+    target = MomentStore([(12, 22)], params=params)
+    target.fill_from(source)
+    for array, src in zip(target.arrays, source.arrays, strict=True):
+        # kept by both: 12..14 (source slots 2, 3) and 20..22 (slots 4, 5); the rest stays 0
+        expect = torch.zeros(10)
+        expect[0:2], expect[8:10] = src[2:4], src[4:6]
+        assert torch.equal(array, expect)
+
+
+def test_a_zero3_store_updates_its_own_parameters_as_zero1_updates_the_window() -> None:
+    """The same AdamW bits, whether the parameters are the store's (ZeRO-3) or the window's."""
+    hyper = OptimHyper(lr=0.1)
+    hyper.hold_groups(0, 30, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(0)
+    window = torch.randn(30, generator=gen)
+    grad = Spans(torch.randn(30, generator=gen))
+    zero1, zero3 = MomentStore(INTERVALS), MomentStore(INTERVALS, params=True)
+    for a, b in INTERVALS:
+        zero3.views(a, b)[0].copy_(window[a:b])
+    updated = window.clone()
+    for step in (1, 2, 3):
+        zero1.update(Spans(updated), grad, step, hyper)
+        zero3.update(Spans(torch.full((30,), float("nan"))), grad, step, hyper)
+    assert zero3.params is not None
+    for a, b in INTERVALS:
+        assert torch.equal(zero3.views(a, b)[0], updated[a:b])
+        assert not torch.equal(updated[a:b], window[a:b])
+    assert torch.equal(zero1.exp_avg, zero3.exp_avg)
+    assert torch.equal(zero1.exp_avg_sq, zero3.exp_avg_sq)
+    expect = window[10:14].clone()
+    m, v = torch.zeros(4), torch.zeros(4)
+    for step in (1, 2, 3):
+        update_(expect, grad[10:14], m, v, step, hyper, hyper.groups_of(slice(10, 14)))
+    assert torch.equal(expect, updated[10:14])
+
+
+def test_a_released_window_keeps_its_views_and_takes_memory_back() -> None:
+    layer = torch.nn.Linear(3, 4)
+    flat = FlatParams(layer)
+    flat.release()
+    assert flat.data.untyped_storage().nbytes() == flat.grad.untyped_storage().nbytes() == 0
+    assert layer.weight.untyped_storage().nbytes() == 0  # the views share the freed storage
+    flat.reserve()
+    flat.data.copy_(torch.arange(16, dtype=torch.float32))
+    assert torch.equal(layer.weight.detach().reshape(-1), torch.arange(12, dtype=torch.float32))
+    assert flat.grads_in_place()
+    flat.reserve()  # a second reserve changes nothing
+    assert torch.equal(flat.data, torch.arange(16, dtype=torch.float32))
