@@ -32,6 +32,8 @@ each bed's directory, the run directories of every host, under ``DIR``):
 - ``zero``: ZeRO-1 (``--zero 1``), the six kinds;
 - ``zero3``: ZeRO-3 (``--zero 3``: parameters, gradients and moments sharded), the six kinds;
 - ``pipeline``: dp 3 × pp 2 with ZeRO-1 inside the stages, the six kinds;
+- ``pipeline-zero3``: dp 3 × pp 2 with ZeRO-3 inside the stages (between steps a rank keeps only
+  its parts, parameters with their moments; each step gathers its stage), the six kinds;
 - ``leader``: every host and partition fault hits the leader's host, every rank fault a worker
   on it: the leadership moves while the job recovers;
 - ``etcd``: three etcd members; besides the six kinds, ``etcd`` kills a member (the one every
@@ -122,6 +124,7 @@ VARIANTS = {
         Variant("zero", KINDS, ("--zero", "1")),
         Variant("zero3", KINDS, ("--zero", "3")),
         Variant("pipeline", KINDS, ("--pp", "2", "--zero", "1")),
+        Variant("pipeline-zero3", KINDS, ("--pp", "2", "--zero", "3")),
         Variant("leader", KINDS, at_leader=True),
         Variant("etcd", (*KINDS, "etcd"), etcd_members=3),
         Variant("recovery", ("kill", "hang", "host", "recovery")),
@@ -198,7 +201,7 @@ def run(repeat: int, config: Path) -> dict[str, Any]:
             Variant(v.name, tuple(k for k in v.kinds if k in ("kill", "hang", "corrupt", "slow")),
                     v.flags)
             for v in variants
-            if v.name in ("dp", "zero", "zero3", "pipeline")
+            if v.name in ("dp", "zero", "zero3", "pipeline", "pipeline-zero3")
         ]  # fmt: skip
 
         def make_bed(workdir: Path, members: int, racks: tuple[str, ...] = ()) -> Any:
