@@ -82,3 +82,31 @@ def test_a_released_window_keeps_its_views_and_takes_memory_back() -> None:
     assert flat.grads_in_place()
     flat.reserve()  # a second reserve changes nothing
     assert torch.equal(flat.data, torch.arange(16, dtype=torch.float32))
+
+
+def test_the_parameter_gather_waits_as_a_collective() -> None:
+    """A rank waiting in the gather for a peer that is gone (or cut off) must not look hung:
+    the daemon's hang verdict spares a rank in a collective, never one stuck computing."""
+    from types import SimpleNamespace
+
+    from elaswave.planning.stageshards import Piece
+    from elaswave.runtime.strategies.pipeline.stage import Pipeline
+
+    phases: list[str] = []
+    seen: list[str] = []
+
+    def p2p(group: str, sends: list, recvs: list, broken: object) -> None:
+        seen.append(phases[-1])
+        for _, t, _ in recvs:
+            t.fill_(7.0)
+
+    pipe = object.__new__(Pipeline)
+    pipe.e = SimpleNamespace(
+        enter=phases.append,
+        comm=SimpleNamespace(rank=lambda group: 1, p2p=p2p),
+        state=SimpleNamespace(params=Spans(torch.zeros(8))),
+    )
+    pipe.gather = [Piece(src=0, dst=1, start=2, stop=5)]
+    pipe._gather(lambda: False)
+    assert seen == ["collective"] and phases[-1] == "compute"
+    assert pipe.e.state.params[2:5].tolist() == [7.0, 7.0, 7.0]

@@ -367,10 +367,15 @@ class Pipeline:
         return [t for _, t, _ in recvs]
 
     def _gather(self, broken: Callable[[], bool]) -> None:
-        """ZeRO: the parameters of the held layers this rank does not keep, from their keepers."""
+        """ZeRO: the parameters of the held layers this rank does not keep, from their keepers.
+        A wait on peers: the hang detector sees a collective (a rank waiting for a lost or cut
+        off peer is not hung itself), then computing again."""
         params = self.e.state.params
         sends, recvs, mine = gather_messages(self.gather, self.e.comm.rank("dp"), params)
-        for piece, got in zip(mine, self.exchange(sends, recvs, broken), strict=True):
+        self.e.enter("collective")
+        received = self.exchange(sends, recvs, broken)
+        self.e.enter("compute")
+        for piece, got in zip(mine, received, strict=True):
             params[piece.start : piece.stop].copy_(got)
 
     def after_step(self, step: int, ready_sum: float) -> dict[str, Any] | None:
