@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import REL_TOL, Run, assert_clean_run, launch
+from conftest import REL_TOL, Run, assert_clean_run, elaswave_cmd, launch
 
 from elaswave.report import build_report
 from elaswave.runtime.durable.checkpoints import PIECES
@@ -179,8 +181,14 @@ def test_a_zero3_stage_checkpoint_resumes_as_zero3_data_parallelism(
 ) -> None:
     """dp=3 × pp=2 with ZeRO-3 inside the stages: no rank holds a layer whole between steps,
     so the step-10 checkpoint is written from the parts (each by its first keeper, parameters
-    and moments) and tiles the model; it resumes on three workers as ZeRO-3 data parallelism,
-    on the fault-free curve."""
+    and moments) and tiles the model; ``elaswave export`` writes the run's final weights from
+    it, and it resumes on three workers as ZeRO-3 data parallelism, on the fault-free curve."""
+    from safetensors.torch import load_file
+
+    from elaswave.export import run_config
+    from elaswave.runtime.workload.base import build_layers
+    from elaswave.runtime.workload.load import load_workload
+
     r = launch(tmp_path / "run", "--job-id", "pp-zero3-ckpt", "--pp", "2", "--zero", "3",
                "--nproc-per-node", "6", "--steps", "10", "--durable-every", "10",
                env=state_env)  # fmt: skip
@@ -192,6 +200,16 @@ def test_a_zero3_stage_checkpoint_resumes_as_zero3_data_parallelism(
     assert edges[0][0] == 0 and edges[-1][1] == index["numel"]
     assert all(x[1] == y[0] for x, y in zip(edges, edges[1:], strict=False))  # a tiling
     assert len({rank for _, _, rank in index["pieces"]}) > 2  # parts of several keepers
+    out = tmp_path / "model.safetensors"
+    export = elaswave_cmd("export", "--run-dir", str(tmp_path / "run"), "--out", str(out))
+    r = subprocess.run(export, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "exported step 10" in r.stdout, r.stderr[-2000:]
+    tensors = load_file(str(out))
+    model = build_layers(load_workload(run_config(tmp_path / "run")), 1234)
+    names = [n for n, p in model.named_parameters() if p.requires_grad]  # the flat order
+    params = b"".join(tensors[n].reshape(-1).numpy().tobytes() for n in names)
+    (final,) = {f["params_sha256"] for f in run.of("final_state")}
+    assert hashlib.sha256(params).hexdigest() == final, "the exported weights are the final ones"
     r = launch(tmp_path / "resumed", "--job-id", "pp-zero3-resumed", "--steps", "14",
                "--nproc-per-node", "3", "--zero", "3",
                "--resume", str(tmp_path / "run" / "checkpoints"), env=state_env)  # fmt: skip
