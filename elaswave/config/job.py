@@ -159,6 +159,9 @@ class JobConfig:
         unsupported = {
             "train.prune": self.train.prune is not None,
             "grad_reduce: all": self.grad_reduce == "all",
+            # data-parallel ZeRO-3's layer-wise options: a stage is gathered whole for a step
+            "train.shard_scope: host": self.train.shard_scope == "host",
+            "train.zero3_gather: tiers": self.train.zero3_gather == "tiers",
         }
         for name, used in unsupported.items():
             if used:

@@ -187,6 +187,11 @@ def test_missing_config_file(tmp_path: Path) -> None:
         ({"zero": 2}, "zero must be 0, 1 or 3, got 2"),
         ({"rack": "row 1/a"}, "rack must be 1-64 of [A-Za-z0-9_.-], got 'row 1/a'"),
         ({"zero": 3, "pp": 2, "grad_reduce": "all"}, "grad_reduce: all is not supported with"),
+        (
+            {"zero": 3, "pp": 2, "train.shard_scope": "host"},
+            "train.shard_scope: host is not supported with zero: 3 inside pipeline stages",
+        ),
+        ({"zero": 3, "pp": 2, "train.zero3_gather": "tiers"}, "zero3_gather: tiers is not"),
         ({"train.grad_compress": "int8", "pp": 2}, "not pipelines' holder groups (got pp: 2)"),
         ({"train.shard_scope": "rack"}, "train.shard_scope must be job or host, got 'rack'"),
         ({"train.shard_scope": "host", "zero": 1}, "it needs zero: 3 (got zero: 1)"),
