@@ -69,7 +69,8 @@ def kept(pipe: VerifiedStage) -> set[Unit]:
     """The units this rank keeps current."""
     rank = pipe.e.comm.rank("dp")
     out: set[Unit] = set()
-    for layer in pipe.held or () if not pipe.zero3 else ():
+    layers = () if pipe.zero3 else pipe.held or ()  # ZeRO-3: no layer is a unit
+    for layer in layers:
         r = pipe.span(range(layer, layer + 1))
         out.add(("p", r.start, r.stop))
         if not pipe.zero:

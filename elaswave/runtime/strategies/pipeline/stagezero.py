@@ -370,7 +370,7 @@ def contributions(pipe: ZeroStage, broken: Callable[[], bool]) -> tuple[list[Con
     # ZeRO-3 holds no layer whole between steps: its parts carry their parameters
     units = [] if pipe.zero3 else [pipe.span(range(n, n + 1)) for n in range(pipe.num_layers)]
     sums = torch.full((len(units) + len(pipe.parts),), -1, dtype=torch.int64, device=e.state.device)
-    for layer in pipe.held or () if units else ():
+    for layer in (pipe.held or ()) if units else ():
         sums[layer] = digest(params[units[layer]])
     for j, ((a, b), keepers) in enumerate(pipe.parts):
         if rank in keepers:
