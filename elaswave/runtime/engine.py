@@ -494,7 +494,6 @@ class Engine:
         """Final best-effort barrier so no rank exits while a peer still reads its last bytes."""
         if self.plan is None:
             return
-        st = self.state
         try:  # the whole state compares across ranks (pipelines: assembled from the stages)
             final = self.strategy.final(self.ctx.broken)
             every = self.cfg.durable_every
@@ -503,8 +502,7 @@ class Engine:
             token = self.state.flat.data.new_zeros(1)
             self.comm.allreduce(DP, token, self.ctx.broken)
         except (CommError, Interrupted):  # what this rank holds, then
-            mine = [(0, st.flat.data), (1, st.opt.exp_avg), (2, st.opt.exp_avg_sq)]
-            final = Final(*state_digests(mine), {})
+            final = Final(*state_digests(self.strategy.held_here()), {})
         if self.store is not None:
             self.store.flush()  # the last checkpoint is on disk before "done"
         self.control.event(

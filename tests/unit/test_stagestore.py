@@ -110,3 +110,21 @@ def test_the_parameter_gather_waits_as_a_collective() -> None:
     pipe._gather(lambda: False)
     assert seen == ["collective"] and phases[-1] == "compute"
     assert pipe.e.state.params[2:5].tolist() == [7.0, 7.0, 7.0]
+
+
+def test_a_zero3_stage_reports_its_parts_when_the_end_cannot_gather() -> None:
+    """When the job's last collective fails, a rank reports digests of what it holds without
+    one: a ZeRO-3 stage's window is freed by then, so that is its parts."""
+    from types import SimpleNamespace
+
+    from elaswave.runtime.strategies.base import state_digests
+    from elaswave.runtime.strategies.pipeline.strategy import PipelineStages
+
+    strategy = object.__new__(PipelineStages)
+    store = _filled(True)
+    strategy.pipe = SimpleNamespace(store=store)
+    held = strategy.held_here()
+    assert [part for part, _ in held] == [0, 1, 2]
+    assert all(t is kept for (_, t), kept in zip(held, store.arrays, strict=True))
+    params, state = state_digests(held)
+    assert params != state

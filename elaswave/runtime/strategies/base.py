@@ -277,6 +277,13 @@ class Strategy(ABC):
         """The parameters this rank computes with (what the seal's CRC covers)."""
         return self.state.flat.data
 
+    def held_here(self) -> list[tuple[int, torch.Tensor]]:
+        """What this rank holds of the state, as ``(part, tensor)`` (0 parameters, 1 and 2 the
+        moments), read without a collective: the digests a rank reports when the job's end
+        could not gather the whole."""
+        st = self.state
+        return [(0, st.flat.data), (1, st.opt.exp_avg), (2, st.opt.exp_avg_sq)]
+
     def known_good(self, broken: Callable[[], bool]) -> torch.Tensor:
         """What this rank keeps of a state a check found clean, [params | exp_avg | exp_avg_sq]
         (a collective): the whole state, which fits any later layout. :meth:`take_known_good`

@@ -209,7 +209,8 @@ def sync(
         )  # fmt: skip
         return {**info, "migration": "async", "serving": serving, "shares": list(pipe.shares)}
     store = pipe.new_store(duty[rank])
-    e.state.set_window(hull(range_of(*held_bounds), pipe.target))
+    if not pipe.zero3:  # ZeRO-3 moves no parameter into the window: it is gathered next step
+        e.state.set_window(hull(range_of(*held_bounds), pipe.target))
     moved = _move_blocking(pipe, param_pieces, moment_pieces, store, broken)
     pipe.held = pipe.target
     pipe.serving, pipe.shares = [True] * len(plan.replicas), plan.shares

@@ -38,6 +38,7 @@ from elaswave.runtime.strategies.base import (
     DP,
     EPOCH,
     FLAG,
+    TAIL,
     Final,
     Strategy,
     Whole,
@@ -204,13 +205,25 @@ class PipelineStages(Strategy):
         undo = pipe.undo
         out["replica_bytes"] = nbytes(*(copy for _, copy in undo.saved)) if undo else 0
         if pipe.zero3:
-            flat = self.state.flat
+            flat, reduce = self.state.flat, reduction_dtype(self.ctx.cfg.train.reduce_dtype)
             window = flat.numel * flat.data.element_size()
+            # the step's gradient: the window's, the reduction buffer, and in a float64
+            # reduction the accumulator beside them (all freed after the update)
+            grads = window + (flat.numel + TAIL) * reduce.itemsize
+            if reduce != flat.grad.dtype:
+                grads += flat.numel * reduce.itemsize
             out.update(
                 param_bytes=nbytes(pipe.store.params), grad_bytes=0, gathered_bytes=window,
-                layer_grad_bytes=window, transient_bytes=2 * window,
+                layer_grad_bytes=grads, transient_bytes=window + grads,
             )  # fmt: skip
         return out
+
+    def held_here(self) -> list[tuple[int, torch.Tensor]]:
+        """ZeRO-3: the parts this rank keeps (its window is freed between steps)."""
+        store = self.pipe.store
+        if store.params is None:
+            return super().held_here()
+        return list(enumerate(store.arrays))
 
     # ---- one step -----------------------------------------------------------------------------
     def before_step(self) -> None:
