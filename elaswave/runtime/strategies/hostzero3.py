@@ -82,11 +82,11 @@ class HostZero3(Zero3):
         rows: list[list[float]],
         with_state: list[int],
         resume: int,
-    ) -> tuple[int, dict[str, Any]]:
+        source: int,
+    ) -> dict[str, Any]:
         """Every host's shards of its next layout, from the copies at ``resume`` wherever they
         are (no snapshots: a shard's layout epoch does not matter, only what it holds)."""
-        source = next(i for i in with_state if int(rows[i][0]) == resume)
-        return source, self._rebuild(plan, resume, broken)
+        return self._rebuild(plan, resume, broken)
 
     def holders(self) -> dict[str, list[int]]:
         """No replica pieces: the other hosts' copies take their place."""

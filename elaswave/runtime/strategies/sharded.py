@@ -104,8 +104,9 @@ class Zero1(Replicated):
             }
         resume = int(max(rows[i][0] for i in with_state))
         newest = int(max(rows[i][4] for i in with_state))  # committed, incl. rolled back
+        source = next(i for i in with_state if int(rows[i][0]) == resume)  # holds ``resume``
         try:
-            source, stats = self._reshard(plan, broken, rows, with_state, resume)
+            stats = self._reshard(plan, broken, rows, with_state, resume, source)
         except ShardLost as exc:  # both in-memory copies gone: the durable checkpoint, if any
             chosen = self.durable.newest(broken)
             if not chosen:  # every rank sees the same choice, so all raise together
@@ -139,13 +140,13 @@ class Zero1(Replicated):
         rows: list[list[float]],
         with_state: list[int],
         resume: int,
-    ) -> tuple[int, dict[str, Any]]:
-        """Survivors roll back to ``resume`` and move their shards to the plan's layout; the
-        rank that the old layout comes from, and what moved."""
+        source: int,
+    ) -> dict[str, Any]:
+        """Survivors roll back to ``resume`` and move their shards to the plan's layout (the old
+        layout comes from rank ``source``); what moved."""
         z, comm = self.zero, self.ctx.comm
         if len({int(rows[i][2]) for i in with_state}) > 1:
             raise ShardLost("ranks hold shards of different layouts (a fault while resharding)")
-        source = next(i for i in with_state if int(rows[i][0]) == resume)
         z.settle(resume)
         layout = z.layout.to_json() if z.layout is not None else []
         old = comm.broadcast_json(
@@ -159,7 +160,7 @@ class Zero1(Replicated):
             plan.workers, comm.rank(DP), resume, plan.epoch, broken,
             old_hosts=tuple(old["hosts"]), new_hosts=plan.domains,
         )  # fmt: skip
-        return source, stats
+        return stats
 
     def whole(self, broken: Callable[[], bool]) -> Whole:
         """Parameters, and the moments all-gathered from the shards."""
