@@ -43,6 +43,7 @@ from elaswave.runtime.durable.restore import DurableSource
 from elaswave.runtime.evaluate import evaluate, training_samples
 from elaswave.runtime.integrity.checker import Integrity
 from elaswave.runtime.integrity.inject import FaultInjector
+from elaswave.runtime.optim import freed
 from elaswave.runtime.state import RankContext, TrainState
 from elaswave.runtime.strategies.base import (
     DP,
@@ -274,7 +275,7 @@ class Engine:
         self._writer_busy = self.store is not None and self.store.writing()
         self.strategy.before_step()  # a pipeline rank may change which layers it allocates
         t, n = self.cfg.train, self.state.flat.numel
-        if self.buffer.numel() != n + TAIL or not self.buffer.untyped_storage().nbytes():
+        if self.buffer.numel() != n + TAIL or freed(self.buffer):  # ZeRO-3 stages free it
             self.buffer = reduction_buffer(self.state, t.reduce_dtype)
         buf = self.buffer
         buf.zero_()

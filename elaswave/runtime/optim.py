@@ -55,7 +55,7 @@ class FlatParams:
         """Free both buffers' memory (a ZeRO-3 pipeline stage between steps). The parameters
         and gradients keep viewing them, with no storage behind, until :meth:`reserve`."""
         for t in (self.data, self.grad):
-            t.untyped_storage().resize_(0)
+            free(t)
 
     def reserve(self) -> None:
         """The buffers' memory back after :meth:`release`; what they hold is undefined until
@@ -86,6 +86,16 @@ class FlatParams:
                 p.grad = self.grad[offset : offset + n].view_as(p)
                 offset += n
         return self.grad
+
+
+def free(t: torch.Tensor) -> None:
+    """Release ``t``'s memory; ``t`` and its views stay, with no storage behind them."""
+    t.untyped_storage().resize_(0)
+
+
+def freed(t: torch.Tensor) -> bool:
+    """Whether ``t``'s memory was released (:func:`free`)."""
+    return t.untyped_storage().nbytes() == 0 < t.numel()
 
 
 class Spans:

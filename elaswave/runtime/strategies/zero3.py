@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -48,7 +49,7 @@ from elaswave.runtime.strategies.paramshards import ParamShards
 from elaswave.runtime.strategies.sharded import Zero1
 from elaswave.runtime.strategies.zero import ZeroState
 from elaswave.runtime.timing import busy_mark, busy_since
-from elaswave.runtime.workload.base import EVAL_STEP, build_layer
+from elaswave.runtime.workload.base import EVAL_STEP, initial_params
 from elaswave.runtime.workload.data import MicroBatch
 
 if TYPE_CHECKING:
@@ -86,13 +87,7 @@ class Zero3(Zero1):
 
     def make_shards(self) -> ZeroState:
         st = self.state
-
-        def initial(index: int) -> torch.Tensor:
-            layer = build_layer(st.workload, st.model.seed, index)
-            return torch.cat(
-                [p.detach().reshape(-1) for p in layer.parameters() if p.requires_grad]
-            )
-
+        initial = partial(initial_params, st.workload, st.model.seed)
         return ParamShards(st.flat, st.opt.hyper, st.segments, initial=initial)
 
     # ---- one step -------------------------------------------------------------------------------

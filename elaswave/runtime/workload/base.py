@@ -257,6 +257,13 @@ def build_layer(workload: Workload, seed: int, index: int) -> nn.Module:
         return workload.build_layer(index, seed)
 
 
+def initial_params(workload: Workload, seed: int, index: int) -> torch.Tensor:
+    """Layer ``index``'s initial trainable parameters, flat in the flat buffers' order (the
+    layer built alone, as every rank builds it)."""
+    layer = build_layer(workload, seed, index)
+    return torch.cat([p.detach().reshape(-1) for p in layer.parameters() if p.requires_grad])
+
+
 def build_layers(
     workload: Workload, seed: int, keep: range | None = None, *, shells: bool = False
 ) -> KeyedLayers:

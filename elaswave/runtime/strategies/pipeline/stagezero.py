@@ -43,7 +43,7 @@ from elaswave.runtime.strategies.pipeline.stagestate import (
     hull,
     range_of,
 )
-from elaswave.runtime.workload.base import build_layer
+from elaswave.runtime.workload.base import initial_params
 
 if TYPE_CHECKING:
     from elaswave.runtime.state import RankContext, TrainState
@@ -144,7 +144,6 @@ def sync(
     e = pipe.e
     rank = e.comm.rank("dp")
     pipe.migration = None  # a migration cut short by this change is void
-    asynchronous = asynchronous and not pipe.zero3
     agreed = _agree_resume(pipe, plan, broken, start_from)
     if isinstance(agreed, dict):
         return agreed  # every rank was fresh: the whole state from a checkpoint
@@ -229,8 +228,7 @@ def _initial_params(pipe: ZeroStage, store: MomentStore) -> None:
         meets = [(max(a, lo), min(b, hi)) for a, b in store.intervals if max(a, lo) < min(b, hi)]
         if not meets:
             continue
-        built = build_layer(st.workload, st.model.seed, layer)
-        values = torch.cat([p.detach().reshape(-1) for p in built.parameters() if p.requires_grad])
+        values = initial_params(st.workload, st.model.seed, layer)
         for a, b in meets:
             store.views(a, b)[0].copy_(values[a - lo : b - lo])
 

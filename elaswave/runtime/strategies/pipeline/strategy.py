@@ -33,7 +33,7 @@ from elaswave.prune.pruner import Holding
 from elaswave.runtime.comm.tiered import allreduce_tiered
 from elaswave.runtime.durable.checkpoints import DurableState, Piece
 from elaswave.runtime.integrity import stageverify
-from elaswave.runtime.optim import Spans, layer_sumsq
+from elaswave.runtime.optim import Spans, free, freed, layer_sumsq
 from elaswave.runtime.strategies.base import (
     DP,
     EPOCH,
@@ -145,11 +145,6 @@ class RankGrads:
     copies: list[tuple[tuple[int, int], tuple[int, int]]]
     counted: list[bool]
     tiered: dict[str, Tiers] = field(default_factory=dict)  # the groups of ``mine`` by tiers
-
-
-def freed(t: torch.Tensor) -> bool:
-    """Whether ``t``'s memory was released (a ZeRO-3 stage's buffers between steps)."""
-    return t.untyped_storage().nbytes() == 0 < t.numel()
 
 
 def chunks(total: int, size: int, lo: int, hi: int) -> list[tuple[int, int, int, int]]:
@@ -309,7 +304,7 @@ class PipelineStages(Strategy):
         if pipe.zero3:  # no gradient outlives the step: the next one allocates its buffers
             for t in (buf, self._acc):
                 if t is not None:
-                    t.untyped_storage().resize_(0)
+                    free(t)
         if switched is not None:
             assert ctx.plan is not None
             self.say("migration_done", epoch=ctx.plan.epoch, **switched)
@@ -434,7 +429,11 @@ class PipelineStages(Strategy):
         try:
             # pruning reads every layer's current values each step, and ZeRO-3 moves only
             # its intervals (every layer is gathered each step anyway): layers move blocking
-            moving = self.ctx.cfg.migration == "async" and self.state.prune is None
+            moving = (
+                self.ctx.cfg.migration == "async"
+                and self.state.prune is None
+                and not self.pipe.zero3
+            )
             info = self.pipe.sync(plan, broken, moving, start_from)
         except LayersLost as exc:
             chosen = self.durable.newest(broken)
