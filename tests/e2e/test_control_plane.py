@@ -18,7 +18,7 @@ from typing import Any
 
 import psutil
 import pytest
-from conftest import Run, assert_clean_run, assert_no_orphans, launch_cmd, wait_for
+from conftest import Run, assert_clean_run, assert_no_orphans, launch_cmd, paced, wait_for
 
 from elaswave.daemon.etcd import Etcd
 from elaswave.daemon.etcd_server import EmbeddedEtcd
@@ -267,8 +267,10 @@ def test_run_directory_fills_up_and_space_returns(
     steps = 100
     # The final checkpoint (5.6 MB) goes elsewhere: on this 1 MiB disk it would fill the space
     # that returned, racing the records this test is about.
+    # Paced: the job must outlive the full disk and the 2 s below (unpaced, 100 steps can end
+    # before the space returns, and the records it held are then lost with exit 6).
     job = Job(
-        tmp_path, state_env, "--job-id", "full", "--steps", str(steps),
+        tmp_path, paced(state_env, 0.03), "--job-id", "full", "--steps", str(steps),
         "--durable-dir", str(tmp_path / "checkpoints"), run_dir=small_disk / "run",
     )  # fmt: skip
     wait_for(lambda: job.step() >= 3, timeout=120)

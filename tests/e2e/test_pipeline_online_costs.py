@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import yaml
-from conftest import CONFIG, Run, assert_clean_run, launch
+from conftest import CONFIG, Run, assert_clean_run, launch, paced
 
 from elaswave.planning.pipeplan import balanced_shares
 from elaswave.runtime.workload.gpt import gpt_layer_costs
@@ -22,7 +22,9 @@ STEPS = 16
 def test_plan_after_a_fault_uses_online_layer_costs(
     tmp_path: Path, state_env: dict, reference: Run
 ) -> None:
-    env = {**state_env, "ELASWAVE_LAYER_COSTS": "online", "ELASWAVE_COST_EVERY": "4"}
+    # paced: the reports of steps 4 and 8 reach the leader before the kill at step 12 plans
+    # (unpaced, four steps can take less than a report's way through the daemons)
+    env = {**paced(state_env, 0.02), "ELASWAVE_LAYER_COSTS": "online", "ELASWAVE_COST_EVERY": "4"}
     r = launch(
         tmp_path / "run", "--job-id", "pp-online", "--pp", "2", "--steps", str(STEPS),
         "--fault", "kill,rank=1,at_step=12",
