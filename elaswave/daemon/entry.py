@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 class JobEntry:
     def __init__(self, d: Host) -> None:
         self.d = d
+        self._kept: dict[str, Any] | None = None  # the progress record etcd kept (a relaunch)
 
     async def join(self) -> None:
         """Register this host in the job: first of all, if no host runs it, decide whether the
@@ -153,7 +154,7 @@ class JobEntry:
                 {k: trained.get(k) for k in ("model", "data")},
                 {k: v for k, v in training_config(cfg).items() if k in ("model", "data")},
             ).replace("job has", "it had", 1)  # fmt: skip
-            progress = await d.jobstore.progress()
+            progress = self._kept = await d.jobstore.progress()
             seen = etcd_records(progress, plan.epoch if plan else 0, config_diff=diff)
             if seen is not None and d.earlier is None:  # where checkpoints would be
                 seen = replace(
@@ -181,11 +182,14 @@ class JobEntry:
         if verdict.action == "resume":
             d.resuming = True
             await d.jobstore.seed_progress(verdict.committed, verdict.epoch, verdict.reason)
-            d.records.recorded_up_to(verdict.committed)
+            here = d.earlier.committed if d.earlier is not None else 0
+            line_of = d.records.recorded_up_to(
+                verdict.committed, kept=self._kept if here < verdict.committed else None
+            )
             d.events.emit(
                 "relaunched", host=d.host_id, committed=verdict.committed,
                 resume_step=verdict.resume_step, lost_steps=verdict.lost_steps,
-                reason=verdict.reason,
+                reason=verdict.reason, line_from_etcd=line_of,
             )  # fmt: skip
 
     async def _agree_on_config(self) -> None:

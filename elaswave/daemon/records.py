@@ -59,11 +59,21 @@ class StepRecords:
         # them may have died with its host before its line was written (``_land_record``).
         self.planned_hosts: Callable[[], Collection[str] | None] = lambda: None
 
-    def recorded_up_to(self, step: int) -> None:
+    def recorded_up_to(self, step: int, *, kept: dict[str, Any] | None = None) -> int | None:
         """A relaunch: earlier runs of the job recorded the steps up to ``step`` (those after
-        its checkpoint are trained again, and not recorded twice, nor their evaluations)."""
+        its checkpoint are trained again, and not recorded twice, nor their evaluations).
+
+        ``kept``: the progress record etcd kept, if this run directory has no line of its step.
+        A launch killed between moving the progress record and writing that step's line left
+        the step recorded nowhere but in etcd; its line is written here from the record, with
+        its writer's token (a reader of both run directories keeps it once:
+        :func:`~elaswave.events.distinct_records`). Returns that step (None: no line written)."""
         self.last_metric_step = max(self.last_metric_step, step)
         self.recorded_before = max(self.recorded_before, step)
+        if kept is None or not _is_step_record(kept) or int(kept["step"]) != step:
+            return None
+        self.metrics.write(_line(kept))
+        return step
 
     def finished_at(self, step: int) -> None:
         """A worker of this host finished the job at ``step``."""
@@ -291,6 +301,12 @@ class StepRecords:
 
 RECORD = ("step", "loss", "epoch", "world_size", "samples", "step_seconds", "lr", "grad_norm",
           "sparsity", "time", "writer")  # fmt: skip
+
+
+def _is_step_record(progress: dict[str, Any]) -> bool:
+    """Whether a progress record is a committed step's record (it holds the step's line), not a
+    rollback's or a relaunch's marker."""
+    return "loss" in progress and "writer" in progress and not progress.get("rolled_back")
 
 
 def _line(progress: dict[str, Any]) -> dict[str, Any]:

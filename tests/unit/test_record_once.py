@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
+
 from elaswave.daemon.etcd import KV
 from elaswave.daemon.records import StepRecords
-from elaswave.events import distinct_records
+from elaswave.events import JsonlWriter, distinct_records, read_jsonl
 
 KEY = "progress"
 
@@ -236,3 +239,29 @@ def test_a_record_written_twice_is_read_once() -> None:
     assert [(x.get("step"), x.get("writer")) for x in distinct_records(lines)] == [
         (6, "h2/a"), (7, "h2/b"), (7, None), (8, "h1/c"), (8, "h1/d"), (9, None), (9, None),
     ]  # fmt: skip
+
+
+KEPT = {"step": 18, "loss": 2.5, "epoch": 1, "time": 5.0, "writer": "node1/abc", "lr": 0.1}
+
+
+@pytest.mark.parametrize(
+    ("kept", "step", "written"),
+    [
+        (KEPT, 18, [18]),  # the killed launch moved the record, never wrote the line: written
+        (None, 18, []),  # the run directory has the step already (nothing handed over)
+        ({**KEPT, "rolled_back": True}, 18, []),  # a rollback's marker holds no line
+        ({"step": 18, "epoch": 1, "relaunched": "x", "time": 1.0}, 18, []),  # a relaunch's seed
+        (KEPT, 20, []),  # resumed from records newer than etcd's: not this step's line
+    ],
+)
+def test_a_relaunch_writes_the_line_of_the_record_etcd_kept(
+    tmp_path: Path, kept: dict[str, Any] | None, step: int, written: list[int]
+) -> None:
+    metrics = JsonlWriter(tmp_path / "metrics.jsonl")
+    records = StepRecords(None, None, metrics, None, host_id="node1", total_steps=40)  # type: ignore[arg-type]
+    assert records.recorded_up_to(step, kept=kept) == (written[0] if written else None)
+    lines = list(read_jsonl(tmp_path / "metrics.jsonl"))
+    assert steps(lines) == written and records.last_metric_step == step
+    if written:  # the same record as the lost line: same token, so readers keep one of the two
+        assert lines[0]["writer"] == KEPT["writer"] and lines[0]["loss"] == KEPT["loss"]
+        assert distinct_records([dict(lines[0]), dict(lines[0])]) == [lines[0]]
