@@ -128,7 +128,11 @@ _Migration = Annotated[
 ]
 _StageLoss = Annotated[
     str | None,
-    typer.Option("--stage-loss", help="Pipelines: reshard the replica | drop it (baseline)."),
+    typer.Option(
+        "--stage-loss",
+        help="Pipelines: reshard the replica | drop it | recycle its lost stages' "
+        "micro-batches onto the other replicas (the last two: baselines).",
+    ),
 ]
 _Dvfs = Annotated[
     str | None,

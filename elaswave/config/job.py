@@ -39,7 +39,9 @@ class JobConfig:
     pp: int = 1  # pipeline stages per replica (1: pure data parallelism)
     dp: int = 0  # data-parallel replicas (0: world / pp); dp × pp must be the starting world
     migration: str = "async"  # pipelines: layers of a lost stage move "async" or "blocking"
-    stage_loss: str = "reshard"  # pipelines: "reshard" the replica, or "drop" it (TorchFT-like)
+    # pipelines: "reshard" the replica, "drop" it (TorchFT-like) or "recycle" (ReCycle-like:
+    # a lost stage's micro-batches run on the ranks that run that stage in the other replicas)
+    stage_loss: str = "reshard"
     grad_reduce: str = "holders"  # pipelines: each layer's gradient summed among its "holders",
     #                               or the whole model's over "all" ranks (for comparisons)
     dvfs: str = "off"  # pipelines: frequency actuator off | sim | nvml | npu
@@ -171,7 +173,8 @@ class JobConfig:
                 )
 
     def _check_pipeline(self) -> None:
-        choices = {"migration": ("async", "blocking"), "stage_loss": ("reshard", "drop"),
+        choices = {"migration": ("async", "blocking"),
+                   "stage_loss": ("reshard", "drop", "recycle"),
                    "grad_reduce": ("holders", "all"),
                    "dvfs": ("off", "sim", "nvml", "npu"),
                    "layer_costs": ("estimate", "profile", "online")}  # fmt: skip
@@ -188,6 +191,14 @@ class JobConfig:
         needs = {"nvml": "pynvml", "npu": "torch_npu"}
         if self.dvfs in needs and importlib.util.find_spec(needs[self.dvfs]) is None:
             raise ConfigError(f"dvfs={self.dvfs} needs the {needs[self.dvfs]} package")
+        recycle_without = {f"zero: {self.zero}": self.zero != 0, "train.prune": self.train.prune,
+                           f"dvfs: {self.dvfs}": self.dvfs != "off"}  # fmt: skip
+        for name, used in recycle_without.items():
+            if self.stage_loss == "recycle" and self.pp > 1 and used:
+                raise ConfigError(
+                    f"{name} is not supported with stage_loss recycle (the ReCycle baseline "
+                    "runs replicated stages at their own clocks)"
+                )
         if not (self.stage_balance == 0 or 1.0 <= self.stage_balance < float("inf")):
             raise ConfigError(f"stage_balance must be 0 or >= 1, got {self.stage_balance}")
         if self.max_stage_bytes < 0:

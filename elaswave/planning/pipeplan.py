@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Mapping, Sequence
 from heapq import heapify, heapreplace
 from typing import Any
@@ -25,7 +25,7 @@ from elaswave.planning.partition import (
 )
 from elaswave.planning.plan import LISTED, Member, Plan, capped, gone, listed, racks_of
 
-POLICIES = ("reshard", "drop")
+POLICIES = ("reshard", "drop", "recycle")
 Observation = Mapping[Any, float]  # a worker's {layer: seconds}; JSON gives the keys as strings
 
 
@@ -158,12 +158,14 @@ def next_pipeline_plan(
       :class:`~elaswave.planning.partition.PartitionError`); leftover workers wait as standbys;
     - a replica that lost stages keeps its survivors, which take over the lost layers
       (``policy="reshard"``), or is dropped whole with its survivors put on standby
-      (``policy="drop"``, the replica-dropping baseline); a replica with no survivor is gone;
+      (``policy="drop"``, the replica-dropping baseline), or keeps its cut with each lost stage
+      run by a rank that runs the same stage in another replica (``policy="recycle"``,
+      ReCycle's rerouting baseline: :func:`_rerouted`); a replica with no survivor is gone;
     - a replica whose survivors cannot hold its layers within ``memory``'s limit is dropped,
       its survivors admitted again as newcomers are (in join order, before the new ones); if
       no replica is left, :class:`~elaswave.planning.partition.NoCutFits`;
-    - newcomers first refill replicas short of ``pp`` stages (appended as the last stage), then
-      form new full replicas;
+    - newcomers first refill replicas short of ``pp`` stages (appended as the last stage), or
+      under ``recycle`` take over rerouted stages, then form new full replicas;
     - shares of the global batch balance the replicas' predicted 1F1B step times
       (:func:`balanced_shares`).
     """
@@ -197,13 +199,14 @@ def next_pipeline_plan(
         )
     if not groups:
         return None
-    workers = tuple(w for g in groups for w in g)
-    replicas, start = [], 0
-    for g in groups:
-        replicas.append(tuple(range(start, start + len(g))))
-        start += len(g)
+    workers = tuple(dict.fromkeys(w for g in groups for w in g))  # a rerouted one: its first
+    rank = {w: r for r, w in enumerate(workers)}
+    replicas = tuple(tuple(rank[w] for w in g) for g in groups)
     plan_bounds = tuple(bounds)
-    if prev is not None and workers == prev.workers and plan_bounds == prev.bounds:
+    if (
+        prev is not None and workers == prev.workers and plan_bounds == prev.bounds
+        and replicas == prev.replicas
+    ):  # fmt: skip
         return None
     slowest = {b: _bottleneck(costs, b) for b in set(bounds)}  # most replicas are cut alike
     shares = balanced_shares(num_microbatches, [slowest[b] for b in bounds],
@@ -217,15 +220,24 @@ def next_pipeline_plan(
         workers=workers,
         hosts=tuple(live[w].host for w in workers),
         racks=racks_of(live[w] for w in workers),
-        microbatches=tuple(shares[d] for d, g in enumerate(groups) for _ in g),
+        microbatches=tuple(shares[d] for d in _first_replicas(replicas, len(workers))),
         store=store,
         reason=reason,
         created=now,
         departed=gone(prev.workers if prev else (), workers),
-        replicas=tuple(replicas),
+        replicas=replicas,
         bounds=plan_bounds,
         shares=shares,
     )
+
+
+def _first_replicas(replicas: Sequence[Sequence[int]], world: int) -> list[int]:
+    """Per rank, the first replica that lists it."""
+    first = [-1] * world
+    for d, ranks in reversed(list(enumerate(replicas))):
+        for r in ranks:
+            first[r] = d
+    return first
 
 
 def _change_reason(
@@ -275,14 +287,24 @@ def _surviving_replicas(
     spare: list[str] = []
     if prev is None or not prev.replicas:
         return groups, bounds, notes, spare
+    roles = Counter(prev.workers[r] for ranks in prev.replicas for r in ranks)
     for d, ranks in enumerate(prev.replicas):
         stages = [prev.workers[r] for r in ranks]
         alive = [w for w in stages if w in live]
         if not alive:
             notes.append(f"replica {d} gone")
             continue
-        if len(alive) < len(stages) and policy == "drop":
-            notes.append(f"replica {d} dropped (lost {len(stages) - len(alive)} stage(s))")
+        if len(alive) < len(stages) and policy == "recycle":
+            rerouted = _rerouted(prev, d, live, roles)
+            if rerouted is not None:
+                moved = [f"stage {s} → {w}" for s, w in enumerate(rerouted) if w != stages[s]]
+                notes.append(f"replica {d} rerouted: " + ", ".join(moved))
+                groups.append(rerouted)
+                bounds.append(tuple(prev.bounds[d]))
+                continue
+        if len(alive) < len(stages) and policy in ("drop", "recycle"):
+            why = "" if policy == "drop" else ", no replica runs the stage to reroute to"
+            notes.append(f"replica {d} dropped (lost {len(stages) - len(alive)} stage(s){why})")
             continue
         cut = prev.bounds[d]
         if len(alive) < len(stages):
@@ -297,6 +319,30 @@ def _surviving_replicas(
         groups.append(alive)
         bounds.append(tuple(cut))
     return groups, bounds, notes, spare
+
+
+def _rerouted(
+    prev: Plan, d: int, live: Mapping[str, Member], roles: Counter[str]
+) -> list[str] | None:
+    """ReCycle's adaptive pipelining: replica ``d``'s workers in stage order, each lost stage run
+    by a live worker that runs the same stage of another replica cut alike, the one with the
+    fewest roles (then the first in replica order); None if a lost stage has no such worker.
+    ``roles`` counts each worker's roles so far and takes the new ones."""
+    cut, mine = prev.bounds[d], prev.replicas[d]
+    out = []
+    for s, r in enumerate(mine):
+        w = prev.workers[r]
+        if w not in live:
+            peers = [
+                prev.workers[ranks[s]] for e, ranks in enumerate(prev.replicas)
+                if e != d and prev.bounds[e] == cut and prev.workers[ranks[s]] in live
+            ]  # fmt: skip
+            if not peers:
+                return None
+            w = min(peers, key=lambda p: roles[p])
+            roles[w] += 1
+        out.append(w)
+    return out
 
 
 def _taken_over(
@@ -335,8 +381,17 @@ def _admit_newcomers(
     stages (appended as the last stage, layers re-cut moving the fewest), then form new full
     replicas, while the job stays within ``max_workers`` and has a micro-batch per replica.
     Those left over wait as standbys."""
-    admitted = sum(len(g) for g in groups)
+    admitted = len({w for g in groups for w in g})
     queue = deque(fresh)  # popped from the front: a list would shift all the rest each time
+    if policy == "recycle":  # a stage rerouted to another replica's worker gets its own again
+        seen: set[str] = set()
+        for d, group in enumerate(groups):
+            for s, w in enumerate(group):
+                if w in seen and queue and admitted < max_workers:
+                    group[s] = queue.popleft()
+                    admitted += 1
+                    notes.append(f"replica {d} stage {s} back on a worker of its own")
+                seen.add(group[s])
     if policy == "reshard":  # refill short replicas first
         for d, group in enumerate(groups):
             while len(group) < pp and queue and admitted < max_workers:
@@ -388,7 +443,8 @@ def respeed_pipeline_plan(
 ) -> Plan | None:
     """The plan that fits ``current``'s layout to its workers' speeds, or ``None`` if it fits.
 
-    Same workers, ranks and replicas; ``speeds[w]`` is how fast worker ``w`` computes relative
+    A layout with rerouted stages (``stage_loss: recycle``) is kept as it is. Same workers,
+    ranks and replicas; ``speeds[w]`` is how fast worker ``w`` computes relative
     to a nominal one (missing: 1.0). Each replica's layers are re-cut by the minimax partition
     over its stages' speeds, moving the fewest layers among near-optimal cuts, and the replicas'
     shares are re-balanced for their predicted step times with those speeds. The global batch
@@ -396,6 +452,8 @@ def respeed_pipeline_plan(
     """
     if not current.is_pipeline:
         raise ValueError("not a pipeline plan")
+    if current.rerouted:  # the ReCycle baseline keeps its replicas' cuts alike
+        return None
     per_stage = stage_speeds(current, speeds)
     bounds, bottlenecks = [], []
     recut: dict[tuple[tuple[int, ...], tuple[float, ...]], Partition] = {}  # replicas alike

@@ -108,15 +108,34 @@ class Plan:
             raise ValueError(f"rank {rank} is in no pipeline replica of epoch {self.epoch}")
         return where
 
+    def roles(self, rank: int) -> tuple[tuple[int, int], ...]:
+        """Every (replica, stage) a pipeline rank runs, in replica order: one, but for a rank
+        that also runs a lost rank's stage for another replica (``stage_loss: recycle``). All of
+        a rank's roles are the same stage of replicas cut alike: the same layers."""
+        if not self.replicas:
+            return (self.position(rank),)
+        roles = self._roles.get(rank)
+        if roles is None:
+            raise ValueError(f"rank {rank} is in no pipeline replica of epoch {self.epoch}")
+        return roles
+
+    @property
+    def rerouted(self) -> bool:
+        """Whether some rank runs a stage for more than one replica (``stage_loss: recycle``)."""
+        return any(len(roles) > 1 for roles in self._roles.values())
+
     def stage_layers(self, rank: int) -> range:
         """The layers a pipeline rank owns."""
         d, s = self.position(rank)
         return range(self.bounds[d][s], self.bounds[d][s + 1])
 
+    def replica_range(self, d: int) -> range:
+        """The micro-batch ids pipeline replica ``d`` runs."""
+        return range(self._starts[d], self._starts[d] + self.shares[d])
+
     def microbatch_range(self, rank: int) -> range:
         if self.replicas:  # every stage of a replica runs the replica's micro-batches
-            d, _ = self.position(rank)
-            return range(self._starts[d], self._starts[d] + self.shares[d])
+            return self.replica_range(self.position(rank)[0])
         rank = range(self.world_size)[rank]  # IndexError and negative ranks as a tuple has them
         return range(self._starts[rank], self._starts[rank] + self.microbatches[rank])
 
@@ -144,6 +163,15 @@ class Plan:
             for s, r in enumerate(ranks):
                 where.setdefault(r, (d, s))
         return where
+
+    @cached_property
+    def _roles(self) -> dict[int, tuple[tuple[int, int], ...]]:
+        """Rank → every (replica, stage) that lists it."""
+        roles: dict[int, tuple[tuple[int, int], ...]] = {}
+        for d, ranks in enumerate(self.replicas):
+            for s, r in enumerate(ranks):
+                roles[r] = (*roles.get(r, ()), (d, s))
+        return roles
 
     @cached_property
     def _starts(self) -> list[int]:

@@ -65,6 +65,17 @@ def schedule_1f1b(stage: int, stages: int, microbatches: int) -> list[Compute | 
     return out
 
 
+def interleaved(lengths: Sequence[int]) -> list[tuple[int, int]]:
+    """The order in which a rank that runs one stage for several replicas (``stage_loss:
+    recycle``) takes their micro-batches: ``(run, index)``, one of each run in turn, every run's
+    own order kept. Each neighbouring stage sees its replica's micro-batches in its own 1F1B
+    order, so the merged schedule is one 1F1B pipeline to each of them."""
+    out = []
+    for i in range(max(lengths, default=0)):
+        out += [(k, i) for k, n in enumerate(lengths) if i < n]
+    return out
+
+
 # ---- transfers of layer state (pure) -----------------------------------------------------------
 @dataclass(frozen=True)
 class LayerTransfer:

@@ -317,3 +317,61 @@ def test_a_stage_budget_no_cut_meets_stops_the_job_in_one_line(
     (refused,) = run.of("plan_refused")
     assert build_report(run.dir)["totals"]["stopped"] == refused["reason"]
     assert_no_orphans(run)
+
+
+def test_recycle_reroutes_a_lost_stage_to_its_peer_bit_identical(
+    tmp_path: Path, state_env: dict
+) -> None:
+    """dp=2 × pp=2 under ``stage_loss: recycle`` (the ReCycle baseline): replica 0's last stage
+    dies in step 4; its micro-batches run on replica 1's last stage, which runs both replicas'
+    until the killed worker, respawned, takes a last stage back (its layers sent by the peer).
+    Nothing else moves, the cuts and shares stay; every loss and the final model are
+    bit-identical to the fault-free data-parallel run (float64 reduction)."""
+    run = _bit_identical_to_data_parallel(
+        tmp_path, paced(state_env, 0.03), 12, "--job-id", "pp-recycle", "--pp", "2",
+        "--stage-loss", "recycle", "--max-restarts", "1", "--fault", "kill,rank=1,at_step=4",
+    )  # fmt: skip
+    plans = _pipeline_plans(run)
+    assert [p["world"] for p in plans] == [4, 3, 4]
+    first, after, back = plans
+    w = first["workers"]
+    assert [[after["workers"][r] for r in ranks] for ranks in after["replicas"]] == [
+        [w[0], w[3]], [w[2], w[3]],
+    ]  # fmt: skip
+    assert after["bounds"] == back["bounds"] == first["bounds"]
+    assert after["microbatches"] == [8, 8, 8] and back["microbatches"] == [8, 8, 8, 8]
+    synced = [e for e in run.of("state_synced") if e["epoch"] == after["epoch"]]
+    assert synced and not any(e["layer_transfers"] for e in synced)
+    (newcomer,) = set(back["workers"]) - set(w)
+    assert [[back["workers"][r] for r in ranks] for ranks in back["replicas"]] == [
+        [w[0], w[3]], [w[2], newcomer],
+    ]  # fmt: skip
+    synced = [e for e in run.of("state_synced") if e["epoch"] == back["epoch"]]
+    moved = {(t["src"], t["dst"]) for t in synced[0]["layer_transfers"]}
+    assert moved == {(back["workers"].index(w[3]), back["workers"].index(newcomer))}
+
+
+def test_recycle_reroutes_to_the_least_loaded_peer_and_evaluates_bit_identical(
+    tmp_path: Path, state_env: dict
+) -> None:
+    """dp=3 × pp=2 under ``stage_loss: recycle``, evaluating every 3 steps: replica 0's last
+    stage dies and replica 1's runs it; then that peer dies too, and replica 2's last stage runs
+    the last stage of all three replicas (each lost stage goes to the live peer with the fewest
+    roles). Losses, evaluations and the final model bit-identical to data parallelism."""
+    env = {**state_env, "ELASWAVE_TRAIN__EVAL_EVERY": "3", "ELASWAVE_DATA__EVAL_SAMPLES": "16"}
+    run = _bit_identical_to_data_parallel(
+        tmp_path, env, 10, "--job-id", "pp-recycle3", "--pp", "2", "--nproc-per-node", "6",
+        "--stage-loss", "recycle",
+        "--fault", "kill,rank=1,at_step=3", "--fault", "kill,rank=3,at_step=6",
+    )  # fmt: skip
+    dp = Run(tmp_path / "dp")
+    evals = [(m["step"], m["eval_loss"]) for m in run.evals]
+    assert len(evals) == 3 and evals == [(m["step"], m["eval_loss"]) for m in dp.evals]
+    plans = _pipeline_plans(run)
+    assert [p["world"] for p in plans] == [6, 5, 4]
+    w = plans[0]["workers"]
+    last = plans[-1]
+    assert [[last["workers"][r] for r in ranks] for ranks in last["replicas"]] == [
+        [w[0], w[5]], [w[2], w[5]], [w[4], w[5]],
+    ]  # fmt: skip
+    assert {tuple(b) for p in plans for b in p["bounds"]} == {tuple(plans[0]["bounds"][0])}

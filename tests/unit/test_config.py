@@ -199,6 +199,12 @@ def test_missing_config_file(tmp_path: Path) -> None:
             {"train.shard_scope": "host", "zero": 3, "train.zero3_gather": "tiers"},
             "with train.shard_scope host every gather stays inside the host",
         ),
+        ({"stage_loss": "reroute"}, "stage_loss must be one of reshard, drop, recycle"),
+        (
+            {"stage_loss": "recycle", "pp": 2, "zero": 1},
+            "zero: 1 is not supported with stage_loss recycle",
+        ),
+        ({"stage_loss": "recycle", "pp": 2, "dvfs": "sim"}, "dvfs: sim is not supported with"),
         ({"elastic.workers_per_device": 0}, "elastic.workers_per_device must be > 0, got 0"),
         (
             {"elastic.workers_per_device": 2, "dvfs": "nvml", "pp": 2},

@@ -10,12 +10,18 @@ import pytest
 from elaswave.config import JobConfig
 from elaswave.errors import ConfigError
 from elaswave.planning.partition import COMPUTE_ONLY, NoCutFits, PartitionError, StageMemory
-from elaswave.planning.pipeplan import balanced_shares, next_pipeline_plan, serving_shares
+from elaswave.planning.pipeplan import (
+    balanced_shares,
+    next_pipeline_plan,
+    respeed_pipeline_plan,
+    serving_shares,
+)
 from elaswave.planning.plan import Member
 from elaswave.planning.schedule import (
     Comm,
     Compute,
     LayerTransfer,
+    interleaved,
     plan_layer_transfers,
     schedule_1f1b,
     transfer_stats,
@@ -120,6 +126,54 @@ def test_drop_policy_takes_the_replica_out() -> None:
     p2 = plan(p1, ["a", "c", "d"], policy="drop")
     assert p2.workers == ("c", "d") and p2.shares == (16,)
     assert "replica 0 dropped" in p2.reason
+
+
+def _stages(p) -> list[list[str]]:
+    """Every replica's workers in stage order."""
+    return [[p.workers[r] for r in ranks] for ranks in p.replicas]
+
+
+@pytest.mark.parametrize(
+    ("start", "pp", "lost", "joined", "expected", "note"),
+    [
+        # the last stage of replica 0 runs on replica 1's
+        ("abcd", 2, "b", "", [["a", "d"], ["c", "d"]], "replica 0 rerouted: stage 1 → d"),
+        # a first stage: the same, and the cut stays
+        ("abcd", 2, "c", "", [["a", "b"], ["a", "d"]], "replica 1 rerouted: stage 0 → a"),
+        # two losses of one stage (the second the first one's peer): the last peer runs all
+        ("abcdef", 2, "bd", "", [["a", "f"], ["c", "f"], ["e", "f"]], "stage 1 → f"),
+        # peers alike in roles: the first in replica order
+        ("abcdefgh", 2, "b", "", [["a", "d"], ["c", "d"], ["e", "f"], ["g", "h"]], "→ d"),
+        # a newcomer takes back a rerouted stage (the second of the worker's roles)
+        ("abcd", 2, "b", "e", [["a", "d"], ["c", "e"]], "back on a worker of its own"),
+        # every replica lost that stage: nothing to reroute to, every replica is dropped
+        ("abcd", 2, "bd", "", [], ""),
+        # a replica with nothing left of its own is gone, its peer's role with it
+        ("abcdef", 3, "abc", "", [["d", "e", "f"]], "replica 0 gone"),
+    ],
+)
+def test_recycle_reroutes_lost_stages_to_their_peers(
+    start: str, pp: int, lost: str, joined: str, expected: list[list[str]], note: str
+) -> None:
+    p1 = plan(None, list(start), pp=pp, costs=UNIFORM)
+    live = [w for w in start if w not in lost]
+    p2 = plan(p1, live, pp=pp, costs=UNIFORM, policy="recycle")
+    if joined:
+        p2 = plan(p2, live + list(joined), pp=pp, costs=UNIFORM, policy="recycle")
+    if not expected:  # no plan: the job stops (as under ``drop``)
+        assert p2 is None
+        return
+    assert _stages(p2) == expected and note in p2.reason
+    assert set(p2.bounds) == {p1.bounds[0]}  # every cut as it was
+    assert sum(p2.shares) == 16 and max(p2.shares) - min(p2.shares) <= 1
+    for rank in range(p2.world_size):  # every role of a rank is the same stage
+        assert len({s for _, s in p2.roles(rank)}) == 1
+    assert p2.rerouted == (len(set(p2.workers)) < sum(len(g) for g in expected))
+
+
+def test_recycle_keeps_a_rerouted_layout_when_speeds_change() -> None:
+    p2 = plan(plan(None, list("abcd")), list("acd"), policy="recycle")
+    assert p2.rerouted and respeed_pipeline_plan(p2, {"d": 0.5}, COSTS, store="s", now=0) is None
 
 
 def test_whole_replica_gone_and_nothing_changed() -> None:
@@ -359,3 +413,19 @@ def test_measured_costs_take_the_median_and_ignore_bad_profiles() -> None:
     profiles = [[1.0, 4.0, 2.0], [3.0, 2.0, 2.0], [2.0, 3.0, 9.0], [1.0, 1.0], [0.0, 1.0, 1.0]]
     assert measured_costs(profiles, fallback=fallback) == (2.0, 3.0, 2.0)
     assert measured_costs([], fallback=fallback) == fallback
+
+
+@pytest.mark.parametrize(
+    ("lengths", "order"),
+    [
+        ([3], [(0, 0), (0, 1), (0, 2)]),
+        ([2, 2], [(0, 0), (1, 0), (0, 1), (1, 1)]),
+        ([1, 3], [(0, 0), (1, 0), (1, 1), (1, 2)]),
+        ([2, 0, 1], [(0, 0), (2, 0), (0, 1)]),
+        ([], []),
+    ],
+)
+def test_a_rank_with_several_replicas_takes_their_micro_batches_in_turn(
+    lengths: list[int], order: list[tuple[int, int]]
+) -> None:
+    assert interleaved(lengths) == order

@@ -51,6 +51,7 @@ from elaswave.planning.plan import Plan
 from elaswave.planning.redo import StageRedo
 from elaswave.planning.schedule import (
     LayerTransfer,
+    interleaved,
     plan_layer_transfers,
     transfer_stats,
 )
@@ -277,19 +278,28 @@ class Pipeline:
         interrupted one's partial redo, the replica computes its share of it."""
         plan = self.e.plan
         assert plan is not None
-        d, _ = plan.position(self.e.comm.rank("dp"))
-        if not self.serving[d]:
+        # the replicas this rank runs its stage for: its own, and under ``stage_loss: recycle``
+        # those whose rank of the same stage was lost
+        roles = [d for d, _ in plan.roles(self.e.comm.rank("dp")) if self.serving[d]]
+        if not roles:
             return None  # out of service while its layers migrate: only reduce and update
-        if redo is not None:
-            mbs = [everyone[i] for i in redo.shares[d]]
-            masks = {j: redo.kept[j] for j in self.target}
-        else:
-            start = sum(self.shares[:d])
-            mbs, masks = everyone[start : start + self.shares[d]], {}
+        runs: list[list[MicroBatch]] = []
+        for d in roles:
+            if redo is not None:
+                runs.append([everyone[i] for i in redo.shares[d]])
+            else:
+                start = sum(self.shares[:d])
+                runs.append(everyone[start : start + self.shares[d]])
+        masks = {j: redo.kept[j] for j in self.target} if redo is not None else {}
+        order = interleaved([len(run) for run in runs])
+        mbs = [runs[k][i] for k, i in order]
+        replicas = [roles[k] for k, _ in order]
         tools = StageTools(
             self.num_layers, self.span, self.timer, self.cost_share, self.device_pause
         )
-        return StageStep(self.e, tools, step, buf, mbs, broken, kept, acc, masks).run(slow)
+        return StageStep(self.e, tools, step, buf, mbs, broken, kept, acc, masks, replicas).run(
+            slow
+        )
 
     def update(
         self,
@@ -455,13 +465,17 @@ class Pipeline:
         plan, st = e.plan, e.state
         assert plan is not None
         rank = e.comm.rank("dp")
-        d, s = plan.position(rank)
         serving = [r for r, on in enumerate(self.serving) if on]
-        if d not in serving:
-            return
-        ranks, layers = plan.replicas[d], plan.stage_layers(rank)
+        layers = plan.stage_layers(rank)
         first, last = layers.start == 0, layers.stop == self.num_layers
-        for i in range(serving.index(d), len(batches), len(serving)):
+        # batch i goes through replica serving[i % len(serving)]; a rank that runs its stage for
+        # several replicas takes their batches in the order of i, as each neighbour sends them
+        mine = {d: s for d, s in plan.roles(rank) if d in serving}
+        for i in range(len(batches)):
+            d = serving[i % len(serving)]
+            if d not in mine:
+                continue
+            s, ranks = mine[d], plan.replicas[d]
             inputs, targets = st.microbatch(batches[i]) if first or last else (None, None)
             if first:
                 h = inputs

@@ -60,11 +60,15 @@ class StageStep:
         kept: StageKept,
         acc: torch.Tensor | None = None,
         masks: dict[int, frozenset[int]] | None = None,
+        replicas: list[int] | None = None,
     ) -> None:
         """``kept``: the record of what the accumulator holds (continued by a redo); ``acc``:
         the float64 accumulator of the stage's layers (``None``: autograd's gradient buffer
         accumulates, in the reduction's own dtype); ``masks``: per layer, the micro-batches
-        whose gradient (and, for the last layer, loss) another rank keeps."""
+        whose gradient (and, for the last layer, loss) another rank keeps; ``replicas``: the
+        replica of each of ``mbs`` (None: this rank's own), whose neighbouring stages its
+        activations come from and go to (a rank running a lost stage for another replica too:
+        ``stage_loss: recycle``)."""
         plan = ctx.plan
         assert plan is not None
         self.ctx, self.tools, self.step, self.buf, self.mbs, self.broken = (
@@ -73,11 +77,16 @@ class StageStep:
         self.kept, self.acc, self.masks = kept, acc, masks or {}
         rank = ctx.comm.rank("dp")
         d, self.stage = plan.position(rank)
-        ranks = plan.replicas[d]
-        self.stages = len(ranks)
+        self.stages = len(plan.replicas[d])
         self.layers = layers = plan.stage_layers(rank)
-        self.prev_rank = ranks[self.stage - 1] if self.stage > 0 else None
-        self.next_rank = ranks[self.stage + 1] if self.stage + 1 < self.stages else None
+        self.replica_of = replicas if replicas is not None else [d] * len(mbs)
+        s = self.stage
+        # per replica: the ranks of the stages before and after this one (None: none)
+        self.neighbours = {
+            e: (ranks[s - 1] if s > 0 else None, ranks[s + 1] if s + 1 < self.stages else None)
+            for e in set(self.replica_of)
+            for ranks in (plan.replicas[e],)
+        }
         self.first, self.last = layers.start == 0, layers.stop == tools.num_layers
         self.region = tools.span(layers)
         # What arrives from the previous stage and what goes back to it; what this stage sends
@@ -176,8 +185,9 @@ class StageStep:
     def message(self, kind: str, i: int, sending: bool) -> tuple[int, torch.Tensor, int]:
         """(peer, tensor, tag) of an activation (``act``) or its gradient going back."""
         device = self.ctx.state.device
+        prev_rank, next_rank = self.neighbours[self.replica_of[i]]
         if kind == "act":
-            peer = self.next_rank if sending else self.prev_rank
+            peer = next_rank if sending else prev_rank
             if sending:
                 tensor = self.outputs[i].detach()
             else:
@@ -187,7 +197,7 @@ class StageStep:
                 self.inputs[i] = tensor
             assert peer is not None
             return peer, tensor, TAG_ACT
-        peer = self.prev_rank if sending else self.next_rank
+        peer = prev_rank if sending else next_rank
         if sending:
             grad = self.inputs.pop(i).grad
             assert grad is not None

@@ -471,13 +471,13 @@ class PipelineStages(Strategy):
             return {}
         resume, kept = st.step, self.kept
         layers, total = pipe.num_layers, cfg.global_batch // cfg.micro_batch_size
-        d, _ = plan.position(self.ctx.comm.rank(DP))
+        roles = plan.roles(self.ctx.comm.rank(DP))
         usable = (
             kept is not None
             and kept.step == resume + 1
             and step_before == resume
             and kept.layers == pipe.held == pipe.target
-            and pipe.serving[d]
+            and all(pipe.serving[d] for d, _ in roles)
             and kept.window == self._window()
         )
         mine = torch.tensor(kept_row(kept, usable, total, layers), dtype=torch.float64,
