@@ -7,7 +7,9 @@ interleaved in each repetition on the same model, data and batch:
 - ``reshard-async``: replica 0's surviving stage takes over every layer, copied in the
   background while replica 1 runs the whole batch (ElasWave's default);
 - ``reshard-blocking``: the same layout, layers copied before training resumes;
-- ``drop``: replica 0 is taken out of service (TorchFT's policy) and replica 1 runs it all.
+- ``drop``: replica 0 is taken out of service (TorchFT's policy) and replica 1 runs it all;
+- ``recycle``: ReCycle's rerouting (``--stage-loss recycle``): replica 1's last stage runs
+  replica 0's micro-batches of that stage too, every cut and share kept.
 
 Throughput: 4 processes on 2 cores would share the CPU, so a dead worker would *free* capacity
 instead of removing it. Each worker therefore emulates its device with ``train.device_time``
@@ -15,11 +17,14 @@ instead of removing it. Each worker therefore emulates its device with ``train.d
 makes 4 workers behave like 4 devices; real compute and communication still run. Post-change
 throughput is the global batch over the median step time of the steps after the migration.
 
-ReCycle (``recycle``) is not a policy ElasWave runs: :mod:`bench.recycle` gives its throughput,
-with ElasWave's, drop's and the ideal, from the device model of :mod:`bench.pipesim`, whose one
-free number (a step's fixed cost) is fitted to this run's ``healthy`` step; the model's
-``reshard`` and ``drop`` are then checked against what this run measured. The same model runs
-the dp × pp grid (dp = 2, 3, 4 × pp = 2, 4, one and two failures) on a 10-layer model.
+The runtime reroutes as ReCycle does, but runs the rerouted micro-batches in its own 1F1B
+order: ReCycle's two schedule changes (Decoupled BackProp, the Staggered Optimizer) are not in
+the runtime. :mod:`bench.recycle` gives the whole of ReCycle's throughput, with ElasWave's,
+drop's and the ideal, from the device model of :mod:`bench.pipesim`, whose one free number (a
+step's fixed cost) is fitted to this run's ``healthy`` step; the model's ``reshard``, ``drop``
+and rerouting alone are then checked against what this run measured. The same model runs the
+dp × pp grid (dp = 2, 3, 4 × pp = 2, 4, one and two failures) on a 10-layer model; dp = 3 ×
+pp = 2 with one and two failures is also measured (``cells``), beside the model's numbers.
 
 Migration MTTR (async vs blocking) uses a wider model so that the moved state is large enough
 to matter (≈40 MB), over loopback as it is and over an emulated slower link
@@ -63,7 +68,14 @@ VARIANTS = {
     "reshard-async": ["--migration", "async"],
     "reshard-blocking": ["--migration", "blocking"],
     "drop": ["--stage-loss", "drop"],
+    "recycle": ["--stage-loss", "recycle"],
 }
+# dp = 3 × pp = 2, measured: the model's lost slots (replica 0's last stage, then replica 1's
+# first: ranks 1 and 2), each policy
+CELL_DP = 3
+CELL_FAULTS = {1: ("kill,rank=1",), 2: ("kill,rank=1", "kill,rank=2")}
+CELL_POLICIES = {"reshard": ["--migration", "async"], "recycle": ["--stage-loss", "recycle"],
+                 "drop": ["--stage-loss", "drop"]}  # fmt: skip
 WIDE = {"model": {"d_model": 384, "n_layer": 4}, "train": {"global_batch": 8, "steps": 12}}
 LINKS = {"loopback": 0.0, "40 MB/s": 40.0}  # train.state_bandwidth of the wide runs (0: off)
 LINK_STEPS = 20  # room after the fault for a copy of ~1 s to land and switch
@@ -90,7 +102,9 @@ def run(repeat: int, config: Path) -> dict[str, Any]:
     runs: dict[str, list[dict[str, Any]]] = {v: [] for v in VARIANTS}
     mttr: dict[str, list[dict[str, Any]]] = {_mode(m, link): [] for link in LINKS
                                              for m in ("async", "blocking")}  # fmt: skip
+    cells: dict[str, list[dict[str, Any]]] = {"healthy": []}
     for i in range(1, repeat + 1):
+        _run_cells(tput_cfg, tmp, env, i, cells)
         for name, args in VARIANTS.items():
             run_dir = tmp / f"{name}-{i}"
             extra = ["--pp", "2", *args, *([] if name == "healthy" else fault)]
@@ -117,10 +131,12 @@ def run(repeat: int, config: Path) -> dict[str, Any]:
                 console.print(f"run {i}/{repeat} wide {key}: MTTR {ms(mttr[key][-1]['mttr_s'])} ms")
     model = _model(model_input, {v: statistics.median(r["median_step_s"] for r in rs)
                                  for v, rs in runs.items()})  # fmt: skip
+    cell_table = _cells(cells, model_input, model["overhead_s"])
     shutil.rmtree(tmp, ignore_errors=True)
     tput = {v: summarize(r["samples_per_s"] for r in rs) for v, rs in runs.items()}
     healthy = tput["healthy"]["median"]
     reshard, drop = tput["reshard-async"]["median"], tput["drop"]["median"]
+    rerouted = tput["recycle"]["median"]
     ideal = healthy * 3 / 4 if healthy else None
     ratio_drop = reshard / drop if reshard and drop else None
     ratio_ideal = reshard / ideal if reshard and ideal else None
@@ -149,6 +165,8 @@ def run(repeat: int, config: Path) -> dict[str, Any]:
         "ideal_samples_per_s": ideal,
         "reshard_over_drop": ratio_drop,
         "reshard_over_ideal": ratio_ideal,
+        "reshard_over_rerouted": reshard / rerouted if reshard and rerouted else None,
+        "cells": cell_table,
         "mttr": mttr_summary,
         "links_mb_s": LINKS,
         "async_mttr_change": change,
@@ -168,6 +186,52 @@ def run(repeat: int, config: Path) -> dict[str, Any]:
     }
 
 
+def _run_cells(
+    config: Path, tmp: Path, env: dict[str, str], i: int, cells: dict[str, list[dict[str, Any]]]
+) -> None:
+    """One round of the measured dp = 3 × pp = 2 cells: fault-free, then each policy after one
+    and after two losses (both at ``FAULT_STEP``)."""
+    workers = ["--pp", "2", "--nproc-per-node", str(2 * CELL_DP)]
+    jobs: list[tuple[str, list[str]]] = [("healthy", [])]
+    for n, kills in CELL_FAULTS.items():
+        faults = [a for f in kills for a in ("--fault", f"{f},at_step={FAULT_STEP}")]
+        jobs += [(f"{policy} {n}", [*args, *faults]) for policy, args in CELL_POLICIES.items()]
+    for name, args in jobs:
+        tag = name.replace(" ", "-")
+        elaswave_launch(config, tmp / f"cell-{tag}-{i}", f"bench-pp-cell-{tag}-{os.getpid()}-{i}",
+                        env=env, extra_args=[*workers, *args])  # fmt: skip
+        run_dir = tmp / f"cell-{tag}-{i}"
+        cells.setdefault(name, []).append(_throughput(run_dir, faulted=name != "healthy"))
+        console.print(f"run {i} dp {CELL_DP} × pp 2 {name}: "
+                      f"{cells[name][-1]['samples_per_s']:.1f} samples/s")  # fmt: skip
+
+
+def _cells(
+    cells: dict[str, list[dict[str, Any]]], kw: dict[str, Any], overhead: float
+) -> list[dict[str, Any]]:
+    """The measured dp = 3 × pp = 2 cells beside the device model's numbers for them (the
+    model's fixed cost: the one fitted to dp = 2's healthy step)."""
+    healthy = statistics.median(r["samples_per_s"] for r in cells["healthy"])
+    out = []
+    for n in CELL_FAULTS:
+        model = recycle.compare(CELL_DP, 2, n, overhead=overhead, **kw)
+        measured = {p: statistics.median(r["samples_per_s"] for r in cells[f"{p} {n}"])
+                    for p in CELL_POLICIES}  # fmt: skip
+        out.append({
+            "dp": CELL_DP, "pp": 2, "failures": n, "healthy": healthy,
+            "ideal": healthy * (2 * CELL_DP - n) / (2 * CELL_DP),
+            "measured": measured,
+            "model": {"reshard": model["samples_per_s"]["reshard"],
+                      "reroute": model["recycle_parts_samples_per_s"]["reroute"],
+                      "recycle": model["samples_per_s"]["recycle"],
+                      "drop": model["samples_per_s"]["drop"]},
+            "reshard_over_rerouted": measured["reshard"] / measured["recycle"],
+            "reshard_over_recycle_model": measured["reshard"] / model["samples_per_s"]["recycle"],
+            "reshard_over_drop": measured["reshard"] / measured["drop"],
+        })  # fmt: skip
+    return out
+
+
 def _show_model(result: dict[str, Any]) -> None:
     model, tput = result["model"], result["throughput"]
     here = model["here"]
@@ -178,6 +242,8 @@ def _show_model(result: dict[str, Any]) -> None:
                 rows)  # fmt: skip
     parts = here["recycle_parts_samples_per_s"]
     rows = [("ElasWave reshard (measured)", f"{tput['reshard-async']['median']:.1f}"),
+            ("ReCycle, reroute only (measured: --stage-loss recycle)",
+             f"{tput['recycle']['median']:.1f}"),
             ("drop (measured)", f"{tput['drop']['median']:.1f}")]  # fmt: skip
     rows += [(f"ReCycle {k} (model)", f"{v:.1f}") for k, v in parts.items() if v]
     rows.append(("ideal", f"{here['samples_per_s']['ideal']:.1f}"))
@@ -198,6 +264,17 @@ def _show_model(result: dict[str, Any]) -> None:
                                                  g["reshard_over_drop"], ret["reshard"],
                                                  ret["recycle"])),
         ))  # fmt: skip
+    rows = [
+        (str(c["failures"]), f"{c['healthy']:.1f}", f"{c['ideal']:.1f}",
+         *(f"{c['measured'][p]:.1f} / {c['model'][m]:.1f}"
+           for p, m in (("reshard", "reshard"), ("recycle", "reroute"), ("drop", "drop"))),
+         f"{c['model']['recycle']:.1f}", f"{c['reshard_over_rerouted']:.2f}",
+         f"{c['reshard_over_recycle_model']:.2f}", f"{c['reshard_over_drop']:.2f}")
+        for c in result["cells"]
+    ]  # fmt: skip
+    print_table(f"dp={CELL_DP} × pp=2 measured / model (samples/s)",
+                ("lost", "free", "ideal", "ElasWave", "reroute", "drop", "ReCycle (model)",
+                 "E / reroute", "E / ReCycle model", "E / drop"), rows)  # fmt: skip
     print_table("Device model over the grid (10-layer GPT, samples/s after the losses; mb: per "
                 "replica, free: fault-free, E: ElasWave reshard, R: ReCycle, D: drop, kept: "
                 "over its own fault-free schedule)",
@@ -235,7 +312,8 @@ def _model(kw: dict[str, Any], measured: dict[str, float]) -> dict[str, Any]:
     check = {
         variant: {"model_s": here["step_s"][key], "measured_s": measured[variant],
                   "error": here["step_s"][key] / measured[variant] - 1.0}
-        for variant, key in (("reshard-async", "reshard"), ("drop", "drop"))
+        for variant, key in (("reshard-async", "reshard"), ("drop", "drop"),
+                             ("recycle", "recycle reroute"))
     }  # fmt: skip
     grid_costs = gpt_layer_costs(**GRID_MODEL)
     grid = [
@@ -265,6 +343,7 @@ def _plot(runs: dict[str, list[dict[str, Any]]], model: dict[str, Any], out: Pat
     fig, ax = plt.subplots(figsize=(8, 4.5))
     batch = model["batch"]
     labels = {"healthy": "fault-free", "reshard-async": "ElasWave reshard (async)",
+              "recycle": "ReCycle, reroute only (--stage-loss recycle)",
               "drop": "drop the replica (TorchFT's policy)"}  # fmt: skip
     for name, label in labels.items():
         rs = sorted(runs[name], key=lambda r: r["samples_per_s"])
@@ -276,7 +355,7 @@ def _plot(runs: dict[str, list[dict[str, Any]]], model: dict[str, Any], out: Pat
     after = model["here"]["samples_per_s"]["recycle"]
     xs = [s for s, _ in before] + [FAULT_STEP + 1, STEPS]
     ax.plot(xs, [v for _, v in before] + [after, after], ls="--", lw=1.5,
-            label="ReCycle (device model after the fault)")  # fmt: skip
+            label="ReCycle, all of it (device model after the fault)")  # fmt: skip
     ideal = model["here"]["samples_per_s"]["ideal"]
     ax.axhline(ideal, color="grey", ls=":", lw=1, label="ideal: fault-free × 3/4")
     ax.axvline(FAULT_STEP, color="grey", ls="--", lw=1)

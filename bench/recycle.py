@@ -117,6 +117,7 @@ def compare(
         except ScheduleError:
             parts[name] = None
     step["recycle"] = parts["+ staggered optimizer"]
+    step["recycle reroute"] = parts["reroute"]  # what ``--stage-loss recycle`` runs
     # ReCycle's own fault-free step: its decoupled, staggered schedule fills some of the 1F1B
     # bubbles even without a failure, which is not failure handling; "retained" divides it out.
     step["recycle fault-free"] = _recycle_fault_free(tuple(healthy), overhead)
