@@ -329,7 +329,7 @@ def _rerouted(
     fewest roles (then the first in replica order); None if a lost stage has no such worker.
     ``roles`` counts each worker's roles so far and takes the new ones."""
     cut, mine = prev.bounds[d], prev.replicas[d]
-    out = []
+    out, taken = [], Counter[str]()
     for s, r in enumerate(mine):
         w = prev.workers[r]
         if w not in live:
@@ -339,9 +339,10 @@ def _rerouted(
             ]  # fmt: skip
             if not peers:
                 return None
-            w = min(peers, key=lambda p: roles[p])
-            roles[w] += 1
+            w = min(peers, key=lambda p: roles[p] + taken[p])
+            taken[w] += 1
         out.append(w)
+    roles.update(taken)  # only once the whole replica is placed
     return out
 
 
@@ -390,7 +391,7 @@ def _admit_newcomers(
                 if w in seen and queue and admitted < max_workers:
                     group[s] = queue.popleft()
                     admitted += 1
-                    notes.append(f"replica {d} stage {s} back on a worker of its own")
+                    notes.append(f"replica {d} stage {s} on a newcomer (was rerouted)")
                 seen.add(group[s])
     if policy == "reshard":  # refill short replicas first
         for d, group in enumerate(groups):

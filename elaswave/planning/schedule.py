@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import groupby
 from typing import Any
 
 from elaswave.planning.stageshards import LayersLost
@@ -65,14 +66,27 @@ def schedule_1f1b(stage: int, stages: int, microbatches: int) -> list[Compute | 
     return out
 
 
-def interleaved(lengths: Sequence[int]) -> list[tuple[int, int]]:
-    """The order in which a rank that runs one stage for several replicas (``stage_loss:
-    recycle``) takes their micro-batches: ``(run, index)``, one of each run in turn, every run's
-    own order kept. Each neighbouring stage sees its replica's micro-batches in its own 1F1B
-    order, so the merged schedule is one 1F1B pipeline to each of them."""
-    out = []
-    for i in range(max(lengths, default=0)):
-        out += [(k, i) for k, n in enumerate(lengths) if i < n]
+def schedule_roles(stage: int, stages: int, replicas: Sequence[int]) -> list[Compute | Comm]:
+    """The order of a stage rank whose micro-batch ``i`` belongs to replica ``replicas[i]``: one
+    replica's micro-batches after another's (runs of equal values, in ascending replica order),
+    each run its own 1F1B schedule. A rank that runs one stage for several replicas (``stage_loss:
+    recycle``) can deadlock in one 1F1B order over all of them: its warm-up would be one
+    replica's, where each neighbour's is its own. Run after run, it cannot: every rank takes its
+    replicas in the same ascending order, so the lowest replica not yet done runs a plain 1F1B
+    over ranks that all work on it."""
+    if list(replicas) != sorted(replicas):
+        raise ValueError(f"micro-batches must come replica by replica: {list(replicas)}")
+    out: list[Compute | Comm] = []
+    start = 0
+    for _, run in groupby(replicas):
+        n = len(list(run))
+        for item in schedule_1f1b(stage, stages, n):
+            if isinstance(item, Compute):
+                out.append(Compute(item.kind, item.mb + start))
+            else:
+                out.append(Comm(tuple((k, i + start) for k, i in item.sends),
+                                tuple((k, i + start) for k, i in item.recvs)))  # fmt: skip
+        start += n
     return out
 
 

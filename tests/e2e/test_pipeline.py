@@ -375,3 +375,25 @@ def test_recycle_reroutes_to_the_least_loaded_peer_and_evaluates_bit_identical(
         [w[0], w[5]], [w[2], w[5]], [w[4], w[5]],
     ]  # fmt: skip
     assert {tuple(b) for p in plans for b in p["bounds"]} == {tuple(plans[0]["bounds"][0])}
+
+
+@pytest.mark.parametrize(("pp", "lost"), [(3, 1), (4, 4)])
+def test_recycle_reroutes_a_deeper_pipeline_bit_identical(
+    tmp_path: Path, state_env: dict, pp: int, lost: int
+) -> None:
+    """dp=2 × pp=3 and 4 under ``stage_loss: recycle``: rank ``lost`` dies (replica 0's middle
+    stage; replica 1's first stage, where one 1F1B order over both replicas would deadlock); the
+    same stage of the other replica runs both replicas' micro-batches, one replica's after the
+    other's, each between its own replica's neighbours. Losses and the final model
+    bit-identical to data parallelism."""
+    run = _bit_identical_to_data_parallel(
+        tmp_path, state_env, 8, "--job-id", f"pp-recycle-{pp}", "--pp", str(pp),
+        "--nproc-per-node", str(2 * pp), "--stage-loss", "recycle",
+        "--fault", f"kill,rank={lost},at_step=3",
+    )  # fmt: skip
+    first, after = _pipeline_plans(run)
+    w = first["workers"]
+    d, s = divmod(lost, pp)
+    expected = [w[:pp], w[pp:]]
+    expected[d][s] = w[(1 - d) * pp + s]  # the other replica's rank of that stage
+    assert [[after["workers"][r] for r in ranks] for ranks in after["replicas"]] == expected

@@ -51,7 +51,6 @@ from elaswave.planning.plan import Plan
 from elaswave.planning.redo import StageRedo
 from elaswave.planning.schedule import (
     LayerTransfer,
-    interleaved,
     plan_layer_transfers,
     transfer_stats,
 )
@@ -291,9 +290,8 @@ class Pipeline:
                 start = sum(self.shares[:d])
                 runs.append(everyone[start : start + self.shares[d]])
         masks = {j: redo.kept[j] for j in self.target} if redo is not None else {}
-        order = interleaved([len(run) for run in runs])
-        mbs = [runs[k][i] for k, i in order]
-        replicas = [roles[k] for k, _ in order]
+        mbs = [mb for run in runs for mb in run]  # one replica's after another's
+        replicas = [d for d, run in zip(roles, runs, strict=True) for _ in run]
         tools = StageTools(
             self.num_layers, self.span, self.timer, self.cost_share, self.device_pause
         )

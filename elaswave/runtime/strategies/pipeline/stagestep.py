@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from elaswave.planning.schedule import Comm, Compute, schedule_1f1b
+from elaswave.planning.schedule import Comm, Compute, schedule_roles
 from elaswave.runtime.strategies.base import COUNT, LOSS
 from elaswave.runtime.strategies.pipeline.stageredo import StageKept, masked
 from elaswave.runtime.strategies.pipeline.stagetimes import StageTimer
@@ -110,7 +110,7 @@ class StageStep:
         tools.timer.begin(self.layers)
         busy = 0.0
         extra = slow * tools.cost_share(self.layers) / 2
-        for item in schedule_1f1b(self.stage, self.stages, len(self.mbs)):
+        for item in schedule_roles(self.stage, self.stages, self.replica_of):
             if isinstance(item, Compute):
                 ctx.enter("compute")
                 mark = busy_mark()
