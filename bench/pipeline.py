@@ -253,17 +253,6 @@ def _show_model(result: dict[str, Any]) -> None:
         f"ElasWave measured / ReCycle model = "
         f"{model['reshard_measured_over_recycle']:.2f} (goal ≥ {GOAL_VS_RECYCLE})"
     )
-    rows = []
-    for g in model["grid"]:
-        t, ret = g["samples_per_s"], g["retained"]
-        rows.append((
-            f"{g['microbatches'] // g['dp']}", f"{g['dp']}×{g['pp']}", str(g["failures"]),
-            *(f"{t[k]:.1f}" if t[k] else "—" for k in ("healthy", "reshard", "recycle", "drop",
-                                                       "ideal")),
-            *(f"{x:.2f}" if x else "—" for x in (g["reshard_over_recycle"],
-                                                 g["reshard_over_drop"], ret["reshard"],
-                                                 ret["recycle"])),
-        ))  # fmt: skip
     rows = [
         (str(c["failures"]), f"{c['healthy']:.1f}", f"{c['ideal']:.1f}",
          *(f"{c['measured'][p]:.1f} / {c['model'][m]:.1f}"
@@ -275,6 +264,17 @@ def _show_model(result: dict[str, Any]) -> None:
     print_table(f"dp={CELL_DP} × pp=2 measured / model (samples/s)",
                 ("lost", "free", "ideal", "ElasWave", "reroute", "drop", "ReCycle (model)",
                  "E / reroute", "E / ReCycle model", "E / drop"), rows)  # fmt: skip
+    rows = []
+    for g in model["grid"]:
+        t, ret = g["samples_per_s"], g["retained"]
+        rows.append((
+            f"{g['microbatches'] // g['dp']}", f"{g['dp']}×{g['pp']}", str(g["failures"]),
+            *(f"{t[k]:.1f}" if t[k] else "—" for k in ("healthy", "reshard", "recycle", "drop",
+                                                       "ideal")),
+            *(f"{x:.2f}" if x else "—" for x in (g["reshard_over_recycle"],
+                                                 g["reshard_over_drop"], ret["reshard"],
+                                                 ret["recycle"])),
+        ))  # fmt: skip
     print_table("Device model over the grid (10-layer GPT, samples/s after the losses; mb: per "
                 "replica, free: fault-free, E: ElasWave reshard, R: ReCycle, D: drop, kept: "
                 "over its own fault-free schedule)",

@@ -106,7 +106,11 @@ def _stage(plan: Plan, rank: int) -> dict[str, Any]:
         return {}
     replica, stage = plan.position(rank)
     layers = plan.stage_layers(rank)
-    return {"replica": replica, "stage": stage, "layers": [layers.start, layers.stop]}
+    out = {"replica": replica, "stage": stage, "layers": [layers.start, layers.stop]}
+    roles = plan.roles(rank)
+    if len(roles) > 1:  # stage_loss recycle: it runs this stage for other replicas too
+        out["replicas"] = [d for d, _ in roles]
+    return out
 
 
 def job_status(

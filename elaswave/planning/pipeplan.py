@@ -220,7 +220,7 @@ def next_pipeline_plan(
         workers=workers,
         hosts=tuple(live[w].host for w in workers),
         racks=racks_of(live[w] for w in workers),
-        microbatches=tuple(shares[d] for d in _first_replicas(replicas, len(workers))),
+        microbatches=_runs(replicas, shares, len(workers)),
         store=store,
         reason=reason,
         created=now,
@@ -231,13 +231,14 @@ def next_pipeline_plan(
     )
 
 
-def _first_replicas(replicas: Sequence[Sequence[int]], world: int) -> list[int]:
-    """Per rank, the first replica that lists it."""
-    first = [-1] * world
-    for d, ranks in reversed(list(enumerate(replicas))):
+def _runs(replicas: Sequence[Sequence[int]], shares: Sequence[int], world: int) -> tuple[int, ...]:
+    """Per rank, the micro-batches it runs a step: its replica's share, or under ``recycle`` the
+    shares of every replica it runs a stage for."""
+    runs = [0] * world
+    for ranks, share in zip(replicas, shares, strict=True):
         for r in ranks:
-            first[r] = d
-    return first
+            runs[r] += share
+    return tuple(runs)
 
 
 def _change_reason(
