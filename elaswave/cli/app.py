@@ -391,11 +391,28 @@ def status(
     elif not watch:
         out.print(_status_view(st))
     else:
-        _watch_status(st, lambda: job_status(job_id, etcd, tls=tls))
+        _watch_status(st, lambda: job_status(job_id, etcd, tls=tls), lambda: _ended(job_id, etcd))
 
 
-def _watch_status(st: dict[str, Any], read: Any) -> None:
-    """``status --watch``: one view redrawn in place until the job is done (or gone), Ctrl-C."""
+def _ended(job_id: str, etcd: str | None) -> bool:
+    """Whether a job found through its discovery record has ended: its launcher removes the
+    record before it stops the job's embedded etcd (False with ``--etcd``: nothing to tell)."""
+    from elaswave.daemon.discovery import find_job
+    from elaswave.errors import JobNotFound
+
+    if etcd:
+        return False
+    try:
+        find_job(job_id)
+    except JobNotFound:
+        return True
+    return False
+
+
+def _watch_status(st: dict[str, Any], read: Any, ended: Any) -> None:
+    """``status --watch``: one view redrawn in place until the job is done (or gone), Ctrl-C.
+    A read that cannot reach etcd after the launcher ended (its record was there when the read
+    began, its etcd stopped before the read connected) is the job's end, not an error."""
     from rich.live import Live
 
     from elaswave.errors import JobNotFound
@@ -410,6 +427,9 @@ def _watch_status(st: dict[str, Any], read: Any) -> None:
                     out.print(f"job {escape(st['job_id'])}: no longer running", highlight=False)
                     break
                 except ElasWaveError as exc:
+                    if ended():
+                        out.print(f"job {escape(st['job_id'])}: no longer running", highlight=False)
+                        break
                     raise _fail(exc) from None
                 live.update(_status_view(st), refresh=True)
     except KeyboardInterrupt:

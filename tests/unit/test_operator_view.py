@@ -165,3 +165,30 @@ def test_job_wide_series_only_from_the_leader_and_the_values_move() -> None:
     assert _value(s, "elaswave_mttr_seconds_sum") == pytest.approx(0.25)
     m.progress({"step": 1, "rolled_back": True, "time": 103.0})
     assert _value(_scrape(m), "elaswave_committed_step") == 1.0
+
+
+@pytest.mark.parametrize("ended", [True, False])
+def test_a_watch_that_loses_etcd_ends_only_if_the_launcher_did(
+    monkeypatch: pytest.MonkeyPatch, ended: bool
+) -> None:
+    """``status --watch``: the launcher removes its record before it stops the job's etcd, so a
+    read that found the record and then no etcd saw the job end (exit 0); with the record still
+    there, losing etcd is an error (one line, etcd's exit code)."""
+    import typer
+
+    from elaswave.cli import app
+    from elaswave.errors import EtcdUnavailable
+
+    monkeypatch.setattr(app.time, "sleep", lambda _s: None)
+
+    def read() -> dict[str, Any]:
+        raise EtcdUnavailable("cannot reach etcd at 127.0.0.1:1 (connection refused)")
+
+    st = {"job_id": "ops", "done": None, "progress": None, "epoch": 1, "world_size": 1,
+          "leader": "h", "members": [], "standby": [], "incidents": [], "hosts": []}  # fmt: skip
+    if ended:
+        app._watch_status(st, read, lambda: True)
+    else:
+        with pytest.raises(typer.Exit) as exc:
+            app._watch_status(st, read, lambda: False)
+        assert exc.value.exit_code == 3  # etcd unreachable
