@@ -174,7 +174,7 @@ def next_pipeline_plan(
     if pp < 1:
         raise ValueError(f"pp must be >= 1, got {pp}")
     live = {m.worker_id: m for m in members}
-    groups, bounds, notes, spare, origin = _surviving_replicas(prev, live, costs, policy, memory)
+    groups, bounds, notes, spare = _surviving_replicas(prev, live, costs, policy, memory)
     prev_workers = set(prev.workers) if prev else set()
     newcomers = sorted(
         (m for m in members if m.worker_id not in prev_workers), key=lambda m: m.order
@@ -191,7 +191,6 @@ def next_pipeline_plan(
         max_workers=max_workers,
         policy=policy,
         memory=memory,
-        loads=_split_shares(prev.shares, origin) if policy == "recycle" and prev else (),
     )
     if not groups and spare:
         raise NoCutFits(
@@ -200,22 +199,18 @@ def next_pipeline_plan(
         )
     if not groups:
         return None
-    if policy == "recycle" and prev is not None and _kept_whole(prev, origin, len(groups)):
-        shares = _split_shares(prev.shares, origin)  # ReCycle keeps every replica's share
-    else:
-        slowest = {b: _bottleneck(costs, b) for b in set(bounds)}  # most replicas cut alike
-        shares = balanced_shares(num_microbatches, [slowest[b] for b in bounds],
-                                 [len(b) - 1 for b in bounds])  # fmt: skip
-    groups, bounds, shares = _merged(groups, bounds, shares)
     workers = tuple(dict.fromkeys(w for g in groups for w in g))  # a rerouted one: its first
     rank = {w: r for r, w in enumerate(workers)}
     replicas = tuple(tuple(rank[w] for w in g) for g in groups)
     plan_bounds = tuple(bounds)
     if (
         prev is not None and workers == prev.workers and plan_bounds == prev.bounds
-        and replicas == prev.replicas and shares == prev.shares
+        and replicas == prev.replicas
     ):  # fmt: skip
         return None
+    slowest = {b: _bottleneck(costs, b) for b in set(bounds)}  # most replicas are cut alike
+    shares = balanced_shares(num_microbatches, [slowest[b] for b in bounds],
+                             [len(b) - 1 for b in bounds])  # fmt: skip
     epoch = max(prev.epoch if prev else 0, epoch_floor) + 1
     reason = _change_reason(
         epoch, groups, num_microbatches, shares, notes, started=prev is None, pp=pp, cause=cause
@@ -234,64 +229,6 @@ def next_pipeline_plan(
         bounds=plan_bounds,
         shares=shares,
     )
-
-
-def _heaviest_rerouted(
-    groups: Sequence[Sequence[str]], loads: Sequence[int]
-) -> tuple[int, int] | None:
-    """(group, stage) of the slot a newcomer takes under ``recycle``: among the workers that run
-    a stage for several groups, the one that runs the most micro-batches (``loads``: each
-    group's); its slot in the group with the fewest (a sub-replica's rather than its own
-    replica's), the last on ties. None if no worker runs more than one group."""
-    count: Counter[str] = Counter(w for g in groups for w in g)
-    load: Counter[str] = Counter()
-    for g, m in zip(groups, loads, strict=True):
-        load.update(dict.fromkeys(g, m))
-    slots = [(load[w], -loads[d], d, s)
-             for d, g in enumerate(groups) for s, w in enumerate(g) if count[w] > 1]  # fmt: skip
-    if not slots:
-        return None
-    *_, d, s = max(slots)
-    return d, s
-
-
-def _kept_whole(prev: Plan, origin: Sequence[int], groups: int) -> bool:
-    """Whether every replica of ``prev`` goes on (whole or rerouted) and none formed anew."""
-    return len(origin) == groups and set(origin) == set(range(len(prev.replicas)))
-
-
-def _split_shares(shares: Sequence[int], origin: Sequence[int]) -> tuple[int, ...]:
-    """Each replica's share of ``shares``, split as evenly as can be over the groups that come
-    from it (``origin``: the replica each comes from), the first ones taking the remainder."""
-    count = Counter(origin)
-    seen: Counter[int] = Counter()
-    out = []
-    for d in origin:
-        q, r = divmod(shares[d], count[d])
-        out.append(q + (1 if seen[d] < r else 0))
-        seen[d] += 1
-    return tuple(out)
-
-
-def _merged(
-    groups: Sequence[Sequence[str]], bounds: Sequence[tuple[int, ...]], shares: Sequence[int]
-) -> tuple[list[list[str]], list[tuple[int, ...]], tuple[int, ...]]:
-    """Groups with the same workers and cut (two rerouted ones that came to run on the same
-    peers) as one, with their shares added."""
-    at: dict[tuple[tuple[str, ...], tuple[int, ...]], int] = {}
-    out_g: list[list[str]] = []
-    out_b: list[tuple[int, ...]] = []
-    out_s: list[int] = []
-    for g, b, m in zip(groups, bounds, shares, strict=True):
-        key = (tuple(g), b)
-        if key in at:
-            out_s[at[key]] += m
-            continue
-        at[key] = len(out_g)
-        out_g.append(list(g))
-        out_b.append(b)
-        out_s.append(m)
-    return out_g, out_b, tuple(out_s)
 
 
 def _runs(replicas: Sequence[Sequence[int]], shares: Sequence[int], world: int) -> tuple[int, ...]:
@@ -335,10 +272,10 @@ def _surviving_replicas(
     costs: Sequence[float],
     policy: str,
     memory: StageMemory = COMPUTE_ONLY,
-) -> tuple[list[list[str]], list[tuple[int, ...]], list[str], list[str], list[int]]:
+) -> tuple[list[list[str]], list[tuple[int, ...]], list[str], list[str]]:
     """The replicas of ``prev`` that stay in service: (their live workers in stage order, their
-    layer bounds, a note per replica changed or gone, the survivors to place again, the replica
-    of ``prev`` each comes from), in ``prev``'s replica order.
+    layer bounds, a note per replica changed or gone, the survivors to place again), in
+    ``prev``'s replica order.
 
     A replica with no live stage is gone; one that lost some is dropped under ``policy="drop"``,
     or else keeps its survivors with the lost layers taken over (:func:`_taken_over`) unless
@@ -349,9 +286,8 @@ def _surviving_replicas(
     bounds: list[tuple[int, ...]] = []
     notes: list[str] = []
     spare: list[str] = []
-    origin: list[int] = []
     if prev is None or not prev.replicas:
-        return groups, bounds, notes, spare, origin
+        return groups, bounds, notes, spare
     roles = Counter(prev.workers[r] for ranks in prev.replicas for r in ranks)
     for d, ranks in enumerate(prev.replicas):
         stages = [prev.workers[r] for r in ranks]
@@ -362,12 +298,10 @@ def _surviving_replicas(
         if len(alive) < len(stages) and policy == "recycle":
             rerouted = _rerouted(prev, d, live, roles)
             if rerouted is not None:
-                moved = [f"stage {s} → {'|'.join(dict.fromkeys(g[s] for g in rerouted))}"
-                         for s, w in enumerate(stages) if w not in live]  # fmt: skip
+                moved = [f"stage {s} → {w}" for s, w in enumerate(rerouted) if w != stages[s]]
                 notes.append(f"replica {d} rerouted: " + ", ".join(moved))
-                groups += rerouted
-                bounds += [tuple(prev.bounds[d])] * len(rerouted)
-                origin += [d] * len(rerouted)
+                groups.append(rerouted)
+                bounds.append(tuple(prev.bounds[d]))
                 continue
         if len(alive) < len(stages) and policy in ("drop", "recycle"):
             why = "" if policy == "drop" else ", no replica runs the stage to reroute to"
@@ -385,39 +319,31 @@ def _surviving_replicas(
             notes.append(f"replica {d}: {len(stages)}→{len(alive)} stages, layers {list(cut)}")
         groups.append(alive)
         bounds.append(tuple(cut))
-        origin.append(d)
-    return groups, bounds, notes, spare, origin
+    return groups, bounds, notes, spare
 
 
 def _rerouted(
     prev: Plan, d: int, live: Mapping[str, Member], roles: Counter[str]
-) -> list[list[str]] | None:
-    """ReCycle's adaptive pipelining: replica ``d``'s micro-batches spread, round robin, over the
-    live workers that run each of its lost stages in the other replicas cut alike (fewest roles
-    first, then replica order): one sub-replica per peer (as many as the lost stage with the
-    most peers has, at most one per micro-batch of ``d``), sub-replica ``j`` running lost stage
-    ``s`` on peer ``j`` mod their number, every other stage on ``d``'s own worker. None if a lost
-    stage has no such worker. ``roles`` counts each worker's roles so far and takes the new
-    ones."""
-    cut = prev.bounds[d]
-    stages = [prev.workers[r] for r in prev.replicas[d]]
-    peers: dict[int, list[str]] = {}
-    for s, w in enumerate(stages):
-        if w in live:
-            continue
-        found = dict.fromkeys(
-            prev.workers[ranks[s]] for e, ranks in enumerate(prev.replicas)
-            if e != d and prev.bounds[e] == cut and prev.workers[ranks[s]] in live
-        )  # fmt: skip
-        if not found:
-            return None
-        peers[s] = sorted(found, key=lambda p: roles[p])  # stable: replica order on ties
-    k = max(1, min(max(len(p) for p in peers.values()), prev.shares[d]))
-    out = [
-        [peers[s][j % len(peers[s])] if s in peers else w for s, w in enumerate(stages)]
-        for j in range(k)
-    ]
-    roles.update(g[s] for g in out for s in peers)
+) -> list[str] | None:
+    """ReCycle's adaptive pipelining: replica ``d``'s workers in stage order, each lost stage run
+    by a live worker that runs the same stage of another replica cut alike, the one with the
+    fewest roles (then the first in replica order); None if a lost stage has no such worker.
+    ``roles`` counts each worker's roles so far and takes the new ones."""
+    cut, mine = prev.bounds[d], prev.replicas[d]
+    out, taken = [], Counter[str]()
+    for s, r in enumerate(mine):
+        w = prev.workers[r]
+        if w not in live:
+            peers = [
+                prev.workers[ranks[s]] for e, ranks in enumerate(prev.replicas)
+                if e != d and prev.bounds[e] == cut and prev.workers[ranks[s]] in live
+            ]  # fmt: skip
+            if not peers:
+                return None
+            w = min(peers, key=lambda p: roles[p] + taken[p])
+            taken[w] += 1
+        out.append(w)
+    roles.update(taken)  # only once the whole replica is placed
     return out
 
 
@@ -451,26 +377,23 @@ def _admit_newcomers(
     max_workers: int,
     policy: str,
     memory: StageMemory = COMPUTE_ONLY,
-    loads: Sequence[int] = (),
 ) -> None:
     """Place the ``fresh`` workers (in join order), extending ``groups``, ``bounds`` and
     ``notes`` in place: under ``policy="reshard"`` they first refill replicas short of ``pp``
-    stages (appended as the last stage, layers re-cut moving the fewest), under ``recycle``
-    they take rerouted stages (``loads``: each group's micro-batches), then form new full
+    stages (appended as the last stage, layers re-cut moving the fewest), then form new full
     replicas, while the job stays within ``max_workers`` and has a micro-batch per replica.
     Those left over wait as standbys."""
     admitted = len({w for g in groups for w in g})
     queue = deque(fresh)  # popped from the front: a list would shift all the rest each time
-    while policy == "recycle" and queue and admitted < max_workers:
-        # a stage rerouted to another replica's worker gets a worker of its own again: the slot
-        # of the worker that runs the most micro-batches (the last such slot)
-        taken = _heaviest_rerouted(groups, loads or [1] * len(groups))
-        if taken is None:
-            break
-        d, s = taken
-        groups[d][s] = queue.popleft()
-        admitted += 1
-        notes.append(f"replica {d} stage {s} on a newcomer (was rerouted)")
+    if policy == "recycle":  # a stage rerouted to another replica's worker gets its own again
+        seen: set[str] = set()
+        for d, group in enumerate(groups):
+            for s, w in enumerate(group):
+                if w in seen and queue and admitted < max_workers:
+                    group[s] = queue.popleft()
+                    admitted += 1
+                    notes.append(f"replica {d} stage {s} on a newcomer (was rerouted)")
+                seen.add(group[s])
     if policy == "reshard":  # refill short replicas first
         for d, group in enumerate(groups):
             while len(group) < pp and queue and admitted < max_workers:
