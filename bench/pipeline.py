@@ -134,6 +134,8 @@ def run(repeat: int, config: Path) -> dict[str, Any]:
     cell_table = _cells(cells, model_input, model["overhead_s"])
     shutil.rmtree(tmp, ignore_errors=True)
     tput = {v: summarize(r["samples_per_s"] for r in rs) for v, rs in runs.items()}
+    # fault → the first step committed on the new layout, per policy (the throughput runs)
+    loss_mttr = {v: summarize(r["mttr_s"] for r in rs) for v, rs in runs.items() if v != "healthy"}
     healthy = tput["healthy"]["median"]
     reshard, drop = tput["reshard-async"]["median"], tput["drop"]["median"]
     rerouted = tput["recycle"]["median"]
@@ -166,6 +168,7 @@ def run(repeat: int, config: Path) -> dict[str, Any]:
         "reshard_over_drop": ratio_drop,
         "reshard_over_ideal": ratio_ideal,
         "reshard_over_rerouted": reshard / rerouted if reshard and rerouted else None,
+        "loss_mttr": loss_mttr,
         "cells": cell_table,
         "mttr": mttr_summary,
         "links_mb_s": LINKS,
@@ -389,7 +392,8 @@ def _throughput(run_dir: Path, *, faulted: bool) -> dict[str, Any]:
     batch = metrics[-1]["samples"] // metrics[-1]["step"]
     step_s = statistics.median(window)
     return {"from_step": start, "median_step_s": step_s, "samples_per_s": batch / step_s,
-            "world_after": metrics[-1]["world_size"], "series": series}  # fmt: skip
+            "world_after": metrics[-1]["world_size"], "series": series,
+            "mttr_s": _incident(run_dir)["mttr_s"] if faulted else None}  # fmt: skip
 
 
 def _incident(run_dir: Path) -> dict[str, Any]:
@@ -420,6 +424,10 @@ def show(result: dict[str, Any]) -> None:
         ("variant", "median", "min", "max"),
         rows,
     )
+    print_table("Crash MTTR of each policy (the same runs), milliseconds",
+                ("variant", "median", "min", "max"),
+                [(v, ms(m["median"]), ms(m["min"]), ms(m["max"]))
+                 for v, m in result.get("loss_mttr", {}).items()])  # fmt: skip
     mrows = []
     for mode, s in result["mttr"].items():
         mrows.append((mode, ms(s["mttr_s"]["median"]), ms(s["state_s"]["median"]),
