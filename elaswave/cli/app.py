@@ -423,14 +423,12 @@ def _watch_status(st: dict[str, Any], read: Any, ended: Any) -> None:
                 time.sleep(1.0)
                 try:
                     st = read()
-                except JobNotFound:  # its launcher ended since the last look
+                except ElasWaveError as exc:
+                    # its launcher ended since the last look (its record gone, or its etcd)
+                    if not isinstance(exc, JobNotFound) and not ended():
+                        raise _fail(exc) from None
                     out.print(f"job {escape(st['job_id'])}: no longer running", highlight=False)
                     break
-                except ElasWaveError as exc:
-                    if ended():
-                        out.print(f"job {escape(st['job_id'])}: no longer running", highlight=False)
-                        break
-                    raise _fail(exc) from None
                 live.update(_status_view(st), refresh=True)
     except KeyboardInterrupt:
         raise typer.Exit(130) from None

@@ -103,17 +103,14 @@ class Plan:
         """(replica, stage) of a rank; pure data parallelism is one stage per replica."""
         if not self.replicas:
             return rank, 0
-        where = self._positions.get(rank)
-        if where is None:
-            raise ValueError(f"rank {rank} is in no pipeline replica of epoch {self.epoch}")
-        return where
+        return self.roles(rank)[0]  # the first replica that lists it
 
     def roles(self, rank: int) -> tuple[tuple[int, int], ...]:
         """Every (replica, stage) a pipeline rank runs, in replica order: one, but for a rank
         that also runs a lost rank's stage for another replica (``stage_loss: recycle``). All of
         a rank's roles are the same stage of replicas cut alike: the same layers."""
         if not self.replicas:
-            return (self.position(rank),)
+            return ((rank, 0),)
         roles = self._roles.get(rank)
         if roles is None:
             raise ValueError(f"rank {rank} is in no pipeline replica of epoch {self.epoch}")
@@ -154,15 +151,6 @@ class Plan:
     @cached_property
     def _host_places(self) -> dict[str, int]:
         return {h: i for i, h in enumerate(dict.fromkeys(self.hosts))}
-
-    @cached_property
-    def _positions(self) -> dict[int, tuple[int, int]]:
-        """Rank → (replica, stage), the first replica and stage that list it."""
-        where: dict[int, tuple[int, int]] = {}
-        for d, ranks in enumerate(self.replicas):
-            for s, r in enumerate(ranks):
-                where.setdefault(r, (d, s))
-        return where
 
     @cached_property
     def _roles(self) -> dict[int, tuple[tuple[int, int], ...]]:

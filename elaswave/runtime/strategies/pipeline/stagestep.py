@@ -82,11 +82,13 @@ class StageStep:
         self.replica_of = replicas if replicas is not None else [d] * len(mbs)
         s = self.stage
         # per replica: the ranks of the stages before and after this one (None: none)
-        self.neighbours = {
-            e: (ranks[s - 1] if s > 0 else None, ranks[s + 1] if s + 1 < self.stages else None)
-            for e in set(self.replica_of)
-            for ranks in (plan.replicas[e],)
-        }
+        self.neighbours: dict[int, tuple[int | None, int | None]] = {}
+        for e in set(self.replica_of):
+            ranks = plan.replicas[e]
+            self.neighbours[e] = (
+                ranks[s - 1] if s > 0 else None,
+                ranks[s + 1] if s + 1 < self.stages else None,
+            )
         self.first, self.last = layers.start == 0, layers.stop == tools.num_layers
         self.region = tools.span(layers)
         # What arrives from the previous stage and what goes back to it; what this stage sends
