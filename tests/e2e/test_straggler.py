@@ -65,14 +65,15 @@ def test_very_slow_rank_is_evicted(
     tmp_path: Path, state_env: dict[str, str], reference: Run
 ) -> None:
     """inject-fault --kind slow: past the threshold the rank is stopped cleanly, not respawned."""
-    steps = 120  # the fault lands while most of them are left, however slow the status call:
-    state_env = paced(state_env, 0.01)  # ≥ 0.04 s a step, 5 s in all, on any CPU
+    steps = 90  # the fault lands while most of them are left, however slow the status call:
+    state_env = paced(state_env, 0.01)  # ≥ 0.04 s a step, 3.6 s in all, on any CPU
     proc = start(tmp_path / "run", state_env, "--job-id", "evict", "--straggler-threshold", "3",
                  "--max-restarts", "2", "--steps", str(steps))  # fmt: skip
     try:
         wait_for(lambda: (status_json("evict", state_env) or {}).get("progress"), timeout=120)
+        # 1 s a step is over 10 times the others' compute per micro-batch: evicted
         inject = cli("inject-fault", "--job-id", "evict", "--kind", "slow", "--rank", "2",
-                     "--delay", "2", env=state_env)  # fmt: skip
+                     "--delay", "1", env=state_env)  # fmt: skip
         assert inject.returncode == 0, inject.stderr
         st = wait_for(
             lambda: (
