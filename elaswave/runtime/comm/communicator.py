@@ -540,8 +540,13 @@ class Communicator:
         self._groups[name].p2p = True
 
         def post_all() -> list[dist.Work]:
-            works = [pg.send([t], peer, tag) for peer, t, tag in sends]
-            return works + [pg.recv([t], peer, tag) for peer, t, tag in recvs]
+            # Receives first: a send whose receive the peer has already posted goes out on the
+            # posting thread, one whose receive is not there yet is queued on gloo's I/O thread,
+            # which then writes it whole before it reads anything else, so two ranks that both
+            # sent first take turns (measured across a 100 Mbit/s link: 3.4 s for 20 MB each
+            # way against 1.7 s receiving first).
+            works = [pg.recv([t], peer, tag) for peer, t, tag in recvs]
+            return works + [pg.send([t], peer, tag) for peer, t, tag in sends]
 
         def post_coalesced() -> list[dist.Work]:
             # NCCL runs a communicator's operations in order on one stream: a send waits for
