@@ -47,6 +47,7 @@ class Exported:
     # BatchNorm's running statistics recomputed over this many training samples (None: the
     # model has none; 0: the run's data cannot be read here, they keep their initial values)
     norm_samples: int | None = None
+    skipped: str = ""  # newer checkpoints that failed their check, and which file
 
 
 LATENCY_RUNS = 20  # forwards timed (after 3 untimed) for the latency before and after,
@@ -67,26 +68,31 @@ def run_config(run_dir: Path) -> JobConfig:
         raise ElasWaveError(f"{path}: not a run config ({exc})") from None
 
 
-def find_checkpoint(directory: Path, step: int | None) -> Path:
-    """The checkpoint of ``step`` under ``directory``, or the newest one (``LATEST``)."""
-    from elaswave.runtime.durable.layout import complete, latest
+def find_checkpoint(directory: Path, step: int | None) -> tuple[Path, str]:
+    """The checkpoint of ``step`` under ``directory``, or the newest intact one; one that fails
+    its check (a file truncated, changed or missing) is never read: with ``step`` the export is
+    refused naming the file, without it the newest intact one is taken: (its path, the newer
+    ones skipped and why, '' if none)."""
+    from elaswave.runtime.durable.layout import check, newest_intact, step_of
 
     if step is None:
-        path = latest(directory)
-        if path is None:
+        choice = newest_intact(directory)
+        if choice.path is None and choice.skipped:
+            raise ElasWaveError(f"no intact checkpoint in {directory}: {choice.failures()}")
+        if choice.path is None:
             raise ElasWaveError(
                 f"no saved state in {directory}: the run ended before its last step without "
                 "durable checkpoints, or ran with train.save_final: false"
             )
-        return path
+        return choice.path, choice.failures()
     path = directory / f"step-{step:08d}"
-    if not complete(path):
-        have = sorted(
-            int(p.name.removeprefix("step-")) for p in directory.glob("step-*") if complete(p)
-        )
+    if path.is_dir() and (why := check(path)) is not None:
+        raise ElasWaveError(f"the checkpoint of step {step} in {directory} failed its check: {why}")
+    if not path.is_dir():
+        have = sorted(step_of(p) for p in directory.glob("step-*") if step_of(p) >= 0)
         listed = ", ".join(map(str, have)) or "none"
         raise ElasWaveError(f"no checkpoint of step {step} in {directory} (steps kept: {listed})")
-    return path
+    return path, ""
 
 
 def export_model(
@@ -114,7 +120,7 @@ def export_model(
         raise ConfigError(f"--compress: the run at {run_dir} was not pruned (no train.prune)")
     if pad and not compress:
         raise ConfigError("--pad pads the layers of a compressed model: it needs --compress")
-    path = find_checkpoint(cfg.resolved_durable_dir, step)
+    path, skipped = find_checkpoint(cfg.resolved_durable_dir, step)
     workload = load_workload(cfg)
     model = build_layers(workload, cfg.train.seed)
     flat = FlatParams(model)
@@ -140,8 +146,9 @@ def export_model(
         out.with_name(out.name + ".shapes.json").write_text(json.dumps(shapes, indent=1))
     shape = tuple(sample.shape) if sample is not None and latency is not None else None
     return Exported(
-        state.step, state.loss, path, out, sizes, flops, latency, shape, runs, norm_samples
-    )
+        state.step, state.loss, path, out, sizes, flops, latency, shape, runs, norm_samples,
+        skipped,
+    )  # fmt: skip
 
 
 def recompute_norm_stats(

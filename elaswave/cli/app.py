@@ -635,6 +635,9 @@ def export(
         done = export_model(run_dir, out_path, step, compress=compress, pad=pad)
     except ElasWaveError as exc:
         raise _fail(exc) from None
+    if done.skipped:
+        out.print(f"skipped newer checkpoints that failed their check: {done.skipped}",
+                  highlight=False, soft_wrap=True)  # fmt: skip
     out.print(
         f"exported step {done.step} (loss {done.loss:.4f}) from {done.checkpoint} to {done.out}",
         highlight=False,

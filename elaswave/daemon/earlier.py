@@ -21,12 +21,12 @@ from elaswave.config.jobs import config_difference, run_record, same_job
 from elaswave.errors import ElasWaveError
 from elaswave.events import METRICS_FILE, RUN_CONFIG, read_jsonl
 from elaswave.planning.relaunch import Records
-from elaswave.runtime.durable.layout import LATEST, latest
+from elaswave.runtime.durable.layout import LATEST, Choice, newest_intact
 
 __all__ = [
     "PREVIOUS",
     "archive",
-    "checkpoint_step",
+    "newest_checkpoint",
     "etcd_records",
     "run_dir_records",
     "write_run_config",
@@ -43,15 +43,16 @@ def run_dir_records(run_dir: Path, durable_dir: Path, cfg: JobConfig) -> Records
         if line.get("kind") != "eval":
             committed = max(committed, int(line.get("step", 0)))
             epoch = max(epoch, int(line.get("epoch", 0)))
-    checkpoint = checkpoint_step(durable_dir)
-    if not committed and checkpoint is None:
+    found = newest_checkpoint(durable_dir)
+    if not committed and found.path is None and not found.skipped:
         return None
     return Records(
         committed=committed,
         epoch=epoch,
         where=f"run directory {run_dir}",
-        checkpoint=checkpoint,
+        checkpoint=found.step,
         checkpoint_dir=str(durable_dir),
+        checkpoint_failed=found.failures(),
         config_diff=_config_diff(run_dir / RUN_CONFIG, cfg),
     )
 
@@ -69,15 +70,10 @@ def etcd_records(
                    config_diff=config_diff)  # fmt: skip
 
 
-def checkpoint_step(durable_dir: Path) -> int | None:
-    """The step of the newest complete checkpoint under ``durable_dir`` (None: none)."""
-    path = latest(durable_dir)
-    if path is None:
-        return None
-    try:
-        return int(path.name.removeprefix("step-"))
-    except ValueError:
-        return None
+def newest_checkpoint(durable_dir: Path) -> Choice:
+    """The newest intact checkpoint under ``durable_dir``, and the newer ones that failed their
+    check (every file of each is read back)."""
+    return newest_intact(durable_dir)
 
 
 def _config_diff(path: Path, cfg: JobConfig) -> str:

@@ -13,7 +13,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from elaswave.config.jobs import config_difference, training_config
-from elaswave.daemon.earlier import checkpoint_step, etcd_records, write_run_config
+from elaswave.daemon.earlier import etcd_records, newest_checkpoint, write_run_config
 from elaswave.errors import ElasWaveError, JobComplete, StartOverRefused
 from elaswave.planning.relaunch import Verdict, merge_records, relaunch_verdict
 
@@ -157,9 +157,10 @@ class JobEntry:
             progress = self._kept = await d.jobstore.progress()
             seen = etcd_records(progress, plan.epoch if plan else 0, config_diff=diff)
             if seen is not None and d.earlier is None:  # where checkpoints would be
+                found = newest_checkpoint(cfg.resolved_durable_dir)
                 seen = replace(
-                    seen, checkpoint=checkpoint_step(cfg.resolved_durable_dir),
-                    checkpoint_dir=str(cfg.resolved_durable_dir),
+                    seen, checkpoint=found.step, checkpoint_dir=str(cfg.resolved_durable_dir),
+                    checkpoint_failed=found.failures(),
                 )  # fmt: skip
         found = merge_records(d.earlier, seen)
         return relaunch_verdict(

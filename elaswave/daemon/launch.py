@@ -26,7 +26,7 @@ from elaswave.daemon.supervisor import HostDaemon, default_host_id
 from elaswave.daemon.template import Template, hf_model_type, take_prestarted
 from elaswave.daemon.workers import base_environment, device_environment
 from elaswave.errors import ElasWaveError, JobNotFound
-from elaswave.runtime.durable.layout import latest
+from elaswave.runtime.durable.layout import resume_point
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +46,9 @@ def launch(
     if security is None:
         security = EtcdSecurity.load(cfg.etcd_tls)
     if cfg.resume:
-        if latest(cfg.resume) is None:
-            raise ElasWaveError(f"--resume: no complete durable checkpoint in {cfg.resume}")
+        _, refused = resume_point(cfg.resume)
+        if refused:
+            raise ElasWaveError(refused)
         cfg.resume = str(Path(cfg.resume).resolve())
     run_dir = cfg.resolved_run_dir
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -25,6 +25,7 @@ class Records:
     where: str  # where the committed step was read ("run directory runs/x", "etcd")
     checkpoint: int | None = None  # the newest complete durable checkpoint's step
     checkpoint_dir: str = ""  # where checkpoints are looked for
+    checkpoint_failed: str = ""  # newer checkpoints that failed their check, and which file
     config_diff: str = ""  # the first training setting that differs from the earlier run's
 
 
@@ -41,7 +42,10 @@ class Verdict:
 def merge_records(*found: Records | None) -> Records | None:
     """The newest view of several sources (etcd, the run directory): the highest committed
     step and epoch, the checkpoint and config difference of whichever source has them."""
-    present = [r for r in found if r is not None and (r.committed or r.checkpoint is not None)]
+    present = [
+        r for r in found
+        if r is not None and (r.committed or r.checkpoint is not None or r.checkpoint_failed)
+    ]  # fmt: skip
     if not present:
         return None
     top = max(present, key=lambda r: r.committed)
@@ -53,6 +57,7 @@ def merge_records(*found: Records | None) -> Records | None:
         checkpoint=max((r.checkpoint for r in with_checkpoint), default=None),  # type: ignore[type-var]
         checkpoint_dir=next((r.checkpoint_dir for r in present if r.checkpoint_dir), ""),
         config_diff=next((r.config_diff for r in present if r.config_diff), ""),
+        checkpoint_failed=next((r.checkpoint_failed for r in present if r.checkpoint_failed), ""),
     )
 
 
@@ -61,7 +66,9 @@ def relaunch_verdict(
 ) -> Verdict:
     """The decision for a launch that finds ``records`` (None: the job id never committed a
     step). ``resume``: the user named a checkpoint to start from (``--resume``)."""
-    if records is None or (records.committed == 0 and records.checkpoint is None):
+    if records is None or (
+        records.committed == 0 and records.checkpoint is None and not records.checkpoint_failed
+    ):
         return Verdict("new")
     fresh = "a new --job-id, or --fresh (moves its records and checkpoints aside), trains it "
     fresh += "from step 0"
@@ -83,6 +90,15 @@ def relaunch_verdict(
             committed=committed,
             epoch=records.epoch,
         )
+    if records.checkpoint is None and records.checkpoint_failed:
+        return Verdict(
+            "refuse",
+            f"job {job_id!r} committed {committed} steps ({records.where}) and no durable "
+            f"checkpoint in {records.checkpoint_dir} is intact ({records.checkpoint_failed}): "
+            f"it will not train from step 0 again; {fresh}",
+            committed=committed,
+            epoch=records.epoch,
+        )
     if records.checkpoint is None:
         return Verdict(
             "refuse",
@@ -93,10 +109,12 @@ def relaunch_verdict(
             epoch=records.epoch,
         )
     lost = committed - records.checkpoint
+    failed = records.checkpoint_failed
     return Verdict(
         "resume",
         f"job {job_id!r} committed {committed} steps ({records.where}): resuming from the "
-        f"checkpoint of step {records.checkpoint}, {lost} step(s) trained again",
+        f"checkpoint of step {records.checkpoint}, {lost} step(s) trained again"
+        + (f" (a newer checkpoint failed its check: {failed})" if failed else ""),
         committed=committed,
         resume_step=records.checkpoint,
         lost_steps=lost,

@@ -16,9 +16,11 @@ from typing import Any
 
 import pytest
 from conftest import (
+    F64,
     REL_TOL,
     Run,
     assert_no_orphans,
+    float64_run,
     launch,
     paced,
     start,
@@ -31,6 +33,7 @@ from elaswave.daemon.etcd_server import EmbeddedEtcd
 from elaswave.events import read_jsonl
 from elaswave.keys import JobKeys
 from elaswave.report import build_report
+from elaswave.runtime.durable.layout import check, newest_intact
 
 pytestmark = pytest.mark.e2e
 
@@ -118,6 +121,80 @@ def test_relaunch_resumes_from_the_newest_checkpoint(
     assert r.returncode == 0, r.stderr[-3000:]
     assert [m["step"] for m in Run(run_dir).metrics] == list(range(1, 49))
     assert_no_orphans(Run(run_dir))
+
+
+ROT_STEPS = 24  # the rotten-checkpoint test's run: a kill, then three relaunches of 4 steps each
+
+
+@pytest.fixture(scope="module")
+def f64_reference(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    return float64_run(tmp_path_factory, "rot-ref", ROT_STEPS)
+
+
+def _rot(newest: Path, how: str) -> str:
+    """Spoil checkpoint ``newest`` as a disk or a person would; what its check must say."""
+    data = max(newest.rglob("*.distcp"), key=lambda p: p.stat().st_size)
+    name = data.relative_to(newest).as_posix()
+    if how == "truncated":
+        size = data.stat().st_size
+        with data.open("r+b") as f:
+            f.truncate(size - 100)
+        return f"{name} has {size - 100} of its {size} bytes"
+    if how == "flipped":
+        raw = bytearray(data.read_bytes())
+        raw[len(raw) // 3] ^= 0x10
+        data.write_bytes(bytes(raw))
+        return f"{name} does not match its checksum"
+    (newest / ".metadata").unlink()
+    return ".metadata is missing"
+
+
+def test_a_rotten_checkpoint_is_never_loaded(
+    tmp_path: Path, state_env: dict[str, str], f64_reference: Run
+) -> None:
+    """The newest checkpoint truncated, then changed by one bit, then missing its metadata:
+    each relaunch resumes from the checkpoint before it and says which file failed, and the
+    job ends bit for bit where the fault-free run ends, every step recorded once."""
+    run_dir, ckpts = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    env = {**state_env, **F64}
+    args = ("--job-id", "rotten", "--durable-every", "4")
+    _kill_whole_job(run_dir, env, *args, "--steps", str(ROT_STEPS), after=10)
+    for steps, how in ((16, "truncated"), (20, "flipped"), (ROT_STEPS, "metadata")):
+        newest = newest_intact(ckpts)
+        assert newest.path is not None and newest.step is not None and not newest.skipped
+        why = _rot(newest.path, how)
+        assert check(newest.path) == why
+        before = newest_intact(ckpts).step
+        assert before is not None and before < newest.step
+        started = max(e["t"] for e in read_jsonl(run_dir / "events.jsonl"))
+        r = launch(run_dir, *args, "--steps", str(steps), env=env)
+        assert r.returncode == 0, r.stderr[-3000:]
+        (again,) = [e for e in Run(run_dir).of("relaunched") if e["t"] > started]
+        assert again["resume_step"] == before, (how, again)
+        assert f"{newest.path.name}: {why}" in again["reason"]
+        assert f"{again['lost_steps']} step(s) trained again" in again["reason"]
+        (restored,) = [e for e in Run(run_dir).of("durable_restored") if e["t"] > started]
+        assert restored["step"] == before
+    run = Run(run_dir)
+    committed = [m["step"] for m in run.metrics]
+    assert committed == list(range(1, ROT_STEPS + 1)), f"steps lost or recorded twice: {committed}"
+    assert run.losses == {s: f64_reference.losses[s] for s in committed}  # bit for bit
+    last = max(e["t"] for e in run.of("relaunched"))
+    finals = [f for f in run.of("final_state") if f["t"] > last]
+    for key in ("params_sha256", "state_sha256"):
+        assert {f[key] for f in finals} == {f[key] for f in f64_reference.of("final_state")}
+    assert_no_orphans(run)
+
+    # An explicit --resume of a checkpoint that fails its check: one line naming the file.
+    newest = newest_intact(ckpts)
+    assert newest.path is not None
+    why = _rot(newest.path, "truncated")
+    before = max(e["t"] for e in run.events)
+    r = launch(tmp_path / "elsewhere", "--job-id", "from-rot", "--resume", str(ckpts), env=env)
+    assert r.returncode != 0
+    line = _one_line(r)
+    assert why in line and line.startswith("error: --resume: the checkpoint"), line
+    assert not _spawned_after(Run(run_dir), before)
 
 
 def test_relaunch_without_a_checkpoint_refuses_then_fresh_starts_over(

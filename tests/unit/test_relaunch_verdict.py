@@ -9,14 +9,20 @@ import pytest
 
 from elaswave.config import JobConfig
 from elaswave.config.jobs import run_record
-from elaswave.daemon.earlier import archive, checkpoint_step, etcd_records, run_dir_records
+from elaswave.daemon.earlier import archive, etcd_records, newest_checkpoint, run_dir_records
 from elaswave.planning.relaunch import Records, merge_records, relaunch_verdict
+from elaswave.runtime.durable.layout import file_sums, write_manifest
 
 
-def rec(committed: int, checkpoint: int | None = None, diff: str = "", epoch: int = 3) -> Records:
+def rec(
+    committed: int, checkpoint: int | None = None, diff: str = "", epoch: int = 3, failed: str = ""
+) -> Records:
     return Records(committed=committed, epoch=epoch, where="run directory r",
                    checkpoint=checkpoint, checkpoint_dir="r/checkpoints",
-                   config_diff=diff)  # fmt: skip
+                   config_diff=diff, checkpoint_failed=failed)  # fmt: skip
+
+
+ROTTEN = "step-00000015: rank-00001/__0_0.distcp has 10 of its 4096 bytes"
 
 
 @pytest.mark.parametrize(
@@ -35,6 +41,12 @@ def rec(committed: int, checkpoint: int | None = None, diff: str = "", epoch: in
         (rec(12, 15), False, "resume", 15, 15, 0, ""),
         (rec(0, 10), False, "resume", 10, 10, 0, ""),
         (rec(17), True, "resume", 17, 0, 0, "--resume"),  # the user's checkpoint
+        # the newest checkpoint failed its check: the one before it, and the line says why
+        (rec(17, 10, failed=ROTTEN), False, "resume", 17, 10, 7,
+         f"step 10, 7 step(s) trained again (a newer checkpoint failed its check: {ROTTEN})"),
+        (rec(17, None, failed=ROTTEN), False, "refuse", 17, 0, 0,
+         f"no durable checkpoint in r/checkpoints is intact ({ROTTEN})"),
+        (rec(0, None, failed=ROTTEN), False, "refuse", 0, 0, 0, "is intact"),
     ],
 )  # fmt: skip
 def test_relaunch_verdict(
@@ -77,6 +89,7 @@ def _checkpoint(root: Path, step: int, *, complete: bool = True) -> None:
     path.mkdir(parents=True)
     if complete:
         (path / ".metadata").write_text("x")
+        write_manifest(path, file_sums(path, [".metadata"]))
     (root / "LATEST").write_text(path.name)
 
 
@@ -93,7 +106,7 @@ def test_what_an_earlier_run_left(tmp_path: Path) -> None:
     where = f"run directory {run}"
     assert found == Records(8, 2, where, None, str(cfg.resolved_durable_dir))
     _checkpoint(cfg.resolved_durable_dir, 5)
-    assert checkpoint_step(cfg.resolved_durable_dir) == 5
+    assert newest_checkpoint(cfg.resolved_durable_dir).step == 5
     other = _job(tmp_path, n_layer=3)
     changed = run_dir_records(run, other.resolved_durable_dir, other)
     assert changed is not None and changed.checkpoint == 5
@@ -108,7 +121,10 @@ def test_what_an_earlier_run_left(tmp_path: Path) -> None:
 
 def test_an_incomplete_checkpoint_is_not_one(tmp_path: Path) -> None:
     _checkpoint(tmp_path, 5, complete=False)
-    assert checkpoint_step(tmp_path) is None
+    found = newest_checkpoint(tmp_path)
+    assert found.step is None
+    why = "checksums.json is missing (the checkpoint was never finished)"
+    assert found.failures() == f"step-00000005: {why}"
 
 
 def test_fresh_moves_records_and_checkpoints_aside(tmp_path: Path) -> None:
@@ -124,7 +140,7 @@ def test_fresh_moves_records_and_checkpoints_aside(tmp_path: Path) -> None:
     assert first is not None and first.parent == run / "previous"
     assert sorted(p.name for p in run.iterdir()) == ["previous"]
     assert (first / "metrics.jsonl").is_file() and (first / "checkpoints" / "LATEST").is_file()
-    assert checkpoint_step(outside) is None and (outside / "notes.txt").is_file()
+    assert newest_checkpoint(outside).path is None and (outside / "notes.txt").is_file()
     (moved,) = (outside / "previous").iterdir()
     assert (moved / "step-00000007" / ".metadata").is_file()
     (run / "metrics.jsonl").write_text("y\n")

@@ -13,11 +13,13 @@ loop does not wait for the disk, in one of two layouts:
   written its part: ``pieces.json`` names the rank that wrote each interval. The checkpoint
   directory must be one every host can reach (a shared filesystem).
 
-A checkpoint becomes visible only once complete (written under a temporary name, then renamed,
-then ``LATEST`` updated atomically). :func:`load` reads either layout into whole tensors, so any
-number of workers and any dp × pp, with or without ZeRO, can resume from it: that is how a job
-falls back after a double loss, how ``--resume`` restarts on another size, and what ``export``
-reads.
+A checkpoint becomes visible only once complete (written under a temporary name, with the size
+and SHA-256 of every file in its ``checksums.json``, then renamed, then ``LATEST`` updated
+atomically); whoever uses one checks those sums first (:mod:`.layout`), so a checkpoint that was
+truncated, changed or never finished is never loaded. :func:`load` reads either layout into
+whole tensors, so any number of workers and any dp × pp, with or without ZeRO, can resume from
+it: that is how a job falls back after a double loss, how ``--resume`` restarts on another
+size, and what ``export`` reads.
 """
 
 from __future__ import annotations
@@ -38,7 +40,15 @@ from typing import Any
 
 import torch
 
-from elaswave.runtime.durable.layout import LATEST, PIECES, complete, latest
+from elaswave.runtime.durable.layout import (
+    LATEST,
+    PIECES,
+    complete,
+    file_sums,
+    files_under,
+    latest,
+    write_manifest,
+)
 
 __all__ = ["LATEST", "PIECES", "DurableCheckpoints", "DurableState", "complete", "latest", "load"]
 
@@ -122,6 +132,7 @@ class DurableCheckpoints:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # "assuming a single process": it is
             _dcp().save(state, checkpoint_id=str(tmp), no_dist=True)
+        write_manifest(tmp, file_sums(tmp, files_under(tmp)))
         final = self._publish(tmp, step)
         if on_done is not None:
             on_done(final, time.perf_counter() - start)
@@ -172,7 +183,8 @@ class DurableCheckpoints:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)  # "assuming a single process"
                 _dcp().save(state, checkpoint_id=str(tmp / name), no_dist=True)
-        _write_json(tmp / f"{name}.json", {"intervals": intervals})
+        files = file_sums(tmp, files_under(tmp / name, f"{name}/")) if state else {}
+        _write_json(tmp / f"{name}.json", {"intervals": intervals, "files": files})
 
     def _commit(
         self,
@@ -196,10 +208,11 @@ class DurableCheckpoints:
                 log.warning("checkpoint of step %d: %d of %d parts", step, len(parts), world)
                 return None
             time.sleep(0.05)
+        docs = {p: json.loads(p.read_text()) for p in parts}
         pieces = sorted(
             [a, b, int(p.stem.removeprefix("rank-"))]
-            for p in parts
-            for a, b in json.loads(p.read_text())["intervals"]
+            for p, doc in docs.items()
+            for a, b in doc["intervals"]
         )
         numel = 0
         for a, b, _ in pieces:  # the parts tile the model exactly
@@ -213,6 +226,9 @@ class DurableCheckpoints:
         if extra is not None:
             index[PRUNE] = extra
         _write_json(tmp / PIECES, index)
+        sums = {name: sum_ for doc in docs.values() for name, sum_ in doc["files"].items()}
+        sums |= file_sums(tmp, [PIECES, *(p.name for p in parts)])
+        write_manifest(tmp, sums)  # every rank's files by its own sums; they now count
         final = self._publish(tmp, step)
         if on_done is not None:
             on_done(final, time.perf_counter() - start)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from elaswave.planning.plan import Plan
 from elaswave.runtime.durable import checkpoints
 from elaswave.runtime.durable.checkpoints import DurableCheckpoints, DurableState
+from elaswave.runtime.durable.layout import newest_intact, resume_point
 from elaswave.runtime.strategies.zero import ShardLost
 
 if TYPE_CHECKING:
@@ -32,6 +33,7 @@ class DurableSource:
     def __init__(self, ctx: RankContext, store: DurableCheckpoints | None) -> None:
         self.ctx = ctx
         self.checkpoints = store
+        self._skipped = ""  # rank 0: the newer checkpoints the last choice passed over, and why
 
     def start_over(self, plan: Plan, broken: Callable[[], bool]) -> tuple[Path, int, str] | None:
         """Where a plan whose ranks all hold no state starts: ``--resume``'s checkpoint; for a
@@ -40,14 +42,16 @@ class DurableSource:
         lost, and the job stops saying so."""
         cfg = self.ctx.cfg
         if cfg.resume:
-            path = checkpoints.latest(cfg.resume)
+            path, refused = resume_point(cfg.resume)
             if path is None:
-                raise ShardLost(f"no durable checkpoint to resume from in {cfg.resume}")
+                raise ShardLost(refused)
             return path, 0, "resume"
         if not plan.committed:
             return None
         why = f"every worker holding the job's state is gone (step {plan.committed} committed)"
         chosen = self.newest(broken)
+        if not chosen and self._skipped:
+            raise ShardLost(f"{why} and no durable checkpoint is intact ({self._skipped})")
         if not chosen:
             raise ShardLost(
                 f"{why} and there is no durable checkpoint: the job will not start over from "
@@ -56,14 +60,17 @@ class DurableSource:
         return Path(chosen), plan.committed, why
 
     def newest(self, broken: Callable[[], bool]) -> str:
-        """The newest complete durable checkpoint as rank 0 sees it, the same on every rank
+        """The newest intact durable checkpoint as rank 0 sees it, the same on every rank
         ("" when there is none). With periodic checkpoints off there can still be one: the
         final state of an earlier run of the job, which a relaunch with more steps goes on
         from."""
         if self.checkpoints is not None:
             self.checkpoints.flush()  # a write still in flight is the newest checkpoint
         comm, cfg = self.ctx.comm, self.ctx.cfg
-        newest = checkpoints.latest(cfg.resolved_durable_dir) if comm.rank(DP) == 0 else None
+        newest = None
+        if comm.rank(DP) == 0:
+            choice = newest_intact(cfg.resolved_durable_dir)
+            newest, self._skipped = choice.path, choice.failures()
         return comm.broadcast_json(DP, str(newest) if newest else "", 0, broken)
 
     def load(self, path: Path, lost_from: int, reason: str) -> DurableState:
@@ -78,5 +85,6 @@ class DurableSource:
                 step=state.step,
                 recomputed_steps=max(0, lost_from - state.step),
                 reason=reason,
+                **({"skipped": self._skipped} if self._skipped else {}),
             )
         return state
