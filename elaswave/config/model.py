@@ -12,21 +12,34 @@ from typing import Any
 from elaswave.config.schema import positive
 from elaswave.errors import ConfigError
 
+SOURCES = ("gpt", "module", "hf", "torchvision", "timm")
+BY_NAME = ("torchvision", "timm")  # sources that build a model by its name
+
 
 @dataclass(kw_only=True)
 class ModelConfig:
     """The workload. ``source: gpt`` (default) is the built-in GPT, shaped by the fields below;
     ``source: module`` calls ``factory`` (``"package.module:function"``) with ``args`` and trains
-    the :class:`~elaswave.Workload` it returns; ``source: hf`` trains a Hugging Face causal LM
-    (needs transformers) on ``seq_len`` tokens, either a new one from ``hf`` (an HF config, with
-    its ``model_type``) or one to fine-tune from ``pretrained`` (a ``save_pretrained``
-    directory)."""
+    what it returns: a :class:`~elaswave.Workload`, or any ``nn.Module`` (then the data, the
+    loss and the cut into layers come from the config: ``data.source: dataset | imagefolder``,
+    ``train.loss``, ``split``); ``source: torchvision | timm`` builds the model ``name`` with
+    ``args`` (random init, or ``pretrained``: a local state_dict file; nothing downloads);
+    ``source: hf`` trains a Hugging Face causal LM (needs transformers) on ``seq_len`` tokens,
+    either a new one from ``hf`` (an HF config, with its ``model_type``) or one to fine-tune
+    from ``pretrained`` (a ``save_pretrained`` directory)."""
 
-    source: str = "gpt"  # "gpt" | "module" | "hf"
+    source: str = "gpt"  # "gpt" | "module" | "hf" | "torchvision" | "timm"
     factory: str | None = None  # source=module: "package.module:function"
-    args: dict[str, Any] = field(default_factory=dict)  # source=module: the factory's arguments
+    # source=module: the factory's arguments; torchvision/timm: the model builder's
+    args: dict[str, Any] = field(default_factory=dict)
+    name: str | None = None  # source=torchvision/timm: the model's name (resnet18, ...)
+    # Where a plain module's layers start: ["auto"] (the top-level children in call order when
+    # the traced forward is a chain through them; one layer otherwise) or module names.
+    split: list[str] = field(default_factory=lambda: ["auto"])
     hf: dict[str, Any] = field(default_factory=dict)  # source=hf: AutoConfig.for_model(**hf)
-    pretrained: str | None = None  # source=hf: a local save_pretrained directory
+    # source=hf: a local save_pretrained directory; a plain module (module, torchvision, timm):
+    # a local state_dict file (torch.save or safetensors) its weights start from
+    pretrained: str | None = None
     vocab_size: int = 256
     seq_len: int = 64
     n_layer: int = 2
@@ -35,17 +48,30 @@ class ModelConfig:
     dropout: float = 0.1
 
     def __post_init__(self) -> None:
-        if self.source not in ("gpt", "module", "hf"):
+        if self.source not in SOURCES:
             raise ConfigError(
-                f"model.source must be 'gpt' or 'module' or 'hf', got {self.source!r}"
+                f"model.source must be one of {', '.join(SOURCES)}, got {self.source!r}"
             )
         if self.source == "module" and not _FACTORY.fullmatch(self.factory or ""):
             raise ConfigError(
                 "model.source=module needs model.factory as 'package.module:function', "
                 f"got {self.factory!r}"
             )
-        if self.source != "module" and (self.factory or self.args):
-            raise ConfigError("model.factory and model.args need model.source: module")
+        if self.source != "module" and self.factory:
+            raise ConfigError("model.factory needs model.source: module")
+        if self.source not in ("module", *BY_NAME) and self.args:
+            raise ConfigError("model.args needs model.source: module, torchvision or timm")
+        if self.source in BY_NAME and not (self.name or "").strip():
+            raise ConfigError(f"model.source={self.source} needs model.name (e.g. resnet18)")
+        if self.source not in BY_NAME and self.name is not None:
+            raise ConfigError("model.name needs model.source: torchvision or timm")
+        if not self.split or any(not s.strip() for s in self.split):
+            raise ConfigError("model.split must be auto or a list of module names")
+        if self.split != ["auto"] and self.source in ("gpt", "hf"):
+            raise ConfigError("model.split cuts a plain module: it needs model.source: module, "
+                              "torchvision or timm")  # fmt: skip
+        if "auto" in self.split and self.split != ["auto"]:
+            raise ConfigError("model.split: auto, or a list of module names, not both")
         self._check_hf()
         for name in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model"):
             positive(f"model.{name}", getattr(self, name))
@@ -58,8 +84,14 @@ class ModelConfig:
 
     def _check_hf(self) -> None:
         if self.source != "hf":
-            if self.hf or self.pretrained is not None:
-                raise ConfigError("model.hf and model.pretrained need model.source: hf")
+            if self.hf:
+                raise ConfigError("model.hf needs model.source: hf")
+            if self.pretrained is not None and self.source == "gpt":
+                raise ConfigError(
+                    "model.pretrained needs model.source: hf, module, torchvision or timm"
+                )
+            if self.pretrained is not None and not self.pretrained.strip():
+                raise ConfigError("model.pretrained must be a file, got an empty string")
             return
         if bool(self.hf) == (self.pretrained is not None):
             raise ConfigError(
@@ -73,6 +105,8 @@ class ModelConfig:
 
 
 _FACTORY = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
+DATA_SOURCES = ("synthetic", "tokens", "text", "dataset", "imagefolder")
+PLAIN_DATA = ("dataset", "imagefolder")  # what a plain module trains on
 
 
 @dataclass(kw_only=True)
@@ -82,7 +116,7 @@ class DataConfig:
     which ``elaswave launch`` tokenizes once into a cached token file that the job then reads
     like ``tokens`` (:mod:`elaswave.data.text`)."""
 
-    source: str = "synthetic"  # "synthetic" | "tokens" | "text"
+    source: str = "synthetic"  # "synthetic" | "tokens" | "text" | "dataset" | "imagefolder"
     # The flat token file the workers read: given for source=tokens; for source=text set by
     # launch to the cached file the text was tokenized into (its name is the content key).
     path: str | None = None
@@ -97,14 +131,41 @@ class DataConfig:
     # tokenizer, else UTF-8 bytes (ids 0..255, end of document 256: vocab_size >= 257).
     tokenizer: str | None = None
     cache_dir: str | None = None  # source=text: token file cache (default: the user's cache)
+    # source=dataset: "package.module:function" called with ``args``; it returns a map-style
+    # data set whose item i is (input, target): tensors, or nested tuples/dicts of them.
+    factory: str | None = None
+    args: dict[str, Any] = field(default_factory=dict)
+    # source=dataset/imagefolder: "package.module:function" that makes a micro-batch of items
+    # (default: torch's default_collate)
+    collate: str | None = None
+    image_size: int = 224  # source=imagefolder: images resized and center-cropped to this
 
     def __post_init__(self) -> None:
-        if self.source not in ("synthetic", "tokens", "text"):
+        if self.source not in DATA_SOURCES:
             raise ConfigError(
-                f"data.source must be 'synthetic', 'tokens' or 'text', got {self.source!r}"
+                f"data.source must be one of {', '.join(DATA_SOURCES)}, got {self.source!r}"
             )
         if self.source == "tokens" and not self.path:
             raise ConfigError("data.source=tokens needs data.path (a flat .bin token file)")
+        if self.source == "imagefolder" and not self.path:
+            raise ConfigError(
+                "data.source=imagefolder needs data.path (a folder of one folder per class)"
+            )
+        if self.source == "dataset" and not _FACTORY.fullmatch(self.factory or ""):
+            raise ConfigError(
+                "data.source=dataset needs data.factory as 'package.module:function', "
+                f"got {self.factory!r}"
+            )
+        if self.source != "dataset" and (self.factory or self.args):
+            raise ConfigError("data.factory and data.args need data.source: dataset")
+        if self.collate is not None and (
+            self.source not in PLAIN_DATA or not _FACTORY.fullmatch(self.collate)
+        ):
+            raise ConfigError(
+                "data.collate needs data.source: dataset or imagefolder and a "
+                f"'package.module:function', got {self.collate!r}"
+            )
+        positive("data.image_size", self.image_size)
         if self.dtype not in ("uint16", "uint32"):
             raise ConfigError(f"data.dtype must be 'uint16' or 'uint32', got {self.dtype!r}")
         positive("data.num_samples", self.num_samples)

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from elaswave.config.prune import PruneConfig
 from elaswave.config.schema import positive
 from elaswave.errors import ConfigError
+
+LOSSES = ("cross_entropy", "mse")  # train.loss's built-in losses
+_DOTTED = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
 
 # Where workers compute (``train.device``); the runtime resolves ``auto`` on each host.
 DEVICE_KINDS = ("auto", "cpu", "cuda", "npu")
@@ -46,6 +50,10 @@ class TrainConfig:
     # (every replica and stage see the same reduced gradient, so the same factor); 0: off.
     grad_clip: float = 0.0
     optimizer: str = "adamw"  # "adamw" | "sgd" (with momentum, as torch.optim.SGD)
+    # A plain module's loss (a Workload has its own): cross_entropy, mse (squared error summed
+    # over every element, counted per element: torch's mean), or "package.module:function",
+    # fn(output, target) -> (sum over the micro-batch, how many terms it counts).
+    loss: str = "cross_entropy"
     momentum: float = 0.9  # sgd only
     # AdamW: decoupled; SGD: L2 added to the gradient. By default biases, norm scales and
     # positional tables get none; param_groups set it by parameter name (first match wins).
@@ -167,6 +175,11 @@ class TrainConfig:
             raise ConfigError(f"train.device must be one of {choices}, got {self.device!r}")
         if self.eval_every < 0:
             raise ConfigError(f"train.eval_every must be >= 0, got {self.eval_every}")
+        if self.loss not in LOSSES and not _DOTTED.fullmatch(self.loss):
+            raise ConfigError(
+                "train.loss must be cross_entropy, mse or 'package.module:function', "
+                f"got {self.loss!r}"
+            )
         if self.optimizer not in ("adamw", "sgd"):
             raise ConfigError(f"train.optimizer must be adamw or sgd, got {self.optimizer!r}")
         if not 0 <= self.momentum < 1:  # also rejects NaN

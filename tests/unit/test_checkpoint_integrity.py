@@ -99,7 +99,10 @@ def test_a_rotten_checkpoint_is_passed_over_for_the_one_before(
 
 def test_none_intact_and_none_at_all(tmp_path: Path) -> None:
     assert newest_intact(tmp_path / "absent").path is None
-    assert resume_point(tmp_path) == (None, f"--resume: no durable checkpoint in {tmp_path}")
+    assert resume_point(tmp_path) == (
+        None,
+        f"--resume: no complete durable checkpoint in {tmp_path}",
+    )
     _whole(tmp_path, 5)
     _truncate(tmp_path / "step-00000005")
     choice = newest_intact(tmp_path)

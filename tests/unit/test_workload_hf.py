@@ -236,9 +236,9 @@ def test_token_file_data(tmp_path: Path) -> None:
         ({"source": "hf", "hf": {"hidden_size": 64}}, "model.hf needs a model_type key"),
         ({"source": "hf", "hf": TINY["llama"], "pretrained": "x"}, "exactly one of model.hf"),
         ({"source": "hf"}, "exactly one of model.hf"),
-        ({"hf": TINY["llama"]}, "model.hf and model.pretrained need model.source: hf"),
-        ({"source": "module", "factory": "a:b", "pretrained": "x"}, "need model.source: hf"),
-        ({"source": "hf", "hf": TINY["llama"], "factory": "a:b"}, "need model.source: module"),
+        ({"hf": TINY["llama"]}, "model.hf needs model.source: hf"),
+        ({"pretrained": "x"}, "model.pretrained needs model.source: hf, module"),
+        ({"source": "hf", "hf": TINY["llama"], "factory": "a:b"}, "needs model.source: module"),
         ({"source": "hf", "hf": "llama"}, "must be a mapping"),
     ],
 )

@@ -147,7 +147,7 @@ def resume_point(directory: str | os.PathLike[str]) -> tuple[Path | None, str]:
             key=step_of,
         )[-1:]
     if not candidates:
-        return None, f"--resume: no durable checkpoint in {root}"
+        return None, f"--resume: no complete durable checkpoint in {root}"
     (path,) = candidates
     why = check(path)
     if why is None:

@@ -1,19 +1,21 @@
-"""From a job config to its workload: the built-in GPT, a Hugging Face causal LM, or a user
-factory."""
+"""From a job config to its workload: the built-in GPT, a Hugging Face causal LM, a user
+factory's Workload, or any nn.Module (the user's, torchvision's, timm's) cut into layers."""
 
 from __future__ import annotations
 
 import importlib
-import os
-import sys
 from collections.abc import Callable
 from typing import Any
 
+from torch import nn
+
 from elaswave.config import JobConfig
+from elaswave.config.model import BY_NAME, PLAIN_DATA
 from elaswave.data.tokens import check_token_file
 from elaswave.errors import ConfigError
 from elaswave.runtime.workload.base import KeyedLayers, Workload, build_layers
 from elaswave.runtime.workload.gpt import GPTConfig, GPTWorkload
+from elaswave.runtime.workload.plaindata import resolve
 
 __all__ = ["build_model", "load_workload", "resolve_factory"]
 
@@ -21,23 +23,7 @@ __all__ = ["build_model", "load_workload", "resolve_factory"]
 def resolve_factory(spec: str) -> Callable[..., Any]:
     """The function named by ``"package.module:function"``, importable from the current
     directory too (as ``python -m`` does)."""
-    module_name, _, attr = spec.partition(":")
-    if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.append(os.getcwd())
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigError(
-            f"model.factory {spec!r}: cannot import {module_name!r} ({exc})"
-        ) from None
-    target: Any = module
-    for part in attr.split("."):
-        target = getattr(target, part, None)
-        if target is None:
-            raise ConfigError(f"model.factory {spec!r}: {module_name!r} has no {attr!r}")
-    if not callable(target):
-        raise ConfigError(f"model.factory {spec!r}: {attr!r} is not callable")
-    return target
+    return resolve(spec, "model.factory")
 
 
 def load_workload(cfg: JobConfig) -> Workload:
@@ -53,7 +39,12 @@ def load_workload(cfg: JobConfig) -> Workload:
             gpt, data_source=d.source, data_path=d.path, data_dtype=d.dtype,
             num_samples=d.num_samples,
         )  # fmt: skip
-    workload = _hf_workload(cfg) if m.source == "hf" else _factory_workload(cfg)
+    if m.source == "hf":
+        workload = _hf_workload(cfg)
+    elif m.source in BY_NAME:
+        workload = _plain(cfg, _by_name(cfg), f"{m.source} model {m.name!r}")
+    else:
+        workload = _factory_workload(cfg)
     if cfg.pp > workload.num_layers:
         raise ConfigError(
             f"pp={cfg.pp} stages but the workload has only {workload.num_layers} layers"
@@ -82,13 +73,56 @@ def _factory_workload(cfg: JobConfig) -> Workload:
         workload = factory(**m.args)
     except Exception as exc:  # the user's code: its error, on one line
         raise ConfigError(f"model.factory {m.factory!r} failed: {_first_line(exc)}") from None
+    if isinstance(workload, nn.Module):
+        return _plain(cfg, lambda: factory(**m.args), f"model.factory {m.factory!r}")
     if not isinstance(workload, Workload):
         raise ConfigError(
-            f"model.factory {m.factory!r} returned {type(workload).__name__}, not a Workload"
+            f"model.factory {m.factory!r} returned {type(workload).__name__}, not a Workload "
+            "or an nn.Module"
         )
+    if m.split != ["auto"] or m.pretrained is not None:
+        key = "model.split" if m.split != ["auto"] else "model.pretrained"
+        raise ConfigError(f"{key}: model.factory {m.factory!r} returned a Workload, which "
+                          "cuts and loads its model itself")  # fmt: skip
+    if cfg.data.source in PLAIN_DATA:
+        raise ConfigError(f"data.source {cfg.data.source}: model.factory {m.factory!r} returned "
+                          "a Workload, which has its own data set")  # fmt: skip
     if workload.num_layers < 1:
         raise ConfigError(f"model.factory {m.factory!r}: the workload has no layers")
     return workload
+
+
+def _plain(cfg: JobConfig, build: Callable[[], nn.Module], what: str) -> Workload:
+    """A plain module's workload: its data, collate and loss from the config."""
+    from elaswave.runtime.workload.module import ModuleWorkload
+    from elaswave.runtime.workload.plaindata import make_collate, make_data, make_loss
+
+    return ModuleWorkload(
+        build, data=make_data(cfg), collate=make_collate(cfg), loss=make_loss(cfg),
+        split=cfg.model.split, pretrained=cfg.model.pretrained, what=what,
+    )  # fmt: skip
+
+
+def _by_name(cfg: JobConfig) -> Callable[[], nn.Module]:
+    """``model.source: torchvision | timm``: the model builder of ``model.name`` with
+    ``model.args``, random init (nothing downloads)."""
+    m = cfg.model
+    name, args = str(m.name), dict(m.args)
+    try:
+        lib = importlib.import_module(m.source)
+    except Exception as exc:  # noqa: BLE001 - missing, or a build that does not fit torch
+        raise ConfigError(
+            f"model.source: {m.source} needs {m.source} ({_first_line(exc)}): "
+            "pip install 'elaswave[vision]'"
+        ) from None
+    if m.source == "torchvision":
+        known = set(lib.models.list_models())
+        if name not in known:
+            raise ConfigError(f"model.name {name!r}: torchvision has no such model")
+        return lambda: lib.models.get_model(name, weights=None, **args)
+    if not lib.is_model(name):
+        raise ConfigError(f"model.name {name!r}: timm has no such model")
+    return lambda: lib.create_model(name, pretrained=False, **args)
 
 
 def check_data(cfg: JobConfig, workload: Workload) -> None:
@@ -98,6 +132,9 @@ def check_data(cfg: JobConfig, workload: Workload) -> None:
     train on, is a config error. A ``module`` workload's data is its own: only the held-out
     count is checked."""
     d = cfg.data
+    check = getattr(workload, "check", None)
+    if callable(check):  # a plain module: one micro-batch through the model and the loss
+        check()
     if d.source in ("tokens", "text") and d.path is not None and cfg.model.source != "module":
         vocab = getattr(workload, "vocab_size", None)
         try:
