@@ -51,10 +51,10 @@ def test_factory_with_args() -> None:
 @pytest.mark.parametrize(
     ("model", "message"),
     [
-        ({"source": "torchvision"}, "model.source must be 'gpt' or 'module'"),
+        ({"source": "keras"}, "model.source must be one of gpt, module, hf, torchvision, timm"),
         ({"source": "module"}, "needs model.factory as 'package.module:function'"),
         ({"source": "module", "factory": "no_colon"}, "'package.module:function'"),
-        ({"factory": "a.b:c"}, "need model.source: module"),
+        ({"factory": "a.b:c"}, "needs model.source: module"),
         ({"source": "module", "factory": "a:b", "args": [1]}, "must be a mapping"),
     ],
 )
