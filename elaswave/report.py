@@ -92,7 +92,9 @@ def build_report(run_dir: str | Path, *more: str | Path) -> dict[str, Any]:
     totals["memory"] = memory_by_worker(events)
     evals = sorted((m for m in lines if m.get("kind") == "eval"), key=lambda m: m["step"])
     if evals:
-        totals["eval_loss"] = {"step": evals[-1]["step"], "loss": evals[-1]["eval_loss"]}
+        last = evals[-1]
+        totals["eval_loss"] = {"step": last["step"], "loss": last["eval_loss"],
+                               "accuracy": last.get("eval_accuracy")}  # fmt: skip
     return {"run_dir": ", ".join(str(d) for d in dirs), "incidents": incidents, "totals": totals}
 
 
@@ -593,7 +595,8 @@ def render_markdown(report: dict[str, Any]) -> str:
     ]
     if t.get("eval_loss"):
         e = t["eval_loss"]
-        lines.append(f"Held-out loss {e['loss']:.4f} at step {e['step']}.")
+        accuracy = f", accuracy {e['accuracy']:.1%}" if e.get("accuracy") is not None else ""
+        lines.append(f"Held-out loss {e['loss']:.4f}{accuracy} at step {e['step']}.")
     if t.get("evicted"):
         lines.append(f"Evicted as stragglers: {', '.join(t['evicted'])}.")
     if t.get("stopped"):

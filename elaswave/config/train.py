@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 from elaswave.config.prune import PruneConfig
 from elaswave.config.schema import positive
@@ -11,6 +12,7 @@ from elaswave.errors import ConfigError
 
 LOSSES = ("cross_entropy", "mse")  # train.loss's built-in losses
 _DOTTED = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
+_CLASS = re.compile(r"[A-Za-z_][\w.]*[.:][A-Za-z_]\w*")  # package.module.Class or :Class
 
 # Where workers compute (``train.device``); the runtime resolves ``auto`` on each host.
 DEVICE_KINDS = ("auto", "cpu", "cuda", "npu")
@@ -42,14 +44,21 @@ class TrainConfig:
     micro_batch_size: int = 2
     lr: float = 3e-3
     # The learning rate of step s is a pure function of s (a redone step gets the same one):
-    # constant, or linear warmup over warmup_steps then cosine decay to min_lr at the last step.
-    lr_schedule: str = "constant"  # "constant" | "cosine"
+    # constant, or linear warmup over warmup_steps then cosine decay to min_lr at the last step;
+    # or a torch.optim.lr_scheduler class (e.g. torch.optim.lr_scheduler.OneCycleLR) with
+    # lr_schedule_args, stepped once per committed step (replayed: elaswave.runtime.optimizers).
+    lr_schedule: str = "constant"  # "constant" | "cosine" | a dotted class
+    lr_schedule_args: dict[str, Any] = field(default_factory=dict)
     warmup_steps: int = 0
     min_lr: float = 0.0
     # Gradient clipping by the global norm of the batch's mean gradient over the whole model
     # (every replica and stage see the same reduced gradient, so the same factor); 0: off.
     grad_clip: float = 0.0
-    optimizer: str = "adamw"  # "adamw" | "sgd" (with momentum, as torch.optim.SGD)
+    # "adamw" | "sgd" (with momentum, as torch.optim.SGD) | a dotted torch.optim.Optimizer class
+    # (torch.optim.RMSprop, a user's class) with optimizer_args: element-wise ones, whose state
+    # is at most two tensors shaped like the parameter (checked by running it at launch)
+    optimizer: str = "adamw"
+    optimizer_args: dict[str, Any] = field(default_factory=dict)
     # A plain module's loss (a Workload has its own): cross_entropy, mse (squared error summed
     # over every element, counted per element: torch's mean), or "package.module:function",
     # fn(output, target) -> (sum over the micro-batch, how many terms it counts).
@@ -160,9 +169,19 @@ class TrainConfig:
                 raise ConfigError(f"train.{name} must be >= 0, got {getattr(self, name)}")
         if not self.lr > 0:  # also rejects NaN
             raise ConfigError(f"train.lr must be > 0, got {self.lr}")
-        if self.lr_schedule not in ("constant", "cosine"):
+        if self.lr_schedule not in ("constant", "cosine") and not _CLASS.fullmatch(
+            self.lr_schedule
+        ):
             raise ConfigError(
-                f"train.lr_schedule must be constant or cosine, got {self.lr_schedule!r}"
+                "train.lr_schedule must be constant, cosine or a dotted class name, got "
+                f"{self.lr_schedule!r}"
+            )
+        if self.lr_schedule_args and self.lr_schedule in ("constant", "cosine"):
+            raise ConfigError("train.lr_schedule_args needs train.lr_schedule: a scheduler class")
+        if self.warmup_steps and self.lr_schedule not in ("constant", "cosine"):
+            raise ConfigError(
+                "train.warmup_steps: a scheduler class schedules the warm-up itself "
+                "(e.g. OneCycleLR's pct_start)"
             )
         if self.warmup_steps < 0:
             raise ConfigError(f"train.warmup_steps must be >= 0, got {self.warmup_steps}")
@@ -180,8 +199,21 @@ class TrainConfig:
                 "train.loss must be cross_entropy, mse or 'package.module:function', "
                 f"got {self.loss!r}"
             )
+        if self.optimizer not in ("adamw", "sgd") and not _CLASS.fullmatch(self.optimizer):
+            raise ConfigError(
+                "train.optimizer must be adamw, sgd or a dotted class name (torch.optim.RMSprop), "
+                f"got {self.optimizer!r}"
+            )
+        if self.optimizer in ("adamw", "sgd") and self.optimizer_args:
+            raise ConfigError("train.optimizer_args needs train.optimizer: an optimizer class")
         if self.optimizer not in ("adamw", "sgd"):
-            raise ConfigError(f"train.optimizer must be adamw or sgd, got {self.optimizer!r}")
+            if self.weight_decay or self.param_groups:
+                raise ConfigError(
+                    "train.weight_decay and train.param_groups are for adamw and sgd: give an "
+                    "optimizer class its weight_decay in train.optimizer_args"
+                )
+            if self.prune is not None:
+                raise ConfigError("train.prune runs DHSPG on adamw or sgd, not an optimizer class")
         if not 0 <= self.momentum < 1:  # also rejects NaN
             raise ConfigError(f"train.momentum must be in [0, 1), got {self.momentum}")
         if not self.weight_decay >= 0:  # also rejects NaN

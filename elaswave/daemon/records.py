@@ -131,6 +131,7 @@ class StepRecords:
             "step": int(msg["step"]),
             "eval_loss": msg["loss"],
             "eval_samples": msg["samples"],
+            **({"eval_accuracy": msg["accuracy"]} if "accuracy" in msg else {}),
             "time": msg["t"],
         }
 

@@ -316,7 +316,7 @@ class Engine:
             self._enter("idle")
         if self.cfg.train.eval_every and step % self.cfg.train.eval_every == 0:
             self._enter("compute")
-            loss, samples = evaluate(self.ctx, self.strategy, self.ctx.broken)
+            loss, samples, accuracy = evaluate(self.ctx, self.strategy, self.ctx.broken)
             self._enter("idle")
             if self.comm.rank(DP) == 0:
                 self.control.send(
@@ -325,6 +325,7 @@ class Engine:
                         "step": step,
                         "loss": loss,
                         "samples": samples,
+                        **({"accuracy": accuracy} if accuracy is not None else {}),
                         "t": time.time(),
                     }
                 )

@@ -14,9 +14,13 @@ import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from elaswave.runtime.optimizers import ScheduleReplay, TorchRule
 
 
 class FlatParams:
@@ -169,13 +173,23 @@ class OptimHyper:
     groups: torch.Tensor | None = None
     group_runs: tuple[tuple[int, int, int], ...] = ()
     groups_base: int = 0
+    # An optimizer class (train.optimizer) in place of adamw/sgd, and a scheduler class
+    # (train.lr_schedule) in place of constant/cosine (:mod:`elaswave.runtime.optimizers`)
+    rule: TorchRule | None = None
+    replay: ScheduleReplay | None = None
     _padded: torch.Tensor | None = field(default=None, init=False, repr=False)
 
     def lr_at(self, step: int) -> float:
+        if self.replay is not None:
+            return self.replay.lr(step)
         return learning_rate(
             step, lr=self.lr, schedule=self.schedule, warmup=self.warmup, total=self.total,
             min_lr=self.min_lr,
         )  # fmt: skip
+
+    def group_at(self, step: int) -> dict[str, Any]:
+        """The optimizer group's scheduled values at ``step`` (an optimizer class's update)."""
+        return dict(self.replay.at(step)) if self.replay is not None else {"lr": self.lr_at(step)}
 
     def hold_groups(self, base: int, numel: int, device: torch.device | None = None) -> None:
         """Keep the groups of the whole model's flat elements ``[base, base + numel)`` only
@@ -257,6 +271,9 @@ def update_(
     :meth:`OptimHyper.groups_of`). Element-wise: applying it to a slice gives the same values as
     applying it to the whole buffer. The arithmetic is PyTorch's single-tensor AdamW and SGD
     (``torch.optim``), operation for operation."""
+    if h.rule is not None:  # the optimizer class's own step on this slice: element-wise
+        h.rule.apply(param, grad, exp_avg, exp_avg_sq, step, h.group_at(step))
+        return
     lr = h.lr_at(step)
     n = param.numel()
     chunk = CPU_CHUNK if param.device.type == "cpu" else max(n, 1)

@@ -21,6 +21,7 @@ from elaswave.planning.plan import Plan
 from elaswave.prune.pruner import Pruner
 from elaswave.runtime.comm.communicator import Communicator
 from elaswave.runtime.optim import FlatOptimizer, FlatParams, OptimHyper, Spans, decay_groups
+from elaswave.runtime.optimizers import ScheduleReplay, TorchRule, schedule_replay, torch_rule
 from elaswave.runtime.workload import (
     Dataset,
     KeyedLayers,
@@ -86,6 +87,7 @@ class TrainState:
             momentum=t.momentum, weight_decay=t.weight_decay, schedule=t.lr_schedule,
             warmup=t.warmup_steps, total=t.steps, min_lr=t.min_lr,
         )  # fmt: skip
+        hyper.rule, hyper.replay = optimizer_classes(cfg)
         hyper.group_decay, hyper.group_runs = param_groups(model, cfg)
         hyper.hold_groups(flat.base, flat.numel, device)
         opt = FlatOptimizer(0 if cfg.zero else flat.numel, hyper, device)  # ZeRO: shards
@@ -180,6 +182,13 @@ class TrainState:
             raise ValueError(f"the workload's loss counted {count} terms (must be >= 0)")
         return total, count
 
+    def score(self, output: torch.Tensor, targets: Any) -> tuple[float, int, int]:
+        """A held-out micro-batch's (loss sum, count, top-1 hits; hits 0 where the workload
+        is no classifier)."""
+        total, count = self.loss(output, targets)
+        hits = self.workload.correct(output, targets)
+        return float(total), count, int(hits or 0)
+
 
 def to_device(value: Any, device: torch.device) -> Any:
     """Tensors (also inside tuples, lists and dicts) moved to ``device``; anything else as is."""
@@ -203,6 +212,16 @@ def _buffers_to(layer: torch.nn.Module, device: torch.device) -> None:
         for name, b in module._buffers.items():
             if b is not None and b.device != device:
                 module._buffers[name] = b.to(device)
+
+
+def optimizer_classes(cfg: JobConfig) -> tuple[TorchRule | None, ScheduleReplay | None]:
+    """``train.optimizer`` and ``train.lr_schedule`` where they name classes, probed (one line
+    for a class that does not fit the flat state)."""
+    t = cfg.train
+    rule = None
+    if t.optimizer not in ("adamw", "sgd"):
+        rule = torch_rule(t.optimizer, t.optimizer_args, t.lr)
+    return rule, schedule_replay(cfg, rule)
 
 
 def _layers(model: KeyedLayers, window: range) -> torch.nn.Module:

@@ -251,14 +251,16 @@ class Strategy(ABC):
     def score(
         self, batches: Sequence[Sequence[int]], slots: torch.Tensor, broken: Callable[[], bool]
     ) -> None:
-        """Held-out evaluation (the model in eval mode, no gradients): the (loss sum, count)
-        of each micro-batch this rank scores into its slots ``2 i, 2 i + 1``; every slot is
-        filled by one rank. Here micro-batch ``i`` on rank ``i mod world``, whole model."""
+        """Held-out evaluation (the model in eval mode, no gradients): the (loss sum, count,
+        top-1 hits) of each micro-batch this rank scores into its slots ``3 i .. 3 i + 2``
+        (:meth:`TrainState.score`); every slot is filled by one rank. Here micro-batch ``i`` on
+        rank ``i mod world``, whole model."""
         st, rank, world = self.state, self.ctx.comm.rank(DP), self.ctx.comm.size(DP)
         for i in range(rank, len(batches), world):
             inputs, targets = st.microbatch(batches[i])
-            total, count = st.loss(st.model(inputs, EVAL_STEP, i), targets)
-            slots[2 * i], slots[2 * i + 1] = float(total), float(count)
+            slots[3 * i : 3 * i + 3] = torch.tensor(
+                st.score(st.model(inputs, EVAL_STEP, i), targets), dtype=slots.dtype
+            )
 
     @abstractmethod
     def adopt(self, state: DurableState, plan: Plan, broken: Callable[[], bool]) -> dict[str, Any]:

@@ -339,12 +339,13 @@ class LayerGather:
         self,
         shards: ParamShards,
         batches: Sequence[Batch],
-        loss_fn: LossFn,
+        score_fn: Callable[[torch.Tensor, Any], tuple[float, int, int]],
         step: int,
         abort: Callable[[], bool],
-    ) -> list[tuple[float, int]]:
+    ) -> list[tuple[float, int, int]]:
         """Forward only (the caller holds no_grad and eval mode), every layer gathered once:
-        each batch's (loss sum, count). Every rank calls it together, with its own batches."""
+        what ``score_fn`` makes of each batch's output (:meth:`TrainState.score`). Every rank
+        calls it together, with its own batches."""
         model, layers = self.model, len(self.model.layers)
         xs = [b.inputs for b in batches]
         self._kept = {}
@@ -365,11 +366,7 @@ class LayerGather:
         except BaseException:
             self._abandon(pending)
             raise
-        out = []
-        for x, b in zip(xs, batches, strict=True):
-            loss, n = loss_fn(x, b.targets)
-            out.append((float(loss), n))
-        return out
+        return [score_fn(x, b.targets) for x, b in zip(xs, batches, strict=True)]
 
     # ---- helpers --------------------------------------------------------------------------------
     def _post(self, shards: ParamShards, i: int, abort: Callable[[], bool]) -> _Gathering:

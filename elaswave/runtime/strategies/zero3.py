@@ -220,9 +220,9 @@ class Zero3(Zero1):
         mine = range(rank, len(batches), world)
         runs = [Batch(i, *st.microbatch(batches[i])) for i in mine]
         self.path.comm = comm
-        scores = self.path.score(self.shards, runs, st.loss, EVAL_STEP, broken)
-        for i, (total, count) in zip(mine, scores, strict=True):
-            slots[2 * i], slots[2 * i + 1] = total, float(count)
+        scores = self.path.score(self.shards, runs, st.score, EVAL_STEP, broken)
+        for i, score in zip(mine, scores, strict=True):
+            slots[3 * i : 3 * i + 3] = torch.tensor(score, dtype=slots.dtype)
 
     def adopt(self, state: DurableState, plan: Plan, broken: Callable[[], bool]) -> dict[str, Any]:
         """The whole state in (a durable checkpoint): this rank's shard of a fresh even layout."""

@@ -128,6 +128,11 @@ class Workload(abc.ABC):
         the whole global batch and divides once, after the reduction: the gradient is that of
         the mean over every counted term of the batch, whatever share of it each rank ran."""
 
+    def correct(self, output: torch.Tensor, targets: Any) -> int | None:
+        """How many of the micro-batch's samples a classifier gets right (top-1), for the
+        held-out accuracy; None (the default): the model is not scored by accuracy."""
+        return None
+
     def build_meta_layer(self, index: int, seed: int) -> nn.Module:
         """Layer ``index`` with its shapes only, on the meta device: no memory, no initial
         values (what a pipeline rank keeps of the layers it does not hold, and what the flat

@@ -20,6 +20,7 @@ by identity: each stretch gets its own copy, and :attr:`Cut.tied` pairs them.
 
 from __future__ import annotations
 
+import inspect
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -47,13 +48,14 @@ def cut_module(model: nn.Module, split: list[str]) -> Cut:
     """Cut ``model`` as ``split`` says (see the module docstring)."""
     auto = split == AUTO
     try:
-        gm = fx.symbolic_trace(model)
+        gm = fx.symbolic_trace(model, concrete_args=_defaults(model))
     except Exception as exc:  # noqa: BLE001 - any failure to trace means: not cut
         if auto:
             return Cut([model], whole_because=f"its forward does not trace ({_line(exc)})")
         raise ConfigError(
             f"model.split: the model's forward does not trace: {_line(exc)}"
         ) from None
+    _drop_fixed(gm)
     body = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output", "get_attr")]
     inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if len(inputs) != 1:
@@ -80,14 +82,46 @@ def cut_module(model: nn.Module, split: list[str]) -> Cut:
     return Cut(layers, tied=_ties(layers))
 
 
+def _defaults(model: nn.Module) -> dict[str, object]:
+    """The forward's arguments after the first that have defaults, fixed at them: the model is
+    called with its input alone (an optional mask stays None)."""
+    params = list(inspect.signature(model.forward).parameters.values())[1:]
+    return {
+        p.name: p.default
+        for p in params
+        if p.default is not inspect.Parameter.empty
+        and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    }
+
+
+def _drop_fixed(gm: fx.GraphModule) -> None:
+    """Remove the placeholders of the arguments fixed at their defaults (after the first), with
+    the checks the tracer adds that they keep them."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for node in [n for n in gm.graph.nodes if n.op == "placeholder"][1:]:
+        below, todo = {node}, [node]
+        while todo:
+            for user in todo.pop().users:
+                if user not in below:
+                    below.add(user)
+                    todo.append(user)
+        if all(u in below for n in below for u in n.users) and all(
+            n.op != "output" for n in below
+        ):  # only the tracer's checks read it: they go with it
+            for n in sorted(below, key=order.__getitem__, reverse=True):
+                gm.graph.erase_node(n)
+    gm.recompile()
+
+
 def _auto_starts(gm: fx.GraphModule, body: list[fx.Node]) -> tuple[list[int], str]:
     """Where each top-level child's calls begin, or why the children are not a chain."""
     starts: list[int] = []
     seen: list[str] = []
     for i, node in enumerate(body):
-        if node.op != "call_module":
-            continue
-        child = str(node.target).split(".")[0]
+        paths = _paths(node)
+        if not paths:
+            continue  # an operation of the forward itself: it joins the stretch it runs in
+        child = paths[0].split(".")[0]
         if seen and child == seen[-1]:
             continue
         if child in seen:
@@ -110,7 +144,7 @@ def _named_starts(model: nn.Module, body: list[fx.Node], split: list[str]) -> li
                 f"model.split: the model has no module {name!r} (its children: {top})"
             )
         at = next(
-            (i for i, n in enumerate(body) if n.op == "call_module" and _within(n.target, name)),
+            (i for i, n in enumerate(body) if any(_within(p, name) for p in _paths(n))),
             None,
         )
         if at is None:
@@ -120,6 +154,16 @@ def _named_starts(model: nn.Module, body: list[fx.Node], split: list[str]) -> li
         if at != 0:
             starts.append(at)
     return starts
+
+
+def _paths(node: fx.Node) -> list[str]:
+    """The modules a node runs inside, outermost first (the tracer records them for the
+    operations of the modules it traces through; a module call is inside itself)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    paths = [str(v[0]) if isinstance(v, tuple) else str(k).split("@")[0] for k, v in stack.items()]
+    if node.op == "call_module" and not paths:
+        paths = [str(node.target)]
+    return paths
 
 
 def _within(target: object, name: str) -> bool:

@@ -25,7 +25,7 @@ from torch import nn
 from elaswave.errors import ConfigError
 from elaswave.runtime.workload.base import Dataset, KeyedLayers, ParamRef, TensorSpec, Workload
 from elaswave.runtime.workload.cut import Cut, cut_module
-from elaswave.runtime.workload.plaindata import LossFn, first_line
+from elaswave.runtime.workload.plaindata import LossFn, cross_entropy, first_line
 
 __all__ = ["ModuleWorkload", "load_state_file"]
 
@@ -112,6 +112,14 @@ class ModuleWorkload(Workload):
 
     def loss(self, output: torch.Tensor, targets: Any) -> tuple[torch.Tensor, int]:
         return self._loss(output, targets)
+
+    def correct(self, output: torch.Tensor, targets: Any) -> int | None:
+        """Top-1 hits when the loss is the built-in cross-entropy over class indices."""
+        if self._loss is not cross_entropy or not isinstance(targets, torch.Tensor):
+            return None
+        if targets.is_floating_point() or output.dim() != 2 or targets.shape != output.shape[:1]:
+            return None
+        return int((output.argmax(1) == targets).sum())
 
     def boundary(self, index: int, micro_batch_size: int) -> TensorSpec:
         spec = self._boundaries()[index]

@@ -483,8 +483,7 @@ class Pipeline:
                 e.comm.p2p("dp", [], [(ranks[s - 1], h, TAG_EVAL)], broken)
             h = st.model(h, EVAL_STEP, i, layers.start, layers.stop)
             if last:
-                total, count = st.loss(h, targets)
-                slots[2 * i], slots[2 * i + 1] = float(total), float(count)
+                slots[3 * i : 3 * i + 3] = torch.tensor(st.score(h, targets), dtype=slots.dtype)
             else:
                 e.comm.p2p("dp", [(ranks[s + 1], h, TAG_EVAL)], [], broken)
 

@@ -1,0 +1,236 @@
+"""Any ``torch.optim`` optimizer and learning-rate scheduler, on the flat train state.
+
+ElasWave keeps every rank's state as flat buffers: parameters and two state slots per element
+(AdamW's moments; :mod:`.optim`). A named optimizer class (``train.optimizer:
+torch.optim.RMSprop``, or a user's class) fits that layout when its state per parameter is at
+most two tensors shaped like the parameter plus the step count, and when its update is
+*element-wise*: one step on a tensor whole and on its two halves gives the same bits. Then the
+update of any slice of the flat buffers (a ZeRO shard, a pipeline window, a replica's whole
+buffer) is the optimizer's own ``step()`` on that slice, with its state tensors mapped onto the
+slots, and the state survives every snapshot, migration, checkpoint and resume with them. Both
+properties are probed once, by running the optimizer (:func:`torch_rule`); an optimizer that
+fails them (Adafactor's relative step, LBFGS's closure, NAdam's scalar state) is refused with
+the reason.
+
+A scheduler class (``train.lr_schedule: torch.optim.lr_scheduler.OneCycleLR``) is replayed on a
+one-element optimizer of the same kind: the learning rate (and betas or momentum, where the
+scheduler cycles them) of step ``s`` is what the scheduler holds after ``s - 1`` steps, a pure
+function of ``s`` that a redone step gets again (:class:`ScheduleReplay`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from elaswave.config import JobConfig
+from elaswave.errors import ConfigError
+
+__all__ = ["ScheduleReplay", "TorchRule", "resolve_class", "schedule_replay", "torch_rule"]
+
+SCHEDULED = ("lr", "betas", "momentum")  # what a replayed scheduler may set per step
+PROBE_STEPS = 3
+
+
+def resolve_class(spec: str, key: str) -> type:
+    """The class named ``package.module.Class`` or ``package.module:Class``."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep:
+        module_name, _, attr = spec.rpartition(".")
+    try:
+        target: Any = importlib.import_module(module_name)
+        for part in attr.split("."):
+            target = getattr(target, part)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise ConfigError(f"{key} {spec!r}: no such class ({exc})") from None
+    if not isinstance(target, type):
+        raise ConfigError(f"{key} {spec!r} is not a class")
+    return target
+
+
+class TorchRule:
+    """One optimizer class and its arguments, stepping any slice of the flat buffers; its
+    per-parameter state tensors ``slots`` live in the two state buffers."""
+
+    def __init__(self, cls: type, args: dict[str, Any], name: str) -> None:
+        self.cls, self.args, self.name = cls, dict(args), name
+        self.slots: tuple[str, ...] = ()
+
+    def _make(self, t: torch.Tensor, group: dict[str, Any]) -> torch.optim.Optimizer:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            opt = self.cls([t], **{**self.args, **group})
+        opt.param_groups[0].update(group)
+        return opt  # type: ignore[no-any-return]
+
+    def apply(
+        self,
+        param: torch.Tensor,
+        grad: torch.Tensor,
+        slot1: torch.Tensor,
+        slot2: torch.Tensor,
+        step: int,
+        group: dict[str, Any],
+    ) -> None:
+        """Update ``param`` in place as the optimizer's ``step()`` number ``step`` would, its
+        state read from and written back to the slots."""
+        t = param.detach().requires_grad_(True)  # the same memory, as a leaf the optimizer takes
+        t.grad = grad
+        opt = self._make(t, group)
+        slots = (slot1, slot2)
+        if step > 1:
+            state: dict[str, Any] = {"step": torch.tensor(float(step - 1))}
+            state.update({key: slots[i] for i, key in enumerate(self.slots)})
+            opt.state[t] = state
+        opt.step()
+        if step == 1:  # the optimizer made its own initial state: keep it in the slots
+            for i, key in enumerate(self.slots):
+                slots[i].copy_(opt.state[t][key])
+
+
+def torch_rule(name: str, args: dict[str, Any], lr: float) -> TorchRule:
+    """The rule of optimizer class ``name``, probed: its state must fit two slots and its
+    update be element-wise and the same through the slots as run natively (else one line)."""
+    cls = resolve_class(name, "train.optimizer")
+    if not issubclass(cls, torch.optim.Optimizer):
+        raise ConfigError(f"train.optimizer {name!r} is not a torch.optim.Optimizer")
+    if "lr" in args:
+        raise ConfigError("train.optimizer_args: the learning rate is train.lr, not lr")
+    rule = TorchRule(cls, args, name)
+    g = torch.Generator().manual_seed(0)
+    x0 = torch.randn(64, generator=g)
+    grads = [torch.randn(64, generator=g) for _ in range(PROBE_STEPS)]
+    group = {"lr": lr}
+    try:
+        native = x0.clone().requires_grad_(True)
+        opt = rule._make(native, group)
+        for k, grad in enumerate(grads):
+            native.grad = grad.clone()
+            opt.step()
+            if k == 0:
+                state = opt.state[native]
+    except TypeError as exc:
+        raise ConfigError(f"train.optimizer {name!r}: {_line(exc)}") from None
+    except Exception as exc:  # noqa: BLE001 - an optimizer that cannot step this way
+        raise ConfigError(f"train.optimizer {name!r} cannot step a tensor: {_line(exc)}") from None
+    slots, other = [], []
+    for key, value in state.items():
+        if torch.is_tensor(value) and value.shape == x0.shape:
+            slots.append(key)
+        elif key != "step":
+            other.append(key)
+    if other:
+        raise ConfigError(
+            f"train.optimizer {name!r} keeps state ElasWave cannot shard: {other[0]!r}"
+        )
+    if len(slots) > 2:
+        raise ConfigError(
+            f"train.optimizer {name!r} keeps {len(slots)} tensors per parameter "
+            f"({', '.join(slots)}); ElasWave's flat state has two"
+        )
+    rule.slots = tuple(slots)
+    if not torch.equal(_through_slots(rule, x0, grads, group, [64]), native.detach()):
+        raise ConfigError(f"train.optimizer {name!r}: its step through ElasWave's state slots "
+                          "differs from its own")  # fmt: skip
+    if not torch.equal(_through_slots(rule, x0, grads, group, [32, 32]), native.detach()):
+        raise ConfigError(
+            f"train.optimizer {name!r} is not element-wise (a tensor updated whole and in two "
+            "halves differs): ElasWave updates its flat state in slices"
+        )
+    return rule
+
+
+def _through_slots(
+    rule: TorchRule,
+    x0: torch.Tensor,
+    grads: list[torch.Tensor],
+    group: dict[str, Any],
+    cuts: list[int],
+) -> torch.Tensor:
+    x = x0.clone()
+    s1, s2 = torch.zeros_like(x), torch.zeros_like(x)
+    for step, grad in enumerate(grads, start=1):
+        a = 0
+        for n in cuts:
+            part = slice(a, a + n)
+            rule.apply(x[part], grad[part].clone(), s1[part], s2[part], step, group)
+            a += n
+    return x
+
+
+class ScheduleReplay:
+    """The scheduled hyper-parameters of every step: a scheduler class replayed on a
+    one-element optimizer of the job's kind, once, in order (``at`` is a pure function)."""
+
+    def __init__(self, make: Callable[[], torch.optim.lr_scheduler.LRScheduler]) -> None:
+        self._make = make
+        self._sched: torch.optim.lr_scheduler.LRScheduler | None = None
+        self._values: list[dict[str, Any]] = []
+
+    def at(self, step: int) -> dict[str, Any]:
+        """What the optimizer's group holds for ``step`` (from 1)."""
+        if self._sched is None:
+            self._sched = self._make()
+        opt = self._sched.optimizer
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            while len(self._values) < step:
+                if self._values:
+                    opt.step()
+                    self._sched.step()
+                group = opt.param_groups[0]
+                self._values.append({k: group[k] for k in SCHEDULED if k in group})
+        return self._values[step - 1]
+
+    def lr(self, step: int) -> float:
+        return float(self.at(step)["lr"])
+
+
+def schedule_replay(cfg: JobConfig, rule: TorchRule | None) -> ScheduleReplay | None:
+    """``train.lr_schedule`` as a class, checked by building it and taking its first steps;
+    None for the built-in ``constant`` and ``cosine``."""
+    t = cfg.train
+    if t.lr_schedule in ("constant", "cosine"):
+        return None
+    cls = resolve_class(t.lr_schedule, "train.lr_schedule")
+    if not issubclass(cls, torch.optim.lr_scheduler.LRScheduler):
+        raise ConfigError(f"train.lr_schedule {t.lr_schedule!r} is not a torch.optim.lr_scheduler")
+
+    def make() -> torch.optim.lr_scheduler.LRScheduler:
+        dummy = torch.zeros(1, requires_grad=True)
+        if rule is not None:
+            opt = rule._make(dummy, {"lr": t.lr})
+        elif t.optimizer == "sgd":
+            opt = torch.optim.SGD([dummy], lr=t.lr, momentum=t.momentum)
+        else:
+            opt = torch.optim.AdamW([dummy], lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return cls(opt, **t.lr_schedule_args)  # type: ignore[no-any-return]
+
+    replay = ScheduleReplay(make)
+    try:
+        first = replay.at(1)
+        for step in range(2, min(t.steps, 64) + 1):
+            moved = [k for k in SCHEDULED if k != "lr" and replay.at(step).get(k) != first.get(k)]
+            if moved and rule is None:
+                raise ConfigError(
+                    f"train.lr_schedule {t.lr_schedule!r} changes {moved[0]}: with the built-in "
+                    f"{t.optimizer} only the learning rate is scheduled (name the optimizer as a "
+                    "torch.optim class to schedule it all)"
+                )
+        replay.at(t.steps)  # a scheduler that cannot reach the last step fails now
+    except ConfigError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - wrong arguments, a scheduler that cannot step
+        raise ConfigError(f"train.lr_schedule {t.lr_schedule!r}: {_line(exc)}") from None
+    return replay
+
+
+def _line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__

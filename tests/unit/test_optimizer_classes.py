@@ -1,0 +1,102 @@
+"""Optimizer and scheduler classes on the flat state: which fit (the probe's table), that a
+fitting one's update through the slots is its own, in any slicing, and that a replayed
+scheduler gives each step what the live scheduler gives it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from elaswave.config import JobConfig
+from elaswave.errors import ConfigError
+from elaswave.runtime.optim import FlatOptimizer, OptimHyper
+from elaswave.runtime.state import optimizer_classes
+
+
+def _cfg(**train: Any) -> JobConfig:
+    return JobConfig.from_dict({"train": train})
+
+
+@pytest.mark.parametrize(
+    ("name", "args", "slots"),
+    [
+        ("torch.optim.RMSprop", {}, ("square_avg",)),
+        ("torch.optim.RMSprop", {"momentum": 0.9}, ("square_avg", "momentum_buffer")),
+        ("torch.optim.Adagrad", {"initial_accumulator_value": 0.1}, ("sum",)),
+        ("torch.optim.Adam", {}, ("exp_avg", "exp_avg_sq")),
+        ("torch.optim.AdamW", {"weight_decay": 0.1}, ("exp_avg", "exp_avg_sq")),
+        ("torch.optim.SGD", {"momentum": 0.9, "nesterov": True}, ("momentum_buffer",)),
+        ("torch.optim:Adamax", {}, ("exp_avg", "exp_inf")),
+    ],
+)
+def test_element_wise_optimizers_fit(name: str, args: dict[str, Any], slots: tuple) -> None:
+    rule, replay = optimizer_classes(_cfg(optimizer=name, optimizer_args=args))
+    assert rule is not None and rule.slots == slots and replay is None
+
+
+@pytest.mark.parametrize(
+    ("name", "args", "message"),
+    [
+        ("torch.optim.Adafactor", {}, "is not element-wise"),
+        ("torch.optim.NAdam", {}, "keeps state ElasWave cannot shard: 'mu_product'"),
+        ("torch.optim.RMSprop", {"centered": True, "momentum": 0.9}, "keeps 3 tensors"),
+        ("torch.optim.LBFGS", {}, "missing 1 required positional argument: 'closure'"),
+        ("torch.optim.Adam", {"lr": 0.1}, "the learning rate is train.lr"),
+        ("torch.nn.Linear", {}, "is not a torch.optim.Optimizer"),
+        ("torch.optim.Nope", {}, "no such class"),
+    ],
+)
+def test_the_others_are_refused_in_one_line(name: str, args: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message) as err:
+        optimizer_classes(_cfg(optimizer=name, optimizer_args=args))
+    assert "\n" not in str(err.value)
+
+
+def test_config_errors() -> None:
+    for train, message in [
+        ({"optimizer": "rms"}, "adamw, sgd or a dotted class name"),
+        ({"optimizer_args": {"alpha": 1}}, "optimizer_args needs train.optimizer: an optimizer"),
+        ({"optimizer": "torch.optim.Adam", "weight_decay": 0.1}, "in train.optimizer_args"),
+        ({"lr_schedule": "onecycle"}, "constant, cosine or a dotted class name"),
+        ({"lr_schedule_args": {"a": 1}}, "needs train.lr_schedule: a scheduler class"),
+        ({"lr_schedule": "torch.optim.lr_scheduler.StepLR", "warmup_steps": 3}, "warm-up"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            _cfg(**train)
+
+
+def test_an_optimizer_class_steps_shards_as_it_steps_the_whole() -> None:
+    """RMSprop with momentum under a OneCycleLR schedule, through FlatOptimizer: the whole
+    buffer, and the same buffer in three ZeRO-like shards, end in the bits torch's own
+    optimizer and scheduler reach on the tensor."""
+    cfg = _cfg(optimizer="torch.optim.RMSprop", optimizer_args={"momentum": 0.5}, steps=6,
+               lr_schedule="torch.optim.lr_scheduler.OneCycleLR",
+               lr_schedule_args={"max_lr": 0.05, "total_steps": 6})  # fmt: skip
+    rule, replay = optimizer_classes(cfg)
+    hyper = OptimHyper(lr=cfg.train.lr, rule=rule, replay=replay)
+    g = torch.Generator().manual_seed(1)
+    x0, grads = torch.randn(300, generator=g), [torch.randn(300, generator=g) for _ in range(6)]
+
+    live = x0.clone().requires_grad_(True)
+    opt = torch.optim.RMSprop([live], lr=cfg.train.lr, momentum=0.5)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=6)
+    for grad in grads:
+        live.grad = grad.clone()
+        opt.step()
+        sched.step()
+
+    whole = x0.clone()
+    flat = FlatOptimizer(300, hyper)
+    for grad in grads:
+        flat.step(whole, grad.clone())
+    assert torch.equal(whole, live.detach())
+
+    cuts = [(0, 100), (100, 250), (250, 300)]
+    shards = [(x0[a:b].clone(), FlatOptimizer(b - a, hyper)) for a, b in cuts]
+    for grad in grads:
+        for (a, b), (x, o) in zip(cuts, shards, strict=True):
+            o.step(x, grad[a:b].clone())
+    assert torch.equal(torch.cat([x for x, _ in shards]), live.detach())
+    assert torch.equal(torch.cat([o.exp_avg for _, o in shards]), opt.state[live]["square_avg"])
