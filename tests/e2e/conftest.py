@@ -50,6 +50,17 @@ def launch(
     )  # fmt: skip
 
 
+def run_config(
+    config: Path, run_dir: Path, env: dict[str, str], *args: str, timeout: float = 200
+) -> Run:
+    """Run the job of ``config`` to completion from the repository root (where a config's
+    ``examples.*`` factories import from); it must succeed."""
+    cmd = elaswave_cmd("launch", str(config), "--run-dir", str(run_dir), "--quiet", *args)
+    r = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return Run(run_dir)
+
+
 def start(run_dir: Path, env: dict[str, str], *args: str) -> subprocess.Popen[str]:
     """Start a job in the background (for tests that talk to it while it runs)."""
     return subprocess.Popen(

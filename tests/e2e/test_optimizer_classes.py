@@ -11,13 +11,12 @@ fault-free run's, bit for bit.
 from __future__ import annotations
 
 import os
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-from conftest import F64, ROOT, Run, assert_clean_run, cli, elaswave_cmd, paced
+from conftest import F64, ROOT, assert_clean_run, cli, paced, run_config
 
 CONFIG = ROOT / "examples" / "own_model.yaml"
 STEPS = 12
@@ -44,13 +43,6 @@ def _config(tmp: Path, train: dict[str, Any]) -> Path:
     return path
 
 
-def _launch(config: Path, run_dir: Path, env: dict[str, str], *args: str) -> Run:
-    cmd = elaswave_cmd("launch", str(config), "--run-dir", str(run_dir), "--quiet", *args)
-    r = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=180)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return Run(run_dir)
-
-
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_an_optimizer_class_survives_a_kill_and_a_relaunch_bit_identical(
     tmp_path: Path, case: str
@@ -58,15 +50,15 @@ def test_an_optimizer_class_survives_a_kill_and_a_relaunch_bit_identical(
     config = _config(tmp_path, CASES[case])
     strategy = STRATEGY[case]
     ref_env = {**os.environ, "ELASWAVE_STATE_DIR": str(tmp_path / "ref-state"), **F64}
-    reference = _launch(config, tmp_path / "ref", ref_env, "--job-id", "ref", *strategy)
+    reference = run_config(config, tmp_path / "ref", ref_env, "--job-id", "ref", *strategy)
     assert reference.losses[STEPS] < reference.losses[1], reference.losses
 
     env = paced({**os.environ, "ELASWAVE_STATE_DIR": str(tmp_path / "state"), **F64}, 0.03)
     args = ("--job-id", "opt", *strategy)
-    first = _launch(config, tmp_path / "run", env, *args, "--steps", str(HALF),
+    first = run_config(config, tmp_path / "run", env, *args, "--steps", str(HALF),
                     "--fault", "kill,rank=1,at_step=3")  # fmt: skip
     assert [e["exit_code"] for e in first.of("worker_exit")] == [-9]
-    run = _launch(config, tmp_path / "run", env, *args)  # resumes from step HALF's checkpoint
+    run = run_config(config, tmp_path / "run", env, *args)  # resumes from step HALF's checkpoint
     (again,) = run.of("relaunched")
     assert again["resume_step"] == HALF and again["lost_steps"] == 0
     assert_clean_run(run, STEPS, reference)

@@ -11,12 +11,11 @@ class's own state_dict.
 from __future__ import annotations
 
 import os
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import F64, ROOT, Run, assert_clean_run, cli, elaswave_cmd, paced
+from conftest import F64, ROOT, Run, assert_clean_run, cli, paced, run_config
 from safetensors.torch import load_file
 
 from examples.own_model import SmallResNet
@@ -27,11 +26,7 @@ FAST = {"ELASWAVE_TRAIN__EVAL_EVERY": "0"}  # no held-out scoring: these tests t
 
 
 def _launch(run_dir: Path, env: dict[str, str], *args: str) -> Run:
-    cmd = elaswave_cmd("launch", str(CONFIG), "--run-dir", str(run_dir), "--quiet",
-                       "--steps", str(STEPS), *args)  # fmt: skip
-    r = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=180)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return Run(run_dir)
+    return run_config(CONFIG, run_dir, env, "--steps", str(STEPS), *args)
 
 
 @pytest.fixture(scope="module")

@@ -11,22 +11,17 @@ runtime keys them by (seed, step, micro-batch, layer) around each layer call.
 from __future__ import annotations
 
 import os
-import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, Run, assert_clean_run, assert_no_orphans, cli, elaswave_cmd, paced
+from conftest import ROOT, Run, assert_clean_run, assert_no_orphans, cli, paced, run_config
 
 CONFIG = ROOT / "examples" / "mlp.yaml"
 STEPS = 20
 
 
 def _launch(run_dir: Path, env: dict[str, str], *args: str) -> Run:
-    cmd = elaswave_cmd("launch", str(CONFIG), "--run-dir", str(run_dir), "--quiet",
-                       "--steps", str(STEPS), *args)  # fmt: skip
-    r = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=180)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return Run(run_dir)
+    return run_config(CONFIG, run_dir, env, "--steps", str(STEPS), *args)
 
 
 @pytest.fixture(scope="module")

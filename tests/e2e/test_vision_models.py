@@ -10,13 +10,12 @@ two-stage pipeline (its auto cut), timm's ViT and ConvNeXt replicated.
 from __future__ import annotations
 
 import os
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-from conftest import F64, ROOT, Run, assert_clean_run, elaswave_cmd, paced
+from conftest import F64, Run, assert_clean_run, paced, run_config
 
 STEPS = 8
 
@@ -41,13 +40,6 @@ def _config(tmp: Path, model: dict[str, Any]) -> Path:
     return path
 
 
-def _launch(config: Path, run_dir: Path, env: dict[str, str], *args: str) -> Run:
-    cmd = elaswave_cmd("launch", str(config), "--run-dir", str(run_dir), "--quiet", *args)
-    r = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=200)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return Run(run_dir)
-
-
 @pytest.fixture(scope="module")
 def references(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
     """The fault-free run of each model (float64 mode), made when a test first asks."""
@@ -57,7 +49,7 @@ def references(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
         def __missing__(self, name: str) -> Run:
             base = tmp_path_factory.mktemp(f"ref-{name}")
             env = {**os.environ, "ELASWAVE_STATE_DIR": str(base / "state"), **F64}
-            made[name] = _launch(_config(base, MODELS[name]), base / "run", env,
+            made[name] = run_config(_config(base, MODELS[name]), base / "run", env,
                                  "--job-id", f"ref-{name}", "--max-restarts", "0")  # fmt: skip
             return made[name]
 
@@ -75,7 +67,7 @@ def test_a_model_by_name_survives_a_kill_bit_identical(
 ) -> None:
     reference = references[name]
     env = paced({**state_env, **F64}, 0.05)
-    run = _launch(_config(tmp_path, MODELS[name]), tmp_path / "run", env, "--job-id", name,
+    run = run_config(_config(tmp_path, MODELS[name]), tmp_path / "run", env, "--job-id", name,
                   *strategy, "--fault", "kill,rank=1,at_step=3")  # fmt: skip
     assert [e["exit_code"] for e in run.of("worker_exit")] == [-9]
     assert_clean_run(run, STEPS, reference)

@@ -260,3 +260,29 @@ def test_bad_input_is_one_line(tmp_path: Path, over: dict[str, Any], message: st
 def test_config_errors(section: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         JobConfig.from_dict(section)
+
+
+def test_top1_hits_of_a_classifier(tmp_path: Path) -> None:
+    w = load_workload(_cfg(tmp_path))
+    out = torch.tensor([[0.1, 2.0], [3.0, 0.0], [0.0, 1.0]])
+    assert w.correct(out, torch.tensor([1, 1, 1])) == 2
+    mse = load_workload(_cfg(tmp_path, train__loss="mse"))
+    assert mse.correct(out, torch.tensor([1, 1, 1])) is None
+
+
+def test_an_image_folder(tmp_path: Path) -> None:
+    from PIL import Image
+
+    from elaswave.runtime.workload.plaindata import image_folder
+
+    for k, name in enumerate(("cat", "dog")):
+        (tmp_path / "imgs" / name).mkdir(parents=True)
+        for i in range(3):
+            colour = (40 * k + 10 * i, 0, 255 - 40 * k)
+            Image.new("RGB", (12, 10), colour).save(tmp_path / "imgs" / name / f"{i}.png")
+    data = image_folder(str(tmp_path / "imgs"), 8)
+    assert len(data) == 6
+    x, y = data[4]
+    assert x.shape == (3, 8, 8) and y == 1 and 0 <= float(x.min()) <= float(x.max()) <= 1
+    with pytest.raises(ConfigError, match="not a directory"):
+        image_folder(str(tmp_path / "nope"), 8)
