@@ -52,9 +52,11 @@ def preloads(model_source: str, zero: int = 0, model_type: str = "") -> list[str
     """What the template imports before it is ready, beyond the runtime: the module of the
     job's workload source that every worker imports at start (for a Hugging Face model, its
     family's modeling module too: transformers imports it on the first use, seconds of work
-    every worker would repeat), and what ZeRO-3 workers import at start
-    (``ZERO3_PRELOADS``). Pure."""
+    every worker would repeat; for a model by name, its library: timm alone imports for a
+    second), and what ZeRO-3 workers import at start (``ZERO3_PRELOADS``). Pure."""
     out = ["elaswave.runtime.workload.hf"] if model_source == "hf" else []
+    if model_source in ("torchvision", "timm"):
+        out = ["elaswave.runtime.workload.module", model_source]
     family = model_type.replace("-", "_")
     if out and re.fullmatch(r"[a-z][a-z0-9_]*", family):
         out.append(f"transformers.models.{family}.modeling_{family}")

@@ -16,23 +16,22 @@ from typing import Any
 
 import pytest
 import yaml
-from conftest import F64, ROOT, assert_clean_run, cli, paced, run_config
+from conftest import F64, ROOT, assert_no_orphans, cli, paced, run_config
 
 CONFIG = ROOT / "examples" / "own_model.yaml"
-STEPS = 12
-HALF = 6  # the first launch stops here; the relaunch resumes from its final checkpoint
+STEPS = 8
+HALF = 4  # the first launch stops here; the relaunch resumes from its final checkpoint
 
-CASES: dict[str, dict[str, Any]] = {
-    "rmsprop": {"optimizer": "torch.optim.RMSprop", "optimizer_args": {"alpha": 0.9}},
-    "adagrad-zero1": {"optimizer": "torch.optim.Adagrad",
-                      "optimizer_args": {"initial_accumulator_value": 0.1}},
+CASES: dict[str, dict[str, Any]] = {  # Adagrad: tests/unit/test_optimizer_classes.py
+    "rmsprop-zero1": {"optimizer": "torch.optim.RMSprop",
+                      "optimizer_args": {"alpha": 0.9, "momentum": 0.5}},
     "adam-onecycle-zero3": {
         "optimizer": "torch.optim.Adam", "optimizer_args": {"betas": [0.9, 0.99]},
         "lr_schedule": "torch.optim.lr_scheduler.OneCycleLR",
         "lr_schedule_args": {"max_lr": 0.01, "total_steps": STEPS},
     },
 }  # fmt: skip
-STRATEGY = {"rmsprop": [], "adagrad-zero1": ["--zero", "1"], "adam-onecycle-zero3": ["--zero", "3"]}
+STRATEGY = {"rmsprop-zero1": ["--zero", "1"], "adam-onecycle-zero3": ["--zero", "3"]}
 
 
 def _config(tmp: Path, train: dict[str, Any]) -> Path:
@@ -61,23 +60,19 @@ def test_an_optimizer_class_survives_a_kill_and_a_relaunch_bit_identical(
     run = run_config(config, tmp_path / "run", env, *args)  # resumes from step HALF's checkpoint
     (again,) = run.of("relaunched")
     assert again["resume_step"] == HALF and again["lost_steps"] == 0
-    assert_clean_run(run, STEPS, reference)
+    assert [m["step"] for m in run.metrics] == list(range(1, STEPS + 1))  # each step once
     assert run.losses == reference.losses  # bit for bit, step by step
-    finals = [f for f in run.of("final_state") if f["step"] == STEPS]
-    for key in ("params_sha256", "state_sha256"):
+    finals = [f for f in run.of("final_state") if f["t"] > again["t"]]
+    assert len(finals) == 3 and all(f["step"] == STEPS for f in finals)
+    for key in ("params_sha256", "state_sha256"):  # every replica: the reference's state
         assert {f[key] for f in finals} == {f[key] for f in reference.of("final_state")}, key
+    assert_no_orphans(run)
 
 
 @pytest.mark.parametrize(
     ("train", "message"),
-    [
+    [  # the launch's one line; tests/unit/test_optimizer_classes.py has the whole table
         ({"optimizer": "torch.optim.Adafactor"}, "is not element-wise"),
-        ({"optimizer": "torch.optim.LBFGS"}, "LBFGS.step() missing 1 required positional"),
-        ({"optimizer": "torch.optim.Adam", "optimizer_args": {"amsgrad": True}},
-         "keeps 3 tensors per parameter"),
-        ({"optimizer": "torch.optim.Adam", "optimizer_args": {"colour": 1}},
-         "unexpected keyword argument 'colour'"),
-        ({"optimizer": "torch.optim.Adamm"}, "no such class"),
         ({"lr_schedule": "torch.optim.lr_scheduler.StepLR"}, "missing 1 required positional"),
     ],
 )  # fmt: skip

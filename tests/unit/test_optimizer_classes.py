@@ -67,25 +67,35 @@ def test_config_errors() -> None:
             _cfg(**train)
 
 
-def test_an_optimizer_class_steps_shards_as_it_steps_the_whole() -> None:
-    """RMSprop with momentum under a OneCycleLR schedule, through FlatOptimizer: the whole
-    buffer, and the same buffer in three ZeRO-like shards, end in the bits torch's own
-    optimizer and scheduler reach on the tensor."""
-    cfg = _cfg(optimizer="torch.optim.RMSprop", optimizer_args={"momentum": 0.5}, steps=6,
-               lr_schedule="torch.optim.lr_scheduler.OneCycleLR",
-               lr_schedule_args={"max_lr": 0.05, "total_steps": 6})  # fmt: skip
+@pytest.mark.parametrize(
+    ("cls", "args", "schedule"),
+    [
+        (torch.optim.RMSprop, {"momentum": 0.5}, {"max_lr": 0.05, "total_steps": 6}),
+        (torch.optim.Adagrad, {"initial_accumulator_value": 0.1}, None),
+    ],
+)
+def test_an_optimizer_class_steps_shards_as_it_steps_the_whole(
+    cls: type, args: dict[str, Any], schedule: dict[str, Any] | None
+) -> None:
+    """Through FlatOptimizer, the whole buffer and the same buffer in three ZeRO-like shards
+    end in the bits torch's own optimizer (and OneCycleLR) reach on the tensor, its state in
+    the slots (Adagrad's starts from its initial accumulator)."""
+    sched_cfg = {"lr_schedule": "torch.optim.lr_scheduler.OneCycleLR",
+                 "lr_schedule_args": schedule} if schedule else {}  # fmt: skip
+    cfg = _cfg(optimizer=f"torch.optim.{cls.__name__}", optimizer_args=args, steps=6, **sched_cfg)
     rule, replay = optimizer_classes(cfg)
     hyper = OptimHyper(lr=cfg.train.lr, rule=rule, replay=replay)
     g = torch.Generator().manual_seed(1)
     x0, grads = torch.randn(300, generator=g), [torch.randn(300, generator=g) for _ in range(6)]
 
     live = x0.clone().requires_grad_(True)
-    opt = torch.optim.RMSprop([live], lr=cfg.train.lr, momentum=0.5)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=6)
+    opt = cls([live], lr=cfg.train.lr, **args)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, **schedule) if schedule else None
     for grad in grads:
         live.grad = grad.clone()
         opt.step()
-        sched.step()
+        if sched is not None:
+            sched.step()
 
     whole = x0.clone()
     flat = FlatOptimizer(300, hyper)
@@ -99,4 +109,5 @@ def test_an_optimizer_class_steps_shards_as_it_steps_the_whole() -> None:
         for (a, b), (x, o) in zip(cuts, shards, strict=True):
             o.step(x, grad[a:b].clone())
     assert torch.equal(torch.cat([x for x, _ in shards]), live.detach())
-    assert torch.equal(torch.cat([o.exp_avg for _, o in shards]), opt.state[live]["square_avg"])
+    first = rule.slots[0] if rule is not None else ""
+    assert torch.equal(torch.cat([o.exp_avg for _, o in shards]), opt.state[live][first])

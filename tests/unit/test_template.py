@@ -32,6 +32,8 @@ ROOT = Path(__file__).resolve().parents[2]
         ("hf", 0, ["elaswave.runtime.workload.hf"]),
         ("gpt", 3, ["torch.fx.experimental.symbolic_shapes"]),
         ("hf", 3, ["elaswave.runtime.workload.hf", "torch.fx.experimental.symbolic_shapes"]),
+        ("timm", 0, ["elaswave.runtime.workload.module", "timm"]),
+        ("torchvision", 0, ["elaswave.runtime.workload.module", "torchvision"]),
     ],
 )
 def test_preloads_follow_the_workload_source(source: str, zero: int, modules: list[str]) -> None:
