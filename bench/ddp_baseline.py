@@ -62,6 +62,7 @@ def _worker(
     rank: int, world: int, port: int, config: str, steps: int, out: str, device: str = "cpu"
 ) -> None:
     from elaswave.config import load_config
+    from elaswave.runtime.evaluate import training_samples
     from elaswave.runtime.state import AUTOCAST, to_device
     from elaswave.runtime.workload.data import microbatches
     from elaswave.runtime.workload.load import build_model, load_workload
@@ -91,6 +92,8 @@ def _worker(
         )  # fmt: skip
         workload = load_workload(cfg)
         dataset = workload.dataset(t.seed)
+        # The samples training draws from: the held-out ones (data.eval_samples) are not.
+        trained = training_samples(len(dataset), cfg.data.eval_samples)
         per_rank = t.num_microbatches // world
         assert per_rank * world == t.num_microbatches, "micro-batches must divide evenly"
         mine = range(rank * per_rank, (rank + 1) * per_rank)
@@ -100,7 +103,7 @@ def _worker(
         ends.append(time.perf_counter())  # "step 0" end: all ranks leave the barrier together
         for step in range(1, steps + 1):
             start = time.perf_counter()
-            every = microbatches(t.seed, step, t.global_batch, t.micro_batch_size, len(dataset))
+            every = microbatches(t.seed, step, t.global_batch, t.micro_batch_size, trained)
             loss_sum = 0.0
             for k, i in enumerate(mine):
                 mb = every[i]
