@@ -30,10 +30,11 @@ import torch
 from elaswave.config import JobConfig
 from elaswave.errors import ConfigError
 
-__all__ = ["ScheduleReplay", "TorchRule", "resolve_class", "schedule_replay", "torch_rule"]
+__all__ = [
+    "ScheduleReplay", "TorchRule", "probe", "resolve_class", "schedule_replay", "torch_rule",
+]  # fmt: skip
 
 SCHEDULED = ("lr", "betas", "momentum")  # what a replayed scheduler may set per step
-PROBE_STEPS = 3
 
 
 def resolve_class(spec: str, key: str) -> type:
@@ -92,27 +93,33 @@ class TorchRule:
                 slots[i].copy_(opt.state[t][key])
 
 
-def torch_rule(name: str, args: dict[str, Any], lr: float) -> TorchRule:
-    """The rule of optimizer class ``name``, probed: its state must fit two slots and its
-    update be element-wise and the same through the slots as run natively (else one line)."""
+def torch_rule(name: str, args: dict[str, Any]) -> TorchRule:
+    """The rule of optimizer class ``name``, not probed yet (:func:`probe`)."""
     cls = resolve_class(name, "train.optimizer")
     if not issubclass(cls, torch.optim.Optimizer):
         raise ConfigError(f"train.optimizer {name!r} is not a torch.optim.Optimizer")
     if "lr" in args:
         raise ConfigError("train.optimizer_args: the learning rate is train.lr, not lr")
-    rule = TorchRule(cls, args, name)
+    return TorchRule(cls, args, name)
+
+
+def probe(rule: TorchRule, groups: list[dict[str, Any]]) -> None:
+    """Run the optimizer a few steps, with the group values the job will give it (a scheduler's
+    at its first, middle and last steps: a momentum it switches on adds a state tensor): its
+    state must fit two slots and its update be element-wise and the same through the slots as
+    run natively (else one line). Sets ``rule.slots``."""
+    name = rule.name
     g = torch.Generator().manual_seed(0)
     x0 = torch.randn(64, generator=g)
-    grads = [torch.randn(64, generator=g) for _ in range(PROBE_STEPS)]
-    group = {"lr": lr}
+    grads = [torch.randn(64, generator=g) for _ in groups]
     try:
         native = x0.clone().requires_grad_(True)
-        opt = rule._make(native, group)
+        opt = rule._make(native, groups[0])
         for k, grad in enumerate(grads):
+            opt.param_groups[0].update(groups[k])
             native.grad = grad.clone()
             opt.step()
-            if k == 0:
-                state = opt.state[native]
+        state = opt.state[native]
     except TypeError as exc:
         raise ConfigError(f"train.optimizer {name!r}: {_line(exc)}") from None
     except Exception as exc:  # noqa: BLE001 - an optimizer that cannot step this way
@@ -133,22 +140,28 @@ def torch_rule(name: str, args: dict[str, Any], lr: float) -> TorchRule:
             f"({', '.join(slots)}); ElasWave's flat state has two"
         )
     rule.slots = tuple(slots)
-    if not torch.equal(_through_slots(rule, x0, grads, group, [64]), native.detach()):
+    try:
+        whole = _through_slots(rule, x0, grads, groups, [64])
+        halves = _through_slots(rule, x0, grads, groups, [32, 32])
+    except Exception as exc:  # noqa: BLE001 - a class that cannot step from restored state
+        raise ConfigError(
+            f"train.optimizer {name!r} cannot step from its state in ElasWave's slots: {_line(exc)}"
+        ) from None
+    if not torch.equal(whole, native.detach()):
         raise ConfigError(f"train.optimizer {name!r}: its step through ElasWave's state slots "
                           "differs from its own")  # fmt: skip
-    if not torch.equal(_through_slots(rule, x0, grads, group, [32, 32]), native.detach()):
+    if not torch.equal(halves, native.detach()):
         raise ConfigError(
             f"train.optimizer {name!r} is not element-wise (a tensor updated whole and in two "
             "halves differs): ElasWave updates its flat state in slices"
         )
-    return rule
 
 
 def _through_slots(
     rule: TorchRule,
     x0: torch.Tensor,
     grads: list[torch.Tensor],
-    group: dict[str, Any],
+    groups: list[dict[str, Any]],
     cuts: list[int],
 ) -> torch.Tensor:
     x = x0.clone()
@@ -157,7 +170,7 @@ def _through_slots(
         a = 0
         for n in cuts:
             part = slice(a, a + n)
-            rule.apply(x[part], grad[part].clone(), s1[part], s2[part], step, group)
+            rule.apply(x[part], grad[part].clone(), s1[part], s2[part], step, groups[step - 1])
             a += n
     return x
 
@@ -190,8 +203,11 @@ class ScheduleReplay:
         return float(self.at(step)["lr"])
 
 
-def schedule_replay(cfg: JobConfig, rule: TorchRule | None) -> ScheduleReplay | None:
-    """``train.lr_schedule`` as a class, checked by building it and taking its first steps;
+def schedule_replay(
+    cfg: JobConfig, rule: TorchRule | None, *, whole: bool = False
+) -> ScheduleReplay | None:
+    """``train.lr_schedule`` as a class, checked by building it and taking its first steps
+    (``whole``: every step of the job, as launch checks it once; a worker replays as it goes);
     None for the built-in ``constant`` and ``cosine``."""
     t = cfg.train
     if t.lr_schedule in ("constant", "cosine"):
@@ -223,7 +239,8 @@ def schedule_replay(cfg: JobConfig, rule: TorchRule | None) -> ScheduleReplay | 
                     f"{t.optimizer} only the learning rate is scheduled (name the optimizer as a "
                     "torch.optim class to schedule it all)"
                 )
-        replay.at(t.steps)  # a scheduler that cannot reach the last step fails now
+        if whole:
+            replay.at(t.steps)  # a scheduler that cannot reach the last step fails now
     except ConfigError:
         raise
     except Exception as exc:  # noqa: BLE001 - wrong arguments, a scheduler that cannot step

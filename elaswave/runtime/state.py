@@ -21,7 +21,13 @@ from elaswave.planning.plan import Plan
 from elaswave.prune.pruner import Pruner
 from elaswave.runtime.comm.communicator import Communicator
 from elaswave.runtime.optim import FlatOptimizer, FlatParams, OptimHyper, Spans, decay_groups
-from elaswave.runtime.optimizers import ScheduleReplay, TorchRule, schedule_replay, torch_rule
+from elaswave.runtime.optimizers import (
+    ScheduleReplay,
+    TorchRule,
+    probe,
+    schedule_replay,
+    torch_rule,
+)
 from elaswave.runtime.workload import (
     Dataset,
     KeyedLayers,
@@ -214,14 +220,22 @@ def _buffers_to(layer: torch.nn.Module, device: torch.device) -> None:
                 module._buffers[name] = b.to(device)
 
 
-def optimizer_classes(cfg: JobConfig) -> tuple[TorchRule | None, ScheduleReplay | None]:
-    """``train.optimizer`` and ``train.lr_schedule`` where they name classes, probed (one line
-    for a class that does not fit the flat state)."""
+def optimizer_classes(
+    cfg: JobConfig, *, whole: bool = False
+) -> tuple[TorchRule | None, ScheduleReplay | None]:
+    """``train.optimizer`` and ``train.lr_schedule`` where they name classes, probed with the
+    group values the schedule gives (one line for a class that does not fit the flat state);
+    ``whole``: the schedule replayed to the last step (launch's check)."""
     t = cfg.train
     rule = None
     if t.optimizer not in ("adamw", "sgd"):
-        rule = torch_rule(t.optimizer, t.optimizer_args, t.lr)
-    return rule, schedule_replay(cfg, rule)
+        rule = torch_rule(t.optimizer, t.optimizer_args)
+    replay = schedule_replay(cfg, rule, whole=whole)
+    if rule is not None:
+        steps = sorted({1, max(1, t.steps // 2), t.steps})
+        groups = [replay.at(s) if replay is not None else {"lr": t.lr} for s in steps]
+        probe(rule, groups)
+    return rule, replay
 
 
 def _layers(model: KeyedLayers, window: range) -> torch.nn.Module:

@@ -66,7 +66,7 @@ def _drop_metadata(path: Path) -> str:
 
 def _drop_manifest(path: Path) -> str:
     (path / MANIFEST).unlink()
-    return f"{MANIFEST} is missing (the checkpoint was never finished)"
+    return f"{MANIFEST} is missing (never finished, or written without checksums)"
 
 
 ROTS: dict[str, Callable[[Path], str]] = {

@@ -270,7 +270,7 @@ def test_launch_takes_token_data_within_the_vocabulary(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("train", "fragment"),
     [
-        ({"optimizer": "lion"}, "train.optimizer must be adamw or sgd, got 'lion'"),
+        ({"optimizer": "lion"}, "train.optimizer must be adamw, sgd or a dotted class name"),
         ({"momentum": 1.0}, "train.momentum must be in [0, 1)"),
         ({"weight_decay": -0.1}, "train.weight_decay must be >= 0"),
         ({"param_groups": [{"params": [], "weight_decay": 0.1}]}, "needs at least one params"),

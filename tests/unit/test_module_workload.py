@@ -44,6 +44,17 @@ class Again(nn.Module):
         return self.a(self.b(self.a(x)))
 
 
+class ModeDependent(nn.Module):
+    """A functional dropout: the traced graph would fix train mode's branch for good."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(F.dropout(self.a(x), 0.5, self.training))
+
+
 class Tied(nn.Module):
     """An embedding and an output head that share one weight, and a top-level parameter."""
 
@@ -148,6 +159,7 @@ def test_named_split_and_its_errors() -> None:
     [
         (Skip(), "layer 1 (b) reads the model's input too"),
         (Again(), "its child 'a' is called again after 'b'"),
+        (ModeDependent(), "its forward traces differently in train and eval mode"),
     ],
 )
 def test_auto_keeps_a_model_that_is_no_chain_whole(model: nn.Module, why: str) -> None:

@@ -36,6 +36,19 @@ def test_element_wise_optimizers_fit(name: str, args: dict[str, Any], slots: tup
     assert rule is not None and rule.slots == slots and replay is None
 
 
+def test_a_momentum_the_scheduler_switches_on_gets_its_slot() -> None:
+    """RMSprop without momentum under OneCycleLR, which cycles a momentum: the probe runs with
+    the scheduled values, so the momentum buffer the steps will need is a slot."""
+    rule, replay = optimizer_classes(
+        _cfg(optimizer="torch.optim.RMSprop", steps=10,
+             lr_schedule="torch.optim.lr_scheduler.OneCycleLR",
+             lr_schedule_args={"max_lr": 0.01, "total_steps": 10}),
+        whole=True,
+    )  # fmt: skip
+    assert rule is not None and rule.slots == ("square_avg", "momentum_buffer")
+    assert replay is not None and replay.at(1)["momentum"] > 0
+
+
 @pytest.mark.parametrize(
     ("name", "args", "message"),
     [

@@ -73,6 +73,8 @@ def check(path: Path) -> str | None:
         files = json.loads((path / MANIFEST).read_text())["files"]
         listed = {str(k): (int(v[0]), str(v[1])) for k, v in files.items()}
     except FileNotFoundError:
+        if (path / METADATA).is_file() or (path / PIECES).is_file():
+            return f"{MANIFEST} is missing (never finished, or written without checksums)"
         return f"{MANIFEST} is missing (the checkpoint was never finished)"
     except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError):
         return f"{MANIFEST} is unreadable"
@@ -80,13 +82,16 @@ def check(path: Path) -> str | None:
         return f"{MANIFEST} lists neither {METADATA} nor {PIECES}"
     for name, (size, digest) in sorted(listed.items()):
         f = path / name
-        if not f.is_file():
-            return f"{name} is missing"
-        actual = f.stat().st_size
-        if actual != size:
-            return f"{name} has {actual} of its {size} bytes"
-        if _sha256(f) != digest:
-            return f"{name} does not match its checksum"
+        try:
+            if not f.is_file():
+                return f"{name} is missing"
+            actual = f.stat().st_size
+            if actual != size:
+                return f"{name} has {actual} of its {size} bytes"
+            if _sha256(f) != digest:
+                return f"{name} does not match its checksum"
+        except OSError as exc:
+            return f"{name} cannot be read ({exc.strerror or type(exc).__name__})"
     return None
 
 

@@ -41,11 +41,16 @@ class DurableSource:
         (step 0). Never step 0 once the job has committed steps: with no checkpoint the state is
         lost, and the job stops saying so."""
         cfg = self.ctx.cfg
-        if cfg.resume:
-            path, refused = resume_point(cfg.resume)
-            if path is None:
+        if cfg.resume:  # rank 0 reads the checkpoint back and decides for every rank
+            comm = self.ctx.comm
+            mine = None
+            if comm.rank(DP) == 0:
+                path, refused = resume_point(cfg.resume)
+                mine = [str(path) if path is not None else "", refused]
+            chosen, refused = comm.broadcast_json(DP, mine, 0, broken)
+            if not chosen:
                 raise ShardLost(refused)
-            return path, 0, "resume"
+            return Path(chosen), 0, "resume"
         if not plan.committed:
             return None
         why = f"every worker holding the job's state is gone (step {plan.committed} committed)"

@@ -49,6 +49,13 @@ def cut_module(model: nn.Module, split: list[str]) -> Cut:
     auto = split == AUTO
     try:
         gm = fx.symbolic_trace(model, concrete_args=_defaults(model))
+        if _mode_dependent(model, gm):
+            why = "its forward traces differently in train and eval mode"
+            if auto:
+                return Cut([model], whole_because=why)
+            raise ConfigError(f"model.split: cannot cut the model: {why}")
+    except ConfigError:
+        raise
     except Exception as exc:  # noqa: BLE001 - any failure to trace means: not cut
         if auto:
             return Cut([model], whole_because=f"its forward does not trace ({_line(exc)})")
@@ -80,6 +87,18 @@ def cut_module(model: nn.Module, split: list[str]) -> Cut:
         for k, seg in enumerate(segments)
     ]
     return Cut(layers, tied=_ties(layers))
+
+
+def _mode_dependent(model: nn.Module, gm: fx.GraphModule) -> bool:
+    """Whether the forward branches on ``self.training`` in code the tracer runs through (a
+    functional dropout, stochastic depth): the traced graph fixes one mode's branch for good,
+    so the model is traced in the other mode too and the two graphs compared."""
+    mode = model.training
+    try:
+        other = fx.symbolic_trace(model.train(not mode), concrete_args=_defaults(model))
+    finally:
+        model.train(mode)
+    return bool(other.code != gm.code)
 
 
 def _defaults(model: nn.Module) -> dict[str, object]:

@@ -133,7 +133,7 @@ def check_data(cfg: JobConfig, workload: Workload) -> None:
     count is checked."""
     from elaswave.runtime.state import optimizer_classes
 
-    optimizer_classes(cfg)  # an optimizer or scheduler class that does not fit: one line
+    optimizer_classes(cfg, whole=True)  # an optimizer or scheduler that does not fit: one line
     d = cfg.data
     check = getattr(workload, "check", None)
     if callable(check):  # a plain module: one micro-batch through the model and the loss
