@@ -12,6 +12,12 @@ from __future__ import annotations
 EXIT_STATE_LOST = 5
 
 
+def one_line(exc: BaseException) -> str:
+    """A user's code's error in a one-line message: its type and the first line of its text."""
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
+
+
 class ElasWaveError(Exception):
     """A user-facing error: its message is one line that says what to fix."""
 

@@ -86,12 +86,13 @@ def find_checkpoint(directory: Path, step: int | None) -> tuple[Path, str]:
             )
         return choice.path, choice.failures()
     path = directory / f"step-{step:08d}"
-    if path.is_dir() and (why := check(path)) is not None:
-        raise ElasWaveError(f"the checkpoint of step {step} in {directory} failed its check: {why}")
     if not path.is_dir():
         have = sorted(step_of(p) for p in directory.glob("step-*") if step_of(p) >= 0)
         listed = ", ".join(map(str, have)) or "none"
         raise ElasWaveError(f"no checkpoint of step {step} in {directory} (steps kept: {listed})")
+    why = check(path)
+    if why is not None:
+        raise ElasWaveError(f"the checkpoint of step {step} in {directory} failed its check: {why}")
     return path, ""
 
 

@@ -4,12 +4,11 @@ it reads."""
 from __future__ import annotations
 
 import dataclasses
-import re
 from dataclasses import dataclass, field
 from pathlib import PurePath
 from typing import Any
 
-from elaswave.config.schema import positive
+from elaswave.config.schema import FUNCTION, positive
 from elaswave.errors import ConfigError
 
 SOURCES = ("gpt", "module", "hf", "torchvision", "timm")
@@ -52,7 +51,7 @@ class ModelConfig:
             raise ConfigError(
                 f"model.source must be one of {', '.join(SOURCES)}, got {self.source!r}"
             )
-        if self.source == "module" and not _FACTORY.fullmatch(self.factory or ""):
+        if self.source == "module" and not FUNCTION.fullmatch(self.factory or ""):
             raise ConfigError(
                 "model.source=module needs model.factory as 'package.module:function', "
                 f"got {self.factory!r}"
@@ -104,7 +103,6 @@ class ModelConfig:
             raise ConfigError("model.pretrained must be a directory, got an empty string")
 
 
-_FACTORY = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
 DATA_SOURCES = ("synthetic", "tokens", "text", "dataset", "imagefolder")
 PLAIN_DATA = ("dataset", "imagefolder")  # what a plain module trains on
 
@@ -151,7 +149,7 @@ class DataConfig:
             raise ConfigError(
                 "data.source=imagefolder needs data.path (a folder of one folder per class)"
             )
-        if self.source == "dataset" and not _FACTORY.fullmatch(self.factory or ""):
+        if self.source == "dataset" and not FUNCTION.fullmatch(self.factory or ""):
             raise ConfigError(
                 "data.source=dataset needs data.factory as 'package.module:function', "
                 f"got {self.factory!r}"
@@ -159,7 +157,7 @@ class DataConfig:
         if self.source != "dataset" and (self.factory or self.args):
             raise ConfigError("data.factory and data.args need data.source: dataset")
         if self.collate is not None and (
-            self.source not in PLAIN_DATA or not _FACTORY.fullmatch(self.collate)
+            self.source not in PLAIN_DATA or not FUNCTION.fullmatch(self.collate)
         ):
             raise ConfigError(
                 "data.collate needs data.source: dataset or imagefolder and a "

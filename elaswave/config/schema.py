@@ -5,12 +5,18 @@ specs) with one-line errors."""
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from typing import Any
 
 from elaswave.errors import ConfigError, FaultSpecError
 from elaswave.faults import FaultSpec
+
+# "package.module:function": a factory, a collate or a loss named in a config
+FUNCTION = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
+# "package.module.Class" or "package.module:Class": an optimizer or a scheduler
+CLASS = re.compile(r"[A-Za-z_][\w.]*[.:][A-Za-z_]\w*")
 
 
 def build(cls: type, data: dict[str, Any], where: str) -> Any:

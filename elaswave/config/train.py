@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from elaswave.config.prune import PruneConfig
-from elaswave.config.schema import positive
+from elaswave.config.schema import CLASS, FUNCTION, positive
 from elaswave.errors import ConfigError
 
 LOSSES = ("cross_entropy", "mse")  # train.loss's built-in losses
-_DOTTED = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
-_CLASS = re.compile(r"[A-Za-z_][\w.]*[.:][A-Za-z_]\w*")  # package.module.Class or :Class
 
 # Where workers compute (``train.device``); the runtime resolves ``auto`` on each host.
 DEVICE_KINDS = ("auto", "cpu", "cuda", "npu")
@@ -169,9 +166,7 @@ class TrainConfig:
                 raise ConfigError(f"train.{name} must be >= 0, got {getattr(self, name)}")
         if not self.lr > 0:  # also rejects NaN
             raise ConfigError(f"train.lr must be > 0, got {self.lr}")
-        if self.lr_schedule not in ("constant", "cosine") and not _CLASS.fullmatch(
-            self.lr_schedule
-        ):
+        if self.lr_schedule not in ("constant", "cosine") and not CLASS.fullmatch(self.lr_schedule):
             raise ConfigError(
                 "train.lr_schedule must be constant, cosine or a dotted class name, got "
                 f"{self.lr_schedule!r}"
@@ -194,12 +189,12 @@ class TrainConfig:
             raise ConfigError(f"train.device must be one of {choices}, got {self.device!r}")
         if self.eval_every < 0:
             raise ConfigError(f"train.eval_every must be >= 0, got {self.eval_every}")
-        if self.loss not in LOSSES and not _DOTTED.fullmatch(self.loss):
+        if self.loss not in LOSSES and not FUNCTION.fullmatch(self.loss):
             raise ConfigError(
                 "train.loss must be cross_entropy, mse or 'package.module:function', "
                 f"got {self.loss!r}"
             )
-        if self.optimizer not in ("adamw", "sgd") and not _CLASS.fullmatch(self.optimizer):
+        if self.optimizer not in ("adamw", "sgd") and not CLASS.fullmatch(self.optimizer):
             raise ConfigError(
                 "train.optimizer must be adamw, sgd or a dotted class name (torch.optim.RMSprop), "
                 f"got {self.optimizer!r}"

@@ -21,12 +21,11 @@ from elaswave.config.jobs import config_difference, run_record, same_job
 from elaswave.errors import ElasWaveError
 from elaswave.events import METRICS_FILE, RUN_CONFIG, read_jsonl
 from elaswave.planning.relaunch import Records
-from elaswave.runtime.durable.layout import LATEST, Choice, newest_intact
+from elaswave.runtime.durable.layout import LATEST, newest_intact
 
 __all__ = [
     "PREVIOUS",
     "archive",
-    "newest_checkpoint",
     "etcd_records",
     "run_dir_records",
     "write_run_config",
@@ -43,7 +42,7 @@ def run_dir_records(run_dir: Path, durable_dir: Path, cfg: JobConfig) -> Records
         if line.get("kind") != "eval":
             committed = max(committed, int(line.get("step", 0)))
             epoch = max(epoch, int(line.get("epoch", 0)))
-    found = newest_checkpoint(durable_dir)
+    found = newest_intact(durable_dir)
     if not committed and found.path is None and not found.skipped:
         return None
     return Records(
@@ -68,12 +67,6 @@ def etcd_records(
         return None
     return Records(committed=step, epoch=epoch, where="its progress record in etcd",
                    config_diff=config_diff)  # fmt: skip
-
-
-def newest_checkpoint(durable_dir: Path) -> Choice:
-    """The newest intact checkpoint under ``durable_dir``, and the newer ones that failed their
-    check (every file of each is read back)."""
-    return newest_intact(durable_dir)
 
 
 def _config_diff(path: Path, cfg: JobConfig) -> str:

@@ -13,9 +13,10 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from elaswave.config.jobs import config_difference, training_config
-from elaswave.daemon.earlier import etcd_records, newest_checkpoint, write_run_config
+from elaswave.daemon.earlier import etcd_records, write_run_config
 from elaswave.errors import ElasWaveError, JobComplete, StartOverRefused
 from elaswave.planning.relaunch import Verdict, merge_records, relaunch_verdict
+from elaswave.runtime.durable.layout import newest_intact
 
 if TYPE_CHECKING:
     from elaswave.daemon.host import Host
@@ -157,7 +158,7 @@ class JobEntry:
             progress = self._kept = await d.jobstore.progress()
             seen = etcd_records(progress, plan.epoch if plan else 0, config_diff=diff)
             if seen is not None and d.earlier is None:  # where checkpoints would be
-                found = newest_checkpoint(cfg.resolved_durable_dir)
+                found = newest_intact(cfg.resolved_durable_dir)
                 seen = replace(
                     seen, checkpoint=found.step, checkpoint_dir=str(cfg.resolved_durable_dir),
                     checkpoint_failed=found.failures(),

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from elaswave.config import JobConfig
-from elaswave.errors import ConfigError
+from elaswave.errors import ConfigError, one_line
 
 __all__ = [
     "ScheduleReplay", "TorchRule", "probe", "resolve_class", "schedule_replay", "torch_rule",
@@ -121,9 +121,11 @@ def probe(rule: TorchRule, groups: list[dict[str, Any]]) -> None:
             opt.step()
         state = opt.state[native]
     except TypeError as exc:
-        raise ConfigError(f"train.optimizer {name!r}: {_line(exc)}") from None
+        raise ConfigError(f"train.optimizer {name!r}: {one_line(exc)}") from None
     except Exception as exc:  # noqa: BLE001 - an optimizer that cannot step this way
-        raise ConfigError(f"train.optimizer {name!r} cannot step a tensor: {_line(exc)}") from None
+        raise ConfigError(
+            f"train.optimizer {name!r} cannot step a tensor: {one_line(exc)}"
+        ) from None
     slots, other = [], []
     for key, value in state.items():
         if torch.is_tensor(value) and value.shape == x0.shape:
@@ -144,8 +146,9 @@ def probe(rule: TorchRule, groups: list[dict[str, Any]]) -> None:
         whole = _through_slots(rule, x0, grads, groups, [64])
         halves = _through_slots(rule, x0, grads, groups, [32, 32])
     except Exception as exc:  # noqa: BLE001 - a class that cannot step from restored state
+        why = one_line(exc)
         raise ConfigError(
-            f"train.optimizer {name!r} cannot step from its state in ElasWave's slots: {_line(exc)}"
+            f"train.optimizer {name!r} cannot step from its state in ElasWave's slots: {why}"
         ) from None
     if not torch.equal(whole, native.detach()):
         raise ConfigError(f"train.optimizer {name!r}: its step through ElasWave's state slots "
@@ -244,10 +247,5 @@ def schedule_replay(
     except ConfigError:
         raise
     except Exception as exc:  # noqa: BLE001 - wrong arguments, a scheduler that cannot step
-        raise ConfigError(f"train.lr_schedule {t.lr_schedule!r}: {_line(exc)}") from None
+        raise ConfigError(f"train.lr_schedule {t.lr_schedule!r}: {one_line(exc)}") from None
     return replay
-
-
-def _line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__

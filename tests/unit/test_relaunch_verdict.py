@@ -9,9 +9,9 @@ import pytest
 
 from elaswave.config import JobConfig
 from elaswave.config.jobs import run_record
-from elaswave.daemon.earlier import archive, etcd_records, newest_checkpoint, run_dir_records
+from elaswave.daemon.earlier import archive, etcd_records, run_dir_records
 from elaswave.planning.relaunch import Records, merge_records, relaunch_verdict
-from elaswave.runtime.durable.layout import file_sums, write_manifest
+from elaswave.runtime.durable.layout import file_sums, newest_intact, write_manifest
 
 
 def rec(
@@ -106,7 +106,7 @@ def test_what_an_earlier_run_left(tmp_path: Path) -> None:
     where = f"run directory {run}"
     assert found == Records(8, 2, where, None, str(cfg.resolved_durable_dir))
     _checkpoint(cfg.resolved_durable_dir, 5)
-    assert newest_checkpoint(cfg.resolved_durable_dir).step == 5
+    assert newest_intact(cfg.resolved_durable_dir).step == 5
     other = _job(tmp_path, n_layer=3)
     changed = run_dir_records(run, other.resolved_durable_dir, other)
     assert changed is not None and changed.checkpoint == 5
@@ -121,7 +121,7 @@ def test_what_an_earlier_run_left(tmp_path: Path) -> None:
 
 def test_an_incomplete_checkpoint_is_not_one(tmp_path: Path) -> None:
     _checkpoint(tmp_path, 5, complete=False)
-    found = newest_checkpoint(tmp_path)
+    found = newest_intact(tmp_path)
     assert found.step is None
     why = "checksums.json is missing (the checkpoint was never finished)"
     assert found.failures() == f"step-00000005: {why}"
@@ -140,7 +140,7 @@ def test_fresh_moves_records_and_checkpoints_aside(tmp_path: Path) -> None:
     assert first is not None and first.parent == run / "previous"
     assert sorted(p.name for p in run.iterdir()) == ["previous"]
     assert (first / "metrics.jsonl").is_file() and (first / "checkpoints" / "LATEST").is_file()
-    assert newest_checkpoint(outside).path is None and (outside / "notes.txt").is_file()
+    assert newest_intact(outside).path is None and (outside / "notes.txt").is_file()
     (moved,) = (outside / "previous").iterdir()
     assert (moved / "step-00000007" / ".metadata").is_file()
     (run / "metrics.jsonl").write_text("y\n")

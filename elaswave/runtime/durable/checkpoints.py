@@ -43,14 +43,13 @@ import torch
 from elaswave.runtime.durable.layout import (
     LATEST,
     PIECES,
-    complete,
     file_sums,
     files_under,
     latest,
     write_manifest,
 )
 
-__all__ = ["LATEST", "PIECES", "DurableCheckpoints", "DurableState", "complete", "latest", "load"]
+__all__ = ["LATEST", "PIECES", "DurableCheckpoints", "DurableState", "latest", "load"]
 
 log = logging.getLogger(__name__)
 

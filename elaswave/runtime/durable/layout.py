@@ -27,7 +27,6 @@ __all__ = [
     "PIECES",
     "Choice",
     "check",
-    "complete",
     "file_sums",
     "files_under",
     "latest",
@@ -95,11 +94,6 @@ def check(path: Path) -> str | None:
     return None
 
 
-def complete(path: Path) -> bool:
-    """Whether ``path`` is a committed checkpoint whose files all pass their check."""
-    return check(path) is None
-
-
 @dataclass(frozen=True)
 class Choice:
     """The newest intact checkpoint under a directory (None: none), and the newer ones that
@@ -145,15 +139,12 @@ def resume_point(directory: str | os.PathLike[str]) -> tuple[Path | None, str]:
     file failed). An explicit resume never falls back to an older checkpoint on its own."""
     root = Path(directory)
     if step_of(root) >= 0 or (root / MANIFEST).is_file() or (root / METADATA).is_file():
-        candidates = [root]
+        path = root
     else:
-        candidates = sorted(
-            (p for p in (root.glob("step-*") if root.is_dir() else ()) if step_of(p) >= 0),
-            key=step_of,
-        )[-1:]
-    if not candidates:
-        return None, f"--resume: no complete durable checkpoint in {root}"
-    (path,) = candidates
+        steps = [p for p in (root.glob("step-*") if root.is_dir() else ()) if step_of(p) >= 0]
+        if not steps:
+            return None, f"--resume: no complete durable checkpoint in {root}"
+        path = max(steps, key=step_of)
     why = check(path)
     if why is None:
         return path, ""

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch.fx as fx
 from torch import nn
 
-from elaswave.errors import ConfigError
+from elaswave.errors import ConfigError, one_line
 
 __all__ = ["Cut", "cut_module"]
 
@@ -58,9 +58,9 @@ def cut_module(model: nn.Module, split: list[str]) -> Cut:
         raise
     except Exception as exc:  # noqa: BLE001 - any failure to trace means: not cut
         if auto:
-            return Cut([model], whole_because=f"its forward does not trace ({_line(exc)})")
+            return Cut([model], whole_because=f"its forward does not trace ({one_line(exc)})")
         raise ConfigError(
-            f"model.split: the model's forward does not trace: {_line(exc)}"
+            f"model.split: the model's forward does not trace: {one_line(exc)}"
         ) from None
     _drop_fixed(gm)
     body = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output", "get_attr")]
@@ -302,8 +302,3 @@ def _whole_or_fail(model: nn.Module, auto: bool, why: str) -> Cut:
     if auto:
         return Cut([model], whole_because=why)
     raise ConfigError(f"model.split: cannot cut the model there: {why}")
-
-
-def _line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__

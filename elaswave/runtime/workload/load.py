@@ -12,7 +12,7 @@ from torch import nn
 from elaswave.config import JobConfig
 from elaswave.config.model import BY_NAME, PLAIN_DATA
 from elaswave.data.tokens import check_token_file
-from elaswave.errors import ConfigError
+from elaswave.errors import ConfigError, one_line
 from elaswave.runtime.workload.base import KeyedLayers, Workload, build_layers
 from elaswave.runtime.workload.gpt import GPTConfig, GPTWorkload
 from elaswave.runtime.workload.plaindata import resolve
@@ -72,7 +72,7 @@ def _factory_workload(cfg: JobConfig) -> Workload:
     try:
         workload = factory(**m.args)
     except Exception as exc:  # the user's code: its error, on one line
-        raise ConfigError(f"model.factory {m.factory!r} failed: {_first_line(exc)}") from None
+        raise ConfigError(f"model.factory {m.factory!r} failed: {one_line(exc)}") from None
     if isinstance(workload, nn.Module):
         return _plain(cfg, lambda: factory(**m.args), f"model.factory {m.factory!r}")
     if not isinstance(workload, Workload):
@@ -99,7 +99,7 @@ def _plain(cfg: JobConfig, build: Callable[[], nn.Module], what: str) -> Workloa
 
     return ModuleWorkload(
         build, data=make_data(cfg), collate=make_collate(cfg), loss=make_loss(cfg),
-        split=cfg.model.split, pretrained=cfg.model.pretrained, what=what,
+        split=cfg.model.split, seed=cfg.train.seed, pretrained=cfg.model.pretrained, what=what,
     )  # fmt: skip
 
 
@@ -112,7 +112,7 @@ def _by_name(cfg: JobConfig) -> Callable[[], nn.Module]:
         lib = importlib.import_module(m.source)
     except Exception as exc:  # noqa: BLE001 - missing, or a build that does not fit torch
         raise ConfigError(
-            f"model.source: {m.source} needs {m.source} ({_first_line(exc)}): "
+            f"model.source: {m.source} needs {m.source} ({one_line(exc)}): "
             "pip install 'elaswave[vision]'"
         ) from None
     if m.source == "torchvision":
@@ -148,17 +148,12 @@ def check_data(cfg: JobConfig, workload: Workload) -> None:
         try:
             samples = len(workload.dataset(cfg.train.seed))
         except Exception as exc:  # the workload's own code: its error, on one line
-            raise ConfigError(f"data: the workload's data set: {_first_line(exc)}") from None
+            raise ConfigError(f"data: the workload's data set: {one_line(exc)}") from None
         if d.eval_samples >= samples:
             raise ConfigError(
                 f"data: data.eval_samples ({d.eval_samples}) leaves none of the data set's "
                 f"{samples} samples for training"
             )
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
 
 
 def build_model(cfg: JobConfig) -> KeyedLayers:

@@ -22,10 +22,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from elaswave.errors import ConfigError
+from elaswave.errors import ConfigError, one_line
 from elaswave.runtime.workload.base import Dataset, KeyedLayers, ParamRef, TensorSpec, Workload
 from elaswave.runtime.workload.cut import Cut, cut_module
-from elaswave.runtime.workload.plaindata import LossFn, cross_entropy, first_line
+from elaswave.runtime.workload.plaindata import LossFn, cross_entropy
 
 __all__ = ["ModuleWorkload", "load_state_file"]
 
@@ -46,16 +46,20 @@ class ModuleWorkload(Workload):
         collate: Callable[[Sequence[Any]], Any],
         loss: LossFn,
         split: list[str],
+        seed: int,
         pretrained: str | None = None,
         what: str = "the model",
     ) -> None:
         self._build, self._data, self._collate, self._loss = build, data, collate, loss
         self.split, self.pretrained, self.what = split, pretrained, what
-        self._seed: int | None = None
-        self._cut: Cut | None = None
         self._dataset: Dataset | None = None
         self._specs: list[TensorSpec] | None = None
-        self._cut_at(0)  # the layer count and any error in the model or its split: now
+        # Cut at the job's seed: the layer count, any error in the model or its split, and the
+        # layers every build_layer of the run copies, from one build and trace.
+        self._seed = seed
+        self._cut = cut_module(self.whole(seed), split)
+        if self._cut.whole_because:
+            log.info("%s is trained as one layer: %s", what, self._cut.whole_because)
 
     # ---- the model ---------------------------------------------------------------------------
     def whole(self, seed: int) -> nn.Module:
@@ -65,7 +69,7 @@ class ModuleWorkload(Workload):
             try:
                 model = self._build()
             except Exception as exc:  # the user's code: its error, on one line
-                raise ConfigError(f"{self.what} failed to build: {first_line(exc)}") from None
+                raise ConfigError(f"{self.what} failed to build: {one_line(exc)}") from None
         if not isinstance(model, nn.Module):
             raise ConfigError(f"{self.what} returned {type(model).__name__}, not an nn.Module")
         if self.pretrained is not None:
@@ -79,27 +83,20 @@ class ModuleWorkload(Workload):
         return model
 
     def _cut_at(self, seed: int) -> Cut:
-        if self._cut is None or self._seed != seed:
-            cut = cut_module(self.whole(seed), self.split)
-            if cut.whole_because and self._cut is None:
-                log.info("%s is trained as one layer: %s", self.what, cut.whole_because)
-            self._cut, self._seed = cut, seed
+        """The layers for ``seed`` (the job's, cut once; another is cut anew)."""
+        if self._seed != seed:
+            self._cut, self._seed = cut_module(self.whole(seed), self.split), seed
         return self._cut
 
     @property
     def num_layers(self) -> int:
-        return len(self._cut_at(self._seed or 0).layers)
-
-    @property
-    def whole_because(self) -> str:
-        """Why ``split: auto`` left the model in one layer ('' when it was cut)."""
-        return self._cut_at(self._seed or 0).whole_because
+        return len(self._cut.layers)
 
     def build_layer(self, index: int, seed: int) -> nn.Module:
         return copy.deepcopy(self._cut_at(seed).layers[index])
 
     def tied(self) -> Sequence[tuple[ParamRef, ParamRef]]:
-        return self._cut_at(self._seed or 0).tied
+        return self._cut.tied
 
     # ---- the data ----------------------------------------------------------------------------
     def dataset(self, seed: int) -> Dataset:
@@ -129,7 +126,7 @@ class ModuleWorkload(Workload):
         """What each layer returns for a micro-batch of the first samples (eval mode, no
         gradient: the model's state is not touched)."""
         if self._specs is None:
-            layers = self._cut_at(self._seed or 0).layers
+            layers = self._cut.layers
             data = self.dataset(0)
             x, _ = self.collate([data[i] for i in range(min(PROBE_SAMPLES, len(data)))])
             specs = []
@@ -182,18 +179,18 @@ class ModuleWorkload(Workload):
         try:
             x, targets = self.collate([_item(data, i) for i in range(min(PROBE_SAMPLES, n))])
         except Exception as exc:  # noqa: BLE001 - the user's items or collate
-            raise ConfigError(f"data: the items do not collate: {first_line(exc)}") from None
+            raise ConfigError(f"data: the items do not collate: {one_line(exc)}") from None
         if not isinstance(x, torch.Tensor):
             raise ConfigError(f"data: a micro-batch's input is {_kind(x)}, not a tensor")
         try:
             specs = self._boundaries()
         except Exception as exc:  # noqa: BLE001 - the user's model on the user's data
-            raise ConfigError(f"{self.what} fails on a micro-batch: {first_line(exc)}") from None
+            raise ConfigError(f"{self.what} fails on a micro-batch: {one_line(exc)}") from None
         output = torch.zeros(specs[-1].shape, dtype=specs[-1].dtype)
         try:
             total, count = self._loss(output, targets)
         except Exception as exc:  # noqa: BLE001 - the user's loss
-            raise ConfigError(f"train.loss fails on a micro-batch: {first_line(exc)}") from None
+            raise ConfigError(f"train.loss fails on a micro-batch: {one_line(exc)}") from None
         if not isinstance(total, torch.Tensor) or total.numel() != 1:
             raise ConfigError(
                 f"train.loss returned a sum of shape {tuple(getattr(total, 'shape', ()))}, not a "
@@ -222,7 +219,7 @@ def _item(data: Dataset, i: int) -> Any:
     try:
         return data[i]
     except Exception as exc:  # noqa: BLE001 - the user's data set
-        raise ConfigError(f"data: item {i} cannot be read: {first_line(exc)}") from None
+        raise ConfigError(f"data: item {i} cannot be read: {one_line(exc)}") from None
 
 
 def _kind(value: Any) -> str:
@@ -245,9 +242,7 @@ def load_state_file(path: str) -> dict[str, torch.Tensor]:
             return load_file(str(p))
         state = torch.load(str(p), map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - a file that is not a state_dict
-        raise ConfigError(
-            f"model.pretrained {path}: not a state_dict ({first_line(exc)})"
-        ) from None
+        raise ConfigError(f"model.pretrained {path}: not a state_dict ({one_line(exc)})") from None
     if not isinstance(state, dict):
         raise ConfigError(
             f"model.pretrained {path}: holds a {type(state).__name__}, not a state_dict"

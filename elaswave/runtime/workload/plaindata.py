@@ -19,10 +19,10 @@ import torch
 import torch.nn.functional as F
 
 from elaswave.config import JobConfig
-from elaswave.errors import ConfigError
+from elaswave.errors import ConfigError, one_line
 from elaswave.runtime.workload.base import Dataset
 
-__all__ = ["LossFn", "first_line", "make_collate", "make_data", "make_loss", "resolve"]
+__all__ = ["LossFn", "make_collate", "make_data", "make_loss", "resolve"]
 
 LossFn = Callable[[torch.Tensor, Any], tuple[torch.Tensor, int]]
 
@@ -102,7 +102,7 @@ def make_data(cfg: JobConfig) -> Callable[[], Dataset]:
         try:
             data = factory(**d.args)
         except Exception as exc:  # the user's code: its error, on one line
-            raise ConfigError(f"data.factory {d.factory!r} failed: {first_line(exc)}") from None
+            raise ConfigError(f"data.factory {d.factory!r} failed: {one_line(exc)}") from None
         if not (hasattr(data, "__len__") and hasattr(data, "__getitem__")):
             raise ConfigError(
                 f"data.factory {d.factory!r} returned {type(data).__name__}: a map-style data "
@@ -131,7 +131,7 @@ def image_folder(path: str, size: int) -> Dataset:
         from torchvision import datasets, transforms
     except Exception as exc:  # noqa: BLE001 - missing, or a build that does not fit torch
         raise ConfigError(
-            f"data.source: imagefolder needs torchvision ({first_line(exc)}): "
+            f"data.source: imagefolder needs torchvision ({one_line(exc)}): "
             "pip install 'elaswave[vision]'"
         ) from None
     transform = transforms.Compose(
@@ -140,9 +140,4 @@ def image_folder(path: str, size: int) -> Dataset:
     try:
         return datasets.ImageFolder(path, transform=transform)
     except (OSError, FileNotFoundError, RuntimeError) as exc:
-        raise ConfigError(f"data.path {path}: {first_line(exc)}") from None
-
-
-def first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
+        raise ConfigError(f"data.path {path}: {one_line(exc)}") from None
