@@ -25,7 +25,7 @@ from elaswave.config import JobConfig
 from elaswave.errors import ConfigError, ElasWaveError
 
 __all__ = [
-    "Exported", "cpu_latency", "export_model", "find_checkpoint", "recompute_norm_stats",
+    "Exported", "cpu_latency", "export_model", "find_checkpoint",
     "run_config",
 ]  # fmt: skip
 
@@ -46,13 +46,11 @@ class Exported:
     latency_runs: tuple[int, int] | None = None
     # BatchNorm's running statistics recomputed over this many training samples (None: the
     # model has none; 0: the run's data cannot be read here, they keep their initial values)
-    norm_samples: int | None = None
     skipped: str = ""  # newer checkpoints that failed their check, and which file
 
 
 LATENCY_RUNS = 20  # forwards timed (after 3 untimed) for the latency before and after,
 LATENCY_BUDGET_S = 10.0  # or as many as fit in this many seconds (3 at least): a large model
-NORM_SAMPLES = 1024  # training samples BatchNorm's running statistics are recomputed from
 
 
 def run_config(run_dir: Path) -> JobConfig:
@@ -127,7 +125,7 @@ def export_model(
     flat = FlatParams(model)
     state = load(path, flat.numel)
     flat.data.copy_(state.params)
-    norm_samples = recompute_norm_stats(model, workload, cfg)
+    _running_stats(workload, model, state)
     out.parent.mkdir(parents=True, exist_ok=True)
     kinds = cfg.train.prune.kinds if cfg.train.prune is not None else []
     sizes = flops = latency = runs = None
@@ -147,48 +145,25 @@ def export_model(
         out.with_name(out.name + ".shapes.json").write_text(json.dumps(shapes, indent=1))
     shape = tuple(sample.shape) if sample is not None and latency is not None else None
     return Exported(
-        state.step, state.loss, path, out, sizes, flops, latency, shape, runs, norm_samples,
-        skipped,
+        state.step, state.loss, path, out, sizes, flops, latency, shape, runs, skipped,
     )  # fmt: skip
 
 
-def recompute_norm_stats(
-    model: Any, workload: Any, cfg: JobConfig, samples: int = NORM_SAMPLES
-) -> int | None:
-    """Every BatchNorm's running statistics of ``model`` (holding the trained parameters) from
-    the run's first ``samples`` training samples, whole micro-batches of the run's size: reset,
-    then each micro-batch's batch statistics averaged with equal weight (``momentum=None``),
-    forwards in training mode under the keyed random streams of step 0. Returns the samples
-    used; None where the model has no running statistics, 0 where the data cannot be read (the
-    statistics then keep their initial values)."""
+def _running_stats(workload: Any, model: Any, state: Any) -> None:
+    """The checkpoint's running statistics (BatchNorm's) into ``model``'s norm layers."""
     import torch
-    from torch import nn
 
-    norms = [
-        m
-        for m in model.modules()
-        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats
-    ]
-    if not norms:
-        return None
+    from elaswave.runtime.runningstats import RunningStats
+
+    stats = RunningStats.of(workload, model, 1, torch.device("cpu"))
+    if stats is None:
+        return
+    for index, layer in enumerate(model.layers):
+        stats.bind(index, layer)
     try:
-        batches = _micro_batches(workload, cfg, samples)
-    except Exception:  # noqa: BLE001 - the export itself does not need the data
-        return 0
-    momenta, training = [m.momentum for m in norms], model.training
-    for m in norms:
-        m.reset_running_stats()
-        m.momentum = None  # a cumulative average
-    model.train()
-    try:
-        with torch.no_grad():
-            for k, inputs in enumerate(batches):
-                model(inputs, 0, k)
-    finally:
-        for m, momentum in zip(norms, momenta, strict=True):
-            m.momentum = momentum
-        model.train(training)
-    return sum(int(b.shape[0]) for b in batches)
+        stats.adopt(state.buffers, state.step)
+    except ValueError as exc:
+        raise ConfigError(f"{state.path}: {exc}") from None
 
 
 def _micro_batches(workload: Any, cfg: JobConfig, samples: int) -> list[Any]:

@@ -643,15 +643,6 @@ def export(
         highlight=False,
         soft_wrap=True,
     )
-    if done.norm_samples is not None:
-        out.print(
-            f"BatchNorm statistics recomputed over {done.norm_samples} training samples"
-            if done.norm_samples
-            else "BatchNorm statistics not recomputed: the run's data cannot be read here "
-            "(they keep their initial values)",
-            highlight=False,
-            soft_wrap=True,
-        )
     if done.sizes is not None and done.flops is not None:
         (before, after), (f0, f1) = done.sizes, done.flops
         out.print(

@@ -23,6 +23,7 @@ from peers, else from a durable checkpoint); the step is redone. Survivors are n
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import time
@@ -42,6 +43,7 @@ from elaswave.runtime.durable.checkpoints import DurableCheckpoints, Piece
 from elaswave.runtime.durable.restore import DurableSource
 from elaswave.runtime.evaluate import evaluate, training_samples
 from elaswave.runtime.integrity.checker import Integrity
+from elaswave.runtime.integrity.checksums import host_bytes
 from elaswave.runtime.integrity.inject import FaultInjector
 from elaswave.runtime.optim import freed
 from elaswave.runtime.state import RankContext, TrainState
@@ -287,9 +289,15 @@ class Engine:
         buf[n + EPOCH] = self.control.latest_epoch
         self.faults.fire(step, "reduce")
         self._enter("collective")
+        stats, rows = self.state.stats, None
+        if stats is not None:  # each micro-batch's norm statistics, from the rank that ran it
+            rows = stats.contribution(step, self.strategy.covered(step))
+            self.comm.allreduce(DP, rows, self.ctx.broken)
         epochs = self.strategy.reduce_update(
             step, buf, self.ctx.broken, lambda: self.faults.fire(step, "optimizer")
         )
+        if stats is not None and rows is not None:  # the update is applied: fold them in
+            stats.commit(step, rows)
         self._enter("idle")
         if int(round(epochs)) != plan.world_size * plan.epoch:
             self.replan = True  # some rank has seen a newer plan: switch at this boundary
@@ -345,7 +353,7 @@ class Engine:
         prune = self.state.prune.saved() if self.state.prune is not None else None
         store.save_async(
             step, self.state.last_loss, whole.params, whole.exp_avg, whole.exp_avg_sq, saved,
-            extra=prune,
+            extra=prune, buffers=self._stats_saved(),
         )  # fmt: skip
 
     def _save_final(self, final: Final) -> None:
@@ -378,8 +386,13 @@ class Engine:
         store.save_pieces_async(
             step, self.state.last_loss, rank=rank, world=plan.world_size,
             attempt=f"e{plan.epoch}", pieces=pieces, on_done=saved if rank == 0 else None,
-            extra=prune,
+            extra=prune, buffers=self._stats_saved(),
         )  # fmt: skip
+
+    def _stats_saved(self) -> torch.Tensor | None:
+        """The norm layers' running statistics as a checkpoint keeps them (None: the model has
+        none)."""
+        return self.state.stats.saved() if self.state.stats is not None else None
 
     # ---- recovery ---------------------------------------------------------------------------
     def _recover(self) -> None:
@@ -454,6 +467,8 @@ class Engine:
         if self.state.prune is not None:  # the redundant set, to a newcomer
             prune = self.state.prune.share(self.comm, self.state.step, broken, self.state.device)
             sync["prune_partition_step"] = prune
+        if self.state.stats is not None:  # the running statistics, to a newcomer
+            sync["stats_source_rank"] = self.state.stats.share(self.comm, self.state.step, broken)
         self.control.event(
             "state_synced",
             worker=self.me,
@@ -516,5 +531,17 @@ class Engine:
             params_sha256=final.params_sha256,
             state_sha256=final.state_sha256,
             **final.checks,
+            **self._stats_digest(),
         )
         self.control.send({"type": "done", "step": self.state.step, "worker_id": self.me})
+
+    def _stats_digest(self) -> dict[str, Any]:
+        """The running statistics' SHA-256 and the fewest batches a norm layer has seen (none
+        where the model keeps no running statistics)."""
+        stats = self.state.stats
+        if stats is None:
+            return {}
+        return {
+            "buffers_sha256": hashlib.sha256(host_bytes(stats.saved())).hexdigest(),
+            "norm_batches": int(stats.counts.min()),
+        }

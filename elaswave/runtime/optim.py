@@ -177,6 +177,9 @@ class OptimHyper:
     # (train.lr_schedule) in place of constant/cosine (:mod:`elaswave.runtime.optimizers`)
     rule: TorchRule | None = None
     replay: ScheduleReplay | None = None
+    # The trainable parameters' shapes in flat order, for a class that steps whole parameters
+    # (``rule.elementwise`` False: replicated data parallelism only, the buffer the whole model)
+    shapes: tuple[torch.Size, ...] = ()
     _padded: torch.Tensor | None = field(default=None, init=False, repr=False)
 
     def lr_at(self, step: int) -> float:
@@ -271,8 +274,18 @@ def update_(
     :meth:`OptimHyper.groups_of`). Element-wise: applying it to a slice gives the same values as
     applying it to the whole buffer. The arithmetic is PyTorch's single-tensor AdamW and SGD
     (``torch.optim``), operation for operation."""
-    if h.rule is not None:  # the optimizer class's own step on this slice: element-wise
+    if h.rule is not None and h.rule.elementwise:  # the class's own step on this slice
         h.rule.apply(param, grad, exp_avg, exp_avg_sq, step, h.group_at(step))
+        return
+    if h.rule is not None:  # the class's own step on each whole parameter
+        if sum(s.numel() for s in h.shapes) != param.numel():
+            raise RuntimeError(f"{h.rule.name} steps whole parameters: a slice cannot be updated")
+        group, a = h.group_at(step), 0
+        for shape in h.shapes:
+            c = slice(a, a + shape.numel())
+            args = (param[c].view(shape), grad[c].view(shape), exp_avg[c], exp_avg_sq[c])
+            h.rule.apply_packed(*args, step, group)
+            a = c.stop
         return
     lr = h.lr_at(step)
     n = param.numel()

@@ -8,9 +8,12 @@ most two tensors shaped like the parameter plus the step count, and when its upd
 update of any slice of the flat buffers (a ZeRO shard, a pipeline window, a replica's whole
 buffer) is the optimizer's own ``step()`` on that slice, with its state tensors mapped onto the
 slots, and the state survives every snapshot, migration, checkpoint and resume with them. Both
-properties are probed once, by running the optimizer (:func:`torch_rule`); an optimizer that
-fails them (Adafactor's relative step, LBFGS's closure, NAdam's scalar state) is refused with
-the reason.
+properties are probed once, by running the optimizer (:func:`torch_rule`). A class that is not
+element-wise but steps each parameter on its own, its state no larger than two copies of the
+parameter (Adafactor: factored moments, update clipping over the tensor), steps whole parameters
+with its state packed into the parameter's room in the slots: replicated data parallelism only,
+as ZeRO and pipelines update slices. The others (LBFGS's closure, NAdam's scalar state, a class
+coupling parameters) are refused with the reason.
 
 A scheduler class (``train.lr_schedule: torch.optim.lr_scheduler.OneCycleLR``) is replayed on a
 one-element optimizer of the same kind: the learning rate (and betas or momentum, where the
@@ -55,11 +58,16 @@ def resolve_class(spec: str, key: str) -> type:
 
 class TorchRule:
     """One optimizer class and its arguments, stepping any slice of the flat buffers; its
-    per-parameter state tensors ``slots`` live in the two state buffers."""
+    per-parameter state tensors ``slots`` live in the two state buffers. A class that is not
+    element-wise but steps each parameter on its own (``elementwise`` False: Adafactor's
+    factored moments and update clipping) steps whole parameters (:meth:`apply_packed`), its
+    state packed into the parameter's room in the two slots."""
 
     def __init__(self, cls: type, args: dict[str, Any], name: str) -> None:
         self.cls, self.args, self.name = cls, dict(args), name
         self.slots: tuple[str, ...] = ()
+        self.elementwise = True
+        self._layouts: dict[tuple[int, ...], list[tuple[str, int, int, torch.Size]]] = {}
 
     def _make(self, t: torch.Tensor, group: dict[str, Any]) -> torch.optim.Optimizer:
         with warnings.catch_warnings():
@@ -79,18 +87,78 @@ class TorchRule:
     ) -> None:
         """Update ``param`` in place as the optimizer's ``step()`` number ``step`` would, its
         state read from and written back to the slots."""
+        slots = (slot1, slot2)
+        self._step(param, grad, {key: slots[i] for i, key in enumerate(self.slots)}, step, group)
+
+    def apply_packed(
+        self,
+        param: torch.Tensor,
+        grad: torch.Tensor,
+        slot1: torch.Tensor,
+        slot2: torch.Tensor,
+        step: int,
+        group: dict[str, Any],
+    ) -> None:
+        """Update the whole parameter ``param`` (its own shape; ``grad`` alike) as the
+        optimizer's ``step()`` number ``step`` would, each of its state tensors read from and
+        written back to its place in the slots (``slot1``, ``slot2``: the parameter's flat
+        elements of each)."""
+        slots = (slot1, slot2)
+        views = {
+            key: slots[i][a : a + shape.numel()].view(shape)
+            for key, i, a, shape in self._layout(param, group)
+        }
+        self._step(param, grad, views, step, group)
+
+    def _step(
+        self,
+        param: torch.Tensor,
+        grad: torch.Tensor,
+        views: dict[str, torch.Tensor],
+        step: int,
+        group: dict[str, Any],
+    ) -> None:
+        """The optimizer's own step on ``param``, its state tensors ``views`` into the slots
+        (at step 1 it makes its initial state, which the slots then take)."""
         t = param.detach().requires_grad_(True)  # the same memory, as a leaf the optimizer takes
         t.grad = grad
         opt = self._make(t, group)
-        slots = (slot1, slot2)
         if step > 1:
-            state: dict[str, Any] = {"step": torch.tensor(float(step - 1))}
-            state.update({key: slots[i] for i, key in enumerate(self.slots)})
-            opt.state[t] = state
+            opt.state[t] = {"step": torch.tensor(float(step - 1)), **views}
         opt.step()
-        if step == 1:  # the optimizer made its own initial state: keep it in the slots
-            for i, key in enumerate(self.slots):
-                slots[i].copy_(opt.state[t][key])
+        for key, view in views.items():
+            if opt.state[t][key] is not view:
+                view.copy_(opt.state[t][key])
+
+    def _layout(
+        self, param: torch.Tensor, group: dict[str, Any]
+    ) -> list[tuple[str, int, int, torch.Size]]:
+        """Where each state tensor of a parameter of ``param``'s shape lies: (key, slot, offset,
+        shape), first fit into the parameter's room in slot 1, then slot 2 (found once per
+        shape, by a step on zeros)."""
+        shape = tuple(param.shape)
+        if shape not in self._layouts:
+            dummy = torch.zeros(shape, dtype=param.dtype, requires_grad=True)
+            dummy.grad = torch.zeros_like(dummy)
+            opt = self._make(dummy, group)
+            opt.step()
+            room, layout = [param.numel(), param.numel()], []
+            for key, value in opt.state[dummy].items():
+                if key == "step" and (not torch.is_tensor(value) or value.numel() == 1):
+                    continue
+                if not torch.is_tensor(value):
+                    raise ValueError(f"its state {key!r} is not a tensor")
+                n = value.numel()
+                slot = next((i for i in (0, 1) if room[i] >= n), None)
+                if slot is None:
+                    raise ValueError(
+                        f"its state outgrows two tensors the size of a parameter of shape "
+                        f"{list(shape)}"
+                    )
+                layout.append((key, slot, param.numel() - room[slot], value.shape))
+                room[slot] -= n
+            self._layouts[shape] = layout
+        return self._layouts[shape]
 
 
 def torch_rule(name: str, args: dict[str, Any]) -> TorchRule:
@@ -154,10 +222,42 @@ def probe(rule: TorchRule, groups: list[dict[str, Any]]) -> None:
         raise ConfigError(f"train.optimizer {name!r}: its step through ElasWave's state slots "
                           "differs from its own")  # fmt: skip
     if not torch.equal(halves, native.detach()):
-        raise ConfigError(
-            f"train.optimizer {name!r} is not element-wise (a tensor updated whole and in two "
-            "halves differs): ElasWave updates its flat state in slices"
-        )
+        if not _per_parameter(rule, groups):
+            raise ConfigError(
+                f"train.optimizer {name!r} is not element-wise (a tensor updated whole and in "
+                "two halves differs) and does not step each parameter on its own"
+            )
+        rule.elementwise = False
+
+
+PROBE_SHAPES = ((6, 5), (64,), (4, 3, 3, 3))  # a matrix, a vector, a convolution's weight
+
+
+def _per_parameter(rule: TorchRule, groups: list[dict[str, Any]]) -> bool:
+    """Whether the class steps each parameter on its own, its state fitting the parameter's
+    room in the two slots: a matrix, a vector and a 4-d weight stepped together natively, and
+    one by one through :meth:`TorchRule.apply_packed`, give the same bits."""
+    g = torch.Generator().manual_seed(1)
+    x0 = [torch.randn(s, generator=g) for s in PROBE_SHAPES]
+    grads = [[torch.randn(s, generator=g) for s in PROBE_SHAPES] for _ in groups]
+    try:
+        native = [x.clone().requires_grad_(True) for x in x0]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            opt = rule.cls(native, **{**rule.args, **groups[0]})
+        for k, step_grads in enumerate(grads):
+            opt.param_groups[0].update(groups[k])
+            for x, grad in zip(native, step_grads, strict=True):
+                x.grad = grad.clone()
+            opt.step()
+        mine = [x.clone() for x in x0]
+        slots = [(torch.zeros(x.numel()), torch.zeros(x.numel())) for x in x0]
+        for step, step_grads in enumerate(grads, start=1):
+            for x, grad, (s1, s2) in zip(mine, step_grads, slots, strict=True):
+                rule.apply_packed(x, grad.clone(), s1, s2, step, groups[step - 1])
+    except Exception:  # noqa: BLE001 - not a class that steps parameters on their own
+        return False
+    return all(torch.equal(a, b.detach()) for a, b in zip(mine, native, strict=True))
 
 
 def _through_slots(

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from elaswave.config import JobConfig
+from elaswave.errors import ConfigError
 from elaswave.planning.plan import Plan
 from elaswave.prune.pruner import Pruner
 from elaswave.runtime.comm.communicator import Communicator
@@ -28,6 +29,7 @@ from elaswave.runtime.optimizers import (
     schedule_replay,
     torch_rule,
 )
+from elaswave.runtime.runningstats import RunningStats
 from elaswave.runtime.workload import (
     Dataset,
     KeyedLayers,
@@ -46,7 +48,8 @@ AUTOCAST = {"off": None, "bf16": torch.bfloat16}  # train.autocast -> the layers
 class TrainState:
     """A rank's training state. ``opt`` holds the moments of the parameters the rank holds
     (replicated data parallelism and pipeline stages without ZeRO), or none (ZeRO keeps its
-    shards itself).
+    shards itself); ``stats`` the norm layers' running statistics of the whole model (on every
+    rank: see :mod:`elaswave.runtime.runningstats`).
 
     ``window`` is the range of layers whose state this rank allocates: every layer, except on
     a pipeline rank, which holds only the layers its stage needs (:meth:`set_window`); the
@@ -65,6 +68,7 @@ class TrainState:
     window: range = range(0)
     zero: bool = False  # ZeRO keeps the moments in its shards: ``opt`` holds none
     prune: Pruner | None = None  # train.prune: DHSPG after each update
+    stats: RunningStats | None = None  # the norm layers' running statistics, if any
 
     @classmethod
     def build(cls, cfg: JobConfig, device: torch.device | None = None) -> TrainState:
@@ -86,6 +90,12 @@ class TrainState:
                 _buffers_to(layer, device)
         model.autocast = AUTOCAST[t.autocast]
         model.train()
+        stats = RunningStats.of(workload, model, t.global_batch // t.micro_batch_size, device)
+        if stats is not None:
+            model.stats = stats
+            for index, layer in enumerate(model.layers):
+                if index in window or shells:
+                    stats.bind(index, layer)
         total = sum(length for _, length in model.segments())
         flat = FlatParams(_layers(model, window), total=total, device=device)
         hyper = OptimHyper(
@@ -94,6 +104,8 @@ class TrainState:
             warmup=t.warmup_steps, total=t.steps, min_lr=t.min_lr,
         )  # fmt: skip
         hyper.rule, hyper.replay = optimizer_classes(cfg)
+        if hyper.rule is not None and not hyper.rule.elementwise:
+            hyper.shapes = tuple(p.shape for p in model.parameters() if p.requires_grad)
         hyper.group_decay, hyper.group_runs = param_groups(model, cfg)
         hyper.hold_groups(flat.base, flat.numel, device)
         opt = FlatOptimizer(0 if cfg.zero else flat.numel, hyper, device)  # ZeRO: shards
@@ -106,7 +118,7 @@ class TrainState:
         dataset = workload.dataset(t.seed)
         return cls(
             workload, model, flat, opt, dataset, ties=tuple(ties), window=window,
-            zero=bool(cfg.zero), prune=Pruner.build(cfg, workload, model),
+            zero=bool(cfg.zero), prune=Pruner.build(cfg, workload, model), stats=stats,
         )  # fmt: skip
 
     def set_window(self, layers: range) -> None:
@@ -122,6 +134,8 @@ class TrainState:
             if index not in old:
                 layer = build_layer(self.workload, model.seed, index).to(device)
                 model.layers[index] = layer.train(model.training)
+                if self.stats is not None:
+                    self.stats.bind(index, layer)
         segments = self.segments
         base = segments[layers.start][0] if layers else 0
         new = FlatParams(_layers(model, layers), base=base, total=flat.total, device=device)
@@ -235,6 +249,12 @@ def optimizer_classes(
         steps = sorted({1, max(1, t.steps // 2), t.steps})
         groups = [replay.at(s) if replay is not None else {"lr": t.lr} for s in steps]
         probe(rule, groups)
+        if not rule.elementwise and (cfg.zero or cfg.pp > 1):
+            raise ConfigError(
+                f"train.optimizer {t.optimizer!r} steps whole parameters (not element-wise): "
+                f"{'ZeRO' if cfg.zero else 'a pipeline'} updates slices of them; replicated data "
+                "parallelism takes it"
+            )
     return rule, replay
 
 

@@ -1,5 +1,6 @@
 """Any element-wise torch.optim optimizer and any lr_scheduler, named in the config, on a user's
-own module (examples/own_model.py), by real workers.
+own module (examples/own_model.py), by real workers; Adafactor, which steps whole parameters,
+replicated.
 
 The optimizer's state tensors live in ElasWave's flat state slots, so they survive what
 parameters survive: a rank SIGKILLed mid-step and respawned (its state from peers), and the
@@ -69,19 +70,42 @@ def test_an_optimizer_class_survives_a_kill_and_a_relaunch_bit_identical(
     assert_no_orphans(run)
 
 
+def test_adafactor_trains_replicated_through_a_kill_bit_identical(tmp_path: Path) -> None:
+    """Adafactor steps whole parameters (not element-wise): replicated data parallelism takes
+    it, its factored moments packed into the state slots, which the survivors carry through
+    the kill (and hand to the respawned rank): the fault-free run's losses and state, bit for
+    bit."""
+    config = _config(tmp_path, {"optimizer": "torch.optim.Adafactor"})
+    ref_env = {**os.environ, "ELASWAVE_STATE_DIR": str(tmp_path / "ref-state"), **F64}
+    reference = run_config(config, tmp_path / "ref", ref_env, "--job-id", "ref")
+    assert reference.losses[STEPS] < reference.losses[1], reference.losses
+    env = paced({**os.environ, "ELASWAVE_STATE_DIR": str(tmp_path / "state"), **F64}, 0.03)
+    run = run_config(config, tmp_path / "run", env, "--job-id", "adafactor",
+                     "--fault", "kill,rank=1,at_step=3")  # fmt: skip
+    assert [e["exit_code"] for e in run.of("worker_exit")] == [-9]
+    assert 2 in [p["world"] for p in run.of("plan_published")]  # went on without it
+    assert run.losses == reference.losses
+    for key in ("params_sha256", "state_sha256"):
+        assert {f[key] for f in run.of("final_state")} == {
+            f[key] for f in reference.of("final_state")
+        }, key
+    assert_no_orphans(run)
+
+
 @pytest.mark.parametrize(
-    ("train", "message"),
+    ("train", "flags", "message"),
     [  # the launch's one line; tests/unit/test_optimizer_classes.py has the whole table
-        ({"optimizer": "torch.optim.Adafactor"}, "is not element-wise"),
-        ({"lr_schedule": "torch.optim.lr_scheduler.StepLR"}, "missing 1 required positional"),
+        ({"optimizer": "torch.optim.Adafactor"}, ["--zero", "1"], "ZeRO updates slices"),
+        ({"lr_schedule": "torch.optim.lr_scheduler.StepLR"}, [], "missing 1 required positional"),
     ],
 )  # fmt: skip
 def test_an_optimizer_that_does_not_fit_is_one_line(
-    tmp_path: Path, train: dict[str, Any], message: str
+    tmp_path: Path, train: dict[str, Any], flags: list[str], message: str
 ) -> None:
     env = {**os.environ, "ELASWAVE_STATE_DIR": str(tmp_path / "state")}
     config = _config(tmp_path, train)
-    r = cli("launch", str(config), "--run-dir", str(tmp_path / "run"), env=env, timeout=120)
+    r = cli("launch", str(config), "--run-dir", str(tmp_path / "run"), *flags, env=env,
+            timeout=120)  # fmt: skip
     assert r.returncode != 0
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and message in lines[0], r.stderr

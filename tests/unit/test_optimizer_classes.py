@@ -15,6 +15,19 @@ from elaswave.runtime.optim import FlatOptimizer, OptimHyper
 from elaswave.runtime.state import optimizer_classes
 
 
+class GlobalNormSGD(torch.optim.SGD):
+    """SGD on gradients divided by their norm over every parameter: neither element-wise nor
+    per parameter (a user's class ElasWave must refuse)."""
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+        norm = torch.sqrt(sum((p.grad.float() ** 2).sum() for p in params))
+        for p in params:
+            p.grad.div_(norm)
+        return super().step(closure)
+
+
 def _cfg(**train: Any) -> JobConfig:
     return JobConfig.from_dict({"train": train})
 
@@ -52,7 +65,7 @@ def test_a_momentum_the_scheduler_switches_on_gets_its_slot() -> None:
 @pytest.mark.parametrize(
     ("name", "args", "message"),
     [
-        ("torch.optim.Adafactor", {}, "is not element-wise"),
+        ("tests.unit.test_optimizer_classes:GlobalNormSGD", {}, "does not step each parameter"),
         ("torch.optim.NAdam", {}, "keeps state ElasWave cannot shard: 'mu_product'"),
         ("torch.optim.RMSprop", {"centered": True, "momentum": 0.9}, "keeps 3 tensors"),
         ("torch.optim.LBFGS", {}, "missing 1 required positional argument: 'closure'"),
@@ -124,3 +137,35 @@ def test_an_optimizer_class_steps_shards_as_it_steps_the_whole(
     assert torch.equal(torch.cat([x for x, _ in shards]), live.detach())
     first = rule.slots[0] if rule is not None else ""
     assert torch.equal(torch.cat([o.exp_avg for _, o in shards]), opt.state[live][first])
+
+
+def test_a_class_that_steps_whole_parameters_runs_replicated_only() -> None:
+    """Adafactor (factored moments, update clipping over the tensor) is not element-wise but
+    steps each parameter on its own: replicated data parallelism takes it, its state packed
+    into each parameter's room in the two slots, and the flat update is torch's own, bit for
+    bit; ZeRO and pipelines, which update slices, refuse it in one line."""
+    cfg = _cfg(optimizer="torch.optim.Adafactor", optimizer_args={"beta2_decay": -0.7}, steps=5)
+    rule, _ = optimizer_classes(cfg)
+    assert rule is not None and not rule.elementwise
+    shapes = (torch.Size([7, 5]), torch.Size([5]), torch.Size([3, 2, 3, 3]))
+    hyper = OptimHyper(lr=cfg.train.lr, rule=rule, shapes=shapes)
+    g = torch.Generator().manual_seed(2)
+    live = [torch.randn(s, generator=g).requires_grad_(True) for s in shapes]
+    x0 = torch.cat([p.detach().reshape(-1) for p in live])
+    grads = [torch.randn(x0.numel(), generator=g) for _ in range(5)]
+    opt = torch.optim.Adafactor(live, lr=cfg.train.lr, beta2_decay=-0.7)
+    flat, mine = FlatOptimizer(x0.numel(), hyper), x0.clone()
+    for grad in grads:
+        for p, part in zip(live, grad.split([s.numel() for s in shapes]), strict=True):
+            p.grad = part.view(p.shape).clone()
+        opt.step()
+        flat.step(mine, grad.clone())
+    assert torch.equal(mine, torch.cat([p.detach().reshape(-1) for p in live]))
+    row = opt.state[live[0]]["row_var"]  # the matrix's factored moment, in its first slot
+    assert torch.equal(flat.exp_avg[: row.numel()], row.reshape(-1))
+    with pytest.raises(RuntimeError, match="steps whole parameters"):
+        flat.step(mine[:10], grads[0][:10].clone())
+    for placement, where in (({"zero": 1}, "ZeRO"), ({"pp": 2}, "a pipeline")):
+        doc = {"train": {"optimizer": "torch.optim.Adafactor"}, **placement}
+        with pytest.raises(ConfigError, match=f"not element-wise\\): {where} updates slices"):
+            optimizer_classes(JobConfig.from_dict(doc))

@@ -55,6 +55,7 @@ log = logging.getLogger(__name__)
 
 KINDS = ("params", "exp_avg", "exp_avg_sq")
 PRUNE = "prune"  # the key of pruning's state in a whole checkpoint (and in a per-rank one's index)
+BUFFERS = "buffers"  # the norm layers' running statistics (runtime/runningstats.py), likewise
 COMMIT_S = 120.0  # how long rank 0 waits for the other ranks' parts before giving up
 FLUSH_S = 10.0  # how long a flush waits for a commit still waiting on other ranks
 
@@ -71,6 +72,7 @@ class DurableState:
     exp_avg_sq: torch.Tensor
     path: Path
     prune: torch.Tensor | None = None  # pruning's redundant set (``Pruner.saved``), if any
+    buffers: torch.Tensor | None = None  # running statistics (``RunningStats.saved``), if any
 
 
 class DurableCheckpoints:
@@ -103,17 +105,19 @@ class DurableCheckpoints:
         on_done: Callable[[Path, float], None] | None = None,
         *,
         extra: torch.Tensor | None = None,
+        buffers: torch.Tensor | None = None,
     ) -> None:
         """Snapshot the tensors now (copies) and write them in the background; ``extra``:
-        pruning's state, kept beside them."""
+        pruning's state, and ``buffers`` the running statistics, kept beside them."""
         state = {  # host copies: an accelerator's memory is not held until the write ends
             "params": _host_copy(params),
             "exp_avg": _host_copy(exp_avg),
             "exp_avg_sq": _host_copy(exp_avg_sq),
             "meta": torch.tensor([float(step), loss], dtype=torch.float64),
         }
-        if extra is not None:
-            state[PRUNE] = _host_copy(extra)
+        for key, side in ((PRUNE, extra), (BUFFERS, buffers)):
+            if side is not None:
+                state[key] = _host_copy(side)
         if self._pending is not None:
             self._pending.result()  # one write at a time; the previous one is long done
         self._pending = self._pool.submit(self._write, step, state, on_done)
@@ -148,13 +152,14 @@ class DurableCheckpoints:
         pieces: Sequence[Piece],
         on_done: Callable[[Path, float], None] | None = None,
         extra: torch.Tensor | None = None,
+        buffers: torch.Tensor | None = None,
     ) -> None:
         """Snapshot this rank's ``pieces`` now (copies) and write them in the background, beside
         the other ranks' parts of the same checkpoint (``attempt`` names the plan: every rank
         of it passes the same, a redo under a later plan writes afresh). Rank 0 commits the
         checkpoint once every one of the ``world`` ranks has written its part, and then calls
-        ``on_done``; its ``extra`` (pruning's state, the same on every rank) goes into the
-        checkpoint's index."""
+        ``on_done``; its ``extra`` (pruning's state) and ``buffers`` (the running statistics),
+        the same on every rank, go into the checkpoint's index."""
         state = {
             f"{kind}/{a}-{b}": _host_copy(t)
             for a, b, *tensors in pieces
@@ -168,9 +173,13 @@ class DurableCheckpoints:
         if rank == 0:
             if self._committing is not None:
                 self._committing.result()
-            kept = extra.tolist() if extra is not None else None
+            sides = {
+                key: side.tolist()
+                for key, side in ((PRUNE, extra), (BUFFERS, buffers))
+                if side is not None
+            }
             self._committing = self._committer.submit(
-                self._commit, tmp, step, loss, world, self._pending, self._discards, on_done, kept
+                self._commit, tmp, step, loss, world, self._pending, self._discards, on_done, sides
             )
 
     def _write_part(
@@ -194,7 +203,7 @@ class DurableCheckpoints:
         own: Future[Any],
         discards: int,
         on_done: Callable[[Path, float], None] | None,
-        extra: list[float] | None = None,
+        sides: dict[str, list[float]] | None = None,
     ) -> Path | None:
         """Rank 0: once every rank's part is written, index them and make the checkpoint
         visible. A rank that died before writing its part leaves the checkpoint uncommitted
@@ -221,9 +230,7 @@ class DurableCheckpoints:
             numel = b
         if discards != self._discards:  # the state it holds was found corrupt meanwhile
             return None
-        index = {"step": step, "loss": loss, "numel": numel, "pieces": pieces}
-        if extra is not None:
-            index[PRUNE] = extra
+        index = {"step": step, "loss": loss, "numel": numel, "pieces": pieces, **(sides or {})}
         _write_json(tmp / PIECES, index)
         sums = {name: sum_ for doc in docs.values() for name, sum_ in doc["files"].items()}
         sums |= file_sums(tmp, [PIECES, *(p.name for p in parts)])
@@ -295,15 +302,16 @@ def load(path: Path, numel: int) -> DurableState:
         "meta": torch.zeros(2, dtype=torch.float64),
     }
     stored = _dcp().FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    if PRUNE in stored:
-        state[PRUNE] = torch.zeros(stored[PRUNE].size, dtype=torch.float64)
+    for key in (PRUNE, BUFFERS):
+        if key in stored:
+            state[key] = torch.zeros(stored[key].size, dtype=torch.float64)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         _dcp().load(state, checkpoint_id=str(path), no_dist=True)
     step, loss = state["meta"].tolist()
     return DurableState(
         int(step), loss, state["params"], state["exp_avg"], state["exp_avg_sq"], path,
-        state.get(PRUNE),
+        state.get(PRUNE), state.get(BUFFERS),
     )  # fmt: skip
 
 
@@ -322,11 +330,13 @@ def _load_pieces(path: Path, numel: int) -> DurableState:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             _dcp().load(state, checkpoint_id=str(path / f"rank-{rank:05d}"), no_dist=True)
-    prune = index.get(PRUNE)
+    prune, buffers = (
+        torch.tensor(index[key], dtype=torch.float64) if key in index else None
+        for key in (PRUNE, BUFFERS)
+    )
     return DurableState(
         int(index["step"]), float(index["loss"]), whole["params"], whole["exp_avg"],
-        whole["exp_avg_sq"], path,
-        torch.tensor(prune, dtype=torch.float64) if prune is not None else None,
+        whole["exp_avg_sq"], path, prune, buffers,
     )  # fmt: skip
 
 

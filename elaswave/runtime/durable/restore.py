@@ -83,6 +83,8 @@ class DurableSource:
         state = checkpoints.load(path, self.ctx.state.flat.total)
         if self.ctx.state.prune is not None:
             self.ctx.state.prune.adopt(state.prune, state.step)
+        if self.ctx.state.stats is not None:
+            self.ctx.state.stats.adopt(state.buffers, state.step)
         if self.ctx.comm.rank(DP) == 0:
             self.ctx.event(
                 "durable_restored",

@@ -60,6 +60,7 @@ class Integrity:
         self.faults = faults
         self.every = ctx.cfg.verify_every
         self.good: KnownGood | None = None  # what it keeps of the last clean check's state
+        self._good_stats: torch.Tensor | None = None  # and of its running statistics
         self._good_key: object = None  # the layout it fits (None: the whole state fits any)
         self._good_generation: object = None  # the layout generation of the last clean check
         self._seal: int | None = None  # CRC of the parameters as last committed
@@ -152,6 +153,8 @@ class Integrity:
         state: ZeRO-1 gathers the moments)."""
         kept = self.strategy.known_good(self.ctx.broken)
         self.good = KnownGood(step, self.ctx.state.last_loss, kept)
+        stats = self.ctx.state.stats
+        self._good_stats = stats.saved() if stats is not None else None
         self._good_key = self.strategy.layout_key()
         self._good_generation = self.strategy.layout_generation()
         self._tainted = False
@@ -171,8 +174,17 @@ class Integrity:
             ctx.comm.broadcast(DP, meta, source, broken)
             ctx.comm.broadcast(DP, whole, source, broken)
             self.good = KnownGood(target, float(meta[1]), whole)
+            stats = ctx.state.stats
+            if stats is not None:  # the running statistics of that step too
+                saved = (self._good_stats if self._good_stats is not None else stats.saved()).to(
+                    dev
+                )
+                ctx.comm.broadcast(DP, saved, source, broken)
+                self._good_stats = saved.cpu()
         assert self.good is not None
         self.strategy.take_known_good(target, self.good.loss, self.good.kept, ctx.plan, broken)
+        if ctx.state.stats is not None:
+            ctx.state.stats.adopt(self._good_stats, target)
         self._tainted = False
         self.reseal()
         if ctx.comm.rank(DP) != 0:

@@ -189,6 +189,12 @@ class Strategy(ABC):
         Returns the reduced "newest epoch seen" sum (the engine switches plans when it says some
         rank saw a newer one)."""
 
+    def covered(self, step: int) -> dict[int, Sequence[int]]:
+        """Which micro-batches of ``step`` this rank's reduction holds the gradients of, per
+        layer (layer -> micro-batch ids): the rows of the norm layers' batch statistics it adds
+        to the step's sum (:mod:`elaswave.runtime.runningstats`)."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no running statistics")
+
     def before_step(self) -> None:  # noqa: B027 (an optional hook)
         """Before a step's buffer is sized and zeroed: the state may change its flat layout
         (a pipeline rank frees layers it no longer needs)."""

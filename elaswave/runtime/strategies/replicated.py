@@ -124,6 +124,12 @@ class Replicated(Strategy):
             self.partial = Partial(step, buf.new_zeros(2))
         return acc, self.partial
 
+    def covered(self, step: int) -> dict[int, Sequence[int]]:
+        """Every layer: the micro-batches summed in the accumulator (kept ones included)."""
+        part = self.partial
+        done = tuple(part.done) if part is not None and part.step == step else ()
+        return dict.fromkeys(range(len(self.state.model)), done)
+
     def memory(self) -> dict[str, int]:
         out = super().memory()
         out["grad_bytes"] += nbytes(self._acc)  # the deterministic mode's float64 sums

@@ -79,6 +79,7 @@ class Zero3(Zero1):
         self.path.gather_tiers = ctx.cfg.train.zero3_gather == "tiers"
         self.grads: torch.Tensor | None = None  # the step's gradient sums of this rank's part
         self.started = -1  # the step this rank began computing and has not committed
+        self.computed: tuple[int, tuple[int, ...]] = (-1, ())  # (step, its micro-batches)
 
     @property
     def shards(self) -> ParamShards:
@@ -103,6 +104,7 @@ class Zero3(Zero1):
             self.grads = buf.new_zeros(z.size)
         self.grads.zero_()
         self.started = step
+        self.computed = (step, tuple(mine))
         self.path.comm = self.ctx.comm
         loss, count = self.path.train(
             z, step, batches, self.grads, st.loss, self.ctx.broken, st.ties
@@ -117,6 +119,11 @@ class Zero3(Zero1):
         # Time this rank computed: without its waits for peers' parts of a layer, and without
         # the time its thread sat waiting for a CPU.
         return max(busy_since(mark) - self.path.waited, 0.0) / len(batches)
+
+    def covered(self, step: int) -> dict[int, Sequence[int]]:
+        """Every layer: this rank's share of the step (an interrupted step is redone whole)."""
+        done, mine = self.computed
+        return dict.fromkeys(range(len(self.state.model)), mine if done == step else ())
 
     def reduce_update(
         self,

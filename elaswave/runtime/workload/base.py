@@ -309,6 +309,7 @@ class KeyedLayers(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.seed = int(seed)
         self.autocast = autocast  # run the layers under torch.autocast in this dtype (bf16)
+        self.stats: Any = None  # the norm layers' running statistics (runtime/runningstats.py)
 
     def __len__(self) -> int:
         return len(self.layers)
@@ -329,11 +330,18 @@ class KeyedLayers(nn.Module):
 
     def run_layer(self, index: int, x: torch.Tensor, step: int, microbatch: int) -> torch.Tensor:
         """Layer ``index`` alone on ``x`` for (step, micro-batch): keyed randomness and this
-        model's autocast, as :meth:`forward` runs it (pipeline stages time layers one by one)."""
-        return call_layer(
-            self.layers[index], x, seed=self.seed, step=step, microbatch=microbatch, index=index,
+        model's autocast, as :meth:`forward` runs it (pipeline stages time layers one by one).
+        In training, its norm layers' batch statistics go to ``stats`` (:class:`RunningStats`),
+        keyed by (step, micro-batch)."""
+        layer = self.layers[index]
+        run = functools.partial(
+            call_layer, layer, x, seed=self.seed, step=step, microbatch=microbatch, index=index,
             autocast=self.autocast,
         )  # fmt: skip
+        if self.stats is None or not self.training:
+            return run()
+        with self.stats.capture(index, step, microbatch):
+            return run()
 
     def param_slice(self, ref: ParamRef) -> slice:
         """Where parameter ``(layer, name)`` lies in the flat buffer of every layer's parameters."""

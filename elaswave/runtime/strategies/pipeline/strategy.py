@@ -275,6 +275,11 @@ class PipelineStages(Strategy):
         """The state changed under the kept sums (a restore, a rollback): drop them."""
         self.kept, self.redo = None, None
 
+    def covered(self, step: int) -> dict[int, Sequence[int]]:
+        """The stage's layers: the micro-batches whose gradients each one holds."""
+        kept = self.kept
+        return dict(kept.has) if kept is not None and kept.step == step else {}
+
     def reduce_update(
         self,
         step: int,
