@@ -23,11 +23,11 @@ TEST = 360  # held-out samples (20 %)
 
 def _digits(seed: int) -> tuple[np.ndarray, np.ndarray]:
     """Every sample (features scaled to [0, 1]) and label, in a seeded order."""
-    from sklearn.datasets import load_digits
+    from examples.own_model import load_digits
 
-    data = load_digits()
-    order = np.random.default_rng([seed, 7]).permutation(len(data.target))
-    return (data.data[order] / 16.0).astype(np.float32), data.target[order].astype(np.int64)
+    pixels, target = load_digits()
+    order = np.random.default_rng([seed, 7]).permutation(len(target))
+    return (pixels[order] / 16.0).astype(np.float32), target[order].astype(np.int64)
 
 
 def held_out(seed: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,6 +14,9 @@ and write the trained model back as the class's own ``state_dict`` with ``elaswa
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -63,19 +66,29 @@ def small_resnet(channels: int = 1, width: int = 16, classes: int = 10) -> Small
     return SmallResNet(channels, width, classes)
 
 
+def load_digits() -> tuple[np.ndarray, np.ndarray]:
+    """scikit-learn's digits as ``sklearn.datasets.load_digits`` returns them (64 pixel values
+    in 0..16 per sample, and the labels), read from the file the package ships without importing
+    scikit-learn (over a second per process: every worker reads the data set)."""
+    spec = importlib.util.find_spec("sklearn")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("the digits need scikit-learn (pip install scikit-learn)")
+    path = Path(spec.submodule_search_locations[0]) / "datasets" / "data" / "digits.csv.gz"
+    data = np.loadtxt(path, delimiter=",")
+    return data[:, :-1], data[:, -1].astype(np.int64)
+
+
 class DigitImages(torch.utils.data.Dataset):
     """The digits in a seeded order, as ``(channels, size, size)`` images in [0, 1]."""
 
     def __init__(self, channels: int = 1, size: int = 8, seed: int = 0) -> None:
-        from sklearn.datasets import load_digits
-
-        data = load_digits()
-        order = np.random.default_rng([seed, 7]).permutation(len(data.target))
-        images = torch.from_numpy((data.images[order] / 16.0).astype(np.float32)).unsqueeze(1)
+        pixels, target = load_digits()
+        order = np.random.default_rng([seed, 7]).permutation(len(target))
+        images = torch.from_numpy((pixels[order] / 16.0).astype(np.float32)).view(-1, 1, 8, 8)
         if size != 8:
             images = F.interpolate(images, size=(size, size), mode="bilinear", align_corners=False)
         self.images = images.expand(-1, channels, -1, -1).contiguous()
-        self.labels = torch.from_numpy(data.target[order].astype(np.int64))
+        self.labels = torch.from_numpy(target[order].astype(np.int64))
 
     def __len__(self) -> int:
         return len(self.labels)

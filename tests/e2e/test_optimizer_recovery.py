@@ -23,7 +23,7 @@ CONFIG = ROOT / "examples" / "own_model.yaml"
 STEPS = 8
 HALF = 4  # the first launch stops here; the relaunch resumes from its final checkpoint
 
-CASES: dict[str, dict[str, Any]] = {  # Adagrad: tests/unit/test_optimizer_classes.py
+CASES: dict[str, dict[str, Any]] = {
     "rmsprop-zero1": {"optimizer": "torch.optim.RMSprop",
                       "optimizer_args": {"alpha": 0.9, "momentum": 0.5}},
     "adam-onecycle-zero3": {
@@ -31,8 +31,11 @@ CASES: dict[str, dict[str, Any]] = {  # Adagrad: tests/unit/test_optimizer_class
         "lr_schedule": "torch.optim.lr_scheduler.OneCycleLR",
         "lr_schedule_args": {"max_lr": 0.01, "total_steps": STEPS},
     },
+    "adagrad-replicated": {"optimizer": "torch.optim.Adagrad",
+                           "optimizer_args": {"initial_accumulator_value": 0.1}},
 }  # fmt: skip
-STRATEGY = {"rmsprop-zero1": ["--zero", "1"], "adam-onecycle-zero3": ["--zero", "3"]}
+STRATEGY = {"rmsprop-zero1": ["--zero", "1"], "adam-onecycle-zero3": ["--zero", "3"],
+            "adagrad-replicated": []}  # fmt: skip
 
 
 def _config(tmp: Path, train: dict[str, Any]) -> Path:
