@@ -87,6 +87,31 @@ def skip() -> nn.Module:
     return Skip()
 
 
+class Counting(nn.Module):
+    """A buffer of its own that a training forward changes (a count of samples seen)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, 3)
+        self.register_buffer("seen", torch.zeros(()))
+        self.fc = nn.Linear(4 * 6 * 6, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.seen += x.shape[0]
+        return self.fc(torch.flatten(self.conv(x), 1))
+
+
+def counting() -> nn.Module:
+    return Counting()
+
+
+def instance_norm() -> nn.Module:
+    """InstanceNorm keeping running statistics: not BatchNorm's, so not train state."""
+    return nn.Sequential(nn.Conv2d(1, 4, 3), nn.InstanceNorm2d(4, track_running_stats=True),
+                         nn.Flatten(), nn.Linear(4 * 6 * 6, 10))  # fmt: skip
+
+
 def raises() -> nn.Module:
     raise RuntimeError("out of cheese\nsecond line")
 
@@ -247,6 +272,8 @@ def test_pretrained_weights_are_loaded(tmp_path: Path) -> None:
         ({"data__factory": f"{HERE}:pairs", "data__args": {"shape": [1, 8, 8]},
           "train__loss": f"{HERE}:scalar_only"}, "returned Tensor, not \\(sum, count\\)"),
         ({"train__loss": f"{HERE}:absent"}, "has no 'absent'"),
+        ({"model__factory": f"{HERE}:counting"}, "its buffer seen changes in a training forward"),
+        ({"model__factory": f"{HERE}:instance_norm"}, "its buffer 1.running_mean changes"),
     ],
 )  # fmt: skip
 def test_bad_input_is_one_line(tmp_path: Path, over: dict[str, Any], message: str) -> None:

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from elaswave.errors import ConfigError, one_line
+from elaswave.runtime.runningstats import norms_of
 from elaswave.runtime.workload.base import Dataset, KeyedLayers, ParamRef, TensorSpec, Workload
 from elaswave.runtime.workload.cut import Cut, cut_module
 from elaswave.runtime.workload.plaindata import LossFn, cross_entropy
@@ -186,6 +187,7 @@ class ModuleWorkload(Workload):
             specs = self._boundaries()
         except Exception as exc:  # noqa: BLE001 - the user's model on the user's data
             raise ConfigError(f"{self.what} fails on a micro-batch: {one_line(exc)}") from None
+        self._check_buffers(x)
         output = torch.zeros(specs[-1].shape, dtype=specs[-1].dtype)
         try:
             total, count = self._loss(output, targets)
@@ -198,6 +200,33 @@ class ModuleWorkload(Workload):
             )
         if isinstance(count, bool) or not isinstance(count, (int, torch.Tensor)):
             raise ConfigError(f"train.loss returned a count of type {type(count).__name__}")
+
+    def _check_buffers(self, x: torch.Tensor) -> None:
+        """A training forward may change BatchNorm's running statistics (train state: see
+        :mod:`elaswave.runtime.runningstats`) and no other persistent buffer: each rank's copy
+        of one would follow the micro-batches that rank ran."""
+        model = self.whole(0).train()
+        kept = {f"{m}.{b}" if m else b for m, _ in norms_of(model) for b in _STATS}
+        before = {
+            name: t.clone()
+            for name, t in model.state_dict().items()
+            if name not in kept and not name.endswith("num_batches_tracked")
+        }
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            try:
+                model(x)
+            except Exception:  # noqa: BLE001 - _boundaries said why, layer by layer
+                return
+        after = model.state_dict()
+        for name, value in before.items():
+            if name in after and not torch.equal(after[name], value):
+                raise ConfigError(
+                    f"{self.what}: its buffer {name} changes in a training forward; ElasWave "
+                    "keeps BatchNorm's running statistics as train state, no other buffer"
+                )
+
+
+_STATS = ("running_mean", "running_var")  # what norms_of's modules keep beside their count
 
 
 def _misfit(want: dict[str, torch.Tensor], have: dict[str, torch.Tensor]) -> str:
