@@ -20,6 +20,7 @@ by identity: each stretch gets its own copy, and :attr:`Cut.tied` pairs them.
 
 from __future__ import annotations
 
+import copy
 import inspect
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -45,11 +46,14 @@ class Cut:
 
 
 def cut_module(model: nn.Module, split: list[str]) -> Cut:
-    """Cut ``model`` as ``split`` says (see the module docstring)."""
+    """Cut ``model`` as ``split`` says (see the module docstring). A copy is traced: a forward
+    that assigns to its module's attributes (``self.seen += n``) leaves proxies there when traced,
+    and a model that is not cut trains whole, as it was built."""
     auto = split == AUTO
+    traced = copy.deepcopy(model)
     try:
-        gm = fx.symbolic_trace(model, concrete_args=_defaults(model))
-        if _mode_dependent(model, gm):
+        gm = fx.symbolic_trace(traced, concrete_args=_defaults(traced))
+        if _mode_dependent(traced, gm):
             why = "its forward traces differently in train and eval mode"
             if auto:
                 return Cut([model], whole_because=why)
