@@ -44,8 +44,6 @@ class Exported:
     latency: tuple[float, float] | None = None
     latency_input: tuple[int, ...] | None = None
     latency_runs: tuple[int, int] | None = None
-    # BatchNorm's running statistics recomputed over this many training samples (None: the
-    # model has none; 0: the run's data cannot be read here, they keep their initial values)
     skipped: str = ""  # newer checkpoints that failed their check, and which file
 
 

@@ -296,7 +296,7 @@ class Engine:
         epochs = self.strategy.reduce_update(
             step, buf, self.ctx.broken, lambda: self.faults.fire(step, "optimizer")
         )
-        if stats is not None and rows is not None:  # the update is applied: fold them in
+        if stats is not None and rows is not None:  # applied: fold them in (rows iff stats)
             stats.commit(step, rows)
         self._enter("idle")
         if int(round(epochs)) != plan.world_size * plan.epoch:

@@ -176,9 +176,8 @@ class Integrity:
             self.good = KnownGood(target, float(meta[1]), whole)
             stats = ctx.state.stats
             if stats is not None:  # the running statistics of that step too
-                saved = (self._good_stats if self._good_stats is not None else stats.saved()).to(
-                    dev
-                )
+                held = self._good_stats if self._good_stats is not None else stats.saved()
+                saved = held.to(dev)
                 ctx.comm.broadcast(DP, saved, source, broken)
                 self._good_stats = saved.cpu()
         assert self.good is not None

@@ -204,26 +204,34 @@ class ModuleWorkload(Workload):
     def _check_buffers(self, x: torch.Tensor) -> None:
         """A training forward may change BatchNorm's running statistics (train state: see
         :mod:`elaswave.runtime.runningstats`) and no other persistent buffer: each rank's copy
-        of one would follow the micro-batches that rank ran."""
-        model = self.whole(0).train()
-        kept = {f"{m}.{b}" if m else b for m, _ in norms_of(model) for b in _STATS}
-        before = {
-            name: t.clone()
-            for name, t in model.state_dict().items()
-            if name not in kept and not name.endswith("num_batches_tracked")
-        }
+        of one would follow the micro-batches that rank ran. Run on copies of the cut layers,
+        in train mode."""
+        layers = [copy.deepcopy(layer).train() for layer in self._cut.layers]
+        before = []
+        for layer in layers:
+            kept = {f"{m}.{b}" if m else b for m, _ in norms_of(layer) for b in _STATS}
+            before.append(
+                {
+                    name: t.clone()
+                    for name, t in layer.state_dict().items()
+                    if name not in kept and not name.endswith("num_batches_tracked")
+                }
+            )
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
             try:
-                model(x)
+                for layer in layers:
+                    x = layer(x)
             except Exception:  # noqa: BLE001 - _boundaries said why, layer by layer
                 return
-        after = model.state_dict()
-        for name, value in before.items():
-            if name in after and not torch.equal(after[name], value):
-                raise ConfigError(
-                    f"{self.what}: its buffer {name} changes in a training forward; ElasWave "
-                    "keeps BatchNorm's running statistics as train state, no other buffer"
-                )
+        for layer, held in zip(layers, before, strict=True):
+            after = layer.state_dict()
+            for name, value in held.items():
+                if not torch.equal(after[name], value):
+                    raise ConfigError(
+                        f"{self.what}: its buffer {name} changes in a training forward; "
+                        "ElasWave keeps BatchNorm's running statistics as train state, no other "
+                        "buffer"
+                    )
 
 
 _STATS = ("running_mean", "running_var")  # what norms_of's modules keep beside their count
