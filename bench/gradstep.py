@@ -71,7 +71,7 @@ def run(repeat: int, config: Path) -> dict[str, Any]:
 
 
 def _cell(run_dir: Path) -> dict[str, float]:
-    steps = [m for m in read_jsonl(run_dir / "metrics.jsonl") if m.get("kind") != "eval"]
+    steps = [m for m in read_jsonl(run_dir / "metrics.jsonl") if "kind" not in m]
     if [m["step"] for m in steps] != list(range(1, STEPS + 1)):
         raise BenchError(f"{run_dir}: committed {[m['step'] for m in steps]}")
     synced = [e for e in read_jsonl(run_dir / "events.jsonl") if e["kind"] == "state_synced"]

@@ -202,14 +202,14 @@ def _train_step(run_dir: Path, after: int) -> float:
     """The median ``step_seconds`` of the steps after ``after`` (DHSPG at work in the pruned
     run; the same steps of the dense one)."""
     times = [r["step_seconds"] for r in _lines(run_dir)
-             if r.get("kind") != "eval" and r.get("step", 0) > after]  # fmt: skip
+             if "kind" not in r and r.get("step", 0) > after]  # fmt: skip
     if not times:
         raise BenchError(f"{run_dir}: no step after step {after}")
     return statistics.median(times)
 
 
 def _last(run_dir: Path, key: str) -> Any:
-    steps = [r for r in _lines(run_dir) if "step" in r and r.get("kind") != "eval"]
+    steps = [r for r in _lines(run_dir) if "step" in r and "kind" not in r]
     return steps[-1].get(key) if steps else None
 
 

@@ -10,6 +10,10 @@ from __future__ import annotations
 # checkpoint to fall back on: the job cannot go on from where it was, and a respawned worker
 # would only start it over from step 0. The daemon never respawns it; the job stops.
 EXIT_STATE_LOST = 5
+# A worker's exit code when the user's script (``launch --script``) raised, exited non-zero or
+# returned early: a respawned worker would run the same code into the same error. Never
+# respawned; the job stops with the reason.
+EXIT_SCRIPT_FAILED = 6
 
 
 def one_line(exc: BaseException) -> str:

@@ -48,7 +48,7 @@ def build_report(run_dir: str | Path, *more: str | Path) -> dict[str, Any]:
         (e for d in dirs for e in read_jsonl(d / EVENTS_FILE)), key=lambda e: e.get("t", 0.0)
     )
     lines = distinct_records(m for d in dirs for m in read_jsonl(d / METRICS_FILE))
-    metrics = [m for m in lines if m.get("kind") != "eval"]  # committed steps only
+    metrics = [m for m in lines if "kind" not in m]  # committed steps only
     if more:
         metrics.sort(key=lambda m: m.get("time", 0.0))
     plans = [e for e in events if e["kind"] == "plan_published"]

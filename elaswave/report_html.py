@@ -31,7 +31,7 @@ WINDOW = 5  # commits per throughput point
 def series(run_dirs: Sequence[Path]) -> list[dict[str, Any]]:
     """The committed steps of a run (several hosts' directories merged), in step order."""
     lines = distinct_records(m for d in run_dirs for m in read_jsonl(Path(d) / METRICS_FILE))
-    steps = {int(m["step"]): m for m in lines if m.get("kind") != "eval" and "step" in m}
+    steps = {int(m["step"]): m for m in lines if "kind" not in m and "step" in m}
     return [steps[s] for s in sorted(steps)]
 
 

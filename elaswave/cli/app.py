@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -94,6 +95,18 @@ _EtcdServerKey = Annotated[
 _JobId = Annotated[str | None, typer.Option("--job-id")]
 _RunDir = Annotated[Path | None, typer.Option("--run-dir", help="Default runs/<job-id>.")]
 _Steps = Annotated[int | None, typer.Option("--steps")]
+_GlobalBatch = Annotated[
+    int | None, typer.Option("--global-batch", help="Samples per step, whatever the world size.")
+]
+_MicroBatchSize = Annotated[int | None, typer.Option("--micro-batch-size")]
+_Script = Annotated[
+    Path | None,
+    typer.Option(
+        "--script",
+        help="Run this Python file's own training loop in every worker (elaswave.init()); "
+        "its arguments follow --.",
+    ),
+]
 _MaxRestarts = Annotated[
     int | None, typer.Option("--max-restarts", help="Respawns of crashed workers.")
 ]
@@ -206,6 +219,7 @@ _ProgressEvery = Annotated[
 def launch(
     ctx: typer.Context,
     config: _Config = None,
+    script: _Script = None,
     nproc_per_node: _NprocPerNode = None,
     device: _Device = None,
     workers_per_device: _WorkersPerDevice = None,
@@ -220,6 +234,8 @@ def launch(
     job_id: _JobId = None,
     run_dir: _RunDir = None,
     steps: _Steps = None,
+    global_batch: _GlobalBatch = None,
+    micro_batch_size: _MicroBatchSize = None,
     max_restarts: _MaxRestarts = None,
     fault: _Fault = [],  # noqa: B006 - typer's way to repeat an option
     host_id: _HostId = None,
@@ -245,7 +261,8 @@ def launch(
     quiet: _Quiet = False,
     progress_every: _ProgressEvery = 10.0,
 ) -> None:
-    """Run a job on this host in the foreground (one launch per host).
+    """Run a job on this host in the foreground (one launch per host): the config's, or a
+    script's own loop (--script train.py -- ARGS).
 
     etcd user and password, when etcd has auth on, come from ELASWAVE_ETCD_USER and
     ELASWAVE_ETCD_PASSWORD only.
@@ -255,7 +272,7 @@ def launch(
 
     view, code = None, None
     try:
-        cfg = _placed(config, _launch_overrides(ctx.params, fault))
+        cfg = _placed(config, _launch_overrides(ctx.params, fault, _SCRIPT_ARGS))
         cfg = _tokenized(cfg, quiet=quiet)
         security = _preflight(cfg)
         start = time.time()
@@ -280,9 +297,14 @@ def launch(
     raise typer.Exit(code)
 
 
-def _launch_overrides(params: dict[str, Any], faults: list[str]) -> dict[str, Any]:
-    """The config overrides of ``launch``'s flags (``params``: every flag, set or not) and its
-    ``--fault`` specs; a bad fault spec is a ConfigError."""
+def _launch_overrides(
+    params: dict[str, Any],
+    faults: list[str],
+    extra: Sequence[str] = (),
+) -> dict[str, Any]:
+    """The config overrides of ``launch``'s flags (``params``: every flag, set or not), its
+    ``--fault`` specs and the script's arguments (``extra``: what follows ``--``); a bad fault
+    spec, a script that is no file or arguments without a script is a ConfigError."""
     from elaswave.config import LAUNCH_FLAGS
     from elaswave.faults import FaultSpec
 
@@ -290,6 +312,17 @@ def _launch_overrides(params: dict[str, Any], faults: list[str]) -> dict[str, An
     overrides: dict[str, Any] = {
         LAUNCH_FLAGS[name]: _flag_value(name, value) for name, value in flags.items()
     }
+    script = params.get("script")
+    if script is not None:
+        if not Path(script).is_file():
+            raise ConfigError(f"--script {script}: no such file")
+        overrides["script"] = str(Path(script).resolve())  # workers may start elsewhere
+    if extra:
+        if script is None:
+            raise ConfigError(
+                f"arguments after --: {' '.join(extra)!r} are a script's (--script FILE)"
+            )
+        overrides["script_args"] = list(extra)
     if faults:
         try:
             overrides["faults"] = [FaultSpec.parse(f) for f in faults]
@@ -704,8 +737,18 @@ def _report_dirs(job_id: str | None, run_dirs: list[Path]) -> list[Path]:
 doctor_cli.register(app)  # ``elaswave doctor`` and ``elaswave --version``
 
 
+_SCRIPT_ARGS: list[str] = []  # launch's arguments after "--": the script's own
+
+
 def main() -> None:
-    app()
+    """The command line; ``launch ... -- ARGS`` gives ARGS to the script whole (the flags and
+    the config file before ``--`` are launch's)."""
+    argv = sys.argv[1:]
+    if argv[:1] == ["launch"] and "--" in argv:
+        cut = argv.index("--")
+        _SCRIPT_ARGS[:] = argv[cut + 1 :]
+        argv = argv[:cut]
+    app(args=argv)
 
 
 if __name__ == "__main__":

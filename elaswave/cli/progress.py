@@ -185,7 +185,7 @@ class LiveProgress:
         from elaswave.events import METRICS_FILE, read_jsonl
 
         with contextlib.suppress(Exception):
-            rows = [m for m in read_jsonl(self.run_dir / METRICS_FILE) if m.get("kind") != "eval"]
+            rows = [m for m in read_jsonl(self.run_dir / METRICS_FILE) if "kind" not in m]
             if rows:
                 m = rows[-1]
                 return Snapshot(

@@ -78,6 +78,11 @@ class JobConfig:
     timeouts: Timeouts = field(default_factory=Timeouts)
     logging: LoggingConfig = field(default_factory=LoggingConfig)  # TensorBoard, W&B
     faults: list[FaultSpec] = field(default_factory=list)
+    # A user's own training loop (``launch --script FILE -- ARGS``): every worker runs this
+    # Python file with these arguments; its model, data and optimizer are the script's
+    # (``elaswave.init()``), and the model and data sections above do not apply.
+    script: str | None = None
+    script_args: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", self.job_id):
@@ -96,6 +101,7 @@ class JobConfig:
             raise ConfigError(f"metrics_port must be 0..65535, got {self.metrics_port}")
         if self.zero not in (0, 1, 3):
             raise ConfigError(f"zero must be 0, 1 or 3, got {self.zero}")
+        self._check_script()
         if self.zero == 3 and self.pp > 1:
             self._check_zero3_stages()
         self._check_pipeline()
@@ -155,6 +161,27 @@ class JobConfig:
                 raise ConfigError(
                     f"fault '{fault.describe()}': rank out of range (job has ranks 0..{most - 1})"
                 )
+
+    def _check_script(self) -> None:
+        """What a user's own loop does not run, refused in one line each."""
+        if self.script is None:
+            if self.script_args:
+                raise ConfigError("script_args needs a script (launch --script FILE -- ARGS)")
+            return
+        if self.pp > 1:
+            raise ConfigError(
+                f"pp={self.pp}: a script's own loop runs data parallelism (replicated or ZeRO-1); "
+                "pipelines cut the model into stages: train it as a config job"
+            )
+        if self.zero == 3:
+            raise ConfigError(
+                "zero: 3 gathers each layer's parameters around its forward, which a script's "
+                "own model call does not let it do: use zero 1 (or a config job for ZeRO-3)"
+            )
+        if self.train.prune is not None:
+            raise ConfigError("train.prune needs a config job (the script's loop keeps its model)")
+        if self.train.eval_every:
+            raise ConfigError("train.eval_every: a script evaluates in its own loop")
 
     def _check_zero3_stages(self) -> None:
         """What ZeRO-3 inside pipeline stages does not do yet, refused in one line each."""
@@ -261,7 +288,10 @@ LAUNCH_FLAGS: dict[str, str] = {
     "max_restarts": "elastic.max_restarts",
     "straggler_threshold": "elastic.straggler_threshold",
     "loop_breaker": "elastic.loop_breaker",
+    "script": "script",  # made absolute by launch (workers may start elsewhere)
     "steps": "train.steps",
+    "global_batch": "train.global_batch",
+    "micro_batch_size": "train.micro_batch_size",
     "hang_timeout": "timeouts.hang",
     "zero": "zero",
     "pp": "pp",

@@ -39,7 +39,7 @@ def run_dir_records(run_dir: Path, durable_dir: Path, cfg: JobConfig) -> Records
     id hold; None if nothing."""
     committed = epoch = 0
     for line in read_jsonl(run_dir / METRICS_FILE):
-        if line.get("kind") != "eval":
+        if "kind" not in line:  # a step record (not an evaluation or a script's log)
             committed = max(committed, int(line.get("step", 0)))
             epoch = max(epoch, int(line.get("epoch", 0)))
     found = newest_intact(durable_dir)

@@ -158,7 +158,8 @@ def preflight(cfg: JobConfig) -> None:
     without a template, which checks it in its own)."""
     from elaswave.runtime.workload.load import check_data, load_workload
 
-    check_data(cfg, load_workload(cfg))
+    if cfg.script is None:  # a script builds its model itself
+        check_data(cfg, load_workload(cfg))
 
 
 def tls_paths(cfg: JobConfig) -> dict[str, str]:

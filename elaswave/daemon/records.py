@@ -124,8 +124,6 @@ class StepRecords:
     def evaluated(self, msg: dict[str, Any]) -> None:
         """A held-out evaluation rank 0 made after committing a step: a line of its own, in the
         outbox's order (after that step's record)."""
-        if int(msg["step"]) <= self.recorded_before:
-            return  # trained again after a relaunch: its evaluation is recorded already
         record = {
             "kind": "eval",
             "step": int(msg["step"]),
@@ -134,6 +132,18 @@ class StepRecords:
             **({"eval_accuracy": msg["accuracy"]} if "accuracy" in msg else {}),
             "time": msg["t"],
         }
+        self._side_line(record, "eval")
+
+    def logged(self, msg: dict[str, Any]) -> None:
+        """Metrics a script logged after a step (``job.log``): a line of their own, like an
+        evaluation's."""
+        metrics = {str(k): float(v) for k, v in dict(msg.get("metrics") or {}).items()}
+        record = {"kind": "log", "step": int(msg["step"]), **metrics, "time": msg["t"]}
+        self._side_line(record, "log")
+
+    def _side_line(self, record: dict[str, Any], what: str) -> None:
+        if record["step"] <= self.recorded_before:
+            return  # trained again after a relaunch: recorded already
 
         def land() -> None:
             self.metrics.write(record)
@@ -148,7 +158,7 @@ class StepRecords:
         async def write() -> None:
             land()
 
-        self.outbox.put(f"eval of step {record['step']}", write, fallback=land)
+        self.outbox.put(f"{what} of step {record['step']}", write, fallback=land)
 
     async def _land_record(
         self,

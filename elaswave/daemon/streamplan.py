@@ -206,7 +206,15 @@ def step_entries(
 
 
 def eval_entry(record: Mapping[str, Any]) -> list[Entry]:
-    """A held-out evaluation at the step it was made after."""
+    """A held-out evaluation at the step it was made after (or a script's ``job.log``
+    metrics, each under ``script/NAME``)."""
+    if record.get("kind") == "log":
+        values = tuple(
+            (f"script/{k}", float(v))
+            for k, v in record.items()
+            if k not in ("kind", "step", "time") and _number(v) is not None
+        )
+        return [Entry(int(record["step"]), float(record["time"]), values)] if values else []
     loss = _number(record.get("eval_loss"))
     if loss is None:
         return []

@@ -73,6 +73,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# Events a worker sends when the job cannot go on: every copy of some state is gone, or the
+# user's script failed (it would fail again in a respawned worker). The first one's reason is
+# the job's.
+UNRECOVERABLE = ("shard_lost", "script_failed")
+
 
 def default_host_id() -> str:
     return f"{socket.gethostname().split('.')[0]}-{os.getpid()}"
@@ -507,7 +512,7 @@ class HostDaemon:
             event.setdefault("worker", w.worker_id)
             event["host"] = self.host_id
             self.events.write(event)
-            if event.get("kind") == "shard_lost" and self.unrecoverable is None:
+            if event.get("kind") in UNRECOVERABLE and self.unrecoverable is None:
                 self.unrecoverable = str(event.get("reason"))  # the first cause, not echoes
         elif kind == "hb":
             w.last_beat = time.monotonic()
@@ -518,6 +523,8 @@ class HostDaemon:
             self.records.commit(msg)
         elif kind == "eval":
             self.records.evaluated(msg)
+        elif kind == "log":
+            self.records.logged(msg)
         elif kind == "rollback":
             self.records.roll_back(int(msg["step"]))
         elif kind == "compute":

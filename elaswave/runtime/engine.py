@@ -61,7 +61,7 @@ from elaswave.runtime.strategies.base import (
 from elaswave.runtime.strategies.select import strategy_for
 from elaswave.runtime.strategies.zero import ShardLost
 from elaswave.runtime.timing import DeviceClock, set_clock
-from elaswave.runtime.workload.data import microbatches
+from elaswave.runtime.workload.data import MicroBatch, microbatches
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +105,9 @@ class Engine:
         worker_id: str,
         host_addr: str,
         device: torch.device | None = None,
+        state: TrainState | None = None,
     ):
+        """``state``: what a user's own loop registered (default: the config's workload)."""
         self.cfg = cfg
         self.control = control
         self.me = worker_id
@@ -120,7 +122,7 @@ class Engine:
             if t.reduce_dtype == "float64":  # the deterministic mode: deterministic kernels
                 # where they exist (SDPA's memory-efficient backward sums with atomics else)
                 torch.use_deterministic_algorithms(True, warn_only=True)
-        self.state = TrainState.build(cfg, device)
+        self.state = TrainState.build(cfg, device) if state is None else state
         self.num_samples = training_samples(len(self.state.dataset), cfg.data.eval_samples)
         # [gradient sums | loss sum, newest epoch seen, a strategy's flag, loss count]
         self.buffer = reduction_buffer(self.state, t.reduce_dtype)
@@ -180,6 +182,10 @@ class Engine:
         }
 
     # ---- main loop --------------------------------------------------------------------------
+    # What ends a step or its recovery: the step is redone under the next plan (a lost peer),
+    # or the worker leaves (:meth:`failed` says which).
+    FAILURES = (CommError, Interrupted, NoPlan, Stopped, ShardLost, LayersLost)
+
     def run(self) -> int:
         total = self.cfg.train.steps
         while self.state.step < total:
@@ -192,28 +198,36 @@ class Engine:
                 result = self.train_step(self.state.step + 1)
                 during = "checks"
                 self.commit_step(result)
-                self._after_commit(result.step)
-            except (CommError, Interrupted) as exc:
-                self.control.event(
-                    "step_aborted", worker=self.me, step=self.state.step + 1, during=during,
-                    reason=str(exc)[:300],
-                )  # fmt: skip
-                # An abandoned collective may still be running and write into its tensor (a
-                # peer cut off by a partition is not an error until TCP gives up): redo the
-                # step in a fresh buffer, never in the one gloo still holds.
-                self.buffer = torch.zeros_like(self.buffer)
-                self.replan = True
-            except NoPlan as exc:
-                log.error("%s", exc)
-                return EXIT_NO_PLAN
-            except Stopped:
-                return EXIT_OK
-            except (ShardLost, LayersLost) as exc:
-                self.control.event("shard_lost", worker=self.me, reason=str(exc))
-                log.error("unrecoverable: %s", exc)
-                return EXIT_SHARD_LOST
+                self.after_commit(result.step)
+            except self.FAILURES as exc:
+                code = self.failed(exc, during)
+                if code is not None:
+                    return code
         self._farewell()
         return EXIT_OK
+
+    def failed(self, exc: BaseException, during: str) -> int | None:
+        """After one of :attr:`FAILURES` ``during`` recovery, a step or its checks: None when
+        the step is redone under the next plan, else the worker's exit code."""
+        if isinstance(exc, (CommError, Interrupted)):
+            self.control.event(
+                "step_aborted", worker=self.me, step=self.state.step + 1, during=during,
+                reason=str(exc)[:300],
+            )  # fmt: skip
+            # An abandoned collective may still be running and write into its tensor (a peer
+            # cut off by a partition is not an error until TCP gives up): redo the step in a
+            # fresh buffer, never in the one gloo still holds.
+            self.buffer = torch.zeros_like(self.buffer)
+            self.replan = True
+            return None
+        if isinstance(exc, NoPlan):
+            log.error("%s", exc)
+            return EXIT_NO_PLAN
+        if isinstance(exc, Stopped):
+            return EXIT_OK
+        self.control.event("shard_lost", worker=self.me, reason=str(exc))
+        log.error("unrecoverable: %s", exc)
+        return EXIT_SHARD_LOST
 
     def begin_step(self) -> None:
         self.integrity.before_step()
@@ -271,8 +285,14 @@ class Engine:
     # ---- one step ---------------------------------------------------------------------------
     def train_step(self, step: int) -> StepResult:
         """Compute, reduce and update through the strategy; faults fire at their phases."""
-        plan = self.plan
-        assert plan is not None
+        every, buf, start = self.prepare_step(step)
+        per_mb = self.strategy.compute(step, every, buf, self.faults.slowdown(step))
+        return self.reduce_step(step, buf, start, per_mb)
+
+    def prepare_step(self, step: int) -> tuple[list[MicroBatch], torch.Tensor, float]:
+        """Before a step's compute: its micro-batches, its zeroed reduction buffer and its
+        start time."""
+        assert self.plan is not None
         start = time.perf_counter()
         self._writer_busy = self.store is not None and self.store.writing()
         self.strategy.before_step()  # a pipeline rank may change which layers it allocates
@@ -284,7 +304,16 @@ class Engine:
         self._enter("compute")
         self.faults.fire(step, "forward")
         every = microbatches(t.seed, step, t.global_batch, t.micro_batch_size, self.num_samples)
-        per_mb = self.strategy.compute(step, every, buf, self.faults.slowdown(step))
+        return every, buf, start
+
+    def reduce_step(
+        self, step: int, buf: torch.Tensor, start: float, per_mb: float | None
+    ) -> StepResult:
+        """After a step's compute: the reduction and the update (the step is applied when this
+        returns; a lost peer raises)."""
+        plan = self.plan
+        assert plan is not None
+        n = self.state.flat.numel
         self.state.tie_gradients(buf[:n])
         buf[n + EPOCH] = self.control.latest_epoch
         self.faults.fire(step, "reduce")
@@ -303,7 +332,7 @@ class Engine:
             self.replan = True  # some rank has seen a newer plan: switch at this boundary
         return StepResult(step, self.state.last_loss, time.perf_counter() - start, per_mb)
 
-    def _after_commit(self, step: int) -> None:
+    def after_commit(self, step: int) -> None:
         """Corruption checks (they may roll every rank back), then the durable checkpoint, then
         the held-out evaluation, when due. Before them, under each plan and whenever it changed
         (a pipeline rank frees the layers it gave away): what this rank holds."""

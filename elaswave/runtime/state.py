@@ -71,15 +71,26 @@ class TrainState:
     stats: RunningStats | None = None  # the norm layers' running statistics, if any
 
     @classmethod
-    def build(cls, cfg: JobConfig, device: torch.device | None = None) -> TrainState:
+    def build(
+        cls,
+        cfg: JobConfig,
+        device: torch.device | None = None,
+        *,
+        workload: Workload | None = None,
+        optimizer: tuple[TorchRule, ScheduleReplay | None] | None = None,
+    ) -> TrainState:
         """The rank's state on ``device`` (default: the CPU). Layers are built on the CPU, where
         their seeded initial values are the same on every kind of device, then moved. A pipeline
         rank (``pp > 1``) allocates no layer until its first plan says which it runs; a ZeRO-3
         rank (``zero: 3``) allocates none at all: its layers are shells (parameters on the meta
-        device, buffers on ``device``) that its strategy fills while they run."""
+        device, buffers on ``device``) that its strategy fills while they run.
+
+        A user's own loop (:mod:`elaswave.runtime.loop`) gives its ``workload`` and its
+        ``optimizer`` (the rule of its optimizer's class, probed, and its schedule's replay)
+        instead of the config's."""
         t = cfg.train
         device = torch.device("cpu") if device is None else device
-        workload = load_workload(cfg)
+        workload = load_workload(cfg) if workload is None else workload
         shells = cfg.zero == 3 and cfg.pp == 1  # a ZeRO-3 stage allocates its window per step
         window = range(0) if cfg.pp > 1 or shells else range(workload.num_layers)
         model = build_layers(workload, t.seed, keep=window, shells=shells)
@@ -103,7 +114,7 @@ class TrainState:
             momentum=t.momentum, weight_decay=t.weight_decay, schedule=t.lr_schedule,
             warmup=t.warmup_steps, total=t.steps, min_lr=t.min_lr,
         )  # fmt: skip
-        hyper.rule, hyper.replay = optimizer_classes(cfg)
+        hyper.rule, hyper.replay = optimizer_classes(cfg) if optimizer is None else optimizer
         if hyper.rule is not None and not hyper.rule.elementwise:
             hyper.shapes = tuple(p.shape for p in model.parameters() if p.requires_grad)
         hyper.group_decay, hyper.group_runs = param_groups(model, cfg)

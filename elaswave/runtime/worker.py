@@ -1,7 +1,9 @@
 """Worker process entry point: ``python -m elaswave.runtime.worker --control SOCK --worker-id ID``.
 
 Started by the host daemon; receives its configuration over the control channel, builds the model,
-reports ``ready`` and runs the engine until the job's last step is committed.
+reports ``ready`` and runs the engine until the job's last step is committed. A job of a script
+(``launch --script``) runs the script instead, which drives the engine from its own loop
+(:mod:`elaswave.runtime.loop`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from elaswave.procutil import die_with_parent, exit_now
 from elaswave.runtime.comm.control_client import ControlClient
 from elaswave.runtime.device import place, probe, worker_device
 from elaswave.runtime.engine import Engine
+from elaswave.runtime.loop import Session, run_script
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,6 +40,11 @@ def main(argv: list[str] | None = None) -> int:
     cfg = JobConfig.from_dict(control.config["config"])
     per_device = cfg.elastic.workers_per_device  # > 1: slots share a device, over gloo
     device = worker_device(place(cfg.train.device, probe()).kind, args.slot, per_device)
+    if cfg.script is not None:  # the user's own loop drives the engine (elaswave.init())
+        session = Session(cfg, control, args.worker_id, control.config["host_addr"], device)
+        code = run_script(session)
+        control.flush(timeout=10.0)
+        return code
     engine = Engine(
         cfg, control, worker_id=args.worker_id, host_addr=control.config["host_addr"],
         device=device,

@@ -76,7 +76,7 @@ class Run:
         self.dir = run_dir
         dirs = (run_dir, *more)  # a record written twice (same writer token) counts once
         lines = distinct_records(m for d in dirs for m in read_jsonl(d / "metrics.jsonl"))
-        self.metrics = [m for m in lines if m.get("kind") != "eval"]  # committed steps
+        self.metrics = [m for m in lines if "kind" not in m]  # committed steps
         self.evals = [m for m in lines if m.get("kind") == "eval"]  # held-out losses
         self.events = [e for d in dirs for e in read_jsonl(d / "events.jsonl")]
         if more:

@@ -44,9 +44,9 @@ from elaswave.runtime.workload.data import MicroBatch
 
 if TYPE_CHECKING:
     from elaswave.runtime.durable.restore import DurableSource
-    from elaswave.runtime.state import RankContext
+    from elaswave.runtime.state import RankContext, TrainState
 
-__all__ = ["Replicated"]
+__all__ = ["Accumulation", "Replicated"]
 
 
 @dataclass
@@ -58,6 +58,50 @@ class Partial:
     step: int
     sums: torch.Tensor  # [loss sum, count]
     done: list[int] = field(default_factory=list)  # micro-batch indices, in computed order
+
+
+class Accumulation:
+    """One step's forward and backward on this rank, micro-batch by micro-batch: ``mine`` are
+    the indices to compute; after each one's backward, :meth:`add` takes its gradient (autograd
+    summed it into the flat gradient; the float64 mode adds it to ``acc``) and its loss sum and
+    count; :meth:`finish` fills the step's reduction buffer."""
+
+    def __init__(
+        self,
+        state: TrainState,
+        buf: torch.Tensor,
+        acc: torch.Tensor | None,
+        part: Partial,
+        mine: tuple[int, ...],
+        redo: bool,
+        world: int,
+    ) -> None:
+        self.state, self.buf, self.acc, self.part = state, buf, acc, part
+        self.mine, self.redo, self.world = mine, redo, world
+        self._mark = busy_mark()
+
+    def add(self, index: int, loss: torch.Tensor, count: int) -> None:
+        if self.acc is not None:
+            grad = self.state.flat.collect_grads()
+            self.acc.add_(grad)
+            grad.zero_()
+        part = self.part
+        part.sums[0] += loss.detach().to(part.sums.dtype)  # no host sync per micro-batch
+        part.sums[1] += count
+        part.done.append(index)
+
+    def finish(self) -> float | None:
+        """Fill the reduction buffer; this rank's busy seconds per micro-batch (None: a redone
+        share, or none, says nothing about its speed)."""
+        st, buf, part = self.state, self.buf, self.part
+        n = st.flat.numel
+        buf[:n].copy_(self.acc if self.acc is not None else st.flat.collect_grads())
+        buf[n + LOSS], buf[n + COUNT] = part.sums[0], part.sums[1]
+        if self.redo or not self.mine:
+            return None
+        # Time this rank needed, without the time its thread sat waiting for a CPU: on a shared
+        # host that measures the neighbours, not this rank (sleeps and stalls still count).
+        return busy_since(self._mark) / len(self.mine)
 
 
 class Replicated(Strategy):
@@ -75,40 +119,32 @@ class Replicated(Strategy):
     def compute(
         self, step: int, every: Sequence[MicroBatch], buf: torch.Tensor, slowdown: float
     ) -> float | None:
-        plan, st, t = self.ctx.plan, self.state, self.ctx.cfg.train
-        assert plan is not None
-        mark = busy_mark()
-        n = st.flat.numel
-        redo = self.redo[1] if self.redo is not None and self.redo[0] == step else None
-        mine = redo if redo is not None else plan.microbatch_range(self.ctx.comm.rank(DP))
-        slow = slowdown * plan.world_size / len(every)  # per micro-batch
-        # In the reduction's own dtype the gradients accumulate where autograd puts them (the
-        # same float32 sums, in the same order); a wider reduction (float64) takes each
-        # micro-batch's gradient as it comes, into ``acc``.
-        acc, part = self._accumulator(step, buf)
-        for i in mine:
+        st, t = self.state, self.ctx.cfg.train
+        run = self.accumulation(step, buf)
+        slow = slowdown * run.world / len(every)  # per micro-batch
+        for i in run.mine:
             mb = every[i]
             inputs, targets = st.microbatch(mb.sample_ids)
             loss, count = st.loss(st.model(inputs, step, mb.id), targets)
             loss.backward()
             if t.device_time:
                 time.sleep(t.device_time)  # emulated accelerator time (benchmarks)
-            if acc is not None:
-                grad = st.flat.collect_grads()
-                acc.add_(grad)
-                grad.zero_()
-            part.sums[0] += loss.detach().to(part.sums.dtype)  # no host sync per micro-batch
-            part.sums[1] += count
-            part.done.append(i)
+            run.add(i, loss, count)
             if slow:
                 time.sleep(slow)
-        buf[:n].copy_(acc if acc is not None else st.flat.collect_grads())
-        buf[n + LOSS], buf[n + COUNT] = part.sums[0], part.sums[1]
-        if redo is not None or not len(mine):
-            return None  # a redone step's share says nothing about this rank's speed
-        # Time this rank needed, without the time its thread sat waiting for a CPU: on a shared
-        # host that measures the neighbours, not this rank (sleeps and stalls still count).
-        return busy_since(mark) / len(mine)
+        return run.finish()
+
+    def accumulation(self, step: int, buf: torch.Tensor) -> Accumulation:
+        """This rank's share of ``step`` (a redo's, or the plan's), to be computed micro-batch
+        by micro-batch: the engine's loop above, or a user's own (:mod:`elaswave.runtime.loop`)."""
+        plan = self.ctx.plan
+        assert plan is not None
+        redo = self.redo[1] if self.redo is not None and self.redo[0] == step else None
+        mine = redo if redo is not None else plan.microbatch_range(self.ctx.comm.rank(DP))
+        acc, part = self._accumulator(step, buf)
+        return Accumulation(
+            self.state, buf, acc, part, tuple(mine), redo is not None, plan.world_size
+        )
 
     def _accumulator(self, step: int, buf: torch.Tensor) -> tuple[torch.Tensor | None, Partial]:
         """The float64 accumulator (None: autograd's flat gradient is the accumulator) and the

@@ -1,0 +1,142 @@
+"""A user's own training loop (examples/own_loop.py: a plain PyTorch loop, a model with dropout,
+AdamW with a cosine schedule, scikit-learn's digits) run by ``elaswave launch --script``.
+
+In the deterministic mode (float64 reduction) a run whose rank 1 is SIGKILLed mid-step and
+respawned, or frozen until the daemon kills it, gives the fault-free run's losses, parameters and
+optimizer state bit for bit, replicated and under ZeRO-1; every step is committed once and the
+survivors redo only the lost rank's micro-batches. Misuse of the API ends the job with one line
+naming the rank, and nothing is left running.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+from conftest import (
+    F64,
+    ROOT,
+    Run,
+    assert_clean_run,
+    assert_no_orphans,
+    assert_redid_only,
+    elaswave_cmd,
+    paced,
+)
+
+SCRIPT = ROOT / "examples" / "own_loop.py"
+MISUSE = Path(__file__).with_name("loop_misuse.py")
+STEPS = 12
+ARGS = ("--width", "32", "--lr", "0.03")
+SHAPE = ("--nproc-per-node", "3", "--steps", str(STEPS), "--global-batch", "48",
+         "--micro-batch-size", "8")  # fmt: skip
+
+
+def _launch(
+    run_dir: Path, env: dict[str, str], *args: str, script: Path = SCRIPT, after: tuple = ()
+) -> subprocess.CompletedProcess[str]:
+    cmd = elaswave_cmd("launch", "--script", str(script), "--run-dir", str(run_dir), "--quiet",
+                       *SHAPE, *args, "--", *after)  # fmt: skip
+    return subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=200)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    base = tmp_path_factory.mktemp("loop-ref")
+    env = {**os.environ, "ELASWAVE_STATE_DIR": str(base / "state"), **F64}
+    r = _launch(base / "run", env, "--job-id", "loop-ref", "--max-restarts", "0",
+                after=ARGS)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    run = Run(base / "run")
+    assert run.losses[STEPS] < 0.9 * run.losses[1], run.losses  # it learns
+    assert [p["world"] for p in run.of("plan_published")] == [3]
+    lines = [m for m in _lines(run) if m.get("kind") == "log"]  # job.log, from rank 0 only
+    assert [m["step"] for m in lines] == list(range(1, STEPS + 1))
+    assert all(m["train_loss"] == run.losses[m["step"]] for m in lines)
+    return run
+
+
+def _lines(run: Run) -> list[dict]:
+    from elaswave.events import read_jsonl
+
+    return list(read_jsonl(run.dir / "metrics.jsonl"))
+
+
+@pytest.mark.parametrize("strategy", [[], ["--zero", "1"]], ids=["replicated", "zero1"])
+def test_a_plain_loop_survives_a_kill_and_a_respawn_bit_identical(
+    tmp_path: Path, state_env: dict, reference: Run, strategy: list[str]
+) -> None:
+    env = paced({**state_env, **F64}, 0.08)  # the respawn joins before the end
+    r = _launch(tmp_path / "run", env, "--job-id", "loop-kill", *strategy, "--max-restarts", "1",
+                "--fault", "kill,rank=1,at_step=4", after=ARGS)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    run = Run(tmp_path / "run")
+    assert [e["exit_code"] for e in run.of("worker_exit")] == [-9]  # the kill, and no other
+    (fault,) = run.of("fault_injected")
+    assert len(run.of("worker_respawned")) == 1
+    assert [p["world"] for p in run.of("plan_published")] == [3, 2, 3]  # the respawn joined
+    assert_clean_run(run, STEPS, reference)
+    assert run.losses == reference.losses  # bit for bit, not only within tolerance
+    (ref_final,) = {f["params_sha256"] for f in reference.of("final_state")}
+    assert {f["params_sha256"] for f in run.of("final_state")} == {ref_final}
+    (ref_state,) = {f["state_sha256"] for f in reference.of("final_state")}
+    assert {f["state_sha256"] for f in run.of("final_state")} == {ref_state}
+    assert len(run.of("final_state")) == 3
+    assert_redid_only(run, 2, {fault["worker"]})
+
+
+def test_a_plain_loop_survives_a_hang_bit_identical(
+    tmp_path: Path, state_env: dict, reference: Run
+) -> None:
+    env = {**state_env, **F64}
+    r = _launch(tmp_path / "run", env, "--job-id", "loop-hang", "--hang-timeout", "1.5",
+                "--fault", "hang,rank=1,at_step=5", after=ARGS)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    run = Run(tmp_path / "run")
+    (detected,) = run.of("hang_detected")
+    (fault,) = run.of("fault_injected")
+    assert detected["worker"] == fault["worker"]
+    assert_clean_run(run, STEPS, reference)
+    assert run.losses == reference.losses
+    assert_redid_only(run, 2, {fault["worker"]})
+
+
+@pytest.mark.parametrize(
+    "misuse, says",
+    [
+        ("raise", "the script raised ValueError: boom in the user's loop"),
+        ("register-twice", "register() called twice"),
+        ("no-commit", "step 1 ended without step.commit()"),
+        ("vector-loss", "takes the micro-batch's scalar loss (summed over it), got (8,)"),
+    ],
+)
+def test_misuse_ends_the_job_in_one_line_naming_the_rank(
+    tmp_path: Path, state_env: dict, misuse: str, says: str
+) -> None:
+    r = _launch(tmp_path / "run", state_env, "--job-id", "loop-bad", "--max-restarts", "2",
+                "--nproc-per-node", "2", script=MISUSE, after=("--misuse", misuse))  # fmt: skip
+    assert r.returncode == 1, r.stderr[-3000:]
+    (line,) = [x for x in r.stderr.splitlines() if x.startswith("error:")]
+    assert "cannot recover: rank " in line and says in line, r.stderr[-2000:]
+    run = Run(tmp_path / "run")
+    assert not run.of("worker_respawned")  # it would fail again
+    assert_no_orphans(run)
+    if misuse == "raise":  # the traceback is in the failing worker's log
+        failed = run.of("script_failed")[0]["worker"]
+        log = (run.dir / "logs" / f"{failed}.log").read_text()
+        assert "Traceback" in log and "boom in the user's loop" in log
+
+
+def test_a_missing_script_or_arguments_without_one_is_one_line(state_env: dict) -> None:
+    for args, says in [
+        (("--script", "no/such/train.py"), "--script no/such/train.py: no such file"),
+        (
+            ("--steps", "3", "--", "--width", "4"),
+            "arguments after --: '--width 4' are a script's (--script FILE)",
+        ),
+    ]:
+        r = subprocess.run(elaswave_cmd("launch", *args), env=state_env, cwd=ROOT,
+                           capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert r.returncode == 2 and r.stderr.strip() == f"error: {says}", r.stderr
