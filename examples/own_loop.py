@@ -27,6 +27,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--lr", type=float, default=1e-2)
+    parser.add_argument("--t-max", type=int, help="cosine schedule's steps (default: the job's)")
     args = parser.parse_args()
 
     job = elaswave.init()  # joins the job; seeds torch alike on every rank
@@ -35,8 +36,13 @@ def main() -> None:
         nn.Linear(args.width, 10),
     )  # fmt: skip
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
-    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=job.total_steps)
-    job.register(model, optimizer, scheduler)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(
+        optimizer, T_max=args.t_max or job.total_steps
+    )
+    # The script's own state, kept by ElasWave too: an average of the weights (what a newcomer
+    # could not recompute) and the samples trained on.
+    state = {"ema": [p.detach().clone() for p in model.parameters()], "samples": 0}
+    job.register(model, optimizer, scheduler, state=state)
 
     for step in job.steps(dataset=DigitImages()):
         for mb in step.micro_batches():  # this rank's share of the step's global batch
@@ -44,6 +50,9 @@ def main() -> None:
             loss = F.cross_entropy(logits, mb.targets, reduction="sum")
             step.backward(loss, count=mb.size)
         if step.commit():  # reduced over every rank, then AdamW and the schedule
+            for avg, p in zip(state["ema"], model.parameters(), strict=True):
+                avg.lerp_(p.detach(), 0.1)
+            state["samples"] += job.global_batch
             job.log(train_loss=step.loss)
             if job.rank == 0 and step.index % 10 == 0:
                 print(f"step {step.index}: loss {step.loss:.4f}", flush=True)

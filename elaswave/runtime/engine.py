@@ -382,7 +382,7 @@ class Engine:
         prune = self.state.prune.saved() if self.state.prune is not None else None
         store.save_async(
             step, self.state.last_loss, whole.params, whole.exp_avg, whole.exp_avg_sq, saved,
-            extra=prune, buffers=self._stats_saved(),
+            extra=prune, buffers=self._stats_saved(), script=self._script_saved(),
         )  # fmt: skip
 
     def _save_final(self, final: Final) -> None:
@@ -415,8 +415,12 @@ class Engine:
         store.save_pieces_async(
             step, self.state.last_loss, rank=rank, world=plan.world_size,
             attempt=f"e{plan.epoch}", pieces=pieces, on_done=saved if rank == 0 else None,
-            extra=prune, buffers=self._stats_saved(),
+            extra=prune, buffers=self._stats_saved(), script=self._script_saved(),
         )  # fmt: skip
+
+    def _script_saved(self) -> torch.Tensor | None:
+        """A script's own registered state as a checkpoint keeps it (None: it has none)."""
+        return self.state.script.saved() if self.state.script is not None else None
 
     def _stats_saved(self) -> torch.Tensor | None:
         """The norm layers' running statistics as a checkpoint keeps them (None: the model has
@@ -498,6 +502,10 @@ class Engine:
             sync["prune_partition_step"] = prune
         if self.state.stats is not None:  # the running statistics, to a newcomer
             sync["stats_source_rank"] = self.state.stats.share(self.comm, self.state.step, broken)
+        if self.state.script is not None:  # a script's own state, to a newcomer
+            sync["script_state_source_rank"] = self.state.script.share(
+                self.comm, self.state.step, broken
+            )
         self.control.event(
             "state_synced",
             worker=self.me,
@@ -566,11 +574,17 @@ class Engine:
 
     def _stats_digest(self) -> dict[str, Any]:
         """The running statistics' SHA-256 and the fewest batches a norm layer has seen (none
-        where the model keeps no running statistics)."""
+        where the model keeps no running statistics), and a script's own state's SHA-256."""
+        out: dict[str, Any] = {}
+        if self.state.script is not None:  # a script's own state, serialized
+            out["script_state_sha256"] = hashlib.sha256(
+                host_bytes(self.state.script.saved())
+            ).hexdigest()
         stats = self.state.stats
         if stats is None:
-            return {}
+            return out
         return {
+            **out,
             "buffers_sha256": hashlib.sha256(host_bytes(stats.saved())).hexdigest(),
             "norm_batches": int(stats.counts.min()),
         }

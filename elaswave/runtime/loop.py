@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import io
 import logging
 import os
 import runpy
@@ -172,6 +173,64 @@ class Batch:
         return len(self.sample_ids)
 
 
+class ScriptState:
+    """The script's own state (``register(state=dict)``): what a newcomer gets from peers beside
+    the model and the optimizer (a counter, an EMA of the weights, the best loss so far). At
+    a plan's sync every rank takes the dict of the lowest rank whose dict is of the resume step;
+    durable checkpoints keep it. A tensor value of the same shape is copied into in place (a
+    script's own references to it stay valid); other values are replaced."""
+
+    def __init__(self, values: dict[str, Any], device: torch.device) -> None:
+        self.values, self.device = values, device
+        self.step = 0  # the step whose state the dict holds (the script's loop body is done)
+
+    def saved(self) -> torch.Tensor:
+        """The dict as a float64 vector of its serialized bytes (exact; a checkpoint's side)."""
+        out = io.BytesIO()
+        torch.save(self.values, out)
+        raw = torch.frombuffer(bytearray(out.getvalue()), dtype=torch.uint8)
+        return raw.to(torch.float64)
+
+    def adopt(self, saved: torch.Tensor | None, step: int) -> None:
+        if saved is None:
+            raise ValueError("the saved state holds no script state (register(state=...))")
+        raw = bytes(saved.to("cpu", torch.uint8).tolist())
+        loaded = torch.load(io.BytesIO(raw), map_location=self.device, weights_only=False)
+        for key in [k for k in self.values if k not in loaded]:
+            del self.values[key]
+        for key, value in loaded.items():
+            mine = self.values.get(key)
+            if (
+                isinstance(mine, torch.Tensor)
+                and isinstance(value, torch.Tensor)
+                and (mine.shape == value.shape and mine.dtype == value.dtype)
+            ):
+                mine.copy_(value)
+            else:
+                self.values[key] = value
+        self.step = step
+
+    def share(self, comm: Any, step: int, broken: Callable[[], bool]) -> int:
+        """After a plan's sync to ``step``: every rank takes the dict of the lowest rank whose
+        dict is of ``step`` (a newcomer's is not). Returns that rank."""
+        from elaswave.runtime.strategies.base import DP
+
+        mine = self.saved()
+        row = torch.tensor([float(self.step), float(mine.numel())], dtype=torch.float64)
+        rows = [r.tolist() for r in comm.allgather(DP, row.to(self.device), broken)]
+        holders = [r for r, (s, _) in enumerate(rows) if int(s) == step]
+        if not holders:
+            raise RuntimeError(f"no rank holds the script's state of step {step}")
+        if len(holders) < len(rows):
+            size = int(rows[holders[0]][1])
+            buf = mine if comm.rank(DP) == holders[0] else torch.zeros(size, dtype=torch.float64)
+            buf = buf.to(self.device)
+            comm.broadcast(DP, buf, holders[0], broken)
+            if int(rows[comm.rank(DP)][0]) != step:
+                self.adopt(buf, step)
+        return holders[0]
+
+
 class ScriptWorkload(Workload):
     """The registered model as a one-layer workload over the script's data set (the engine
     builds its state from it; the script calls the model itself)."""
@@ -273,6 +332,7 @@ class Job:
         self._model: nn.Module | None = None
         self._optimizer: torch.optim.Optimizer | None = None
         self._rule: tuple[TorchRule, ScheduleReplay | None, float] | None = None
+        self._state: ScriptState | None = None
         self._engine: Any = None  # Engine, once steps() starts
         self._finished = False
         torch.set_num_threads(self.cfg.train.threads_per_worker)
@@ -303,6 +363,11 @@ class Job:
         return self.cfg.train.steps
 
     @property
+    def global_batch(self) -> int:
+        """Samples per step, whatever the world size."""
+        return self.cfg.train.global_batch
+
+    @property
     def step(self) -> int:
         """The last committed step (0 before the first)."""
         return self._engine.state.step if self._engine is not None else 0
@@ -319,9 +384,11 @@ class Job:
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+        state: dict[str, Any] | None = None,
     ) -> None:
-        """The model the loop trains, its optimizer and schedule: what a newcomer gets from
-        peers. Once, before :meth:`steps`."""
+        """The model the loop trains, its optimizer and schedule, and ``state``, a dict of the
+        script's own (:class:`ScriptState`): what a newcomer gets from peers. Once, before
+        :meth:`steps`."""
         if self._engine is not None:
             raise ScriptError("register() after steps(): register before the loop starts")
         if self._model is not None:
@@ -346,8 +413,11 @@ class Job:
                 "forward does not share across ranks yet: train the model as a config job "
                 "(model.source: module), or use track_running_stats=False"
             )
+        if state is not None and not isinstance(state, dict):
+            raise ScriptError(f"register(state=...) takes a dict, got {type(state).__name__}")
         self._model, self._optimizer = model, optimizer
         self._rule = optimizer_rule(optimizer, scheduler, self.cfg.train.steps)
+        self._state = ScriptState(state, self.device) if state is not None else None
 
     def steps(
         self,
@@ -405,6 +475,7 @@ class Job:
         self.cfg = cfg
         workload = ScriptWorkload(self._model, dataset, collate)
         state = TrainState.build(cfg, s.device, workload=workload, optimizer=(rule, replay))
+        state.script = self._state
         return Engine(
             cfg, s.control, worker_id=s.worker_id, host_addr=s.host_addr, device=s.device,
             state=state,
@@ -423,6 +494,8 @@ class Job:
                 continue
             step = Step(self, engine.state.step + 1)
             yield step
+            if self._state is not None:  # the script's body for this step is done
+                self._state.step = engine.state.step
             if not step._commit_called:
                 raise ScriptError(f"step {step.index} ended without step.commit()")
             if step.error is not None:

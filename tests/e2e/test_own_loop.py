@@ -29,7 +29,7 @@ from conftest import (
 SCRIPT = ROOT / "examples" / "own_loop.py"
 MISUSE = Path(__file__).with_name("loop_misuse.py")
 STEPS = 12
-ARGS = ("--width", "32", "--lr", "0.03")
+ARGS = ("--width", "32", "--lr", "0.03", "--t-max", str(STEPS))
 SHAPE = ("--nproc-per-node", "3", "--steps", str(STEPS), "--global-batch", "48",
          "--micro-batch-size", "8")  # fmt: skip
 
@@ -55,6 +55,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Run:
     lines = [m for m in _lines(run) if m.get("kind") == "log"]  # job.log, from rank 0 only
     assert [m["step"] for m in lines] == list(range(1, STEPS + 1))
     assert all(m["train_loss"] == run.losses[m["step"]] for m in lines)
+    assert len({f["script_state_sha256"] for f in run.of("final_state")}) == 1
     return run
 
 
@@ -83,8 +84,32 @@ def test_a_plain_loop_survives_a_kill_and_a_respawn_bit_identical(
     assert {f["params_sha256"] for f in run.of("final_state")} == {ref_final}
     (ref_state,) = {f["state_sha256"] for f in reference.of("final_state")}
     assert {f["state_sha256"] for f in run.of("final_state")} == {ref_state}
+    (ref_script,) = {f["script_state_sha256"] for f in reference.of("final_state")}
+    assert {f["script_state_sha256"] for f in run.of("final_state")} == {ref_script}  # from peers
     assert len(run.of("final_state")) == 3
     assert_redid_only(run, 2, {fault["worker"]})
+
+
+def test_a_checkpoint_resumed_at_another_world_size_continues_the_loop_bit_identical(
+    tmp_path: Path, state_env: dict, reference: Run
+) -> None:
+    """Half the steps on 3 workers, the rest from its final checkpoint on 2: the fault-free
+    run's losses, parameters, optimizer state and script state."""
+    env = {**state_env, **F64}
+    half = STEPS // 2
+    r = _launch(tmp_path / "a", env, "--job-id", "loop-a", "--steps", str(half), after=ARGS)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert Run(tmp_path / "a").losses == {s: reference.losses[s] for s in range(1, half + 1)}
+    r = _launch(tmp_path / "b", env, "--job-id", "loop-b", "--nproc-per-node", "2",
+                "--resume", str(tmp_path / "a" / "checkpoints"), after=ARGS)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    run = Run(tmp_path / "b")
+    assert [p["world"] for p in run.of("plan_published")] == [2]
+    assert run.losses == {s: reference.losses[s] for s in range(half + 1, STEPS + 1)}
+    for key in ("params_sha256", "state_sha256", "script_state_sha256"):
+        assert {f[key] for f in run.of("final_state")} == {
+            f[key] for f in reference.of("final_state")
+        }, key
 
 
 def test_a_plain_loop_survives_a_hang_bit_identical(

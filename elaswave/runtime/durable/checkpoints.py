@@ -56,6 +56,8 @@ log = logging.getLogger(__name__)
 KINDS = ("params", "exp_avg", "exp_avg_sq")
 PRUNE = "prune"  # the key of pruning's state in a whole checkpoint (and in a per-rank one's index)
 BUFFERS = "buffers"  # the norm layers' running statistics (runtime/runningstats.py), likewise
+SCRIPT = "script"  # a script's own registered state (runtime/loop.py), likewise
+SIDES = (PRUNE, BUFFERS, SCRIPT)
 COMMIT_S = 120.0  # how long rank 0 waits for the other ranks' parts before giving up
 FLUSH_S = 10.0  # how long a flush waits for a commit still waiting on other ranks
 
@@ -73,6 +75,7 @@ class DurableState:
     path: Path
     prune: torch.Tensor | None = None  # pruning's redundant set (``Pruner.saved``), if any
     buffers: torch.Tensor | None = None  # running statistics (``RunningStats.saved``), if any
+    script: torch.Tensor | None = None  # a script's state (``ScriptState.saved``), if any
 
 
 class DurableCheckpoints:
@@ -106,16 +109,18 @@ class DurableCheckpoints:
         *,
         extra: torch.Tensor | None = None,
         buffers: torch.Tensor | None = None,
+        script: torch.Tensor | None = None,
     ) -> None:
         """Snapshot the tensors now (copies) and write them in the background; ``extra``:
-        pruning's state, and ``buffers`` the running statistics, kept beside them."""
+        pruning's state, ``buffers`` the running statistics and ``script`` a script's own
+        state, kept beside them."""
         state = {  # host copies: an accelerator's memory is not held until the write ends
             "params": _host_copy(params),
             "exp_avg": _host_copy(exp_avg),
             "exp_avg_sq": _host_copy(exp_avg_sq),
             "meta": torch.tensor([float(step), loss], dtype=torch.float64),
         }
-        for key, side in ((PRUNE, extra), (BUFFERS, buffers)):
+        for key, side in zip(SIDES, (extra, buffers, script), strict=True):
             if side is not None:
                 state[key] = _host_copy(side)
         if self._pending is not None:
@@ -153,13 +158,14 @@ class DurableCheckpoints:
         on_done: Callable[[Path, float], None] | None = None,
         extra: torch.Tensor | None = None,
         buffers: torch.Tensor | None = None,
+        script: torch.Tensor | None = None,
     ) -> None:
         """Snapshot this rank's ``pieces`` now (copies) and write them in the background, beside
         the other ranks' parts of the same checkpoint (``attempt`` names the plan: every rank
         of it passes the same, a redo under a later plan writes afresh). Rank 0 commits the
         checkpoint once every one of the ``world`` ranks has written its part, and then calls
-        ``on_done``; its ``extra`` (pruning's state) and ``buffers`` (the running statistics),
-        the same on every rank, go into the checkpoint's index."""
+        ``on_done``; its ``extra`` (pruning's state), ``buffers`` (the running statistics) and
+        ``script`` (a script's state), the same on every rank, go into the checkpoint's index."""
         state = {
             f"{kind}/{a}-{b}": _host_copy(t)
             for a, b, *tensors in pieces
@@ -175,7 +181,7 @@ class DurableCheckpoints:
                 self._committing.result()
             sides = {
                 key: side.tolist()
-                for key, side in ((PRUNE, extra), (BUFFERS, buffers))
+                for key, side in zip(SIDES, (extra, buffers, script), strict=True)
                 if side is not None
             }
             self._committing = self._committer.submit(
@@ -302,7 +308,7 @@ def load(path: Path, numel: int) -> DurableState:
         "meta": torch.zeros(2, dtype=torch.float64),
     }
     stored = _dcp().FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    for key in (PRUNE, BUFFERS):
+    for key in SIDES:
         if key in stored:
             state[key] = torch.zeros(stored[key].size, dtype=torch.float64)
     with warnings.catch_warnings():
@@ -311,7 +317,7 @@ def load(path: Path, numel: int) -> DurableState:
     step, loss = state["meta"].tolist()
     return DurableState(
         int(step), loss, state["params"], state["exp_avg"], state["exp_avg_sq"], path,
-        state.get(PRUNE), state.get(BUFFERS),
+        state.get(PRUNE), state.get(BUFFERS), state.get(SCRIPT),
     )  # fmt: skip
 
 
@@ -330,13 +336,12 @@ def _load_pieces(path: Path, numel: int) -> DurableState:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             _dcp().load(state, checkpoint_id=str(path / f"rank-{rank:05d}"), no_dist=True)
-    prune, buffers = (
-        torch.tensor(index[key], dtype=torch.float64) if key in index else None
-        for key in (PRUNE, BUFFERS)
+    prune, buffers, script = (
+        torch.tensor(index[key], dtype=torch.float64) if key in index else None for key in SIDES
     )
     return DurableState(
         int(index["step"]), float(index["loss"]), whole["params"], whole["exp_avg"],
-        whole["exp_avg_sq"], path, prune, buffers,
+        whole["exp_avg_sq"], path, prune, buffers, script,
     )  # fmt: skip
 
 

@@ -85,6 +85,8 @@ class DurableSource:
             self.ctx.state.prune.adopt(state.prune, state.step)
         if self.ctx.state.stats is not None:
             self.ctx.state.stats.adopt(state.buffers, state.step)
+        if self.ctx.state.script is not None:
+            self.ctx.state.script.adopt(state.script, state.step)
         if self.ctx.comm.rank(DP) == 0:
             self.ctx.event(
                 "durable_restored",
