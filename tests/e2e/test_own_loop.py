@@ -10,6 +10,7 @@ naming the rank, and nothing is left running.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from pathlib import Path
@@ -24,6 +25,7 @@ from conftest import (
     assert_redid_only,
     elaswave_cmd,
     paced,
+    wait_for,
 )
 
 SCRIPT = ROOT / "examples" / "own_loop.py"
@@ -110,6 +112,42 @@ def test_a_checkpoint_resumed_at_another_world_size_continues_the_loop_bit_ident
         assert {f[key] for f in run.of("final_state")} == {
             f[key] for f in reference.of("final_state")
         }, key
+
+
+def test_a_second_host_joins_the_loop_mid_run_bit_identical(
+    tmp_path: Path, state_env: dict, reference: Run
+) -> None:
+    """Two launches on one machine act as two hosts: h2's two workers run the script from the
+    top and join h1's at a step boundary, the model, optimizer and script state from peers."""
+    env = paced({**state_env, **F64}, 0.25)  # 0.75 s a step on h1 alone: h2 joins well before
+    hosts = ("--nproc-per-node", "2", "--nnodes", "1:2", "--job-id", "loop-grow")
+    cmd = elaswave_cmd("launch", "--script", str(SCRIPT), "--run-dir", str(tmp_path / "h1"),
+                       "--quiet", *SHAPE, *hosts, "--host-id", "h1", "--", *ARGS)  # fmt: skip
+    first = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        wait_for(lambda: len(Run(tmp_path / "h1").metrics) >= 2, timeout=60)  # h1 trains
+        record = json.loads(
+            (Path(env["ELASWAVE_STATE_DIR"]) / "jobs" / "loop-grow.json").read_text()
+        )
+        r = _launch(tmp_path / "h2", env, *hosts, "--host-id", "h2", "--nproc-per-node", "2",
+                    "--etcd", ",".join(record["etcd"]), after=ARGS)  # fmt: skip
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert first.wait(timeout=120) == 0, first.stderr.read() if first.stderr else ""
+    finally:
+        if first.poll() is None:
+            first.kill()
+    h1, h2 = Run(tmp_path / "h1"), Run(tmp_path / "h2")
+    assert [p["world"] for p in h1.of("plan_published")] == [2, 4]
+    (joined,) = {e["resume_step"] for e in h1.of("state_synced") if e["epoch"] == 2}
+    assert 2 <= joined < STEPS  # mid-run: h2's workers took the state from h1's
+    assert h1.losses == reference.losses
+    finals = h1.of("final_state") + h2.of("final_state")
+    assert len(finals) == 4
+    for key in ("params_sha256", "state_sha256", "script_state_sha256"):
+        assert {f[key] for f in finals} == {f[key] for f in reference.of("final_state")}, key
+    assert_no_orphans(h1)
+    assert_no_orphans(h2)
 
 
 def test_a_plain_loop_survives_a_hang_bit_identical(
