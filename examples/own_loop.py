@@ -4,7 +4,7 @@ A plain PyTorch loop (a model with dropout, AdamW with a cosine schedule, scikit
 handwritten digits) with five ElasWave lines. Run it on 3 workers, one killed at step 8::
 
     elaswave launch --script examples/own_loop.py --nproc-per-node 3 --steps 30 \\
-        --global-batch 48 --micro-batch-size 8 --fault kill,rank=1,at_step=8 -- --width 64
+        --global-batch 48 --micro-batch-size 8 --max-restarts 1 --fault kill,rank=1,at_step=8
 
 The survivors never restart; the killed rank's replacement runs this file from the top, and
 ``register`` fills its model and optimizer from its peers; every step is committed once, with the
