@@ -3,6 +3,7 @@
 Every system trains ``configs/gpt-tiny.yaml`` (4 workers, 40 steps, global batch 32) and loses
 worker/rank/replica group 1 to a SIGKILL it sends itself just before the gradient reduction of
 step 15. Per round, interleaved: ElasWave (``elaswave launch --fault kill,rank=1,at_step=15``),
+the same job driven by a user's own loop (``--script bench/crash_script.py``),
 torchrun restart from a checkpoint (:mod:`bench.torchrun_baseline`), TorchFT with its default
 timeouts and TorchFT with tight ones (:mod:`bench.torchft_baseline`). One fault-free run of each
 comes first, as the reference for the loss deviation.
@@ -48,6 +49,7 @@ FAULT_STEP = 15
 WARMUP = 5
 SYSTEMS = {
     "elaswave": "ElasWave (in place)",
+    "elaswave_script": "ElasWave, own loop (--script)",
     "torchrun": "torchrun restart, ckpt every 10",
     "torchft": "TorchFT, default timeouts",
     "torchft_tight": "TorchFT, heartbeat 0.5 s, gloo 1 s",
@@ -124,8 +126,8 @@ def run(repeat: int, config: Path) -> dict[str, Any]:
 
 
 def _run_system(name: str, config: Path, out: Path, env: dict[str, str], *, kill: bool) -> dict:
-    if name == "elaswave":
-        return _run_elaswave(config, out, env, kill=kill)
+    if name in ("elaswave", "elaswave_script"):
+        return _run_elaswave(config, out, env, kill=kill, script=name == "elaswave_script")
     if name == "torchrun":
         from bench.torchrun_baseline import run_torchrun
 
@@ -135,11 +137,17 @@ def _run_system(name: str, config: Path, out: Path, env: dict[str, str], *, kill
     return run_torchft(config, out, kill=kill, **(TIGHT if name == "torchft_tight" else {}))
 
 
-def _run_elaswave(config: Path, out: Path, env: dict[str, str], *, kill: bool) -> dict[str, Any]:
+def _run_elaswave(
+    config: Path, out: Path, env: dict[str, str], *, kill: bool, script: bool = False
+) -> dict[str, Any]:
+    """The engine's run of ``config``; ``script``: the same job driven by a user's own loop
+    (``bench/crash_script.py``)."""
     from elaswave.report import PHASES, build_report
 
     job_id = f"bench-crash-{os.getpid()}-{out.name.replace('_', '-')}"
     extra = ["--fault", FAULT] if kill else []
+    if script:
+        extra += ["--script", str(REPO_ROOT / "bench" / "crash_script.py")]
     began, ended = elaswave_launch(config, out, job_id, env=env, extra_args=extra)
     metrics = sorted(read_jsonl(out / "metrics.jsonl"), key=lambda m: m["time"])
     first: dict[int, dict[str, Any]] = {}
@@ -231,6 +239,9 @@ def _commands(config: Path) -> dict[str, str]:
     run = " ".join(tr.torchrun_command(4, 0, "ID")[1:]).replace(":0", ":PORT")
     return {
         "elaswave": launch_command(config, ["--fault", FAULT]),
+        "elaswave_script": launch_command(
+            config, ["--script", "bench/crash_script.py", "--fault", FAULT]
+        ),
         "torchrun": f"python {run} bench/torchrun_baseline.py --config {rel} --out DIR "
         f"--ckpt-every 10 --kill-at {FAULT_STEP}  (env TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1)",
         "torchft": " ".join(["torchft_lighthouse", *ft.lighthouse_command(0)[1:]])

@@ -11,6 +11,7 @@ from typing import Any
 
 STYLE = {
     "elaswave": {"color": "tab:blue", "marker": "o"},
+    "elaswave_script": {"color": "tab:purple", "marker": "D"},
     "torchrun": {"color": "tab:red", "marker": "s"},
     "torchft": {"color": "tab:green", "marker": "^"},
     "torchft_tight": {"color": "tab:olive", "marker": "v"},
