@@ -203,3 +203,27 @@ def test_a_missing_script_or_arguments_without_one_is_one_line(state_env: dict) 
         r = subprocess.run(elaswave_cmd("launch", *args), env=state_env, cwd=ROOT,
                            capture_output=True, text=True, timeout=60)  # fmt: skip
         assert r.returncode == 2 and r.stderr.strip() == f"error: {says}", r.stderr
+
+
+def test_a_hugging_face_llama_loop_survives_a_kill_bit_identical(
+    tmp_path: Path, state_env: dict
+) -> None:
+    """examples/own_loop_hf.py: a small LlamaForCausalLM in a plain loop (warm-up schedule, the
+    loss summed over target tokens); rank 1 killed mid-step, the survivors' run is the
+    fault-free run, bit for bit."""
+    hf = ROOT / "examples" / "own_loop_hf.py"
+    shape = ("--steps", "8", "--global-batch", "24", "--micro-batch-size", "4")
+    runs = {}
+    for name, fault in (("free", ()), ("kill", ("--fault", "kill,rank=1,at_step=4"))):
+        r = _launch(tmp_path / name, {**state_env, **F64}, "--job-id", f"loop-hf-{name}", *shape,
+                    *fault, script=hf)  # fmt: skip
+        assert r.returncode == 0, r.stderr[-3000:]
+        runs[name] = Run(tmp_path / name)
+    free, kill = runs["free"], runs["kill"]
+    assert free.losses[8] < free.losses[1], free.losses  # it learns
+    assert kill.losses == free.losses and [m["step"] for m in kill.metrics] == list(range(1, 9))
+    assert [p["world"] for p in kill.of("plan_published")] == [3, 2]
+    assert {f["params_sha256"] for f in kill.of("final_state")} == {
+        f["params_sha256"] for f in free.of("final_state")
+    }
+    assert_no_orphans(kill)
