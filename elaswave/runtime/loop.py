@@ -333,6 +333,7 @@ class Job:
         self._optimizer: torch.optim.Optimizer | None = None
         self._rule: tuple[TorchRule, ScheduleReplay | None, float] | None = None
         self._state: ScriptState | None = None
+        self._good_state: tuple[int, torch.Tensor] | None = None  # (step, the state's bytes)
         self._engine: Any = None  # Engine, once steps() starts
         self._finished = False
         torch.set_num_threads(self.cfg.train.threads_per_worker)
@@ -492,15 +493,34 @@ class Job:
             except engine.FAILURES as exc:
                 self._failed(exc, "recovery")
                 continue
+            self._keep_good()
             step = Step(self, engine.state.step + 1)
             yield step
             if self._state is not None:  # the script's body for this step is done
+                if step.committed and engine.state.step < step.index:  # the check rolled back
+                    self._take_good(engine.state.step)
                 self._state.step = engine.state.step
             if not step._commit_called:
                 raise ScriptError(f"step {step.index} ended without step.commit()")
             if step.error is not None:
                 self._failed(step.error, step.failed_during)
         self._set_user_lr(total + 1)
+
+    def _keep_good(self) -> None:
+        """Where the corruption check keeps the state of the last committed step as known good,
+        keep the script's state of that step too (its loop body for the step is done here)."""
+        good, step = self._engine.integrity.good, self._engine.state.step
+        if self._state is None or good is None or good.step != step:
+            return
+        if self._good_state is None or self._good_state[0] != step:
+            self._good_state = (step, self._state.saved())
+
+    def _take_good(self, step: int) -> None:
+        """The check rolled every rank back to ``step``: the script's state of that step too."""
+        assert self._state is not None
+        if self._good_state is None or self._good_state[0] != step:
+            raise RuntimeError(f"no known-good script state of step {step} kept on this rank")
+        self._state.adopt(self._good_state[1], step)
 
     def _failed(self, exc: BaseException, during: str) -> None:
         """A failure inside a step: the step is redone under the next plan, or (no plan, a

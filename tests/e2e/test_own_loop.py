@@ -114,6 +114,26 @@ def test_a_checkpoint_resumed_at_another_world_size_continues_the_loop_bit_ident
         }, key
 
 
+def test_silent_corruption_rolls_the_loop_back_with_its_state(
+    tmp_path: Path, state_env: dict, reference: Run
+) -> None:
+    """A bit flipped in rank 1's parameters after step 5: the check at step 6 rolls every rank
+    back to step 4 (model, optimizer and the script's state), the loop redoes steps 5 and 6,
+    and the run ends as the fault-free one."""
+    env = {**state_env, **F64}
+    r = _launch(tmp_path / "run", env, "--job-id", "loop-sdc", "--verify-every", "2",
+                "--fault", "corrupt,rank=1,at_step=5", after=ARGS)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    run = Run(tmp_path / "run")
+    (rolled,) = run.of("sdc_rolled_back")
+    assert (rolled["step"], rolled["to_step"]) == (6, 4)
+    assert run.losses == reference.losses
+    for key in ("params_sha256", "state_sha256", "script_state_sha256"):
+        assert {f[key] for f in run.of("final_state")} == {
+            f[key] for f in reference.of("final_state")
+        }, key
+
+
 def test_a_second_host_joins_the_loop_mid_run_bit_identical(
     tmp_path: Path, state_env: dict, reference: Run
 ) -> None:
