@@ -11,7 +11,8 @@ observation per committed step), ``elaswave_incidents_total{kind}`` (plans that 
 departure: crash, hang, host, straggler, other) and ``elaswave_mttr_seconds`` (histogram: from
 the plan that answered an incident to the first step committed under it; the report's MTTR adds
 the detection before the plan). Per host: ``elaswave_workers{state}`` (starting, training,
-standby, exited) and ``elaswave_is_leader``.
+standby, exited), ``elaswave_is_leader`` and ``elaswave_script_metric{name}`` (what a script
+logged with ``job.log``, on the host of its rank 0).
 """
 
 from __future__ import annotations
@@ -123,6 +124,10 @@ class DaemonMetrics:
             states.labels(**labels, state=state).set_function(
                 lambda s=state: float(Counter(workers())[s])
             )
+        self.script = Gauge(
+            "elaswave_script_metric", "A value a script logged (job.log) on this host's rank 0.",
+            [*names, "name"], registry=self.registry,
+        )  # fmt: skip
         self._last_step = 0
         self._pending: dict[int, float] = {}  # incident plan epoch -> when it was made
         self.server: Any = None
@@ -145,6 +150,11 @@ class DaemonMetrics:
         now = float(record.get("time") or time.time())
         for e in [e for e in self._pending if e <= epoch]:
             self.mttr.observe(max(now - self._pending.pop(e), 0.0))
+
+    def logged(self, metrics: dict[str, float]) -> None:
+        """Values a script logged after a step (``job.log``, from rank 0: its host serves them)."""
+        for name, value in metrics.items():
+            self.script.labels(**self._labels, name=name).set(float(value))
 
     def plan(self, plan: Plan) -> None:
         """A plan was published: the layout, and an incident when it answers a departure."""

@@ -525,6 +525,8 @@ class HostDaemon:
             self.records.evaluated(msg)
         elif kind == "log":
             self.records.logged(msg)
+            if self.prom is not None:
+                self.prom.logged(dict(msg.get("metrics") or {}))
         elif kind == "rollback":
             self.records.roll_back(int(msg["step"]))
         elif kind == "compute":

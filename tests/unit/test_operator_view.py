@@ -167,6 +167,16 @@ def test_job_wide_series_only_from_the_leader_and_the_values_move() -> None:
     assert _value(_scrape(m), "elaswave_committed_step") == 1.0
 
 
+def test_a_script_s_logged_values_are_served_by_its_rank_0_s_host() -> None:
+    m = DaemonMetrics("j", "h0", leading=lambda: False, workers=lambda: [])
+    m.logged({"train_loss": 2.5, "accuracy": 0.25})
+    m.logged({"train_loss": 2.0})
+    s = _scrape(m)  # whether or not it leads: the values reached this host
+    key = ("elaswave_script_metric", (("host", "h0"), ("job", "j")))
+    assert s[(key[0], (*key[1], ("name", "train_loss")))] == 2.0
+    assert s[(key[0], (*key[1], ("name", "accuracy")))] == 0.25
+
+
 @pytest.mark.parametrize("ended", [True, False])
 def test_a_watch_that_loses_etcd_ends_only_if_the_launcher_did(
     monkeypatch: pytest.MonkeyPatch, ended: bool
