@@ -300,7 +300,7 @@ class Engine:
         if self.buffer.numel() != n + TAIL or freed(self.buffer):  # ZeRO-3 stages free it
             self.buffer = reduction_buffer(self.state, t.reduce_dtype)
         buf = self.buffer
-        buf.zero_()
+        (buf[n:] if self.strategy.fills_gradients else buf).zero_()
         self._enter("compute")
         self.faults.fire(step, "forward")
         every = microbatches(t.seed, step, t.global_batch, t.micro_batch_size, self.num_samples)

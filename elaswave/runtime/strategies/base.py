@@ -161,6 +161,9 @@ class Strategy(ABC):
     # at rest is gone from the copies a step later and only the seal can see it. Without that,
     # a flip stays in the copy it hit until the next check compares the copies.
     sealed = False
+    # ``compute`` writes every gradient element of ``buf`` (a copy of its own sums): the engine
+    # zeroes only the tail before a step, not the whole buffer again.
+    fills_gradients = False
 
     def __init__(self, ctx: RankContext, durable: DurableSource) -> None:
         self.ctx = ctx

@@ -108,6 +108,7 @@ class Replicated(Strategy):
     """Data parallelism with the whole state on every rank."""
 
     tiered = True  # the gradient's all-reduce goes by hosts when the plan has tiers
+    fills_gradients = True  # Accumulation.finish copies the whole sum into the buffer
 
     def __init__(self, ctx: RankContext, durable: DurableSource) -> None:
         super().__init__(ctx, durable)

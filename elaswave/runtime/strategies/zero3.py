@@ -70,6 +70,7 @@ class Zero3(Zero1):
     # each layer's gradient goes by tiers where the plan has them, on gloo (an all-reduce of
     # which each rank keeps its part); NCCL's real reduce-scatter goes flat
     tiered = True
+    fills_gradients = False  # each layer's reduced gradient lands in the buffer as it runs
 
     def __init__(self, ctx: RankContext, durable: DurableSource) -> None:
         super().__init__(ctx, durable)
