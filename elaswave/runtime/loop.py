@@ -409,8 +409,9 @@ class Job:
             )
         norms = norms_of(model)
         if norms:
+            name, norm = norms[0]
             raise ScriptError(
-                f"{type(norms[0]).__name__} keeps running statistics, which a script's own "
+                f"{name} ({type(norm).__name__}) keeps running statistics, which a script's own "
                 "forward does not share across ranks yet: train the model as a config job "
                 "(model.source: module), or use track_running_stats=False"
             )

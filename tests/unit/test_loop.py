@@ -113,3 +113,60 @@ def test_what_a_script_job_does_not_run_is_refused(values: dict, says: str) -> N
 def test_init_outside_a_job_says_how_to_start_one() -> None:
     with pytest.raises(ScriptError, match="elaswave launch --script FILE"):
         elaswave.init()
+
+
+class _Control:
+    """What a Job asks of its control channel before the engine starts (a fake: no daemon)."""
+
+    latest_plan = None
+
+    def __init__(self) -> None:
+        self.sent: list[dict] = []
+
+    def send(self, msg: dict) -> None:
+        self.sent.append(msg)
+
+
+def _job() -> tuple[elaswave.runtime.loop.Job, _Control]:
+    from elaswave.runtime.loop import Job, Session
+
+    control = _Control()
+    cfg = JobConfig.from_dict({"script": "train.py", "train": {"steps": STEPS}})
+    return Job(Session(cfg, control, "h.w0", "127.0.0.1", torch.device("cpu"))), control
+
+
+@pytest.mark.parametrize(
+    "misuse, says",
+    [
+        ("steps-first", "steps() before register(model, optimizer)"),
+        ("twice", "register() called twice"),
+        ("late", "register() after steps()"),
+        ("not-the-model's", "exactly the model's trainable parameters"),
+        ("batchnorm", "1 (BatchNorm1d) keeps running statistics"),
+        ("shape", "steps(global_batch=7) differs from the job's 32: launch with --global-batch 7"),
+    ],
+)
+def test_the_api_s_misuse_before_the_loop_is_one_line(misuse: str, says: str) -> None:
+    job, control = _job()
+    assert control.sent == [{"type": "ready", "worker_id": "h.w0"}]  # init() reports ready
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ScriptError) as err:
+        if misuse == "steps-first":
+            job.steps(dataset=[1, 2])
+        elif misuse == "twice":
+            job.register(model, opt)
+            job.register(model, opt)
+        elif misuse == "late":
+            job.register(model, opt)
+            job._engine = object()  # steps() has started
+            job.register(model, opt)
+        elif misuse == "not-the-model's":
+            job.register(model, torch.optim.SGD(_model().parameters(), lr=0.1))
+        elif misuse == "batchnorm":
+            bn = nn.Sequential(nn.Linear(5, 4), nn.BatchNorm1d(4))
+            job.register(bn, torch.optim.SGD(bn.parameters(), lr=0.1))
+        else:
+            job.register(model, opt)
+            job.steps(dataset=[1, 2], global_batch=7)
+    assert says in str(err.value) and "\n" not in str(err.value)
