@@ -213,21 +213,29 @@ class ScriptState:
     def share(self, comm: Any, step: int, broken: Callable[[], bool]) -> int:
         """After a plan's sync to ``step``: every rank takes the dict of the lowest rank whose
         dict is of ``step`` (a newcomer's is not). Returns that rank."""
+        return self.spread(comm, self.saved(), self.step == step, step, broken)
+
+    def spread(
+        self, comm: Any, saved: torch.Tensor, holds: bool, step: int, broken: Callable[[], bool]
+    ) -> int:
+        """Every rank adopts ``saved`` (a :meth:`saved` vector of ``step``) of the lowest rank
+        that ``holds`` one; a rank whose own is it keeps it. Returns that rank."""
         from elaswave.runtime.strategies.base import DP
 
-        mine = self.saved()
-        row = torch.tensor([float(self.step), float(mine.numel())], dtype=torch.float64)
+        row = torch.tensor([float(holds), float(saved.numel())], dtype=torch.float64)
         rows = [r.tolist() for r in comm.allgather(DP, row.to(self.device), broken)]
-        holders = [r for r, (s, _) in enumerate(rows) if int(s) == step]
+        holders = [r for r, (h, _) in enumerate(rows) if h]
         if not holders:
             raise RuntimeError(f"no rank holds the script's state of step {step}")
+        me = comm.rank(DP)
         if len(holders) < len(rows):
             size = int(rows[holders[0]][1])
-            buf = mine if comm.rank(DP) == holders[0] else torch.zeros(size, dtype=torch.float64)
+            buf = saved if me == holders[0] else torch.zeros(size, dtype=torch.float64)
             buf = buf.to(self.device)
             comm.broadcast(DP, buf, holders[0], broken)
-            if int(rows[comm.rank(DP)][0]) != step:
-                self.adopt(buf, step)
+            saved = buf
+        if me not in holders or self.step != step:  # (a rollback: every rank's is later)
+            self.adopt(saved, step)
         return holders[0]
 
 
@@ -500,7 +508,8 @@ class Job:
             if self._state is not None:  # the script's body for this step is done
                 if step.committed and engine.state.step < step.index:  # the check rolled back
                     self._take_good(engine.state.step)
-                self._state.step = engine.state.step
+                else:
+                    self._state.step = engine.state.step
             if not step._commit_called:
                 raise ScriptError(f"step {step.index} ended without step.commit()")
             if step.error is not None:
@@ -517,11 +526,20 @@ class Job:
             self._good_state = (step, self._state.saved())
 
     def _take_good(self, step: int) -> None:
-        """The check rolled every rank back to ``step``: the script's state of that step too."""
+        """The check rolled every rank back to ``step``: the script's state of that step too,
+        from a rank that kept it (one that joined after the capture has none)."""
         assert self._state is not None
-        if self._good_state is None or self._good_state[0] != step:
-            raise RuntimeError(f"no known-good script state of step {step} kept on this rank")
-        self._state.adopt(self._good_state[1], step)
+        engine, good = self._engine, self._good_state
+        holds = good is not None and good[0] == step
+        saved = good[1] if good is not None and holds else self._state.saved()
+        try:
+            self._state.spread(engine.comm, saved, holds, step, engine.ctx.broken)
+        except engine.FAILURES as exc:  # a peer lost meanwhile: the next plan's sync shares it
+            self._state.step = -1  # not of any step: this rank takes a peer's
+            self._failed(exc, "checks")
+            return
+        self._state.step = step
+        self._good_state = (step, self._state.saved())
 
     def _failed(self, exc: BaseException, during: str) -> None:
         """A failure inside a step: the step is redone under the next plan, or (no plan, a
