@@ -558,7 +558,7 @@ class Job:
 
     def log(self, **metrics: float) -> None:
         """Metrics of the last committed step, from rank 0 (other ranks' are dropped): a line
-        of metrics.jsonl and the job's TensorBoard stream."""
+        of metrics.jsonl, the job's TensorBoard stream and Prometheus on rank 0's host."""
         if self.rank != 0:
             return
         values = {}
