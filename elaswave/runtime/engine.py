@@ -568,11 +568,11 @@ class Engine:
             params_sha256=final.params_sha256,
             state_sha256=final.state_sha256,
             **final.checks,
-            **self._stats_digest(),
+            **self._side_digests(),
         )
         self.control.send({"type": "done", "step": self.state.step, "worker_id": self.me})
 
-    def _stats_digest(self) -> dict[str, Any]:
+    def _side_digests(self) -> dict[str, Any]:
         """The running statistics' SHA-256 and the fewest batches a norm layer has seen (none
         where the model keeps no running statistics), and a script's own state's SHA-256."""
         out: dict[str, Any] = {}

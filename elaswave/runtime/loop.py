@@ -35,6 +35,7 @@ after any fault; ``mb.generator`` is a stream of its own for explicit draws (aug
 from __future__ import annotations
 
 import copy
+import dataclasses
 import inspect
 import io
 import logging
@@ -111,6 +112,8 @@ def run_script(session: Session) -> int:
     try:
         runpy.run_path(path, run_name="__main__")
     except JobLeft as exc:
+        if session.job is not None:
+            session.job.close()
         return int(exc.code or 0)
     except SystemExit as exc:  # the script's own sys.exit
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
@@ -119,9 +122,6 @@ def run_script(session: Session) -> int:
     except BaseException as exc:  # noqa: BLE001 - the script's own error: reported, not raised
         log.exception("the script raised")
         why = f"the script raised {one_line(exc)}"
-    finally:
-        if session.job is not None:
-            session.job.close()
     job = session.job
     if why is None:
         if job is None:
@@ -131,6 +131,8 @@ def run_script(session: Session) -> int:
         elif job.step < job.cfg.train.steps:
             why = f"the script returned at step {job.step} of {job.cfg.train.steps}"
     if why is not None:
+        if job is not None:
+            job.close()  # no checkpoint write of this rank left in flight
         rank = job.rank if job is not None else -1
         where = f"rank {rank} ({session.worker_id})" if rank >= 0 else session.worker_id
         session.control.event("script_failed", worker=session.worker_id, reason=f"{where}: {why}")
@@ -479,10 +481,9 @@ class Job:
         assert self._model is not None and self._rule is not None
         s = self._s
         rule, replay, lr = self._rule
-        cfg = JobConfig.from_dict(
-            {**self.cfg.to_dict(), "train": {**self.cfg.to_dict()["train"], "lr": lr}}
+        cfg = self.cfg = dataclasses.replace(
+            self.cfg, train=dataclasses.replace(self.cfg.train, lr=lr)
         )
-        self.cfg = cfg
         workload = ScriptWorkload(self._model, dataset, collate)
         state = TrainState.build(cfg, s.device, workload=workload, optimizer=(rule, replay))
         state.script = self._state
@@ -622,12 +623,12 @@ class Step:
         from elaswave.runtime.state import to_device
 
         slow = engine.faults.slowdown(self.index) * run.world / len(self._every)
+        data = engine.state.dataset
         for i in run.mine:
             if engine.ctx.broken():  # a peer is gone: the reduction cannot succeed
                 self.error = Interrupted("a peer left the plan during the step")
                 return
             mb = self._every[i]
-            data = engine.state.dataset
             batch = to_device(engine.state.workload.collate([data[k] for k in mb.sample_ids]),
                               device)  # fmt: skip
             seed_generators(stream_seed(t.seed, self.index, mb.id, 0), device)

@@ -61,6 +61,12 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Run:
     return run
 
 
+def _same_final_state(finals: list[dict], reference: Run) -> None:
+    """Every rank's parameters, optimizer state and script state are the reference's."""
+    for key in ("params_sha256", "state_sha256", "script_state_sha256"):
+        assert {f[key] for f in finals} == {f[key] for f in reference.of("final_state")}, key
+
+
 def _lines(run: Run) -> list[dict]:
     from elaswave.events import read_jsonl
 
@@ -108,10 +114,7 @@ def test_a_checkpoint_resumed_at_another_world_size_continues_the_loop_bit_ident
     run = Run(tmp_path / "b")
     assert [p["world"] for p in run.of("plan_published")] == [2]
     assert run.losses == {s: reference.losses[s] for s in range(half + 1, STEPS + 1)}
-    for key in ("params_sha256", "state_sha256", "script_state_sha256"):
-        assert {f[key] for f in run.of("final_state")} == {
-            f[key] for f in reference.of("final_state")
-        }, key
+    _same_final_state(run.of("final_state"), reference)
 
 
 def test_silent_corruption_rolls_the_loop_back_with_its_state(
@@ -128,10 +131,7 @@ def test_silent_corruption_rolls_the_loop_back_with_its_state(
     (rolled,) = run.of("sdc_rolled_back")
     assert (rolled["step"], rolled["to_step"]) == (6, 4)
     assert run.losses == reference.losses
-    for key in ("params_sha256", "state_sha256", "script_state_sha256"):
-        assert {f[key] for f in run.of("final_state")} == {
-            f[key] for f in reference.of("final_state")
-        }, key
+    _same_final_state(run.of("final_state"), reference)
 
 
 def test_a_second_host_joins_the_loop_mid_run_bit_identical(
@@ -164,8 +164,7 @@ def test_a_second_host_joins_the_loop_mid_run_bit_identical(
     assert h1.losses == reference.losses
     finals = h1.of("final_state") + h2.of("final_state")
     assert len(finals) == 4
-    for key in ("params_sha256", "state_sha256", "script_state_sha256"):
-        assert {f[key] for f in finals} == {f[key] for f in reference.of("final_state")}, key
+    _same_final_state(finals, reference)
     assert_no_orphans(h1)
     assert_no_orphans(h2)
 
