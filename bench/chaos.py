@@ -1,7 +1,8 @@
 """Chaos soak: long jobs take >= 30 random faults each and must still finish exactly.
 
 Three hosts × two workers, every host a network namespace of the multi-host test bed
-(elaswave.netbed: real etcd, real daemons, gloo over veths), lease TTL 2 s, hang timeout 3 s,
+(elaswave.testing.netbed: real etcd, real daemons, gloo over veths), lease TTL 2 s, hang timeout
+3 s,
 respawn on (``--max-restarts``), hosts that may leave and come back (``--nnodes 2:3``), straggler
 eviction off (a slow rank is re-shared, never evicted) and the restart-loop breaker off.
 
@@ -78,8 +79,8 @@ from bench.common import (
     summarize,
     wait_until,
 )
-from elaswave import netbed
 from elaswave.events import distinct_records
+from elaswave.testing import netbed
 
 DESCRIPTION = "chaos soak: >= 30 random faults per variant (dp, ZeRO-1, ZeRO-3, pipeline, ...)"
 DEFAULT_REPEAT = 1

@@ -1,11 +1,12 @@
 """Bytes between hosts and step time, gradient reduced by one flat ring vs by tiers.
 
-Two hosts × four workers, each host a network namespace of the multi-host bed (elaswave.netbed:
-real etcd, real daemons, gloo over veths), the 10 M-parameter Llama of ``bench/llama-10m.yaml``
-(transformers, random init), data parallelism. For each link — unshaped, then each host's egress
-shaped by ``tc`` (a token bucket at 400 and at 100 Mbit/s) — one job with ``train.hierarchy:
-flat``, one with ``auto`` (summed inside each host, each lane between the hosts, shared back)
-and one with ``auto`` and ``train.grad_compress: int8`` (the lanes cross as block-wise int8).
+Two hosts × four workers, each host a network namespace of the multi-host bed
+(elaswave.testing.netbed: real etcd, real daemons, gloo over veths), the 10 M-parameter Llama of
+``bench/llama-10m.yaml`` (transformers, random init), data parallelism. For each link — unshaped,
+then each host's egress shaped by ``tc`` (a token bucket at 400 and at 100 Mbit/s) — one job with
+``train.hierarchy: flat``, one with ``auto`` (summed inside each host, each lane between the hosts,
+shared back) and one with ``auto`` and ``train.grad_compress: int8`` (the lanes cross as block-wise
+int8).
 
 Per job: the bytes each host's ``eth0`` sent per step (its veth counter sampled while the job
 runs, between the commits of step ``WARM`` and of the last step: the gradients, and the etcd
@@ -69,7 +70,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import BenchError, bench_env, diffs, print_table, read_jsonl, write_config
-from elaswave import netbed
+from elaswave.testing import netbed
 
 DESCRIPTION = (
     "bytes between hosts and step time: flat ring, tiers, int8 lanes (2 netns hosts × 4, 10 M)"

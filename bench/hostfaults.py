@@ -1,8 +1,8 @@
 """Detection latency per fault kind: crash, hang, host loss, partition.
 
 Each repetition is one job on five hosts × one worker, every host a network namespace of the
-multi-host test bed (elaswave.netbed: real etcd, real daemons, gloo over veths), with a lease
-TTL of 2 s and a hang timeout of 2 s. Four faults hit four different non-leader hosts in turn,
+multi-host test bed (elaswave.testing.netbed: real etcd, real daemons, gloo over veths), with a
+lease TTL of 2 s and a hang timeout of 2 s. Four faults hit four different non-leader hosts in turn,
 each after the previous one has been planned away:
 
 - crash: ``inject-fault --kind kill`` (SIGKILL a worker) → the daemon's ``worker_exit``;
@@ -31,7 +31,7 @@ from bench.common import (
     summarize,
     wait_until,
 )
-from elaswave import netbed
+from elaswave.testing import netbed
 
 DESCRIPTION = "detection latency of crash, hang, host loss and partition (5 netns hosts × 1)"
 DEFAULT_REPEAT = 5

@@ -1,12 +1,12 @@
 """Bytes between racks and step time: one flat ring, tiers by host, tiers by host and rack.
 
-Two racks × two hosts × two workers on the multi-host bed (elaswave.netbed): each rack a bridge,
-the two joined by one veth pair (the link between the racks, ``up1`` / ``dn1`` in the switch's
-namespace), the 10 M-parameter Llama of ``bench/llama-10m.yaml``, data parallelism. Three jobs
-per link, side by side: ``flat`` (``train.hierarchy: flat``), ``hosts`` (``auto``, the hosts
+Two racks × two hosts × two workers on the multi-host bed (elaswave.testing.netbed): each rack a
+bridge, the two joined by one veth pair (the link between the racks, ``up1`` / ``dn1`` in the
+switch's namespace), the 10 M-parameter Llama of ``bench/llama-10m.yaml``, data parallelism. Three
+jobs per link, side by side: ``flat`` (``train.hierarchy: flat``), ``hosts`` (``auto``, the hosts
 launched without ``--rack``: the job knows its hosts, not its racks) and ``racks`` (``auto`` with
-``--rack``: lanes inside each rack, slices between them). Links: unshaped, then the link between
-the racks shaped by ``tc`` to 100 Mbit/s each way (a token bucket on both ends' egress).
+``--rack``: lanes inside each rack, slices between them). Links: unshaped, then the link between the
+racks shaped by ``tc`` to 100 Mbit/s each way (a token bucket on both ends' egress).
 
 Per job: the bytes that crossed between the racks per step (both directions, the pair's two
 transmit counters sampled while the job runs, between the commits of step ``WARM`` and of the
@@ -38,7 +38,7 @@ from bench.hier import (
     tier_groups,
     tx_bytes,
 )
-from elaswave import netbed
+from elaswave.testing import netbed
 
 DESCRIPTION = "bytes between racks and step time: flat ring, tiers by host, by rack (2 × 2 × 2)"
 DEFAULT_REPEAT = 1

@@ -1,5 +1,5 @@
-"""The multi-host test bed (:mod:`elaswave.netbed`) as a pytest fixture, skipped where network
-namespaces cannot be made."""
+"""The multi-host test bed (:mod:`elaswave.testing.netbed`) as a pytest fixture, skipped where
+network namespaces cannot be made."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from conftest import CONFIG
 
-from elaswave.netbed import NetBed, in_netns, skip_reason
+from elaswave.testing.netbed import NetBed, in_netns, skip_reason
 
 __all__ = ["NetBed", "in_netns", "netbed_fixture"]
 

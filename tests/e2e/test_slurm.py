@@ -1,5 +1,5 @@
 """docs/deploy.md's Slurm recipe, submitted with ``sbatch`` as it is written there, to a real
-Slurm (Debian's slurmctld, slurmd and munge) on one machine (:mod:`elaswave.slurmbed`: a
+Slurm (Debian's slurmctld, slurmd and munge) on one machine (:mod:`elaswave.testing.slurmbed`: a
 controller and five nodes, each a network namespace with its own hostname and ``/tmp``, the
 test's directory their shared filesystem). The job is the test model (gpt-test.yaml) with one CPU
 worker per node.
@@ -26,7 +26,7 @@ from conftest import CONFIG, Run, assert_clean_run, wait_for
 
 from elaswave.events import read_jsonl
 from elaswave.report import build_report
-from elaswave.slurmbed import SlurmBed, skip_reason
+from elaswave.testing.slurmbed import SlurmBed, skip_reason
 
 pytestmark = [
     pytest.mark.e2e,

@@ -49,8 +49,8 @@ from elaswave.doctor.verdicts import (
     torch_verdict,
     transformers_verdict,
 )
-from elaswave.netbed import alive
 from elaswave.runtime.device import Accelerators
+from elaswave.testing.netbed import alive
 
 runner = typer.testing.CliRunner()
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from elaswave import netbed
-from elaswave.netbed import alive, kill_at_once
+from elaswave.testing import netbed
+from elaswave.testing.netbed import alive, kill_at_once
 
 # A session leader whose child leads a process group of its own: while the leader lives the
 # group is not orphaned; were the leader to die while the group is stopped, the kernel would

@@ -4,15 +4,15 @@ as the job can tell. Needs root, iproute2, util-linux's ``unshare`` and the pack
 ``apt-get install slurmctld slurmd munge slurm-client``); :func:`skip_reason` says what is missing.
 
 Nodes: ``ctl`` (munged, slurmctld; the login node the Slurm commands run on) and ``n1`` … ``nN``
-(one slurmd each). Each is a network namespace of :class:`~elaswave.netbed.Switch` (one bridge, a
-private /24, nothing on the machine's own network), and its daemon runs in a UTS namespace with
-the node's name as hostname and a mount namespace of its own: a tmpfs on ``/tmp`` (node-local,
-gone with the node), the bed's ``hosts`` file on ``/etc/hosts`` (every node resolves every other
-by name), an empty tmpfs on ``/sys/fs/cgroup`` (slurmd's cgroup plugin finds nothing of the
-machine's) and, bound back into the private ``/tmp``, the working directory (shared by every node,
-like a cluster's filesystem) and the Python environment. Everything a job starts lives in those
-namespaces, so :meth:`SlurmBed.power_off` (SIGKILL to every process of a node, all stopped before
-any dies: a power loss) and the checks that nothing is left running see exactly one node.
+(one slurmd each). Each is a network namespace of :class:`~elaswave.testing.netbed.Switch` (one
+bridge, a private /24, nothing on the machine's own network), and its daemon runs in a UTS namespace
+with the node's name as hostname and a mount namespace of its own: a tmpfs on ``/tmp`` (node-local,
+gone with the node), the bed's ``hosts`` file on ``/etc/hosts`` (every node resolves every other by
+name), an empty tmpfs on ``/sys/fs/cgroup`` (slurmd's cgroup plugin finds nothing of the machine's)
+and, bound back into the private ``/tmp``, the working directory (shared by every node, like a
+cluster's filesystem) and the Python environment. Everything a job starts lives in those namespaces,
+so :meth:`SlurmBed.power_off` (SIGKILL to every process of a node, all stopped before any dies: a
+power loss) and the checks that nothing is left running see exactly one node.
 
 slurm.conf: ``ReturnToService=2`` (a node that comes back is idle again), ``SlurmdTimeout=5`` (a
 dead node is marked DOWN within seconds), ``KillWait=5``, ``JobRequeue=1`` (Slurm's default: a
@@ -44,8 +44,8 @@ from pathlib import Path
 import psutil
 
 import elaswave
-from elaswave.netbed import Switch, alive, kill_at_once
-from elaswave.netbed import skip_reason as netns_skip_reason
+from elaswave.testing.netbed import Switch, alive, kill_at_once
+from elaswave.testing.netbed import skip_reason as netns_skip_reason
 
 __all__ = ["SlurmBed", "skip_reason"]
 
@@ -220,8 +220,8 @@ PartitionName=bed Nodes={",".join(self.nodes)} Default=YES MaxTime=INFINITE Stat
 
     def power_off(self, node: str, timeout: float = 10.0) -> list[int]:
         """A power loss: every process of ``node`` (its slurmd, the job steps, whatever they
-        started) stopped, then SIGKILLed (:func:`~elaswave.netbed.kill_at_once`); its /tmp goes
-        with them. The pids killed."""
+        started) stopped, then SIGKILLed (:func:`~elaswave.testing.netbed.kill_at_once`); its /tmp
+        goes with them. The pids killed."""
         killed = kill_at_once(functools.partial(self.pids, node), timeout)
         proc = self.daemons.get(node)
         if proc is not None:

@@ -7,8 +7,8 @@ touches the caller's namespace: no address, no route, no link there. The etcd me
 etcd binaries (``ip netns exec``), the hosts real ``elaswave launch`` daemons, so gloo, the
 rendezvous store and etcd all talk over the veths.
 
-The topology is a :class:`Switch` (the Slurm bed, :mod:`elaswave.slurmbed`, builds its nodes on
-one too).
+The topology is a :class:`Switch` (the Slurm bed, :mod:`elaswave.testing.slurmbed`, builds its
+nodes on one too).
 
 Faults: ``cut``/``heal`` bring a host's ``eth0`` down/up (the partition the ``partition`` fault
 kind makes), ``kill_host`` SIGKILLs a daemon and its workers as a power loss would (all stopped
@@ -19,6 +19,7 @@ before any dies: :func:`kill_at_once`), ``kill_etcd`` SIGKILLs a member.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import secrets
 import shutil
@@ -96,7 +97,7 @@ class Switch:
     """Network namespaces joined by veth pairs to one bridge: every node attached gets a namespace
     ``<tag><node>`` with ``lo`` and one ``eth0`` on a private /24, the bridge lives in the switch
     namespace ``<tag>sw``. Nothing is configured in the caller's namespace. The multi-host bed
-    and the Slurm bed (:mod:`elaswave.slurmbed`) build their machines on it."""
+    and the Slurm bed (:mod:`elaswave.testing.slurmbed`) build their machines on it."""
 
     def __init__(self, tag: str, subnet: str = SUBNET) -> None:
         self.tag = tag
@@ -240,7 +241,7 @@ class NetBed:
         deadline = time.monotonic() + timeout
         for m in members:
             url = f"http://{self.addr[m]}:{CLIENT_PORT}/health"
-            while not in_netns(self.ns(m), lambda url=url: _healthy(url)):
+            while not in_netns(self.ns(m), functools.partial(_healthy, url)):
                 if time.monotonic() > deadline or self.etcd[m].poll() is not None:
                     raise RuntimeError(f"etcd member {m} did not become healthy")
                 time.sleep(0.1)
@@ -312,10 +313,10 @@ class NetBed:
             if proc.poll() is None:
                 _kill_tree(proc.pid)
             proc.wait()
-        for proc in self.etcd.values():
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait()
+        for member in self.etcd.values():
+            if member.poll() is None:
+                member.kill()
+            member.wait()
         self.net.close()
 
 
