@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from elaswave.cli.app import launch
+from elaswave.cli.launch import launch
 from elaswave.config import LAUNCH_FLAGS, schema_type
 
 NOT_CONFIG = {"ctx", "config", "fault", "host_addr", "quiet", "progress_every"}  # not config keys

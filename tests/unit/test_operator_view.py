@@ -186,10 +186,10 @@ def test_a_watch_that_loses_etcd_ends_only_if_the_launcher_did(
     there, losing etcd is an error (one line, etcd's exit code)."""
     import typer
 
-    from elaswave.cli import app
+    from elaswave.cli import status
     from elaswave.errors import EtcdUnavailable
 
-    monkeypatch.setattr(app.time, "sleep", lambda _s: None)
+    monkeypatch.setattr(status.time, "sleep", lambda _s: None)
 
     def read() -> dict[str, Any]:
         raise EtcdUnavailable("cannot reach etcd at 127.0.0.1:1 (connection refused)")
@@ -197,8 +197,8 @@ def test_a_watch_that_loses_etcd_ends_only_if_the_launcher_did(
     st = {"job_id": "ops", "done": None, "progress": None, "epoch": 1, "world_size": 1,
           "leader": "h", "members": [], "standby": [], "incidents": [], "hosts": []}  # fmt: skip
     if ended:
-        app._watch_status(st, read, lambda: True)
+        status._watch_status(st, read, lambda: True)
     else:
         with pytest.raises(typer.Exit) as exc:
-            app._watch_status(st, read, lambda: False)
+            status._watch_status(st, read, lambda: False)
         assert exc.value.exit_code == 3  # etcd unreachable
