@@ -7,6 +7,7 @@ import logging
 import os
 import signal
 import sys
+from typing import NoReturn
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
@@ -36,7 +37,7 @@ def become_subreaper() -> bool:
         return False
 
 
-def exit_now(code: int) -> None:
+def exit_now(code: int) -> NoReturn:
     """End this process with ``code`` once its output is flushed, without the interpreter's
     teardown: with torch imported, that takes seconds per process (a job's workers all exit at
     its end). Only for a process that has nothing left in flight (its writes flushed, its

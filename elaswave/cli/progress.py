@@ -280,7 +280,7 @@ class LiveProgress:
         return time.time()
 
     def _update_bar(self, snap: Snapshot, eta: float | None) -> None:
-        fields = {
+        fields: dict[str, Any] = {  # rich's task fields take any values
             "loss": f"{snap.loss:.4f}" if snap.loss is not None else "–",
             "rate": f"{snap.samples_per_s:.1f}",
             "world": snap.world,

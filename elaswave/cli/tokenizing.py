@@ -11,6 +11,7 @@ from rich.progress import (
     BarColumn,
     DownloadColumn,
     Progress,
+    TaskID,
     TextColumn,
     TimeRemainingColumn,
     TransferSpeedColumn,
@@ -26,7 +27,7 @@ class TokenizingView:
         self.console = console
         self.interactive = interactive
         self._bar: Progress | None = None
-        self._task = None
+        self._task: TaskID | None = None
 
     def note(self, line: str) -> None:
         self.console.print(line, highlight=False, soft_wrap=True)

@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import os
 import zlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -124,6 +125,8 @@ class _Client(aetcd.Client):
 
     ``connect`` mirrors aetcd 1.0's own, with the channel constructor swapped.
     """
+
+    _is_connecting: bool  # set by aetcd.Client.__init__
 
     def __init__(self, *, credentials: grpc.ChannelCredentials | None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -552,7 +555,7 @@ class Etcd:
         return bool(ok), KV(key, got, meta.create_revision, meta.mod_revision)
 
     async def put_all_if(
-        self, puts: dict[str, bytes | str], *, key: str, mod_revision: int, lease: Any = None
+        self, puts: Mapping[str, bytes | str], *, key: str, mod_revision: int, lease: Any = None
     ) -> bool:
         """Put every key of ``puts`` (under ``lease``) at once, only if ``key``'s mod revision is
         still ``mod_revision`` (0: absent)."""
@@ -593,8 +596,8 @@ class Etcd:
         less: etcd dropped it).
 
         Refreshes go over one LeaseKeepAlive stream kept open between them, as etcd's own
-        clients do: a new stream per refresh costs this process (and etcd) three times the CPU,
-        0.38 against 0.12 ms here, a third of a core at a thousand hosts' keep-alives. A stream
+        clients do: a new stream per refresh costs this process (and etcd) about three times the
+        CPU (docs/benchmarks.md, "Measurements behind design choices"). A stream
         that fails or is abandoned (its member went away, the refresh timed out) is dropped; the
         next refresh opens one on the member the connection uses then."""
         async with self._refreshing:
@@ -642,18 +645,20 @@ class Etcd:
 
     async def watch_prefix(
         self, prefix: str, *, start_revision: int | None = None
-    ) -> AsyncIterator[WatchEvent]:
+    ) -> AsyncGenerator[WatchEvent, None]:
         """Yield put/delete events under ``prefix`` (from ``start_revision`` if given).
 
         If the member serving the watch goes away, the watch is re-opened on another member from
         the revision after the last event delivered.
         """
+
+        def open_watch(c: aetcd.Client, rev: int | None) -> Awaitable[Any]:
+            return c.watch_prefix(self._own(prefix), start_revision=rev)
+
         next_rev = start_revision
         while True:
             client = self._client
-            watch = await self._call(
-                lambda c, rev=next_rev: c.watch_prefix(self._own(prefix), start_revision=rev)
-            )
+            watch = await self._call(functools.partial(open_watch, rev=next_rev))
             try:
                 async for ev in watch:
                     kind = "put" if str(ev.kind).upper().endswith("PUT") else "delete"

@@ -139,7 +139,7 @@ class JobStore:
             since = await self.etcd.revision()
             if await self.etcd.get(key) is None:
                 return
-        events = aiter(self.etcd.watch_prefix(key, start_revision=since + 1))
+        events = self.etcd.watch_prefix(key, start_revision=since + 1)
         gone = False
         try:
             while True:

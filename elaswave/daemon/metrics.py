@@ -17,6 +17,7 @@ logged with ``job.log``, on the host of its rank 0).
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
@@ -120,10 +121,12 @@ class DaemonMetrics:
         leader.labels(**labels).set_function(lambda: 1.0 if leading() else 0.0)
         states = Gauge("elaswave_workers", "This host's worker processes by state.",
                        [*names, "state"], registry=self.registry)  # fmt: skip
+
+        def count(state: str) -> float:
+            return float(Counter(workers())[state])
+
         for state in WORKER_STATES:
-            states.labels(**labels, state=state).set_function(
-                lambda s=state: float(Counter(workers())[s])
-            )
+            states.labels(**labels, state=state).set_function(functools.partial(count, state))
         self.script = Gauge(
             "elaswave_script_metric", "A value a script logged (job.log) on this host's rank 0.",
             [*names, "name"], registry=self.registry,

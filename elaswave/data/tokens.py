@@ -10,7 +10,7 @@ import numpy as np
 
 __all__ = ["DTYPES", "TokenArray", "check_token_file", "numpy_dtype", "write_token_file"]
 
-DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+DTYPES: dict[str, type[np.unsignedinteger]] = {"uint16": np.uint16, "uint32": np.uint32}
 
 
 class TokenArray:

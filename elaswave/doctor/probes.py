@@ -114,7 +114,7 @@ def versions() -> list[Check]:
 
     elaswave = package_version()
     checks = [Check("elaswave", "versions", PASS, elaswave, {"version": elaswave})]
-    checks.append(python_verdict(tuple(sys.version_info[:3])))  # type: ignore[arg-type]
+    checks.append(python_verdict(sys.version_info[:3]))
     wanted, meets = requirement("torch", torch.__version__)
     checks.append(torch_verdict(torch.__version__, torch.version.cuda, nvidia_driver(), wanted,
                                 meets))  # fmt: skip
@@ -166,6 +166,7 @@ def devices() -> tuple[list[Check], Accelerators | None]:
     checks.append(nccl_verdict(len(names), dist.is_nccl_available(), version, can_shrink, error))
     npu_version = _npu_version()
     found: Accelerators | None
+    probe_error: str | None
     try:
         found = probe()  # imports torch_npu where it is installed, as every launch does
     except Exception as exc:  # a broken torch_npu, a driver that fails: the doctor says so
@@ -254,12 +255,12 @@ def gloo_check() -> Check:
 
     def rank(r: int) -> None:
         try:
-            opts = dist.ProcessGroupGloo._Options()
+            opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # torch's stubs omit ProcessGroupGloo._Options
             opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
             opts._timeout = timedelta(seconds=GLOO_TIMEOUT_S)
             pg = dist.ProcessGroupGloo(store, r, 2, opts)
             t = torch.full((4,), float(r + 1))
-            pg.allreduce([t]).wait()
+            pg.allreduce([t]).wait()  # type: ignore[attr-defined]  # torch's stubs omit Backend.allreduce
             results[r] = t
         except Exception as exc:
             results[r] = exc

@@ -52,7 +52,7 @@ import json
 import math
 import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeGuard
 
 from elaswave.planning.plan import Plan, run_lengths
 
@@ -218,7 +218,7 @@ def _is_slot(tok: Any) -> bool:
     return isinstance(tok, tuple) and len(tok) == 2 and isinstance(tok[1], int)
 
 
-def _is_run(item: Any) -> bool:
+def _is_run(item: Any) -> TypeGuard[list[Any]]:
     return isinstance(item, list) and len(item) == 4 and isinstance(item[1], int)
 
 

@@ -49,12 +49,12 @@ def merge_records(*found: Records | None) -> Records | None:
     if not present:
         return None
     top = max(present, key=lambda r: r.committed)
-    with_checkpoint = [r for r in present if r.checkpoint is not None]
+    checkpoints = [r.checkpoint for r in present if r.checkpoint is not None]
     return Records(
         committed=top.committed,
         epoch=max(r.epoch for r in present),
         where=top.where,
-        checkpoint=max((r.checkpoint for r in with_checkpoint), default=None),  # type: ignore[type-var]
+        checkpoint=max(checkpoints, default=None),
         checkpoint_dir=next((r.checkpoint_dir for r in present if r.checkpoint_dir), ""),
         config_diff=next((r.config_diff for r in present if r.config_diff), ""),
         checkpoint_failed=next((r.checkpoint_failed for r in present if r.checkpoint_failed), ""),

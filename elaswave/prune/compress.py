@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 from collections import defaultdict
 from collections.abc import Collection, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -31,7 +31,7 @@ def matmul_flops(model: nn.Module, sample: torch.Tensor | None = None) -> int:
     ``sample`` (a micro-batch of the model's inputs, run once in eval mode; without it,
     convolutions are not counted: their cost depends on the input's size)."""
     total = 2 * sum(
-        m.weight.numel()
+        cast(torch.Tensor, m.weight).numel()  # a Linear's or a Conv1D's weight
         for m in model.modules()
         if isinstance(m, nn.Linear) or (hasattr(m, "nf") and getattr(m, "weight", None) is not None)
     )
@@ -106,8 +106,8 @@ def shrink(model: KeyedLayers, families: Sequence[Family], kept: Sequence[Sequen
                 if buffer is not None:
                     setattr(module, stat, buffer.index_select(0, keep).clone())
         _resized(module)
-    for layer in model.layers:
-        fit_attention(layer)
+    for block in model.layers:
+        fit_attention(block)
 
 
 def _resized(module: nn.Module) -> None:
@@ -130,8 +130,8 @@ def fit_attention(model: nn.Module) -> None:
     for m in model.modules():
         c_attn = getattr(m, "c_attn", None)
         if hasattr(m, "split_size") and c_attn is not None and hasattr(m, "head_dim"):
-            m.split_size = c_attn.weight.shape[1] // 3
-            m.num_heads = m.split_size // m.head_dim
+            split_size = c_attn.weight.shape[1] // 3
+            m.split_size, m.num_heads = split_size, split_size // m.head_dim
 
 
 def fit_shapes(model: nn.Module, state: Mapping[str, torch.Tensor]) -> None:

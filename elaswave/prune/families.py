@@ -13,6 +13,7 @@ config's head count and each layer's under ``elaswave_widths``
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from torch import nn
@@ -43,7 +44,7 @@ def attention_shape(config: Any) -> tuple[int, int, int]:
     return heads, kv, getattr(config, "head_dim", None) or config.hidden_size // heads
 
 
-def hf_families(config: Any, layers: list[tuple[int, nn.Module]]) -> list[Family]:
+def hf_families(config: Any, layers: Sequence[tuple[int, nn.Module]]) -> list[Family]:
     """Families of the decoder blocks ``(layer index, BlockLayer)`` of an HF model of
     ``config``; none for a family type without rules."""
     kind = getattr(config, "model_type", "")

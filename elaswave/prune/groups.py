@@ -151,7 +151,7 @@ def traced_families(model: KeyedLayers) -> list[Family]:
         if found is None:
             continue
         target, norms, block = found
-        a, b = _ref(node.target), _ref(target.target)
+        a, b = _ref(node.target), _ref(str(target.target))
         members = [Member(_param(a, "weight"), 0)]
         if modules[node.target].bias is not None:
             members.append(Member(_param(a, "bias"), 0))
@@ -184,7 +184,7 @@ def _flattens_channels(user: fx.Node, mod: nn.Module | None) -> bool:
     if user.op == "call_function" and user.target is torch.flatten:
         start = user.args[1] if len(user.args) > 1 else user.kwargs.get("start_dim", 0)
         end = user.args[2] if len(user.args) > 2 else user.kwargs.get("end_dim", -1)
-        return start == 1 and end == -1
+        return bool(start == 1 and end == -1)
     return False
 
 
@@ -201,7 +201,7 @@ def _sole_user(
     frontier = [(user, False) for user in node.users]  # (node, after a flatten)
     while frontier:
         user, flat = frontier.pop()
-        mod = modules.get(user.target) if user.op == "call_module" else None
+        mod = modules.get(str(user.target)) if user.op == "call_module" else None
         if mod is not None and _projection(mod) is (nn.Linear if flat else kind):
             found.append((user, flat))
             continue
@@ -224,7 +224,9 @@ def _sole_user(
     target, flat = found[0]
     if not flat:
         return target, norms, 1
-    inputs = modules[str(target.target)].weight.shape[1]
+    linear = modules[str(target.target)]
+    assert isinstance(linear, nn.Linear)  # a chain through a flatten ends at a Linear
+    inputs = linear.weight.shape[1]
     if inputs % channels:  # not a whole number of positions per channel
         return None
     return target, norms, inputs // channels

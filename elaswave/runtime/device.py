@@ -196,7 +196,7 @@ def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
     elif device.type == "npu":
-        torch.npu.current_stream(device).synchronize()  # type: ignore[attr-defined]
+        torch.npu.current_stream(device).synchronize()  # type: ignore[attr-defined]  # torch_npu adds torch.npu at import
 
 
 def nvml_index(device: torch.device, env: dict[str, str] | None = None) -> int:

@@ -63,6 +63,12 @@ def norms_of(layer: nn.Module) -> list[tuple[str, nn.modules.batchnorm._NormBase
     ]
 
 
+def _running(m: nn.modules.batchnorm._NormBase) -> tuple[torch.Tensor, torch.Tensor]:
+    """``m``'s running mean and variance: every module :func:`norms_of` finds keeps both."""
+    assert m.running_mean is not None and m.running_var is not None
+    return m.running_mean, m.running_var
+
+
 class RunningStats:
     """Every norm layer's running statistics of the whole model, and the step's captured rows.
 
@@ -116,15 +122,16 @@ class RunningStats:
             found = norms_of(layer)
             if not found:
                 continue
-            if any(m.running_mean.is_meta for _, m in found):
+            if any(_running(m)[0].is_meta for _, m in found):
                 found = norms_of(build_layer(workload, model.seed, index))
             for name, m in found:
-                c = m.running_mean.numel()
+                mean, var = _running(m)
+                c = mean.numel()
                 norms.append(Norm(index, name, c, m.momentum, offset, len(norms)))
-                initial += [m.running_mean.detach().reshape(-1), m.running_var.detach().reshape(-1)]
+                initial += [mean.detach().reshape(-1), var.detach().reshape(-1)]
                 tracked = m.num_batches_tracked
                 counts.append(int(tracked) if tracked is not None else 0)
-                dtypes.add(m.running_mean.dtype)
+                dtypes.add(mean.dtype)
                 offset += 2 * c
         if not norms:
             return None
@@ -152,9 +159,13 @@ class RunningStats:
         self._bound[index] = [m for _, m in found]
 
     def _point(
-        self, m: nn.Module, norm: Norm, values: torch.Tensor, count: torch.Tensor | None
+        self,
+        m: nn.modules.batchnorm._NormBase,
+        norm: Norm,
+        values: torch.Tensor,
+        count: torch.Tensor | None,
     ) -> None:
-        shape = m.running_mean.shape
+        shape = _running(m)[0].shape
         a, c = norm.offset, norm.channels
         m._buffers["running_mean"] = values[a : a + c].view(shape)
         m._buffers["running_var"] = values[a + c : a + 2 * c].view(shape)

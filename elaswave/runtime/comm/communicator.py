@@ -29,6 +29,7 @@ run gloo groups on host copies of their tensors (:mod:`staging`).
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import logging
 import threading
@@ -262,13 +263,13 @@ class Communicator:
                     continue  # this rank leaves the group
                 if members != g.members and name not in can_shrink:
                     continue  # changed, and no shrink: built again
-                said = {agree.get(f"{name}/{r}").decode() for r in range(len(members))}
+                heard = {agree.get(f"{name}/{r}").decode() for r in range(len(members))}
                 if members != g.members:
-                    if said == {"shrink:" + "/".join(g.members)}:
+                    if heard == {"shrink:" + "/".join(g.members)}:
                         shrink[name] = can_shrink[name]
                 elif (
-                    len(said) == 1
-                    and said_count(min(said)) >= 0
+                    len(heard) == 1
+                    and said_count(min(heard)) >= 0
                     and finished(g.pending, poll=self.backend != "gloo")
                 ):
                     keep.add(name)
@@ -289,7 +290,7 @@ class Communicator:
         prefix = dist.PrefixStore(f"epoch{epoch}/{name}", store)
         timeout = datetime.timedelta(seconds=self.collective_timeout)
         if self.backend == "gloo":
-            opts = dist.ProcessGroupGloo._Options()
+            opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # torch's stubs omit ProcessGroupGloo._Options
             opts._devices = [self._gloo_device]
             opts._timeout = timeout
 
@@ -375,7 +376,7 @@ class Communicator:
             raise
         if "error" in result:
             raise CommError(f"{what} failed: {_one_line(result['error'])}")
-        return result["value"]  # type: ignore[no-any-return]
+        return result["value"]
 
     def _connect_store(self, address: str, abort: Callable[[], bool]) -> dist.TCPStore:
         """A client of the plan's store. Aside, so that a newer plan interrupts it: a store
@@ -426,8 +427,12 @@ class Communicator:
         for, so ranks that share several groups never wait on each other in a cycle. Ranks that
         share a group must list its items in the same order."""
         self._not_aborted(abort, "allreduce")
+
+        def start(t: torch.Tensor, pg: Any) -> dist.Work:
+            return pg.allreduce([t])
+
         started = [
-            self._issue(name, f"allreduce on {name!r}", lambda pg, t=tensor: pg.allreduce([t]))
+            self._issue(name, f"allreduce on {name!r}", functools.partial(start, tensor))
             for name, tensor in items
         ]
         self._await_all(started, abort)
@@ -540,10 +545,10 @@ class Communicator:
         self._groups[name].p2p = True
 
         def post_all() -> list[dist.Work]:
-            # Receives first. Two ranks that both posted their sends first took turns, one
-            # direction after the other (20 MB each way across a 100 Mbit/s link: 3.4 s, against
-            # 1.7 s receiving first): by what was measured, gloo holds a send until the peer's
-            # receive is posted, and its I/O thread then writes it whole before reading more.
+            # Receives first. Two ranks that both post their sends first take turns, one
+            # direction after the other (twice the time across a slow link: docs/benchmarks.md,
+            # "Measurements behind design choices"): gloo holds a send until the peer's receive
+            # is posted, and its I/O thread then writes it whole before reading more.
             works = [pg.recv([t], peer, tag) for peer, t, tag in recvs]
             return works + [pg.send([t], peer, tag) for peer, t, tag in sends]
 

@@ -29,7 +29,7 @@ on, in every thread).
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -49,7 +49,7 @@ def _host_empty(t: torch.Tensor) -> torch.Tensor:
 class StagedWork:
     """A gloo work item on host buffers; ``wait()`` copies each result into its tensor."""
 
-    def __init__(self, work: Any, back: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def __init__(self, work: Any, back: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
         self._work = work
         self._back = list(back)  # (the caller's tensor, the host buffer gloo wrote)
         self._lock = threading.Lock()

@@ -21,7 +21,7 @@ CHUNK = 1 << 20  # words summed at once: 2^20 × 2^15 × 2^24 < 2^63, no overflo
 
 def host_bytes(t: torch.Tensor) -> memoryview:
     """A tensor's bytes in host memory, whatever device it lives on (a copy only off the CPU)."""
-    return memoryview(t.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy())
+    return t.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy().data
 
 
 def device_checksum(*tensors: torch.Tensor) -> int:

@@ -49,7 +49,7 @@ class FaultInjector:
             self.control.faults.remove(fault)
             self.injected(fault, step, phase=phase)
             self.control.flush(timeout=5.0)  # the record is out before the signal lands
-            os.kill(os.getpid(), fault.kind.signal)  # type: ignore[arg-type]
+            os.kill(os.getpid(), fault.kind.signal)
 
     def slowdown(self, step: int) -> float:
         """Extra compute seconds per step (at an even share) from ``slow`` faults in force."""

@@ -42,9 +42,10 @@ def judge_copies(checksums: Sequence[int | None], self_bad: Sequence[bool]) -> V
     it is bad for sure (``self_bad``); the remaining copies vote (:func:`judge`), which also
     breaks the tie of two copies when one of them knows it was hit. ``source`` is ``None`` when
     nothing is bad, or when no trustworthy copy is left to repair from. Pure."""
-    holders = [r for r, c in enumerate(checksums) if c is not None]
+    held = {r: c for r, c in enumerate(checksums) if c is not None}
+    holders = list(held)
     trusted = [r for r in holders if not self_bad[r]]
-    vote = judge([checksums[r] for r in trusted]) if trusted else Verdict((), None)
+    vote = judge([held[r] for r in trusted]) if trusted else Verdict((), None)
     bad = sorted({r for r in holders if self_bad[r]} | {trusted[i] for i in vote.bad})
     if not bad or not trusted:
         return Verdict(tuple(bad), None)

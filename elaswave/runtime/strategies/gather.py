@@ -255,9 +255,10 @@ class LayerGather:
         self.waited, self._live, self._kept = 0.0, [0, 0], {}
         self.peak_params = self.peak_grads = self.peak = 0
         acts: list[list[Any] | None] = [[b.inputs for b in batches]]
-        pending = self._post(shards, 0 if layers > 1 else layers - 1, abort)
+        pending: _Gathering | None = self._post(shards, 0 if layers > 1 else layers - 1, abort)
         try:
             for i in range(layers - 1):  # forward, no graph kept: only each layer's inputs
+                assert pending is not None
                 flat = self.finish_gather(pending, shards, abort)
                 pending = self._post(shards, i + 1, abort) if self.prefetch else None
                 self._keep(i, flat)
@@ -349,7 +350,7 @@ class LayerGather:
         model, layers = self.model, len(self.model.layers)
         xs = [b.inputs for b in batches]
         self._kept = {}
-        pending = self._post(shards, 0, abort)
+        pending: _Gathering | None = self._post(shards, 0, abort)
         try:
             for i in range(layers):
                 assert pending is not None
@@ -477,10 +478,10 @@ def _slots(layer: nn.Module) -> list[_Slot]:
     order = [p for p in layer.parameters() if p.requires_grad]
     slots, offset = {}, 0
     for p in order:
-        slots[id(p)] = _Slot(p, offset)  # type: ignore[arg-type]
+        slots[id(p)] = _Slot(p, offset)
         offset += p.numel()
     for module in layer.modules():
-        for name, p in module._parameters.items():
-            if p is not None and id(p) in slots:
-                slots[id(p)].places.append((module, name))
+        for name, held in module._parameters.items():
+            if held is not None and id(held) in slots:
+                slots[id(held)].places.append((module, name))
     return list(slots.values())

@@ -109,8 +109,9 @@ def _init(layer: nn.Module) -> nn.Module:
     for module in layer.modules():
         if isinstance(module, (nn.Linear, nn.Embedding)):
             module.weight.normal_(0.0, 0.02)
-            if getattr(module, "bias", None) is not None:
-                module.bias.zero_()
+            bias = getattr(module, "bias", None)  # an Embedding has none
+            if bias is not None:
+                bias.zero_()
         elif isinstance(module, nn.LayerNorm):
             module.weight.fill_(1.0)
             module.bias.zero_()

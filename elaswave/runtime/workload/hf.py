@@ -36,7 +36,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -46,12 +46,16 @@ from elaswave.errors import ConfigError
 from elaswave.runtime.workload.base import (
     INIT_STEP,
     Dataset,
+    KeyedLayers,
     ParamRef,
     TensorSpec,
     Workload,
     layer_seed,
 )
 from elaswave.runtime.workload.data import SyntheticTokens, token_file
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 __all__ = ["BlockLayer", "EmbeddingLayer", "HFCausalLM", "HeadLayer"]
 
@@ -160,7 +164,7 @@ def _child_name(parent: nn.Module, target: nn.Module) -> str | None:
     return next((n for n, c in parent.named_children() if c is target), None)
 
 
-def _cut(model: nn.Module) -> tuple[list[list[tuple[str, str]]], str, str | None]:
+def _cut(model: PreTrainedModel) -> tuple[list[list[tuple[str, str]]], str, str | None]:
     """The layers of ``model`` as lists of (local name, HF module path), the input embedding's
     local name and the HF path of the rotary module (or ``None``).
 
@@ -172,7 +176,8 @@ def _cut(model: nn.Module) -> tuple[list[list[tuple[str, str]]], str, str | None
     base = getattr(model, prefix, None)
     if not isinstance(base, nn.Module) or base is model:
         raise ConfigError(f"model.source: hf: cannot find the base model of {kind}")
-    head, token = model.get_output_embeddings(), base.get_input_embeddings()
+    base_model = cast("PreTrainedModel", base)  # an HF model's base model is one too
+    head, token = model.get_output_embeddings(), base_model.get_input_embeddings()
     head_name, token_name = _child_name(model, head), _child_name(base, token)
     if head_name is None or token_name is None:
         raise ConfigError(f"model.source: hf: cannot find the embeddings and LM head of {kind}")
@@ -301,7 +306,7 @@ class HFCausalLM(Workload):
                 "(sliding-window attention is not supported)"
             )
 
-    def _meta_model(self, transformers: Any) -> nn.Module:
+    def _meta_model(self, transformers: Any) -> PreTrainedModel:
         """The whole model on the meta device, float32, ``sdpa`` attention: the template each
         layer copies its modules from (building it allocates and computes nothing)."""
         try:
@@ -517,7 +522,7 @@ class HFCausalLM(Workload):
 
     # -- export ------------------------------------------------------------------------------------
 
-    def export(self, model: nn.Module, out: Path) -> None:
+    def export(self, model: KeyedLayers, out: Path) -> None:
         """The trained layers as an HF model directory (config.json + safetensors, written by
         ``save_pretrained``) that ``AutoModelForCausalLM.from_pretrained(out)`` loads: every
         layer's parameters and persistent buffers under their HF state-dict keys."""

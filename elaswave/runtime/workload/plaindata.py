@@ -119,7 +119,7 @@ def make_collate(cfg: JobConfig) -> Callable[[Sequence[Any]], Any]:
         return resolve(cfg.data.collate, "data.collate")
     from torch.utils.data import default_collate
 
-    return default_collate
+    return default_collate  # type: ignore[return-value]  # torch types it for lists; any sequence works
 
 
 def image_folder(path: str, size: int) -> Dataset:

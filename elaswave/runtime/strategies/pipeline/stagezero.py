@@ -352,6 +352,7 @@ def _start_migration(
     lands: list[Callable[[torch.Tensor], object]] = [
         partial(_land_params, e.state, p.start, p.stop) for p in got_p
     ]
+    assert m.store is not None  # the migration was made with its store
     lands += [partial(m.store.unpack, p.start, p.stop) for p in got_m]
     pipe.start_migration(m, sends, recvs_p + recvs_m, lands)
 
