@@ -14,6 +14,7 @@ import contextlib
 from collections.abc import Callable
 from typing import Any
 
+from elaswave import wire
 from elaswave.daemon.jobstore import JobStore
 from elaswave.planning.verdicts import WINDOW
 
@@ -28,24 +29,23 @@ class ComputeTimes:
         self._per_mb_dirty = False
         self._costs_dirty = False
 
-    def measured(self, wid: str, msg: dict[str, Any]) -> None:
+    def measured(self, wid: str, msg: wire.Compute) -> None:
         """A worker's ``compute`` report: its seconds per micro-batch under a plan epoch, one
         step's or several (workers batch them), oldest first."""
         epoch, samples = self.per_mb.get(wid, (0, []))
-        if int(msg["epoch"]) != epoch:
-            epoch, samples = int(msg["epoch"]), []  # speeds under another plan do not count
-        got = msg["per_mb"] if isinstance(msg["per_mb"], list) else [msg["per_mb"]]
-        samples = [*samples, *(float(x) for x in got)][-WINDOW:]
+        if msg.epoch != epoch:
+            epoch, samples = msg.epoch, []  # speeds under another plan do not count
+        samples = [*samples, *(float(x) for x in msg.per_mb)][-WINDOW:]
         self.per_mb[wid] = (epoch, samples)
         self._per_mb_dirty = True
 
-    def measured_layers(self, wid: str, msg: dict[str, Any]) -> None:
-        """A worker's ``layer_costs`` report (pipelines, ``layer_costs: online``); a report
-        without a mapping of layer seconds is ignored."""
-        if not isinstance(msg.get("layer_seconds"), dict):
-            return
-        fields = ("step", "epoch", "layer_seconds")
-        self.layer_costs[wid] = {k: msg.get(k) for k in fields}
+    def measured_layers(self, wid: str, msg: wire.LayerCosts) -> None:
+        """A worker's ``layer_costs`` report (pipelines, ``layer_costs: online``)."""
+        self.layer_costs[wid] = {
+            "step": msg.step,
+            "epoch": msg.epoch,
+            "layer_seconds": dict(msg.layer_seconds),
+        }
         self._costs_dirty = True
 
     async def publish(

@@ -13,7 +13,6 @@ import os
 import shutil
 import tempfile
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 from elaswave import wire
 from elaswave.daemon.aio import wait_for
@@ -26,7 +25,7 @@ class WorkerConn:
         self.writer = writer
         self.worker_id: str | None = None
 
-    def send(self, msg: dict[str, Any]) -> None:
+    def send(self, msg: wire.DaemonMessage) -> None:
         if self.writer.is_closing():
             return
         try:
@@ -39,7 +38,7 @@ class WorkerConn:
             self.writer.close()
 
 
-Handler = Callable[[WorkerConn, dict[str, Any]], Awaitable[None]]
+Handler = Callable[[WorkerConn, wire.WorkerMessage], Awaitable[None]]
 
 
 class ControlServer:
@@ -71,12 +70,16 @@ class ControlServer:
                     break
                 if not line:
                     break
-                msg = wire.decode(line)
-                if msg is None:
-                    log.warning("dropped a malformed control message")
+                try:
+                    msg = wire.decode(line)
+                except wire.WireError as exc:
+                    log.warning("dropped a control message from %s: %s", conn.worker_id, exc)
                     continue
-                if msg["type"] == "hello":
-                    conn.worker_id = str(msg.get("worker_id"))
+                if not isinstance(msg, wire.WorkerMessage):
+                    log.warning("dropped a %r message from a worker", msg.TYPE)
+                    continue
+                if isinstance(msg, wire.Hello):
+                    conn.worker_id = msg.worker_id
                 await self._on_message(conn, msg)
         finally:
             self._on_disconnect(conn)

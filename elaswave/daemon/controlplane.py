@@ -45,6 +45,14 @@ class ControlPlane:
         self.registered = asyncio.Event()  # set while this host's keys live under its lease
         self.outage_since: float | None = None  # wall clock when etcd stopped answering
         self.outage_step = 0
+        self.lease: Any = None  # the host lease its keys live under (a new one after expiry)
+
+    async def new_lease(self) -> Any:
+        """A new host lease, the one this host's keys go under from now on (this part owns
+        it: joining the job takes the first, an expiry the next)."""
+        d = self.d
+        self.lease = await d.etcd.lease(d.cfg.timeouts.lease_ttl)
+        return self.lease
 
     def joined(self) -> None:
         """The host registered at start-up: etcd answers, the keys are there."""
@@ -125,7 +133,7 @@ class ControlPlane:
         self.registered.clear()
         d.leadership.revoke()  # the leader key went with the lease: a planner steps down
         d.events.emit("lease_expired", host=d.host_id, step=d.worker_step)
-        d.lease = await d.etcd.lease(d.cfg.timeouts.lease_ttl)
+        await self.new_lease()
         await d.etcd.put(d.keys.host(d.host_id), json.dumps(d.host_info()), lease=d.lease)
         while True:
             kv = await d.etcd.get(d.keys.plan)

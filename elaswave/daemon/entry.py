@@ -26,11 +26,14 @@ class JobEntry:
     def __init__(self, d: Host) -> None:
         self.d = d
         self._kept: dict[str, Any] | None = None  # the progress record etcd kept (a relaunch)
+        self._resuming = False
+        self.joined_at = 0.0  # when this host registered in the job (wall clock)
 
-    async def join(self) -> None:
+    async def join(self) -> bool:
         """Register this host in the job: first of all, if no host runs it, decide whether the
         job starts, starts again (a relaunch resumes) or must not start (one host decides:
-        :meth:`_start`); then agree on the config."""
+        :meth:`_start`); then agree on the config. Returns whether this host started the job
+        again from its durable checkpoints (a relaunch that resumes)."""
         d = self.d
         live_hosts = await self._outlive_earlier_self(await d.etcd.get_prefix(d.keys.hosts))
         if live_hosts and d.cfg.fresh:
@@ -47,6 +50,7 @@ class JobEntry:
         finally:
             if starting is not None:  # in the job: the others may join it now
                 await d.etcd.revoke_lease(starting)
+        return self._resuming
 
     async def _register(self) -> None:
         d = self.d
@@ -54,9 +58,9 @@ class JobEntry:
         write_run_config(d.cfg, d.run_dir)  # in the job now: what it trains is this run's
         if d.stream is not None:
             d.stream.start(await self._stream_started())
-        d.lease = await d.etcd.lease(d.cfg.timeouts.lease_ttl)
+        await d.new_lease()
         await d.control.start()
-        d.started = time.time()
+        self.joined_at = time.time()
         if not await d.jobstore.register_host(d.host_id, d.host_info(), lease=d.lease):
             raise ElasWaveError(
                 f"host id {d.host_id!r} is already registered in job {d.cfg.job_id!r}"
@@ -158,10 +162,10 @@ class JobEntry:
             progress = self._kept = await d.jobstore.progress()
             seen = etcd_records(progress, plan.epoch if plan else 0, config_diff=diff)
             if seen is not None and d.earlier is None:  # where checkpoints would be
-                found = newest_intact(cfg.resolved_durable_dir)
+                intact = newest_intact(cfg.resolved_durable_dir)
                 seen = replace(
-                    seen, checkpoint=found.step, checkpoint_dir=str(cfg.resolved_durable_dir),
-                    checkpoint_failed=found.failures(),
+                    seen, checkpoint=intact.step, checkpoint_dir=str(cfg.resolved_durable_dir),
+                    checkpoint_failed=intact.failures(),
                 )  # fmt: skip
         found = merge_records(d.earlier, seen)
         return relaunch_verdict(
@@ -182,7 +186,7 @@ class JobEntry:
         so that the steps it recorded are not recorded again."""
         d = self.d
         if verdict.action == "resume":
-            d.resuming = True
+            self._resuming = True
             await d.jobstore.seed_progress(verdict.committed, verdict.epoch, verdict.reason)
             here = d.earlier.committed if d.earlier is not None else 0
             line_of = d.records.recorded_up_to(

@@ -17,6 +17,7 @@ import os
 import signal
 from typing import TYPE_CHECKING
 
+from elaswave import wire
 from elaswave.daemon.aio import wait_for
 from elaswave.daemon.etcd import Etcd
 from elaswave.daemon.jobstore import JobStore
@@ -125,10 +126,12 @@ class FaultRelay:
                     rank=fault.rank,
                     pid=w.pid,
                 )
+                sig = fault.kind.signal
+                assert sig is not None  # needs_worker is False only for a kind with a signal
                 with contextlib.suppress(ProcessLookupError):
-                    os.kill(w.pid, fault.kind.signal)
+                    os.kill(w.pid, sig)
             elif conn is not None:
-                conn.send({"type": "fault", "fault": fault.to_dict()})
+                conn.send(wire.Fault(fault))
 
     def _dispatch_repeat(self, key: str, fault: FaultSpec) -> None:
         """A repeated fault stays armed: each worker that holds its rank gets it once."""
@@ -144,7 +147,7 @@ class FaultRelay:
         sent.add(target)
         d.workers[target].sent(fault.detect_delay)
         d.events.emit("fault_requested", fault=fault.to_dict(), worker=target, host=d.host_id)
-        conn.send({"type": "fault", "fault": fault.to_dict()})
+        conn.send(wire.Fault(fault))
 
     async def _die(self, key: str, fault: FaultSpec) -> None:
         """A host fault: SIGKILL every worker and then this daemon. Nothing tidies up after it,

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from elaswave.daemon.outbox import Outbox
     from elaswave.daemon.records import StepRecords
     from elaswave.daemon.streams import JobStream
+    from elaswave.daemon.template import Template
     from elaswave.daemon.workers import WorkerProc
     from elaswave.events import EventLog
     from elaswave.keys import JobKeys
@@ -35,7 +36,6 @@ class Host(Protocol):
     keys: JobKeys
     etcd: Etcd
     jobstore: JobStore
-    lease: Any  # the host lease its keys live under (a new one after an expiry)
     events: EventLog
     outbox: Outbox
     control: ControlServer
@@ -43,19 +43,27 @@ class Host(Protocol):
     embedded: EmbeddedEtcd | None
     plan: Plan | None  # the newest plan this host adopted
     workers: dict[str, WorkerProc]
-    conns: dict[str, WorkerConn]
+    template: Template | None  # forks this host's workers (None: executed)
     leadership: Leadership
     stopping: bool
-    unrecoverable: str | None
     finished: asyncio.Event  # set once every worker process of this host has exited
     # what joining the job reads and sets (the entry)
     host_addr: str
     earlier: Records | None  # what an earlier run of this job id left in this run directory
     moved: Path | None  # where --fresh moved it
-    resuming: bool
     records: StepRecords
     stream: JobStream | None
-    started: float
+
+    @property
+    def lease(self) -> Any: ...  # the host lease its keys live under (a new one after expiry)
+
+    async def new_lease(self) -> Any: ...
+
+    @property
+    def conns(self) -> dict[str, WorkerConn]: ...
+
+    @property
+    def unrecoverable(self) -> str | None: ...
 
     @property
     def is_leader(self) -> bool: ...

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from typing import TYPE_CHECKING
 
+from elaswave import wire
 from elaswave.daemon.template import Adopted
 from elaswave.daemon.workers import WorkerProc, spawn, stop_all, worker_id
 from elaswave.planning.verdicts import respawn_verdict
@@ -143,7 +145,7 @@ class WorkerPool:
         )
         for w in workers:  # gone with an expired lease, as a rule; if not, gone now
             key = d.keys.worker(w.worker_id)
-            d.outbox.put(f"fenced {w.worker_id}", lambda key=key: d.etcd.delete(key))
+            d.outbox.put(f"fenced {w.worker_id}", functools.partial(d.etcd.delete, key))
         self.replacing += 1
         asyncio.create_task(self._replace(workers))
 
@@ -187,6 +189,6 @@ class WorkerPool:
         w.stopping = True
         conn = self.d.conns.get(w.worker_id)
         if conn is not None:
-            conn.send({"type": "stop"})
+            conn.send(wire.Stop())
         else:
             w.proc.terminate()

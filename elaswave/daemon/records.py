@@ -18,6 +18,7 @@ import uuid
 from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING, Any
 
+from elaswave import wire
 from elaswave.daemon.etcd import KV, Etcd
 from elaswave.daemon.outbox import Outbox
 from elaswave.events import JsonlWriter
@@ -79,28 +80,28 @@ class StepRecords:
         """A worker of this host finished the job at ``step``."""
         self.final_step = max(self.final_step, step)
 
-    def commit(self, msg: dict[str, Any]) -> None:
+    def commit(self, msg: wire.Commit) -> None:
         """A step rank 0 committed: its record, written once across the whole job (see
         ``_land_record``), after the records before it."""
-        step = int(msg["step"])
+        step = msg.step
         if step <= self.last_metric_step:
             return  # a re-report after recovery, or a redone step: already recorded here
         self.last_metric_step = step
         self.final_step = max(self.final_step, step)
-        self.last_epoch = int(msg["epoch"])
+        self.last_epoch = msg.epoch
         record = {
             "step": step,
-            "loss": msg["loss"],
-            "epoch": msg["epoch"],
-            "world_size": msg["world"],
-            "samples": msg["samples"],
-            "step_seconds": msg.get("step_seconds"),
-            "lr": msg.get("lr"),
-            "grad_norm": msg.get("grad_norm"),  # None where not measured (no stream, no clip)
-            "sparsity": msg.get("prune_sparsity"),  # train.prune: the share of zero groups
-            "time": msg["t"],
+            "loss": msg.loss,
+            "epoch": msg.epoch,
+            "world_size": msg.world,
+            "samples": msg.samples,
+            "step_seconds": msg.step_seconds,
+            "lr": msg.lr,
+            "grad_norm": msg.grad_norm,  # None where not measured (no stream, no clip)
+            "sparsity": msg.prune.get("prune_sparsity"),  # train.prune: the share of zero groups
+            "time": msg.t,
         }
-        self.commit_times.append((float(msg["t"]), int(msg["samples"])))
+        self.commit_times.append((msg.t, msg.samples))
         self.commit_times = self.commit_times[-20:]
         rate = 0.0
         if len(self.commit_times) >= 2:
@@ -121,24 +122,24 @@ class StepRecords:
             done = {"step": step, "t": time.time()}
             self.outbox.put("done", lambda: self.etcd.put_json(self.keys.done, done))
 
-    def evaluated(self, msg: dict[str, Any]) -> None:
+    def evaluated(self, msg: wire.Eval) -> None:
         """A held-out evaluation rank 0 made after committing a step: a line of its own, in the
         outbox's order (after that step's record)."""
         record = {
             "kind": "eval",
-            "step": int(msg["step"]),
-            "eval_loss": msg["loss"],
-            "eval_samples": msg["samples"],
-            **({"eval_accuracy": msg["accuracy"]} if "accuracy" in msg else {}),
-            "time": msg["t"],
+            "step": msg.step,
+            "eval_loss": msg.loss,
+            "eval_samples": msg.samples,
+            **({"eval_accuracy": msg.accuracy} if msg.accuracy is not None else {}),
+            "time": msg.t,
         }
         self._side_line(record, "eval")
 
-    def logged(self, msg: dict[str, Any]) -> None:
+    def logged(self, msg: wire.Log) -> None:
         """Metrics a script logged after a step (``job.log``): a line of their own, like an
         evaluation's."""
-        metrics = {str(k): float(v) for k, v in dict(msg.get("metrics") or {}).items()}
-        record = {"kind": "log", "step": int(msg["step"]), **metrics, "time": msg["t"]}
+        metrics = {str(k): float(v) for k, v in msg.metrics.items()}
+        record = {"kind": "log", "step": msg.step, **metrics, "time": msg.t}
         self._side_line(record, "log")
 
     def _side_line(self, record: dict[str, Any], what: str) -> None:

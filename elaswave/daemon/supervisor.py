@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from elaswave.config import JobConfig
 from elaswave.daemon.aio import wait_for
+from elaswave.daemon.channel import WorkerChannel
 from elaswave.daemon.compute import ComputeTimes
 from elaswave.daemon.control_server import ControlServer, WorkerConn
 from elaswave.daemon.controlplane import ControlPlane
@@ -64,7 +65,6 @@ from elaswave.errors import (
 )
 from elaswave.events import EVENTS_FILE, METRICS_FILE, EventLog, JsonlWriter
 from elaswave.keys import JobKeys
-from elaswave.planning import planwire
 from elaswave.planning.plan import Plan
 from elaswave.planning.relaunch import Records
 
@@ -72,11 +72,6 @@ if TYPE_CHECKING:
     from elaswave.daemon.streams import JobStream
 
 log = logging.getLogger(__name__)
-
-# Events a worker sends when the job cannot go on: every copy of some state is gone, or the
-# user's script failed (it would fail again in a respawned worker). The first one's reason is
-# the job's.
-UNRECOVERABLE = ("shard_lost", "script_failed")
 
 
 def default_host_id() -> str:
@@ -109,7 +104,7 @@ class HostDaemon:
         self.cfg = cfg
         self.earlier = earlier  # what an earlier run of this job id left in this run directory
         self.moved = moved  # where --fresh moved it
-        self.resuming = False  # a relaunch: the workers start from a durable checkpoint
+        self.resuming = False  # a relaunch: the workers start from a durable checkpoint (entry)
         self.endpoints = etcd_endpoints
         self.security = security
         self.host_id = cfg.host_id or default_host_id()
@@ -123,14 +118,13 @@ class HostDaemon:
         self.etcd: Etcd = None  # type: ignore[assignment]  # set in run()
         self.jobstore: JobStore = None  # type: ignore[assignment]  # set in run()
         self.records: StepRecords = None  # type: ignore[assignment]  # set in run()
-        self.lease: Any = None
         self.template = template  # forks this host's workers and its store (None: executed)
         self.store: StoreProcess | None = None  # this host's rendezvous store
         self.store_address = ""
         self.store_up = asyncio.Event()  # the store serves: this host may lead (plans name it)
-        self.control = ControlServer(self._on_message, self._on_disconnect)
+        self.channel = WorkerChannel(self)  # the workers' connections and their messages
+        self.control = ControlServer(self.channel.on_message, self.channel.on_disconnect)
         self.workers: dict[str, WorkerProc] = {}
-        self.conns: dict[str, WorkerConn] = {}
         self.plan: Plan | None = None
         self.leadership = Leadership()
         self.stopping = False
@@ -138,7 +132,6 @@ class HostDaemon:
         self._tasks: list[asyncio.Task[Any]] = []
         self.signal_received: int | None = None
         self.embedded = embedded  # an etcd this launch started: restarted if it exits
-        self.unrecoverable: str | None = None  # why workers gave up (e.g. a lost ZeRO shard)
         self.stopped: str | None = None  # the leader's verdict that ended the job
         self.compute = ComputeTimes()  # the workers' compute times, shared with the leader
         self.pool = WorkerPool(self)  # spawns, watches, respawns, fences and evicts workers
@@ -147,7 +140,6 @@ class HostDaemon:
         self.entry = JobEntry(self)  # joins the job: starts it, resumes it, or refuses
         self.outbox = self.cp.outbox
         self.prom: DaemonMetrics | None = None  # launch --metrics-port
-        self.memory: dict[str, dict[str, int]] = {}  # worker -> bytes it holds, by purpose
         self.stream: JobStream | None = None  # logging.tensorboard / wandb: the job's stream
         if cfg.logging.enabled:
             from elaswave.daemon.streams import JobStream  # only a job that logs loads it
@@ -194,7 +186,7 @@ class HostDaemon:
         self.records.stream = self.stream
         self.records.planned_hosts = lambda: set(self.plan.hosts) if self.plan else None
         try:
-            await self.entry.join()
+            self.resuming = await self.entry.join()
             self.cp.joined()
             resilient = {
                 "leader": self._campaign,
@@ -388,7 +380,7 @@ class HostDaemon:
             "nproc": self.cfg.elastic.nproc_per_node,
             "run_dir": str(self.run_dir.resolve()),
             "netns": current_netns(),
-            "started": self.started,
+            "started": self.entry.joined_at,
         }
 
     async def _wait_for_other_hosts(self) -> None:
@@ -472,87 +464,30 @@ class HostDaemon:
                         await self.jobstore.clear_but_records()
                 await self.etcd.close()
 
-    # ---- control channel --------------------------------------------------------------------
-    async def _on_message(self, conn: WorkerConn, msg: dict[str, Any]) -> None:
-        kind = msg["type"]
-        wid = conn.worker_id
-        if kind == "hello":
-            await self.pool.registered(wid or "")  # a forked worker can be that quick
-        w = self.workers.get(wid or "")
-        if kind == "hello":
-            if w is None:
-                conn.send({"type": "stop"})
-                return
-            self.conns[w.worker_id] = conn
-            conn.send({"type": "config", "config": self.cfg.to_dict(), "host_addr": self.host_addr})
-        elif w is None:
-            return
-        elif kind == "ready":
-            w.ready = True
-            info: dict[str, Any] = {
-                "worker_id": w.worker_id, "host": self.host_id, "pid": w.pid, "slot": w.slot,
-            }  # fmt: skip
-            if self.cfg.rack:  # the tier above hosts, for the planner
-                info["rack"] = self.cfg.rack
-            # pipelines: the workload's estimate, a start-up profile, the layers' bytes
-            for costs in ("layer_estimate", "layer_seconds", "layer_bytes"):
-                if isinstance(msg.get(costs), list):
-                    info[costs] = [float(x) for x in msg[costs]]
-            w.info = info
-            self.outbox.put(
-                f"registration of {w.worker_id}",
-                lambda: self.jobstore.register_worker(info, lease=self.lease),
-            )
-            self.events.emit("worker_ready", host=self.host_id, worker=w.worker_id, pid=w.pid)
-            if self.plan is not None:
-                conn.send({"type": "plan", "plan": planwire.encode(self.plan)})
-            self.faults.dispatch()
-        elif kind == "event":
-            event = dict(msg.get("event") or {})
-            event.setdefault("worker", w.worker_id)
-            event["host"] = self.host_id
-            self.events.write(event)
-            if event.get("kind") in UNRECOVERABLE and self.unrecoverable is None:
-                self.unrecoverable = str(event.get("reason"))  # the first cause, not echoes
-        elif kind == "hb":
-            w.last_beat = time.monotonic()
-            w.phase = str(msg.get("phase", "idle"))
-            w.phase_age = float(msg.get("phase_age", 0.0))
-            w.step = int(msg.get("step", w.step))
-        elif kind == "commit":
-            self.records.commit(msg)
-        elif kind == "eval":
-            self.records.evaluated(msg)
-        elif kind == "log":
-            self.records.logged(msg)
-            if self.prom is not None:
-                self.prom.logged(dict(msg.get("metrics") or {}))
-        elif kind == "rollback":
-            self.records.roll_back(int(msg["step"]))
-        elif kind == "compute":
-            self.compute.measured(w.worker_id, msg)
-        elif kind == "memory":
-            self._share_memory(w.worker_id, msg)
-        elif kind == "layer_costs":  # pipelines, layer_costs: online
-            self.compute.measured_layers(w.worker_id, msg)
-        elif kind == "done":
-            w.done = True
-            self.records.finished_at(int(msg.get("step", 0)))
+    # ---- what the parts read of the daemon ---------------------------------------------------
+    @property
+    def conns(self) -> dict[str, WorkerConn]:
+        """The live control connections, by worker."""
+        return self.channel.conns
 
-    def _share_memory(self, wid: str, msg: dict[str, Any]) -> None:
-        """A worker's bytes by purpose under its newest plan, in ``memory/<host>`` (what
-        ``status`` shows per rank), with those of this host's other running workers."""
-        self.memory[wid] = {k: int(v) for k, v in msg.items() if k.endswith("_bytes")}
-        live = self._running()
-        record = {w: m for w, m in self.memory.items() if w in live}
-        key = self.keys.memory + self.host_id
-        self.outbox.put(
-            f"memory of {wid}", lambda: self.etcd.put_json(key, record, lease=self.lease)
-        )
+    @property
+    def unrecoverable(self) -> str | None:
+        """Why a worker said the job cannot go on (the first reason), if one did."""
+        return self.channel.unrecoverable
 
-    def _on_disconnect(self, conn: WorkerConn) -> None:
-        if conn.worker_id and self.conns.get(conn.worker_id) is conn:
-            del self.conns[conn.worker_id]
+    @property
+    def lease(self) -> Any:
+        """The host lease this host's keys live under (the control plane's)."""
+        return self.cp.lease
+
+    async def new_lease(self) -> Any:
+        return await self.cp.new_lease()
+
+    async def registered(self, wid: str) -> None:
+        await self.pool.registered(wid)
+
+    def dispatch_faults(self) -> None:
+        self.faults.dispatch()
 
     async def _watch_done(self) -> None:
         """A host whose workers are all standbys finishes when the job does."""
@@ -567,13 +502,14 @@ class HostDaemon:
         """The leader's verdict to end the whole job (restart loop): stop everything here."""
         rev = await self.etcd.revision()
         kv = await self.etcd.get(self.keys.stop)
-        if kv is None:
+        value = kv.value if kv is not None else None
+        if value is None:
             async for ev in self.etcd.watch_prefix(self.keys.stop, start_revision=rev + 1):
                 if ev.key == self.keys.stop and ev.kind == "put":
-                    kv = ev
+                    value = ev.value
                     break
-        assert kv is not None
-        self.stopped = str(json.loads(kv.value)["reason"])
+        assert value is not None
+        self.stopped = str(json.loads(value)["reason"])
         self.stopping = True  # no respawns; exits from here on are ours
         self.events.emit("job_stopped", host=self.host_id, reason=self.stopped)
         self.finished.set()
@@ -615,10 +551,7 @@ class HostDaemon:
         ]
         if dropped:
             self.pool.fence(dropped, plan)  # before the plan reaches them: they must not act on it
-        msg = {"type": "plan", "plan": planwire.encode(plan)}
-        for wid, conn in list(self.conns.items()):
-            if self.workers.get(wid) and self.workers[wid].ready:
-                conn.send(msg)
+        self.channel.send_plan(plan)
         for wid in plan.evicted:
             self.pool.evict(wid, plan)
         self.faults.dispatch()

@@ -8,7 +8,7 @@ daemon (a child subreaper): :class:`Adopted` waits for it through a pidfd and re
 status with ``waitpid``, so a death is seen as soon as with a child the daemon started itself.
 
 If the template cannot start (no subreaper or pidfd on this platform), is turned off
-(``elastic.worker_start: exec``), or dies, workers are executed as before
+(``elastic.worker_start: exec``), or dies, workers are executed as new interpreters
 (``python -m elaswave.runtime.worker``): slower to start, the same otherwise.
 """
 

@@ -1,6 +1,6 @@
 """Which micro-batches a recovery computes again: only those that no survivor kept.
 
-A fault in the middle of a step used to throw the whole step away. The micro-batches a rank
+A fault in the middle of a step need not throw the whole step away. The micro-batches a rank
 finished are sums in its own gradient accumulator, which no collective writes into, so a
 survivor keeps them through the failed reduction (see
 :class:`~elaswave.runtime.strategies.replicated.Replicated`). When the next plan is applied, its

@@ -7,8 +7,9 @@ the plan:
 1. ``begin_step`` — if a newer plan is pending, apply it first (step boundary).
 2. ``strategy.compute`` — forward/backward over this rank's share of the fixed global batch's
    micro-batches (global ids from the plan), RNG keyed by (seed, step, micro-batch, layer), loss
-   scaled by 1/B; gradients and the loss sum land in the step's buffer (``reduce_dtype``).
-3. ``strategy.reduce_update`` — the reduction of [gradients | loss sum | newest epoch seen] (it is
+   scaled by 1/B; gradients land in the step's sums (``reduce_dtype``), the loss sum and count in
+   their tail (float64, :mod:`~elaswave.runtime.strategies.sums`).
+3. ``strategy.reduce_update`` — the reduction of the gradients and the tail (it is
    interruptible: if the daemon publishes a plan without one of our peers, we stop waiting at
    once), then the update.
 4. ``commit_step`` — rank 0 reports the commit; if any rank had seen a newer plan (the epoch sum
@@ -32,6 +33,7 @@ from typing import Any
 
 import torch
 
+from elaswave import wire
 from elaswave.config import JobConfig
 from elaswave.errors import EXIT_STATE_LOST
 from elaswave.planning.plan import Plan
@@ -49,16 +51,16 @@ from elaswave.runtime.optim import freed
 from elaswave.runtime.state import RankContext, TrainState
 from elaswave.runtime.strategies.base import (
     DP,
-    EPOCH,
-    TAIL,
     Final,
     Strategy,
     Whole,
     nbytes,
     reduction_buffer,
     state_digests,
+    step_sums,
 )
 from elaswave.runtime.strategies.select import strategy_for
+from elaswave.runtime.strategies.sums import StepSums
 from elaswave.runtime.strategies.zero import ShardLost
 from elaswave.runtime.timing import DeviceClock, set_clock
 from elaswave.runtime.workload.data import MicroBatch, microbatches
@@ -125,7 +127,7 @@ class Engine:
         self.state = TrainState.build(cfg, device) if state is None else state
         self.num_samples = training_samples(len(self.state.dataset), cfg.data.eval_samples)
         # [gradient sums | loss sum, newest epoch seen, a strategy's flag, loss count]
-        self.buffer = reduction_buffer(self.state, t.reduce_dtype)
+        self.sums = step_sums(self.state, t.reduce_dtype)
         shared = cfg.elastic.workers_per_device  # > 1: workers share devices, gloo via host
         backend = backend_for(self.state.device, shared)
         self.comm = Communicator(
@@ -174,12 +176,12 @@ class Engine:
         """compute | collective | idle: what the daemon's hang detector sees."""
         self.phase, self.phase_since = phase, time.monotonic()
 
-    def _heartbeat(self) -> dict[str, object]:
-        return {
-            "step": self.state.step,
-            "phase": self.phase,
-            "phase_age": round(time.monotonic() - self.phase_since, 3),
-        }
+    def _heartbeat(self) -> wire.Heartbeat:
+        return wire.Heartbeat(
+            step=self.state.step,
+            phase=self.phase,
+            phase_age=round(time.monotonic() - self.phase_since, 3),
+        )
 
     # ---- main loop --------------------------------------------------------------------------
     # What ends a step or its recovery: the step is redone under the next plan (a lost peer),
@@ -217,7 +219,7 @@ class Engine:
             # An abandoned collective may still be running and write into its tensor (a peer
             # cut off by a partition is not an error until TCP gives up): redo the step in a
             # fresh buffer, never in the one gloo still holds.
-            self.buffer = torch.zeros_like(self.buffer)
+            self.sums = StepSums(torch.zeros_like(self.sums.grads), self.sums.tail.fresh())
             self.replan = True
             return None
         if isinstance(exc, NoPlan):
@@ -248,19 +250,18 @@ class Engine:
         self.strategy.after_commit(result.step)
         if self.comm.rank(DP) == 0:
             self.control.send(
-                {
-                    "type": "commit",
-                    "step": result.step,
-                    "loss": result.loss,
-                    "epoch": self.plan.epoch,
-                    "world": self.plan.world_size,
-                    "samples": result.step * self.cfg.train.global_batch,
-                    "step_seconds": result.seconds,
-                    "lr": self.state.opt.hyper.lr_at(result.step),
-                    "grad_norm": self.state.last_grad_norm,  # None unless measured
-                    **(self.state.prune.last if self.state.prune is not None else {}),
-                    "t": time.time(),
-                }
+                wire.Commit(
+                    step=result.step,
+                    loss=result.loss,
+                    epoch=self.plan.epoch,
+                    world=self.plan.world_size,
+                    samples=result.step * self.cfg.train.global_batch,
+                    t=time.time(),
+                    step_seconds=result.seconds,
+                    lr=self.state.opt.hyper.lr_at(result.step),
+                    grad_norm=self.state.last_grad_norm,  # None unless measured
+                    prune=dict(self.state.prune.last) if self.state.prune is not None else {},
+                )
             )
 
     def _report_speed(self, step: int, per_mb: float) -> None:
@@ -277,45 +278,43 @@ class Engine:
             self._send_speeds(step)
 
     def _send_speeds(self, step: int) -> None:
-        self.control.send(
-            {"type": "compute", "step": step, "epoch": self._speeds_epoch, "per_mb": self._speeds}
-        )
+        self.control.send(wire.Compute(step=step, epoch=self._speeds_epoch, per_mb=self._speeds))
         self._speeds, self._speeds_sent = [], time.monotonic()
 
     # ---- one step ---------------------------------------------------------------------------
     def train_step(self, step: int) -> StepResult:
         """Compute, reduce and update through the strategy; faults fire at their phases."""
-        every, buf, start = self.prepare_step(step)
-        per_mb = self.strategy.compute(step, every, buf, self.faults.slowdown(step))
-        return self.reduce_step(step, buf, start, per_mb)
+        every, sums, start = self.prepare_step(step)
+        per_mb = self.strategy.compute(step, every, sums, self.faults.slowdown(step))
+        return self.reduce_step(step, sums, start, per_mb)
 
-    def prepare_step(self, step: int) -> tuple[list[MicroBatch], torch.Tensor, float]:
-        """Before a step's compute: its micro-batches, its zeroed reduction buffer and its
-        start time."""
+    def prepare_step(self, step: int) -> tuple[list[MicroBatch], StepSums, float]:
+        """Before a step's compute: its micro-batches, its zeroed sums and its start time."""
         assert self.plan is not None
         start = time.perf_counter()
         self._writer_busy = self.store is not None and self.store.writing()
         self.strategy.before_step()  # a pipeline rank may change which layers it allocates
         t, n = self.cfg.train, self.state.flat.numel
-        if self.buffer.numel() != n + TAIL or freed(self.buffer):  # ZeRO-3 stages free it
-            self.buffer = reduction_buffer(self.state, t.reduce_dtype)
-        buf = self.buffer
-        (buf[n:] if self.strategy.fills_gradients else buf).zero_()
+        sums = self.sums
+        if sums.grads.numel() != n or freed(sums.grads):  # ZeRO-3 stages free it
+            sums.grads = reduction_buffer(self.state, t.reduce_dtype)
+        elif not self.strategy.fills_gradients:
+            sums.grads.zero_()
+        sums.tail.zero()
         self._enter("compute")
         self.faults.fire(step, "forward")
         every = microbatches(t.seed, step, t.global_batch, t.micro_batch_size, self.num_samples)
-        return every, buf, start
+        return every, sums, start
 
     def reduce_step(
-        self, step: int, buf: torch.Tensor, start: float, per_mb: float | None
+        self, step: int, sums: StepSums, start: float, per_mb: float | None
     ) -> StepResult:
         """After a step's compute: the reduction and the update (the step is applied when this
         returns; a lost peer raises)."""
         plan = self.plan
         assert plan is not None
-        n = self.state.flat.numel
-        self.state.tie_gradients(buf[:n])
-        buf[n + EPOCH] = self.control.latest_epoch
+        self.state.tie_gradients(sums.grads)
+        sums.tail.epoch = self.control.latest_epoch
         self.faults.fire(step, "reduce")
         self._enter("collective")
         stats, rows = self.state.stats, None
@@ -323,12 +322,12 @@ class Engine:
             rows = stats.contribution(step, self.strategy.covered(step))
             self.comm.allreduce(DP, rows, self.ctx.broken)
         epochs = self.strategy.reduce_update(
-            step, buf, self.ctx.broken, lambda: self.faults.fire(step, "optimizer")
+            step, sums, self.ctx.broken, lambda: self.faults.fire(step, "optimizer")
         )
         if stats is not None and rows is not None:  # applied: fold them in (rows iff stats)
             stats.commit(step, rows)
         self._enter("idle")
-        if int(round(epochs)) != plan.world_size * plan.epoch:
+        if epochs != plan.world_size * plan.epoch:
             self.replan = True  # some rank has seen a newer plan: switch at this boundary
         return StepResult(step, self.state.last_loss, time.perf_counter() - start, per_mb)
 
@@ -357,14 +356,9 @@ class Engine:
             self._enter("idle")
             if self.comm.rank(DP) == 0:
                 self.control.send(
-                    {
-                        "type": "eval",
-                        "step": step,
-                        "loss": loss,
-                        "samples": samples,
-                        **({"accuracy": accuracy} if accuracy is not None else {}),
-                        "t": time.time(),
-                    }
+                    wire.Eval(
+                        step=step, loss=loss, samples=samples, t=time.time(), accuracy=accuracy
+                    )
                 )
 
     def _save_durable(self, step: int, whole: Whole, event: str) -> None:
@@ -527,7 +521,7 @@ class Engine:
         """Bytes this rank holds by purpose (the strategy's, plus the step's reduction buffer
         as gradient bytes and the known-good state ``verify_every`` keeps for a rollback)."""
         out = self.strategy.memory()
-        out["grad_bytes"] += nbytes(self.buffer)
+        out["grad_bytes"] += nbytes(self.sums.grads)
         out["verify_bytes"] = self.integrity.good_bytes
         return out
 
@@ -536,7 +530,7 @@ class Engine:
         step keeps exist by then): an event (the report) and a message (the daemon shares it in
         etcd, where ``status`` reads it)."""
         self.control.event("memory", worker=self.me, epoch=plan.epoch, **memory)
-        self.control.send({"type": "memory", "epoch": plan.epoch, **memory})
+        self.control.send(wire.Memory(epoch=plan.epoch, bytes=dict(memory)))
 
     def close(self) -> None:
         """Before the process exits: wait for this rank's checkpoint writes (a stop may come
@@ -570,7 +564,7 @@ class Engine:
             **final.checks,
             **self._side_digests(),
         )
-        self.control.send({"type": "done", "step": self.state.step, "worker_id": self.me})
+        self.control.send(wire.Done(step=self.state.step, worker_id=self.me))
 
     def _side_digests(self) -> dict[str, Any]:
         """The running statistics' SHA-256 and the fewest batches a norm layer has seen (none

@@ -50,11 +50,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from elaswave import wire
 from elaswave.config import JobConfig
 from elaswave.errors import EXIT_SCRIPT_FAILED, ElasWaveError, one_line
 from elaswave.runtime.comm.communicator import Interrupted
 from elaswave.runtime.optimizers import ScheduleReplay, TorchRule, probe
 from elaswave.runtime.runningstats import norms_of
+from elaswave.runtime.strategies.sums import StepSums
 from elaswave.runtime.workload.base import Dataset, TensorSpec, Workload, seed_generators
 from elaswave.runtime.workload.data import MicroBatch
 from elaswave.runtime.workload.rng import stream_seed
@@ -350,8 +352,7 @@ class Job:
         # Every rank builds the same model next, whatever the script seeds itself (a newcomer's
         # is overwritten from peers anyway).
         torch.manual_seed(self.cfg.train.seed)
-        ready: dict[str, object] = {"type": "ready", "worker_id": session.worker_id}
-        session.control.send(ready)
+        session.control.send(wire.Ready(worker_id=session.worker_id))
 
     # ---- who we are ---------------------------------------------------------------------------
     @property
@@ -471,7 +472,8 @@ class Job:
 
         if training_samples(size, self.cfg.data.eval_samples) < 1:
             raise ScriptError("steps(dataset=...): the data set is empty")
-        self._engine = self._build(dataset, collate or torch.utils.data.default_collate)
+        default: Callable[[Sequence[Any]], Any] = torch.utils.data.default_collate  # type: ignore[assignment]  # torch types it for lists; any sequence works
+        self._engine = self._build(dataset, collate or default)
         return self._loop()
 
     def _build(self, dataset: Dataset, collate: Callable[[Sequence[Any]], Any]) -> Any:
@@ -569,9 +571,7 @@ class Job:
             if not isinstance(v, (int, float)) or isinstance(v, bool):
                 raise ScriptError(f"job.log({k}=...) takes a number, got {type(v).__name__}")
             values[k] = float(v)
-        self._s.control.send(
-            {"type": "log", "step": self.step, "metrics": values, "t": time.time()}
-        )
+        self._s.control.send(wire.Log(step=self.step, metrics=values, t=time.time()))
 
     def finish(self) -> None:
         """After the last step: the final state (compared across ranks, saved when asked) and
@@ -602,7 +602,7 @@ class Step:
         self.failed_during = "step"
         self._run: Any = None  # the strategy's Accumulation
         self._every: list[MicroBatch] = []
-        self._buf: torch.Tensor | None = None
+        self._sums: StepSums | None = None
         self._start = 0.0
         self._current: Batch | None = None
         self._computed = False
@@ -613,8 +613,8 @@ class Step:
         if self._run is not None:
             raise ScriptError(f"step {self.index}: micro_batches() called twice")
         engine = self._job._engine
-        self._every, self._buf, self._start = engine.prepare_step(self.index)
-        self._run = engine.strategy.accumulation(self.index, self._buf)
+        self._every, self._sums, self._start = engine.prepare_step(self.index)
+        self._run = engine.strategy.accumulation(self.index, self._sums)
         return self._iterate()
 
     def _iterate(self) -> Iterator[Batch]:
@@ -693,7 +693,7 @@ class Step:
         engine = self._job._engine
         try:
             per_mb = self._run.finish()
-            result = engine.reduce_step(self.index, self._buf, self._start, per_mb)
+            result = engine.reduce_step(self.index, self._sums, self._start, per_mb)
         except engine.FAILURES as exc:
             self.error = exc
             return False

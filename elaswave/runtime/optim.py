@@ -414,7 +414,7 @@ def clip_and_norm(
 
 
 def layer_sumsq(
-    mean: torch.Tensor,
+    mean: torch.Tensor | Spans,
     segments: Sequence[tuple[int, int]],
     ties: Sequence[tuple[slice, slice]] = (),
     only: Sequence[bool] | None = None,

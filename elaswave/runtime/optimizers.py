@@ -74,7 +74,7 @@ class TorchRule:
             warnings.simplefilter("ignore")
             opt = self.cls([t], **{**self.args, **group})
         opt.param_groups[0].update(group)
-        return opt  # type: ignore[no-any-return]
+        return opt
 
     def apply(
         self,
@@ -329,7 +329,7 @@ def schedule_replay(
             opt = torch.optim.AdamW([dummy], lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return cls(opt, **t.lr_schedule_args)  # type: ignore[no-any-return]
+            return cls(opt, **t.lr_schedule_args)
 
     replay = ScheduleReplay(make)
     try:
@@ -349,3 +349,27 @@ def schedule_replay(
     except Exception as exc:  # noqa: BLE001 - wrong arguments, a scheduler that cannot step
         raise ConfigError(f"train.lr_schedule {t.lr_schedule!r}: {one_line(exc)}") from None
     return replay
+
+
+def optimizer_classes(
+    cfg: JobConfig, *, whole: bool = False
+) -> tuple[TorchRule | None, ScheduleReplay | None]:
+    """``train.optimizer`` and ``train.lr_schedule`` where they name classes, probed with the
+    group values the schedule gives (one line for a class that does not fit the flat state);
+    ``whole``: the schedule replayed to the last step (launch's check)."""
+    t = cfg.train
+    rule = None
+    if t.optimizer not in ("adamw", "sgd"):
+        rule = torch_rule(t.optimizer, t.optimizer_args)
+    replay = schedule_replay(cfg, rule, whole=whole)
+    if rule is not None:
+        steps = sorted({1, max(1, t.steps // 2), t.steps})
+        groups = [replay.at(s) if replay is not None else {"lr": t.lr} for s in steps]
+        probe(rule, groups)
+        if not rule.elementwise and (cfg.zero or cfg.pp > 1):
+            raise ConfigError(
+                f"train.optimizer {t.optimizer!r} steps whole parameters (not element-wise): "
+                f"{'ZeRO' if cfg.zero else 'a pipeline'} updates slices of them; replicated data "
+                "parallelism takes it"
+            )
+    return rule, replay

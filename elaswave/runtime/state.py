@@ -16,19 +16,13 @@ from typing import Any
 
 import torch
 
+from elaswave import wire
 from elaswave.config import JobConfig
-from elaswave.errors import ConfigError
 from elaswave.planning.plan import Plan
 from elaswave.prune.pruner import Pruner
 from elaswave.runtime.comm.communicator import Communicator
 from elaswave.runtime.optim import FlatOptimizer, FlatParams, OptimHyper, Spans, decay_groups
-from elaswave.runtime.optimizers import (
-    ScheduleReplay,
-    TorchRule,
-    probe,
-    schedule_replay,
-    torch_rule,
-)
+from elaswave.runtime.optimizers import ScheduleReplay, TorchRule, optimizer_classes
 from elaswave.runtime.runningstats import RunningStats
 from elaswave.runtime.workload import (
     Dataset,
@@ -246,30 +240,6 @@ def _buffers_to(layer: torch.nn.Module, device: torch.device) -> None:
                 module._buffers[name] = b.to(device)
 
 
-def optimizer_classes(
-    cfg: JobConfig, *, whole: bool = False
-) -> tuple[TorchRule | None, ScheduleReplay | None]:
-    """``train.optimizer`` and ``train.lr_schedule`` where they name classes, probed with the
-    group values the schedule gives (one line for a class that does not fit the flat state);
-    ``whole``: the schedule replayed to the last step (launch's check)."""
-    t = cfg.train
-    rule = None
-    if t.optimizer not in ("adamw", "sgd"):
-        rule = torch_rule(t.optimizer, t.optimizer_args)
-    replay = schedule_replay(cfg, rule, whole=whole)
-    if rule is not None:
-        steps = sorted({1, max(1, t.steps // 2), t.steps})
-        groups = [replay.at(s) if replay is not None else {"lr": t.lr} for s in steps]
-        probe(rule, groups)
-        if not rule.elementwise and (cfg.zero or cfg.pp > 1):
-            raise ConfigError(
-                f"train.optimizer {t.optimizer!r} steps whole parameters (not element-wise): "
-                f"{'ZeRO' if cfg.zero else 'a pipeline'} updates slices of them; replicated data "
-                "parallelism takes it"
-            )
-    return rule, replay
-
-
 def _layers(model: KeyedLayers, window: range) -> torch.nn.Module:
     return model.layers[window.start : window.stop]
 
@@ -315,7 +285,7 @@ class RankContext:
     comm: Communicator
     worker: str  # this worker's id
     event: Callable[..., None]  # event(kind, **fields): a record for the daemon's events.jsonl
-    send: Callable[[dict[str, Any]], None]  # a report to the daemon (commit, costs, rollback)
+    send: Callable[[wire.WorkerMessage], None]  # a report to the daemon (costs, rollback)
     enter: Callable[[str], None]  # compute | collective | idle: what the hang detector sees
     removes_any: Callable[[tuple[str, ...]], bool]  # does a newer plan remove one of these?
     plan: Plan | None = None  # the plan this rank runs (None before the first)

@@ -12,6 +12,7 @@ import argparse
 import logging
 import sys
 
+from elaswave import wire
 from elaswave.config import JobConfig
 from elaswave.procutil import die_with_parent, exit_now
 from elaswave.runtime.comm.control_client import ControlClient
@@ -37,21 +38,20 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger(__name__).error("no configuration from the daemon within 60s")
         return 3
     assert control.config is not None
-    cfg = JobConfig.from_dict(control.config["config"])
+    cfg = JobConfig.from_dict(control.config.config)
     per_device = cfg.elastic.workers_per_device  # > 1: slots share a device, over gloo
     device = worker_device(place(cfg.train.device, probe()).kind, args.slot, per_device)
     if cfg.script is not None:  # the user's own loop drives the engine (elaswave.init())
-        session = Session(cfg, control, args.worker_id, control.config["host_addr"], device)
+        session = Session(cfg, control, args.worker_id, control.config.host_addr, device)
         code = run_script(session)
         control.flush(timeout=10.0)
         return code
     engine = Engine(
-        cfg, control, worker_id=args.worker_id, host_addr=control.config["host_addr"],
+        cfg, control, worker_id=args.worker_id, host_addr=control.config.host_addr,
         device=device,
     )  # fmt: skip
-    ready: dict[str, object] = {"type": "ready", "worker_id": args.worker_id}
-    ready.update(engine.strategy.ready())  # pipelines: the layer costs the leader cuts by
-    control.send(ready)
+    # pipelines: the layer costs the leader cuts by
+    control.send(wire.Ready(worker_id=args.worker_id, **engine.strategy.ready()))
     code = engine.run()
     engine.close()  # no checkpoint write of this rank is left in flight
     control.flush(timeout=10.0)  # the last reports (final state, done) reach the daemon

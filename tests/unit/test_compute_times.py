@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from elaswave import wire
 from elaswave.daemon.compute import ComputeTimes
 from elaswave.planning.verdicts import WINDOW
 
@@ -26,5 +27,6 @@ def test_measured_keeps_the_newest_window_of_the_current_epoch(
 ) -> None:
     times = ComputeTimes()
     for epoch, per_mb in reports:
-        times.measured("w0", {"epoch": epoch, "per_mb": per_mb})
+        got = per_mb if isinstance(per_mb, list) else [per_mb]
+        times.measured("w0", wire.Compute(step=1, epoch=epoch, per_mb=got))
     assert times.per_mb["w0"] == expected

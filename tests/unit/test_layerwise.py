@@ -47,7 +47,7 @@ RANK = textwrap.dedent(
     from elaswave.runtime.comm.communicator import Communicator
     from elaswave.runtime.durable.restore import DurableSource
     from elaswave.runtime.state import RankContext, TrainState
-    from elaswave.runtime.strategies.base import COUNT, LOSS, reduction_buffer
+    from elaswave.runtime.strategies.base import step_sums
     from elaswave.runtime.strategies.select import strategy_for
     from elaswave.runtime.workload.data import microbatches
 
@@ -68,15 +68,16 @@ RANK = textwrap.dedent(
                       lambda phase: None, lambda w: False, plan)
     strategy = strategy_for(ctx, DurableSource(ctx, None))
     strategy.sync(plan, never)
-    buf = reduction_buffer(state, t.reduce_dtype)
+    sums = step_sums(state, t.reduce_dtype)
     every = microbatches(t.seed, 1, t.global_batch, t.micro_batch_size, len(state.dataset))
-    strategy.compute(1, every, buf, 0.0)
+    strategy.compute(1, every, sums, 0.0)
     grad = strategy.shards._gather(comm, strategy.grads.clone(), never)  # the reduced sums, whole
-    sums = buf[LOSS:].clone()
-    comm.allreduce("dp", sums, never)
-    strategy.reduce_update(1, buf, never, lambda: None)
+    tail = sums.tail.fresh()
+    tail.values.copy_(sums.tail.values)
+    comm.allreduce("dp", tail.values, never)
+    strategy.reduce_update(1, sums, never, lambda: None)
     params = strategy.whole(never).params
-    torch.save({"grad": grad, "loss": float(sums[LOSS]), "count": float(sums[COUNT]),
+    torch.save({"grad": grad, "loss": tail.loss, "count": float(tail.count),
                 "params": params, "gathered": strategy.path.peak}, out)
     # as a worker ends: torch's teardown with gloo's threads still up can abort the process
     # ("terminate called without an active exception")
@@ -94,6 +95,7 @@ def _plain() -> tuple[torch.Tensor, float, float, torch.Tensor]:
     gradients summed in float64 in micro-batch order, as data parallelism sums them); then the
     update of replicated data parallelism."""
     from elaswave.runtime.strategies.base import mean_gradient
+    from elaswave.runtime.strategies.sums import StepSums, StepTail
 
     cfg = JobConfig.from_dict({**CONFIG, "zero": 0})
     st = TrainState.build(cfg)
@@ -107,8 +109,9 @@ def _plain() -> tuple[torch.Tensor, float, float, torch.Tensor]:
         acc.add_(grad)
         grad.zero_()
         loss_sum, count = loss_sum + float(loss.detach()), count + n
-    buf = torch.cat([acc, torch.tensor([loss_sum, 0.0, 0.0, float(count)], dtype=torch.float64)])
-    grad, _, _ = mean_gradient(buf.clone(), st.flat.numel)
+    tail = StepTail()
+    tail.loss, tail.count = loss_sum, count
+    grad, _, _ = mean_gradient(StepSums(acc.clone(), tail))
     st.opt.step(st.flat.data, grad, st.opt.hyper.groups)
     return acc, loss_sum, float(count), st.flat.data.clone()
 

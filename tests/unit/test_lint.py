@@ -1,5 +1,5 @@
-"""The code passes the project's linter and formatter (ruff, configured in pyproject.toml):
-what CI runs is what a contributor runs before a commit."""
+"""The code passes the project's linter, formatter and type checker (ruff and mypy, configured in
+pyproject.toml): what CI runs is what a contributor runs before a commit."""
 
 from __future__ import annotations
 
@@ -23,4 +23,12 @@ def _ruff() -> list[str]:
 @pytest.mark.parametrize("command", [["check"], ["format", "--check"]], ids=["check", "format"])
 def test_ruff(command: list[str]) -> None:
     r = subprocess.run([*_ruff(), *command, *CODE], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+
+
+def test_mypy() -> None:
+    """The package type-checks (``[tool.mypy]``): no error, and no suppression left unused."""
+    r = subprocess.run(
+        [sys.executable, "-m", "mypy"], cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]

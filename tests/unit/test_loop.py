@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 import elaswave
+from elaswave import wire
 from elaswave.config import JobConfig
 from elaswave.errors import ConfigError
 from elaswave.runtime.loop import ScriptError, optimizer_rule
@@ -148,7 +149,7 @@ def _job() -> tuple[elaswave.runtime.loop.Job, _Control]:
 )
 def test_the_api_s_misuse_before_the_loop_is_one_line(misuse: str, says: str) -> None:
     job, control = _job()
-    assert control.sent == [{"type": "ready", "worker_id": "h.w0"}]  # init() reports ready
+    assert control.sent == [wire.Ready(worker_id="h.w0")]  # init() reports ready
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ScriptError) as err:

@@ -12,7 +12,7 @@ import torch
 from elaswave.config import JobConfig
 from elaswave.errors import ConfigError
 from elaswave.runtime.optim import FlatOptimizer, OptimHyper
-from elaswave.runtime.state import optimizer_classes
+from elaswave.runtime.optimizers import optimizer_classes
 
 
 class GlobalNormSGD(torch.optim.SGD):

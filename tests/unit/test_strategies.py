@@ -18,7 +18,7 @@ from elaswave.planning.plan import Plan, assign_microbatches
 from elaswave.runtime.durable.restore import DurableSource
 from elaswave.runtime.evaluate import eval_microbatches, evaluate, training_samples
 from elaswave.runtime.state import RankContext, TrainState
-from elaswave.runtime.strategies.base import Strategy, mean_gradient, reduction_buffer
+from elaswave.runtime.strategies.base import Strategy, mean_gradient, step_sums
 from elaswave.runtime.strategies.replicated import Replicated
 from elaswave.runtime.strategies.select import strategy_for
 from elaswave.runtime.strategies.sharded import Zero1
@@ -155,15 +155,16 @@ def _computing(strategy: Strategy) -> Any:
 def _train(strategy: Strategy, steps: int) -> None:
     """What the engine's loop does, without faults and reports."""
     st = strategy.state
-    buf = reduction_buffer(st, strategy.ctx.cfg.train.reduce_dtype)
+    sums = step_sums(st, strategy.ctx.cfg.train.reduce_dtype)
     for step in range(st.step + 1, st.step + 1 + steps):
-        buf.zero_()
+        sums.grads.zero_()
+        sums.tail.zero()
         n = training_samples(len(st.dataset), strategy.ctx.cfg.data.eval_samples)  # as the engine
         every = microbatches(7, step, GLOBAL_BATCH, MICRO, n)
         with _computing(strategy):
-            strategy.compute(step, every, buf, 0.0)
-        st.tie_gradients(buf[: st.flat.numel])
-        strategy.reduce_update(step, buf, lambda: False, lambda: None)
+            strategy.compute(step, every, sums, 0.0)
+        st.tie_gradients(sums.grads)
+        strategy.reduce_update(step, sums, lambda: False, lambda: None)
 
 
 def _whole(strategy: Strategy) -> torch.Tensor:
@@ -238,7 +239,7 @@ def test_a_loss_that_counts_terms_is_a_mean_over_the_whole_batch(zero: int) -> N
 
 
 def test_the_reduced_gradient_is_that_of_the_batch_mean() -> None:
-    """mean_gradient(buffer) equals autograd of (sum of every micro-batch's loss sum) / (sum of
+    """mean_gradient(sums) equals autograd of (sum of every micro-batch's loss sum) / (sum of
     their counts), taken directly over the same micro-batches."""
     cfg = _cfg(factory=COUNTING)
 
@@ -246,10 +247,10 @@ def test_the_reduced_gradient_is_that_of_the_batch_mean() -> None:
         strategy, _ = _strategy(cfg, comm, _plan(1))
         st = strategy.state
         every = microbatches(7, 1, GLOBAL_BATCH, MICRO, len(st.dataset))
-        buf = reduction_buffer(st, "float64")
+        sums = step_sums(st, "float64")
         with COMPUTE:
-            strategy.compute(1, every, buf, 0.0)
-        grad, _, _ = mean_gradient(buf, st.flat.numel)
+            strategy.compute(1, every, sums, 0.0)
+        grad, _, _ = mean_gradient(sums)
         total, counts = torch.zeros(()), []
         with COMPUTE:
             for mb in every:
@@ -343,10 +344,11 @@ def test_rank_0_measures_the_global_gradient_norm_for_a_stream(zero: int) -> Non
     def direct(rank: int, comm: ThreadComm) -> float:
         strategy, _ = _strategy(cfg, comm, _plan(1))
         st = strategy.state
-        buf = reduction_buffer(st, "float64")
+        sums = step_sums(st, "float64")
         with COMPUTE:
-            strategy.compute(1, microbatches(7, 1, GLOBAL_BATCH, MICRO, len(st.dataset)), buf, 0.0)
-        grad, _, _ = mean_gradient(buf, st.flat.numel)
+            every = microbatches(7, 1, GLOBAL_BATCH, MICRO, len(st.dataset))
+            strategy.compute(1, every, sums, 0.0)
+        grad, _, _ = mean_gradient(sums)
         return float(torch.linalg.vector_norm(grad.double()))
 
     applied = run_ranks(1, direct)[0]  # of the float32 gradient the update used
@@ -540,11 +542,12 @@ def _survive(zero: int, partial_redo: bool = True) -> tuple[list[torch.Tensor], 
         strategy.ctx.plan = plan
         _train(strategy, 2)
         st = strategy.state
-        buf = reduction_buffer(st, "float64")
+        sums = step_sums(st, "float64")
         every = microbatches(7, 3, GLOBAL_BATCH, MICRO, len(st.dataset))
         with COMPUTE:
-            strategy.compute(3, every, buf, 0.0)
-        buf.fill_(math.nan)  # what an abandoned collective may leave in the buffer
+            strategy.compute(3, every, sums, 0.0)
+        sums.grads.fill_(math.nan)  # what an abandoned collective may leave in the buffer
+        sums.tail.values.fill_(math.nan)
         return strategy
 
     survivors = [s for r, s in enumerate(run_ranks(4, before)) if r != 1]

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from elaswave import wire
 from elaswave.config import JobConfig
 from elaswave.daemon.records import StepRecords
 from elaswave.daemon.sinks import TensorBoardFiles
@@ -94,8 +95,8 @@ class Host:
 
     def commit(self, step: int, loss: float, epoch: int = 1, world: int = 4) -> None:
         self.records.commit(
-            {"step": step, "loss": loss, "epoch": epoch, "world": world, "samples": 32 * step,
-             "step_seconds": 0.1, "lr": 1e-3, "grad_norm": 0.5 + step, "t": 1000.0 + step}
+            wire.Commit(step=step, loss=loss, epoch=epoch, world=world, samples=32 * step,
+                        t=1000.0 + step, step_seconds=0.1, lr=1e-3, grad_norm=0.5 + step)
         )  # fmt: skip
 
     def plan(self, epoch: int, world: int, departed: tuple[str, ...] = ()) -> None:
@@ -129,7 +130,7 @@ def test_several_hosts_one_stream_every_step_once(tmp_path: Path) -> None:
     a.records.roll_back(8)  # silent corruption: steps 9 and 10 are redone
     a.commit(9, 1.25, epoch=2)
     a.commit(10, 0.75, epoch=2)
-    a.records.evaluated({"step": 10, "loss": 0.6, "samples": 8, "t": 1010.5})
+    a.records.evaluated(wire.Eval(step=10, loss=0.6, samples=8, t=1010.5))
     a.commit(11, 0.7, epoch=2)
     for h in (a, b):
         h.stream.close()
@@ -224,7 +225,7 @@ def test_wandb_offline_run_holds_every_step_once(tmp_path: Path) -> None:
     h.plan(2, 3, departed=("w1",))
     for step in range(4, 7):
         h.commit(step, 3.0 - step, epoch=2, world=3)
-    h.records.evaluated({"step": 6, "loss": 0.1, "samples": 8, "t": 1006.5})
+    h.records.evaluated(wire.Eval(step=6, loss=0.1, samples=8, t=1006.5))
     h.stream.close()
     assert not h.stream.failed
     rows = wandb_history(tmp_path / "run")

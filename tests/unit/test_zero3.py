@@ -13,7 +13,7 @@ import torch
 
 from elaswave.planning.plan import Plan, assign_microbatches
 from elaswave.runtime.durable.checkpoints import DurableState
-from elaswave.runtime.strategies.base import Strategy, reduction_buffer
+from elaswave.runtime.strategies.base import Strategy, step_sums
 from elaswave.runtime.strategies.shard import ShardLost
 from elaswave.runtime.strategies.zero3 import Zero3
 from elaswave.runtime.workload.data import microbatches
@@ -105,10 +105,11 @@ def test_an_interrupted_step_is_redone_whole() -> None:
         strategy.ctx.plan = plan
         _train(strategy, 2)
         st = strategy.state
-        buf = reduction_buffer(st, "float64")
+        sums = step_sums(st, "float64")
         with _computing(strategy):
-            strategy.compute(3, microbatches(7, 3, GLOBAL_BATCH, MICRO, len(st.dataset)), buf, 0)
-        buf.fill_(math.nan)
+            strategy.compute(3, microbatches(7, 3, GLOBAL_BATCH, MICRO, len(st.dataset)), sums, 0)
+        sums.grads.fill_(math.nan)
+        sums.tail.values.fill_(math.nan)
         return strategy
 
     survivors = [s for r, s in enumerate(run_ranks(4, before)) if r != 1]

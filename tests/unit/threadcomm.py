@@ -64,6 +64,12 @@ class ThreadComm:
             total += p
         tensor.copy_(total)
 
+    def allreduce_many(
+        self, items: list[tuple[str, torch.Tensor]], abort: Callable[[], bool]
+    ) -> None:
+        for name, tensor in items:  # every rank lists them in the same order
+            self.allreduce(name, tensor, abort)
+
     def allgather(
         self, name: str, tensor: torch.Tensor, abort: Callable[[], bool]
     ) -> list[torch.Tensor]:

@@ -22,7 +22,6 @@ from typing import Any
 
 from elaswave import wire
 from elaswave.faults import FaultSpec
-from elaswave.planning import planwire
 from elaswave.planning.plan import Plan
 
 log = logging.getLogger(__name__)
@@ -40,21 +39,21 @@ class ControlClient:
         self._cond = threading.Condition()
         self._wakers: set[threading.Event] = set()
         self.latest_plan: Plan | None = None
-        self.config: dict[str, Any] | None = None
+        self.config: wire.Config | None = None
         self.faults: list[FaultSpec] = []
         self.stop_requested = False
         self._reader = threading.Thread(target=self._read_loop, name="control-reader", daemon=True)
         self._reader.start()
         self._sender = threading.Thread(target=self._send_loop, name="control-sender", daemon=True)
         self._sender.start()
-        self.send({"type": "hello", "worker_id": worker_id, "pid": os.getpid()})
+        self.send(wire.Hello(worker_id=worker_id, pid=os.getpid()))
 
     # ---- outgoing ---------------------------------------------------------------------------
-    def send(self, msg: dict[str, Any]) -> None:
+    def send(self, msg: wire.WorkerMessage) -> None:
         """Queue ``msg`` for the daemon and return at once (the sender thread writes it)."""
         data = wire.encode(msg)
         with self._outbox_ready:
-            if msg.get("type") == "hb":
+            if isinstance(msg, wire.Heartbeat):
                 self._beat = data  # only the newest heartbeat matters: one slot, not a backlog
             else:
                 self._outbox.append(data)
@@ -87,8 +86,8 @@ class ControlClient:
                 lambda: not self._outbox and not self._writing, timeout
             )
 
-    def start_heartbeat(self, interval: float, probe: Callable[[], dict[str, Any]]) -> None:
-        """Send ``{"type": "hb", **probe()}`` every ``interval`` seconds from a daemon thread.
+    def start_heartbeat(self, interval: float, probe: Callable[[], wire.Heartbeat]) -> None:
+        """Send ``probe()`` every ``interval`` seconds from a daemon thread.
 
         The daemon declares the worker hung when beats stop (the process is frozen) or when the
         probe reports one compute phase lasting longer than the hang timeout.
@@ -96,13 +95,13 @@ class ControlClient:
 
         def beat() -> None:
             while True:
-                self.send({"type": "hb", **probe()})
+                self.send(probe())
                 time.sleep(interval)
 
         threading.Thread(target=beat, name="heartbeat", daemon=True).start()
 
     def event(self, kind: str, **fields: Any) -> None:
-        self.send({"type": "event", "event": {"t": time.time(), "kind": kind, **fields}})
+        self.send(wire.Event({"t": time.time(), "kind": kind, **fields}))
 
     # ---- incoming ---------------------------------------------------------------------------
     def _read_loop(self) -> None:
@@ -118,26 +117,36 @@ class ControlClient:
             buf += chunk
             while b"\n" in buf:
                 line, buf = buf.split(b"\n", 1)
-                msg = wire.decode(line)
-                if msg is not None:
-                    self._dispatch(msg)
+                try:
+                    msg = wire.decode(line)
+                except wire.WireError as exc:
+                    log.warning("dropped a control message from the daemon: %s", exc)
+                    continue
+                self._dispatch(msg)
 
-    def _dispatch(self, msg: dict[str, Any]) -> None:
+    def _dispatch(self, msg: wire.Message) -> None:
+        handler = HANDLERS.get(type(msg))
+        if handler is None:
+            log.warning("dropped a control message the worker does not take: %r", msg.TYPE)
+            return
         with self._cond:
-            kind = msg["type"]
-            if kind == "config":
-                self.config = msg
-            elif kind == "plan":
-                plan = planwire.decode(msg["plan"])
-                if self.latest_plan is None or plan.epoch > self.latest_plan.epoch:
-                    self.latest_plan = plan
-            elif kind == "fault":
-                self.faults.append(FaultSpec.from_dict(msg["fault"]))
-            elif kind == "stop":
-                self.stop_requested = True
+            handler(self, msg)
             self._cond.notify_all()
             for ev in self._wakers:
                 ev.set()
+
+    def _on_config(self, msg: wire.Config) -> None:
+        self.config = msg
+
+    def _on_plan(self, msg: wire.PlanUpdate) -> None:
+        if self.latest_plan is None or msg.plan.epoch > self.latest_plan.epoch:
+            self.latest_plan = msg.plan
+
+    def _on_fault(self, msg: wire.Fault) -> None:
+        self.faults.append(msg.fault)
+
+    def _on_stop(self, msg: wire.Stop) -> None:
+        self.stop_requested = True
 
     # ---- waiting ----------------------------------------------------------------------------
     def wait_for(self, predicate: Callable[[], bool], timeout: float) -> bool:
@@ -170,3 +179,12 @@ class ControlClient:
             self._sock.close()
         except OSError:
             pass
+
+
+# What each message from the daemon does on the worker.
+HANDLERS: dict[type[wire.Message], Callable[[ControlClient, Any], None]] = {
+    wire.Config: ControlClient._on_config,
+    wire.PlanUpdate: ControlClient._on_plan,
+    wire.Fault: ControlClient._on_fault,
+    wire.Stop: ControlClient._on_stop,
+}

@@ -1,2 +1,2 @@
-"""State integrity: checksum votes and repairs (verify, stageverify), the known-good state and
-rollback (rollback)."""
+"""State integrity: checksum votes and repairs (verify), the known-good state and rollback
+(rollback); pipelines check their copies in ``strategies/pipeline/stageverify``."""

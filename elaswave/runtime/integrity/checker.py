@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from elaswave import wire
 from elaswave.runtime.integrity.checksums import fast_checksum
 from elaswave.runtime.integrity.inject import FaultInjector
 from elaswave.runtime.integrity.rollback import NONE, KnownGood, rollback_verdict
@@ -114,7 +115,7 @@ class Integrity:
         ctx = self.ctx
         plan, dev = ctx.plan, ctx.state.device
         assert plan is not None
-        good = self.good.step if self._good_fits() else NONE
+        good = self.good.step if self.good is not None and self._good_fits() else NONE
         mine = torch.tensor([int(tainted), int(found), good], dtype=torch.int64, device=dev)
         rows = [r.tolist() for r in ctx.comm.allgather(DP, mine, ctx.broken)]
         hit = [r for r, row in enumerate(rows) if row[0]]
@@ -194,4 +195,4 @@ class Integrity:
             "sdc_rolled_back", step=step, to_step=target, redone_steps=step - target,
             seconds=round(time.perf_counter() - start, 6),
         )  # fmt: skip
-        ctx.send({"type": "rollback", "step": target})
+        ctx.send(wire.Rollback(step=target))

@@ -13,7 +13,7 @@ Two things make a flip visible to the check:
 
 * copies that should agree and do not (replicas of the parameters and moments, ZeRO's shard
   copies, a pipeline layer's holders): the checks of :mod:`~elaswave.runtime.integrity.verify` and
-  :mod:`~elaswave.runtime.integrity.stageverify`;
+  :mod:`~elaswave.runtime.strategies.pipeline.stageverify`;
 * the *seal*: each rank records a CRC of the parameters it runs with right after every commit
   and compares it before the next step uses them. This catches a flip that the next step would
   wash out of the copies (ZeRO all-gathers every parameter after the update, so a flip in a

@@ -8,8 +8,8 @@ works on the rank's :class:`~elaswave.runtime.state.TrainState` through its
 
 One step, as the engine drives it::
 
-    per_mb = strategy.compute(step, micro_batches, buffer, slowdown)   # forward + backward
-    epochs = strategy.reduce_update(step, buffer, broken, before_update)  # reduce, then update
+    per_mb = strategy.compute(step, micro_batches, sums, slowdown)   # forward + backward
+    epochs = strategy.reduce_update(step, sums, broken, before_update)  # reduce, then update
 
 A new plan: ``groups(plan)`` names the process groups, ``sync(plan, broken)`` brings this rank's
 state to the plan's resume step (from peers, else from a durable checkpoint), ``after_apply``
@@ -34,6 +34,7 @@ from elaswave.planning.plan import Plan
 from elaswave.runtime.durable.checkpoints import DurableState, Piece
 from elaswave.runtime.integrity.checksums import host_bytes
 from elaswave.runtime.optim import clip_scale, global_norm, layer_sumsq
+from elaswave.runtime.strategies.sums import StepSums, StepTail
 from elaswave.runtime.workload.base import EVAL_STEP
 from elaswave.runtime.workload.data import MicroBatch
 
@@ -43,16 +44,9 @@ if TYPE_CHECKING:
 
 DP = "dp"  # the training group: every rank of the plan
 
-# The step's reduction buffer is [gradient sums (numel) | tail]; the tail's slots, past numel:
-LOSS = 0  # the sum of the micro-batches' loss sums
-EPOCH = 1  # the newest plan epoch each rank has seen (summed: the engine compares)
-FLAG = 2  # a strategy's flag (pipelines: migrations ready)
-COUNT = 3  # the loss terms counted (samples, tokens): gradient and loss are divided by it
-TAIL = 4
-
 __all__ = [
-    "COUNT", "DP", "EPOCH", "FLAG", "LOSS", "TAIL",
-    "Final", "Strategy", "Whole", "mean_gradient", "nbytes", "reduction_buffer", "state_digests",
+    "DP", "Final", "StepSums", "StepTail", "Strategy", "Whole", "mean_gradient", "nbytes",
+    "reduction_buffer", "state_digests", "step_sums",
 ]  # fmt: skip
 
 
@@ -72,32 +66,38 @@ def reduction_dtype(reduce_dtype: str) -> torch.dtype:
 
 
 def reduction_buffer(state: TrainState, reduce_dtype: str) -> torch.Tensor:
-    """A zeroed step buffer for ``state`` on its device, in the configured reduction dtype."""
+    """A zeroed gradient-sum buffer for ``state`` on its device, in the reduction dtype."""
     dtype = reduction_dtype(reduce_dtype)
-    return state.flat.data.new_zeros(state.flat.numel + TAIL, dtype=dtype)
+    return state.flat.data.new_zeros(state.flat.numel, dtype=dtype)
+
+
+def step_sums(state: TrainState, reduce_dtype: str) -> StepSums:
+    """A step's zeroed sums for ``state``: gradient sums and tail."""
+    return StepSums(reduction_buffer(state, reduce_dtype), StepTail(state.flat.data.device))
 
 
 def mean_gradient(
-    buf: torch.Tensor,
-    n: int,
+    sums: StepSums,
+    *,
     max_norm: float = 0.0,
     ties: Sequence[tuple[slice, slice]] = (),
     segments: Sequence[tuple[int, int]] | None = None,
     sumsq: Callable[[torch.Tensor], torch.Tensor] | None = None,
-    *,
     measure: bool = False,
 ) -> tuple[torch.Tensor, float, float | None]:
-    """After the reduction: the gradient of the batch's mean loss (float32, divided in place by
-    the reduced count, clipped to ``max_norm`` by its global norm when that is set), the mean
-    loss, and that global norm before clipping (None unless clipping or ``measure`` asks for
-    it). Every rank divides the same sums by the same count, so every rank's update is the same
-    whatever its share of the batch. ``sumsq``: each layer's squared norm of the mean gradient
-    (default: from this rank's whole buffer; a pipeline rank holds only its layers, and its
-    ``sumsq`` is a collective: every rank must ask for the norm, or none)."""
-    count = float(buf[n + COUNT])
+    """After the reduction: the gradient of the batch's mean loss (float32, ``sums.grads``
+    divided in place by the reduced count, clipped to ``max_norm`` by its global norm when that
+    is set), the mean loss, and that global norm before clipping (None unless clipping or
+    ``measure`` asks for it). Every rank divides the same sums by the same count, so every
+    rank's update is the same whatever its share of the batch. ``sumsq``: each layer's squared
+    norm of the mean gradient (default: from this rank's whole buffer; a pipeline rank holds
+    only its layers, and its ``sumsq`` is a collective: every rank must ask for the norm, or
+    none)."""
+    count = sums.tail.count
     if count <= 0:
         raise ValueError("the workload's loss counted nothing in the whole batch")
-    mean = buf[:n].div_(count)
+    mean = sums.grads.div_(count)
+    n = mean.numel()
     factor, norm = 1.0, None
     if max_norm or measure:
         layers = segments or ((0, n),)
@@ -108,7 +108,7 @@ def mean_gradient(
     grad = mean if mean.dtype == torch.float32 else mean.to(torch.float32)
     if factor < 1.0:
         grad.mul_(factor)
-    return grad, float(buf[n + LOSS]) / count, norm
+    return grad, sums.tail.loss / count, norm
 
 
 def state_digests(pieces: Iterable[tuple[int, torch.Tensor]]) -> tuple[str, str]:
@@ -152,16 +152,16 @@ class Whole:
 
 
 class Strategy(ABC):
-    """How one rank trains. ``buf`` is the step's reduction buffer: [gradient sums | tail]
-    (``LOSS``, ``EPOCH``, ``FLAG``, ``COUNT``), laid out like the state's flat buffers (the
-    whole model, or a pipeline rank's window of layers)."""
+    """How one rank trains. ``sums`` are the step's sums (:class:`StepSums`): the gradient
+    sums, laid out like the state's flat buffers (the whole model, or a pipeline rank's window
+    of layers), and the tail record (loss, epoch, flag, count)."""
 
     sharded = False  # the update has a phase of its own (ZeRO): faults can aim at it
     # Parameters are overwritten from peers after every update (ZeRO gathers them): a bit flipped
     # at rest is gone from the copies a step later and only the seal can see it. Without that,
     # a flip stays in the copy it hit until the next check compares the copies.
     sealed = False
-    # ``compute`` writes every gradient element of ``buf`` (a copy of its own sums): the engine
+    # ``compute`` writes every element of ``sums.grads`` (a copy of its own sums): the engine
     # zeroes only the tail before a step, not the whole buffer again.
     fills_gradients = False
 
@@ -173,10 +173,10 @@ class Strategy(ABC):
     # ---- one step -----------------------------------------------------------------------------
     @abstractmethod
     def compute(
-        self, step: int, every: Sequence[MicroBatch], buf: torch.Tensor, slowdown: float
+        self, step: int, every: Sequence[MicroBatch], sums: StepSums, slowdown: float
     ) -> float | None:
         """Forward and backward over this rank's share of ``every`` (the step's micro-batches):
-        the gradients of the loss sums, the loss sums and their counts added into ``buf``;
+        the gradients of the loss sums, the loss sums and their counts added into ``sums``;
         ``slowdown``: extra seconds an injected slow fault adds to the step. Returns this rank's
         compute seconds per micro-batch."""
 
@@ -184,13 +184,13 @@ class Strategy(ABC):
     def reduce_update(
         self,
         step: int,
-        buf: torch.Tensor,
+        sums: StepSums,
         broken: Callable[[], bool],
         before_update: Callable[[], None],
-    ) -> float:
-        """Reduce ``buf`` over the plan's ranks, apply the update, set the state's step and loss.
-        Returns the reduced "newest epoch seen" sum (the engine switches plans when it says some
-        rank saw a newer one)."""
+    ) -> int:
+        """Reduce ``sums`` over the plan's ranks, apply the update, set the state's step and
+        loss. Returns the reduced "newest epoch seen" sum (the engine switches plans when it
+        says some rank saw a newer one)."""
 
     def covered(self, step: int) -> dict[int, Sequence[int]]:
         """Which micro-batches of ``step`` this rank's reduction holds the gradients of, per

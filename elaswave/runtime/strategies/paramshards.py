@@ -117,7 +117,8 @@ class ParamShards(ZeroState):
         comm: Communicator,
         grads: torch.Tensor,
         step: int,
-        count: float,
+        *,
+        count: int,
         abort: Callable[[], bool],
         before_update: Callable[[], None],
         clip: tuple[float, Sequence[tuple[slice, slice]]] = (0.0, ()),
@@ -143,7 +144,7 @@ class ParamShards(ZeroState):
         opt.step_count = step - 1
         opt.step(param, grad, self.groups)
         if self.prune is not None and self.prune.active(step):
-            self._pruned(comm, step, param, abort)
+            self._prune_chunk(comm, step, param, abort)
         if self.is_snapshot(step):
             own = Shard.of(step, opt.exp_avg, opt.exp_avg_sq, param)
             self.staged = Staged(step, param, own, None)
@@ -153,7 +154,7 @@ class ParamShards(ZeroState):
             self.staged = Staged(step, param, own, None)
         return norm
 
-    def _pruned(
+    def _prune_chunk(
         self, comm: Communicator, step: int, param: torch.Tensor, abort: Callable[[], bool]
     ) -> None:
         """DHSPG on the updated chunk ``param``. No rank holds the whole parameters: each layer

@@ -2,9 +2,9 @@
 
 A step: forward and backward over this rank's contiguous share of the fixed global batch's
 micro-batches (each with RNG keyed by (seed, step, micro-batch, layer), loss scaled by 1/B), then
-one SUM all-reduce of [gradients | loss sum | newest epoch seen] and the same AdamW update on every
-rank. A new plan: ranks behind (a newcomer, a rank whose reduction failed) copy the most advanced
-one.
+a SUM all-reduce of the gradients and of the step's tail record (loss sum, count, newest epoch
+seen; float64) and the same update on every rank. A new plan: ranks behind (a newcomer, a rank
+whose reduction failed) copy the most advanced one.
 
 Partial redo: the micro-batches a rank finished are summed in an accumulator of its own (autograd's
 flat gradient, or a float64 one in the deterministic mode) and only copied into the step's
@@ -29,16 +29,8 @@ from elaswave.runtime.comm.tiered import allreduce_tiered
 from elaswave.runtime.durable.checkpoints import DurableState
 from elaswave.runtime.integrity.checksums import digest
 from elaswave.runtime.integrity.verify import judge
-from elaswave.runtime.strategies.base import (
-    COUNT,
-    DP,
-    EPOCH,
-    LOSS,
-    Strategy,
-    Whole,
-    mean_gradient,
-    nbytes,
-)
+from elaswave.runtime.strategies.base import DP, Strategy, Whole, mean_gradient, nbytes
+from elaswave.runtime.strategies.sums import StepSums
 from elaswave.runtime.timing import busy_mark, busy_since
 from elaswave.runtime.workload.data import MicroBatch
 
@@ -52,8 +44,7 @@ __all__ = ["Accumulation", "Replicated"]
 @dataclass
 class Partial:
     """What this rank finished of a step that is not committed yet: the micro-batches summed in
-    its accumulator, and their loss sum and count (in the reduction's dtype, as the buffer
-    holds them)."""
+    its accumulator, and their loss sum and count (float64, as the step's tail holds them)."""
 
     step: int
     sums: torch.Tensor  # [loss sum, count]
@@ -64,19 +55,20 @@ class Accumulation:
     """One step's forward and backward on this rank, micro-batch by micro-batch: ``mine`` are
     the indices to compute; after each one's backward, :meth:`add` takes its gradient (autograd
     summed it into the flat gradient; the float64 mode adds it to ``acc``) and its loss sum and
-    count; :meth:`finish` fills the step's reduction buffer."""
+    count; :meth:`finish` fills the step's sums."""
 
     def __init__(
         self,
         state: TrainState,
-        buf: torch.Tensor,
+        *,
+        sums: StepSums,
         acc: torch.Tensor | None,
         part: Partial,
         mine: tuple[int, ...],
         redo: bool,
         world: int,
     ) -> None:
-        self.state, self.buf, self.acc, self.part = state, buf, acc, part
+        self.state, self.sums, self.acc, self.part = state, sums, acc, part
         self.mine, self.redo, self.world = mine, redo, world
         self._mark = busy_mark()
 
@@ -91,12 +83,11 @@ class Accumulation:
         part.done.append(index)
 
     def finish(self) -> float | None:
-        """Fill the reduction buffer; this rank's busy seconds per micro-batch (None: a redone
+        """Fill the step's sums; this rank's busy seconds per micro-batch (None: a redone
         share, or none, says nothing about its speed)."""
-        st, buf, part = self.state, self.buf, self.part
-        n = st.flat.numel
-        buf[:n].copy_(self.acc if self.acc is not None else st.flat.collect_grads())
-        buf[n + LOSS], buf[n + COUNT] = part.sums[0], part.sums[1]
+        st, sums, part = self.state, self.sums, self.part
+        sums.grads.copy_(self.acc if self.acc is not None else st.flat.collect_grads())
+        sums.tail.loss, sums.tail.count = part.sums[0], part.sums[1]
         if self.redo or not self.mine:
             return None
         # Time this rank needed, without the time its thread sat waiting for a CPU: on a shared
@@ -108,7 +99,7 @@ class Replicated(Strategy):
     """Data parallelism with the whole state on every rank."""
 
     tiered = True  # the gradient's all-reduce goes by hosts when the plan has tiers
-    fills_gradients = True  # Accumulation.finish copies the whole sum into the buffer
+    fills_gradients = True  # Accumulation.finish copies the whole sum into sums.grads
 
     def __init__(self, ctx: RankContext, durable: DurableSource) -> None:
         super().__init__(ctx, durable)
@@ -118,10 +109,10 @@ class Replicated(Strategy):
         self._acc: torch.Tensor | None = None  # the float64 accumulator (deterministic mode)
 
     def compute(
-        self, step: int, every: Sequence[MicroBatch], buf: torch.Tensor, slowdown: float
+        self, step: int, every: Sequence[MicroBatch], sums: StepSums, slowdown: float
     ) -> float | None:
         st, t = self.state, self.ctx.cfg.train
-        run = self.accumulation(step, buf)
+        run = self.accumulation(step, sums)
         slow = slowdown * run.world / len(every)  # per micro-batch
         for i in run.mine:
             mb = every[i]
@@ -135,17 +126,18 @@ class Replicated(Strategy):
                 time.sleep(slow)
         return run.finish()
 
-    def accumulation(self, step: int, buf: torch.Tensor) -> Accumulation:
+    def accumulation(self, step: int, sums: StepSums) -> Accumulation:
         """This rank's share of ``step`` (a redo's, or the plan's), to be computed micro-batch
         by micro-batch: the engine's loop above, or a user's own (:mod:`elaswave.runtime.loop`)."""
         plan = self.ctx.plan
         assert plan is not None
         redo = self.redo[1] if self.redo is not None and self.redo[0] == step else None
         mine = redo if redo is not None else plan.microbatch_range(self.ctx.comm.rank(DP))
-        acc, part = self._accumulator(step, buf)
+        acc, part = self._accumulator(step, sums.grads)
         return Accumulation(
-            self.state, buf, acc, part, tuple(mine), redo is not None, plan.world_size
-        )
+            self.state, sums=sums, acc=acc, part=part, mine=tuple(mine), redo=redo is not None,
+            world=plan.world_size,
+        )  # fmt: skip
 
     def _accumulator(self, step: int, buf: torch.Tensor) -> tuple[torch.Tensor | None, Partial]:
         """The float64 accumulator (None: autograd's flat gradient is the accumulator) and the
@@ -158,7 +150,7 @@ class Replicated(Strategy):
             acc = self._acc
         if self.partial is None or self.partial.step != step:
             (acc if acc is not None else st.flat.collect_grads()).zero_()
-            self.partial = Partial(step, buf.new_zeros(2))
+            self.partial = Partial(step, buf.new_zeros(2, dtype=torch.float64))
         return acc, self.partial
 
     def covered(self, step: int) -> dict[int, Sequence[int]]:
@@ -221,26 +213,31 @@ class Replicated(Strategy):
     def reduce_update(
         self,
         step: int,
-        buf: torch.Tensor,
+        sums: StepSums,
         broken: Callable[[], bool],
         before_update: Callable[[], None],
-    ) -> float:
-        st, n = self.state, self.state.flat.numel
-        compressed = n if self.ctx.cfg.train.grad_compress == "int8" else 0
-        allreduce_tiered(self.ctx.comm, DP, self.tiers, buf, broken, compressed)
+    ) -> int:
+        st, comm = self.state, self.ctx.comm
+        if self.tiers is None:  # both in flight at once
+            comm.allreduce_many([(DP, sums.grads), (DP, sums.tail.values)], broken)
+        else:
+            compressed = sums.grads.numel() if self.ctx.cfg.train.grad_compress == "int8" else 0
+            allreduce_tiered(comm, DP, self.tiers, sums.grads, broken, compressed)
+            comm.allreduce(DP, sums.tail.values, broken)
         # -- the reduction succeeded: every rank now holds the identical full-batch gradient.
         self.forget_partial()
         self.ctx.enter("compute")
-        measure = self.ctx.cfg.logging.enabled and self.ctx.comm.rank(DP) == 0  # it reports
+        measure = self.ctx.cfg.logging.enabled and comm.rank(DP) == 0  # it reports
         grad, st.last_loss, st.last_grad_norm = mean_gradient(
-            buf, n, self.ctx.cfg.train.grad_clip, st.ties, st.segments, measure=measure
-        )
+            sums, max_norm=self.ctx.cfg.train.grad_clip, ties=st.ties, segments=st.segments,
+            measure=measure,
+        )  # fmt: skip
         old = st.prune.before(step, st.params) if st.prune else None
         st.opt.step(st.flat.data, grad, st.opt.hyper.groups)
         if st.prune:
             st.prune.after(step, old, st.params, st.opt.hyper.lr_at(step))
         st.step = step
-        return float(buf[n + EPOCH])
+        return sums.tail.epoch
 
     def groups(self, plan: Plan) -> dict[str, tuple[str, ...]]:
         """Every rank, and the tiers' groups (each host's ranks, each lane's) when the
@@ -332,6 +329,7 @@ class Replicated(Strategy):
                 source_rank=verdict.source,
                 tie=verdict.unanimous_loss,
             )
+            assert verdict.source is not None  # judge names one whenever a rank is bad
             for part in parts:
                 comm.broadcast(DP, part, verdict.source, broken)
             self.say("sdc_repaired", step=step, what="replicated state")

@@ -13,9 +13,10 @@ import torch
 from elaswave.planning.plan import Plan
 from elaswave.planning.shards import ShardLayout
 from elaswave.runtime.durable.checkpoints import DurableState
-from elaswave.runtime.strategies.base import COUNT, DP, EPOCH, LOSS, Whole, nbytes
+from elaswave.runtime.strategies.base import DP, Whole, nbytes
 from elaswave.runtime.strategies.replicated import Replicated
-from elaswave.runtime.strategies.zero import ShardLost, ZeroState
+from elaswave.runtime.strategies.sums import StepSums
+from elaswave.runtime.strategies.zero import ShardLost, ZeroState, commit_barrier
 
 if TYPE_CHECKING:
     from elaswave.runtime.durable.restore import DurableSource
@@ -50,32 +51,33 @@ class Zero1(Replicated):
     def reduce_update(
         self,
         step: int,
-        buf: torch.Tensor,
+        sums: StepSums,
         broken: Callable[[], bool],
         before_update: Callable[[], None],
-    ) -> float:
-        """Stage the shard update, replicate it, then the commit barrier."""
-        z, st, comm = self.zero, self.state, self.ctx.comm
-        n = st.flat.numel
+    ) -> int:
+        """The step's tail, the staged shard update and its replicas, the commit barrier."""
+        z, st, comm, tail = self.zero, self.state, self.ctx.comm, sums.tail
+        comm.allreduce(DP, tail.values, broken)
         z.tiers = None if z.native_reduce_scatter else self.tiers
         clip = (self.ctx.cfg.train.grad_clip, st.ties, st.segments)
         # Rank 0 reports the norm; with a native reduce-scatter every rank adds its squares.
         measure = self.ctx.cfg.logging.enabled and (comm.rank(DP) == 0 or z.native_reduce_scatter)
-        count = z.stage(
-            comm, buf[:n], step, broken, before_update, float(buf[n + COUNT]), clip, measure
-        )
+        count = tail.count
+        z.stage(
+            comm, sums.grads, step, abort=broken, before_update=before_update,
+            batch_count=count, clip=clip, measure=measure,
+        )  # fmt: skip
         assert z.staged is not None
         z.staged.reached_barrier = True
-        tail = buf[n:].to(torch.float64)
-        comm.allreduce(DP, tail, broken)
-        st.last_loss = float(tail[LOSS]) / count
+        commit_barrier(comm, broken)
+        st.last_loss = tail.loss / count
         # as data parallelism has it: every rank when clipping took it, else rank 0 (it reports)
         clipped = self.ctx.cfg.train.grad_clip
         st.last_grad_norm = z.grad_norm if clipped or comm.rank(DP) == 0 else None
         z.commit(st.last_loss)  # every rank staged (and replicated) this step: committed
         self.forget_partial()
         st.step = step
-        return float(tail[EPOCH])
+        return tail.epoch
 
     def sync(self, plan: Plan, broken: Callable[[], bool]) -> dict[str, Any]:
         """Agree on the resume step, settle staged state, move shards to the new layout."""

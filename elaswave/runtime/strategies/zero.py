@@ -3,13 +3,15 @@
 Each rank owns shard ranges of the optimizer state (see :mod:`elaswave.planning.shards`): Adam's two
 moments for its ranges of every layer. Parameters stay replicated. One step:
 
+0. all-reduce the step's tail (:class:`~elaswave.runtime.strategies.sums.StepTail`: loss sum,
+   count, newest epoch seen; float64): the update divides by the batch's exact count;
 1. reduce-scatter the gradients: each rank receives the full-batch gradient of its shard;
 2. *stage* the AdamW update of its shard (live state untouched) and all-gather the staged
    parameter chunks into a staged full parameter buffer;
 3. on a snapshot step (every ``snapshot_every`` steps), send each peer the piece of the staged
    shard it keeps (with its checksum) and receive the pieces of the peers' shards this rank keeps:
    after this, every shard of step ``s`` exists twice, its replica spread over the peers;
-4. commit barrier: a tiny all-reduce (it also carries the loss and the newest epoch seen). A rank
+4. commit barrier: a one-element all-reduce (:func:`commit_barrier`). A rank
    that returns from it knows every rank staged (and replicated) step ``s``; it applies the
    staged state. A rank whose barrier failed keeps the staged state aside: recovery decides.
 
@@ -66,7 +68,7 @@ from elaswave.runtime.optim import (
 )
 from elaswave.runtime.strategies.shard import Shard, ShardLost, Staged
 
-__all__ = ["Shard", "ShardLost", "Staged", "ZeroState"]
+__all__ = ["Shard", "ShardLost", "Staged", "ZeroState", "commit_barrier"]
 
 DP = "dp"
 
@@ -94,8 +96,9 @@ class ZeroState:
     staged: Staged | None = None
     index: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
     groups: torch.Tensor | None = None  # each shard element's weight-decay group (None: one)
-    # Gloo's reduce_scatter is slower than its ring all-reduce on CPU (gpt-tiny, 4 workers:
-    # 92 vs 79 ms per step), so on gloo the gradient is all-reduced and each rank keeps its part;
+    # Gloo's reduce_scatter is slower than its ring all-reduce on CPU (docs/benchmarks.md,
+    # "Measurements behind design choices"), so on gloo the gradient is all-reduced and each
+    # rank keeps its part;
     # backends with a fast reduce-scatter (NCCL) set this (``Zero1``): each rank then receives
     # only its part of the sums, and clipping takes the global norm from every rank's per-layer
     # squares of its part (``shard_sumsq``, one more all-reduce of a float per layer).
@@ -192,34 +195,32 @@ class ZeroState:
         comm: Communicator,
         grads: torch.Tensor,
         step: int,
+        *,
         abort: Callable[[], bool],
         before_update: Callable[[], None],
-        count: float = 1.0,
+        batch_count: int = 1,
         clip: tuple[Any, ...] = (0.0, (), None),
         measure: bool = False,
-    ) -> float:
+    ) -> None:
         """Steps 1–3 of the docstring: reduce-scatter, staged update, all-gather, replicate.
-        ``grads`` are this rank's gradient sums and ``count`` the loss terms they count; the
-        shard is updated with the batch's sum divided by the batch's count (returned).
-        ``measure``: take the global gradient norm (into ``grad_norm``) even without clipping
-        (where this rank holds the whole sum: not with a native reduce-scatter)."""
+        ``grads`` are this rank's gradient sums and ``batch_count`` the loss terms the whole
+        batch counts (reduced already, exactly); the shard is updated with the batch's sum
+        divided by it. ``measure``: take the global gradient norm (into ``grad_norm``) even
+        without clipping (where this rank holds the whole sum: not with a native
+        reduce-scatter)."""
         assert self.layout is not None and self.own is not None
+        if batch_count <= 0:
+            raise ValueError("the workload's loss counted nothing in the whole batch")
         world, size = len(self.workers), self.size
-        reduced = grads.new_empty(world * size + 1)  # [rank-major gradient sums | count]
-        torch.index_select(self._ext(grads), 0, self.index, out=reduced[:-1])
-        reduced[-1] = count
+        reduced = grads.new_empty(world * size)  # rank-major gradient sums
+        torch.index_select(self._ext(grads), 0, self.index, out=reduced)
         if self.native_reduce_scatter:
             mine = grads.new_empty(size)
-            comm.reduce_scatter(DP, list(reduced[:-1].view(world, size).unbind(0)), mine, abort)
-            total = reduced[-1:].clone()
-            comm.allreduce(DP, total, abort)  # the count, beside the gradient
+            comm.reduce_scatter(DP, list(reduced.view(world, size).unbind(0)), mine, abort)
         else:  # same sum, each rank keeps its part (see ``native_reduce_scatter``)
             compressed = world * size if self.compressed else 0
             allreduce_tiered(comm, DP, self.tiers, reduced, abort, compressed)
-            mine, total = reduced[:-1].view(world, size)[self.rank], reduced[-1:]
-        batch_count = float(total)
-        if batch_count <= 0:
-            raise ValueError("the workload's loss counted nothing in the whole batch")
+            mine = reduced.view(world, size)[self.rank]
         if self.native_reduce_scatter:  # each rank holds only its part of the sums
             mine = mine.div_(batch_count)
             max_norm, ties, segments = clip
@@ -250,7 +251,6 @@ class ZeroState:
             self.staged = Staged(
                 step, gathered, Shard(step, opt.exp_avg, opt.exp_avg_sq, None), None
             )
-        return batch_count
 
     def _pruned(self, step: int, gathered: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
         """Pruning on the whole updated parameters (every rank holds them after the
@@ -283,7 +283,7 @@ class ZeroState:
             return 1.0, None
         n = self.flat.numel
         flat = reduced.new_zeros(n + 1)
-        flat.index_copy_(0, self.index, reduced[:-1])  # padding (zeros) lands on index n
+        flat.index_copy_(0, self.index, reduced)  # padding (zeros) lands on index n
         return clip_and_norm(flat[:n].div_(count), max_norm, ties, segments, measure=measure)
 
     def shard_clip(
@@ -675,6 +675,12 @@ class ZeroState:
                 unpack[mv.src].append((mv.offset, mv.length))
         sends = {dst: torch.cat(parts) for dst, parts in outgoing.items()}
         return sends, dict(recv_sizes), dict(unpack)
+
+
+def commit_barrier(comm: Communicator, abort: Callable[[], bool]) -> None:
+    """Step 4's barrier: it returns on a rank only once every rank of the plan staged (and
+    replicated) the step."""
+    comm.allreduce(DP, torch.ones(1, device=comm.device), abort)
 
 
 def unpack_into(

@@ -8,11 +8,11 @@ path (:class:`~.gather.LayerGather`). One step:
 1. ``compute``: this rank's micro-batches through the layers, each layer gathered while it runs
    and its gradient reduce-scattered as backward produces it: the rank ends with the batch's
    gradient sums of its own part (in the reduction's dtype), its loss sum and count;
-2. ``reduce_update``: the batch's count (a tiny all-reduce), the mean gradient of the shard
-   (clipping by the global norm from every rank's per-layer squares: one more all-reduce of a
-   number per layer), the staged update of the shard (parameters and moments), the snapshot's
-   replica pieces sent to the peers, then the commit barrier (the loss and the newest epoch),
-   exactly as ZeRO-1 commits.
+2. ``reduce_update``: the step's tail (a tiny float64 all-reduce: loss sum, count, newest epoch
+   seen), the mean gradient of the shard (clipping by the global norm from every rank's
+   per-layer squares: one more all-reduce of a number per layer), the staged update of the shard
+   (parameters and moments), the snapshot's replica pieces sent to the peers, then the commit
+   barrier, exactly as ZeRO-1 commits.
 
 Recovery is ZeRO-1's (:class:`~.sharded.Zero1`): survivors agree on the resume step, promote the
 replica pieces they hold of a lost shard, newcomers receive disjoint transfers, two losses that
@@ -34,20 +34,12 @@ import torch
 
 from elaswave.planning.plan import Plan
 from elaswave.runtime.durable.checkpoints import DurableState, Piece
-from elaswave.runtime.strategies.base import (
-    COUNT,
-    DP,
-    EPOCH,
-    LOSS,
-    Final,
-    Whole,
-    nbytes,
-    state_digests,
-)
+from elaswave.runtime.strategies.base import DP, Final, Whole, nbytes, state_digests
 from elaswave.runtime.strategies.gather import Batch, LayerGather
 from elaswave.runtime.strategies.paramshards import ParamShards
 from elaswave.runtime.strategies.sharded import Zero1
-from elaswave.runtime.strategies.zero import ZeroState
+from elaswave.runtime.strategies.sums import StepSums
+from elaswave.runtime.strategies.zero import ZeroState, commit_barrier
 from elaswave.runtime.timing import busy_mark, busy_since
 from elaswave.runtime.workload.base import EVAL_STEP, initial_params
 from elaswave.runtime.workload.data import MicroBatch
@@ -94,15 +86,16 @@ class Zero3(Zero1):
 
     # ---- one step -------------------------------------------------------------------------------
     def compute(
-        self, step: int, every: Sequence[MicroBatch], buf: torch.Tensor, slowdown: float
+        self, step: int, every: Sequence[MicroBatch], sums: StepSums, slowdown: float
     ) -> float | None:
         plan, st, t, z = self.ctx.plan, self.state, self.ctx.cfg.train, self.shards
         assert plan is not None
         mark = busy_mark()
         mine = plan.microbatch_range(self.ctx.comm.rank(DP))
         batches = [Batch(every[i].id, *st.microbatch(every[i].sample_ids)) for i in mine]
-        if self.grads is None or self.grads.dtype != buf.dtype or self.grads.numel() != z.size:
-            self.grads = buf.new_zeros(z.size)
+        dtype = sums.grads.dtype
+        if self.grads is None or self.grads.dtype != dtype or self.grads.numel() != z.size:
+            self.grads = sums.grads.new_zeros(z.size)
         self.grads.zero_()
         self.started = step
         self.computed = (step, tuple(mine))
@@ -113,8 +106,7 @@ class Zero3(Zero1):
         extra = len(batches) * (t.device_time + slowdown * plan.world_size / len(every))
         if extra:
             time.sleep(extra)  # emulated accelerator time (benchmarks), a ``slow`` fault
-        n = st.flat.numel
-        buf[n + LOSS], buf[n + COUNT] = loss, count
+        sums.tail.loss, sums.tail.count = loss, count
         if not batches:
             return None
         # Time this rank computed: without its waits for peers' parts of a layer, and without
@@ -129,34 +121,32 @@ class Zero3(Zero1):
     def reduce_update(
         self,
         step: int,
-        buf: torch.Tensor,
+        sums: StepSums,
         broken: Callable[[], bool],
         before_update: Callable[[], None],
-    ) -> float:
-        """The batch's count, the staged shard update and its replicas, the commit barrier."""
-        z, st, comm, cfg = self.shards, self.state, self.ctx.comm, self.ctx.cfg
+    ) -> int:
+        """The step's tail, the staged shard update and its replicas, the commit barrier."""
+        z, st, comm, cfg, tail = self.shards, self.state, self.ctx.comm, self.ctx.cfg, sums.tail
         assert self.grads is not None
-        tail = buf[st.flat.numel :].to(torch.float64)
-        total = tail[COUNT : COUNT + 1].clone()
-        comm.allreduce(DP, total, broken)
-        count = float(total)
+        comm.allreduce(DP, tail.values, broken)
+        count = tail.count
         if count <= 0:
             raise ValueError("the workload's loss counted nothing in the whole batch")
         measure = cfg.logging.enabled  # every rank adds its squares: all ask, or none
         norm = z.stage3(
-            comm, self.grads, step, count, broken, before_update,
-            (cfg.train.grad_clip, st.ties), measure,
+            comm, self.grads, step, count=count, abort=broken, before_update=before_update,
+            clip=(cfg.train.grad_clip, st.ties), measure=measure,
         )  # fmt: skip
         assert z.staged is not None
         z.staged.reached_barrier = True
-        comm.allreduce(DP, tail, broken)
-        st.last_loss = float(tail[LOSS]) / count
+        commit_barrier(comm, broken)
+        st.last_loss = tail.loss / count
         # as data parallelism has it: every rank when clipping took it, else rank 0 (it reports)
         st.last_grad_norm = norm if cfg.train.grad_clip or comm.rank(DP) == 0 else None
         z.commit(st.last_loss)  # every rank staged (and replicated) this step: committed
         self.started = -1
         st.step = step
-        return float(tail[EPOCH])
+        return tail.epoch
 
     # ---- a new plan -----------------------------------------------------------------------------
     def groups(self, plan: Plan) -> dict[str, tuple[str, ...]]:
@@ -206,10 +196,12 @@ class Zero3(Zero1):
     def final(self, broken: Callable[[], bool]) -> Final:
         """The whole state's digests, a layer at a time: no rank ever holds all of it."""
         z, comm = self.shards, self.ctx.comm
-        assert z.own is not None and z.own.params is not None
+        own = z.own
+        assert own is not None and own.params is not None
+        tensors = (own.params, own.exp_avg, own.exp_avg_sq)
 
         def layers() -> Iterator[tuple[int, torch.Tensor]]:
-            for part, tensor in enumerate((z.own.params, z.own.exp_avg, z.own.exp_avg_sq)):
+            for part, tensor in enumerate(tensors):
                 for cut in z.cuts:
                     yield part, z.gather_layer(comm, tensor, cut, broken)
 

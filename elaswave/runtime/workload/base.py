@@ -211,8 +211,8 @@ def seed_generators(seed: int, device: torch.device | None = None) -> None:
     """Seed the default generators a layer running on ``device`` draws from: the host's, and
     the device's own on a CUDA device. That is what ``torch.manual_seed(seed)`` gives such a
     layer, without its cost: it seeds every device of every kind, and formats a stack for each
-    kind it may seed later (0.2 ms a call on a CPU; 21 ms of a 120 ms step of gpt-tiny on an
-    H200, with layers called once or twice per micro-batch). On other accelerators (and with
+    kind it may seed later, which costs a visible share of a small model's step on a GPU
+    (docs/benchmarks.md, "Measurements behind design choices"). On other accelerators (and with
     ``device`` unknown) it is ``torch.manual_seed`` itself."""
     torch.default_generator.manual_seed(seed)
     if device is None:

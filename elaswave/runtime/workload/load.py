@@ -131,7 +131,7 @@ def check_data(cfg: JobConfig, workload: Workload) -> None:
     where it has one: the built-in GPT, HF models), or held-out samples that leave none to
     train on, is a config error. A ``module`` workload's data is its own: only the held-out
     count is checked."""
-    from elaswave.runtime.state import optimizer_classes
+    from elaswave.runtime.optimizers import optimizer_classes
 
     optimizer_classes(cfg, whole=True)  # an optimizer or scheduler that does not fit: one line
     d = cfg.data

@@ -31,7 +31,7 @@ every receiver has, all ranks switch to the new layout at the same step boundary
 Beside this module: the pure schedule and transfer plans (:mod:`~elaswave.planning.schedule`),
 ZeRO-1 inside the stages (:mod:`~elaswave.runtime.strategies.pipeline.stagezero`, layout in
 :mod:`~elaswave.planning.stageshards`), online verification
-(:mod:`~elaswave.runtime.integrity.stageverify`) and layer timing
+(:mod:`~elaswave.runtime.strategies.pipeline.stageverify`) and layer timing
 (:mod:`~elaswave.runtime.strategies.pipeline.stagetimes`).
 """
 
@@ -64,10 +64,9 @@ from elaswave.planning.stageshards import (
 )
 from elaswave.runtime.device import nvml_index
 from elaswave.runtime.durable.checkpoints import DurableState
-from elaswave.runtime.integrity import stageverify
 from elaswave.runtime.integrity.checksums import digest
 from elaswave.runtime.optim import update_
-from elaswave.runtime.strategies.pipeline import stagezero
+from elaswave.runtime.strategies.pipeline import stageverify, stagezero
 from elaswave.runtime.strategies.pipeline.clocks import SimActuator, make_actuator
 from elaswave.runtime.strategies.pipeline.stageredo import StageKept
 from elaswave.runtime.strategies.pipeline.stagestate import (
@@ -82,6 +81,7 @@ from elaswave.runtime.strategies.pipeline.stagestate import (
 from elaswave.runtime.strategies.pipeline.stagestep import StageStep, StageTools
 from elaswave.runtime.strategies.pipeline.stagetimes import StageTimer
 from elaswave.runtime.strategies.pipeline.stagezero import Contribution, gather_messages
+from elaswave.runtime.strategies.sums import StepSums
 from elaswave.runtime.timing import clock
 from elaswave.runtime.workload.base import EVAL_STEP
 from elaswave.runtime.workload.data import MicroBatch
@@ -257,7 +257,7 @@ class Pipeline:
     def run_step(
         self,
         step: int,
-        buf: torch.Tensor,
+        sums: StepSums,
         everyone: list[MicroBatch],
         broken: Callable[[], bool],
         kept: StageKept,
@@ -266,7 +266,7 @@ class Pipeline:
         slow: float = 0.0,
     ) -> float | None:
         """Forward/backward of this rank's stage over its replica's micro-batches; the layer
-        gradients (scaled by 1/B) and the loss sum (last stage) land in ``buf``.
+        gradients and the loss sum and count (last stage) land in ``sums``.
 
         Returns the stage's busy seconds per micro-batch: forward, backward and emulated device
         time, without the point-to-point waits and the time the thread sat waiting for a CPU
@@ -295,7 +295,7 @@ class Pipeline:
         tools = StageTools(
             self.num_layers, self.span, self.timer, self.cost_share, self.device_pause
         )
-        return StageStep(self.e, tools, step, buf, mbs, broken, kept, acc, masks, replicas).run(
+        return StageStep(self.e, tools, step, sums, mbs, broken, kept, acc, masks, replicas).run(
             slow
         )
 
@@ -321,6 +321,7 @@ class Pipeline:
         held = self.span(self.held) if self.held else slice(0, 0)
         params, grads = st.params, st.flat.at(grad)
         store = self.store
+        live: list[Callable[[], torch.Tensor]]
         if self.zero3:  # the store is all this rank keeps
             live = [partial(getattr, store, name) for name in ("params", "exp_avg", "exp_avg_sq")]
         elif self.zero:
@@ -386,7 +387,7 @@ class Pipeline:
         for piece, got in zip(mine, received, strict=True):
             params[piece.start : piece.stop].copy_(got)
 
-    def after_step(self, step: int, ready_sum: float) -> dict[str, Any] | None:
+    def after_step(self, step: int, ready_sum: int) -> dict[str, Any] | None:
         """At the step boundary: finish a landed migration, switch when every receiver is ready.
         Returns the switch's details (the same on every rank) when the layout changed."""
         m = self.migration
@@ -725,7 +726,7 @@ def _actuator_options(kind: str) -> dict[str, Any]:
 def _clock_range(actuator: Any, device: int) -> tuple[float, float, float]:
     """(min, nominal, max) clocks in the actuator's unit."""
     if hasattr(actuator, "clock_range"):  # NVML: the device's own range, in MHz
-        return tuple(actuator.clock_range(device))  # type: ignore[return-value]
+        return tuple(actuator.clock_range(device))
     if hasattr(actuator, "time_scale") or not hasattr(actuator, "f_nominal"):
         return SIM_CLOCKS
     raise DvfsError("this DVFS actuator has no clock range the engine can plan with")

@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from elaswave.planning.schedule import Comm, Compute, schedule_roles
-from elaswave.runtime.strategies.base import COUNT, LOSS
 from elaswave.runtime.strategies.pipeline.stageredo import StageKept, masked
 from elaswave.runtime.strategies.pipeline.stagetimes import StageTimer
+from elaswave.runtime.strategies.sums import StepSums
 from elaswave.runtime.timing import busy_mark, busy_since
 from elaswave.runtime.workload.data import MicroBatch
 
@@ -54,7 +54,7 @@ class StageStep:
         ctx: RankContext,
         tools: StageTools,
         step: int,
-        buf: torch.Tensor,
+        sums: StepSums,
         mbs: list[MicroBatch],
         broken: Callable[[], bool],
         kept: StageKept,
@@ -71,8 +71,8 @@ class StageStep:
         ``stage_loss: recycle``)."""
         plan = ctx.plan
         assert plan is not None
-        self.ctx, self.tools, self.step, self.buf, self.mbs, self.broken = (
-            ctx, tools, step, buf, mbs, broken,
+        self.ctx, self.tools, self.step, self.sums, self.mbs, self.broken = (
+            ctx, tools, step, sums, mbs, broken,
         )  # fmt: skip
         self.kept, self.acc, self.masks = kept, acc, masks or {}
         rank = ctx.comm.rank("dp")
@@ -127,11 +127,9 @@ class StageStep:
                 self.exchange(item)
         flat = ctx.state.flat
         sums = self.acc if self.acc is not None else flat.at(flat.collect_grads())[self.region]
-        flat.at(self.buf)[self.region].copy_(sums)
+        flat.at(self.sums.grads)[self.region].copy_(sums)
         if self.last and self.kept.loss is not None:
-            n = flat.numel
-            self.buf[n + LOSS] += self.kept.loss.to(self.buf.dtype)
-            self.buf[n + COUNT] += self.kept.count
+            self.sums.tail.add(self.kept.loss, self.kept.count)
         tools.timer.end(len(self.mbs), [tools.cost_share(range(i, i + 1)) for i in self.layers])
         return busy / len(self.mbs) if self.mbs else None
 
@@ -141,6 +139,7 @@ class StageStep:
         # Only the first stage needs the inputs and only the last the targets.
         data, targets = st.microbatch(mb.sample_ids) if self.first or self.last else (None, None)
         h = data if self.first else self.inputs[i]
+        assert h is not None  # a first stage reads its micro-batch's inputs above
         kept_elsewhere = [st.model.layers[j] for j in self.layers if mb.id in self.masks.get(j, ())]
         with masked(kept_elsewhere):
             for index in self.layers:

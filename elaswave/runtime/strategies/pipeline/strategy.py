@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from elaswave import wire
 from elaswave.planning.gradgroups import (
     Reduction,
     first_holders,
@@ -32,13 +33,9 @@ from elaswave.planning.tiers import Tiers, tiers_of
 from elaswave.prune.pruner import Holding
 from elaswave.runtime.comm.tiered import allreduce_tiered
 from elaswave.runtime.durable.checkpoints import DurableState, Piece
-from elaswave.runtime.integrity import stageverify
 from elaswave.runtime.optim import Spans, free, freed, layer_sumsq
 from elaswave.runtime.strategies.base import (
     DP,
-    EPOCH,
-    FLAG,
-    TAIL,
     Final,
     Strategy,
     Whole,
@@ -47,9 +44,11 @@ from elaswave.runtime.strategies.base import (
     reduction_dtype,
     state_digests,
 )
+from elaswave.runtime.strategies.pipeline import stageverify
 from elaswave.runtime.strategies.pipeline.stage import MIG, Pipeline
 from elaswave.runtime.strategies.pipeline.stageredo import StageKept, agree, kept_row
 from elaswave.runtime.strategies.pipeline.stagestate import unpack_into
+from elaswave.runtime.strategies.sums import StepSums
 from elaswave.runtime.workload.data import MicroBatch
 
 if TYPE_CHECKING:
@@ -204,7 +203,7 @@ class PipelineStages(Strategy):
             window = flat.numel * flat.data.element_size()
             # the step's gradient: the window's, the reduction buffer, and in a float64
             # reduction the accumulator beside them (all freed after the update)
-            grads = window + (flat.numel + TAIL) * reduce.itemsize
+            grads = window + flat.numel * reduce.itemsize
             if reduce != flat.grad.dtype:
                 grads += flat.numel * reduce.itemsize
             out.update(
@@ -225,16 +224,16 @@ class PipelineStages(Strategy):
         self.pipe.fit_window()
 
     def compute(
-        self, step: int, every: Sequence[MicroBatch], buf: torch.Tensor, slowdown: float
+        self, step: int, every: Sequence[MicroBatch], sums: StepSums, slowdown: float
     ) -> float | None:
         plan = self.ctx.plan
         assert plan is not None
         redo = self.redo[1] if self.redo is not None and self.redo[0] == step else None
-        kept, acc = self._accumulator(step, buf, continued=redo is not None)
+        kept, acc = self._accumulator(step, sums.grads, continued=redo is not None)
         slow = slowdown * len(plan.replicas) / len(every)  # per micro-batch
         self.pipe.fill(self._broken)  # ZeRO-3: the held layers gathered for the step
-        per_mb = self.pipe.run_step(step, buf, list(every), self._broken, kept, acc, redo, slow)
-        buf[self.state.flat.numel + FLAG] = self.pipe.ready_flag
+        per_mb = self.pipe.run_step(step, sums, list(every), self._broken, kept, acc, redo, slow)
+        sums.tail.flag = self.pipe.ready_flag
         return None if redo is not None else per_mb  # a redo's share says nothing of speed
 
     def _accumulator(
@@ -283,31 +282,33 @@ class PipelineStages(Strategy):
     def reduce_update(
         self,
         step: int,
-        buf: torch.Tensor,
+        sums: StepSums,
         broken: Callable[[], bool],
         before_update: Callable[[], None],
-    ) -> float:
-        st, n, pipe, ctx = self.state, self.state.flat.numel, self.pipe, self.ctx
+    ) -> int:
+        st, pipe, ctx = self.state, self.pipe, self.ctx
         sumsq = None
         if ctx.cfg.grad_reduce == "all":  # the comparison mode: every rank holds every layer
-            ctx.comm.allreduce(DP, buf, broken)
+            ctx.comm.allreduce_many([(DP, sums.grads), (DP, sums.tail.values)], broken)
         elif pipe.migration is None:
-            sumsq = self._reduce_among_holders(buf, broken)
+            sumsq = self._reduce_among_holders(sums, broken)
         else:  # receivers replay every layer they take over: the whole model's gradient
-            sumsq = self._reduce_over_everyone(buf, broken)
+            sumsq = self._reduce_over_everyone(sums, broken)
         self.forget_partial()  # reduced: every rank holds the step's sums of its layers
         ctx.enter("compute")
         clip = ctx.cfg.train.grad_clip
         # the norm for the job's curves: a collective here (``sumsq``), so every rank asks for
         # it or none (``logging`` is a section every host agrees on)
         measure = ctx.cfg.logging.enabled
-        grad, loss, norm = mean_gradient(buf, n, clip, st.ties, st.segments, sumsq, measure=measure)
+        grad, loss, norm = mean_gradient(
+            sums, max_norm=clip, ties=st.ties, segments=st.segments, sumsq=sumsq, measure=measure
+        )
         pipe.update(step, grad, broken, before_update, self._pruning(step, broken))
         st.step, st.last_loss, st.last_grad_norm = step, loss, norm
-        switched = pipe.after_step(step, float(buf[n + FLAG]))
-        epochs = float(buf[n + EPOCH])
+        switched = pipe.after_step(step, sums.tail.flag)
+        epochs = sums.tail.epoch
         if pipe.zero3:  # no gradient outlives the step: the next one allocates its buffers
-            for t in (buf, self._acc):
+            for t in (sums.grads, self._acc):
                 if t is not None:
                     free(t)
         if switched is not None:
@@ -331,7 +332,7 @@ class PipelineStages(Strategy):
         held = pipe.span(pipe.held) if pipe.held else slice(st.flat.base, st.flat.base)
         old = prune.before(step, Spans(st.params[held], held.start))
         holding = Holding(
-            held=lambda layer: layer in pipe.held,
+            held=lambda layer: pipe.held is not None and layer in pipe.held,
             counted=lambda layer: mine.counted[layer],
             reduce=lambda sums: self.ctx.comm.allreduce(DP, sums, broken),
         )
@@ -339,16 +340,16 @@ class PipelineStages(Strategy):
         return lambda: prune.after(step, old, st.params, lr, holding)
 
     def _reduce_among_holders(
-        self, buf: torch.Tensor, broken: Callable[[], bool]
+        self, sums: StepSums, broken: Callable[[], bool]
     ) -> Callable[[torch.Tensor], torch.Tensor]:
         """Sum each held layer's gradient among its holders, and the step's tail (loss, count,
         epochs, flag) over every rank, all at once. Returns how the clipping norm is completed:
         each rank adds the layers it is the first holder of, an all-reduce adds the rest."""
         ctx, st = self.ctx, self.state
-        n, mine = st.flat.numel, self.my_grads
+        mine = self.my_grads
         assert mine is not None and ctx.plan is not None and mine.epoch == ctx.plan.epoch
-        grads, second = st.flat.at(buf[:n]), self.second_copy
-        items: list[tuple[str, torch.Tensor]] = [(DP, buf[n:])]
+        grads, second = st.flat.at(sums.grads), self.second_copy
+        items: list[tuple[str, torch.Tensor]] = [(DP, sums.tail.values)]
         packed = []
         for name, red in mine.mine:
             if len(red.spans) == 1:
@@ -375,21 +376,21 @@ class PipelineStages(Strategy):
         return self._norms(broken)
 
     def _reduce_over_everyone(
-        self, buf: torch.Tensor, broken: Callable[[], bool]
+        self, sums: StepSums, broken: Callable[[], bool]
     ) -> Callable[[torch.Tensor], torch.Tensor]:
         """While a migration runs: every layer's gradient summed over every rank, in chunks of
         the whole model's flat layout (each rank brings what its window holds, zeros for the
         rest), then each tied weight once (the copy a rank holds; both copies take the sum).
         The clipping norm is completed as among holders: the plan's first holders count."""
         ctx, st = self.ctx, self.state
-        n, flat = st.flat.numel, st.flat
-        grads = flat.at(buf[:n])
+        n, flat, buf = st.flat.numel, st.flat, sums.grads
+        grads = flat.at(buf)
         ties = []  # each tied weight's own sum, taken before the chunks overwrite its copies
-        for a, b in st.ties:
-            mine = [s for s in (a, b) if grads.holds(s.start, s.stop)]
-            own = grads[mine[0]].clone() if mine else buf.new_zeros(a.stop - a.start)
+        for first, second in st.ties:
+            mine = [s for s in (first, second) if grads.holds(s.start, s.stop)]
+            own = grads[mine[0]].clone() if mine else buf.new_zeros(first.stop - first.start)
             ties.append((mine, own))
-        ctx.comm.allreduce(DP, buf[n:], broken)
+        ctx.comm.allreduce(DP, sums.tail.values, broken)
         for a, b, x, y in chunks(flat.total, WHOLE_CHUNK, flat.base, flat.base + n):
             chunk = buf.new_zeros(b - a)
             chunk[x - a : y - a] = grads[x:y]
@@ -531,12 +532,11 @@ class PipelineStages(Strategy):
         seconds = self.pipe.timer.snapshot()
         if seconds:
             self.ctx.send(
-                {
-                    "type": "layer_costs",
-                    "step": step,
-                    "epoch": plan.epoch,
-                    "layer_seconds": {str(i): x for i, x in seconds.items()},
-                }
+                wire.LayerCosts(
+                    step=step,
+                    epoch=plan.epoch,
+                    layer_seconds={str(i): x for i, x in seconds.items()},
+                )
             )
 
     # ---- whole state --------------------------------------------------------------------------
@@ -575,11 +575,11 @@ class PipelineStages(Strategy):
             return None
         rank, params = self.ctx.comm.rank(DP), st.params
         if pipe.zero:
-            out = []
+            out: list[Piece] = []
             for (a, b), keepers in pipe.parts:
                 if keepers[0] == rank and b > a:
                     kept = pipe.store.views(a, b)  # ZeRO-3: the parameters are the store's
-                    out.append((a, b, kept[0] if pipe.zero3 else params[a:b], *kept[-2:]))
+                    out.append((a, b, kept[0] if pipe.zero3 else params[a:b], kept[-2], kept[-1]))
             return out
         m, v = st.exp_avg, st.exp_avg_sq
         blocks = grads.blocks

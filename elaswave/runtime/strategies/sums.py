@@ -1,0 +1,100 @@
+"""What one step sums over the plan's ranks: the gradient sums and a small typed record beside
+them (the tail).
+
+The gradient sums are laid out like the state's flat buffers and kept in the reduction dtype
+(``train.reduce_dtype``: float32 by default). The tail's values are counts and an epoch as much
+as they are losses, and a float32 sum stops being exact past 2^24: a plan epoch summed over
+10^5 ranks, or a token count of a long-context batch, would be off by some units, and the engine
+compares the epoch sum exactly. So the tail is its own float64 tensor, reduced in float64
+whatever the gradients' dtype: every integer below 2^53 stays exact (an epoch of 10^4 summed over
+10^6 ranks is 10^10; a batch of 2^40 tokens is 2^40).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["StepSums", "StepTail"]
+
+
+class StepTail:
+    """One step's record on this rank, summed over the plan's ranks by one all-reduce of
+    :attr:`values` (float64):
+
+    - ``loss``: the sum of this rank's micro-batches' loss sums;
+    - ``epoch``: the newest plan epoch this rank has seen (the sum tells the engine whether
+      some rank saw a newer plan than the one it runs);
+    - ``flag``: a strategy's flag (pipelines: this rank's migrations are ready);
+    - ``count``: the loss terms counted (samples, tokens): gradient and loss are divided by it.
+    """
+
+    LOSS, EPOCH, FLAG, COUNT = range(4)
+    SIZE = 4
+
+    __slots__ = ("values",)
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.values = torch.zeros(self.SIZE, dtype=torch.float64, device=device)
+
+    def zero(self) -> None:
+        self.values.zero_()
+
+    def add(self, loss: torch.Tensor, count: int | torch.Tensor) -> None:
+        """Add a loss sum and its count (no host sync)."""
+        self.values[self.LOSS] += loss.to(torch.float64)
+        self.values[self.COUNT] += count
+
+    def fresh(self) -> StepTail:
+        """A zeroed tail on the same device (a redo never reuses a tensor an abandoned
+        collective may still write into)."""
+        return StepTail(self.values.device)
+
+    # Setters take a tensor too: a loss sum written without a host sync.
+    @property
+    def loss(self) -> float:
+        return float(self.values[self.LOSS])
+
+    @loss.setter
+    def loss(self, value: float | torch.Tensor) -> None:
+        self.values[self.LOSS] = value
+
+    @property
+    def epoch(self) -> int:
+        return int(self.values[self.EPOCH])
+
+    @epoch.setter
+    def epoch(self, value: int) -> None:
+        self.values[self.EPOCH] = value
+
+    @property
+    def flag(self) -> int:
+        return int(self.values[self.FLAG])
+
+    @flag.setter
+    def flag(self, value: float) -> None:
+        self.values[self.FLAG] = value
+
+    @property
+    def count(self) -> int:
+        return int(self.values[self.COUNT])
+
+    @count.setter
+    def count(self, value: int | torch.Tensor) -> None:
+        self.values[self.COUNT] = value
+
+    def __repr__(self) -> str:
+        return (
+            f"StepTail(loss={self.loss}, epoch={self.epoch}, flag={self.flag}, count={self.count})"
+        )
+
+
+@dataclass
+class StepSums:
+    """One step's sums on this rank before the reduction, and every rank's after it: ``grads``
+    (the gradient sums, laid out like the state's flat buffers, in the reduction dtype) and
+    ``tail`` (:class:`StepTail`, float64)."""
+
+    grads: torch.Tensor
+    tail: StepTail
