@@ -27,6 +27,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
+
 from elaswave.daemon import procs
 from elaswave.errors import ElasWaveError
 
@@ -137,6 +139,49 @@ class ServerTLS:
         ]  # fmt: skip
 
 
+DATA_PREFIX = "elaswave-etcd-"  # a member's home in the temporary directory
+OWNER = "owner"  # in the home: "pid start-time" of the process that made it
+
+
+def new_data_dir(root: str | None = None) -> str:
+    """A fresh data directory for an embedded etcd member, inside a home marked with the
+    process that owns it. A process killed with SIGKILL never removes its member's home: the
+    homes of owners that are gone are removed first (:func:`sweep_data_dirs`)."""
+    sweep_data_dirs(root)
+    home = Path(tempfile.mkdtemp(prefix=DATA_PREFIX, dir=root))
+    me = psutil.Process()
+    (home / OWNER).write_text(f"{me.pid} {me.create_time()}")
+    data = home / "data"
+    data.mkdir(mode=0o700)
+    return str(data)
+
+
+def sweep_data_dirs(root: str | None = None) -> list[Path]:
+    """Remove the members' homes under ``root`` (default: the temporary directory) whose owner
+    process has exited (a pid reused by another process counts as exited: its start time
+    differs). A home without a readable owner is left alone. Returns what was removed."""
+    removed = []
+    for home in Path(root or tempfile.gettempdir()).glob(DATA_PREFIX + "*"):
+        try:
+            pid, started = (home / OWNER).read_text().split()
+            alive = _running(int(pid), float(started))
+        except (OSError, ValueError):
+            continue
+        if not alive:
+            shutil.rmtree(home, ignore_errors=True)
+            removed.append(home)
+    return removed
+
+
+def _running(pid: int, started: float) -> bool:
+    try:
+        return psutil.Process(pid).create_time() == started
+    except (psutil.NoSuchProcess, psutil.ZombieProcess):
+        return False
+    except psutil.AccessDenied:
+        return True  # someone else's process: not ours to judge
+
+
 class EmbeddedEtcd:
     """Start/stop a private etcd. ``endpoint`` is ``host:port`` of its client URL."""
 
@@ -200,7 +245,7 @@ class EmbeddedEtcd:
         self.client_port = self.requested_port or free_port(self.host)
         self.peer_url = f"http://{self.host}:{free_port(self.host)}"
         self.metrics_url = f"http://{self.host}:{free_port(self.host)}"
-        self.data_dir = tempfile.mkdtemp(prefix="elaswave-etcd-")
+        self.data_dir = new_data_dir()
 
     def configure(self, initial_cluster: str, election_ms: int = 250) -> None:
         """The command line: this member in ``initial_cluster`` (``name=peer-url,...``)."""
@@ -281,7 +326,7 @@ class EmbeddedEtcd:
                 self.proc.stderr.close()
             self.proc = None
         if self.data_dir:
-            shutil.rmtree(self.data_dir, ignore_errors=True)
+            shutil.rmtree(Path(self.data_dir).parent, ignore_errors=True)
             self.data_dir = None
 
     def __enter__(self) -> EmbeddedEtcd:
