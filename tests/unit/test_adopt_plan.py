@@ -27,7 +27,7 @@ def _daemon(current: Plan, live: list[str]) -> tuple[Any, list[list[str]]]:
             )
             for wid in live
         },  # fmt: skip
-        conns={},
+        channel=SimpleNamespace(send_plan=lambda plan: None),  # no worker connected
         prom=None,  # no metrics server
         stream=None,  # no TensorBoard, no W&B
         faults=SimpleNamespace(dispatch=lambda: None),
