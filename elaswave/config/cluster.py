@@ -5,9 +5,13 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 from elaswave.config.schema import positive
 from elaswave.errors import ConfigError
+
+# How workers start (``elastic.worker_start``).
+WorkerStart = Literal["template", "exec"]
 
 
 @dataclass(kw_only=True)
@@ -15,23 +19,27 @@ class ElasticConfig:
     """Membership: how many workers, how many hosts, and the respawn policy."""
 
     nproc_per_node: int = 4
-    nnodes: str = "1:1"  # MIN:MAX hosts; a single number means MIN=MAX
-    max_restarts: int = 0  # respawns of crashed workers per host (0 = continue without them)
-    min_workers: int = 1  # below this many live workers the job stops
-    # A rank whose compute time per micro-batch exceeds this multiple of the median rank's is
-    # evicted (0: never evict; slower ranks still get fewer micro-batches).
+    """Workers on each host (> 0)."""
+    nnodes: str = "1:1"
+    """MIN:MAX hosts; a single number means MIN=MAX."""
+    max_restarts: int = 0
+    """Respawns of crashed workers per host (0 = continue without them)."""
+    min_workers: int = 1
+    """Below this many live workers the job stops."""
     straggler_threshold: float = 3.0
-    # Stop the whole job after this many worker failures in a row without a new committed step
-    # (0: never).
+    """A rank whose compute time per micro-batch exceeds this multiple of the median rank's is
+    evicted (0: never evict; slower ranks still get fewer micro-batches)."""
     loop_breaker: int = 5
-    # How workers start: forked from a "template" process per host that imported torch and the
-    # runtime once (milliseconds a worker), or "exec": a new interpreter each (seconds).
-    worker_start: str = "template"
-    # Workers that may share one accelerator (1: one per device, NCCL/HCCL). K > 1: up to
-    # devices × K workers per host, slot s on device s // K, collectives over gloo through host
-    # memory (NCCL takes one rank per device). On the CPU no device is set, but K > 1 still runs
-    # the staged path (host-to-host copies).
+    """Stop the whole job after this many worker failures in a row without a new committed step
+    (0: never)."""
+    worker_start: WorkerStart = "template"
+    """How workers start: forked from a "template" process per host that imported torch and the
+    runtime once (milliseconds a worker), or "exec": a new interpreter each (seconds)."""
     workers_per_device: int = 1
+    """Workers that may share one accelerator (1: one per device, NCCL/HCCL). K > 1: up to
+    devices × K workers per host, slot s on device s // K, collectives over gloo through host
+    memory (NCCL takes one rank per device). On the CPU no device is set, but K > 1 still runs
+    the staged path (host-to-host copies)."""
 
     def __post_init__(self) -> None:
         positive("elastic.nproc_per_node", self.nproc_per_node)
@@ -46,7 +54,7 @@ class ElasticConfig:
             )
         if self.loop_breaker < 0:
             raise ConfigError(f"elastic.loop_breaker must be >= 0, got {self.loop_breaker}")
-        if self.worker_start not in ("template", "exec"):
+        if self.worker_start not in get_args(WorkerStart):
             raise ConfigError(
                 f"elastic.worker_start must be template or exec, got {self.worker_start!r}"
             )
@@ -69,14 +77,23 @@ class Timeouts:
     """Every blocking call's limit, in seconds. Tests shorten them; nothing waits forever."""
 
     etcd_connect: float = 5.0
-    lease_ttl: int = 5  # host lease; a host silent this long is considered gone
-    rendezvous: float = 60.0  # initial membership and each process-group build
-    collective: float = 120.0  # one collective (a hang is caught earlier by the daemon)
-    plan_wait: float = 60.0  # a worker waiting for the plan that follows an error
-    shutdown_grace: float = 5.0  # SIGTERM -> SIGKILL
-    heartbeat: float = 0.2  # worker → daemon heartbeat interval
-    hang: float = 10.0  # no heartbeat, or one compute phase, for this long = hung: killed
-    template: float = 120.0  # the worker template's imports, and each of its answers
+    """Connecting to etcd."""
+    lease_ttl: int = 5
+    """Host lease; a host silent this long is considered gone."""
+    rendezvous: float = 60.0
+    """Initial membership and each process-group build."""
+    collective: float = 120.0
+    """One collective (a hang is caught earlier by the daemon)."""
+    plan_wait: float = 60.0
+    """A worker waiting for the plan that follows an error."""
+    shutdown_grace: float = 5.0
+    """SIGTERM -> SIGKILL."""
+    heartbeat: float = 0.2
+    """Worker → daemon heartbeat interval."""
+    hang: float = 10.0
+    """No heartbeat, or one compute phase, for this long = hung: killed."""
+    template: float = 120.0
+    """The worker template's imports, and each of its answers."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -94,11 +111,17 @@ class EtcdTLSConfig:
     """TLS towards etcd: PEM file paths. User and password never live here: they come only from
     ``ELASWAVE_ETCD_USER`` / ``ELASWAVE_ETCD_PASSWORD`` (see :func:`etcd_credentials`)."""
 
-    cacert: str | None = None  # CA that signed etcd's server certificate; set = TLS on
-    cert: str | None = None  # client certificate (etcd --client-cert-auth), with ``key``
+    cacert: str | None = None
+    """CA that signed etcd's server certificate; set = TLS on."""
+    cert: str | None = None
+    """Client certificate (etcd --client-cert-auth), with ``key``."""
     key: str | None = None
-    server_cert: str | None = None  # embedded etcd only: serve TLS with this certificate, with
-    server_key: str | None = None  # ``server_key``; clients then need a cert signed by ``cacert``
+    """The client certificate's private key, with ``cert``."""
+    server_cert: str | None = None
+    """Embedded etcd only: serve TLS with this certificate, with ``server_key``; clients then
+    need a cert signed by ``cacert``."""
+    server_key: str | None = None
+    """Embedded etcd only: the private key of ``server_cert``."""
 
     def __post_init__(self) -> None:
         if bool(self.cert) != bool(self.key):

@@ -10,7 +10,7 @@ import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 from elaswave.config.cluster import ElasticConfig, EtcdTLSConfig, Timeouts
 from elaswave.config.model import DataConfig, ModelConfig
@@ -20,69 +20,103 @@ from elaswave.config.train import TrainConfig
 from elaswave.errors import ConfigError
 from elaswave.faults import FaultKind, FaultSpec
 
+# The values of the pipelines' fixed-choice fields (each checked by JobConfig._check_pipeline).
+Migration = Literal["async", "blocking"]
+StageLoss = Literal["reshard", "drop", "recycle"]
+GradReduce = Literal["holders", "all"]
+Dvfs = Literal["off", "sim", "nvml", "npu"]
+LayerCosts = Literal["estimate", "profile", "online"]
+
 
 @dataclass(kw_only=True)
 class JobConfig:
     """Everything a job needs. Build it with :func:`load_config`."""
 
     job_id: str = "elaswave"
-    run_dir: str | None = None  # default runs/<job_id>
-    etcd: list[str] = field(default_factory=list)  # empty: start an embedded etcd
-    etcd_port: int = 0  # embedded etcd client port (0 = any free port)
-    # Each daemon serves Prometheus metrics on this port (0: a free one, printed and recorded
-    # in events.jsonl); None: no metrics server.
+    """The job's name: 1-64 of [A-Za-z0-9_.-]; hosts launched with the same one form the job."""
+    run_dir: str | None = None
+    """Default runs/<job_id>."""
+    etcd: list[str] = field(default_factory=list)
+    """host:port of etcd's endpoints; empty: start an embedded etcd."""
+    etcd_port: int = 0
+    """Embedded etcd client port (0 = any free port)."""
     metrics_port: int | None = None
+    """Each daemon serves Prometheus metrics on this port (0: a free one, printed and recorded
+    in events.jsonl); None: no metrics server."""
     etcd_tls: EtcdTLSConfig = field(default_factory=EtcdTLSConfig)
-    zero: int = 0  # 1: ZeRO-1, optimizer state sharded over the data-parallel ranks (with
-    #                pp > 1: over each layer's holders, two live copies, no snapshots); 3: ZeRO-3,
-    #                parameters, gradients and optimizer state sharded (pp = 1 only, for now)
-    pp: int = 1  # pipeline stages per replica (1: pure data parallelism)
-    dp: int = 0  # data-parallel replicas (0: world / pp); dp × pp must be the starting world
-    migration: str = "async"  # pipelines: layers of a lost stage move "async" or "blocking"
-    # pipelines: "reshard" the replica, "drop" it (TorchFT-like) or "recycle" (ReCycle-like:
-    # a lost stage's micro-batches run on the ranks that run that stage in the other replicas)
-    stage_loss: str = "reshard"
-    grad_reduce: str = "holders"  # pipelines: each layer's gradient summed among its "holders",
-    #                               or the whole model's over "all" ranks (for comparisons)
-    dvfs: str = "off"  # pipelines: frequency actuator off | sim | nvml | npu
-    layer_costs: str = "estimate"  # pipelines: partition by a FLOP "estimate", a start-up
-    #                                "profile" of each layer's time (measured by every worker),
-    #                                or "online": the profile, then times measured while training
-    cost_every: int = 10  # layer_costs=online: workers report their layers' times every K steps
-    # pipelines: a cut keeps every stage's bytes (parameters, gradients, Adam moments) within
-    # stage_balance × an even share of the model's where some cut can (else × the smallest
-    # largest stage any cut reaches; 0: compute alone decides), and never above max_stage_bytes
-    # (0: no limit; a start no cut fits is refused, a replica whose survivors could not fit is
-    # dropped)
+    """TLS towards etcd (off unless a CA is given)."""
+    zero: int = 0
+    """1: ZeRO-1, optimizer state sharded over the data-parallel ranks (with pp > 1: over each
+    layer's holders, two live copies, no snapshots); 3: ZeRO-3, parameters, gradients and
+    optimizer state sharded (pp = 1 only, for now)."""
+    pp: int = 1
+    """Pipeline stages per replica (1: pure data parallelism)."""
+    dp: int = 0
+    """Data-parallel replicas (0: world / pp); dp × pp must be the starting world."""
+    migration: Migration = "async"
+    """Pipelines: layers of a lost stage move "async" or "blocking"."""
+    stage_loss: StageLoss = "reshard"
+    """Pipelines: "reshard" the replica, "drop" it (TorchFT-like) or "recycle" (ReCycle-like:
+    a lost stage's micro-batches run on the ranks that run that stage in the other replicas)."""
+    grad_reduce: GradReduce = "holders"
+    """Pipelines: each layer's gradient summed among its "holders", or the whole model's over
+    "all" ranks (for comparisons)."""
+    dvfs: Dvfs = "off"
+    """Pipelines: frequency actuator off | sim | nvml | npu."""
+    layer_costs: LayerCosts = "estimate"
+    """Pipelines: partition by a FLOP "estimate", a start-up "profile" of each layer's time
+    (measured by every worker), or "online": the profile, then times measured while training."""
+    cost_every: int = 10
+    """layer_costs=online: workers report their layers' times every K steps."""
     stage_balance: float = 1.10
+    """Pipelines: a cut keeps every stage's bytes (parameters, gradients, Adam moments) within
+    stage_balance × an even share of the model's where some cut can (else × the smallest
+    largest stage any cut reaches; 0: compute alone decides), and never above max_stage_bytes."""
     max_stage_bytes: int = 0
-    verify_every: int = 10  # compare replicas' checksums every K committed steps (0: never)
-    snapshot_every: int = 1  # ZeRO (pp = 1): replicate each shard (spread over the peers) every K
-    #                          committed steps; a fault rolls back to the last snapshot step
-    #                          (0: none; then a lost shard only comes back from a checkpoint)
-    durable_every: int = 0  # torch.distributed.checkpoint every N committed steps (0: never)
-    durable_dir: str | None = None  # default <run_dir>/checkpoints (shared storage across hosts)
-    resume: str | None = None  # start from the newest durable checkpoint in this directory
-    # A job id that committed steps before resumes from its newest durable checkpoint (or, with
-    # none, refuses to train from step 0 again); fresh: move that run's records and checkpoints
-    # aside (<run_dir>/previous/) and train from step 0 on purpose.
+    """Pipelines: no stage's bytes above this (0: no limit; a start no cut fits is refused, a
+    replica whose survivors could not fit is dropped)."""
+    verify_every: int = 10
+    """Compare replicas' checksums every K committed steps (0: never)."""
+    snapshot_every: int = 1
+    """ZeRO (pp = 1): replicate each shard (spread over the peers) every K committed steps; a
+    fault rolls back to the last snapshot step (0: none; then a lost shard only comes back from
+    a checkpoint)."""
+    durable_every: int = 0
+    """torch.distributed.checkpoint every N committed steps (0: never)."""
+    durable_dir: str | None = None
+    """Default <run_dir>/checkpoints (shared storage across hosts)."""
+    resume: str | None = None
+    """Start from the newest durable checkpoint in this directory."""
     fresh: bool = False
-    host_id: str | None = None  # default: hostname-pid
-    # This host's tier above hosts (a rack, a switch: ``launch --rack``; empty: none). Ranks are
-    # laid out rack by rack, and copies kept for a rank go to another rack where the job spans two.
+    """A job id that committed steps before resumes from its newest durable checkpoint (or, with
+    none, refuses to train from step 0 again); fresh: move that run's records and checkpoints
+    aside (<run_dir>/previous/) and train from step 0 on purpose."""
+    host_id: str | None = None
+    """Default: hostname-pid."""
     rack: str = ""
+    """This host's tier above hosts (a rack, a switch: ``launch --rack``; empty: none). Ranks are
+    laid out rack by rack, and copies kept for a rank go to another rack where the job spans
+    two."""
     model: ModelConfig = field(default_factory=ModelConfig)
+    """What is trained."""
     data: DataConfig = field(default_factory=DataConfig)
+    """Where the samples come from."""
     train: TrainConfig = field(default_factory=TrainConfig)
+    """How it is trained: the optimisation problem, its numerics and the device."""
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
+    """Membership: how many workers, how many hosts, and the respawn policy."""
     timeouts: Timeouts = field(default_factory=Timeouts)
-    logging: LoggingConfig = field(default_factory=LoggingConfig)  # TensorBoard, W&B
+    """Every blocking call's limit, in seconds."""
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """TensorBoard, W&B."""
     faults: list[FaultSpec] = field(default_factory=list)
-    # A user's own training loop (``launch --script FILE -- ARGS``): every worker runs this
-    # Python file with these arguments; its model, data and optimizer are the script's
-    # (``elaswave.init()``), and the model and data sections above do not apply.
+    """Faults to inject while the job runs (testing recovery)."""
     script: str | None = None
+    """A user's own training loop (``launch --script FILE -- ARGS``): every worker runs this
+    Python file with these arguments; its model, data and optimizer are the script's
+    (``elaswave.init()``), and the model and data sections above do not apply."""
     script_args: list[str] = field(default_factory=list)
+    """The script's arguments (after ``--``)."""
 
     def __post_init__(self) -> None:
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", self.job_id):
@@ -200,11 +234,9 @@ class JobConfig:
                 )
 
     def _check_pipeline(self) -> None:
-        choices = {"migration": ("async", "blocking"),
-                   "stage_loss": ("reshard", "drop", "recycle"),
-                   "grad_reduce": ("holders", "all"),
-                   "dvfs": ("off", "sim", "nvml", "npu"),
-                   "layer_costs": ("estimate", "profile", "online")}  # fmt: skip
+        choices = {"migration": get_args(Migration), "stage_loss": get_args(StageLoss),
+                   "grad_reduce": get_args(GradReduce), "dvfs": get_args(Dvfs),
+                   "layer_costs": get_args(LayerCosts)}  # fmt: skip
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ConfigError(

@@ -6,12 +6,14 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import PurePath
-from typing import Any
+from typing import Any, Literal, get_args
 
 from elaswave.config.schema import FUNCTION, positive
 from elaswave.errors import ConfigError
 
-SOURCES = ("gpt", "module", "hf", "torchvision", "timm")
+# What ``model.source`` builds.
+ModelSource = Literal["gpt", "module", "hf", "torchvision", "timm"]
+SOURCES: tuple[ModelSource, ...] = get_args(ModelSource)
 BY_NAME = ("torchvision", "timm")  # sources that build a model by its name
 
 
@@ -27,24 +29,34 @@ class ModelConfig:
     either a new one from ``hf`` (an HF config, with its ``model_type``) or one to fine-tune
     from ``pretrained`` (a ``save_pretrained`` directory)."""
 
-    source: str = "gpt"  # "gpt" | "module" | "hf" | "torchvision" | "timm"
-    factory: str | None = None  # source=module: "package.module:function"
-    # source=module: the factory's arguments; torchvision/timm: the model builder's
+    source: ModelSource = "gpt"
+    """gpt | module | hf | torchvision | timm (see above)."""
+    factory: str | None = None
+    """source=module: "package.module:function"."""
     args: dict[str, Any] = field(default_factory=dict)
-    name: str | None = None  # source=torchvision/timm: the model's name (resnet18, ...)
-    # Where a plain module's layers start: ["auto"] (the top-level children in call order when
-    # the traced forward is a chain through them; one layer otherwise) or module names.
+    """source=module: the factory's arguments; torchvision/timm: the model builder's."""
+    name: str | None = None
+    """source=torchvision/timm: the model's name (resnet18, ...)."""
     split: list[str] = field(default_factory=lambda: ["auto"])
-    hf: dict[str, Any] = field(default_factory=dict)  # source=hf: AutoConfig.for_model(**hf)
-    # source=hf: a local save_pretrained directory; a plain module (module, torchvision, timm):
-    # a local state_dict file (torch.save or safetensors) its weights start from
+    """Where a plain module's layers start: ["auto"] (the top-level children in call order when
+    the traced forward is a chain through them; one layer otherwise) or module names."""
+    hf: dict[str, Any] = field(default_factory=dict)
+    """source=hf: AutoConfig.for_model(**hf)."""
     pretrained: str | None = None
+    """source=hf: a local save_pretrained directory; a plain module (module, torchvision, timm):
+    a local state_dict file (torch.save or safetensors) its weights start from."""
     vocab_size: int = 256
+    """source=gpt: the size of the token vocabulary."""
     seq_len: int = 64
+    """source=gpt and hf: tokens per sample (the context length)."""
     n_layer: int = 2
+    """source=gpt: transformer blocks."""
     n_head: int = 4
+    """source=gpt: attention heads per block (dividing d_model)."""
     d_model: int = 128
+    """source=gpt: the width of the residual stream."""
     dropout: float = 0.1
+    """source=gpt: the dropout probability (in [0, 1))."""
 
     def __post_init__(self) -> None:
         if self.source not in SOURCES:
@@ -103,7 +115,11 @@ class ModelConfig:
             raise ConfigError("model.pretrained must be a directory, got an empty string")
 
 
-DATA_SOURCES = ("synthetic", "tokens", "text", "dataset", "imagefolder")
+# Where ``data.source`` reads samples from.
+DataSource = Literal["synthetic", "tokens", "text", "dataset", "imagefolder"]
+DATA_SOURCES: tuple[DataSource, ...] = get_args(DataSource)
+# The token file's element type (``data.dtype``).
+TokenDtype = Literal["uint16", "uint32"]
 PLAIN_DATA = ("dataset", "imagefolder")  # what a plain module trains on
 
 
@@ -114,29 +130,38 @@ class DataConfig:
     which ``elaswave launch`` tokenizes once into a cached token file that the job then reads
     like ``tokens`` (:mod:`elaswave.data.text`)."""
 
-    source: str = "synthetic"  # "synthetic" | "tokens" | "text" | "dataset" | "imagefolder"
-    # The flat token file the workers read: given for source=tokens; for source=text set by
-    # launch to the cached file the text was tokenized into (its name is the content key).
+    source: DataSource = "synthetic"
+    """synthetic | tokens | text | dataset | imagefolder (see above)."""
     path: str | None = None
-    dtype: str = "uint16"  # the token file's; source=text: launch picks it from the vocabulary
-    num_samples: int = 8192  # synthetic data set size
-    # Held out for evaluation (train.eval_every): the data set's last eval_samples samples,
-    # which training never draws.
+    """The flat token file the workers read: given for source=tokens; for source=text set by
+    launch to the cached file the text was tokenized into (its name is the content key);
+    source=imagefolder: a folder of one folder per class."""
+    dtype: TokenDtype = "uint16"
+    """The token file's; source=text: launch picks it from the vocabulary."""
+    num_samples: int = 8192
+    """Synthetic data set size."""
     eval_samples: int = 0
-    files: list[str] = field(default_factory=list)  # source=text: globs of .txt/.jsonl/.parquet
-    text_field: str = "text"  # source=text: the JSON field / parquet column of each document
-    # source=text: a local tokenizer directory (save_pretrained); default: model.pretrained's
-    # tokenizer, else UTF-8 bytes (ids 0..255, end of document 256: vocab_size >= 257).
+    """Held out for evaluation (train.eval_every): the data set's last eval_samples samples,
+    which training never draws."""
+    files: list[str] = field(default_factory=list)
+    """source=text: globs of .txt/.jsonl/.parquet."""
+    text_field: str = "text"
+    """source=text: the JSON field / parquet column of each document."""
     tokenizer: str | None = None
-    cache_dir: str | None = None  # source=text: token file cache (default: the user's cache)
-    # source=dataset: "package.module:function" called with ``args``; it returns a map-style
-    # data set whose item i is (input, target): tensors, or nested tuples/dicts of them.
+    """source=text: a local tokenizer directory (save_pretrained); default: model.pretrained's
+    tokenizer, else UTF-8 bytes (ids 0..255, end of document 256: vocab_size >= 257)."""
+    cache_dir: str | None = None
+    """source=text: token file cache (default: the user's cache)."""
     factory: str | None = None
+    """source=dataset: "package.module:function" called with ``args``; it returns a map-style
+    data set whose item i is (input, target): tensors, or nested tuples/dicts of them."""
     args: dict[str, Any] = field(default_factory=dict)
-    # source=dataset/imagefolder: "package.module:function" that makes a micro-batch of items
-    # (default: torch's default_collate)
+    """source=dataset: the factory's keyword arguments."""
     collate: str | None = None
-    image_size: int = 224  # source=imagefolder: images resized and center-cropped to this
+    """source=dataset/imagefolder: "package.module:function" that makes a micro-batch of items
+    (default: torch's default_collate)."""
+    image_size: int = 224
+    """source=imagefolder: images resized and center-cropped to this."""
 
     def __post_init__(self) -> None:
         if self.source not in DATA_SOURCES:
@@ -164,7 +189,7 @@ class DataConfig:
                 f"'package.module:function', got {self.collate!r}"
             )
         positive("data.image_size", self.image_size)
-        if self.dtype not in ("uint16", "uint32"):
+        if self.dtype not in get_args(TokenDtype):
             raise ConfigError(f"data.dtype must be 'uint16' or 'uint32', got {self.dtype!r}")
         positive("data.num_samples", self.num_samples)
         if self.eval_samples < 0:

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 from elaswave.errors import ConfigError
 
-WANDB_MODES = ("online", "offline", "disabled")
+# How the W&B run is kept (``logging.wandb.mode``).
+WandbMode = Literal["online", "offline", "disabled"]
+WANDB_MODES: tuple[WandbMode, ...] = get_args(WandbMode)
 
 # what each stream needs installed, and the extra that installs it
 PACKAGES = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb")}
@@ -24,7 +27,9 @@ class WandbConfig:
     """One W&B run per job (``logging.wandb``)."""
 
     project: str = "elaswave"
-    mode: str = "online"  # online | offline (files under <run_dir>/wandb, sync later) | disabled
+    """The W&B project the run is logged to (not empty)."""
+    mode: WandbMode = "online"
+    """online | offline (files under <run_dir>/wandb, sync later) | disabled."""
 
     def __post_init__(self) -> None:
         if self.mode not in WANDB_MODES:
@@ -41,7 +46,9 @@ class LoggingConfig:
     ``logging.wandb: {project, mode}`` logs the same numbers to one W&B run."""
 
     tensorboard: str | None = None
+    """A directory: the job's TensorBoard event stream goes under ``DIR/<job-id>/``; None: none."""
     wandb: WandbConfig | None = None
+    """The W&B run the same numbers go to; None: none."""
 
     def __post_init__(self) -> None:
         if self.tensorboard is not None and not str(self.tensorboard).strip():

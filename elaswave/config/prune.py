@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from typing import Literal, get_args
 
 from elaswave.errors import ConfigError
 
-METHODS = ("dhspg",)
+# The pruning algorithms (``train.prune.method``).
+Method = Literal["dhspg"]
+METHODS: tuple[Method, ...] = get_args(Method)
 
 # OTOv2's defaults (only_train_once/optimizer/hyperparameter.py): (lmbda, lmbda_amplify,
 # hat_lmbda_coeff) for its Adam variants and for SGD.
@@ -27,21 +30,31 @@ class PruneConfig:
     across the origin. Pruning stops pulling once ``target_sparsity`` of the groups are zero;
     a group once zero stays zero."""
 
-    method: str = "dhspg"
-    target_sparsity: float = 0.5  # the share of zero-invariant groups to drive to zero
-    tolerance: float = 0.05  # the sparsity ends in [target, target + tolerance]
-    start_step: int = 1  # the first step that projects groups onto zero
-    partition_step: int | None = None  # the step that picks the redundant set (default start)
-    epsilon: float = 0.0  # the half-space's margin (OTOv2's epsilon)
-    lmbda: float | None = None  # the base penalty (default: OTOv2's for the optimizer)
+    method: Method = "dhspg"
+    """The pruning algorithm: dhspg (OTOv2's DHSPG, the only one)."""
+    target_sparsity: float = 0.5
+    """The share of zero-invariant groups to drive to zero."""
+    tolerance: float = 0.05
+    """The sparsity ends in [target, target + tolerance]."""
+    start_step: int = 1
+    """The first step that projects groups onto zero."""
+    partition_step: int | None = None
+    """The step that picks the redundant set (default start)."""
+    epsilon: float = 0.0
+    """The half-space's margin (OTOv2's epsilon)."""
+    lmbda: float | None = None
+    """The base penalty (default: OTOv2's for the optimizer)."""
     lmbda_amplify: float | None = None
+    """The factor that raises a redundant group's penalty where its step points away from zero
+    (default: OTOv2's for the optimizer)."""
     hat_lmbda_coeff: float | None = None
-    # Pick the same number of redundant groups in every layer's family of a kind, so that the
-    # compressed model has one width per kind (what a standard HF config can express).
+    """The raised penalty's cap, as a multiple of lmbda (default: OTOv2's for the optimizer)."""
     uniform: bool = False
-    # Only groups of these kinds (attention, mlp: declared by the transformer families;
-    # channels: traced); empty: every group the model has.
+    """Pick the same number of redundant groups in every layer's family of a kind, so that the
+    compressed model has one width per kind (what a standard HF config can express)."""
     kinds: list[str] = field(default_factory=list)
+    """Only groups of these kinds (attention, mlp: declared by the transformer families;
+    channels: traced); empty: every group the model has."""
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:

@@ -51,6 +51,10 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
         if value is None:
             return None
         return coerce(value, args[0], key)
+    if origin is typing.Literal:
+        # a fixed set of values: coerced as their type (str); the dataclass's __post_init__
+        # checks the value, with its own one-line error
+        return coerce(value, type(typing.get_args(tp)[0]), key)
     if tp is FaultSpec:
         if isinstance(value, FaultSpec):
             return value

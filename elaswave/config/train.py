@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
 
 from elaswave.config.prune import PruneConfig
 from elaswave.config.schema import CLASS, FUNCTION, positive
@@ -12,7 +12,17 @@ from elaswave.errors import ConfigError
 LOSSES = ("cross_entropy", "mse")  # train.loss's built-in losses
 
 # Where workers compute (``train.device``); the runtime resolves ``auto`` on each host.
-DEVICE_KINDS = ("auto", "cpu", "cuda", "npu")
+Device = Literal["auto", "cpu", "cuda", "npu"]
+DEVICE_KINDS: tuple[Device, ...] = get_args(Device)
+
+# The values of the other fixed-choice fields (each checked by TrainConfig.__post_init__).
+Autocast = Literal["off", "bf16"]
+ReduceDtype = Literal["float32", "float64"]
+Hierarchy = Literal["auto", "flat"]
+GradCompress = Literal["off", "int8"]
+Hpz = Literal["auto", "off"]
+Zero3Gather = Literal["flat", "tiers"]
+ShardScope = Literal["job", "host"]
 
 
 @dataclass(kw_only=True)
@@ -21,7 +31,9 @@ class ParamGroup:
     (shell-style globs) get this weight decay; the first matching group wins."""
 
     params: list[str]
+    """Shell-style globs over global parameter names (``layers.<index>.<name>``); at least one."""
     weight_decay: float
+    """The weight decay of the parameters that match (>= 0)."""
 
     def __post_init__(self) -> None:
         if not self.params:
@@ -37,98 +49,115 @@ class TrainConfig:
     """The optimisation problem. ``global_batch`` is fixed whatever the membership does."""
 
     steps: int = 40
+    """Committed steps to train (> 0)."""
     global_batch: int = 32
+    """Samples per step, whatever the world size (a multiple of ``micro_batch_size``)."""
     micro_batch_size: int = 2
+    """Samples per micro-batch, the unit of work spread over the ranks."""
     lr: float = 3e-3
-    # The learning rate of step s is a pure function of s (a redone step gets the same one):
-    # constant, or linear warmup over warmup_steps then cosine decay to min_lr at the last step;
-    # or a torch.optim.lr_scheduler class (e.g. torch.optim.lr_scheduler.OneCycleLR) with
-    # lr_schedule_args, stepped once per committed step (replayed: elaswave.runtime.optimizers).
-    lr_schedule: str = "constant"  # "constant" | "cosine" | a dotted class
+    """The learning rate (> 0): a constant schedule's, the peak of a cosine one."""
+    lr_schedule: str = "constant"
+    """constant | cosine | a dotted class. The learning rate of step s is a pure function of s (a
+    redone step gets the same one): constant, or linear warmup over warmup_steps then cosine
+    decay to min_lr at the last step; or a torch.optim.lr_scheduler class (e.g.
+    torch.optim.lr_scheduler.OneCycleLR) with lr_schedule_args, stepped once per committed step
+    (replayed: elaswave.runtime.optimizers)."""
     lr_schedule_args: dict[str, Any] = field(default_factory=dict)
+    """The keyword arguments of a scheduler class (lr_schedule a class only)."""
     warmup_steps: int = 0
+    """constant and cosine: steps of linear warmup to lr (0: none)."""
     min_lr: float = 0.0
-    # Gradient clipping by the global norm of the batch's mean gradient over the whole model
-    # (every replica and stage see the same reduced gradient, so the same factor); 0: off.
+    """cosine: the learning rate at the last step (in [0, lr])."""
     grad_clip: float = 0.0
-    # "adamw" | "sgd" (with momentum, as torch.optim.SGD) | a dotted torch.optim.Optimizer class
-    # (torch.optim.RMSprop, a user's class) with optimizer_args: element-wise ones, whose state
-    # is at most two tensors shaped like the parameter (checked by running it at launch)
+    """Gradient clipping by the global norm of the batch's mean gradient over the whole model
+    (every replica and stage see the same reduced gradient, so the same factor); 0: off."""
     optimizer: str = "adamw"
+    """adamw | sgd (with momentum, as torch.optim.SGD) | a dotted torch.optim.Optimizer class
+    (torch.optim.RMSprop, a user's class) with optimizer_args: element-wise ones, whose state
+    is at most two tensors shaped like the parameter (checked by running it at launch)."""
     optimizer_args: dict[str, Any] = field(default_factory=dict)
-    # A plain module's loss (a Workload has its own): cross_entropy, mse (squared error summed
-    # over every element, counted per element: torch's mean), or "package.module:function",
-    # fn(output, target) -> (sum over the micro-batch, how many terms it counts).
+    """The keyword arguments of an optimizer class (optimizer a class only)."""
     loss: str = "cross_entropy"
-    momentum: float = 0.9  # sgd only
-    # AdamW: decoupled; SGD: L2 added to the gradient. By default biases, norm scales and
-    # positional tables get none; param_groups set it by parameter name (first match wins).
+    """A plain module's loss (a Workload has its own): cross_entropy, mse (squared error summed
+    over every element, counted per element: torch's mean), or "package.module:function",
+    fn(output, target) -> (sum over the micro-batch, how many terms it counts)."""
+    momentum: float = 0.9
+    """sgd only: the momentum (in [0, 1))."""
     weight_decay: float = 0.0
+    """AdamW: decoupled; SGD: L2 added to the gradient. By default biases, norm scales and
+    positional tables get none; param_groups set it by parameter name (first match wins)."""
     param_groups: list[ParamGroup] = field(default_factory=list)
+    """Weight decay by parameter name (adamw and sgd): the first group that matches wins."""
     beta1: float = 0.9
+    """AdamW: the decay of the first moment (the gradient's running mean)."""
     beta2: float = 0.95
+    """AdamW: the decay of the second moment (the squared gradient's running mean)."""
     eps: float = 1e-8
+    """AdamW: added to the second moment's root in the denominator."""
     seed: int = 1234
-    # Keep the final state (a durable checkpoint of the last step, written by rank 0 once the
-    # job ends) so that ``elaswave export`` can write the trained model without checkpoints
-    # every K steps.
+    """Seeds the model's initial parameters, the micro-batches' samples and their randomness
+    (dropout): the same for every membership."""
     save_final: bool = True
-    # bf16: layers run under torch.autocast(bfloat16); parameters, gradients, the reduction and
-    # the optimizer state stay float32 (or the reduce_dtype). off: float32 throughout.
-    autocast: str = "off"
-    # Every eval_every committed steps, the loss on the held-out samples (data.eval_samples) is
-    # a metrics.jsonl line of its own ({"kind": "eval", "step", "eval_loss", ...}); 0: never.
+    """Keep the final state (a durable checkpoint of the last step, written by rank 0 once the
+    job ends) so that ``elaswave export`` can write the trained model without checkpoints
+    every K steps."""
+    autocast: Autocast = "off"
+    """bf16: layers run under torch.autocast(bfloat16); parameters, gradients, the reduction and
+    the optimizer state stay float32 (or the reduce_dtype). off: float32 throughout."""
     eval_every: int = 0
-    # Gradients are accumulated and reduced in this dtype. float32 (default) keeps losses within
-    # ~1e-7 of the fault-free run after a resize; float64 is the deterministic mode: the sum no
-    # longer depends on how micro-batches are spread over ranks, so losses and parameters are
-    # bit-identical to the fault-free run, at ~10% step time on CPU (twice the reduced bytes).
-    reduce_dtype: str = "float32"
-    # The gradient's all-reduce (data parallelism; ZeRO-1 on gloo): "auto" goes by tiers when the
-    # plan spans two hosts or more and some host has two ranks (summed inside each host, one rank
-    # per host and lane between them, shared back inside the host); "flat": one ring over all.
-    hierarchy: str = "auto"
-    # The inter-host hop of that reduction as block-wise int8 (one scale per 256 values: ~1/4
-    # of float32's bytes between hosts, 1/8 of float64's); the sum inside each host stays in
-    # full precision and every rank still gets the same bits. Changes the sums (each host's part
-    # rounded to half a step per value): off (default) or int8. Needs hierarchy auto; data
-    # parallelism, replicated or ZeRO-1 or ZeRO-3 (not pipelines).
-    grad_compress: str = "off"
-    # ZeRO-3's hpZ: "auto" keeps, from each layer's forward gather, a secondary partition of it
-    # over the host's ranks (1/k of the layer each, held until its backward), so the backward
-    # gather stays inside the host; used when the gradient goes by tiers and every host of the
-    # plan has two ranks or more (a lone rank would hold whole layers). "off": every gather
-    # goes over every rank.
-    hpz: str = "auto"
-    # ZeRO-3's forward gather of each layer: "flat" (one ring over every rank, posted ahead so it
-    # overlaps the layer before) or "tiers" (each host's parts gathered inside the host, each lane
-    # between the hosts, shared back: fewer bytes between hosts, but a chain of collectives on the
-    # computing thread, not overlapped). Where the plan has tiers.
-    zero3_gather: str = "flat"
-    # ZeRO-3's shards: over every data-parallel rank ("job"), or over the ranks of each host,
-    # every host holding the whole model ("host": hybrid sharding, FSDP's HSDP): each layer's
-    # gathers stay inside the host, only the gradient's reduction crosses hosts, and a worker
-    # lost on one host is rebuilt from the same elements on another (no snapshots kept). Needs
-    # zero: 3.
-    shard_scope: str = "job"
-    # A fault in the middle of a step: survivors keep the micro-batches they finished and only
-    # the lost ones are computed again (data parallelism and ZeRO-1; pipelines redo the step).
-    # false: the whole step is redone (for comparisons).
+    """Every eval_every committed steps, the loss on the held-out samples (data.eval_samples) is
+    a metrics.jsonl line of its own ({"kind": "eval", "step", "eval_loss", ...}); 0: never."""
+    reduce_dtype: ReduceDtype = "float32"
+    """Gradients are accumulated and reduced in this dtype. float32 (default) keeps losses within
+    ~1e-7 of the fault-free run after a resize; float64 is the deterministic mode: the sum no
+    longer depends on how micro-batches are spread over ranks, so losses and parameters are
+    bit-identical to the fault-free run, at ~10% step time on CPU (twice the reduced bytes)."""
+    hierarchy: Hierarchy = "auto"
+    """The gradient's all-reduce (data parallelism; ZeRO-1 on gloo): "auto" goes by tiers when the
+    plan spans two hosts or more and some host has two ranks (summed inside each host, one rank
+    per host and lane between them, shared back inside the host); "flat": one ring over all."""
+    grad_compress: GradCompress = "off"
+    """The inter-host hop of that reduction as block-wise int8 (one scale per 256 values: ~1/4
+    of float32's bytes between hosts, 1/8 of float64's); the sum inside each host stays in
+    full precision and every rank still gets the same bits. Changes the sums (each host's part
+    rounded to half a step per value): off (default) or int8. Needs hierarchy auto; data
+    parallelism, replicated or ZeRO-1 or ZeRO-3 (not pipelines)."""
+    hpz: Hpz = "auto"
+    """ZeRO-3's hpZ: "auto" keeps, from each layer's forward gather, a secondary partition of it
+    over the host's ranks (1/k of the layer each, held until its backward), so the backward
+    gather stays inside the host; used when the gradient goes by tiers and every host of the
+    plan has two ranks or more (a lone rank would hold whole layers). "off": every gather
+    goes over every rank."""
+    zero3_gather: Zero3Gather = "flat"
+    """ZeRO-3's forward gather of each layer: "flat" (one ring over every rank, posted ahead so it
+    overlaps the layer before) or "tiers" (each host's parts gathered inside the host, each lane
+    between the hosts, shared back: fewer bytes between hosts, but a chain of collectives on the
+    computing thread, not overlapped). Where the plan has tiers."""
+    shard_scope: ShardScope = "job"
+    """ZeRO-3's shards: over every data-parallel rank ("job"), or over the ranks of each host,
+    every host holding the whole model ("host": hybrid sharding, FSDP's HSDP): each layer's
+    gathers stay inside the host, only the gradient's reduction crosses hosts, and a worker
+    lost on one host is rebuilt from the same elements on another (no snapshots kept). Needs
+    zero: 3."""
     partial_redo: bool = True
-    # Structured pruning while training (OTOv2's DHSPG; see elaswave.config.prune): None: off.
+    """A fault in the middle of a step: survivors keep the micro-batches they finished and only
+    the lost ones are computed again (data parallelism and ZeRO-1; pipelines redo the step).
+    false: the whole step is redone (for comparisons)."""
     prune: PruneConfig | None = None
+    """Structured pruning while training (OTOv2's DHSPG; see elaswave.config.prune): None: off."""
     threads_per_worker: int = 1
-    # Where workers compute: auto (an accelerator when the host has one, else the CPU), cpu,
-    # cuda (NCCL) or npu (HCCL, through torch_npu). One worker per device, pinned by its slot.
-    device: str = "auto"
-    # Emulated accelerator seconds per micro-batch (forward + backward through the whole model):
-    # each worker sleeps its share, so that N workers on fewer cores behave like N devices.
-    # For benchmarks of post-change throughput on small machines; 0 (default) = off.
+    """torch's intra-op threads in each worker process (torch.set_num_threads)."""
+    device: Device = "auto"
+    """Where workers compute: auto (an accelerator when the host has one, else the CPU), cpu,
+    cuda (NCCL) or npu (HCCL, through torch_npu). One worker per device, pinned by its slot."""
     device_time: float = 0.0
-    # Emulated bandwidth (MB/s) of the links that pipeline layer state migrates over: a receiver
-    # waits bytes / bandwidth after its copy lands, as if moving a large model's state over a
-    # real link. For benchmarks of migration MTTR on small machines; 0 (default) = off.
+    """Emulated accelerator seconds per micro-batch (forward + backward through the whole model):
+    each worker sleeps its share, so that N workers on fewer cores behave like N devices.
+    For benchmarks of post-change throughput on small machines; 0 (default) = off."""
     state_bandwidth: float = 0.0
+    """Emulated bandwidth (MB/s) of the links that pipeline layer state migrates over: a receiver
+    waits bytes / bandwidth after its copy lands, as if moving a large model's state over a
+    real link. For benchmarks of migration MTTR on small machines; 0 (default) = off."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "global_batch", "micro_batch_size", "threads_per_worker"):
@@ -138,17 +167,17 @@ class TrainConfig:
                 f"train.global_batch ({self.global_batch}) must be a multiple of "
                 f"train.micro_batch_size ({self.micro_batch_size})"
             )
-        if self.hierarchy not in ("auto", "flat"):
+        if self.hierarchy not in get_args(Hierarchy):
             raise ConfigError(f"train.hierarchy must be auto or flat, got {self.hierarchy!r}")
-        if self.hpz not in ("auto", "off"):
+        if self.hpz not in get_args(Hpz):
             raise ConfigError(f"train.hpz must be auto or off, got {self.hpz!r}")
-        if self.shard_scope not in ("job", "host"):
+        if self.shard_scope not in get_args(ShardScope):
             raise ConfigError(f"train.shard_scope must be job or host, got {self.shard_scope!r}")
-        if self.zero3_gather not in ("flat", "tiers"):
+        if self.zero3_gather not in get_args(Zero3Gather):
             raise ConfigError(
                 f"train.zero3_gather must be flat or tiers, got {self.zero3_gather!r}"
             )
-        if self.grad_compress not in ("off", "int8"):
+        if self.grad_compress not in get_args(GradCompress):
             raise ConfigError(
                 f"train.grad_compress must be off or int8, got {self.grad_compress!r}"
             )
@@ -157,7 +186,7 @@ class TrainConfig:
                 "train.grad_compress int8 compresses the hop between hosts of the reduction by "
                 "tiers: it needs train.hierarchy auto, not flat"
             )
-        if self.reduce_dtype not in ("float32", "float64"):
+        if self.reduce_dtype not in get_args(ReduceDtype):
             raise ConfigError(
                 f"train.reduce_dtype must be float32 or float64, got {self.reduce_dtype!r}"
             )
@@ -182,7 +211,7 @@ class TrainConfig:
             raise ConfigError(f"train.warmup_steps must be >= 0, got {self.warmup_steps}")
         if not 0 <= self.min_lr <= self.lr:  # also rejects NaN
             raise ConfigError(f"train.min_lr must be in [0, train.lr], got {self.min_lr}")
-        if self.autocast not in ("off", "bf16"):
+        if self.autocast not in get_args(Autocast):
             raise ConfigError(f"train.autocast must be off or bf16, got {self.autocast!r}")
         if self.device not in DEVICE_KINDS:
             choices = ", ".join(DEVICE_KINDS)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import importlib
 import logging
 from pathlib import Path
-from typing import Any, BinaryIO, Literal, cast
+from typing import Any, BinaryIO
 
 from elaswave.config.observe import PACKAGES, LoggingConfig, WandbConfig
 from elaswave.daemon.streamplan import Entry, event_file_name, wandb_rows
@@ -145,9 +145,8 @@ class WandbRun:
         import wandb
 
         directory.mkdir(parents=True, exist_ok=True)
-        mode = cast(Literal["online", "offline", "disabled"], cfg.mode)  # WandbConfig checks it
         self.run = wandb.init(
-            project=cfg.project, mode=mode, id=run_id, name=name, dir=str(directory),
+            project=cfg.project, mode=cfg.mode, id=run_id, name=name, dir=str(directory),
             resume="allow", config=config,
             settings=wandb.Settings(silent=True, console="off"),  # never the daemon's terminal
         )  # fmt: skip

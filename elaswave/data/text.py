@@ -18,8 +18,10 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from typing import cast
 
 from elaswave.config import JobConfig, ModelConfig, cache_dir
+from elaswave.config.model import TokenDtype
 from elaswave.data.cache import FORMAT, Corpus, Progress, corpus_key, prepare, tokenize_to
 from elaswave.data.encode import BYTE_EOS, BYTE_VOCAB
 from elaswave.errors import ConfigError
@@ -69,7 +71,8 @@ def resolve_text(cfg: JobConfig, *, progress: Progress | None = None) -> JobConf
         raise ConfigError(
             f"data.files: {corpus.tokens} tokens is too short for one sample of seq_len {m.seq_len}"
         )
-    data = dataclasses.replace(d, path=str(corpus.path.resolve()), dtype=corpus.dtype)
+    dtype = cast(TokenDtype, corpus.dtype)  # DataConfig checks it
+    data = dataclasses.replace(d, path=str(corpus.path.resolve()), dtype=dtype)
     return dataclasses.replace(cfg, data=data)
 
 

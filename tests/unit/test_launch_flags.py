@@ -34,7 +34,10 @@ def test_flag_type_agrees_with_the_schema(name: str) -> None:
     if typing.get_origin(schema) in (typing.Union, types.UnionType):
         schema = schema_args[0]
     flag = _flag_type(name)
-    if typing.get_origin(schema) is list:
+    if typing.get_origin(schema) is typing.Literal:  # a fixed set of values: the config checks it
+        values = typing.get_args(schema)
+        assert {type(v) for v in values} == {flag}, f"--{name} is {flag}, {key} is {schema}"
+    elif typing.get_origin(schema) is list:
         assert flag is str, f"--{name} fills list {key} from a comma-separated string"
     elif flag is Path:
         assert schema is str, f"--{name} is a path; {key} must hold it as a string"
