@@ -143,7 +143,7 @@ def _load_certs() -> Any:
 
 def _etcd_round(mode: str, pki: Any, server: Any, client: Any) -> dict[str, list[float]]:
     from elaswave.config import EtcdTLSConfig
-    from elaswave.daemon.etcd import EtcdSecurity
+    from elaswave.daemon.etcd_connect import EtcdSecurity
     from elaswave.daemon.etcd_server import EmbeddedEtcd, ServerTLS, etcd_binary
     from elaswave.keys import JobKeys, confinement_commands
 

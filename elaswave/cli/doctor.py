@@ -112,7 +112,7 @@ def _endpoints(text: str | None) -> list[str]:
     """``--etcd`` as ``host:port`` strings; malformed is a one-line error."""
     if text is None:
         return []
-    from elaswave.daemon.etcd import parse_endpoints
+    from elaswave.daemon.etcd_connect import parse_endpoints
 
     return [f"{host}:{port}" for host, port in parse_endpoints(text)]
 

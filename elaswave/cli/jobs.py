@@ -9,7 +9,8 @@ from typing import Any
 
 from elaswave.config import EtcdTLSConfig
 from elaswave.daemon.discovery import find_job
-from elaswave.daemon.etcd import Etcd, EtcdSecurity
+from elaswave.daemon.etcd import Etcd
+from elaswave.daemon.etcd_connect import EtcdSecurity
 from elaswave.daemon.faultrelay import submit_fault
 from elaswave.daemon.netns import set_links
 from elaswave.errors import FaultSpecError, JobNotFound

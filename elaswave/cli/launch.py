@@ -16,7 +16,7 @@ from elaswave.errors import ConfigError, ElasWaveError, FaultSpecError
 
 if TYPE_CHECKING:
     from elaswave.config import JobConfig
-    from elaswave.daemon.etcd import EtcdSecurity
+    from elaswave.daemon.etcd_connect import EtcdSecurity
 
 SCRIPT_ARGS: list[str] = []  # the arguments after "--": the script's own (app.main fills it)
 
@@ -339,13 +339,13 @@ def _preflight(cfg: JobConfig) -> EtcdSecurity:
     factory, an HF config or directory, its vocabulary) is checked by ``launch`` where torch
     is imported: in the worker template, before any worker starts."""
     from elaswave.config import check_packages
-    from elaswave.daemon.etcd import EtcdSecurity
+    from elaswave.daemon.etcd_connect import EtcdSecurity
     from elaswave.data.checks import check_before_start
 
     check_packages(cfg.logging)  # logging.tensorboard / wandb: the extra to install
     check_before_start(cfg)
     if cfg.etcd:
-        from elaswave.daemon.etcd import parse_endpoints
+        from elaswave.daemon.etcd_connect import parse_endpoints
 
         parse_endpoints(cfg.etcd)
     return EtcdSecurity.load(cfg.etcd_tls)  # bad files / credentials: fail before start
@@ -353,7 +353,8 @@ def _preflight(cfg: JobConfig) -> EtcdSecurity:
 
 def _print_summary(cfg: JobConfig, start: float) -> None:
     """The MTTR report of the finished run, its directory and how long it ran since ``start``."""
-    from elaswave.report import build_report, render_markdown
+    from elaswave.report import build_report
+    from elaswave.report_text import render_markdown
 
     report = build_report(cfg.resolved_run_dir)
     out.print(render_markdown(report), highlight=False)

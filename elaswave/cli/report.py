@@ -26,7 +26,8 @@ def report(
 ) -> None:
     """MTTR report of a run: one row per incident with its phases, plus run totals; html adds
     the plots (phases, loss with the faults marked, throughput, world size) in one file."""
-    from elaswave.report import build_report, render
+    from elaswave.report import build_report
+    from elaswave.report_text import render
 
     try:
         if fmt not in ("json", "csv", "md", "html"):

@@ -20,7 +20,7 @@ from pathlib import Path
 from elaswave.config import JobConfig, check_packages
 from elaswave.daemon.discovery import discovery_path, find_job
 from elaswave.daemon.earlier import archive, run_dir_records
-from elaswave.daemon.etcd import EtcdSecurity
+from elaswave.daemon.etcd_connect import EtcdSecurity
 from elaswave.daemon.etcd_server import EmbeddedEtcd, ServerTLS, check_port_free
 from elaswave.daemon.supervisor import HostDaemon, default_host_id
 from elaswave.daemon.template import Template, hf_model_type, take_prestarted

@@ -35,8 +35,9 @@ from elaswave.config import JobConfig
 from elaswave.daemon.aio import wait_for
 from elaswave.daemon.jobstore import Change, JobStore, WorkerRecord
 from elaswave.errors import EtcdUnavailable
+from elaswave.planning.layercosts import measured_layers, plan_costs
 from elaswave.planning.partition import NoCutFits, StageMemory
-from elaswave.planning.pipeplan import measured_layers, next_pipeline_plan, plan_costs
+from elaswave.planning.pipeplan import next_pipeline_plan
 from elaswave.planning.plan import Member, Plan, moved_store, next_plan, reshared_plan
 from elaswave.planning.verdicts import (
     Hysteresis,

@@ -42,7 +42,8 @@ from elaswave.daemon.compute import ComputeTimes
 from elaswave.daemon.control_server import ControlServer, WorkerConn
 from elaswave.daemon.controlplane import ControlPlane
 from elaswave.daemon.entry import JobEntry
-from elaswave.daemon.etcd import Etcd, EtcdSecurity
+from elaswave.daemon.etcd import Etcd
+from elaswave.daemon.etcd_connect import EtcdSecurity
 from elaswave.daemon.etcd_server import EmbeddedEtcd
 from elaswave.daemon.faultrelay import FaultRelay
 from elaswave.daemon.hangs import detect_hangs

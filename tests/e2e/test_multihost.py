@@ -15,7 +15,7 @@ import pytest
 from conftest import Run, assert_clean_run, assert_redid_only, paced, wait_for
 from netbed import NetBed, netbed_fixture  # noqa: F401 - provides the netbed_factory fixture
 
-from elaswave.daemon.etcd import start_order
+from elaswave.daemon.etcd_connect import start_order
 from elaswave.events import read_jsonl
 from elaswave.report import build_report
 

@@ -32,7 +32,8 @@ from conftest import (
 )
 
 from elaswave.config import EtcdTLSConfig
-from elaswave.daemon.etcd import Etcd, EtcdSecurity
+from elaswave.daemon.etcd import Etcd
+from elaswave.daemon.etcd_connect import EtcdSecurity
 from elaswave.daemon.etcd_server import EmbeddedEtcd, ServerTLS, etcd_binary
 from elaswave.errors import EtcdUnavailable
 from elaswave.keys import JobKeys

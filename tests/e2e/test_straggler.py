@@ -23,7 +23,8 @@ from elaswave.daemon.etcd import Etcd
 from elaswave.daemon.etcd_server import EmbeddedEtcd
 from elaswave.errors import JobStopped
 from elaswave.keys import JobKeys
-from elaswave.report import build_report, render_markdown
+from elaswave.report import build_report
+from elaswave.report_text import render_markdown
 
 pytestmark = pytest.mark.e2e
 

@@ -14,7 +14,8 @@ from test_cli_errors import isolated_env, no_side_effects, one_error_line, runne
 from elaswave.cli.app import app
 from elaswave.cli.jobs import fault_target_error
 from elaswave.config import EtcdTLSConfig, etcd_credentials, load_config
-from elaswave.daemon.etcd import Etcd, EtcdSecurity, explain
+from elaswave.daemon.etcd import Etcd
+from elaswave.daemon.etcd_connect import EtcdSecurity, explain
 from elaswave.errors import ConfigError, FaultSpecError
 from elaswave.faults import FaultSpec, decode_request
 from elaswave.keys import JobKeys, confinement_commands

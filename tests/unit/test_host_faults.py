@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from elaswave.config import load_config
-from elaswave.daemon.etcd import failover_order, start_order
+from elaswave.daemon.etcd_connect import failover_order, start_order
 from elaswave.daemon.etcd_server import port_candidates
 from elaswave.daemon.leader import lost_hosts, succession_delay, succession_turn
 from elaswave.errors import ConfigError

@@ -12,7 +12,7 @@ import pytest
 
 from elaswave.config import load_config
 from elaswave.errors import ConfigError
-from elaswave.planning.pipeplan import (
+from elaswave.planning.layercosts import (
     ema_update,
     measured_layers,
     online_costs,

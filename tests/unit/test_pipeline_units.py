@@ -408,7 +408,7 @@ def test_pipeline_config_ok() -> None:
 
 
 def test_measured_costs_take_the_median_and_ignore_bad_profiles() -> None:
-    from elaswave.planning.pipeplan import measured_costs
+    from elaswave.planning.layercosts import measured_costs
 
     fallback = (1.0, 1.0, 1.0)
     profiles = [[1.0, 4.0, 2.0], [3.0, 2.0, 2.0], [2.0, 3.0, 9.0], [1.0, 1.0], [0.0, 1.0, 1.0]]

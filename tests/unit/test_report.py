@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 
 from elaswave.events import EVENTS_FILE, METRICS_FILE, EventLog, JsonlWriter, read_jsonl
-from elaswave.report import CSV_FIELDS, PHASES, build_report, merge_spans, render
+from elaswave.report import PHASES, build_report, merge_spans
+from elaswave.report_text import CSV_FIELDS, render
 
 CRASH_REASON = "worker w1 (rank 1) killed by SIGKILL"
 PLAN2_REASON = f"{CRASH_REASON} → epoch 2: dp 4→3, micro-batches 16 → [6, 5, 5]"

@@ -2,7 +2,7 @@
 
 During a step the stage times each layer's forward per micro-batch, each micro-batch's backward
 through the whole stage and the emulated device time. At the end of the step the totals become
-seconds per micro-batch per layer (:func:`~elaswave.planning.pipeplan.stage_sample`: the
+seconds per micro-batch per layer (:func:`~elaswave.planning.layercosts.stage_sample`: the
 backward follows the forward times, the device time its own cost shares) and feed an
 exponential moving average per layer. The worker reports the averages to its daemon every
 ``cost_every`` committed steps; the leader cuts the next plan with them.
@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
-from elaswave.planning.pipeplan import ema_update, stage_sample
+from elaswave.planning.layercosts import ema_update, stage_sample
 from elaswave.runtime.timing import clock
 
 EMA_WEIGHT = 0.3  # weight of the newest step: the average follows the last few steps
