@@ -5,7 +5,7 @@ Devices are found the way a launch finds them (:func:`elaswave.runtime.device.pr
 etcd binary the way an embedded etcd does (:func:`elaswave.daemon.etcd_server.etcd_binary`), the
 address peers reach the way the daemon does (:func:`elaswave.daemon.supervisor.host_address_for`),
 and whether NCCL shrinks in place the way the communicator decides it
-(:func:`elaswave.runtime.comm.communicator.shrinkable`, asked of a one-rank NCCL group).
+(:func:`elaswave.runtime.comm.backends.shrinkable`, asked of a one-rank NCCL group).
 
 Probing CUDA initialises it in this process. That is safe here: the doctor is a process of its
 own, and its smoke run starts ``elaswave launch`` through fork and exec, never a bare fork.
@@ -208,7 +208,7 @@ def nccl_facts() -> tuple[str | None, bool | None, str | None]:
     import torch
     import torch.distributed as dist
 
-    from elaswave.runtime.comm.communicator import accelerator_group, shrinkable
+    from elaswave.runtime.comm.backends import accelerator_group, shrinkable
 
     if not dist.is_nccl_available():
         return None, None, None

@@ -38,8 +38,9 @@ from elaswave.config import JobConfig
 from elaswave.errors import EXIT_STATE_LOST
 from elaswave.planning.plan import Plan
 from elaswave.planning.stageshards import LayersLost
-from elaswave.runtime.comm.communicator import CommError, Communicator, Interrupted
+from elaswave.runtime.comm.communicator import Communicator
 from elaswave.runtime.comm.control_client import ControlClient
+from elaswave.runtime.comm.groups import CommError, Interrupted
 from elaswave.runtime.device import backend_for, stages_through_host
 from elaswave.runtime.durable.checkpoints import DurableCheckpoints, Piece
 from elaswave.runtime.durable.restore import DurableSource

@@ -63,7 +63,7 @@ class TrainState:
     zero: bool = False  # ZeRO keeps the moments in its shards: ``opt`` holds none
     prune: Pruner | None = None  # train.prune: DHSPG after each update
     stats: RunningStats | None = None  # the norm layers' running statistics, if any
-    script: Any = None  # a script's own registered state (``loop.ScriptState``), if any
+    script: Any = None  # a script's own registered state (``registered.ScriptState``), if any
 
     @classmethod
     def build(

@@ -20,7 +20,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from elaswave.runtime.comm.communicator import CommError, Communicator
+from elaswave.runtime.comm.communicator import Communicator
+from elaswave.runtime.comm.groups import CommError
 
 PEER = textwrap.dedent(
     """

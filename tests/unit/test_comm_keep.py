@@ -15,7 +15,8 @@ SCRIPT = textwrap.dedent(
     import datetime, json, os, sys, threading, time
     import torch
     import torch.distributed as dist
-    from elaswave.runtime.comm.communicator import Communicator, Interrupted
+    from elaswave.runtime.comm.communicator import Communicator
+    from elaswave.runtime.comm.groups import Interrupted
 
     PLAN = {"dp": ("a", "b", "c"), "g": ("a", "b")}
     extra_on_a = sys.argv[1] == "1"

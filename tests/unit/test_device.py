@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from elaswave.errors import ConfigError
-from elaswave.runtime.comm.communicator import Communicator, _Group, shrink_exclusions
+from elaswave.runtime.comm.backends import shrink_exclusions
+from elaswave.runtime.comm.communicator import Communicator
+from elaswave.runtime.comm.groups import HeldGroup as _Group
 from elaswave.runtime.device import (
     NCCL_ENV,
     Accelerators,
@@ -233,7 +235,7 @@ def test_device_work_is_polled_until_done_then_waited() -> None:
 
 
 def test_device_work_stuck_on_a_dead_peer_is_interrupted_by_a_newer_plan() -> None:
-    from elaswave.runtime.comm.communicator import Interrupted
+    from elaswave.runtime.comm.groups import Interrupted
 
     asked = []
 
@@ -248,7 +250,7 @@ def test_device_work_stuck_on_a_dead_peer_is_interrupted_by_a_newer_plan() -> No
 
 
 def test_device_work_times_out_in_a_background_wait() -> None:
-    from elaswave.runtime.comm.communicator import CommError
+    from elaswave.runtime.comm.groups import CommError
 
     with pytest.raises(CommError, match="timed out"):
         _device_comm(timeout=0.05).wait_done([_Work(None)])  # type: ignore[list-item]

@@ -90,7 +90,7 @@ def test_holder_groups_go_by_tiers_where_they_span_hosts_and_share_one(
     tiers over its members (host and lane groups named after it) where ``hierarchy: auto``,
     its members span both hosts and two of them share one."""
     from elaswave.planning.plan import Plan
-    from elaswave.runtime.strategies.pipeline.strategy import GradLayout
+    from elaswave.runtime.strategies.pipeline.stagegrads import GradLayout
 
     workers = tuple(f"{h}.w{i}" for h in "ab" for i in range(3))
     plan = Plan(epoch=1, workers=workers, hosts=("a",) * 3 + ("b",) * 3,

@@ -11,7 +11,8 @@ import elaswave
 from elaswave import wire
 from elaswave.config import JobConfig
 from elaswave.errors import ConfigError
-from elaswave.runtime.loop import ScriptError, optimizer_rule
+from elaswave.runtime.loop import ScriptError
+from elaswave.runtime.registered import optimizer_rule
 
 STEPS = 12
 

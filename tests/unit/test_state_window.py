@@ -12,8 +12,8 @@ from elaswave.config import JobConfig
 from elaswave.runtime.optim import Spans
 from elaswave.runtime.state import TrainState
 from elaswave.runtime.strategies.base import nbytes
+from elaswave.runtime.strategies.pipeline.stagegrads import chunks
 from elaswave.runtime.strategies.pipeline.stagestate import hull
-from elaswave.runtime.strategies.pipeline.strategy import chunks
 
 
 def _cfg(pp: int, zero: int = 0, **train: Any) -> JobConfig:

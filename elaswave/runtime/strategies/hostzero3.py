@@ -30,8 +30,8 @@ from elaswave.planning.plan import Plan
 from elaswave.planning.shards import Range, Transfer, position, recovery_stats
 from elaswave.runtime.durable.checkpoints import DurableState, Piece
 from elaswave.runtime.strategies.base import DP
+from elaswave.runtime.strategies.reshard import unpack_into
 from elaswave.runtime.strategies.shard import Shard, ShardLost
-from elaswave.runtime.strategies.zero import unpack_into
 from elaswave.runtime.strategies.zero3 import Zero3
 
 if TYPE_CHECKING:

@@ -30,20 +30,16 @@ import bisect
 import math
 import time
 from collections import defaultdict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from elaswave.planning.shards import (
-    Holding,
     Range,
     ReplicaPiece,
     ShardLayout,
-    Transfer,
-    held_by,
-    holdings,
     next_layout,
     overlaps,
     place_replicas,
@@ -56,7 +52,6 @@ from elaswave.planning.tiers import Tiers
 from elaswave.prune.pruner import Pruner
 from elaswave.runtime.comm.communicator import Communicator
 from elaswave.runtime.comm.tiered import allgather_tiered, allreduce_tiered
-from elaswave.runtime.integrity.checksums import fast_checksum
 from elaswave.runtime.optim import (
     FlatOptimizer,
     FlatParams,
@@ -66,6 +61,8 @@ from elaswave.runtime.optim import (
     clip_scale,
     global_norm,
 )
+from elaswave.runtime.strategies.replicas import repair_copies, send_replicas
+from elaswave.runtime.strategies.reshard import pack_transfers, unpack_into, usable_copies
 from elaswave.runtime.strategies.shard import Shard, ShardLost, Staged
 
 __all__ = ["Shard", "ShardLost", "Staged", "ZeroState", "commit_barrier"]
@@ -329,29 +326,10 @@ class ZeroState:
         """Send every holder its pieces of ``shard``; receive the pieces this rank keeps."""
         if len(self.workers) == 1 or not self.snapshot_every:
             return {}
-        sends = []
-        for holder, spans in sorted(self._send_spans.items()):
-            parts = shard.cut(spans)
-            # One message: the tensors as 32-bit words, then step and checksum as int64 halves.
-            meta = torch.tensor(
-                [shard.step, fast_checksum(*parts)], dtype=torch.int64, device=self.flat.data.device
-            )
-            sends.append(
-                (holder, torch.cat([p.view(torch.int32) for p in parts] + [meta.view(torch.int32)]))
-            )
-        nt = len(shard.tensors())
-        recvs = [
-            (o, self.flat.data.new_empty(nt * n + 4, dtype=torch.int32))
-            for o, n in sorted(self._recv_sizes.items())
-        ]
-        comm.exchange(self.group, sends=sends, recvs=recvs, abort=abort, tag=1000)
-        out = {}
-        for owner, got in recvs:
-            n = self._recv_sizes[owner]
-            step, checksum = got[nt * n :].clone().view(torch.int64).tolist()
-            parts = [got[k * n : (k + 1) * n].clone().view(torch.float32) for k in range(nt)]
-            out[owner] = Shard(int(step), parts[0], parts[1], int(checksum), *parts[2:])
-        return out
+        return send_replicas(
+            comm, shard, abort, group=self.group, send_spans=self._send_spans,
+            recv_sizes=self._recv_sizes, like=self.flat.data,
+        )  # fmt: skip
 
     def restore_full(
         self,
@@ -435,53 +413,11 @@ class ZeroState:
         """Replace corrupt copies from the good ones: an owner's snapshot from the replica
         pieces its peers keep, a rank's replica pieces from their owners. Every rank computes
         the same exchange from the same lists."""
-        sends: list[tuple[int, torch.Tensor]] = []
-        own_in: list[tuple[int, torch.Tensor]] = []
-        replica_in: list[tuple[int, torch.Tensor]] = []
-        me, nt = self.rank, len(self.snap.tensors()) if self.snap else 2
-        for o in bad_own:  # every holder of a piece of o's shard sends it back
-            holders = sorted({p.holder for p in self.placement if p.owner == o})
-            if me in holders:
-                sends.append((o, torch.cat(self.replicas[o].tensors())))
-            if o == me:
-                own_in += [
-                    (h, self.flat.data.new_empty(nt * self._send_spans_len(h))) for h in holders
-                ]
-        for b in bad_replica:  # every owner with pieces on b re-sends them
-            owners = sorted({p.owner for p in self.placement if p.holder == b})
-            if me in owners:
-                assert self.snap is not None
-                sends.append((b, torch.cat(self.snap.cut(self._send_spans[b]))))
-            if b == me:
-                replica_in += [
-                    (o, self.flat.data.new_empty(nt * self._recv_sizes[o])) for o in owners
-                ]
-        comm.exchange(self.group, sends, own_in + replica_in, abort, tag=3000)
-        for holder, buf in own_in:
-            self._repair_own(holder, buf)
-        if own_in:
-            assert self.snap is not None
-            if not self.snap.verify():
-                raise ShardLost("both copies of a shard fail their checksum (own repair)")
-        for owner, buf in replica_in:
-            old, n = self.replicas[owner], self._recv_sizes[owner]
-            parts = [buf[k * n : (k + 1) * n].clone() for k in range(nt)]
-            fixed = Shard(old.step, parts[0], parts[1], old.checksum, *parts[2:])
-            if not fixed.verify():
-                raise ShardLost("both copies of a shard fail their checksum (replica repair)")
-            self.replicas[owner] = fixed
-
-    def _send_spans_len(self, holder: int) -> int:
-        return sum(n for _, n in self._send_spans[holder])
-
-    def _repair_own(self, holder: int, buf: torch.Tensor) -> None:
-        assert self.snap is not None
-        n = self._send_spans_len(holder)
-        for k, t in enumerate(self.snap.tensors()):
-            part, cursor = buf[k * n : (k + 1) * n], 0
-            for p, length in self._send_spans[holder]:
-                t[p : p + length] = part[cursor : cursor + length]
-                cursor += length
+        repair_copies(
+            comm, bad_own, bad_replica, abort=abort, rank=self.rank, placement=self.placement,
+            snap=self.snap, replicas=self.replicas, send_spans=self._send_spans,
+            recv_sizes=self._recv_sizes, group=self.group, like=self.flat.data,
+        )  # fmt: skip
 
     # ---- recovery ---------------------------------------------------------------------------
     def _copy(self) -> Shard | None:
@@ -534,9 +470,11 @@ class ZeroState:
                 "transfers": 0,
             }
         hosts = old_hosts if len(old_hosts) == len(old_workers) else ()
-        found, sources = self._usable_copies(
-            comm, old_workers, old_layout, place_replicas(old_layout, hosts), new_workers, me,
-            resume_step, abort,
+        found, sources = usable_copies(
+            comm, old_workers, old_layout, placement=place_replicas(old_layout, hosts),
+            new_workers=new_workers, me=me, resume_step=resume_step, abort=abort,
+            replicas=self.replicas, copy=self._copy(), group=self.group,
+            device=self.flat.data.device,
         )  # fmt: skip
         new_layout = next_layout(old_layout, old_workers, found, new_workers)
         moves = plan_transfers(found, new_layout, new_workers)
@@ -550,7 +488,7 @@ class ZeroState:
                 src_pos = position(pieces, dst_lo)
                 for t, src in zip(out, shard.tensors(), strict=True):
                     t[dst_pos : dst_pos + dst_n] = src[src_pos : src_pos + dst_n]
-        sends, recvs, unpack = self._pack(moves, me, found, sources, nt)
+        sends, recvs, unpack = pack_transfers(moves, me, found, sources=sources, nt=nt)
         recv_buffers = {peer: self.flat.data.new_empty(total) for peer, total in recvs.items()}
         comm.exchange(
             self.group,
@@ -590,114 +528,11 @@ class ZeroState:
             comm, Shard.of(resume_step, zeros.clone(), zeros.clone(), params), math.nan, abort
         )
 
-    def _usable_copies(
-        self,
-        comm: Communicator,
-        old_workers: tuple[str, ...],
-        old_layout: ShardLayout,
-        placement: tuple[ReplicaPiece, ...],
-        new_workers: tuple[str, ...],
-        me: str,
-        resume_step: int,
-        abort: Callable[[], bool],
-    ) -> tuple[list[Holding], dict[tuple[int, bool], tuple[Shard, list[Range]]]]:
-        """Which surviving copies hold every old shard, and this rank's verified ones. Every rank
-        decides together: all stop, with the same verdict, if any copy is unusable."""
-        problem, found, sources = "", [], {}
-        try:
-            found = holdings(old_layout, old_workers, placement, set(new_workers))
-            sources = self._sources(found, me, old_workers, old_layout, placement, resume_step)
-        except KeyError as exc:
-            problem = str(exc.args[0])
-        except ShardLost as exc:
-            problem = str(exc)
-        dev = self.flat.data.device
-        flags = torch.zeros(len(new_workers), dtype=torch.int64, device=dev)
-        mine = torch.tensor([0 if problem else 1], dtype=torch.int64, device=dev)
-        comm.allgather_into(self.group, flags, mine, abort)
-        if not bool(flags.all()):
-            first = int((flags == 0).nonzero()[0])
-            raise ShardLost(
-                problem
-                or f"a shard copy held by {new_workers[first]} is missing, stale or fails its "
-                "checksum"
-            )
-        return found, sources
-
-    def _sources(
-        self,
-        found: list[Holding],
-        me: str,
-        old_workers: tuple[str, ...],
-        old_layout: ShardLayout,
-        placement: tuple[ReplicaPiece, ...],
-        resume_step: int,
-    ) -> dict[tuple[int, bool], tuple[Shard, list[Range]]]:
-        """For each old shard this rank holds (part of), the verified data and the flat ranges
-        its buffer positions stand for."""
-        out: dict[tuple[int, bool], tuple[Shard, list[Range]]] = {}
-        for h in found:
-            if h.worker != me or (h.owner, h.replica) in out:
-                continue
-            if h.replica:
-                shard = self.replicas.get(h.owner)
-                pieces = held_by(placement, old_workers.index(me), h.owner)
-            else:
-                shard, pieces = self._copy(), old_layout.pieces(h.owner)
-            if shard is None or shard.step != resume_step or not shard.verify():
-                raise ShardLost(
-                    f"the copy of old rank {h.owner}'s shard held by {me} is missing, stale or "
-                    "fails its checksum"
-                )
-            out[(h.owner, h.replica)] = (shard, pieces)
-        return out
-
-    def _pack(
-        self,
-        moves: list[Transfer],
-        me: str,
-        found: list[Holding],
-        sources: dict[tuple[int, bool], tuple[Shard, list[Range]]],
-        nt: int,
-    ) -> tuple[dict[str, torch.Tensor], dict[str, int], dict[str, list[tuple[int, int]]]]:
-        outgoing: dict[str, list[torch.Tensor]] = defaultdict(list)
-        recv_sizes: dict[str, int] = defaultdict(int)
-        unpack: dict[str, list[tuple[int, int]]] = defaultdict(list)
-        mine = [h for h in found if h.worker == me]
-        for mv in moves:
-            if mv.src == me:
-                h = next(h for h in mine if h.offset <= mv.offset < h.offset + h.length)
-                shard, pieces = sources[(h.owner, h.replica)]
-                pos = position(pieces, mv.offset)
-                outgoing[mv.dst] += [t[pos : pos + mv.length] for t in shard.tensors()]
-            if mv.dst == me:
-                recv_sizes[mv.src] += nt * mv.length
-                unpack[mv.src].append((mv.offset, mv.length))
-        sends = {dst: torch.cat(parts) for dst, parts in outgoing.items()}
-        return sends, dict(recv_sizes), dict(unpack)
-
 
 def commit_barrier(comm: Communicator, abort: Callable[[], bool]) -> None:
     """Step 4's barrier: it returns on a rank only once every rank of the plan staged (and
     replicated) the step."""
     comm.allreduce(DP, torch.ones(1, device=comm.device), abort)
-
-
-def unpack_into(
-    out: Sequence[torch.Tensor],
-    received: Mapping[str, torch.Tensor],
-    ranges: Mapping[str, Sequence[Range]],
-    pieces: Sequence[Range],
-) -> None:
-    """A reshard's received transfers into the new shard ``out`` (laid out as ``pieces``): from
-    each peer, its ``ranges`` one after another, each as every tensor of ``out`` in turn."""
-    for src, spans in ranges.items():
-        buf, cursor = received[src], 0
-        for lo, n in spans:
-            pos = position(pieces, lo)
-            for t in out:
-                t[pos : pos + n] = buf[cursor : cursor + n]
-                cursor += n
 
 
 def layer_runs(

@@ -29,7 +29,9 @@ summed over every rank, a bounded chunk at a time) and raises a flag in the all-
 every receiver has, all ranks switch to the new layout at the same step boundary.
 
 Beside this module: the pure schedule and transfer plans (:mod:`~elaswave.planning.schedule`),
-ZeRO-1 inside the stages (:mod:`~elaswave.runtime.strategies.pipeline.stagezero`, layout in
+the recovery on a new layout and the migrations' moves
+(:mod:`~elaswave.runtime.strategies.pipeline.stagesync`), ZeRO-1 inside the stages
+(:mod:`~elaswave.runtime.strategies.pipeline.stagezero`, layout in
 :mod:`~elaswave.planning.stageshards`), online verification
 (:mod:`~elaswave.runtime.strategies.pipeline.stageverify`) and layer timing
 (:mod:`~elaswave.runtime.strategies.pipeline.stagetimes`).
@@ -37,7 +39,6 @@ ZeRO-1 inside the stages (:mod:`~elaswave.runtime.strategies.pipeline.stagezero`
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -46,38 +47,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from elaswave.planning.dvfs import DvfsError, frequency_plan
-from elaswave.planning.pipeplan import serving_shares
 from elaswave.planning.plan import Plan
 from elaswave.planning.redo import StageRedo
-from elaswave.planning.schedule import (
-    LayerTransfer,
-    plan_layer_transfers,
-    transfer_stats,
-)
-from elaswave.planning.stageshards import (
-    Interval,
-    Piece,
-    gather_plan,
-    holder_blocks,
-    moment_duty,
-    part_keepers,
-)
+from elaswave.planning.stageshards import Interval, Piece
 from elaswave.runtime.device import nvml_index
 from elaswave.runtime.durable.checkpoints import DurableState
 from elaswave.runtime.integrity.checksums import digest
 from elaswave.runtime.optim import update_
-from elaswave.runtime.strategies.pipeline import stageverify, stagezero
+from elaswave.runtime.strategies.pipeline import stagesync, stageverify, stagezero
 from elaswave.runtime.strategies.pipeline.clocks import SimActuator, make_actuator
 from elaswave.runtime.strategies.pipeline.stageredo import StageKept
-from elaswave.runtime.strategies.pipeline.stagestate import (
-    Migration,
-    MomentStore,
-    Undo,
-    bounds_of,
-    hull,
-    range_of,
-    unpack_into,
-)
+from elaswave.runtime.strategies.pipeline.stagestate import Migration, MomentStore, Undo, hull
 from elaswave.runtime.strategies.pipeline.stagestep import StageStep, StageTools
 from elaswave.runtime.strategies.pipeline.stagetimes import StageTimer
 from elaswave.runtime.strategies.pipeline.stagezero import Contribution, gather_messages
@@ -89,8 +69,6 @@ from elaswave.runtime.workload.data import MicroBatch
 if TYPE_CHECKING:
     from elaswave.runtime.state import RankContext
 
-MIG = "mig"  # the process group asynchronous migrations run on, beside the training group
-TAG_STATE = 3  # layer state moving to a new holder (activations and gradients: 1, 2)
 TAG_EVAL = 7  # an evaluation's activations (ZeRO's pieces: 4, 5; repairs: 6)
 
 
@@ -357,7 +335,7 @@ class Pipeline:
         if m is not None and m.replay:
             missed = [grads[r] for r, _ in m.replay]
             if m.caught_up:
-                self._replay_step(m, step, missed)
+                stagesync.replay_step(m, step, missed, self.e.state)
             else:
                 m.pending.append((step, [g.clone() for g in missed]))
         self._written(step)
@@ -398,7 +376,7 @@ class Pipeline:
                 self.e.event("migration_failed", step=step, reason=str(m.error[0])[:300])
                 m.replay = []  # its flag never rises, so nobody switches
             else:
-                self._catch_up(m)
+                stagesync.catch_up(m, self.e.state)
         if int(round(ready_sum)) < m.receivers:
             return None
         # Every receiver holds its new layers at this step: switch, everyone at this boundary.
@@ -421,27 +399,6 @@ class Pipeline:
     def ready_flag(self) -> float:
         m = self.migration  # raised by a receiver once its new layers are current
         return 1.0 if m is not None and m.replay and m.caught_up else 0.0
-
-    def _catch_up(self, m: Migration) -> None:
-        for land, payload in m.landed:
-            land(payload)
-        for step, grads in m.pending:  # replay the steps the snapshot missed, in order
-            self._replay_step(m, step, grads)
-        m.pending.clear()
-        m.landed.clear()
-        m.caught_up = True
-
-    def _replay_step(self, m: Migration, step: int, grads: Sequence[torch.Tensor]) -> None:
-        """One optimizer step on the regions a migration brings up to date."""
-        e = self.e
-        for (region, own), g in zip(m.replay, grads, strict=True):
-            if m.store is None:
-                moments = (e.state.exp_avg[region], e.state.exp_avg_sq[region])
-            else:
-                moments = m.store.view(region.start, region.stop)
-            params = e.state.params[region] if own else e.state.params[region].clone()
-            h = e.state.opt.hyper
-            update_(params, g, *moments, step, h, h.groups_of(region))
 
     def assemble(self, broken: Callable[[], bool]) -> tuple[torch.Tensor, bool]:
         """The whole model's [params | exp_avg | exp_avg_sq] on every rank (each layer from its
@@ -532,163 +489,23 @@ class Pipeline:
         checkpoint of a job that has committed steps)."""
         if self.zero:
             return stagezero.sync(self, plan, broken, asynchronous, start_from)
-        e = self.e
-        rank = e.comm.rank("dp")
-        self.migration = None  # a migration cut short by this change is void
-        undo_held = self.undo.held if self.undo else None
-        mine = torch.tensor(
-            [float(e.state.step), float(self.fresh), *bounds_of(self.held), *bounds_of(undo_held)],
-            dtype=torch.float64,
-            device=e.state.device,
-        )
-        rows = [r.tolist() for r in e.comm.allgather("dp", mine, broken)]
-        veterans = [int(r[0]) for r in rows if not r[1]]
-        fresh = start_from() if not veterans and start_from is not None else None
-        if fresh is not None:
-            return self.restore_whole(plan, fresh)
-        resume = min(veterans) if veterans else 0  # everyone fresh: the job starts
-        holdings: list[range | None] = []
-        rolled_back = []
-        for i, r in enumerate(rows):
-            step = int(r[0])
-            if r[1] and resume > 0:
-                holdings.append(None)  # a newcomer: its initial state is not the job's
-            elif step > resume:  # it updated the failed step: back to its undo copy
-                rolled_back.append(i)
-                holdings.append(range_of(r[4], r[5]))
-            else:
-                holdings.append(range_of(r[2], r[3]))
-        if rank in rolled_back:
-            self.roll_back(resume)
-        targets, info = self.begin_layout(plan, resume, rolled_back)
-        # At step 0 every layer is its initial value, which any rank builds alone.
-        transfers = plan_layer_transfers(holdings, targets, self.sizes) if resume else []
-        receivers = sorted({x.dst for x in transfers})
-        serving = [all(r not in receivers for r in ranks) for ranks in plan.replicas]
-        info.update(
-            layer_transfers=[x.to_dict() for x in transfers],
-            **transfer_stats(transfers, self.sizes),
-        )
-        if not transfers:
-            self.held = self.target
-            self.serving, self.shares = [True] * len(plan.replicas), plan.shares
-            self.fit_window()
-            return info
-        if asynchronous and any(serving):
-            self.held = holdings[rank]
-            self.serving = serving
-            self.shares = serving_shares(plan, serving, self.costs)
-            self.fit_window()  # the layers it holds and those it takes over, until the switch
-            sends, recvs, regions = self._messages(transfers)
-            m = Migration(transfers, [(r, True) for r in regions], len(receivers), holdings)
-            self.start_migration(m, sends, recvs, [partial(self._land, r) for r in regions])
-            info.update(migration="async", serving=serving, shares=list(self.shares))
-            return info
-        start = time.perf_counter()
-        e.state.set_window(hull(holdings[rank], self.target))
-        nbytes = self._move_now(transfers, broken)
-        self.held = self.target
-        self.serving, self.shares = [True] * len(plan.replicas), plan.shares
-        self.fit_window()
-        info.update(
-            migration="blocking",
-            migration_seconds=round(time.perf_counter() - start, 6),
-            bytes_received=nbytes,
-        )
-        return info
+        return stagesync.sync(self, plan, broken, asynchronous, start_from)
 
     def begin_layout(
         self, plan: Plan, resume: int, rolled_back: list[int]
     ) -> tuple[list[range], dict[str, Any]]:
         """Once the resume step is agreed: every rank's layers under ``plan``, this rank's
         target, and the common part of the ``state_synced`` details."""
-        targets = [plan.stage_layers(r) for r in range(plan.world_size)]
-        self.target = targets[self.e.comm.rank("dp")]
-        self.fresh = False
-        self.undo = None  # older than the resume step, which no rank will go back before
-        self.e.state.step = resume
-        info = {
-            "resume_step": resume,
-            "rolled_back": rolled_back,
-            "layers": [self.target.start, self.target.stop],
-        }
-        return targets, info
+        return stagesync.begin_layout(self, plan, resume, rolled_back)
 
     def restore_whole(self, plan: Plan, state: DurableState) -> dict[str, Any]:
         """Adopt ``plan``'s layout from the whole training state (a durable checkpoint, read by
         every rank): every rank takes its layers and, with ZeRO, the moment parts it keeps."""
-        e = self.e
-        rank = e.comm.rank("dp")
-        targets = [plan.stage_layers(r) for r in range(plan.world_size)]
-        self.held = self.target = targets[rank]
-        self.migration, self.undo, self.fresh = None, None, False
-        self.fit_window()
-        flat = e.state.flat
-        window = slice(flat.base, flat.base + flat.numel)
-        e.state.params[window].copy_(state.params[window])
-        self.stale = False  # every held layer's parameters are in the window
-        if self.zero:
-            blocks = holder_blocks(targets, self.offsets, plan.domains)
-            store = self.new_store(moment_duty(blocks, plan.world_size)[rank])
-            whole = (state.params, state.exp_avg, state.exp_avg_sq)[-len(store.arrays) :]
-            for a, b in store.intervals:
-                store.unpack(a, b, torch.cat([t[a:b] for t in whole]))
-            self.store = store
-            self.parts = part_keepers(blocks)
-            self.gather = [p for p in gather_plan(blocks) if rank in (p.src, p.dst)]
-        else:
-            e.state.exp_avg[window].copy_(state.exp_avg[window])
-            e.state.exp_avg_sq[window].copy_(state.exp_avg_sq[window])
-        self.serving, self.shares = [True] * len(plan.replicas), plan.shares
-        e.state.step, e.state.last_loss = state.step, state.loss
-        return {
-            "resume_step": state.step,
-            "layers": [self.target.start, self.target.stop],
-            "durable": str(state.path),
-        }
+        return stagesync.restore_whole(self, plan, state)
 
     def roll_back(self, resume: int) -> None:
         """Undo this rank's update of step ``resume + 1`` (it applied a step not every rank did)."""
-        undo = self.undo
-        assert undo is not None and undo.step == resume, "no undo copy for the failed step"
-        e = self.e
-        undo.restore()
-        if undo.store is not None:
-            self.store = undo.store
-        self.held = undo.held
-        self.undo = None
-        self.stale = self.zero3  # the store went back; the window is gathered again
-        e.state.step, e.state.last_loss = resume, undo.loss
-
-    def _payload(self, t: LayerTransfer) -> torch.Tensor:
-        st = self.e.state
-        r = self.span(range(t.start, t.stop))
-        return torch.cat([st.params[r], st.exp_avg[r], st.exp_avg_sq[r]])
-
-    def _messages(self, transfers: list[LayerTransfer]) -> tuple[list[Any], list[Any], list[slice]]:
-        """This rank's part of ``transfers``: sends (a copy of the layers now), receive buffers,
-        and the flat regions the receives land in."""
-        rank = self.e.comm.rank("dp")
-        sends = [(t.dst, self._payload(t), TAG_STATE) for t in transfers if t.src == rank]
-        regions = [self.span(range(t.start, t.stop)) for t in transfers if t.dst == rank]
-        srcs = [t.src for t in transfers if t.dst == rank]
-        recvs = [
-            (src, self.e.state.flat.data.new_empty(3 * (r.stop - r.start)), TAG_STATE)
-            for src, r in zip(srcs, regions, strict=True)
-        ]
-        return sends, recvs, regions
-
-    def _move_now(self, transfers: list[LayerTransfer], broken: Callable[[], bool]) -> int:
-        sends, recvs, regions = self._messages(transfers)
-        received = self.exchange(sends, recvs, broken)
-        self.link_pause(received)
-        for region, payload in zip(regions, received, strict=True):
-            self._land(region, payload)
-        return sum(p.numel() * p.element_size() for p in received)
-
-    def _land(self, region: slice, payload: torch.Tensor) -> None:
-        st = self.e.state
-        unpack_into(payload, (st.params[region], st.exp_avg[region], st.exp_avg_sq[region]))
+        stagesync.roll_back(self, resume)
 
     def start_migration(
         self,
@@ -699,20 +516,9 @@ class Pipeline:
     ) -> None:
         """Post the snapshot's messages on the migration group; a thread waits for them and
         queues each received payload with where it lands (applied at a step boundary)."""
-        m.nbytes = sum(p.numel() * p.element_size() for _, p, _ in recvs)
-        works = self.e.comm.post(MIG, sends, recvs)
-
-        def wait() -> None:  # gloo progresses point-to-point work only inside wait()
-            try:
-                self.e.comm.wait_done(works)
-                self.link_pause([p for _, p, _ in recvs])
-                m.landed.extend(zip(lands, (p for _, p, _ in recvs), strict=True))
-            except BaseException as exc:  # a fault: the next plan voids this migration
-                m.error.append(exc)
-            finally:
-                m.done.set()
-
-        threading.Thread(target=wait, name="migration", daemon=True).start()
+        stagesync.post_migration(
+            self.e.comm, m, sends=sends, recvs=recvs, lands=lands, link_pause=self.link_pause
+        )
         self.migration = m
 
 

@@ -1,6 +1,7 @@
 """Pipeline stages as a strategy: the 1F1B step of this rank's stage
 (:class:`~elaswave.runtime.strategies.pipeline.stage.Pipeline`), each layer's gradient summed
-among its holders (:mod:`~elaswave.planning.gradgroups`), the update of the held layers
+among its holders (:mod:`~elaswave.planning.gradgroups`; the reductions are
+:mod:`~elaswave.runtime.strategies.pipeline.stagegrads`'), the update of the held layers
 (replicated or ZeRO stage state), and the takeover of layers on a new layout.
 
 While an asynchronous migration runs, the ranks taking layers over replay the gradients of layers
@@ -11,29 +12,19 @@ rest), so no rank allocates the whole model."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from elaswave import wire
-from elaswave.planning.gradgroups import (
-    Reduction,
-    first_holders,
-    group_name,
-    reductions,
-    tie_copies,
-)
 from elaswave.planning.pipeplan import serving_shares
 from elaswave.planning.plan import Plan
 from elaswave.planning.redo import StageRedo
-from elaswave.planning.stageshards import Block, LayersLost, holder_blocks
-from elaswave.planning.tiers import Tiers, tiers_of
+from elaswave.planning.stageshards import LayersLost, holder_blocks
 from elaswave.prune.pruner import Holding
-from elaswave.runtime.comm.tiered import allreduce_tiered
 from elaswave.runtime.durable.checkpoints import DurableState, Piece
-from elaswave.runtime.optim import Spans, free, freed, layer_sumsq
+from elaswave.runtime.optim import Spans, free, freed
 from elaswave.runtime.strategies.base import (
     DP,
     Final,
@@ -45,9 +36,18 @@ from elaswave.runtime.strategies.base import (
     state_digests,
 )
 from elaswave.runtime.strategies.pipeline import stageverify
-from elaswave.runtime.strategies.pipeline.stage import MIG, Pipeline
+from elaswave.runtime.strategies.pipeline.stage import Pipeline
+from elaswave.runtime.strategies.pipeline.stagegrads import (
+    WHOLE_CHUNK,
+    GradLayout,
+    RankGrads,
+    chunks,
+    reduce_among_holders,
+    reduce_over_everyone,
+)
 from elaswave.runtime.strategies.pipeline.stageredo import StageKept, agree, kept_row
 from elaswave.runtime.strategies.pipeline.stagestate import unpack_into
+from elaswave.runtime.strategies.pipeline.stagesync import MIG
 from elaswave.runtime.strategies.sums import StepSums
 from elaswave.runtime.workload.data import MicroBatch
 
@@ -55,106 +55,7 @@ if TYPE_CHECKING:
     from elaswave.runtime.durable.restore import DurableSource
     from elaswave.runtime.state import RankContext
 
-__all__ = ["GradLayout", "PipelineStages"]
-
-# While a migration runs the whole model's gradient is summed this many elements at a time (the
-# most a rank allocates beside its window for it: 32 MiB in the float64 reduction); the final
-# state is hashed in chunks of this size too.
-WHOLE_CHUNK = 1 << 22
-
-
-@dataclass(frozen=True)
-class GradLayout:
-    """How one plan's gradients are summed: the holder blocks of its layout, every reduction (in
-    the order all ranks issue them) and the process group of each."""
-
-    epoch: int
-    blocks: tuple[Block, ...]
-    reductions: tuple[Reduction, ...]
-    names: tuple[str, ...]  # the group of each reduction ("" for a single holder: no collective)
-    ties: tuple[tuple[tuple[int, int], tuple[int, int]], ...]
-    # each reduction's tiers over its members (their ranks in it), None where it goes flat
-    tiers: tuple[Tiers | None, ...] = ()
-
-    @classmethod
-    def of(
-        cls,
-        plan: Plan,
-        offsets: list[tuple[int, int]],
-        ties: tuple[tuple[slice, slice], ...],
-        hierarchy: str = "flat",
-    ) -> GradLayout:
-        """The plan's reductions; ``hierarchy`` (``train.hierarchy``): auto sums each holder
-        group by tiers where its members span two hosts or more and two share one."""
-        targets = [plan.stage_layers(r) for r in range(plan.world_size)]
-        blocks = tuple(holder_blocks(targets, offsets))
-        pairs = tuple(((a.start, a.stop), (b.start, b.stop)) for a, b in ties)
-        reds = tuple(reductions(blocks, pairs))
-        names = tuple(
-            group_name([plan.workers[r] for r in red.members]) if len(red.members) > 1 else ""
-            for red in reds
-        )
-        tiers = tuple(
-            tiers_of(
-                [plan.hosts[r] for r in red.members], hierarchy if name else "flat",
-                dict(plan.racks), [plan.workers[r] for r in red.members], prefix=name,
-            )
-            for name, red in zip(names, reds, strict=True)
-        )  # fmt: skip
-        return cls(plan.epoch, blocks, reds, names, pairs, tiers)
-
-    def groups(self, plan: Plan) -> dict[str, tuple[str, ...]]:
-        out = {}
-        for name, red, tiers in zip(self.names, self.reductions, self.tiers, strict=True):
-            if name:
-                members = tuple(plan.workers[r] for r in red.members)
-                out[name] = members
-                if tiers is not None:
-                    out.update(tiers.groups(members))
-        return out
-
-    def mine(self, rank: int) -> list[tuple[str, Reduction]]:
-        """The reductions ``rank`` takes part in, in issue order."""
-        return [
-            (name, red)
-            for name, red in zip(self.names, self.reductions, strict=True)
-            if name and rank in red.members
-        ]
-
-    def of_rank(self, rank: int, segments: Sequence[tuple[int, int]]) -> RankGrads:
-        """What ``rank`` does each step under this layout (computed once per plan)."""
-        mine = self.mine(rank)
-        tiers = dict(zip(self.names, self.tiers, strict=True))
-        return RankGrads(
-            self.epoch,
-            mine,
-            tie_copies(self.blocks, self.ties, rank),
-            [first == rank for first in first_holders(self.blocks, segments)],
-            {name: t for name, _ in mine if (t := tiers.get(name)) is not None},
-        )
-
-
-@dataclass(frozen=True)
-class RankGrads:
-    """One rank's part of a :class:`GradLayout`: its reductions in issue order, the tied second
-    copies it fills from the first, and the layers it counts in the clipping norm."""
-
-    epoch: int
-    mine: list[tuple[str, Reduction]]
-    copies: list[tuple[tuple[int, int], tuple[int, int]]]
-    counted: list[bool]
-    tiered: dict[str, Tiers] = field(default_factory=dict)  # the groups of ``mine`` by tiers
-
-
-def chunks(total: int, size: int, lo: int, hi: int) -> list[tuple[int, int, int, int]]:
-    """``[0, total)`` in chunks of ``size`` elements: ``(a, b, x, y)`` for each chunk ``[a, b)``
-    with its overlap ``[x, y)`` with a window ``[lo, hi)`` (``x == y`` where they do not meet)."""
-    out = []
-    for a in range(0, total, size):
-        b = min(a + size, total)
-        x, y = max(a, lo), min(b, hi)
-        out.append((a, b, x, y) if x < y else (a, b, a, a))
-    return out
+__all__ = ["PipelineStages"]
 
 
 class PipelineStages(Strategy):
@@ -291,9 +192,12 @@ class PipelineStages(Strategy):
         if ctx.cfg.grad_reduce == "all":  # the comparison mode: every rank holds every layer
             ctx.comm.allreduce_many([(DP, sums.grads), (DP, sums.tail.values)], broken)
         elif pipe.migration is None:
-            sumsq = self._reduce_among_holders(sums, broken)
+            sumsq = reduce_among_holders(
+                ctx.comm, sums, broken, state=st, mine=self.my_grads, plan=ctx.plan,
+                second_copy=self.second_copy,
+            )  # fmt: skip
         else:  # receivers replay every layer they take over: the whole model's gradient
-            sumsq = self._reduce_over_everyone(sums, broken)
+            sumsq = reduce_over_everyone(ctx.comm, sums, broken, state=st, mine=self.my_grads)
         self.forget_partial()  # reduced: every rank holds the step's sums of its layers
         ctx.enter("compute")
         clip = ctx.cfg.train.grad_clip
@@ -338,82 +242,6 @@ class PipelineStages(Strategy):
         )
         lr = st.opt.hyper.lr_at(step)
         return lambda: prune.after(step, old, st.params, lr, holding)
-
-    def _reduce_among_holders(
-        self, sums: StepSums, broken: Callable[[], bool]
-    ) -> Callable[[torch.Tensor], torch.Tensor]:
-        """Sum each held layer's gradient among its holders, and the step's tail (loss, count,
-        epochs, flag) over every rank, all at once. Returns how the clipping norm is completed:
-        each rank adds the layers it is the first holder of, an all-reduce adds the rest."""
-        ctx, st = self.ctx, self.state
-        mine = self.my_grads
-        assert mine is not None and ctx.plan is not None and mine.epoch == ctx.plan.epoch
-        grads, second = st.flat.at(sums.grads), self.second_copy
-        items: list[tuple[str, torch.Tensor]] = [(DP, sums.tail.values)]
-        packed = []
-        for name, red in mine.mine:
-            if len(red.spans) == 1:
-                ((a, b),) = red.spans
-                if not grads.holds(a, b) and (a, b) in second:
-                    a, b = second[(a, b)]
-                items.append((name, grads[a:b]))
-            else:  # a block with a tied copy inside it: its other elements, packed
-                t = torch.cat([grads[a:b] for a, b in red.spans])
-                packed.append((red, t))
-                items.append((name, t))
-        tiered = [(name, t) for name, t in items if name in mine.tiered]
-        ctx.comm.allreduce_many([(name, t) for name, t in items if name not in mine.tiered], broken)
-        for name, t in tiered:  # after the flat ones, one by one in issue order: no cycle
-            allreduce_tiered(ctx.comm, name, mine.tiered[name], t, broken)
-        for red, t in packed:
-            offset = 0
-            for a, b in red.spans:
-                grads[a:b].copy_(t[offset : offset + b - a])
-                offset += b - a
-        for (a, b), (c, d) in mine.copies:
-            if grads.holds(a, b):
-                grads[c:d].copy_(grads[a:b])
-        return self._norms(broken)
-
-    def _reduce_over_everyone(
-        self, sums: StepSums, broken: Callable[[], bool]
-    ) -> Callable[[torch.Tensor], torch.Tensor]:
-        """While a migration runs: every layer's gradient summed over every rank, in chunks of
-        the whole model's flat layout (each rank brings what its window holds, zeros for the
-        rest), then each tied weight once (the copy a rank holds; both copies take the sum).
-        The clipping norm is completed as among holders: the plan's first holders count."""
-        ctx, st = self.ctx, self.state
-        n, flat, buf = st.flat.numel, st.flat, sums.grads
-        grads = flat.at(buf)
-        ties = []  # each tied weight's own sum, taken before the chunks overwrite its copies
-        for first, second in st.ties:
-            mine = [s for s in (first, second) if grads.holds(s.start, s.stop)]
-            own = grads[mine[0]].clone() if mine else buf.new_zeros(first.stop - first.start)
-            ties.append((mine, own))
-        ctx.comm.allreduce(DP, sums.tail.values, broken)
-        for a, b, x, y in chunks(flat.total, WHOLE_CHUNK, flat.base, flat.base + n):
-            chunk = buf.new_zeros(b - a)
-            chunk[x - a : y - a] = grads[x:y]
-            ctx.comm.allreduce(DP, chunk, broken)
-            grads[x:y].copy_(chunk[x - a : y - a])
-        for mine, tied in ties:
-            ctx.comm.allreduce(DP, tied, broken)
-            for s in mine:
-                grads[s].copy_(tied)
-        return self._norms(broken)
-
-    def _norms(self, broken: Callable[[], bool]) -> Callable[[torch.Tensor], torch.Tensor]:
-        """How the clipping norm is completed: each rank adds the layers it is the first holder
-        of under the plan, an all-reduce adds the rest."""
-        ctx, st, mine = self.ctx, self.state, self.my_grads
-        assert mine is not None
-
-        def sumsq(mean: torch.Tensor) -> torch.Tensor:
-            squares = layer_sumsq(st.flat.at(mean), st.segments, st.ties, only=mine.counted)
-            ctx.comm.allreduce(DP, squares, broken)
-            return squares
-
-        return sumsq
 
     # ---- a new plan ---------------------------------------------------------------------------
     def groups(self, plan: Plan) -> dict[str, tuple[str, ...]]:
