@@ -103,7 +103,13 @@ def _worker(
         ends.append(time.perf_counter())  # "step 0" end: all ranks leave the barrier together
         for step in range(1, steps + 1):
             start = time.perf_counter()
-            every = microbatches(t.seed, step, t.global_batch, t.micro_batch_size, trained)
+            every = microbatches(
+                t.seed,
+                step,
+                t.global_batch,
+                micro_batch_size=t.micro_batch_size,
+                num_samples=trained,
+            )
             loss_sum = 0.0
             for k, i in enumerate(mine):
                 mb = every[i]

@@ -77,7 +77,7 @@ def ddp_worker(
     dist.barrier()
     ends.append(time.perf_counter())
     for step in range(1, steps + 1):
-        every = microbatches(0, step, global_batch, micro, len(data))
+        every = microbatches(0, step, global_batch, micro_batch_size=micro, num_samples=len(data))
         for k, i in enumerate(mine):
             batch = torch.utils.data.default_collate([data[s] for s in every[i].sample_ids])
             with contextlib.nullcontext() if k == len(mine) - 1 else ddp.no_sync():

@@ -51,7 +51,7 @@ def _shape(n_layers: int, n_stages: int, repeat: int) -> dict[str, Any]:
     lost = n_stages // 2
     survivors = [1.0] * (n_stages - 1)
     initial = partition_layers(costs, speeds)
-    after = takeover(initial.assignment(), lost, costs, survivors)
+    after = takeover(initial.assignment(), lost, costs, speeds_of_survivors=survivors)
     renumbered = [-1 if s == lost else s - (s > lost) for s in initial.assignment()]
     naive = partition_layers(costs, survivors)  # same optimum, placement ignored
     plan = frequency_plan(after.stage_times, microbatches=2 * n_stages, **CLOCKS)
@@ -61,7 +61,11 @@ def _shape(n_layers: int, n_stages: int, repeat: int) -> dict[str, Any]:
     initial_s, takeover_s = [], []
     for _ in range(repeat):
         initial_s.append(_best_of(lambda: partition_layers(costs, speeds)))
-        takeover_s.append(_best_of(lambda: takeover(initial.assignment(), lost, costs, survivors)))
+        takeover_s.append(
+            _best_of(
+                lambda: takeover(initial.assignment(), lost, costs, speeds_of_survivors=survivors)
+            )
+        )
     return {
         "layers": n_layers,
         "stages": n_stages,

@@ -270,7 +270,13 @@ def main(argv: list[str] | None = None) -> None:
     while manager.current_step() < t.steps:
         step = manager.current_step() + 1
         optimizer.zero_grad()  # starts the (asynchronous) quorum for this step
-        every = microbatches(t.seed, step, t.global_batch, t.micro_batch_size, len(dataset))
+        every = microbatches(
+            t.seed,
+            step,
+            t.global_batch,
+            micro_batch_size=t.micro_batch_size,
+            num_samples=len(dataset),
+        )
         loss_sum = 0.0
         for k, i in enumerate(mine):
             mb = every[i]

@@ -207,7 +207,13 @@ def main(argv: list[str] | None = None) -> None:
     scale = world / t.global_batch  # DDP averages over ranks
     emit("ready", t=time.time(), resume_step=first_step - 1)
     for step in range(first_step, t.steps + 1):
-        every = microbatches(t.seed, step, t.global_batch, t.micro_batch_size, len(dataset))
+        every = microbatches(
+            t.seed,
+            step,
+            t.global_batch,
+            micro_batch_size=t.micro_batch_size,
+            num_samples=len(dataset),
+        )
         loss_sum = 0.0
         for k, i in enumerate(mine):
             mb = every[i]

@@ -132,7 +132,7 @@ def export_model(
     if compress:
         uniform = cfg.train.prune is not None and cfg.train.prune.uniform
         sizes, flops = compressed(
-            workload, model, flat.data, kinds, pad=pad, uniform=uniform, sample=sample
+            workload, model, flat.data, kinds=kinds, pad=pad, uniform=uniform, sample=sample
         )
         if before is not None:
             after = cpu_latency(model, sample)
@@ -153,7 +153,7 @@ def _running_stats(workload: Any, model: Any, state: Any) -> None:
 
     from elaswave.runtime.runningstats import RunningStats
 
-    stats = RunningStats.of(workload, model, 1, torch.device("cpu"))
+    stats = RunningStats.of(workload, model, 1, device=torch.device("cpu"))
     if stats is None:
         return
     for index, layer in enumerate(model.layers):
@@ -187,7 +187,7 @@ def _sample(workload: Any, cfg: JobConfig) -> Any:
 
 
 def cpu_latency(
-    model: Any, x: Any, runs: int = LATENCY_RUNS, budget_s: float = LATENCY_BUDGET_S
+    model: Any, x: Any, runs: int = LATENCY_RUNS, *, budget_s: float = LATENCY_BUDGET_S
 ) -> tuple[float, int]:
     """(median seconds, forwards timed) of one forward of ``x`` through ``model`` (its layers
     in order, eval mode, no autograd) on one CPU thread, after 3 untimed forwards: ``runs``
@@ -221,8 +221,8 @@ def compressed(
     workload: Any,
     model: Any,
     flat: Any,
-    kinds: list[str],
     *,
+    kinds: list[str],
     pad: bool = False,
     uniform: bool = False,
     sample: Any = None,

@@ -60,9 +60,13 @@ def build_report(run_dir: str | Path, *more: str | Path) -> dict[str, Any]:
             incidents.append(_corruption(ev, events[i:], metrics))
         elif ev["kind"] == "host_lost":
             cause = _host_fault(events[:i], ev["host"])
-            incidents.append(_incident(cause, ev, None, events, plans, metrics, host=ev["host"]))
+            incidents.append(
+                _incident(
+                    cause, ev, None, events=events, plans=plans, metrics=metrics, host=ev["host"]
+                )
+            )
         elif ev["kind"] == "relaunched":
-            incidents.append(_relaunch(ev, events, plans, metrics))
+            incidents.append(_relaunch(ev, events, plans, metrics=metrics))
         elif ev["kind"] == "fault_injected" and kind in HOST_KINDS:
             continue  # the victim's own record; its incident starts from the leader's host_lost
         elif ev["kind"] == "fault_injected":
@@ -72,10 +76,16 @@ def build_report(run_dir: str | Path, *more: str | Path) -> dict[str, Any]:
             )
             if exit_ev is not None:
                 used_exits.add(id(exit_ev))
-            incidents.append(_incident(ev, exit_ev, ev.get("worker"), events, plans, metrics))
+            incidents.append(
+                _incident(
+                    ev, exit_ev, ev.get("worker"), events=events, plans=plans, metrics=metrics
+                )
+            )
     for ev in events:
         if ev["kind"] == "worker_exit" and id(ev) not in used_exits:
-            incidents.append(_incident(None, ev, ev.get("worker"), events, plans, metrics))
+            incidents.append(
+                _incident(None, ev, ev.get("worker"), events=events, plans=plans, metrics=metrics)
+            )
     incidents += control_plane_outages(events, metrics)
     incidents.sort(key=lambda x: x["fault_t"])
     claimed: set[float] = set()
@@ -274,6 +284,7 @@ def _incident(
     fault: dict[str, Any] | None,
     exit_ev: dict[str, Any] | None,
     worker: str | None,
+    *,
     events: list[dict[str, Any]],
     plans: list[dict[str, Any]],
     metrics: list[dict[str, Any]],
@@ -284,7 +295,9 @@ def _incident(
     start = fault or exit_ev
     assert start is not None
     t0 = start["t"]
-    plan, detected = _answer(t0, fault, exit_ev, worker, host, events, plans)
+    plan, detected = _answer(
+        t0, fault, exit_ev, worker=worker, host=host, events=events, plans=plans
+    )
     inc: dict[str, Any] = {
         "kind": (fault or {}).get("fault", {}).get("kind", "host" if host else "crash"),
         "host": host,
@@ -296,9 +309,9 @@ def _incident(
         "epoch": plan["epoch"] if plan else None,
         "world_after": plan["world"] if plan else None,
     }
-    recovery, commit, redone = _recovery(t0, detected, plan, events, metrics)
+    recovery, commit, redone = _recovery(t0, detected, plan, events=events, metrics=metrics)
     inc.update(recovery)
-    _note_rollback(inc, t0, redone, events)
+    _note_rollback(inc, t0, redone, events=events)
     inc["first_commit_step"] = commit["step"] if commit else None
     inc["mttr_s"] = round(commit["time"] - t0, 6) if commit else None
     return inc
@@ -308,6 +321,7 @@ def _relaunch(
     ev: dict[str, Any],
     events: list[dict[str, Any]],
     plans: list[dict[str, Any]],
+    *,
     metrics: list[dict[str, Any]],
 ) -> dict[str, Any]:
     """The job launched again under its id after it died whole (a scheduler's requeue, a
@@ -315,7 +329,9 @@ def _relaunch(
     steps after its checkpoint trained again on the way (``recomputed_steps``)."""
     t0 = ev["t"]
     plan = _first(plans, lambda p: p["t"] >= t0)
-    recovery, commit, _ = _recovery(t0, t0, plan, events, metrics)  # seen as it starts
+    recovery, commit, _ = _recovery(
+        t0, t0, plan, events=events, metrics=metrics
+    )  # seen as it starts
     inc: dict[str, Any] = {
         "kind": "relaunch",
         "host": ev.get("host"),
@@ -338,6 +354,7 @@ def _answer(
     t0: float,
     fault: dict[str, Any] | None,
     exit_ev: dict[str, Any] | None,
+    *,
     worker: str | None,
     host: str | None,
     events: list[dict[str, Any]],
@@ -378,6 +395,7 @@ def _recovery(
     t0: float,
     detected: float | None,
     plan: dict[str, Any] | None,
+    *,
     events: list[dict[str, Any]],
     metrics: list[dict[str, Any]],
 ) -> tuple[dict[str, Any], dict[str, Any] | None, int]:
@@ -459,7 +477,7 @@ def _state_sync(
 
 
 def _note_rollback(
-    inc: dict[str, Any], t0: float, redone: int, events: list[dict[str, Any]]
+    inc: dict[str, Any], t0: float, redone: int, *, events: list[dict[str, Any]]
 ) -> None:
     """Record in ``inc`` the steps computed again after the incident: from a durable checkpoint
     when the in-memory copies were lost (the first restore since ``t0``), else the ``redone``

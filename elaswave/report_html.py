@@ -59,7 +59,7 @@ def deviation(
     ]
 
 
-def _scale(lo: float, hi: float, a: float, b: float) -> Any:
+def _scale(lo: float, hi: float, a: float, *, b: float) -> Any:
     span = (hi - lo) or 1.0
     return lambda v: a + (v - lo) / span * (b - a)
 
@@ -78,6 +78,7 @@ def line_chart(
     chart_id: str,
     title: str,
     lines: Sequence[tuple[str, str, Sequence[tuple[float, float]], bool]],
+    *,
     marks: Sequence[tuple[float, str]] = (),
     x_label: str = "",
     step_line: bool = False,
@@ -91,7 +92,7 @@ def line_chart(
     x0, x1, y0, y1 = min(xs), max(xs), min(ys), max(ys)
     if y0 == y1:
         y0, y1 = y0 - 1, y1 + 1
-    sx, sy = _scale(x0, x1, PAD, W - 12), _scale(y0, y1, H - 32, 22)
+    sx, sy = _scale(x0, x1, PAD, b=W - 12), _scale(y0, y1, H - 32, b=22)
     parts = [
         f'<svg class="chart" id="{chart_id}" viewBox="0 0 {W} {H}" width="{W}" height="{H}" '
         f'role="img" aria-label="{html.escape(title)}">',
@@ -134,7 +135,7 @@ def phase_bars(incidents: Sequence[dict[str, Any]]) -> str:
         return '<p class="empty">No incident recovered: no MTTR to draw.</p>'
     longest = max(sum(i.get(p) or 0.0 for p in PHASES) for i in rows) or 1.0
     height = 30 + 26 * len(rows) + 24
-    sx = _scale(0.0, longest, 150, W - 80)
+    sx = _scale(0.0, longest, 150, b=W - 80)
     parts = [f'<svg class="chart" id="phases" viewBox="0 0 {W} {height}" width="{W}" '
              f'height="{height}" role="img" aria-label="MTTR phases">',
              '<text x="8" y="14" class="title">MTTR by phase (seconds)</text>']  # fmt: skip
@@ -224,20 +225,20 @@ def render_html(
     if base:
         lines.append(("fault-free", COLORS["baseline"],
                       [(float(m["step"]), float(m["loss"])) for m in base], True))  # fmt: skip
-    charts = [line_chart("loss", "Loss per committed step (faults marked)", lines, step_marks,
-                         "step")]  # fmt: skip
+    charts = [line_chart("loss", "Loss per committed step (faults marked)", lines, marks=step_marks,
+                         x_label="step")]  # fmt: skip
     if base:
         dev = deviation(rows, base)
         charts.append(line_chart("deviation", "Relative deviation from the fault-free loss",
                                  [("|Δloss| / loss", COLORS["deviation"], dev, False)],
-                                 step_marks, "step"))  # fmt: skip
+                                 marks=step_marks, x_label="step"))  # fmt: skip
     rate = throughput(rows)
     charts.append(line_chart("throughput", f"Throughput (samples/s over {WINDOW} steps)",
-                             [("samples/s", COLORS["rate"], rate, False)], time_marks,
-                             "seconds"))  # fmt: skip
+                             [("samples/s", COLORS["rate"], rate, False)], marks=time_marks,
+                             x_label="seconds"))  # fmt: skip
     world = [(float(m["time"]) - t0, float(m["world_size"])) for m in rows]
     charts.append(line_chart("world", "World size", [("ranks", COLORS["world"], world, False)],
-                             time_marks, "seconds", step_line=True))  # fmt: skip
+                             marks=time_marks, x_label="seconds", step_line=True))  # fmt: skip
     totals = report["totals"]
     summary = (
         f"Committed steps: {totals['committed_steps']} (last {totals['last_step']}; duplicates "

@@ -98,6 +98,7 @@ class Etcd:
         client: aetcd.Client,
         endpoint: str,
         op_timeout: float,
+        *,
         prefix: str,
         endpoints: list[str],
         opener: Opener,
@@ -158,7 +159,14 @@ class Etcd:
         errors = []
         for name in names:
             try:
-                return cls(await opener(name, timeout), name, timeout, prefix, names, opener)
+                return cls(
+                    await opener(name, timeout),
+                    name,
+                    timeout,
+                    prefix=prefix,
+                    endpoints=names,
+                    opener=opener,
+                )
             except asyncio.TimeoutError:
                 errors.append(f"{name} (no answer within {timeout:g}s)")
             except (aetcd.exceptions.ClientError, OSError) as exc:

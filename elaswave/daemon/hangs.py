@@ -45,7 +45,11 @@ async def detect_hangs(
             if w.last_beat is None or w.proc.returncode is not None or w.stopping or w.done:
                 continue
             reason = hang_verdict(
-                silence(now, w.last_beat, resumed), w.phase, w.phase_age, hang, heartbeat
+                silence(now, w.last_beat, resumed),
+                w.phase,
+                w.phase_age,
+                limit_s=hang,
+                beat_s=heartbeat,
             )
             if reason is None:
                 continue

@@ -268,7 +268,7 @@ class Planner:
         cfg = self.cfg
         if cfg.pp > 1:
             costs, self.cost_source = plan_costs(
-                cfg.layer_costs, self.estimate, self.profiles, self.online
+                cfg.layer_costs, self.estimate, self.profiles, observations=self.online
             )
             self.costs = costs
             return next_pipeline_plan(

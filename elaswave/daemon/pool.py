@@ -105,7 +105,10 @@ class WorkerPool:
         )
         if (
             respawn_verdict(
-                w.exit_code, self.restarts_used, d.cfg.elastic.max_restarts, d.unrecoverable
+                w.exit_code,
+                self.restarts_used,
+                d.cfg.elastic.max_restarts,
+                unrecoverable=d.unrecoverable,
             )
             and not d.stopping
         ):

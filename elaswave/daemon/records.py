@@ -34,8 +34,8 @@ class StepRecords:
         etcd: Etcd,
         keys: JobKeys,
         metrics: JsonlWriter,
-        outbox: Outbox,
         *,
+        outbox: Outbox,
         host_id: str,
         total_steps: int,
     ) -> None:
@@ -115,8 +115,8 @@ class StepRecords:
         befores: dict[int, Any] = {}  # revision a write was sent against -> the record there
         self.outbox.put(
             f"record of step {step}",
-            lambda: self._land_record(record, progress, tried, befores),
-            fallback=lambda: self._landed(record, progress, self._newest(), None),
+            lambda: self._land_record(record, progress, tried, befores=befores),
+            fallback=lambda: self._landed(record, progress, self._newest(), revision=None),
         )
         if step >= self.total_steps:
             done = {"step": step, "t": time.time()}
@@ -166,6 +166,7 @@ class StepRecords:
         record: dict[str, Any],
         progress: dict[str, Any],
         tried: list[int],
+        *,
         befores: dict[int, Any] | None = None,
     ) -> None:
         """Write a step's record if this host is the one that moves the job's progress record
@@ -194,7 +195,7 @@ class StepRecords:
                 if rev is not None:
                     # our write came right after ``rev``: its own revision is above it
                     mine = kv.mod_revision if _writer(kv) == progress["writer"] else rev + 1
-                    self._landed(record, progress, befores.get(rev), mine)
+                    self._landed(record, progress, befores.get(rev), revision=mine)
                 elif self._orphaned(kv, record["step"]):
                     self._adopt(kv)
                 return  # recorded by another host (or redone after a recovery)
@@ -208,7 +209,9 @@ class StepRecords:
             )
             self._progress = kv
             if ok:
-                self._landed(record, progress, befores[rev], kv.mod_revision if kv else None)
+                self._landed(
+                    record, progress, befores[rev], revision=kv.mod_revision if kv else None
+                )
                 return
 
     def _landed(
@@ -216,6 +219,7 @@ class StepRecords:
         record: dict[str, Any],
         progress: dict[str, Any],
         before: dict[str, Any] | None,
+        *,
         revision: int | None,
     ) -> None:
         """This host records ``record``: its line, and its place in the job's stream after

@@ -40,7 +40,7 @@ class StoreProcess:
         argv = ["--host", host]
         if template is not None and template.alive:
             try:
-                proc, answer = await template.spawn("store", argv, log_path, timeout)
+                proc, answer = await template.spawn("store", argv, log_path, timeout=timeout)
                 return cls(proc, f"{host}:{int(answer['port'])}")
             except TemplateGone as exc:
                 log.warning("%s; executing the store instead", exc)

@@ -122,7 +122,7 @@ class JobStream:
         except (KeyError, TypeError, ValueError):  # a malformed record: not the loop's problem
             log.exception("the job's stream skipped a record: %r", record)
             return
-        self._record(entries, due, revision, continues)
+        self._record(entries, due, revision, continues=continues)
 
     def adopted(self, record: dict[str, Any], progress: dict[str, Any], *, revision: int) -> None:
         """A step whose writer left the plan right after moving the progress record to it (its
@@ -144,10 +144,10 @@ class JobStream:
             log.exception("the job's stream skipped a record: %r", record)
             return
         entries.insert(0, Entry(step, t, restart=True))
-        self._record(entries, due, revision + 1, False)
+        self._record(entries, due, revision + 1, continues=False)
 
     def _record(
-        self, entries: list[Entry], due: list[PlanNote], revision: int | None, continues: bool
+        self, entries: list[Entry], due: list[PlanNote], revision: int | None, *, continues: bool
     ) -> None:
         """A recorded step's entries into this host's event file; onto the stream's thread the
         incidents it answers (``due``) and the W&B row."""
@@ -197,14 +197,15 @@ class JobStream:
             if item is None:
                 break
             try:
-                self._step(started, *item[1])
+                entries, due, step, t = item[1]
+                self._step(started, entries, due, step=step, t=t)
             except Exception:  # noqa: BLE001 - the stream never takes the daemon down
                 log.exception("the job's stream dropped an entry")
         if self.wandb is not None:
             self._guard("wandb", self.wandb.close)
 
     def _step(
-        self, started: float, entries: list[Entry], due: list[PlanNote], step: int, t: float
+        self, started: float, entries: list[Entry], due: list[PlanNote], *, step: int, t: float
     ) -> None:
         """A step's incident marker (with the report's MTTR) into the event file, and the
         whole step into the W&B run."""

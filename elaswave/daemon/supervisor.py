@@ -181,7 +181,7 @@ class HostDaemon:
         )
         self.jobstore = JobStore(self.etcd, self.keys)
         self.records = StepRecords(
-            self.etcd, self.keys, self.metrics, self.outbox,
+            self.etcd, self.keys, self.metrics, outbox=self.outbox,
             host_id=self.host_id, total_steps=self.cfg.train.steps,
         )  # fmt: skip
         self.records.stream = self.stream

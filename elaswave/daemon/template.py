@@ -253,7 +253,7 @@ class Template:
         return None if answer.get("ok") else str(answer.get("error", "preflight failed"))
 
     async def spawn(
-        self, entry: str, argv: list[str], log_path: Path, timeout: float
+        self, entry: str, argv: list[str], log_path: Path, *, timeout: float
     ) -> tuple[Adopted, dict[str, Any]]:
         """Fork ``entry`` (worker | store) with ``argv``, its output to ``log_path``; returns
         the adopted process and the template's answer (a store's ``port``)."""

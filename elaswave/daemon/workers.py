@@ -115,7 +115,7 @@ async def spawn(
     proc: asyncio.subprocess.Process | Adopted | None = None
     if template is not None and template.alive:
         try:
-            proc, _ = await template.spawn("worker", argv, log_path, timeout)
+            proc, _ = await template.spawn("worker", argv, log_path, timeout=timeout)
         except TemplateGone as exc:
             log.warning("%s; executing %s instead", exc, wid)
     if proc is None:

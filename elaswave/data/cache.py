@@ -91,7 +91,7 @@ class Corpus:
 
 
 def corpus_key(sources: Sequence[Source], text_field: str, tokenizer_digest: str,
-               progress: Progress | None = None) -> str:  # fmt: skip
+               *, progress: Progress | None = None) -> str:  # fmt: skip
     """The content key of ``sources`` read with ``text_field`` and encoded by the tokenizer of
     ``tokenizer_digest`` (see the module docstring); 32 hex digits."""
     progress = progress or _Silent()
@@ -124,7 +124,7 @@ def prepare(
     progress = progress or _Silent()
     sources = expand(files)
     encoder: Encoder = ByteEncoder() if tokenizer is None else HFEncoder(tokenizer, tokenizer_label)
-    key = corpus_key(sources, text_field, encoder.digest, progress)
+    key = corpus_key(sources, text_field, encoder.digest, progress=progress)
     found = _cached(cache_dir, key)  # a hit needs no write access (a read-only shared cache)
     if found is None:
         _make_dir(cache_dir)
@@ -133,13 +133,20 @@ def prepare(
             if found is None:
                 if isinstance(encoder, HFEncoder):
                     encoder.load()
-                _check_vocab(encoder.vocab, encoder.eos, encoder.describe, vocab_size)
+                _check_vocab(encoder.vocab, encoder.eos, encoder.describe, vocab_size=vocab_size)
                 for stale in cache_dir.glob(f".{key}.*.tmp"):  # a writer that died
                     stale.unlink(missing_ok=True)
-                found = _write(cache_dir, key, sources, text_field, encoder, progress)
+                found = _write(
+                    cache_dir,
+                    key,
+                    sources,
+                    text_field=text_field,
+                    encoder=encoder,
+                    progress=progress,
+                )
     if not found.tokenized:
         progress.note(f"tokens cached: {found.path} ({found.tokens:,} tokens)")
-        _check_vocab(found.vocab, found.eos, found.tokenizer, vocab_size)
+        _check_vocab(found.vocab, found.eos, found.tokenizer, vocab_size=vocab_size)
     return found
 
 
@@ -160,7 +167,9 @@ def tokenize_to(
     tmp = out.parent / f".{out.name}.{uuid.uuid4().hex}.tmp"
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        tokens, dtype = _tokenize(tmp, sources, text_field, encoder, progress or _Silent())
+        tokens, dtype = _tokenize(
+            tmp, sources, text_field, encoder=encoder, progress=progress or _Silent()
+        )
         os.replace(tmp, out)
     except OSError as exc:
         raise ConfigError(f"{out}: cannot write the token file ({exc.strerror})") from None
@@ -169,7 +178,7 @@ def tokenize_to(
     return Corpus(out, tokens, dtype, encoder.vocab, encoder.eos, encoder.describe, True)
 
 
-def _check_vocab(vocab: int, eos: int, tokenizer: str, vocab_size: int | None) -> None:
+def _check_vocab(vocab: int, eos: int, tokenizer: str, *, vocab_size: int | None) -> None:
     if vocab_size is not None and vocab > vocab_size:
         raise ConfigError(
             f"data: {tokenizer} has a vocabulary of {vocab} (end of document {eos} included), "
@@ -229,7 +238,7 @@ def _locked(path: Path, progress: Progress) -> Iterator[None]:
         os.close(fd)  # releases the lock
 
 
-def _write(cache_dir: Path, key: str, sources: Sequence[Source], text_field: str,
+def _write(cache_dir: Path, key: str, sources: Sequence[Source], *, text_field: str,
            encoder: Encoder, progress: Progress) -> Corpus:  # fmt: skip
     """Tokenize into ``<key>.tokens``, then record it in ``<key>.json`` (the lock is held)."""
     tag = f"{socket.gethostname()}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
@@ -238,7 +247,7 @@ def _write(cache_dir: Path, key: str, sources: Sequence[Source], text_field: str
     path = cache_dir / f"{key}.tokens"
     started = time.monotonic()
     try:
-        tokens, dtype = _tokenize(tmp, sources, text_field, encoder, progress)
+        tokens, dtype = _tokenize(tmp, sources, text_field, encoder=encoder, progress=progress)
         os.replace(tmp, path)
         meta = {"format": FORMAT, "tokens": tokens, "dtype": dtype, "vocab": encoder.vocab,
                 "eos": encoder.eos, "tokenizer": encoder.describe, "text_field": text_field,
@@ -261,7 +270,7 @@ def _write(cache_dir: Path, key: str, sources: Sequence[Source], text_field: str
     return Corpus(path, tokens, dtype, encoder.vocab, encoder.eos, encoder.describe, True)
 
 
-def _tokenize(out: Path, sources: Sequence[Source], text_field: str, encoder: Encoder,
+def _tokenize(out: Path, sources: Sequence[Source], text_field: str, *, encoder: Encoder,
               progress: Progress) -> tuple[int, str]:  # fmt: skip
     """Every document of ``sources`` encoded and packed into ``out`` (fsynced): (tokens,
     dtype)."""

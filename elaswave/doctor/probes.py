@@ -218,7 +218,7 @@ def nccl_facts() -> tuple[str | None, bool | None, str | None]:
     except Exception as exc:  # a build without NCCL's version call
         version = f"unknown ({_error(exc)})"
     try:
-        pg = accelerator_group("nccl", dist.HashStore(), 0, 1, timedelta(seconds=30))
+        pg = accelerator_group("nccl", dist.HashStore(), 0, size=1, timeout=timedelta(seconds=30))
     except Exception as exc:
         return version, None, _error(exc)
     try:

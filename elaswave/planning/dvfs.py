@@ -80,6 +80,7 @@ def _check_plan_inputs(
     stage_times: Sequence[float],
     microbatches: int,
     f_nominal: float,
+    *,
     f_min: float,
     f_max: float,
     headroom: Sequence[bool] | None,
@@ -129,7 +130,15 @@ def frequency_plan(
        ``max(f_min, t_s * f_nominal / T)``; a stage that would otherwise wait in bubbles is
        slowed down instead.
     """
-    _check_plan_inputs(stage_times, microbatches, f_nominal, f_min, f_max, headroom, tolerance)
+    _check_plan_inputs(
+        stage_times,
+        microbatches,
+        f_nominal,
+        f_min=f_min,
+        f_max=f_max,
+        headroom=headroom,
+        tolerance=tolerance,
+    )
     times = [float(t) for t in stage_times]
     f_nominal, f_min, f_max = float(f_nominal), float(f_min), float(f_max)
     n_stages = len(times)

@@ -79,7 +79,7 @@ def host_layout(
             if size:
                 found.append(Holding(heir, cursor, size, 0, True))
                 cursor += size
-    return next_layout(ShardLayout.even(segments, 1), (), found, new_workers)
+    return next_layout(ShardLayout.even(segments, 1), (), found, new_workers=new_workers)
 
 
 def _gaps(held: Sequence[Range], segments: Sequence[Range]) -> list[Range]:

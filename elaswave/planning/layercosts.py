@@ -59,6 +59,7 @@ def plan_costs(
     mode: str,
     estimate: Sequence[float],
     profiles: Sequence[Sequence[float]] = (),
+    *,
     observations: Sequence[Observation] = (),
 ) -> tuple[tuple[float, ...], str]:
     """The layer costs a pipeline plan is cut with, and where they came from.
@@ -92,6 +93,7 @@ def stage_sample(
     forward: Sequence[float],
     backward: float,
     pause: float,
+    *,
     pause_weights: Sequence[float],
     microbatches: int,
 ) -> tuple[float, ...]:

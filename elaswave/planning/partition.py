@@ -95,6 +95,7 @@ def _check_inputs(
     layer_costs: Sequence[float],
     stage_speeds: Sequence[float],
     current: Sequence[int] | None,
+    *,
     slack: float,
     layer_bytes: Sequence[float] | None = None,
 ) -> None:
@@ -154,8 +155,10 @@ def partition_layers(
     (:func:`_fewest_moves`), and a suffix table that lets the smallest boundaries be picked front
     to back (:func:`_smallest_bounds`).
     """
-    _check_inputs(layer_costs, stage_speeds, current, slack, layer_bytes)
-    seg = _Segments.build(layer_costs, stage_speeds, current, layer_bytes, max_bytes)
+    _check_inputs(layer_costs, stage_speeds, current, slack=slack, layer_bytes=layer_bytes)
+    seg = _Segments.build(
+        layer_costs, stage_speeds, current, layer_bytes=layer_bytes, cap=max_bytes
+    )
     optimum = _lowest_bottleneck(seg)
     if optimum == _INF:
         assert layer_bytes is not None  # without a cap every cut is a candidate
@@ -227,6 +230,7 @@ class _Segments:
         layer_costs: Sequence[float],
         stage_speeds: Sequence[float],
         current: Sequence[int] | None,
+        *,
         layer_bytes: Sequence[float] | None = None,
         cap: float = _INF,
     ) -> _Segments:
@@ -431,8 +435,8 @@ def takeover(
     assignment: Sequence[int],
     lost_stage: int,
     layer_costs: Sequence[float],
-    speeds_of_survivors: Sequence[float],
     *,
+    speeds_of_survivors: Sequence[float],
     slack: float = 0.02,
     memory: StageMemory = COMPUTE_ONLY,
 ) -> Partition:

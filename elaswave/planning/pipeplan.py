@@ -66,7 +66,9 @@ def next_pipeline_plan(
     if pp < 1:
         raise ValueError(f"pp must be >= 1, got {pp}")
     live = {m.worker_id: m for m in members}
-    groups, bounds, notes, spare = _surviving_replicas(prev, live, costs, policy, memory)
+    groups, bounds, notes, spare = _surviving_replicas(
+        prev, live, costs, policy=policy, memory=memory
+    )
     prev_workers = set(prev.workers) if prev else set()
     newcomers = sorted(
         (m for m in members if m.worker_id not in prev_workers), key=lambda m: m.order
@@ -76,7 +78,7 @@ def next_pipeline_plan(
         groups,
         bounds,
         notes,
-        [m.worker_id for m in newcomers],
+        fresh=[m.worker_id for m in newcomers],
         pp=pp,
         costs=costs,
         num_microbatches=num_microbatches,
@@ -105,7 +107,14 @@ def next_pipeline_plan(
                              [len(b) - 1 for b in bounds])  # fmt: skip
     epoch = max(prev.epoch if prev else 0, epoch_floor) + 1
     reason = _change_reason(
-        epoch, groups, num_microbatches, shares, notes, started=prev is None, pp=pp, cause=cause
+        epoch,
+        groups,
+        num_microbatches,
+        shares=shares,
+        notes=notes,
+        started=prev is None,
+        pp=pp,
+        cause=cause,
     )
     return Plan(
         epoch=epoch,
@@ -137,9 +146,9 @@ def _change_reason(
     epoch: int,
     groups: Sequence[Sequence[str]],
     num_microbatches: int,
+    *,
     shares: Sequence[int],
     notes: Sequence[str],
-    *,
     started: bool,
     pp: int,
     cause: str,
@@ -162,6 +171,7 @@ def _surviving_replicas(
     prev: Plan | None,
     live: Mapping[str, Member],
     costs: Sequence[float],
+    *,
     policy: str,
     memory: StageMemory = COMPUTE_ONLY,
 ) -> tuple[list[list[str]], list[tuple[int, ...]], list[str], list[str]]:
@@ -188,7 +198,7 @@ def _surviving_replicas(
             notes.append(f"replica {d} gone")
             continue
         if len(alive) < len(stages) and policy == "recycle":
-            rerouted = _rerouted(prev, d, live, roles)
+            rerouted = _rerouted(prev, d, live, roles=roles)
             if rerouted is not None:
                 moved = [f"stage {s} → {w}" for s, w in enumerate(rerouted) if w != stages[s]]
                 notes.append(f"replica {d} rerouted: " + ", ".join(moved))
@@ -202,7 +212,7 @@ def _surviving_replicas(
         cut = prev.bounds[d]
         if len(alive) < len(stages):
             try:
-                cut = _taken_over(cut, stages, alive, costs, memory)
+                cut = _taken_over(cut, stages, alive, costs=costs, memory=memory)
             except NoCutFits:
                 notes.append(f"replica {d} dropped (its {len(alive)} stage(s) cannot hold its "
                              f"layers within {memory.limit:.4g} bytes each)")  # fmt: skip
@@ -215,7 +225,7 @@ def _surviving_replicas(
 
 
 def _rerouted(
-    prev: Plan, d: int, live: Mapping[str, Member], roles: Counter[str]
+    prev: Plan, d: int, live: Mapping[str, Member], *, roles: Counter[str]
 ) -> list[str] | None:
     """ReCycle's adaptive pipelining: replica ``d``'s workers in stage order, each lost stage run
     by a live worker that runs the same stage of another replica cut alike, the one with the
@@ -243,6 +253,7 @@ def _taken_over(
     cut: Sequence[int],
     stages: Sequence[str],
     alive: Sequence[str],
+    *,
     costs: Sequence[float],
     memory: StageMemory = COMPUTE_ONLY,
 ) -> tuple[int, ...]:
@@ -252,7 +263,7 @@ def _taken_over(
     for s in reversed(range(len(stages))):  # highest first: indices stay valid
         if stages[s] not in alive:
             speeds = [1.0] * (max(assignment) if assignment else 0)
-            part = takeover(assignment, s, costs, speeds, memory=memory)
+            part = takeover(assignment, s, costs, speeds_of_survivors=speeds, memory=memory)
             assignment = list(part.assignment())
     return _bounds(assignment, len(alive))
 
@@ -261,8 +272,8 @@ def _admit_newcomers(
     groups: list[list[str]],
     bounds: list[tuple[int, ...]],
     notes: list[str],
-    fresh: list[str],
     *,
+    fresh: list[str],
     pp: int,
     costs: Sequence[float],
     num_microbatches: int,
@@ -312,6 +323,7 @@ def predicted_step(
     bounds: Sequence[Sequence[int]],
     shares: Sequence[int],
     speeds: Sequence[Sequence[float]],
+    *,
     costs: Sequence[float],
 ) -> float:
     """Predicted 1F1B step time (cost units) of a layout: its slowest replica, where replica
@@ -432,14 +444,15 @@ def _sure_counts(total: int, bottlenecks: Sequence[float], stages: Sequence[int]
     for extra in (sum(stages), 0):  # the level if every replica is busy, then a safe one
         level = (total - len(stages) + extra) / rate
         counts = [
-            _finished_below(level, b, s, total) for b, s in zip(bottlenecks, stages, strict=True)
+            _finished_below(level, b, s, cap=total)
+            for b, s in zip(bottlenecks, stages, strict=True)
         ]
         if all(c >= 0 for c in counts) and sum(counts) <= total:
             return counts
     return nothing
 
 
-def _finished_below(level: float, bottleneck: float, stages: int, cap: int) -> int:
+def _finished_below(level: float, bottleneck: float, stages: int, *, cap: int) -> int:
     """How many ``k >= 0`` have ``(k + stages) · bottleneck < level``, as floats compute it;
     -1 when that is clearly more than ``cap`` (or no number at all)."""
     estimate = level / bottleneck
@@ -454,7 +467,7 @@ def _finished_below(level: float, bottleneck: float, stages: int, cap: int) -> i
 
 
 def serving_shares(
-    plan: Plan, serving: Sequence[bool], costs: Sequence[float], total: int | None = None
+    plan: Plan, serving: Sequence[bool], costs: Sequence[float], *, total: int | None = None
 ) -> tuple[int, ...]:
     """Shares while some replicas are out of service (migrating): the global batch (or
     ``total`` micro-batches, e.g. those a partial redo runs again) spread over the serving

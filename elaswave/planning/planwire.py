@@ -271,7 +271,11 @@ def _name_items(names: Sequence[str]) -> list[Any]:
     runs: list[list[Any]] = []  # [prefix, first, count, suffix], or [name] without a number
     for name in names:
         last = runs[-1] if runs else None
-        if last is not None and len(last) == 4 and name == _numbered(*last):
+        if (
+            last is not None
+            and len(last) == 4
+            and name == _numbered(last[0], last[1], last[2], suffix=last[3])
+        ):
             last[2] += 1
             continue
         parts = _split_number(name)
@@ -295,7 +299,7 @@ def _names(items: Iterable[Any]) -> Iterator[str]:
         else:
             prefix, first, count = item[:3]
             suffix = item[3] if len(item) == 4 else ""
-            yield from (_numbered(prefix, first, i, suffix) for i in range(count))
+            yield from (_numbered(prefix, first, i, suffix=suffix) for i in range(count))
 
 
 def _split_number(name: str) -> tuple[str, str, str] | None:
@@ -321,7 +325,7 @@ def _natural(name: str) -> tuple[str, str, int, str]:
     return prefix, suffix, int(digits), digits
 
 
-def _numbered(prefix: str, first: str, i: int, suffix: str) -> str:
+def _numbered(prefix: str, first: str, i: int, *, suffix: str) -> str:
     """The ``i``-th name of a numbered run (``first`` is the 0-th one's number, with its width)."""
     return f"{prefix}{str(int(first) + i).zfill(len(first))}{suffix}"
 

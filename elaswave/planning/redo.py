@@ -86,6 +86,7 @@ def stage_redo(
     total: int,
     layers: int,
     kept: Sequence[Mapping[int, Collection[int]] | None],
+    *,
     split: Callable[[int], Sequence[int]],
 ) -> StageRedo | None:
     """What the replicas of a pipeline plan compute of a step of ``total`` micro-batches over

@@ -183,6 +183,7 @@ def holdings(
     old: ShardLayout,
     old_workers: Sequence[str],
     placement: Sequence[ReplicaPiece],
+    *,
     alive: set[str],
 ) -> list[Holding]:
     """Where each element of the old layout lives now: with its owner if the owner is alive,
@@ -210,6 +211,7 @@ def next_layout(
     old: ShardLayout,
     old_workers: Sequence[str],
     found: Sequence[Holding],
+    *,
     new_workers: Sequence[str],
 ) -> ShardLayout:
     """The layout after a membership change: every live copy in ``found`` (see
@@ -227,7 +229,9 @@ def next_layout(
     if joiners and stay:
         carved: list[list[Range]] = [[] for _ in new_workers]
         for i in stay:
-            for lo, hi, party in _carve(ranges[i], len(new_workers), i, joiners, len(stay)):
+            for lo, hi, party in _carve(
+                ranges[i], len(new_workers), i, joiners=joiners, stay=len(stay)
+            ):
                 carved[party].append((lo, hi - lo))
         ranges = carved
     layout = ShardLayout.of(old.segments, ranges)
@@ -242,7 +246,7 @@ def next_layout(
 
 
 def _carve(
-    ranges: list[Range], world: int, keep: int, joiners: list[int], stay: int
+    ranges: list[Range], world: int, keep: int, *, joiners: list[int], stay: int
 ) -> list[tuple[int, int, int]]:
     """Cut each of ``keep``'s ranges into ``world`` near-equal units: ``stay`` of them stay with
     it, one goes to each joiner. The larger units go to whoever is furthest behind its exact

@@ -220,6 +220,7 @@ def tiers_of(
     hosts: Sequence[str],
     mode: str,
     racks: Mapping[str, str] | None = None,
+    *,
     workers: Sequence[str] = (),
     prefix: str = "dp",
 ) -> Tiers | None:

@@ -206,8 +206,8 @@ def pipeline_straggler_verdict(
     if plan is None:
         return PipelineVerdict(reason="balanced", slowdown=slowdown, stragglers=slow)
     per_stage = stage_speeds(current, speeds)  # the same ranks and replicas in both layouts
-    now_s = predicted_step(current.bounds, current.shares, per_stage, costs)
-    new_s = predicted_step(plan.bounds, plan.shares, per_stage, costs)
+    now_s = predicted_step(current.bounds, current.shares, per_stage, costs=costs)
+    new_s = predicted_step(plan.bounds, plan.shares, per_stage, costs=costs)
     if new_s > (1.0 - min_gain) * now_s:
         return PipelineVerdict(reason="balanced", slowdown=slowdown, stragglers=slow)
     who = (
@@ -340,7 +340,7 @@ def loop_verdict(failure_steps: Sequence[int], committed: int, limit: int) -> st
 
 
 def respawn_verdict(
-    exit_code: int | None, restarts_used: int, max_restarts: int, unrecoverable: str | None
+    exit_code: int | None, restarts_used: int, max_restarts: int, *, unrecoverable: str | None
 ) -> bool:
     """Whether a worker that exited is replaced. Pure. Never after it gave up because state is
     lost (``EXIT_STATE_LOST``, or another worker reported it): a fresh worker would start the
@@ -351,7 +351,7 @@ def respawn_verdict(
 
 
 def hang_verdict(
-    silent_s: float, phase: str, phase_age_s: float, limit_s: float, beat_s: float
+    silent_s: float, phase: str, phase_age_s: float, *, limit_s: float, beat_s: float
 ) -> str | None:
     """Why a worker counts as hung, or ``None``. Pure: the hang detector's whole decision.
 

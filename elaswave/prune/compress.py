@@ -59,6 +59,7 @@ def kept_groups(
     families: Sequence[Family],
     model: KeyedLayers,
     flat: torch.Tensor,
+    *,
     same_width: bool,
     whole: Collection[str] = (),
 ) -> list[list[int]]:

@@ -92,7 +92,7 @@ def group_stats(x: torch.Tensor, h: torch.Tensor, lr: float) -> Stats:
 
 
 def partition(
-    stats: Stats, sizes: torch.Tensor, upper: float, buckets: Sequence[int] | None = None
+    stats: Stats, sizes: torch.Tensor, upper: float, *, buckets: Sequence[int] | None = None
 ) -> torch.Tensor:
     """The redundant groups (bool): OTOv2's score, half the cosine of ``-x`` and ``-d`` and half
     the inverse of the mean magnitude ``|x| / size``, each normalised over all groups; the
@@ -132,6 +132,7 @@ def decide(
     stats: Stats,
     redundant: torch.Tensor,
     zero_before: int,
+    *,
     lr: float,
     hp: Hyper,
     project: bool,
@@ -158,7 +159,7 @@ def decide(
 
 
 def apply(
-    x: torch.Tensor, h: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
+    x: torch.Tensor, h: torch.Tensor, scale: torch.Tensor, *, zero: torch.Tensor
 ) -> torch.Tensor:
     """Groups ``h`` (``(G, S)``, one family) after the decisions: pulled by ``scale * x``, the
     groups in ``zero`` (projected now, or zero before the step: they stay zero) set to 0."""

@@ -30,7 +30,7 @@ def _params(layer: nn.Module) -> set[str]:
     return {n for n, p in layer.named_parameters() if p.requires_grad}
 
 
-def _rows_and_bias(index: int, names: set[str], module: str, size: int) -> list[Member]:
+def _rows_and_bias(index: int, names: set[str], module: str, *, size: int) -> list[Member]:
     out = [Member((index, f"{module}.weight"), 0, size)]
     if f"{module}.bias" in names:
         out.append(Member((index, f"{module}.bias"), 0, size))
@@ -56,16 +56,16 @@ def hf_families(config: Any, layers: Sequence[tuple[int, nn.Module]]) -> list[Fa
             rep = heads // kv
             a = "block.self_attn"
             members = [
-                *_rows_and_bias(index, names, f"{a}.q_proj", rep * hd),
-                *_rows_and_bias(index, names, f"{a}.k_proj", hd),
-                *_rows_and_bias(index, names, f"{a}.v_proj", hd),
+                *_rows_and_bias(index, names, f"{a}.q_proj", size=rep * hd),
+                *_rows_and_bias(index, names, f"{a}.k_proj", size=hd),
+                *_rows_and_bias(index, names, f"{a}.v_proj", size=hd),
                 Member((index, f"{a}.o_proj.weight"), 1, rep * hd),
             ]
             out.append(Family(f"layers.{index}.attention", "attention", kv, tuple(members)))
             m = "block.mlp"
             members = [
-                *_rows_and_bias(index, names, f"{m}.gate_proj", 1),
-                *_rows_and_bias(index, names, f"{m}.up_proj", 1),
+                *_rows_and_bias(index, names, f"{m}.gate_proj", size=1),
+                *_rows_and_bias(index, names, f"{m}.up_proj", size=1),
                 Member((index, f"{m}.down_proj.weight"), 1),
             ]
             out.append(
@@ -92,13 +92,13 @@ def hf_families(config: Any, layers: Sequence[tuple[int, nn.Module]]) -> list[Fa
             heads = config.num_attention_heads
             hd, a = config.hidden_size // heads, "block.attention"
             members = [  # query_key_value's rows are [q_h k_h v_h] head by head
-                *_rows_and_bias(index, names, f"{a}.query_key_value", 3 * hd),
+                *_rows_and_bias(index, names, f"{a}.query_key_value", size=3 * hd),
                 Member((index, f"{a}.dense.weight"), 1, hd),
             ]
             out.append(Family(f"layers.{index}.attention", "attention", heads, tuple(members)))
             m = "block.mlp"
             members = [
-                *_rows_and_bias(index, names, f"{m}.dense_h_to_4h", 1),
+                *_rows_and_bias(index, names, f"{m}.dense_h_to_4h", size=1),
                 Member((index, f"{m}.dense_4h_to_h.weight"), 1),
             ]
             out.append(

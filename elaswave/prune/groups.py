@@ -147,7 +147,7 @@ def traced_families(model: KeyedLayers) -> list[Family]:
         if kind is None:
             continue
         features = modules[node.target].weight.shape[0]
-        found = _sole_user(node, modules, kind, features)
+        found = _sole_user(node, modules, kind, channels=features)
         if found is None:
             continue
         target, norms, block = found
@@ -189,7 +189,7 @@ def _flattens_channels(user: fx.Node, mod: nn.Module | None) -> bool:
 
 
 def _sole_user(
-    node: fx.Node, modules: dict[str, nn.Module], kind: type, channels: int
+    node: fx.Node, modules: dict[str, nn.Module], kind: type, *, channels: int
 ) -> tuple[fx.Node, list[str], int] | None:
     """The one module that ``node``'s output (``channels`` of them) reaches: of ``kind``
     through element-wise operations, pooling and per-channel affine normalisations (with the

@@ -110,7 +110,7 @@ class Pruner:
         return Spans(params.tensor.clone(), params.base) if self.active(step) else None
 
     def after(
-        self, step: int, old: Spans | None, params: Spans, lr: float, holding: Holding = WHOLE
+        self, step: int, old: Spans | None, params: Spans, *, lr: float, holding: Holding = WHOLE
     ) -> None:
         """DHSPG on ``params`` (just updated from ``old``; the parts ``holding`` holds) in
         place."""
@@ -125,7 +125,7 @@ class Pruner:
             if holding.held(p.layer):
                 x, h = _at(old, p.index), _at(params, p.index)
                 params.tensor[p.index - params.base] = dhspg.apply(
-                    x, h, scale[start : start + count], cleared[start : start + count]
+                    x, h, scale[start : start + count], zero=cleared[start : start + count]
                 )
 
     def to(self, device: torch.device) -> None:
@@ -186,14 +186,14 @@ class Pruner:
                 dtype=torch.float64, device=device,
             )  # fmt: skip
             buckets = [f.count for f in self.families] if self.uniform else None
-            self.redundant = dhspg.partition(stats, sizes, self.hp.upper, buckets).cpu()
+            self.redundant = dhspg.partition(stats, sizes, self.hp.upper, buckets=buckets).cpu()
             self.taken_at = step
         pulling = zero_before < self.hp.target * self.groups
         redundant = self.redundant.to(device)
         if not pulling:  # the target is reached: no more pulls, zero groups stay zero
             redundant = torch.zeros_like(redundant)
         scale, projected = dhspg.decide(
-            stats, redundant, zero_before, lr, self.hp, project=step >= self.start_step
+            stats, redundant, zero_before, lr=lr, hp=self.hp, project=step >= self.start_step
         )
         cleared = projected | zero
         zeros = int(cleared.sum())
@@ -234,7 +234,9 @@ class Pruner:
             )
         self.taken_at, self.redundant = int(saved[0]), saved[1:].bool().cpu()
 
-    def share(self, comm: Any, step: int, broken: Callable[[], bool], device: torch.device) -> int:
+    def share(
+        self, comm: Any, step: int, broken: Callable[[], bool], *, device: torch.device
+    ) -> int:
         """After a plan's sync to ``step``: every rank takes the redundant set of the lowest rank
         that holds one chosen by ``step`` (a newcomer has none). Returns the step the set was
         chosen at (0: none yet)."""
@@ -247,6 +249,6 @@ class Pruner:
             return 0
         buf = self.saved() if mine else torch.zeros(self.groups + 1, dtype=torch.float64)
         buf = buf.to(device)
-        comm.broadcast(DP, buf, holders[0], broken)
+        comm.broadcast(DP, buf, holders[0], abort=broken)
         self.adopt(buf.cpu(), step)
         return self.taken_at

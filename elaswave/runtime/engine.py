@@ -160,7 +160,7 @@ class Engine:
             epoch=lambda: self.plan.epoch if self.plan is not None else 0,
             sharded=self.strategy.sharded,
         )  # fmt: skip
-        self.integrity = Integrity(self.ctx, self.strategy, self.durable, self.faults)
+        self.integrity = Integrity(self.ctx, self.strategy, self.durable, faults=self.faults)
         self._speeds: list[float] = []  # compute seconds per micro-batch not yet reported
         self._speeds_epoch, self._speeds_sent = 0, 0.0
         self._writer_busy = False  # a checkpoint write ran when this step began
@@ -286,8 +286,8 @@ class Engine:
     def train_step(self, step: int) -> StepResult:
         """Compute, reduce and update through the strategy; faults fire at their phases."""
         every, sums, start = self.prepare_step(step)
-        per_mb = self.strategy.compute(step, every, sums, self.faults.slowdown(step))
-        return self.reduce_step(step, sums, start, per_mb)
+        per_mb = self.strategy.compute(step, every, sums, slowdown=self.faults.slowdown(step))
+        return self.reduce_step(step, sums, start, per_mb=per_mb)
 
     def prepare_step(self, step: int) -> tuple[list[MicroBatch], StepSums, float]:
         """Before a step's compute: its micro-batches, its zeroed sums and its start time."""
@@ -304,11 +304,17 @@ class Engine:
         sums.tail.zero()
         self._enter("compute")
         self.faults.fire(step, "forward")
-        every = microbatches(t.seed, step, t.global_batch, t.micro_batch_size, self.num_samples)
+        every = microbatches(
+            t.seed,
+            step,
+            t.global_batch,
+            micro_batch_size=t.micro_batch_size,
+            num_samples=self.num_samples,
+        )
         return every, sums, start
 
     def reduce_step(
-        self, step: int, sums: StepSums, start: float, per_mb: float | None
+        self, step: int, sums: StepSums, start: float, *, per_mb: float | None
     ) -> StepResult:
         """After a step's compute: the reduction and the update (the step is applied when this
         returns; a lost peer raises)."""
@@ -323,7 +329,7 @@ class Engine:
             rows = stats.contribution(step, self.strategy.covered(step))
             self.comm.allreduce(DP, rows, self.ctx.broken)
         epochs = self.strategy.reduce_update(
-            step, sums, self.ctx.broken, lambda: self.faults.fire(step, "optimizer")
+            step, sums, self.ctx.broken, before_update=lambda: self.faults.fire(step, "optimizer")
         )
         if stats is not None and rows is not None:  # applied: fold them in (rows iff stats)
             stats.commit(step, rows)
@@ -376,8 +382,9 @@ class Engine:
 
         prune = self.state.prune.saved() if self.state.prune is not None else None
         store.save_async(
-            step, self.state.last_loss, whole.params, whole.exp_avg, whole.exp_avg_sq, saved,
-            extra=prune, buffers=self._stats_saved(), script=self._script_saved(),
+            step, self.state.last_loss, whole.params, exp_avg=whole.exp_avg,
+            exp_avg_sq=whole.exp_avg_sq, on_done=saved, extra=prune, buffers=self._stats_saved(),
+            script=self._script_saved(),
         )  # fmt: skip
 
     def _save_final(self, final: Final) -> None:
@@ -493,7 +500,9 @@ class Engine:
         start = time.perf_counter()
         sync = self.strategy.sync(plan, broken)
         if self.state.prune is not None:  # the redundant set, to a newcomer
-            prune = self.state.prune.share(self.comm, self.state.step, broken, self.state.device)
+            prune = self.state.prune.share(
+                self.comm, self.state.step, broken, device=self.state.device
+            )
             sync["prune_partition_step"] = prune
         if self.state.stats is not None:  # the running statistics, to a newcomer
             sync["stats_source_rank"] = self.state.stats.share(self.comm, self.state.step, broken)

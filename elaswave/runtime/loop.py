@@ -230,7 +230,7 @@ class Job:
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
-        state: dict[str, Any] | None = None,
+        state: dict[str, Any] | None = None,  # positional too: the public API as documented
     ) -> None:
         """The model the loop trains, its optimizer and schedule, and ``state``, a dict of the
         script's own (:class:`ScriptState`): what a newcomer gets from peers. Once, before
@@ -370,7 +370,7 @@ class Job:
         holds = good is not None and good[0] == step
         saved = good[1] if good is not None and holds else self._state.saved()
         try:
-            self._state.spread(engine.comm, saved, holds, step, engine.ctx.broken)
+            self._state.spread(engine.comm, saved, holds, step=step, broken=engine.ctx.broken)
         except engine.FAILURES as exc:  # a peer lost meanwhile: the next plan's sync shares it
             self._state.step = -1  # not of any step: this rank takes a peer's
             self._failed(exc, "checks")
@@ -465,9 +465,11 @@ class Step:
             mb = self._every[i]
             batch = to_device(engine.state.workload.collate([data[k] for k in mb.sample_ids]),
                               device)  # fmt: skip
-            seed_generators(stream_seed(t.seed, self.index, mb.id, 0), device)
+            seed_generators(stream_seed(t.seed, self.index, mb.id, layer=0), device)
             generator = torch.Generator(device=device)
-            generator.manual_seed(stream_seed(t.seed, self.index, mb.id, 0, _GENERATOR_SITE))
+            generator.manual_seed(
+                stream_seed(t.seed, self.index, mb.id, layer=0, site=_GENERATOR_SITE)
+            )
             item = Batch(mb.id, mb.sample_ids, batch, generator)
             if isinstance(batch, (tuple, list)) and len(batch) == 2:
                 item.inputs, item.targets = batch
@@ -527,7 +529,7 @@ class Step:
         engine = self._job._engine
         try:
             per_mb = self._run.finish()
-            result = engine.reduce_step(self.index, self._sums, self._start, per_mb)
+            result = engine.reduce_step(self.index, self._sums, self._start, per_mb=per_mb)
         except engine.FAILURES as exc:
             self.error = exc
             return False

@@ -251,7 +251,15 @@ class FlatOptimizer:
         self, param: torch.Tensor, grad: torch.Tensor, groups: torch.Tensor | None = None
     ) -> None:
         self.step_count += 1
-        update_(param, grad, self.exp_avg, self.exp_avg_sq, self.step_count, self.hyper, groups)
+        update_(
+            param,
+            grad,
+            self.exp_avg,
+            exp_avg_sq=self.exp_avg_sq,
+            step=self.step_count,
+            h=self.hyper,
+            groups=groups,
+        )
 
 
 # On a CPU the update runs over chunks of this many elements, so that each operation's
@@ -264,6 +272,7 @@ def update_(
     param: torch.Tensor,
     grad: torch.Tensor,
     exp_avg: torch.Tensor,
+    *,
     exp_avg_sq: torch.Tensor,
     step: int,
     h: OptimHyper,
@@ -275,7 +284,7 @@ def update_(
     applying it to the whole buffer. The arithmetic is PyTorch's single-tensor AdamW and SGD
     (``torch.optim``), operation for operation."""
     if h.rule is not None and h.rule.elementwise:  # the class's own step on this slice
-        h.rule.apply(param, grad, exp_avg, exp_avg_sq, step, h.group_at(step))
+        h.rule.apply(param, grad, exp_avg, slot2=exp_avg_sq, step=step, group=h.group_at(step))
         return
     if h.rule is not None:  # the class's own step on each whole parameter
         if sum(s.numel() for s in h.shapes) != param.numel():
@@ -283,8 +292,10 @@ def update_(
         group, a = h.group_at(step), 0
         for shape in h.shapes:
             c = slice(a, a + shape.numel())
-            args = (param[c].view(shape), grad[c].view(shape), exp_avg[c], exp_avg_sq[c])
-            h.rule.apply_packed(*args, step, group)
+            piece, piece_grad = param[c].view(shape), grad[c].view(shape)
+            h.rule.apply_packed(
+                piece, piece_grad, exp_avg[c], slot2=exp_avg_sq[c], step=step, group=group
+            )
             a = c.stop
         return
     lr = h.lr_at(step)
@@ -294,9 +305,18 @@ def update_(
         c = slice(a, a + chunk)
         g = None if groups is None else groups[c]
         if h.optimizer == "sgd":
-            _sgd_(param[c], grad[c], exp_avg[c], step, lr, h, g)
+            _sgd_(param[c], grad[c], exp_avg[c], step=step, lr=lr, h=h, groups=g)
         else:
-            _adamw_(param[c], grad[c], exp_avg[c], exp_avg_sq[c], step, lr, h, g)
+            _adamw_(
+                param[c],
+                grad[c],
+                exp_avg[c],
+                exp_avg_sq=exp_avg_sq[c],
+                step=step,
+                lr=lr,
+                h=h,
+                groups=g,
+            )
 
 
 def _per_group(values: Sequence[float], groups: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -313,6 +333,7 @@ def _adamw_(
     param: torch.Tensor,
     grad: torch.Tensor,
     exp_avg: torch.Tensor,
+    *,
     exp_avg_sq: torch.Tensor,
     step: int,
     lr: float,
@@ -335,6 +356,7 @@ def _sgd_(
     param: torch.Tensor,
     grad: torch.Tensor,
     buf: torch.Tensor,
+    *,
     step: int,
     lr: float,
     h: OptimHyper,
@@ -389,20 +411,21 @@ def clip_factor(
     mean: torch.Tensor,
     max_norm: float,
     ties: Sequence[tuple[slice, slice]] = (),
+    *,
     segments: Sequence[tuple[int, int]] | None = None,
 ) -> float:
     """``min(1, max_norm / ‖mean‖)`` for the whole model's mean gradient in flat order (the
     second copy of a tied weight not counted twice); 1 when clipping is off. ``segments``:
     (offset, length) of each layer (default: one layer of everything)."""
-    return clip_and_norm(mean, max_norm, ties, segments)[0]
+    return clip_and_norm(mean, max_norm, ties, segments=segments)[0]
 
 
 def clip_and_norm(
     mean: torch.Tensor,
     max_norm: float,
     ties: Sequence[tuple[slice, slice]] = (),
-    segments: Sequence[tuple[int, int]] | None = None,
     *,
+    segments: Sequence[tuple[int, int]] | None = None,
     measure: bool = False,
 ) -> tuple[float, float | None]:
     """(:func:`clip_factor`, the global norm it was taken from); the norm is also taken
@@ -417,6 +440,7 @@ def layer_sumsq(
     mean: torch.Tensor | Spans,
     segments: Sequence[tuple[int, int]],
     ties: Sequence[tuple[slice, slice]] = (),
+    *,
     only: Sequence[bool] | None = None,
 ) -> torch.Tensor:
     """Each layer's squared gradient norm (float64), the second copy of a tied weight left out;

@@ -81,6 +81,7 @@ class TorchRule:
         param: torch.Tensor,
         grad: torch.Tensor,
         slot1: torch.Tensor,
+        *,
         slot2: torch.Tensor,
         step: int,
         group: dict[str, Any],
@@ -88,13 +89,15 @@ class TorchRule:
         """Update ``param`` in place as the optimizer's ``step()`` number ``step`` would, its
         state read from and written back to the slots."""
         slots = (slot1, slot2)
-        self._step(param, grad, {key: slots[i] for i, key in enumerate(self.slots)}, step, group)
+        views = {key: slots[i] for i, key in enumerate(self.slots)}
+        self._step(param, grad, views, step=step, group=group)
 
     def apply_packed(
         self,
         param: torch.Tensor,
         grad: torch.Tensor,
         slot1: torch.Tensor,
+        *,
         slot2: torch.Tensor,
         step: int,
         group: dict[str, Any],
@@ -108,13 +111,14 @@ class TorchRule:
             key: slots[i][a : a + shape.numel()].view(shape)
             for key, i, a, shape in self._layout(param, group)
         }
-        self._step(param, grad, views, step, group)
+        self._step(param, grad, views, step=step, group=group)
 
     def _step(
         self,
         param: torch.Tensor,
         grad: torch.Tensor,
         views: dict[str, torch.Tensor],
+        *,
         step: int,
         group: dict[str, Any],
     ) -> None:
@@ -211,8 +215,8 @@ def probe(rule: TorchRule, groups: list[dict[str, Any]]) -> None:
         )
     rule.slots = tuple(slots)
     try:
-        whole = _through_slots(rule, x0, grads, groups, [64])
-        halves = _through_slots(rule, x0, grads, groups, [32, 32])
+        whole = _through_slots(rule, x0, grads, groups=groups, cuts=[64])
+        halves = _through_slots(rule, x0, grads, groups=groups, cuts=[32, 32])
     except Exception as exc:  # noqa: BLE001 - a class that cannot step from restored state
         why = one_line(exc)
         raise ConfigError(
@@ -254,7 +258,7 @@ def _per_parameter(rule: TorchRule, groups: list[dict[str, Any]]) -> bool:
         slots = [(torch.zeros(x.numel()), torch.zeros(x.numel())) for x in x0]
         for step, step_grads in enumerate(grads, start=1):
             for x, grad, (s1, s2) in zip(mine, step_grads, slots, strict=True):
-                rule.apply_packed(x, grad.clone(), s1, s2, step, groups[step - 1])
+                rule.apply_packed(x, grad.clone(), s1, slot2=s2, step=step, group=groups[step - 1])
     except Exception:  # noqa: BLE001 - not a class that steps parameters on their own
         return False
     return all(torch.equal(a, b.detach()) for a, b in zip(mine, native, strict=True))
@@ -264,6 +268,7 @@ def _through_slots(
     rule: TorchRule,
     x0: torch.Tensor,
     grads: list[torch.Tensor],
+    *,
     groups: list[dict[str, Any]],
     cuts: list[int],
 ) -> torch.Tensor:
@@ -273,7 +278,14 @@ def _through_slots(
         a = 0
         for n in cuts:
             part = slice(a, a + n)
-            rule.apply(x[part], grad[part].clone(), s1[part], s2[part], step, groups[step - 1])
+            rule.apply(
+                x[part],
+                grad[part].clone(),
+                s1[part],
+                slot2=s2[part],
+                step=step,
+                group=groups[step - 1],
+            )
             a += n
     return x
 

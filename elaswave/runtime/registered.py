@@ -71,10 +71,10 @@ class ScriptState:
     def share(self, comm: Any, step: int, broken: Callable[[], bool]) -> int:
         """After a plan's sync to ``step``: every rank takes the dict of the lowest rank whose
         dict is of ``step`` (a newcomer's is not). Returns that rank."""
-        return self.spread(comm, self.saved(), self.step == step, step, broken)
+        return self.spread(comm, self.saved(), self.step == step, step=step, broken=broken)
 
     def spread(
-        self, comm: Any, saved: torch.Tensor, holds: bool, step: int, broken: Callable[[], bool]
+        self, comm: Any, saved: torch.Tensor, holds: bool, *, step: int, broken: Callable[[], bool]
     ) -> int:
         """Every rank adopts ``saved`` (a :meth:`saved` vector of ``step``) of the lowest rank
         that ``holds`` one; a rank whose own is it keeps it. Returns that rank."""
@@ -90,7 +90,7 @@ class ScriptState:
             size = int(rows[holders[0]][1])
             buf = saved if me == holders[0] else torch.zeros(size, dtype=torch.float64)
             buf = buf.to(self.device)
-            comm.broadcast(DP, buf, holders[0], broken)
+            comm.broadcast(DP, buf, holders[0], abort=broken)
             saved = buf
         if me not in holders or self.step != step:  # (a rollback: every rank's is later)
             self.adopt(saved, step)

@@ -77,7 +77,12 @@ class RunningStats:
     ran]. ``step``: the last step folded in (a checkpoint's step after a restore)."""
 
     def __init__(
-        self, norms: Sequence[Norm], values: torch.Tensor, counts: torch.Tensor, microbatches: int
+        self,
+        norms: Sequence[Norm],
+        values: torch.Tensor,
+        counts: torch.Tensor,
+        *,
+        microbatches: int,
     ) -> None:
         self.norms = tuple(norms)
         self.values = values
@@ -106,7 +111,7 @@ class RunningStats:
 
     @classmethod
     def of(
-        cls, workload: Workload, model: KeyedLayers, microbatches: int, device: torch.device
+        cls, workload: Workload, model: KeyedLayers, microbatches: int, *, device: torch.device
     ) -> RunningStats | None:
         """The model's running statistics with their initial values (those a layer is built
         with: a pretrained model's own), or None where no layer keeps any. A layer this rank
@@ -140,7 +145,7 @@ class RunningStats:
             raise ValueError(f"the model's running statistics mix dtypes {kinds}")
         values = torch.cat(initial).to(device)
         count = torch.tensor(counts, dtype=torch.int64, device=device)
-        return cls(norms, values, count, microbatches)
+        return cls(norms, values, count, microbatches=microbatches)
 
     # ---- the modules' buffers ----------------------------------------------------------------
     def bind(self, index: int, layer: nn.Module) -> None:
@@ -155,7 +160,7 @@ class RunningStats:
         for norm, (name, m) in zip(self.norms[first:stop], found, strict=True):
             if name != norm.name:
                 raise ValueError(f"layer {index}'s norm {name!r} is not {norm.name!r}")
-            self._point(m, norm, self.values, self.counts[norm.index])
+            self._point(m, norm, self.values, count=self.counts[norm.index])
         self._bound[index] = [m for _, m in found]
 
     def _point(
@@ -163,6 +168,7 @@ class RunningStats:
         m: nn.modules.batchnorm._NormBase,
         norm: Norm,
         values: torch.Tensor,
+        *,
         count: torch.Tensor | None,
     ) -> None:
         shape = _running(m)[0].shape
@@ -191,14 +197,14 @@ class RunningStats:
         own = [self.values.new_zeros(2 * n.channels) for n in norms]
         ran = self.counts.new_zeros(len(norms))
         for k, (norm, m, scratch) in enumerate(zip(norms, modules, own, strict=True)):
-            self._point(m, dataclasses.replace(norm, offset=0), scratch, ran[k])
+            self._point(m, dataclasses.replace(norm, offset=0), scratch, count=ran[k])
             m.momentum = 1.0  # the running statistics become the batch's
         try:
             yield
         finally:
             row = self.rows[microbatch if training else self.microbatches]
             for norm, m, scratch in zip(norms, modules, own, strict=True):
-                self._point(m, norm, self.values, self.counts[norm.index])
+                self._point(m, norm, self.values, count=self.counts[norm.index])
                 m.momentum = norm.momentum
                 row[norm.offset : norm.offset + 2 * norm.channels].copy_(scratch)
             size = self.values.numel()
@@ -274,6 +280,6 @@ class RunningStats:
             raise RuntimeError(f"no rank holds the running statistics of step {step} ({have})")
         if len(holders) < len(have):
             buf = self.saved().to(device)
-            comm.broadcast(DP, buf, holders[0], broken)
+            comm.broadcast(DP, buf, holders[0], abort=broken)
             self.adopt(buf, step)
         return holders[0]

@@ -96,7 +96,9 @@ class TrainState:
                 _buffers_to(layer, device)
         model.autocast = AUTOCAST[t.autocast]
         model.train()
-        stats = RunningStats.of(workload, model, t.global_batch // t.micro_batch_size, device)
+        stats = RunningStats.of(
+            workload, model, t.global_batch // t.micro_batch_size, device=device
+        )
         if stats is not None:
             model.stats = stats
             for index, layer in enumerate(model.layers):

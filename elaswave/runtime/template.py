@@ -226,7 +226,7 @@ def _spawn(request: dict[str, Any]) -> Child | None:
     sys.stderr.flush()
     middle = os.fork()
     if middle == 0:
-        return _middle(request, entry, (r, w), (report_r, report_w))
+        return _middle(request, entry, (r, w), report=(report_r, report_w))
     os.close(w)
     if report_w is not None:
         os.close(report_w)
@@ -250,6 +250,7 @@ def _middle(
     request: dict[str, Any],
     entry: str,
     pipe: tuple[int, int],
+    *,
     report: tuple[int | None, int | None],
 ) -> Child:
     """The middle process: fork the grandchild, tell the template its pid, exit at once.

@@ -238,7 +238,9 @@ def _step_batches(cfg: Any, step: int) -> list[tuple[torch.Tensor, torch.Tensor]
     t, data = cfg.train, TokenFile(cfg.data.path, seq_len=cfg.model.seq_len)
     n = len(data) - cfg.data.eval_samples  # the last samples are held out
     out = []
-    for mb in microbatches(t.seed, step, t.global_batch, t.micro_batch_size, n):
+    for mb in microbatches(
+        t.seed, step, t.global_batch, micro_batch_size=t.micro_batch_size, num_samples=n
+    ):
         window = torch.stack([data[i] for i in mb.sample_ids])
         out.append((window[:, :-1].contiguous(), window[:, 1:].contiguous()))
     return out

@@ -20,7 +20,7 @@ def _whole(root: Path, *steps: int) -> None:
     store = DurableCheckpoints(root, keep=5)
     for step in steps:
         t = torch.arange(N, dtype=torch.float32) + step
-        store.save_async(step, float(step), t, t * 2, t * 3)
+        store.save_async(step, float(step), t, exp_avg=t * 2, exp_avg_sq=t * 3)
         store.flush()
 
 

@@ -69,16 +69,16 @@ def _survivor_with_dead_peer(staged: bool | None = None) -> Communicator:
 
 
 OPS: dict[str, Callable[[Communicator], object]] = {
-    "exchange-send": lambda c: c.exchange("g", [(1, torch.ones(1 << 16))], [], _never),
-    "exchange-recv": lambda c: c.exchange("g", [], [(1, torch.empty(8))], _never),
-    "p2p": lambda c: c.p2p("g", [(1, torch.ones(8), 3)], [(1, torch.empty(8), 3)], _never),
+    "exchange-send": lambda c: c.exchange("g", [(1, torch.ones(1 << 16))], [], abort=_never),
+    "exchange-recv": lambda c: c.exchange("g", [], [(1, torch.empty(8))], abort=_never),
+    "p2p": lambda c: c.p2p("g", [(1, torch.ones(8), 3)], [(1, torch.empty(8), 3)], abort=_never),
     "allreduce": lambda c: c.allreduce("g", torch.ones(1 << 16), _never),
     "allgather": lambda c: c.allgather("g", torch.ones(8), _never),
-    "broadcast": lambda c: c.broadcast("g", torch.ones(8), 0, _never),
+    "broadcast": lambda c: c.broadcast("g", torch.ones(8), 0, abort=_never),
     "reduce_scatter": lambda c: c.reduce_scatter(
-        "g", [torch.ones(8), torch.ones(8)], torch.empty(8), _never
+        "g", [torch.ones(8), torch.ones(8)], torch.empty(8), abort=_never
     ),
-    "allgather_into": lambda c: c.allgather_into("g", torch.empty(16), torch.ones(8), _never),
+    "allgather_into": lambda c: c.allgather_into("g", torch.empty(16), torch.ones(8), abort=_never),
 }
 
 

@@ -68,19 +68,20 @@ SCRIPT = textwrap.dedent(
         out["allgather"] = [t.tolist() for t in gathered]
         out["allgather_device"] = sorted({t.device.type for t in gathered})
         b = on(value(5, 4).to(torch.int64))
-        comm.broadcast("g", b, 1, never)
+        comm.broadcast("g", b, 1, abort=never)
         out["broadcast"] = b.tolist()
-        out["broadcast_json"] = comm.broadcast_json("g", {"from": me, "n": [1, 2]}, 2, never)
+        out["broadcast_json"] = comm.broadcast_json("g", {"from": me, "n": [1, 2]}, 2,
+                                                     abort=never)
         flat = on(torch.full((8,), -1.0))
         parts = [on(value(6 + k, 4)) for k in range(n)]
-        comm.reduce_scatter("g", parts, flat[2:6], never)
+        comm.reduce_scatter("g", parts, flat[2:6], abort=never)
         out["reduce_scatter"] = flat.tolist()
         whole = on(torch.full((3 * n,), -1.0))
-        comm.allgather_into("g", whole, on(value(9, 3)), never)
+        comm.allgather_into("g", whole, on(value(9, 3)), abort=never)
         out["allgather_into"] = whole.tolist()
         got = [on(torch.zeros(3)), on(torch.zeros(2, dtype=torch.float64))]
         comm.exchange("g", [(nxt, on(value(10, 3))), (nxt, on(value(11, 2, torch.float64)))],
-                      [(prv, got[0]), (prv, got[1])], never)
+                      [(prv, got[0]), (prv, got[1])], abort=never)
         out["exchange"] = [t.tolist() for t in got]
         posted = on(torch.zeros(4))
         works = comm.post("g", [(nxt, on(value(12, 4)), 7)], [(prv, posted, 7)])
@@ -89,7 +90,7 @@ SCRIPT = textwrap.dedent(
         waiter.join(60)
         out["post_wait_done"] = posted.tolist()
         got = on(torch.zeros(5))
-        comm.p2p("g", [(prv, on(value(13, 5)), 3)], [(nxt, got, 3)], never)
+        comm.p2p("g", [(prv, on(value(13, 5)), 3)], [(nxt, got, 3)], abort=never)
         out["p2p"] = got.tolist()
         return out
 

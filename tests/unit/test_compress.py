@@ -14,7 +14,7 @@ from elaswave.runtime.comm.compress import BLOCK, dequantize, quantize, wire_byt
 
 def _round_trip(values: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
     codes, scale = quantize(values, block)
-    return dequantize(codes, scale, values.numel(), values.dtype)
+    return dequantize(codes, scale, values.numel(), dtype=values.dtype)
 
 
 @pytest.mark.parametrize(

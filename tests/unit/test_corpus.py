@@ -400,7 +400,7 @@ def test_a_vocabulary_past_the_models_is_refused_before_tokenizing(
     ):
         prepare(inputs, cache_dir=tmp_path / "cache", vocab_size=256)
     tok = make_tokenizer(DOCS, vocab=300)
-    monkeypatch.setattr(cache_mod, "_tokenize", lambda *a: pytest.fail("tokenized first"))
+    monkeypatch.setattr(cache_mod, "_tokenize", lambda *a, **k: pytest.fail("tokenized first"))
     with pytest.raises(ConfigError, match=r"has a vocabulary of 300 .* vocab_size 299$"):
         prepare(inputs, cache_dir=tmp_path / "cache", tokenizer=tok, vocab_size=299)
     monkeypatch.undo()

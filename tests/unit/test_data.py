@@ -24,7 +24,7 @@ def test_sample_ids_cover_each_epoch_exactly_once(num_samples: int, global_batch
     steps = -(-epochs * num_samples // global_batch)
     stream: list[int] = []
     for step in range(1, steps + 1):
-        ids = sample_ids(11, step, global_batch, num_samples)
+        ids = sample_ids(11, step, global_batch, num_samples=num_samples)
         assert len(ids) == global_batch
         stream.extend(ids)
     for e in range(epochs):
@@ -33,22 +33,22 @@ def test_sample_ids_cover_each_epoch_exactly_once(num_samples: int, global_batch
 
 
 def test_sample_ids_deterministic_and_pure() -> None:
-    first = sample_ids(3, 5, 8, 100)
-    sample_ids(3, 1, 8, 100)
-    sample_ids(4, 5, 8, 100)
-    assert sample_ids(3, 5, 8, 100) == first
+    first = sample_ids(3, 5, 8, num_samples=100)
+    sample_ids(3, 1, 8, num_samples=100)
+    sample_ids(4, 5, 8, num_samples=100)
+    assert sample_ids(3, 5, 8, num_samples=100) == first
     assert all(isinstance(i, int) for i in first)
 
 
 def test_sample_ids_match_numpy_permutation() -> None:
     perm = np.random.Generator(np.random.PCG64([3, 0])).permutation(100)
-    assert sample_ids(3, 2, 8, 100) == perm[8:16].tolist()
+    assert sample_ids(3, 2, 8, num_samples=100) == perm[8:16].tolist()
 
 
 def test_sample_ids_seed_and_epoch_change_order() -> None:
-    a = [i for s in range(1, 6) for i in sample_ids(0, s, 4, 20)]
-    b = [i for s in range(1, 6) for i in sample_ids(1, s, 4, 20)]
-    c = [i for s in range(6, 11) for i in sample_ids(0, s, 4, 20)]
+    a = [i for s in range(1, 6) for i in sample_ids(0, s, 4, num_samples=20)]
+    b = [i for s in range(1, 6) for i in sample_ids(1, s, 4, num_samples=20)]
+    c = [i for s in range(6, 11) for i in sample_ids(0, s, 4, num_samples=20)]
     assert a != b
     assert a != c
 
@@ -58,7 +58,8 @@ def test_sample_ids_seed_and_epoch_change_order() -> None:
 )
 def test_sample_ids_rejects_bad_sizes(args: tuple[int, int, int, int]) -> None:
     with pytest.raises(ValueError):
-        sample_ids(*args)
+        seed, step, global_batch, num_samples = args
+        sample_ids(seed, step, global_batch, num_samples=num_samples)
 
 
 def test_synthetic_tokens_deterministic() -> None:
@@ -159,21 +160,21 @@ def test_gpt_collate_shifts_targets() -> None:
 
 
 def test_microbatches_partition_the_step() -> None:
-    mbs = microbatches(5, 3, 12, 4, 50)
+    mbs = microbatches(5, 3, 12, micro_batch_size=4, num_samples=50)
     assert [m.id for m in mbs] == [0, 1, 2]
     assert all(isinstance(m, MicroBatch) and len(m.sample_ids) == 4 for m in mbs)
     flat = [i for m in mbs for i in m.sample_ids]
-    assert flat == sample_ids(5, 3, 12, 50)
-    assert mbs == microbatches(5, 3, 12, 4, 50)
+    assert flat == sample_ids(5, 3, 12, num_samples=50)
+    assert mbs == microbatches(5, 3, 12, micro_batch_size=4, num_samples=50)
 
 
 def test_microbatches_single_and_errors() -> None:
-    (only,) = microbatches(0, 1, 6, 6, 10)
+    (only,) = microbatches(0, 1, 6, micro_batch_size=6, num_samples=10)
     assert only.id == 0 and len(only.sample_ids) == 6
     with pytest.raises(ValueError):
-        microbatches(0, 1, 10, 4, 10)
+        microbatches(0, 1, 10, micro_batch_size=4, num_samples=10)
     with pytest.raises(ValueError):
-        microbatches(0, 1, 8, 0, 10)
+        microbatches(0, 1, 8, micro_batch_size=0, num_samples=10)
 
 
 def test_microbatch_is_frozen() -> None:

@@ -52,7 +52,9 @@ def _offline_etcd(prefix: str = "/elaswave/a/") -> Etcd:
     async def no_member(name: str, wait: float) -> Any:
         raise AssertionError(f"{name} was asked to fail over")
 
-    return Etcd(_Unreachable(), "nowhere:1", 1.0, prefix, ["nowhere:1"], no_member)  # type: ignore[arg-type]
+    return Etcd(
+        _Unreachable(), "nowhere:1", 1.0, prefix=prefix, endpoints=["nowhere:1"], opener=no_member
+    )  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(

@@ -97,7 +97,7 @@ def test_holder_groups_go_by_tiers_where_they_span_hosts_and_share_one(
                 microbatches=(1,) * 6, store="s", replicas=replicas, bounds=((0, 2, 4),) * 3,
                 shares=(2, 2, 2))  # fmt: skip
     offsets = [(0, 10), (10, 20), (20, 30), (30, 40)]  # each layer's (start, stop)
-    layout = GradLayout.of(plan, offsets, (), hierarchy)
+    layout = GradLayout.of(plan, offsets, (), hierarchy=hierarchy)
     assert sum(t is not None for t in layout.tiers) == tiered
     groups = layout.groups(plan)
     for name, tiers in zip(layout.names, layout.tiers, strict=True):

@@ -28,7 +28,7 @@ BEAT = 0.2
 def test_hang_verdict(
     silent: float, phase: str, phase_age: float, limit: float, verdict: str | None
 ) -> None:
-    reason = hang_verdict(silent, phase, phase_age, limit, BEAT)
+    reason = hang_verdict(silent, phase, phase_age, limit_s=limit, beat_s=BEAT)
     if verdict is None:
         assert reason is None
     else:
@@ -50,7 +50,7 @@ def test_respawn_verdict(
 ) -> None:
     """A worker is never respawned after the job's state is lost: a fresh one would start the
     job over from step 0 without a word (found by the pipeline chaos soak)."""
-    assert respawn_verdict(exit_code, used, limit, unrecoverable) is respawn
+    assert respawn_verdict(exit_code, used, limit, unrecoverable=unrecoverable) is respawn
 
 
 @pytest.mark.parametrize(
@@ -69,5 +69,7 @@ def test_silence_excludes_the_daemons_own_pause(
     """A daemon paused for longer than the hang timeout (SIGSTOP, swapping) must not judge the
     workers it did not listen to as hung: only silence after its resume counts."""
     assert silence(now, last_beat, resumed) == pytest.approx(silent)
-    verdict = hang_verdict(silence(now, last_beat, resumed), "compute", 0.0, 10.0, BEAT)
+    verdict = hang_verdict(
+        silence(now, last_beat, resumed), "compute", 0.0, limit_s=10.0, beat_s=BEAT
+    )
     assert (verdict is not None) is hung

@@ -69,13 +69,14 @@ RANK = textwrap.dedent(
     strategy = strategy_for(ctx, DurableSource(ctx, None))
     strategy.sync(plan, never)
     sums = step_sums(state, t.reduce_dtype)
-    every = microbatches(t.seed, 1, t.global_batch, t.micro_batch_size, len(state.dataset))
-    strategy.compute(1, every, sums, 0.0)
+    every = microbatches(t.seed, 1, t.global_batch, micro_batch_size=t.micro_batch_size,
+                         num_samples=len(state.dataset))
+    strategy.compute(1, every, sums, slowdown=0.0)
     grad = strategy.shards._gather(comm, strategy.grads.clone(), never)  # the reduced sums, whole
     tail = sums.tail.fresh()
     tail.values.copy_(sums.tail.values)
     comm.allreduce("dp", tail.values, never)
-    strategy.reduce_update(1, sums, never, lambda: None)
+    strategy.reduce_update(1, sums, never, before_update=lambda: None)
     params = strategy.whole(never).params
     torch.save({"grad": grad, "loss": tail.loss, "count": float(tail.count),
                 "params": params, "gathered": strategy.path.peak}, out)
@@ -101,7 +102,9 @@ def _plain() -> tuple[torch.Tensor, float, float, torch.Tensor]:
     st = TrainState.build(cfg)
     acc = torch.zeros(st.flat.numel, dtype=torch.float64)
     loss_sum, count = 0.0, 0
-    for mb in microbatches(SEED, 1, GLOBAL_BATCH, MICRO, len(st.dataset)):
+    for mb in microbatches(
+        SEED, 1, GLOBAL_BATCH, micro_batch_size=MICRO, num_samples=len(st.dataset)
+    ):
         inputs, targets = st.microbatch(mb.sample_ids)
         loss, n = st.loss(st.model(inputs, 1, mb.id), targets)
         loss.backward()

@@ -64,7 +64,8 @@ def test_the_rule_steps_a_slice_as_the_script_s_optimizer_steps_its_parameters()
         for p, gr in zip(model.parameters(), grads, strict=True):
             p.grad = gr
         opt.step()
-        rule.apply(flat, torch.cat([x.reshape(-1) for x in grads]), *slots, step, {"lr": lr})
+        flat_grad = torch.cat([x.reshape(-1) for x in grads])
+        rule.apply(flat, flat_grad, slots[0], slot2=slots[1], step=step, group={"lr": lr})
     assert torch.equal(flat, torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
 
 

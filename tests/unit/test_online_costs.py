@@ -88,7 +88,7 @@ def test_split_by(total: float, weights: list[float], expected: tuple[float, ...
 def test_stage_sample_accounts_for_every_measured_second(
     forward: list[float], backward: float, pause: float, weights: list[float], mbs: int
 ) -> None:
-    sample = stage_sample(forward, backward, pause, weights, mbs)
+    sample = stage_sample(forward, backward, pause, pause_weights=weights, microbatches=mbs)
     assert len(sample) == len(forward)
     assert sum(sample) * mbs == pytest.approx(sum(forward) + backward + pause)
     assert all(x >= 0 for x in sample)
@@ -96,7 +96,7 @@ def test_stage_sample_accounts_for_every_measured_second(
 
 def test_stage_sample_follows_forward_for_backward_and_weights_for_pause() -> None:
     # Backward follows the forward times (1:3), the device time its own shares (3:1).
-    sample = stage_sample([1.0, 3.0], 8.0, 4.0, [0.75, 0.25], 2)
+    sample = stage_sample([1.0, 3.0], 8.0, 4.0, pause_weights=[0.75, 0.25], microbatches=2)
     assert sample == pytest.approx(((1.0 + 2.0 + 3.0) / 2, (3.0 + 6.0 + 1.0) / 2))
 
 
@@ -108,7 +108,7 @@ def test_stage_sample_rejects_bad_shapes(
     forward: list[float], weights: list[float], mbs: int, message: str
 ) -> None:
     with pytest.raises(ValueError, match=message):
-        stage_sample(forward, 1.0, 0.0, weights, mbs)
+        stage_sample(forward, 1.0, 0.0, pause_weights=weights, microbatches=mbs)
 
 
 # ---- the leader's merge ----------------------------------------------------------------------
@@ -188,7 +188,7 @@ ESTIMATE = (1.0, 10.0, 10.0, 4.0)
 def test_plan_costs(
     mode: str, profiles: list, observations: list, costs: tuple, source: str
 ) -> None:
-    got, got_source = plan_costs(mode, ESTIMATE, profiles, observations)
+    got, got_source = plan_costs(mode, ESTIMATE, profiles, observations=observations)
     assert got == pytest.approx(costs)
     assert got_source == source
 

@@ -129,9 +129,25 @@ def test_a_slice_updates_as_the_whole_buffer_does() -> None:
         whole, halves = torch.linspace(-1.0, 1.0, 8), torch.linspace(-1.0, 1.0, 8)
         m, v, m2, v2 = (torch.zeros(8) for _ in range(4))
         for step in (1, 2, 3):
-            update_(whole, _grad(step), m, v, step, hyper, hyper.groups_of(slice(0, 8)))
+            update_(
+                whole,
+                _grad(step),
+                m,
+                exp_avg_sq=v,
+                step=step,
+                h=hyper,
+                groups=hyper.groups_of(slice(0, 8)),
+            )
             for s in (slice(0, 3), slice(3, 8)):
-                update_(halves[s], _grad(step)[s], m2[s], v2[s], step, hyper, hyper.groups_of(s))
+                update_(
+                    halves[s],
+                    _grad(step)[s],
+                    m2[s],
+                    exp_avg_sq=v2[s],
+                    step=step,
+                    h=hyper,
+                    groups=hyper.groups_of(s),
+                )
         assert torch.equal(whole, halves)
         index_of = torch.tensor([5, 8, 1])  # a ZeRO shard's gather index; 8 is padding
         assert hyper.groups_of(index_of).tolist() == [0, 0, 0]

@@ -160,7 +160,7 @@ def test_takeover_table(
     assignment: list[int], lost: int, speeds: list[float], bounds: tuple[int, ...], moved: int
 ) -> None:
     costs = [1.0] * len(assignment)
-    p = takeover(assignment, lost, costs, speeds)
+    p = takeover(assignment, lost, costs, speeds_of_survivors=speeds)
     assert p.bounds == bounds
     assert p.moved == moved
     renumbered = [-1 if s == lost else s - (s > lost) for s in assignment]
@@ -191,10 +191,12 @@ def test_takeover_errors(
     message: str | None,
 ) -> None:
     if message is None:
-        assert takeover(assignment, lost, costs, speeds).num_stages == len(speeds)
+        assert takeover(assignment, lost, costs, speeds_of_survivors=speeds).num_stages == len(
+            speeds
+        )
         return
     with pytest.raises(PartitionError, match=message):
-        takeover(assignment, lost, costs, speeds)
+        takeover(assignment, lost, costs, speeds_of_survivors=speeds)
 
 
 # ---- brute force ---------------------------------------------------------------------------
@@ -366,7 +368,15 @@ def test_takeover_within_a_limit() -> None:
     """Survivors take over within the limit, or the takeover is refused (the planner then
     drops the replica)."""
     sizes = (4.0, 2.0, 2.0, 2.0, 2.0, 4.0)
-    got = takeover([0, 0, 1, 1, 2, 2], 1, [1] * 6, [1.0, 1.0], memory=StageMemory(sizes))
+    got = takeover(
+        [0, 0, 1, 1, 2, 2], 1, [1] * 6, speeds_of_survivors=[1.0, 1.0], memory=StageMemory(sizes)
+    )
     assert got.bounds == (0, 3, 6) and got.stage_bytes == (8.0, 8.0)
     with pytest.raises(PartitionError):
-        takeover([0, 0, 1, 1, 2, 2], 1, [1] * 6, [1.0, 1.0], memory=StageMemory(sizes, limit=7.0))
+        takeover(
+            [0, 0, 1, 1, 2, 2],
+            1,
+            [1] * 6,
+            speeds_of_survivors=[1.0, 1.0],
+            memory=StageMemory(sizes, limit=7.0),
+        )

@@ -97,8 +97,8 @@ def test_respeed_never_predicts_a_slower_step() -> None:
             continue
         _check(plan, prev, 8)
         per = stage_speeds(prev, speeds)
-        assert predicted_step(plan.bounds, plan.shares, per, COSTS) <= predicted_step(
-            prev.bounds, prev.shares, per, COSTS
+        assert predicted_step(plan.bounds, plan.shares, per, costs=COSTS) <= predicted_step(
+            prev.bounds, prev.shares, per, costs=COSTS
         )
 
 

@@ -292,8 +292,13 @@ def test_the_partition_takes_the_smallest_groups_moving_towards_zero() -> None:
     sizes = torch.ones(4, dtype=torch.float64)
     assert dhspg.partition(stats, sizes, 0.5).tolist() == [False, True, False, True]
     # per bucket (uniform): each of two families of two picks its own one
-    assert dhspg.partition(stats, sizes, 0.5, [2, 2]).tolist() == [False, True, False, True]
-    assert dhspg.partition(stats, sizes, 0.5, [1, 3]).tolist() == [False, True, False, False]
+    assert dhspg.partition(stats, sizes, 0.5, buckets=[2, 2]).tolist() == [False, True, False, True]
+    assert dhspg.partition(stats, sizes, 0.5, buckets=[1, 3]).tolist() == [
+        False,
+        True,
+        False,
+        False,
+    ]
 
 
 @pytest.mark.parametrize(
@@ -329,7 +334,7 @@ def test_applying_leaves_important_groups_bit_identical_and_zero_groups_zero() -
     x = torch.randn(3, 5)
     h = torch.randn(3, 5)
     scale = torch.tensor([0.0, 0.5, 0.0], dtype=torch.float64)
-    out = dhspg.apply(x, h, scale, torch.tensor([False, False, True]))
+    out = dhspg.apply(x, h, scale, zero=torch.tensor([False, False, True]))
     assert torch.equal(out[0], h[0])
     assert torch.equal(out[1], h[1] - 0.5 * x[1])
     assert not out[2].any()
@@ -376,7 +381,7 @@ def _stages(
             held=lambda i: lo <= i < hi, counted=lambda i: lo <= i < hi, reduce=reduce
         )
         params = Spans(new[a:b].clone(), a)
-        copy.after(step, Spans(old[a:b].clone(), a), params, 0.1, holding)
+        copy.after(step, Spans(old[a:b].clone(), a), params, lr=0.1, holding=holding)
         out[s] = (params.tensor, copy.redundant)
 
     threads = [threading.Thread(target=stage, args=(s,)) for s in range(len(sums))]
@@ -408,7 +413,7 @@ def test_pipeline_stages_prune_exactly_as_the_whole_model_whatever_the_cut(name:
     for step in (1, 2):  # the partition is chosen, then kept
         whole = copy_module.deepcopy(pruner)
         expected = new.clone()
-        whole.after(step, Spans(old.clone()), Spans(expected), 0.1)
+        whole.after(step, Spans(old.clone()), Spans(expected), lr=0.1)
         assert whole.last["prune_projected"] > 0  # the step decides something
         for cut in range(1, len(starts) - 1):
             stages = _stages(pruner, [cut], old, new, starts, step)
@@ -424,7 +429,7 @@ def test_the_redundant_set_survives_a_durable_checkpoint(tmp_path: Path) -> None
     source.redundant = torch.arange(source.groups) % 3 == 0
     store = DurableCheckpoints(tmp_path)
     params = torch.randn(10)
-    store.save_async(7, 0.5, params, params, params, extra=source.saved())
+    store.save_async(7, 0.5, params, exp_avg=params, exp_avg_sq=params, extra=source.saved())
     store.flush()
     state = checkpoints.load(tmp_path / "step-00000007", 10)
     fresh = _pruner()
@@ -432,7 +437,7 @@ def test_the_redundant_set_survives_a_durable_checkpoint(tmp_path: Path) -> None
     assert (fresh.taken_at, fresh.redundant.tolist()) == (3, source.redundant.tolist())
     fresh.adopt(state.prune, 2)  # a state from before the set was chosen: dropped
     assert (fresh.taken_at, fresh.redundant.numel()) == (0, 0)
-    store.save_async(8, 0.5, params, params, params)  # without pruning: no set
+    store.save_async(8, 0.5, params, exp_avg=params, exp_avg_sq=params)  # without pruning: no set
     store.flush()
     assert checkpoints.load(tmp_path / "step-00000008", 10).prune is None
     # written per rank (ZeRO-3, pipelines): the set in the checkpoint's index
@@ -479,7 +484,7 @@ def test_layers_of_different_widths_export_and_load(tmp_path: Path, name: str) -
     sparse = _outputs(workload, model, name)
     torch.manual_seed(0)
     ids = torch.randint(0, 64, (3, 8))
-    (before, after), _ = compressed(workload, model, flat, [])
+    (before, after), _ = compressed(workload, model, flat, kinds=[])
     workload.export(model, tmp_path / "hf")
     widths = transformers.AutoConfig.from_pretrained(tmp_path / "hf").elaswave_widths
     assert widths["mlp"][0] == 2 * widths["mlp"][1], widths
@@ -492,7 +497,7 @@ def test_layers_of_different_widths_export_and_load(tmp_path: Path, name: str) -
         torch.testing.assert_close(small(ids).logits, sparse, rtol=0, atol=1e-5)
 
     workload, model, flat = sparse_model()
-    (_, padded), _ = compressed(workload, model, flat, [], pad=True)
+    (_, padded), _ = compressed(workload, model, flat, kinds=[], pad=True)
     workload.export(model, tmp_path / "padded")
     wide = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "padded").eval()
     assert after < padded < before and small.num_parameters() < wide.num_parameters()
@@ -517,7 +522,7 @@ def test_fewer_heads_of_one_width_keep_the_config_head_count(tmp_path: Path, nam
         for f in families:
             flat.data[flat_index(f, model)[1::2]] = 0.0
     sparse = _outputs(workload, model, name)
-    compressed(workload, model, flat.data, ["attention"], uniform=True)
+    compressed(workload, model, flat.data, kinds=["attention"], uniform=True)
     workload.export(model, tmp_path / "hf")
     config = transformers.AutoConfig.from_pretrained(tmp_path / "hf")
     assert config.num_attention_heads == 4 and config.elaswave_widths == {"attention": [2, 2]}

@@ -65,7 +65,7 @@ def _daemon(etcd: FakeEtcd) -> tuple[Any, list[dict[str, Any]]]:
     d._progress_landed = lambda kv, writer, tried: StepRecords._progress_landed(
         d, kv, writer, tried
     )
-    d._landed = lambda *args: StepRecords._landed(d, *args)
+    d._landed = lambda *args, **kw: StepRecords._landed(d, *args, **kw)
     d._orphaned = lambda kv, step: StepRecords._orphaned(d, kv, step)
     d._adopt = lambda kv: StepRecords._adopt(d, kv)
     d.stream, d._last_writer = None, ""
@@ -258,7 +258,7 @@ def test_a_relaunch_writes_the_line_of_the_record_etcd_kept(
     tmp_path: Path, kept: dict[str, Any] | None, step: int, written: list[int]
 ) -> None:
     metrics = JsonlWriter(tmp_path / "metrics.jsonl")
-    records = StepRecords(None, None, metrics, None, host_id="node1", total_steps=40)  # type: ignore[arg-type]
+    records = StepRecords(None, None, metrics, outbox=None, host_id="node1", total_steps=40)  # type: ignore[arg-type]
     assert records.recorded_up_to(step, kept=kept) == (written[0] if written else None)
     lines = list(read_jsonl(tmp_path / "metrics.jsonl"))
     assert steps(lines) == written and records.last_metric_step == step

@@ -95,7 +95,7 @@ def _stages(cut: list[int], ids: range | tuple) -> dict[int, tuple]:
 def test_a_pipeline_redoes_what_some_layer_lacks(
     kept: list, weights: list, shares: tuple, why: str
 ) -> None:
-    redo = stage_redo(8, 4, kept, _by(weights))
+    redo = stage_redo(8, 4, kept, split=_by(weights))
     assert redo is not None and redo.shares == shares, why
     for layer in range(4):
         have = sorted(i for mine in kept if mine for i in mine.get(layer, ()))
@@ -116,9 +116,9 @@ def test_a_pipeline_redoes_what_some_layer_lacks(
 def test_a_pipeline_step_is_computed_whole_when_kept_sums_cannot_be_used(
     kept: list, weights: list, why: str
 ) -> None:
-    assert stage_redo(4, 4, kept, _by(weights)) is None, why
+    assert stage_redo(4, 4, kept, split=_by(weights)) is None, why
 
 
 def test_a_split_that_does_not_hand_out_every_lost_micro_batch_is_refused() -> None:
     with pytest.raises(ValueError, match=r"split\(4\) gave \[1, 1\]"):
-        stage_redo(4, 2, [{0: (), 1: ()}, {0: (0,)}], lambda n: (1, 1))
+        stage_redo(4, 2, [{0: (), 1: ()}, {0: (0,)}], split=lambda n: (1, 1))

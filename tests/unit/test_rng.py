@@ -12,30 +12,30 @@ from elaswave.runtime.workload.rng import stream_seed
 
 
 def test_stream_seed_matches_pinned_values() -> None:
-    assert stream_seed(0, 1, 0, 0, 0) == 8980328576395037255
-    assert stream_seed(1234, 7, 3, 2, 1) == 4741311632509528395
+    assert stream_seed(0, 1, 0, layer=0, site=0) == 8980328576395037255
+    assert stream_seed(1234, 7, 3, layer=2, site=1) == 4741311632509528395
 
 
 def test_stream_seed_stable_across_processes() -> None:
     code = (
         "from elaswave.runtime.workload.rng import stream_seed; "
-        "print(stream_seed(1234, 7, 3, 2, 1))"
+        "print(stream_seed(1234, 7, 3, layer=2, site=1))"
     )
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root, env=env
     ).stdout
-    assert int(out) == stream_seed(1234, 7, 3, 2, 1)
+    assert int(out) == stream_seed(1234, 7, 3, layer=2, site=1)
 
 
 def test_stream_seed_default_site_is_zero() -> None:
-    assert stream_seed(5, 2, 1, 3) == stream_seed(5, 2, 1, 3, 0)
+    assert stream_seed(5, 2, 1, layer=3) == stream_seed(5, 2, 1, layer=3, site=0)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2**62, 2**80, -3])
 def test_stream_seed_range(seed: int) -> None:
-    value = stream_seed(seed, 1, 2, 3, 4)
+    value = stream_seed(seed, 1, 2, layer=3, site=4)
     assert 0 <= value < 2**63
 
 
@@ -48,13 +48,13 @@ def test_stream_seed_distinct_keys() -> None:
         for ly in range(4)
         for si in range(3)
     ]
-    seeds = {stream_seed(*k) for k in keys}
+    seeds = {stream_seed(s, st, mb, layer=ly, site=si) for s, st, mb, ly, si in keys}
     assert len(seeds) == len(keys)
 
 
 def test_stream_seed_not_symmetric_in_fields() -> None:
-    assert stream_seed(1, 2, 3, 4, 5) != stream_seed(5, 4, 3, 2, 1)
-    assert stream_seed(0, 1, 2, 0) != stream_seed(0, 2, 1, 0)
+    assert stream_seed(1, 2, 3, layer=4, site=5) != stream_seed(5, 4, 3, layer=2, site=1)
+    assert stream_seed(0, 1, 2, layer=0) != stream_seed(0, 2, 1, layer=0)
 
 
 class _Noise(torch.nn.Module):
@@ -92,7 +92,7 @@ class _DeviceNoise(torch.nn.Module):
 def _as_if_manual_seed(device: torch.device) -> None:
     """call_layer seeds only the generators its layer draws from: the numbers are those the
     layer draws after ``torch.manual_seed`` of the same key (which seeds every generator)."""
-    seed = layer_seed(11, 5, 3, 2)  # (seed, step, micro-batch, layer)
+    seed = layer_seed(11, 5, 3, layer=2)  # (seed, step, micro-batch, layer)
     x = torch.zeros(64, device=device)
     torch.rand(7, device=device), torch.rand(3)  # whatever ran before
     got = call_layer(_DeviceNoise(), x, seed=11, step=5, microbatch=3, index=2)

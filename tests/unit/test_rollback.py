@@ -64,7 +64,7 @@ def test_rollback_verdict(
 def test_a_check_is_due_periodically_and_at_a_new_layouts_first_commit(
     step: int, every: int, per_layout: bool, generation: object, checked: object, due: bool
 ) -> None:
-    assert check_due(step, every, per_layout, generation, checked) is due
+    assert check_due(step, every, per_layout, generation=generation, checked=checked) is due
 
 
 def test_metrics_of_redone_steps_give_way(tmp_path: Path) -> None:
@@ -84,7 +84,7 @@ def test_checkpoints_after_the_known_good_step_are_discarded(tmp_path: Path) -> 
     ckpt = durable.DurableCheckpoints(tmp_path, keep=3)
     t = torch.arange(6, dtype=torch.float32)
     for step in (4, 8, 12):
-        ckpt.save_async(step, 1.0, t, t, t)
+        ckpt.save_async(step, 1.0, t, exp_avg=t, exp_avg_sq=t)
     ckpt.flush()
     assert durable.latest(tmp_path) == tmp_path / "step-00000012"
     ckpt.discard_after(10)

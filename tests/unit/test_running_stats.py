@@ -31,7 +31,7 @@ def _batches() -> list[torch.Tensor]:
 
 
 def _rank(model: KeyedLayers) -> RunningStats:
-    stats = RunningStats.of(None, model, MICRO, torch.device("cpu"))  # type: ignore[arg-type]
+    stats = RunningStats.of(None, model, MICRO, device=torch.device("cpu"))  # type: ignore[arg-type]
     assert stats is not None
     model.stats = stats
     for index, layer in enumerate(model.layers):

@@ -83,8 +83,8 @@ def _after_losses(world: int, deaths: list[int]) -> tuple[ShardLayout, list[str]
     layout = ShardLayout.even(BIG, world)
     for d in deaths:
         new = [w for i, w in enumerate(workers) if i != d]
-        found = holdings(layout, workers, place_replicas(layout), set(new))
-        layout, workers = next_layout(layout, workers, found, new), new
+        found = holdings(layout, workers, place_replicas(layout), alive=set(new))
+        layout, workers = next_layout(layout, workers, found, new_workers=new), new
     return layout, workers
 
 
@@ -155,8 +155,8 @@ def test_a_lost_shard_is_inherited_by_its_replica_holders_without_transfers(
     layout = ShardLayout.even(BIG, world)
     placement = place_replicas(layout, hosts)
     new = [w for i, w in enumerate(workers) if i != dead]
-    found = holdings(layout, workers, placement, set(new))
-    after = next_layout(layout, workers, found, new)
+    found = holdings(layout, workers, placement, alive=set(new))
+    after = next_layout(layout, workers, found, new_workers=new)
     _assert_tiles(after)
     for r, w in enumerate(new):
         old = workers.index(w)
@@ -196,8 +196,8 @@ def test_growth_transfers_cover_the_new_layout_disjointly_and_balance_it(
     old_workers = _workers(old_world)
     layout = ShardLayout.even(BIG, old_world)
     new_workers = [w for i, w in enumerate(old_workers) if i not in dead] + _workers(joiners, "n")
-    found = holdings(layout, old_workers, place_replicas(layout), set(new_workers))
-    after = next_layout(layout, old_workers, found, new_workers)
+    found = holdings(layout, old_workers, place_replicas(layout), alive=set(new_workers))
+    after = next_layout(layout, old_workers, found, new_workers=new_workers)
     _assert_tiles(after)
     sizes = [after.shard_size(r) for r in range(after.world)]
     assert max(sizes) - min(sizes) <= 2 * len(new_workers), sizes  # rounding only
@@ -222,15 +222,15 @@ def test_losing_a_rank_and_a_holder_of_its_replica_is_reported(pair: tuple[int, 
     layout = ShardLayout.even(SEGMENTS, 4)
     alive = {w for i, w in enumerate(workers) if i not in pair}
     with pytest.raises(KeyError, match="replica are gone"):
-        holdings(layout, workers, place_replicas(layout), alive)
+        holdings(layout, workers, place_replicas(layout), alive=alive)
 
 
 def test_two_hosts_survive_losing_two_ranks_of_one_host() -> None:
     """With replicas on the other host only, both ranks of one host may die together."""
     workers, hosts = _workers(4), ("a", "a", "b", "b")
     layout = ShardLayout.even(BIG, 4)
-    found = holdings(layout, workers, place_replicas(layout, hosts), {"w2", "w3"})
-    after = next_layout(layout, workers, found, ["w2", "w3"])
+    found = holdings(layout, workers, place_replicas(layout, hosts), alive={"w2", "w3"})
+    after = next_layout(layout, workers, found, new_workers=["w2", "w3"])
     _assert_tiles(after)
     assert plan_transfers(found, after, ["w2", "w3"]) == []
 
@@ -238,7 +238,7 @@ def test_two_hosts_survive_losing_two_ranks_of_one_host() -> None:
 def test_a_shard_without_replicas_is_reported() -> None:
     layout = ShardLayout.even(SEGMENTS, 1)
     with pytest.raises(KeyError, match="has no replica"):
-        holdings(layout, ["w0"], place_replicas(layout), {"n0"})
+        holdings(layout, ["w0"], place_replicas(layout), alive={"n0"})
 
 
 def test_repeated_losses_stay_balanced() -> None:
@@ -278,8 +278,8 @@ def test_pieces_stay_bounded_over_many_changes() -> None:
                     new.append((f"x{fresh}", host))
                     fresh += 1
         new_workers = tuple(w for w, _ in new)
-        found = holdings(layout, workers, place_replicas(layout, hosts), set(new_workers))
-        nxt = next_layout(layout, workers, found, new_workers)
+        found = holdings(layout, workers, place_replicas(layout, hosts), alive=set(new_workers))
+        nxt = next_layout(layout, workers, found, new_workers=new_workers)
         assert max(len(r) for r in nxt.ranges) <= bound, change
         if change % 2 == 0 and nxt != ShardLayout.even(segments, len(new_workers)):
             assert plan_transfers(found, nxt, new_workers) == [], "a shrink moves nothing"
@@ -371,8 +371,9 @@ def test_a_rank_major_cut_needs_no_copy(
         gone = workers[dead]
         survivors = [w for w in workers if w != gone]
         layout = next_layout(
-            layout, workers, holdings(layout, workers, place_replicas(layout), set(survivors)),
-            survivors,
+            layout, workers,
+            holdings(layout, workers, place_replicas(layout), alive=set(survivors)),
+            new_workers=survivors,
         )  # fmt: skip
         workers = survivors
     cuts = layer_cuts(layout)

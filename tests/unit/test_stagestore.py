@@ -55,8 +55,8 @@ def test_a_zero3_store_updates_its_own_parameters_as_zero1_updates_the_window() 
         zero3.views(a, b)[0].copy_(window[a:b])
     updated = window.clone()
     for step in (1, 2, 3):
-        zero1.update(Spans(updated), grad, step, hyper)
-        zero3.update(Spans(torch.full((30,), float("nan"))), grad, step, hyper)
+        zero1.update(Spans(updated), grad, step, hyper=hyper)
+        zero3.update(Spans(torch.full((30,), float("nan"))), grad, step, hyper=hyper)
     assert zero3.params is not None
     for a, b in INTERVALS:
         assert torch.equal(zero3.views(a, b)[0], updated[a:b])
@@ -66,7 +66,15 @@ def test_a_zero3_store_updates_its_own_parameters_as_zero1_updates_the_window() 
     expect = window[10:14].clone()
     m, v = torch.zeros(4), torch.zeros(4)
     for step in (1, 2, 3):
-        update_(expect, grad[10:14], m, v, step, hyper, hyper.groups_of(slice(10, 14)))
+        update_(
+            expect,
+            grad[10:14],
+            m,
+            exp_avg_sq=v,
+            step=step,
+            h=hyper,
+            groups=hyper.groups_of(slice(10, 14)),
+        )
     assert torch.equal(expect, updated[10:14])
 
 
@@ -95,7 +103,7 @@ def test_the_parameter_gather_waits_as_a_collective() -> None:
     phases: list[str] = []
     seen: list[str] = []
 
-    def p2p(group: str, sends: list, recvs: list, broken: object) -> None:
+    def p2p(group: str, sends: list, recvs: list, *, abort: object) -> None:
         seen.append(phases[-1])
         for _, t, _ in recvs:
             t.fill_(7.0)

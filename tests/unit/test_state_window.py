@@ -154,4 +154,4 @@ def test_a_migrations_reduction_chunks(
 ) -> None:
     """Every rank walks the same chunks of the whole model (the same collectives in the same
     order) and brings only the part its window holds."""
-    assert chunks(total, size, lo, hi) == expected
+    assert chunks(total, size, lo, hi=hi) == expected

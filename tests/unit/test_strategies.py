@@ -140,9 +140,9 @@ def _strategy(cfg: JobConfig, comm: ThreadComm, plan: Plan) -> tuple[Strategy, l
 
 
 def _locked(fn: Any) -> Any:
-    def call(*args: Any) -> Any:
+    def call(*args: Any, **kwargs: Any) -> Any:
         with COMPUTE:
-            return fn(*args)
+            return fn(*args, **kwargs)
 
     return call
 
@@ -160,11 +160,11 @@ def _train(strategy: Strategy, steps: int) -> None:
         sums.grads.zero_()
         sums.tail.zero()
         n = training_samples(len(st.dataset), strategy.ctx.cfg.data.eval_samples)  # as the engine
-        every = microbatches(7, step, GLOBAL_BATCH, MICRO, n)
+        every = microbatches(7, step, GLOBAL_BATCH, micro_batch_size=MICRO, num_samples=n)
         with _computing(strategy):
-            strategy.compute(step, every, sums, 0.0)
+            strategy.compute(step, every, sums, slowdown=0.0)
         st.tie_gradients(sums.grads)
-        strategy.reduce_update(step, sums, lambda: False, lambda: None)
+        strategy.reduce_update(step, sums, lambda: False, before_update=lambda: None)
 
 
 def _whole(strategy: Strategy) -> torch.Tensor:
@@ -180,9 +180,9 @@ def _native(strategy: Strategy, comm: ThreadComm) -> list[int]:
     calls: list[int] = []
     scatter = comm.reduce_scatter
 
-    def counted(*args: Any) -> None:
+    def counted(*args: Any, **kwargs: Any) -> None:
         calls.append(1)
-        scatter(*args)
+        scatter(*args, **kwargs)
 
     comm.reduce_scatter = counted  # type: ignore[method-assign]
     return calls
@@ -246,10 +246,12 @@ def test_the_reduced_gradient_is_that_of_the_batch_mean() -> None:
     def body(rank: int, comm: ThreadComm) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         strategy, _ = _strategy(cfg, comm, _plan(1))
         st = strategy.state
-        every = microbatches(7, 1, GLOBAL_BATCH, MICRO, len(st.dataset))
+        every = microbatches(
+            7, 1, GLOBAL_BATCH, micro_batch_size=MICRO, num_samples=len(st.dataset)
+        )
         sums = step_sums(st, "float64")
         with COMPUTE:
-            strategy.compute(1, every, sums, 0.0)
+            strategy.compute(1, every, sums, slowdown=0.0)
         grad, _, _ = mean_gradient(sums)
         total, counts = torch.zeros(()), []
         with COMPUTE:
@@ -346,8 +348,10 @@ def test_rank_0_measures_the_global_gradient_norm_for_a_stream(zero: int) -> Non
         st = strategy.state
         sums = step_sums(st, "float64")
         with COMPUTE:
-            every = microbatches(7, 1, GLOBAL_BATCH, MICRO, len(st.dataset))
-            strategy.compute(1, every, sums, 0.0)
+            every = microbatches(
+                7, 1, GLOBAL_BATCH, micro_batch_size=MICRO, num_samples=len(st.dataset)
+            )
+            strategy.compute(1, every, sums, slowdown=0.0)
         grad, _, _ = mean_gradient(sums)
         return float(torch.linalg.vector_norm(grad.double()))
 
@@ -543,9 +547,11 @@ def _survive(zero: int, partial_redo: bool = True) -> tuple[list[torch.Tensor], 
         _train(strategy, 2)
         st = strategy.state
         sums = step_sums(st, "float64")
-        every = microbatches(7, 3, GLOBAL_BATCH, MICRO, len(st.dataset))
+        every = microbatches(
+            7, 3, GLOBAL_BATCH, micro_batch_size=MICRO, num_samples=len(st.dataset)
+        )
         with COMPUTE:
-            strategy.compute(3, every, sums, 0.0)
+            strategy.compute(3, every, sums, slowdown=0.0)
         sums.grads.fill_(math.nan)  # what an abandoned collective may leave in the buffer
         sums.tail.values.fill_(math.nan)
         return strategy

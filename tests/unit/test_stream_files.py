@@ -86,8 +86,8 @@ class Host:
     ) -> None:
         self.metrics, self.outbox = Lines(), Outbox()
         self.records = StepRecords(
-            etcd, SimpleNamespace(progress="progress", done="done"), self.metrics, self.outbox,
-            host_id=name, total_steps=1000,
+            etcd, SimpleNamespace(progress="progress", done="done"), self.metrics,
+            outbox=self.outbox, host_id=name, total_steps=1000,
         )  # fmt: skip
         self.stream = JobStream(cfg, host_id=name, run_dir=run_dir, **kw)
         self.records.stream = self.stream

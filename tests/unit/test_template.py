@@ -160,10 +160,11 @@ DAEMON_SIDE = textwrap.dedent("""
         procs = []
         for i in range(3):
             argv = ["--control", str(tmp / "none.sock"), "--worker-id", f"w{i}"]
-            p, _ = await t.spawn("worker", argv, tmp / f"w{i}.log", 60)
+            p, _ = await t.spawn("worker", argv, tmp / f"w{i}.log", timeout=60)
             procs.append(p)
         out["codes"] = [await asyncio.wait_for(p.wait(), 60) for p in procs]
-        store, answer = await t.spawn("store", ["--host", "127.0.0.1"], tmp / "store.log", 60)
+        store, answer = await t.spawn("store", ["--host", "127.0.0.1"], tmp / "store.log",
+                                      timeout=60)
         out["store_parent"] = int(open(f"/proc/{store.pid}/stat").read().rsplit(")")[1].split()[1])
         import torch.distributed as dist
         client = dist.TCPStore("127.0.0.1", answer["port"], is_master=False)
@@ -173,13 +174,14 @@ DAEMON_SIDE = textwrap.dedent("""
         out["store_code"] = await asyncio.wait_for(store.wait(), 30)
         await t.warm(60)
         victim, _ = await t.spawn("worker", ["--control", "x", "--worker-id", "v"],
-                                  tmp / "v.log", 60)
+                                  tmp / "v.log", timeout=60)
         victim.kill()
         out["killed"] = await asyncio.wait_for(victim.wait(), 30)
         os.kill(t.pid, signal.SIGKILL)
         t.proc.wait()
         try:
-            await t.spawn("worker", ["--control", "x", "--worker-id", "late"], tmp / "l.log", 10)
+            await t.spawn("worker", ["--control", "x", "--worker-id", "late"], tmp / "l.log",
+                          timeout=10)
             out["gone"] = None
         except TemplateGone as exc:
             out["gone"] = str(exc)

@@ -140,7 +140,7 @@ def test_a_lost_worker_changes_only_its_own_lane_group() -> None:
 
     def lanes(workers: list[str], ids: bool = True) -> dict[str, tuple[str, ...]]:
         hosts = [w.split(".")[0] for w in workers]
-        t = tiers_of(hosts, "auto", None, workers if ids else ())
+        t = tiers_of(hosts, "auto", None, workers=workers if ids else ())
         assert t is not None
         return {g: m for g, m in t.groups(workers).items() if g.startswith("dp.lane")}
 
@@ -197,14 +197,14 @@ SCRIPT = textwrap.dedent(
             for n in (11, 2, 1000):  # 2 < 3 lanes: an empty lane
                 flat, tiered, int8 = values(rank, n), values(rank, n), values(rank, n)
                 comm.allreduce("dp", flat, never)
-                allreduce_tiered(comm, "dp", tiers, tiered, never)
+                allreduce_tiered(comm, "dp", tiers, tensor=tiered, abort=never)
                 # all but the last value (a count, say) cross between hosts as int8
-                allreduce_tiered(comm, "dp", tiers, int8, never, compressed=n - 1)
+                allreduce_tiered(comm, "dp", tiers, tensor=int8, abort=never, compressed=n - 1)
                 part = values(rank, n)
                 rings = part.new_empty(len(HOSTS) * n)
-                comm.allgather_into("dp", rings, part, never)
+                comm.allgather_into("dp", rings, part, abort=never)
                 gathered = part.new_full((len(HOSTS) * n,), float("nan"))
-                allgather_tiered(comm, "dp", tiers, gathered, part, never)
+                allgather_tiered(comm, "dp", tiers, out=gathered, part=part, abort=never)
                 got[n] = [flat.tolist(), tiered.tolist(), int8.tolist(), rings.tolist(),
                           gathered.tolist()]
             out[rank] = got

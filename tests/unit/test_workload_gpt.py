@@ -57,7 +57,7 @@ def test_layers_deterministic_seed_dependent_and_built_alone() -> None:
     assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
     assert not all(torch.equal(x, y) for x, y in zip(a, c, strict=True))
     # One layer built alone, from (seed, index), equals the same layer of the whole model.
-    torch.manual_seed(layer_seed(1, INIT_STEP, INIT_STEP, 2))
+    torch.manual_seed(layer_seed(1, INIT_STEP, INIT_STEP, layer=2))
     alone = GPTWorkload(CFG).build_layer(2, 1)
     whole = _model(seed=1).layers[2]
     assert all(
@@ -130,7 +130,9 @@ def test_loss_falls_on_synthetic_tokens() -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     losses = []
     for step in range(1, 31):
-        inputs, targets = w.collate([data[i] for i in sample_ids(0, step, 8, len(data))])
+        inputs, targets = w.collate(
+            [data[i] for i in sample_ids(0, step, 8, num_samples=len(data))]
+        )
         loss = w.loss(model(inputs, step, 0), targets)[0] / 8
         opt.zero_grad()
         loss.backward()

@@ -107,7 +107,14 @@ def test_an_interrupted_step_is_redone_whole() -> None:
         st = strategy.state
         sums = step_sums(st, "float64")
         with _computing(strategy):
-            strategy.compute(3, microbatches(7, 3, GLOBAL_BATCH, MICRO, len(st.dataset)), sums, 0)
+            strategy.compute(
+                3,
+                microbatches(
+                    7, 3, GLOBAL_BATCH, micro_batch_size=MICRO, num_samples=len(st.dataset)
+                ),
+                sums,
+                slowdown=0,
+            )
         sums.grads.fill_(math.nan)
         sums.tail.values.fill_(math.nan)
         return strategy

@@ -76,17 +76,17 @@ class ThreadComm:
         return [p.clone() for p in self._meet(tensor.clone())]
 
     def allgather_into(
-        self, name: str, out: torch.Tensor, part: torch.Tensor, abort: Callable[[], bool]
+        self, name: str, out: torch.Tensor, part: torch.Tensor, *, abort: Callable[[], bool]
     ) -> None:
         out.copy_(torch.cat(self._meet(part.clone())))
 
     def broadcast(
-        self, name: str, tensor: torch.Tensor, root: int, abort: Callable[[], bool]
+        self, name: str, tensor: torch.Tensor, root: int, *, abort: Callable[[], bool]
     ) -> None:
         tensor.copy_(self._meet(tensor.clone())[root])
 
     def reduce_scatter(
-        self, name: str, parts: list[torch.Tensor], out: torch.Tensor, abort: Callable[[], bool]
+        self, name: str, parts: list[torch.Tensor], out: torch.Tensor, *, abort: Callable[[], bool]
     ) -> None:
         every = self._meet([p.clone() for p in parts])
         total = every[0][self.me].clone()
@@ -96,15 +96,15 @@ class ThreadComm:
 
     # Posted collectives run at once (every rank posts the same ones in the same order).
     def start_allgather(
-        self, name: str, out: torch.Tensor, part: torch.Tensor, abort: Callable[[], bool]
+        self, name: str, out: torch.Tensor, part: torch.Tensor, *, abort: Callable[[], bool]
     ) -> object:
-        self.allgather_into(name, out, part, abort)
+        self.allgather_into(name, out, part, abort=abort)
         return object()
 
     def start_reduce_scatter(
-        self, name: str, parts: list[torch.Tensor], out: torch.Tensor, abort: Callable[[], bool]
+        self, name: str, parts: list[torch.Tensor], out: torch.Tensor, *, abort: Callable[[], bool]
     ) -> object:
-        self.reduce_scatter(name, parts, out, abort)
+        self.reduce_scatter(name, parts, out, abort=abort)
         return object()
 
     def start_allreduce(self, name: str, tensor: torch.Tensor, abort: Callable[[], bool]) -> object:
@@ -122,16 +122,20 @@ class ThreadComm:
         name: str,
         sends: list[tuple[int, torch.Tensor]],
         recvs: list[tuple[int, torch.Tensor]],
+        *,
         abort: Callable[[], bool],
         tag: int = 0,
     ) -> None:
-        self.p2p(name, [(p, t, tag) for p, t in sends], [(p, t, tag) for p, t in recvs], abort)
+        self.p2p(
+            name, [(p, t, tag) for p, t in sends], [(p, t, tag) for p, t in recvs], abort=abort
+        )
 
     def p2p(
         self,
         name: str,
         sends: list[tuple[int, torch.Tensor, int]],
         recvs: list[tuple[int, torch.Tensor, int]],
+        *,
         abort: Callable[[], bool],
     ) -> None:
         hub = self.hub

@@ -77,7 +77,7 @@ def shrinkable(pg: Any) -> bool:
 
 
 def accelerator_group(
-    backend: str, store: dist.Store, rank: int, size: int, timeout: datetime.timedelta
+    backend: str, store: dist.Store, rank: int, *, size: int, timeout: datetime.timedelta
 ) -> Any:
     """A process group of ``backend`` (nccl, or hccl through torch_npu) over ``store``."""
     if backend == "nccl":

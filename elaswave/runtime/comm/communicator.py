@@ -45,7 +45,7 @@ class Communicator(ProcessGroups):
     # ---- collectives ------------------------------------------------------------------------
     def allreduce(self, name: str, tensor: torch.Tensor, abort: Callable[[], bool]) -> None:
         self._not_aborted(abort, f"allreduce on {name!r}")
-        self._collective("allreduce", name, abort, lambda pg: pg.allreduce([tensor]))
+        self._collective("allreduce", name, abort, start=lambda pg: pg.allreduce([tensor]))
 
     def allreduce_many(
         self, items: list[tuple[str, torch.Tensor]], abort: Callable[[], bool]
@@ -69,44 +69,44 @@ class Communicator(ProcessGroups):
     ) -> list[torch.Tensor]:
         self._pg(name)  # a group whose rebuild failed is a CommError, not a KeyError
         out = [torch.empty_like(tensor) for _ in range(self.size(name))]
-        self._collective("allgather", name, abort, lambda pg: pg.allgather([out], [tensor]))
+        self._collective("allgather", name, abort, start=lambda pg: pg.allgather([out], [tensor]))
         return out
 
     def broadcast(
-        self, name: str, tensor: torch.Tensor, root: int, abort: Callable[[], bool]
+        self, name: str, tensor: torch.Tensor, root: int, *, abort: Callable[[], bool]
     ) -> None:
         opts = dist.BroadcastOptions()
         opts.rootRank = root
-        self._collective("broadcast", name, abort, lambda pg: pg.broadcast([tensor], opts))
+        self._collective("broadcast", name, abort, start=lambda pg: pg.broadcast([tensor], opts))
 
-    def broadcast_json(self, name: str, obj: Any, root: int, abort: Callable[[], bool]) -> Any:
+    def broadcast_json(self, name: str, obj: Any, root: int, *, abort: Callable[[], bool]) -> Any:
         """Send a small JSON document from ``root`` to every rank of the group (length, then
         bytes); every rank returns the root's document."""
         data = json.dumps(obj).encode() if self.rank(name) == root else b""
         size = torch.tensor([len(data)], dtype=torch.int64, device=self.device)
-        self.broadcast(name, size, root, abort)
+        self.broadcast(name, size, root, abort=abort)
         buf = torch.zeros(int(size.item()), dtype=torch.uint8, device=self.device)
         if data:
             buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-        self.broadcast(name, buf, root, abort)
+        self.broadcast(name, buf, root, abort=abort)
         return json.loads(bytes(buf.tolist()).decode())
 
     def reduce_scatter(
-        self, name: str, parts: list[torch.Tensor], out: torch.Tensor, abort: Callable[[], bool]
+        self, name: str, parts: list[torch.Tensor], out: torch.Tensor, *, abort: Callable[[], bool]
     ) -> None:
         """SUM-reduce ``parts[r]`` across the group into rank ``r``'s ``out``."""
         self._collective(
-            "reduce_scatter", name, abort, lambda pg: pg.reduce_scatter([out], [parts])
+            "reduce_scatter", name, abort, start=lambda pg: pg.reduce_scatter([out], [parts])
         )
 
     def allgather_into(
-        self, name: str, out: torch.Tensor, part: torch.Tensor, abort: Callable[[], bool]
+        self, name: str, out: torch.Tensor, part: torch.Tensor, *, abort: Callable[[], bool]
     ) -> None:
         """Concatenate every rank's equally sized ``part`` into ``out`` (rank order)."""
-        self._collective("allgather", name, abort, lambda pg: pg._allgather_base(out, part))
+        self._collective("allgather", name, abort, start=lambda pg: pg._allgather_base(out, part))
 
     def start_allgather(
-        self, name: str, out: torch.Tensor, part: torch.Tensor, abort: Callable[[], bool]
+        self, name: str, out: torch.Tensor, part: torch.Tensor, *, abort: Callable[[], bool]
     ) -> Pending:
         """Post :meth:`allgather_into` and return at once (the work runs in the backend while
         this thread computes); :meth:`wait` for it."""
@@ -114,7 +114,7 @@ class Communicator(ProcessGroups):
         return self._issue(name, f"allgather on {name!r}", lambda pg: pg._allgather_base(out, part))
 
     def start_reduce_scatter(
-        self, name: str, parts: list[torch.Tensor], out: torch.Tensor, abort: Callable[[], bool]
+        self, name: str, parts: list[torch.Tensor], out: torch.Tensor, *, abort: Callable[[], bool]
     ) -> Pending:
         """Post :meth:`reduce_scatter` and return at once; :meth:`wait` for it."""
         self._not_aborted(abort, f"reduce_scatter on {name!r}")
@@ -144,6 +144,7 @@ class Communicator(ProcessGroups):
         name: str,
         sends: list[tuple[int, torch.Tensor]],
         recvs: list[tuple[int, torch.Tensor]],
+        *,
         abort: Callable[[], bool],
         tag: int = 0,
     ) -> None:
@@ -201,6 +202,7 @@ class Communicator(ProcessGroups):
         name: str,
         sends: list[tuple[int, torch.Tensor, int]],
         recvs: list[tuple[int, torch.Tensor, int]],
+        *,
         abort: Callable[[], bool],
     ) -> None:
         """Post sends and receives together, then wait for all of them (interruptibly)."""
@@ -221,6 +223,7 @@ class Communicator(ProcessGroups):
         op: str,
         name: str,
         abort: Callable[[], bool],
+        *,
         start: Callable[[Any], dist.Work],
     ) -> None:
         """Start a collective on group ``name`` and wait for it; any failure is a CommError."""
@@ -294,7 +297,7 @@ class Communicator(ProcessGroups):
             self._wait_in_thread([work], abort, what)
             return
         future.add_done_callback(on_done)
-        self._wait(done.is_set, wake, abort, self.collective_timeout, what)
+        self._wait(done.is_set, wake, abort, timeout=self.collective_timeout, what=what)
         self._call(what, work.wait)
 
     def _finish_on_device(self, work: dist.Work, abort: Callable[[], bool], what: str) -> None:
@@ -302,7 +305,14 @@ class Communicator(ProcessGroups):
         this polls ``is_completed()`` (the device's event), interruptibly; then ``wait()``
         orders this thread's stream after it and raises the error it ended with, if any."""
         ready = lambda: self._call(what, work.is_completed)  # noqa: E731
-        self._wait(ready, threading.Event(), abort, self.collective_timeout, what, DEVICE_POLL_S)
+        self._wait(
+            ready,
+            threading.Event(),
+            abort,
+            timeout=self.collective_timeout,
+            what=what,
+            poll=DEVICE_POLL_S,
+        )
         self._call(what, work.wait)
 
     def wait_done(self, works: list[dist.Work]) -> None:
@@ -335,7 +345,7 @@ class Communicator(ProcessGroups):
         thread = threading.Thread(target=run, name="p2p-wait", daemon=True)
         thread.start()
         try:
-            self._wait(done.is_set, wake, abort, self.collective_timeout, what)
+            self._wait(done.is_set, wake, abort, timeout=self.collective_timeout, what=what)
         except (Interrupted, CommError):
             self._graveyard.append(thread)
             raise

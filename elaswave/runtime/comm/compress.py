@@ -42,7 +42,7 @@ def quantize(values: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, to
 
 
 def dequantize(
-    codes: torch.Tensor, scale: torch.Tensor, n: int, dtype: torch.dtype
+    codes: torch.Tensor, scale: torch.Tensor, n: int, *, dtype: torch.dtype
 ) -> torch.Tensor:
     """The ``n`` values ``codes`` × their block's scale, in ``dtype``."""
     block = codes.numel() // scale.numel()
@@ -57,7 +57,7 @@ def wire_bytes(n: int, block: int = BLOCK) -> int:
 
 
 def allreduce_int8(
-    comm: Communicator, group: str, values: torch.Tensor, abort: Callable[[], bool]
+    comm: Communicator, group: str, values: torch.Tensor, *, abort: Callable[[], bool]
 ) -> None:
     """SUM ``values`` (1-D, contiguous) in place over ``group``, each rank's part sent as int8:
     one all-gather of every rank's codes and scales, then the same sum, in rank order, on every
@@ -67,11 +67,11 @@ def allreduce_int8(
     mine = torch.cat([codes, scale.view(torch.int8)])
     size = comm.size(group)
     every = mine.new_empty(size * mine.numel())
-    comm.allgather_into(group, every, mine, abort)
+    comm.allgather_into(group, every, mine, abort=abort)
     parts = every.view(size, -1)
     total = torch.zeros(n, dtype=values.dtype, device=values.device)
     for part in parts:  # rank order: every rank adds the same values in the same order
         got_codes = part[: codes.numel()]
         got_scale = part[codes.numel() :].view(torch.float32)
-        total += dequantize(got_codes, got_scale, n, values.dtype)
+        total += dequantize(got_codes, got_scale, n, dtype=values.dtype)
     values.copy_(total)

@@ -155,7 +155,7 @@ class ProcessGroups:
                 aside[name] = self._groups.pop(name)
                 stats.dropped.append(name)
         try:
-            self._configure(groups, aside, stats, store, epoch, abort)
+            self._configure(groups, aside, stats, store=store, epoch=epoch, abort=abort)
         except (Interrupted, CommError):
             # An abandoned rendezvous may still block in the store connection, and must not
             # hold up the next plan's (TCPStore clients serialise calls): a fresh one then.
@@ -171,6 +171,7 @@ class ProcessGroups:
         groups: dict[str, tuple[str, ...]],
         aside: dict[str, HeldGroup],
         stats: GroupStats,
+        *,
         store: str,
         epoch: int,
         abort: Callable[[], bool],
@@ -184,7 +185,7 @@ class ProcessGroups:
         conn = self._store[1]
         # Every rank takes part, a newcomer too: a worker respawned under its old id is in
         # groups its peers still hold, and must tell them it does not.
-        keep, shrink = self._agree(groups, aside, conn, epoch, abort)
+        keep, shrink = self._agree(groups, aside, conn, epoch=epoch, abort=abort)
         for name, group in list(self._groups.items()):
             if name in keep:
                 group.suspect, group.p2p, group.pending = False, False, []
@@ -198,7 +199,7 @@ class ProcessGroups:
         for name in groups:  # in the plan's order on every rank: a shrink is collective
             if name in shrink:
                 members = groups[name]
-                pg = self._shrink(name, aside[name].pg, shrink[name], abort)
+                pg = self._shrink(name, aside[name].pg, shrink[name], abort=abort)
                 self._groups[name] = HeldGroup(members, members.index(self.me), pg)
                 stats.shrunk.append(name)
                 stats.dropped.remove(name)  # changed in place, not dropped
@@ -216,6 +217,7 @@ class ProcessGroups:
         groups: dict[str, tuple[str, ...]],
         aside: dict[str, HeldGroup],
         store: dist.Store,
+        *,
         epoch: int,
         abort: Callable[[], bool],
     ) -> tuple[set[str], dict[str, list[int]]]:
@@ -265,7 +267,9 @@ class ProcessGroups:
                     keep.add(name)
             return keep, shrink
 
-        return self._aside(exchange, abort, self.rendezvous_timeout, "agreeing on groups to keep")
+        return self._aside(
+            exchange, abort, self.rendezvous_timeout, what="agreeing on groups to keep"
+        )
 
     def _build(
         self,
@@ -291,17 +295,21 @@ class ProcessGroups:
         else:
 
             def make() -> Any:
-                pg = accelerator_group(self.backend, prefix, rank, len(members), timeout)
+                pg = accelerator_group(
+                    self.backend, prefix, rank, size=len(members), timeout=timeout
+                )
                 # NCCL (and HCCL) build the communicator at the first collective: do it here,
                 # so that a failed rendezvous fails this configure, not the next step.
                 one = torch.zeros(1, device=self.device)
                 pg.allreduce([one]).get_future().wait()
                 return pg
 
-        return self._aside(make, abort, self.rendezvous_timeout, f"rendezvous of group {name!r}")
+        return self._aside(
+            make, abort, self.rendezvous_timeout, what=f"rendezvous of group {name!r}"
+        )
 
     def _shrink(
-        self, name: str, parent: Any, excluded: list[int], abort: Callable[[], bool]
+        self, name: str, parent: Any, excluded: list[int], *, abort: Callable[[], bool]
     ) -> Any:
         """A new communicator of ``parent``'s members without the ``excluded`` ranks, made in
         place by the backend (operations still running on the parent are aborted first)."""
@@ -310,7 +318,7 @@ class ProcessGroups:
             lambda: parent.shrink(excluded, flags, None),
             abort,
             self.rendezvous_timeout,
-            f"shrinking group {name!r}",
+            what=f"shrinking group {name!r}",
         )
 
     def _abort_all(self, groups: list[HeldGroup]) -> None:
@@ -341,7 +349,7 @@ class ProcessGroups:
                 end()
 
     def _aside(
-        self, fn: Callable[[], _T], abort: Callable[[], bool], timeout: float, what: str
+        self, fn: Callable[[], _T], abort: Callable[[], bool], timeout: float, *, what: str
     ) -> _T:
         """Run ``fn`` (a blocking rendezvous) in a helper thread and wait for it interruptibly;
         whatever it raises is a :class:`CommError`."""
@@ -360,7 +368,7 @@ class ProcessGroups:
         thread = threading.Thread(target=run, name=what, daemon=True)
         thread.start()
         try:
-            self._wait(done.is_set, wake, abort, timeout, what)
+            self._wait(done.is_set, wake, abort, timeout=timeout, what=what)
         except (Interrupted, CommError):
             self._graveyard.append(thread)
             raise
@@ -385,7 +393,7 @@ class ProcessGroups:
                 ),
                 abort,
                 self.rendezvous_timeout + STORE_GRACE_S,
-                f"connecting to the rendezvous store {address}",
+                what=f"connecting to the rendezvous store {address}",
             )
         except CommError:
             self.mark_broken()  # a transport error like any other: the groups are suspect
@@ -410,6 +418,7 @@ class ProcessGroups:
         ready: Callable[[], bool],
         wake: threading.Event,
         abort: Callable[[], bool],
+        *,
         timeout: float,
         what: str,
         poll: float | None = None,

@@ -29,6 +29,7 @@ def allreduce_tiered(
     comm: Communicator,
     flat: str,
     tiers: Tiers | None,
+    *,
     tensor: torch.Tensor,
     abort: Callable[[], bool],
     compressed: int = 0,
@@ -52,22 +53,22 @@ def allreduce_tiered(
             lane = values[bounds[j] : bounds[j + 1]]
             cut = max(0, min(lane.numel(), compressed - bounds[j]))
             if tiers.racks:
-                _across_racks(comm, tiers, rank, j, lane, cut, abort)
+                _across_racks(comm, tiers, rank, lane=j, values=lane, cut=cut, abort=abort)
             else:
-                _allreduce_lane(comm, tiers.lane_group(j), lane, cut, abort)
+                _allreduce_lane(comm, tiers.lane_group(j), lane, cut=cut, abort=abort)
     if host:
         for j in range(tiers.lanes):
             if bounds[j] < bounds[j + 1]:
                 root = tiers.owner_index(h, j)
-                comm.broadcast(host, values[bounds[j] : bounds[j + 1]], root, abort)
+                comm.broadcast(host, values[bounds[j] : bounds[j + 1]], root, abort=abort)
 
 
 def _allreduce_lane(
-    comm: Communicator, group: str, values: torch.Tensor, cut: int, abort: Callable[[], bool]
+    comm: Communicator, group: str, values: torch.Tensor, *, cut: int, abort: Callable[[], bool]
 ) -> None:
     """All-reduce ``values`` over ``group``, its first ``cut`` elements as int8."""
     if cut:
-        allreduce_int8(comm, group, values[:cut], abort)
+        allreduce_int8(comm, group, values[:cut], abort=abort)
     if cut < values.numel():
         comm.allreduce(group, values[cut:], abort)
 
@@ -76,6 +77,7 @@ def _across_racks(
     comm: Communicator,
     tiers: Tiers,
     rank: int,
+    *,
     lane: int,
     values: torch.Tensor,
     cut: int,
@@ -95,17 +97,18 @@ def _across_racks(
         if a < b:
             part_cut = max(0, min(b - a, cut - a))
             group = tiers.cross_group_name(lane, q)
-            _allreduce_lane(comm, group, values[a:b], part_cut, abort)
+            _allreduce_lane(comm, group, values[a:b], cut=part_cut, abort=abort)
     if inside:
         for q in range(tiers.sublanes):
             if subs[q] < subs[q + 1]:
-                comm.broadcast(inside, values[subs[q] : subs[q + 1]], q % n, abort)
+                comm.broadcast(inside, values[subs[q] : subs[q + 1]], q % n, abort=abort)
 
 
 def allgather_tiered(
     comm: Communicator,
     flat: str,
     tiers: Tiers | None,
+    *,
     out: torch.Tensor,
     part: torch.Tensor,
     abort: Callable[[], bool],
@@ -114,7 +117,7 @@ def allgather_tiered(
     ``flat`` (whose rank ``r`` is the tiers' rank ``r``): by hosts and lanes, or with one ring
     over every rank without tiers (or with racks: the lanes' groups are the racks' then)."""
     if tiers is None or tiers.racks:
-        comm.allgather_into(flat, out, part, abort)
+        comm.allgather_into(flat, out, part, abort=abort)
         return
     rank, size = comm.rank(flat), part.numel()
     if size == 0:
@@ -124,7 +127,7 @@ def allgather_tiered(
     host = tiers.host_group(h) if len(mine) > 1 else None
     block = part.new_empty(len(mine) * size)
     if host:
-        comm.allgather_into(host, block, part, abort)
+        comm.allgather_into(host, block, part, abort=abort)
     else:
         block.copy_(part)
     bounds = [lane_bounds(len(ranks) * size, tiers.lanes) for ranks in tiers.hosts]
@@ -136,12 +139,12 @@ def allgather_tiered(
         piece = part.new_zeros(width)
         piece[: b - a] = block[a:b]
         lanes[j] = part.new_empty(hosts * width)
-        comm.allgather_into(tiers.lane_group(j), lanes[j], piece, abort)
+        comm.allgather_into(tiers.lane_group(j), lanes[j], piece, abort=abort)
     for j in range(tiers.lanes):
         if j not in lanes:
             lanes[j] = part.new_empty(hosts * width)
         if host:
-            comm.broadcast(host, lanes[j], tiers.owner_index(h, j), abort)
+            comm.broadcast(host, lanes[j], tiers.owner_index(h, j), abort=abort)
     for g, ranks in enumerate(tiers.hosts):
         pieces = [
             lanes[j][g * width : g * width + bounds[g][j + 1] - bounds[g][j]]

@@ -103,10 +103,10 @@ class DurableCheckpoints:
         step: int,
         loss: float,
         params: torch.Tensor,
+        *,
         exp_avg: torch.Tensor,
         exp_avg_sq: torch.Tensor,
         on_done: Callable[[Path, float], None] | None = None,
-        *,
         extra: torch.Tensor | None = None,
         buffers: torch.Tensor | None = None,
         script: torch.Tensor | None = None,
@@ -175,7 +175,7 @@ class DurableCheckpoints:
         if self._pending is not None:
             self._pending.result()
         tmp = self.dir / f".step-{step:08d}.{attempt}.tmp"
-        self._pending = self._pool.submit(self._write_part, tmp, rank, state, intervals)
+        self._pending = self._pool.submit(self._write_part, tmp, rank, state, intervals=intervals)
         if rank == 0:
             if self._committing is not None:
                 self._committing.result()
@@ -185,11 +185,19 @@ class DurableCheckpoints:
                 if side is not None
             }
             self._committing = self._committer.submit(
-                self._commit, tmp, step, loss, world, self._pending, self._discards, on_done, sides
+                self._commit,
+                tmp,
+                step,
+                loss,
+                world=world,
+                own=self._pending,
+                discards=self._discards,
+                on_done=on_done,
+                sides=sides,
             )
 
     def _write_part(
-        self, tmp: Path, rank: int, state: dict[str, torch.Tensor], intervals: list[list[int]]
+        self, tmp: Path, rank: int, state: dict[str, torch.Tensor], *, intervals: list[list[int]]
     ) -> None:
         tmp.mkdir(parents=True, exist_ok=True)
         name = f"rank-{rank:05d}"
@@ -205,6 +213,7 @@ class DurableCheckpoints:
         tmp: Path,
         step: int,
         loss: float,
+        *,
         world: int,
         own: Future[Any],
         discards: int,

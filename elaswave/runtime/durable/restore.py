@@ -47,7 +47,7 @@ class DurableSource:
             if comm.rank(DP) == 0:
                 path, refused = resume_point(cfg.resume)
                 mine = [str(path) if path is not None else "", refused]
-            chosen, refused = comm.broadcast_json(DP, mine, 0, broken)
+            chosen, refused = comm.broadcast_json(DP, mine, 0, abort=broken)
             if not chosen:
                 raise ShardLost(refused)
             return Path(chosen), 0, "resume"
@@ -76,7 +76,7 @@ class DurableSource:
         if comm.rank(DP) == 0:
             choice = newest_intact(cfg.resolved_durable_dir)
             newest, self._skipped = choice.path, choice.failures()
-        return comm.broadcast_json(DP, str(newest) if newest else "", 0, broken)
+        return comm.broadcast_json(DP, str(newest) if newest else "", 0, abort=broken)
 
     def load(self, path: Path, lost_from: int, reason: str) -> DurableState:
         """Read a durable checkpoint (every rank reads all of it) and report the restore."""

@@ -34,7 +34,9 @@ if TYPE_CHECKING:
 __all__ = ["Integrity", "check_due"]
 
 
-def check_due(step: int, every: int, per_layout: bool, generation: object, checked: object) -> bool:
+def check_due(
+    step: int, every: int, per_layout: bool, *, generation: object, checked: object
+) -> bool:
     """Whether the commit of ``step`` is checked: every ``every`` steps, and, where known-good
     states are kept per layout (``per_layout``: a stage's layers, a shard), at the first commit
     of a settled layout generation (``generation``, the same on every rank; ``None`` while not
@@ -53,7 +55,7 @@ class Integrity:
     is called by every rank of the plan together)."""
 
     def __init__(
-        self, ctx: RankContext, strategy: Strategy, durable: DurableSource, faults: FaultInjector
+        self, ctx: RankContext, strategy: Strategy, durable: DurableSource, *, faults: FaultInjector
     ) -> None:
         self.ctx = ctx
         self.strategy = strategy
@@ -93,7 +95,8 @@ class Integrity:
         self.reseal()
         self.faults.corrupt(step, self._flip)
         if not check_due(step, self.every, self.strategy.layout_key() is not None,
-                         self.strategy.layout_generation(), self._good_generation):  # fmt: skip
+                         generation=self.strategy.layout_generation(),
+                         checked=self._good_generation):  # fmt: skip
             return False
         self.ctx.enter("collective")
         tainted = self._tainted or self._seal_broken()  # before a repair rewrites anything
@@ -136,7 +139,7 @@ class Integrity:
             self.reseal()
             return False
         assert verdict.source is not None
-        self._roll_back(step, verdict.target, verdict.source, [row[2] for row in rows])
+        self._roll_back(step, verdict.target, verdict.source, kept=[row[2] for row in rows])
         return True
 
     def _good_fits(self) -> bool:
@@ -160,7 +163,7 @@ class Integrity:
         self._good_generation = self.strategy.layout_generation()
         self._tainted = False
 
-    def _roll_back(self, step: int, target: int, source: int, kept: list[int]) -> None:
+    def _roll_back(self, step: int, target: int, source: int, *, kept: list[int]) -> None:
         """Every rank restores the known-good state of ``target``; steps ``target + 1 .. step``
         are redone by the main loop."""
         ctx = self.ctx
@@ -172,17 +175,19 @@ class Integrity:
             whole = ctx.state.flat.data.new_empty(3 * n)
             if self.good is not None and self.good.step == target:
                 meta[1], whole = self.good.loss, self.good.kept
-            ctx.comm.broadcast(DP, meta, source, broken)
-            ctx.comm.broadcast(DP, whole, source, broken)
+            ctx.comm.broadcast(DP, meta, source, abort=broken)
+            ctx.comm.broadcast(DP, whole, source, abort=broken)
             self.good = KnownGood(target, float(meta[1]), whole)
             stats = ctx.state.stats
             if stats is not None:  # the running statistics of that step too
                 held = self._good_stats if self._good_stats is not None else stats.saved()
                 saved = held.to(dev)
-                ctx.comm.broadcast(DP, saved, source, broken)
+                ctx.comm.broadcast(DP, saved, source, abort=broken)
                 self._good_stats = saved.cpu()
         assert self.good is not None
-        self.strategy.take_known_good(target, self.good.loss, self.good.kept, ctx.plan, broken)
+        self.strategy.take_known_good(
+            target, self.good.loss, self.good.kept, plan=ctx.plan, broken=broken
+        )
         if ctx.state.stats is not None:
             ctx.state.stats.adopt(self._good_stats, target)
         self._tainted = False

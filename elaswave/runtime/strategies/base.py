@@ -8,8 +8,8 @@ works on the rank's :class:`~elaswave.runtime.state.TrainState` through its
 
 One step, as the engine drives it::
 
-    per_mb = strategy.compute(step, micro_batches, sums, slowdown)   # forward + backward
-    epochs = strategy.reduce_update(step, sums, broken, before_update)  # reduce, then update
+    per_mb = strategy.compute(step, micro_batches, sums, slowdown=slowdown)  # forward + backward
+    epochs = strategy.reduce_update(step, sums, broken, before_update=hook)  # reduce, then update
 
 A new plan: ``groups(plan)`` names the process groups, ``sync(plan, broken)`` brings this rank's
 state to the plan's resume step (from peers, else from a durable checkpoint), ``after_apply``
@@ -173,7 +173,7 @@ class Strategy(ABC):
     # ---- one step -----------------------------------------------------------------------------
     @abstractmethod
     def compute(
-        self, step: int, every: Sequence[MicroBatch], sums: StepSums, slowdown: float
+        self, step: int, every: Sequence[MicroBatch], sums: StepSums, *, slowdown: float
     ) -> float | None:
         """Forward and backward over this rank's share of ``every`` (the step's micro-batches):
         the gradients of the loss sums, the loss sums and their counts added into ``sums``;
@@ -186,6 +186,7 @@ class Strategy(ABC):
         step: int,
         sums: StepSums,
         broken: Callable[[], bool],
+        *,
         before_update: Callable[[], None],
     ) -> int:
         """Reduce ``sums`` over the plan's ranks, apply the update, set the state's step and
@@ -302,7 +303,7 @@ class Strategy(ABC):
         return self.whole(broken).copy()
 
     def take_known_good(
-        self, step: int, loss: float, good: torch.Tensor, plan: Plan, broken: Callable[[], bool]
+        self, step: int, loss: float, good: torch.Tensor, *, plan: Plan, broken: Callable[[], bool]
     ) -> None:
         """Roll back to what :meth:`known_good` kept at ``step`` (three equal parts: the state
         as a durable checkpoint holds it)."""
@@ -329,7 +330,7 @@ class Strategy(ABC):
 
     # ---- shared helpers -----------------------------------------------------------------------
     def restore(
-        self, plan: Plan, broken: Callable[[], bool], path: Path, lost_from: int, reason: str
+        self, plan: Plan, broken: Callable[[], bool], path: Path, *, lost_from: int, reason: str
     ) -> dict[str, Any]:
         """Load a durable checkpoint into this rank (any world size) and report it."""
         state = self.durable.load(path, lost_from, reason)

@@ -142,9 +142,11 @@ class LayerGather:
         self._hold(out)
         if self.gather_tiers and self.tiers is not None:  # done here, on the computing thread
             with self._waiting():
-                allgather_tiered(self.comm, DP, self.tiers, out, mine, abort)
+                allgather_tiered(self.comm, DP, self.tiers, out=out, part=mine, abort=abort)
             return _Gathering(i, out, None)
-        work = self.comm.start_allgather(shards.group, out, mine, abort) if world > 1 else None
+        work = (
+            self.comm.start_allgather(shards.group, out, mine, abort=abort) if world > 1 else None
+        )
         if work is None:
             out.copy_(mine)
         return _Gathering(i, out, work)
@@ -186,7 +188,7 @@ class LayerGather:
 
     # ---- gradients ------------------------------------------------------------------------------
     def post_reduce(
-        self, shards: ParamShards, i: int, sums: torch.Tensor, abort: Callable[[], bool]
+        self, shards: ParamShards, i: int, sums: torch.Tensor, *, abort: Callable[[], bool]
     ) -> _Reducing:
         """Post the reduction of layer ``i``'s gradient sums: rank ``r`` receives the sum over
         the ranks of its part. Takes ``sums`` over (held; the caller no longer touches them): a
@@ -195,7 +197,9 @@ class LayerGather:
         if self.across_hosts:  # every host's ranks hold other parts: the whole layer, summed
             with self._waiting():
                 int8 = sums.numel() if self.compressed else 0
-                allreduce_tiered(self.comm, DP, self.tiers, sums, abort, int8)
+                allreduce_tiered(
+                    self.comm, DP, self.tiers, tensor=sums, abort=abort, compressed=int8
+                )
             out = sums.new_empty(cut.pad)
             self._hold(out, grads=True)
             cursor = 0
@@ -214,18 +218,22 @@ class LayerGather:
         if self.tiers is not None:  # by hosts: the same sums; this rank keeps its part
             with self._waiting():  # a chain of collectives on the tiers' groups, done here
                 int8 = send.numel() if self.compressed else 0
-                allreduce_tiered(self.comm, DP, self.tiers, send, abort, int8)
+                allreduce_tiered(
+                    self.comm, DP, self.tiers, tensor=send, abort=abort, compressed=int8
+                )
             return _Reducing(i, send, send.view(world, cut.pad)[shards.rank], None)
         if self.native:
             out = sums.new_empty(cut.pad)
             self._hold(out, grads=True)
             parts = list(send.view(world, cut.pad).unbind(0))
-            return _Reducing(i, send, out, self.comm.start_reduce_scatter(DP, parts, out, abort))
+            return _Reducing(
+                i, send, out, self.comm.start_reduce_scatter(DP, parts, out, abort=abort)
+            )
         work = self.comm.start_allreduce(DP, send, abort)  # the same sums; this rank keeps its part
         return _Reducing(i, send, send.view(world, cut.pad)[shards.rank], work)
 
     def finish_reduce(
-        self, r: _Reducing, shards: ParamShards, grads: torch.Tensor, abort: Callable[[], bool]
+        self, r: _Reducing, shards: ParamShards, grads: torch.Tensor, *, abort: Callable[[], bool]
     ) -> None:
         """This rank's part of the layer's reduced sums into its gradient shard ``grads``."""
         self._wait(r.work, abort)
@@ -242,6 +250,7 @@ class LayerGather:
         shards: ParamShards,
         step: int,
         batches: Sequence[Batch],
+        *,
         grads: torch.Tensor,
         loss_fn: LossFn,
         abort: Callable[[], bool],
@@ -266,12 +275,23 @@ class LayerGather:
                     xs = acts[i]
                     assert xs is not None
                     outs = [
-                        model.run_layer(i, x, step, b.id) for x, b in zip(xs, batches, strict=True)
+                        model.run_layer(i, x, step, microbatch=b.id)
+                        for x, b in zip(xs, batches, strict=True)
                     ]
                     acts.append(outs)
                 self._drop(flat)
                 pending = pending or self._post(shards, i + 1, abort)
-            return self._backward(shards, step, batches, grads, loss_fn, abort, ties, acts, pending)
+            return self._backward(
+                shards,
+                step,
+                batches,
+                grads=grads,
+                loss_fn=loss_fn,
+                abort=abort,
+                ties=ties,
+                acts=acts,
+                pending=pending,
+            )
         except BaseException:
             self._abandon(pending)
             raise
@@ -281,6 +301,7 @@ class LayerGather:
         shards: ParamShards,
         step: int,
         batches: Sequence[Batch],
+        *,
         grads: torch.Tensor,
         loss_fn: LossFn,
         abort: Callable[[], bool],
@@ -310,7 +331,7 @@ class LayerGather:
                     x = xs[k]
                     if i > 0 and x.is_floating_point():
                         x = x.detach().requires_grad_(True)
-                    out = model.run_layer(i, x, step, b.id)
+                    out = model.run_layer(i, x, step, microbatch=b.id)
                     if i == layers - 1:
                         loss, n = loss_fn(out, b.targets)
                         loss_sum += loss.detach()
@@ -330,10 +351,10 @@ class LayerGather:
                 self._drop(grad, grads=True)
             for layer, sums in tied.ready(i, acc if acc is not None else grad):
                 for r in reducing:  # one reduction in flight (its buffers are a layer each)
-                    self.finish_reduce(r, shards, grads, abort)
-                reducing = [self.post_reduce(shards, layer, sums, abort)]
+                    self.finish_reduce(r, shards, grads, abort=abort)
+                reducing = [self.post_reduce(shards, layer, sums, abort=abort)]
         for r in reducing:
-            self.finish_reduce(r, shards, grads, abort)
+            self.finish_reduce(r, shards, grads, abort=abort)
         return loss_sum, count
 
     def score(
@@ -341,6 +362,7 @@ class LayerGather:
         shards: ParamShards,
         batches: Sequence[Batch],
         score_fn: Callable[[torch.Tensor, Any], tuple[float, int, int]],
+        *,
         step: int,
         abort: Callable[[], bool],
     ) -> list[tuple[float, int, int]]:
@@ -359,7 +381,8 @@ class LayerGather:
                 pending = self._post(shards, i + 1, abort) if ahead and self.prefetch else None
                 with self.filled(i, flat):
                     xs = [
-                        model.run_layer(i, x, step, b.id) for x, b in zip(xs, batches, strict=True)
+                        model.run_layer(i, x, step, microbatch=b.id)
+                        for x, b in zip(xs, batches, strict=True)
                     ]
                 self._drop(flat)
                 if ahead and pending is None:
@@ -380,7 +403,7 @@ class LayerGather:
         group, _, k = self.secondary
         out = piece.new_empty(k * piece.numel())
         self._hold(out)
-        return _Gathering(i, out, self.comm.start_allgather(group, out, piece, abort), piece)
+        return _Gathering(i, out, self.comm.start_allgather(group, out, piece, abort=abort), piece)
 
     def _keep(self, i: int, flat: torch.Tensor) -> None:
         """hpZ: this rank's secondary part of layer ``i`` (``flat``, gathered whole for its

@@ -73,13 +73,23 @@ class HostZero3(Zero3):
         """The initial parameters, each host's over its ranks."""
         z, (group, workers, index) = self.shards, self.host
         z.group, z.norm_share = group, self._first_host(plan)
-        return z.reshard(self.ctx.comm, (), None, workers, index, 0, plan.epoch, broken)
+        return z.reshard(
+            self.ctx.comm,
+            (),
+            None,
+            new_workers=workers,
+            new_rank=index,
+            resume_step=0,
+            epoch=plan.epoch,
+            abort=broken,
+        )
 
     def _reshard(
         self,
         plan: Plan,
         broken: Callable[[], bool],
         rows: list[list[float]],
+        *,
         with_state: list[int],
         resume: int,
         source: int,
@@ -122,10 +132,14 @@ class HostZero3(Zero3):
         me = self.ctx.worker
         group, workers, index = self.host
         layout = layouts[plan.hosts[plan.workers.index(me)]]
-        out = self._moved(plan, moves, own, layout.pieces(index), layout.padded_size, broken)
+        out = self._moved(
+            plan, moves, own, pieces=layout.pieces(index), size=layout.padded_size, broken=broken
+        )
         z.group, z.norm_share = group, self._first_host(plan)
-        z.adopt_layout(layout, workers, index, plan.epoch)
-        z._start_from(comm, Shard.of(resume, *out), z.snap_loss, broken)
+        z.adopt_layout(layout, workers, index, epoch=plan.epoch)
+        z._start_from(
+            comm, Shard.of(resume, out[0], out[1], params=out[2]), z.snap_loss, abort=broken
+        )
         host_of = dict(zip(plan.workers, plan.hosts, strict=True))
         sent = [m for m in moves if m.src != m.dst]
         across = sum(m.length for m in sent if host_of[m.src] != host_of[m.dst])
@@ -161,6 +175,7 @@ class HostZero3(Zero3):
         plan: Plan,
         moves: list[Transfer],
         own: list[Range],
+        *,
         pieces: list[Range],
         size: int,
         broken: Callable[[], bool],
@@ -197,7 +212,7 @@ class HostZero3(Zero3):
             abort=broken,
             tag=2000,
         )
-        unpack_into(out, buffers, recvs, pieces)
+        unpack_into(out, buffers, recvs, pieces=pieces)
         return out
 
     # ---- whole state ----------------------------------------------------------------------------
@@ -217,8 +232,9 @@ class HostZero3(Zero3):
         self.forget_partial()
         z.group, z.norm_share = group, self._first_host(plan)
         z.restore_full(
-            comm, workers, index, state.step, state.exp_avg, state.exp_avg_sq, plan.epoch,
-            broken, (), state.loss, params=state.params,
+            comm, workers, index, step=state.step, exp_avg=state.exp_avg,
+            exp_avg_sq=state.exp_avg_sq, epoch=plan.epoch, abort=broken, hosts=(), loss=state.loss,
+            params=state.params,
         )  # fmt: skip
         st.step, st.last_loss = state.step, state.loss
         return {"shard_scope": "host"}

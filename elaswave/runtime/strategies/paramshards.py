@@ -96,11 +96,13 @@ class ParamShards(ZeroState):
         assert self.layout is not None
         out = part.new_empty(self.layout.numel)
         for cut in self.cuts:
-            out[cut.offset : cut.offset + cut.length] = self.gather_layer(comm, part, cut, abort)
+            out[cut.offset : cut.offset + cut.length] = self.gather_layer(
+                comm, part, cut, abort=abort
+            )
         return out
 
     def gather_layer(
-        self, comm: Communicator, part: torch.Tensor, cut: LayerCut, abort: Callable[[], bool]
+        self, comm: Communicator, part: torch.Tensor, cut: LayerCut, *, abort: Callable[[], bool]
     ) -> torch.Tensor:
         """Layer ``cut``'s elements of a shard-laid-out tensor, from every rank's part."""
         world, pad = len(self.workers), cut.pad
@@ -108,7 +110,7 @@ class ParamShards(ZeroState):
         start, size = cut.starts[self.rank], cut.sizes[self.rank]
         mine[:size] = part[start : start + size]
         gathered = part.new_empty(world * pad)
-        comm.allgather_into(self.group, gathered, mine, abort)
+        comm.allgather_into(self.group, gathered, mine, abort=abort)
         return unpack_layer(gathered, cut)
 
     # ---- one step -------------------------------------------------------------------------------
@@ -133,7 +135,9 @@ class ParamShards(ZeroState):
         max_norm, ties = clip
         mean = grads.div_(count)
         layers = [(cut.offset, cut.length) for cut in self.cuts]
-        factor, norm = self.shard_clip(comm, mean, max_norm, ties, layers, measure, abort)
+        factor, norm = self.shard_clip(
+            comm, mean, max_norm, ties=ties, segments=layers, measure=measure, abort=abort
+        )
         grad = mean if mean.dtype == torch.float32 else mean.to(torch.float32)
         if factor < 1.0:  # after the conversion, as replicated data parallelism does
             grad.mul_(factor)
@@ -144,9 +148,9 @@ class ParamShards(ZeroState):
         opt.step_count = step - 1
         opt.step(param, grad, self.groups)
         if self.prune is not None and self.prune.active(step):
-            self._prune_chunk(comm, step, param, abort)
+            self._prune_chunk(comm, step, param, abort=abort)
         if self.is_snapshot(step):
-            own = Shard.of(step, opt.exp_avg, opt.exp_avg_sq, param)
+            own = Shard.of(step, opt.exp_avg, opt.exp_avg_sq, params=param)
             self.staged = Staged(step, param, own, None)
             self.staged.replicas = self._replicate(comm, own, abort)
         else:
@@ -155,7 +159,7 @@ class ParamShards(ZeroState):
         return norm
 
     def _prune_chunk(
-        self, comm: Communicator, step: int, param: torch.Tensor, abort: Callable[[], bool]
+        self, comm: Communicator, step: int, param: torch.Tensor, *, abort: Callable[[], bool]
     ) -> None:
         """DHSPG on the updated chunk ``param``. No rank holds the whole parameters: each layer
         with groups is gathered whole, before and after the update, for its groups' sums (the
@@ -168,9 +172,9 @@ class ParamShards(ZeroState):
 
         def spans(layer: int) -> tuple[Spans, Spans]:
             cut = self.cuts[layer]
-            before = self.gather_layer(comm, old, cut, abort)
+            before = self.gather_layer(comm, old, cut, abort=abort)
             return Spans(before, cut.offset), Spans(
-                self.gather_layer(comm, param, cut, abort), cut.offset
+                self.gather_layer(comm, param, cut, abort=abort), cut.offset
             )
 
         lr = self.hyper.lr_at(step)
@@ -196,6 +200,7 @@ class ParamShards(ZeroState):
         comm: Communicator,
         step: int,
         params: torch.Tensor,
+        *,
         exp_avg: torch.Tensor,
         exp_avg_sq: torch.Tensor,
         loss: float,
@@ -205,8 +210,8 @@ class ParamShards(ZeroState):
         live state and the snapshot again, its replica pieces sent to the peers."""
         if params.numel() != self.size:
             raise ValueError(f"a shard of {params.numel()} elements for one of {self.size}")
-        own = Shard.of(step, exp_avg.clone(), exp_avg_sq.clone(), params.clone())
-        self._start_from(comm, own, loss, abort)
+        own = Shard.of(step, exp_avg.clone(), exp_avg_sq.clone(), params=params.clone())
+        self._start_from(comm, own, loss, abort=abort)
 
     # ---- durability -----------------------------------------------------------------------------
     def pieces(self) -> list[Piece]:

@@ -88,7 +88,7 @@ def repair_copies(
             sends.append((b, torch.cat(snap.cut(send_spans[b]))))
         if b == me:
             replica_in += [(o, like.new_empty(nt * recv_sizes[o])) for o in owners]
-    comm.exchange(group, sends, own_in + replica_in, abort, tag=3000)
+    comm.exchange(group, sends, own_in + replica_in, abort=abort, tag=3000)
     for holder, buf in own_in:
         assert snap is not None
         _repair_own(snap, send_spans[holder], buf)

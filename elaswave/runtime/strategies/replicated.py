@@ -109,7 +109,7 @@ class Replicated(Strategy):
         self._acc: torch.Tensor | None = None  # the float64 accumulator (deterministic mode)
 
     def compute(
-        self, step: int, every: Sequence[MicroBatch], sums: StepSums, slowdown: float
+        self, step: int, every: Sequence[MicroBatch], sums: StepSums, *, slowdown: float
     ) -> float | None:
         st, t = self.state, self.ctx.cfg.train
         run = self.accumulation(step, sums)
@@ -180,7 +180,7 @@ class Replicated(Strategy):
         return row
 
     def plan_redo(
-        self, plan: Plan, resume: int, steps: list[int], rows: list[list[float]]
+        self, plan: Plan, resume: int, steps: list[int], *, rows: list[list[float]]
     ) -> dict[str, Any]:
         """Agree (every rank, from the same rows of ``partial_row``) which micro-batches of step
         ``resume + 1`` each rank computes: only those no rank kept (``train.partial_redo``),
@@ -215,6 +215,7 @@ class Replicated(Strategy):
         step: int,
         sums: StepSums,
         broken: Callable[[], bool],
+        *,
         before_update: Callable[[], None],
     ) -> int:
         st, comm = self.state, self.ctx.comm
@@ -222,7 +223,9 @@ class Replicated(Strategy):
             comm.allreduce_many([(DP, sums.grads), (DP, sums.tail.values)], broken)
         else:
             compressed = sums.grads.numel() if self.ctx.cfg.train.grad_compress == "int8" else 0
-            allreduce_tiered(comm, DP, self.tiers, sums.grads, broken, compressed)
+            allreduce_tiered(
+                comm, DP, self.tiers, tensor=sums.grads, abort=broken, compressed=compressed
+            )
             comm.allreduce(DP, sums.tail.values, broken)
         # -- the reduction succeeded: every rank now holds the identical full-batch gradient.
         self.forget_partial()
@@ -235,7 +238,7 @@ class Replicated(Strategy):
         old = st.prune.before(step, st.params) if st.prune else None
         st.opt.step(st.flat.data, grad, st.opt.hyper.groups)
         if st.prune:
-            st.prune.after(step, old, st.params, st.opt.hyper.lr_at(step))
+            st.prune.after(step, old, st.params, lr=st.opt.hyper.lr_at(step))
         st.step = step
         return sums.tail.epoch
 
@@ -243,7 +246,7 @@ class Replicated(Strategy):
         """Every rank, and the tiers' groups (each host's ranks, each lane's) when the
         gradient is reduced by tiers."""
         mode = self.ctx.cfg.train.hierarchy if self.tiered else "flat"
-        self.tiers = tiers_of(plan.hosts, mode, dict(plan.racks), plan.workers)
+        self.tiers = tiers_of(plan.hosts, mode, dict(plan.racks), workers=plan.workers)
         extra = self.tiers.groups(plan.workers) if self.tiers is not None else {}
         return {**super().groups(plan), **extra}
 
@@ -259,7 +262,10 @@ class Replicated(Strategy):
         steps = [int(r[0]) for r in rows]
         start = self.durable.start_over(plan, broken) if max(steps) == 0 else None
         if start is not None:
-            return {"steps": steps, **self.restore(plan, broken, *start)}
+            return {
+                "steps": steps,
+                **self.restore(plan, broken, start[0], lost_from=start[1], reason=start[2]),
+            }
         target = max(steps)
         moved = 0
         source = steps.index(target)
@@ -270,8 +276,8 @@ class Replicated(Strategy):
                 dtype=torch.float64,
                 device=st.device,
             )
-            comm.broadcast(DP, meta, source, broken)
-            comm.broadcast(DP, state, source, broken)
+            comm.broadcast(DP, meta, source, abort=broken)
+            comm.broadcast(DP, state, source, abort=broken)
             if st.step != target:
                 n = st.flat.numel
                 st.flat.data.copy_(state[:n])
@@ -286,7 +292,7 @@ class Replicated(Strategy):
             "source_rank": source,
             "steps": steps,
             "bytes": moved if rank != source else 0,
-            **self.plan_redo(plan, target, steps, [r[1:] for r in rows]),
+            **self.plan_redo(plan, target, steps, rows=[r[1:] for r in rows]),
         }
 
     def whole(self, broken: Callable[[], bool]) -> Whole:
@@ -331,7 +337,7 @@ class Replicated(Strategy):
             )
             assert verdict.source is not None  # judge names one whenever a rank is bad
             for part in parts:
-                comm.broadcast(DP, part, verdict.source, broken)
+                comm.broadcast(DP, part, verdict.source, abort=broken)
             self.say("sdc_repaired", step=step, what="replicated state")
         return bool(verdict.bad), [row[1:] for row in rows]
 

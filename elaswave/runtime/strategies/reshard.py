@@ -49,7 +49,7 @@ def usable_copies(
     (an all-gather on ``group``): all stop, with the same verdict, if any copy is unusable."""
     problem, found, sources = "", [], {}
     try:
-        found = holdings(old_layout, old_workers, placement, set(new_workers))
+        found = holdings(old_layout, old_workers, placement, alive=set(new_workers))
         sources = _sources(
             found, me, old_workers, old_layout=old_layout, placement=placement,
             resume_step=resume_step, replicas=replicas, copy=copy,
@@ -60,7 +60,7 @@ def usable_copies(
         problem = str(exc)
     flags = torch.zeros(len(new_workers), dtype=torch.int64, device=device)
     mine = torch.tensor([0 if problem else 1], dtype=torch.int64, device=device)
-    comm.allgather_into(group, flags, mine, abort)
+    comm.allgather_into(group, flags, mine, abort=abort)
     if not bool(flags.all()):
         first = int((flags == 0).nonzero()[0])
         raise ShardLost(
@@ -133,6 +133,7 @@ def unpack_into(
     out: Sequence[torch.Tensor],
     received: Mapping[str, torch.Tensor],
     ranges: Mapping[str, Sequence[Range]],
+    *,
     pieces: Sequence[Range],
 ) -> None:
     """A reshard's received transfers into the new shard ``out`` (laid out as ``pieces``): from

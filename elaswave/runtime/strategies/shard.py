@@ -38,6 +38,7 @@ class Shard:
         step: int,
         exp_avg: torch.Tensor,
         exp_avg_sq: torch.Tensor,
+        *,
         params: torch.Tensor | None = None,
     ) -> Shard:
         shard = cls(step, exp_avg, exp_avg_sq, None, params)

@@ -53,6 +53,7 @@ class Zero1(Replicated):
         step: int,
         sums: StepSums,
         broken: Callable[[], bool],
+        *,
         before_update: Callable[[], None],
     ) -> int:
         """The step's tail, the staged shard update and its replicas, the commit barrier."""
@@ -95,7 +96,7 @@ class Zero1(Replicated):
         if not with_state:  # a fresh start: nobody holds optimizer state yet
             start = self.durable.start_over(plan, broken)
             if start is not None:
-                return self.restore(plan, broken, *start)
+                return self.restore(plan, broken, start[0], lost_from=start[1], reason=start[2])
             stats = self._start_fresh(plan, broken)
             return {
                 "resume_step": 0,
@@ -108,17 +109,19 @@ class Zero1(Replicated):
         newest = int(max(rows[i][4] for i in with_state))  # committed, incl. rolled back
         source = next(i for i in with_state if int(rows[i][0]) == resume)  # holds ``resume``
         try:
-            stats = self._reshard(plan, broken, rows, with_state, resume, source)
+            stats = self._reshard(
+                plan, broken, rows, with_state=with_state, resume=resume, source=source
+            )
         except ShardLost as exc:  # both in-memory copies gone: the durable checkpoint, if any
             chosen = self.durable.newest(broken)
             if not chosen:  # every rank sees the same choice, so all raise together
                 raise
-            return self.restore(plan, broken, Path(chosen), newest, str(exc))
+            return self.restore(plan, broken, Path(chosen), lost_from=newest, reason=str(exc))
         st.step, st.last_loss = resume, float(rows[source][3])
         z.snap_loss = st.last_loss
         steps = [int(r[4]) for r in rows]
         return {
-            **self.plan_redo(plan, resume, steps, [r[5:] for r in rows]),
+            **self.plan_redo(plan, resume, steps, rows=[r[5:] for r in rows]),
             "replica_holders": self.holders(),
             "resume_step": resume,
             "redone_steps": newest - resume,  # committed steps rolled back to the snapshot (K > 1)
@@ -131,8 +134,8 @@ class Zero1(Replicated):
         """Nobody holds state: every shard starts from its initial values."""
         z, comm = self.zero, self.ctx.comm
         return z.reshard(
-            comm, (), None, plan.workers, comm.rank(DP), 0, plan.epoch, broken,
-            new_hosts=plan.domains,
+            comm, (), None, new_workers=plan.workers, new_rank=comm.rank(DP), resume_step=0,
+            epoch=plan.epoch, abort=broken, new_hosts=plan.domains,
         )  # fmt: skip
 
     def _reshard(
@@ -140,6 +143,7 @@ class Zero1(Replicated):
         plan: Plan,
         broken: Callable[[], bool],
         rows: list[list[float]],
+        *,
         with_state: list[int],
         resume: int,
         source: int,
@@ -152,15 +156,15 @@ class Zero1(Replicated):
         z.settle(resume)
         layout = z.layout.to_json() if z.layout is not None else []
         old = comm.broadcast_json(
-            DP, {"workers": z.workers, "ranges": layout, "hosts": z.hosts}, source, broken
+            DP, {"workers": z.workers, "ranges": layout, "hosts": z.hosts}, source, abort=broken
         )
         if len(with_state) < len(rows) and not z.keeps_params:
             # newcomers: full parameters from the source (K > 1 rebuilds them from chunks)
-            comm.broadcast(DP, self.state.flat.data, source, broken)
+            comm.broadcast(DP, self.state.flat.data, source, abort=broken)
         stats = z.reshard(
             comm, tuple(old["workers"]), ShardLayout.from_json(z.segments, old["ranges"]),
-            plan.workers, comm.rank(DP), resume, plan.epoch, broken,
-            old_hosts=tuple(old["hosts"]), new_hosts=plan.domains,
+            new_workers=plan.workers, new_rank=comm.rank(DP), resume_step=resume, epoch=plan.epoch,
+            abort=broken, old_hosts=tuple(old["hosts"]), new_hosts=plan.domains,
         )  # fmt: skip
         return stats
 
@@ -176,8 +180,9 @@ class Zero1(Replicated):
         self.forget_partial()
         st.flat.data.copy_(state.params)
         self.zero.restore_full(
-            comm, plan.workers, comm.rank(DP), state.step,
-            state.exp_avg, state.exp_avg_sq, plan.epoch, broken, plan.domains, state.loss,
+            comm, plan.workers, comm.rank(DP), step=state.step, exp_avg=state.exp_avg,
+            exp_avg_sq=state.exp_avg_sq, epoch=plan.epoch, abort=broken, hosts=plan.domains,
+            loss=state.loss,
         )  # fmt: skip
         st.step, st.last_loss = state.step, state.loss
         return {}
@@ -199,7 +204,7 @@ class Zero1(Replicated):
             "sdc_detected", step=step, what="zero shard copy",
             ranks=ranks, workers=[workers[r] for r in ranks],
         )  # fmt: skip
-        z.repair(self.ctx.comm, bad_own, bad_replica, broken)
+        z.repair(self.ctx.comm, bad_own, bad_replica, abort=broken)
         self.say("sdc_repaired", step=step, what="zero shard copy")
         return True
 

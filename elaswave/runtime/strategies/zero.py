@@ -121,6 +121,7 @@ class ZeroState:
         layout: ShardLayout,
         workers: tuple[str, ...],
         rank: int,
+        *,
         epoch: int,
         hosts: tuple[str, ...] = (),
     ) -> None:
@@ -213,19 +214,34 @@ class ZeroState:
         torch.index_select(self._ext(grads), 0, self.index, out=reduced)
         if self.native_reduce_scatter:
             mine = grads.new_empty(size)
-            comm.reduce_scatter(DP, list(reduced.view(world, size).unbind(0)), mine, abort)
+            comm.reduce_scatter(DP, list(reduced.view(world, size).unbind(0)), mine, abort=abort)
         else:  # same sum, each rank keeps its part (see ``native_reduce_scatter``)
             compressed = world * size if self.compressed else 0
-            allreduce_tiered(comm, DP, self.tiers, reduced, abort, compressed)
+            allreduce_tiered(
+                comm, DP, self.tiers, tensor=reduced, abort=abort, compressed=compressed
+            )
             mine = reduced.view(world, size)[self.rank]
         if self.native_reduce_scatter:  # each rank holds only its part of the sums
             mine = mine.div_(batch_count)
             max_norm, ties, segments = clip
             factor, self.grad_norm = self.shard_clip(
-                comm, mine, max_norm, ties, segments or ((0, self.flat.numel),), measure, abort
+                comm,
+                mine,
+                max_norm,
+                ties=ties,
+                segments=segments or ((0, self.flat.numel),),
+                measure=measure,
+                abort=abort,
             )
         else:
-            factor, self.grad_norm = self._clip_factor(reduced, batch_count, *clip, measure=measure)
+            factor, self.grad_norm = self._clip_factor(
+                reduced,
+                batch_count,
+                clip[0],
+                ties=clip[1],
+                segments=clip[2] if len(clip) > 2 else None,
+                measure=measure,
+            )
             mine = mine.div_(batch_count)
         grad = mine.to(torch.float32) if mine.dtype != torch.float32 else mine
         if factor < 1.0:  # after the conversion, as replicated data parallelism does
@@ -237,11 +253,15 @@ class ZeroState:
         opt.step_count = step - 1
         opt.step(param, grad, self.groups)
         gathered = self.flat.data.new_empty(world * size)
-        allgather_tiered(comm, DP, self.tiers, gathered, param, abort)  # by hosts where tiered
+        allgather_tiered(
+            comm, DP, self.tiers, out=gathered, part=param, abort=abort
+        )  # by hosts where tiered
         if self.prune is not None and self.prune.active(step):
             gathered = self._pruned(step, gathered, param)
         if self.is_snapshot(step):
-            own = Shard.of(step, opt.exp_avg, opt.exp_avg_sq, param if self.keeps_params else None)
+            own = Shard.of(
+                step, opt.exp_avg, opt.exp_avg_sq, params=param if self.keeps_params else None
+            )
             self.staged = Staged(step, gathered, own, None)
             self.staged.replicas = self._replicate(comm, own, abort)
         else:
@@ -258,7 +278,7 @@ class ZeroState:
         assert self.prune is not None
         whole = self._ext(self.flat.data).clone()
         whole.index_copy_(0, self.index, gathered)  # padding lands in the extra slot
-        self.prune.after(step, Spans(self.flat.data), Spans(whole[:-1]), self.hyper.lr_at(step))
+        self.prune.after(step, Spans(self.flat.data), Spans(whole[:-1]), lr=self.hyper.lr_at(step))
         out = whole[self.index]
         param.copy_(out.view(len(self.workers), self.size)[self.rank])
         return out
@@ -268,9 +288,9 @@ class ZeroState:
         reduced: torch.Tensor,
         count: float,
         max_norm: float,
+        *,
         ties: Sequence[tuple[slice, slice]],
         segments: Sequence[tuple[int, int]] | None = None,
-        *,
         measure: bool = False,
     ) -> tuple[float, float | None]:
         """Gradient clipping: the whole model's mean gradient back in flat order (the same
@@ -281,13 +301,16 @@ class ZeroState:
         n = self.flat.numel
         flat = reduced.new_zeros(n + 1)
         flat.index_copy_(0, self.index, reduced)  # padding (zeros) lands on index n
-        return clip_and_norm(flat[:n].div_(count), max_norm, ties, segments, measure=measure)
+        return clip_and_norm(
+            flat[:n].div_(count), max_norm, ties, segments=segments, measure=measure
+        )
 
     def shard_clip(
         self,
         comm: Communicator,
         mean: torch.Tensor,
         max_norm: float,
+        *,
         ties: Sequence[tuple[slice, slice]],
         segments: Sequence[tuple[int, int]],
         measure: bool,
@@ -303,7 +326,7 @@ class ZeroState:
         pieces = self.layout.pieces(self.rank)
         if self._layer_runs is None:  # once per layout: every step's clip reads the same runs
             self._layer_runs = layer_runs(pieces, segments)
-        squares = shard_sumsq(mean, pieces, segments, self._layer_runs, ties)
+        squares = shard_sumsq(mean, pieces, segments, runs=self._layer_runs, ties=ties)
         if not self.norm_share:
             squares.zero_()
         comm.allreduce(DP, squares, abort)
@@ -336,6 +359,7 @@ class ZeroState:
         comm: Communicator,
         workers: tuple[str, ...],
         rank: int,
+        *,
         step: int,
         exp_avg: torch.Tensor,
         exp_avg_sq: torch.Tensor,
@@ -349,17 +373,17 @@ class ZeroState:
         layout; its parameter chunk, where the shard carries one, from ``params`` (default: the
         replicated parameters, already in place)."""
         self.adopt_layout(
-            ShardLayout.even(self.segments, len(workers)), workers, rank, epoch, hosts
+            ShardLayout.even(self.segments, len(workers)), workers, rank, epoch=epoch, hosts=hosts
         )
         whole = self.flat.data if params is None else params
         own = Shard.of(
             step, self._mine(exp_avg).clone(), self._mine(exp_avg_sq).clone(),
-            self._mine(whole).clone() if self.keeps_params else None,
+            params=self._mine(whole).clone() if self.keeps_params else None,
         )  # fmt: skip
-        self._start_from(comm, own, loss, abort)
+        self._start_from(comm, own, loss, abort=abort)
 
     def _start_from(
-        self, comm: Communicator, own: Shard, loss: float, abort: Callable[[], bool]
+        self, comm: Communicator, own: Shard, loss: float, *, abort: Callable[[], bool]
     ) -> None:
         self.own, self.staged = own, None
         self.snap = own if self.snapshot_every else None
@@ -381,7 +405,7 @@ class ZeroState:
     ) -> torch.Tensor:
         assert self.layout is not None
         gathered = self.flat.data.new_empty(len(self.workers) * self.size)
-        comm.allgather_into(self.group, gathered, part, abort)
+        comm.allgather_into(self.group, gathered, part, abort=abort)
         flat = self.flat.data.new_zeros(self.layout.numel + 1)
         flat.index_copy_(0, self.index, gathered)
         return flat[:-1]
@@ -408,6 +432,7 @@ class ZeroState:
         comm: Communicator,
         bad_own: list[int],
         bad_replica: list[int],
+        *,
         abort: Callable[[], bool],
     ) -> None:
         """Replace corrupt copies from the good ones: an owner's snapshot from the replica
@@ -444,12 +469,12 @@ class ZeroState:
         comm: Communicator,
         old_workers: tuple[str, ...],
         old_layout: ShardLayout | None,
+        *,
         new_workers: tuple[str, ...],
         new_rank: int,
         resume_step: int,
         epoch: int,
         abort: Callable[[], bool],
-        *,
         old_hosts: tuple[str, ...] = (),
         new_hosts: tuple[str, ...] = (),
     ) -> dict[str, float]:
@@ -461,7 +486,15 @@ class ZeroState:
         me = new_workers[new_rank]
         nt = 3 if self.keeps_params else 2
         if not old_workers or old_layout is None:
-            self._start_fresh(comm, new_workers, new_rank, resume_step, epoch, abort, new_hosts)
+            self._start_fresh(
+                comm,
+                new_workers,
+                new_rank,
+                resume_step=resume_step,
+                epoch=epoch,
+                abort=abort,
+                hosts=new_hosts,
+            )
             return {
                 "bytes": 0,
                 "promoted_bytes": 0,
@@ -476,7 +509,7 @@ class ZeroState:
             replicas=self.replicas, copy=self._copy(), group=self.group,
             device=self.flat.data.device,
         )  # fmt: skip
-        new_layout = next_layout(old_layout, old_workers, found, new_workers)
+        new_layout = next_layout(old_layout, old_workers, found, new_workers=new_workers)
         moves = plan_transfers(found, new_layout, new_workers)
         new_pieces = new_layout.pieces(new_rank)
         out = [self.flat.data.new_zeros(new_layout.padded_size) for _ in range(nt)]
@@ -497,11 +530,11 @@ class ZeroState:
             abort=abort,
             tag=2000,
         )
-        unpack_into(out, recv_buffers, unpack, new_pieces)
-        self.adopt_layout(new_layout, new_workers, new_rank, epoch, new_hosts)
-        own = Shard.of(resume_step, *out)
+        unpack_into(out, recv_buffers, unpack, pieces=new_pieces)
+        self.adopt_layout(new_layout, new_workers, new_rank, epoch=epoch, hosts=new_hosts)
+        own = Shard.of(resume_step, out[0], out[1], params=out[2] if nt == 3 else None)
         self._rebuilt(comm, own, abort)
-        self._start_from(comm, own, self.snap_loss, abort)
+        self._start_from(comm, own, self.snap_loss, abort=abort)
         stats = recovery_stats(
             moves, promoted(found, new_layout, new_workers), element_bytes=4 * nt
         )
@@ -512,6 +545,7 @@ class ZeroState:
         comm: Communicator,
         workers: tuple[str, ...],
         rank: int,
+        *,
         resume_step: int,
         epoch: int,
         abort: Callable[[], bool],
@@ -520,12 +554,15 @@ class ZeroState:
         """A fresh start: an even layout, every shard's moments zero (and, with K > 1, the
         parameter chunk of the current parameters)."""
         self.adopt_layout(
-            ShardLayout.even(self.segments, len(workers)), workers, rank, epoch, hosts
+            ShardLayout.even(self.segments, len(workers)), workers, rank, epoch=epoch, hosts=hosts
         )
         zeros = self.flat.data.new_zeros(self.size)
         params = self._fresh_params()
         self._start_from(
-            comm, Shard.of(resume_step, zeros.clone(), zeros.clone(), params), math.nan, abort
+            comm,
+            Shard.of(resume_step, zeros.clone(), zeros.clone(), params=params),
+            math.nan,
+            abort=abort,
         )
 
 
@@ -552,6 +589,7 @@ def shard_sumsq(
     part: torch.Tensor,
     pieces: Sequence[Range],
     segments: Sequence[tuple[int, int]],
+    *,
     runs: Sequence[tuple[int, int]],
     ties: Sequence[tuple[slice, slice]] = (),
 ) -> torch.Tensor:

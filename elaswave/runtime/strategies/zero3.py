@@ -86,7 +86,7 @@ class Zero3(Zero1):
 
     # ---- one step -------------------------------------------------------------------------------
     def compute(
-        self, step: int, every: Sequence[MicroBatch], sums: StepSums, slowdown: float
+        self, step: int, every: Sequence[MicroBatch], sums: StepSums, *, slowdown: float
     ) -> float | None:
         plan, st, t, z = self.ctx.plan, self.state, self.ctx.cfg.train, self.shards
         assert plan is not None
@@ -101,7 +101,7 @@ class Zero3(Zero1):
         self.computed = (step, tuple(mine))
         self.path.comm = self.ctx.comm
         loss, count = self.path.train(
-            z, step, batches, self.grads, st.loss, self.ctx.broken, st.ties
+            z, step, batches, grads=self.grads, loss_fn=st.loss, abort=self.ctx.broken, ties=st.ties
         )
         extra = len(batches) * (t.device_time + slowdown * plan.world_size / len(every))
         if extra:
@@ -123,6 +123,7 @@ class Zero3(Zero1):
         step: int,
         sums: StepSums,
         broken: Callable[[], bool],
+        *,
         before_update: Callable[[], None],
     ) -> int:
         """The step's tail, the staged shard update and its replicas, the commit barrier."""
@@ -170,7 +171,7 @@ class Zero3(Zero1):
         return [float(self.started)] + [0.0] * (t.global_batch // t.micro_batch_size)
 
     def plan_redo(
-        self, plan: Plan, resume: int, steps: list[int], rows: list[list[float]]
+        self, plan: Plan, resume: int, steps: list[int], *, rows: list[list[float]]
     ) -> dict[str, Any]:
         """An interrupted step is computed again whole (see the module docstring): for the
         event, the micro-batches each rank computes of it."""
@@ -203,7 +204,7 @@ class Zero3(Zero1):
         def layers() -> Iterator[tuple[int, torch.Tensor]]:
             for part, tensor in enumerate(tensors):
                 for cut in z.cuts:
-                    yield part, z.gather_layer(comm, tensor, cut, broken)
+                    yield part, z.gather_layer(comm, tensor, cut, abort=broken)
 
         return Final(*state_digests(layers()), {})
 
@@ -220,7 +221,7 @@ class Zero3(Zero1):
         mine = range(rank, len(batches), world)
         runs = [Batch(i, *st.microbatch(batches[i])) for i in mine]
         self.path.comm = comm
-        scores = self.path.score(self.shards, runs, st.score, EVAL_STEP, broken)
+        scores = self.path.score(self.shards, runs, st.score, step=EVAL_STEP, abort=broken)
         for i, score in zip(mine, scores, strict=True):
             slots[3 * i : 3 * i + 3] = torch.tensor(score, dtype=slots.dtype)
 
@@ -229,8 +230,9 @@ class Zero3(Zero1):
         st, comm = self.state, self.ctx.comm
         self.forget_partial()
         self.zero.restore_full(
-            comm, plan.workers, comm.rank(DP), state.step, state.exp_avg, state.exp_avg_sq,
-            plan.epoch, broken, plan.domains, state.loss, params=state.params,
+            comm, plan.workers, comm.rank(DP), step=state.step, exp_avg=state.exp_avg,
+            exp_avg_sq=state.exp_avg_sq, epoch=plan.epoch, abort=broken, hosts=plan.domains,
+            loss=state.loss, params=state.params,
         )  # fmt: skip
         st.step, st.last_loss = state.step, state.loss
         return {}
@@ -252,8 +254,8 @@ class Zero3(Zero1):
         self.forget_partial()
         self.started = -1
         self.shards.take(
-            self.ctx.comm, state.step, state.params, state.exp_avg, state.exp_avg_sq,
-            state.loss, broken,
+            self.ctx.comm, state.step, state.params, exp_avg=state.exp_avg,
+            exp_avg_sq=state.exp_avg_sq, loss=state.loss, abort=broken,
         )  # fmt: skip
         self.state.step, self.state.last_loss = state.step, state.loss
 

@@ -178,9 +178,9 @@ class Workload(abc.ABC):
         save_file(tensors, str(out), metadata={"format": "pt"})
 
 
-def layer_seed(seed: int, step: int, microbatch: int, layer: int) -> int:
+def layer_seed(seed: int, step: int, microbatch: int, *, layer: int) -> int:
     """The seed of the default generators while ``layer`` runs for (step, micro-batch)."""
-    return stream_seed(seed, step, microbatch, layer, site=0)
+    return stream_seed(seed, step, microbatch, layer=layer, site=0)
 
 
 def call_layer(
@@ -199,7 +199,7 @@ def call_layer(
     that dtype; parameters, their gradients and the optimizer stay float32) and an output in
     that dtype comes back as float32, so what passes between layers and stages keeps its
     declared dtype. The same inputs give the same bits on whichever rank runs the layer."""
-    seed_generators(layer_seed(seed, step, microbatch, index), getattr(x, "device", None))
+    seed_generators(layer_seed(seed, step, microbatch, layer=index), getattr(x, "device", None))
     if autocast is None:
         return layer(x)
     with torch.autocast(device_type=x.device.type, dtype=autocast):
@@ -258,7 +258,7 @@ def build_layer(workload: Workload, seed: int, index: int) -> nn.Module:
     """Layer ``index`` of ``workload``, built with the default generators seeded from (seed,
     layer): its initial parameters do not depend on which other layers a rank builds."""
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(layer_seed(seed, INIT_STEP, INIT_STEP, index))
+        torch.manual_seed(layer_seed(seed, INIT_STEP, INIT_STEP, layer=index))
         return workload.build_layer(index, seed)
 
 
@@ -325,10 +325,10 @@ class KeyedLayers(nn.Module):
         """Layers ``start .. stop - 1`` on ``x`` for (step, micro-batch)."""
         stop = len(self.layers) if stop is None else stop
         for index in range(start, stop):
-            x = self.run_layer(index, x, step, microbatch)
+            x = self.run_layer(index, x, step, microbatch=microbatch)
         return x
 
-    def run_layer(self, index: int, x: torch.Tensor, step: int, microbatch: int) -> torch.Tensor:
+    def run_layer(self, index: int, x: torch.Tensor, step: int, *, microbatch: int) -> torch.Tensor:
         """Layer ``index`` alone on ``x`` for (step, micro-batch): keyed randomness and this
         model's autocast, as :meth:`forward` runs it (pipeline stages time layers one by one).
         In training, its norm layers' batch statistics go to ``stats`` (:class:`RunningStats`),

@@ -87,7 +87,7 @@ def cut_module(model: nn.Module, split: list[str]) -> Cut:
     if why:
         return _whole_or_fail(model, auto, why)
     layers = [
-        _stretch(gm, seg, inputs[0] if k == 0 else outs[k - 1], outs[k], k)
+        _stretch(gm, seg, inputs[0] if k == 0 else outs[k - 1], value_out=outs[k], k=k)
         for k, seg in enumerate(segments)
     ]
     return Cut(layers, tied=_ties(layers))
@@ -266,7 +266,7 @@ def _name(seg: list[fx.Node]) -> str:
 
 
 def _stretch(
-    gm: fx.GraphModule, seg: list[fx.Node], value_in: fx.Node, value_out: fx.Node, k: int
+    gm: fx.GraphModule, seg: list[fx.Node], value_in: fx.Node, *, value_out: fx.Node, k: int
 ) -> nn.Module:
     """One layer: the stretch's nodes in a graph of their own, from one input to one output,
     over the traced module's submodules and attributes (kept under their names)."""

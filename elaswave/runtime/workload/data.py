@@ -44,7 +44,7 @@ def _permutation(seed: int, epoch: int, num_samples: int) -> np.ndarray:
     return perm
 
 
-def sample_ids(seed: int, step: int, global_batch: int, num_samples: int) -> list[int]:
+def sample_ids(seed: int, step: int, global_batch: int, *, num_samples: int) -> list[int]:
     """Global sample ids consumed by `step` (steps start at 1); each epoch is a permutation."""
     _require_positive(step=step, global_batch=global_batch, num_samples=num_samples)
     if seed < 0:
@@ -145,7 +145,7 @@ class MicroBatch:
 
 
 def microbatches(
-    seed: int, step: int, global_batch: int, micro_batch_size: int, num_samples: int
+    seed: int, step: int, global_batch: int, *, micro_batch_size: int, num_samples: int
 ) -> list[MicroBatch]:
     """Cut the step's sample ids into consecutive micro-batches with ids 0..n-1."""
     _require_positive(micro_batch_size=micro_batch_size)
@@ -153,7 +153,7 @@ def microbatches(
         raise ValueError(
             f"global_batch {global_batch} not divisible by micro_batch_size {micro_batch_size}"
         )
-    ids = sample_ids(seed, step, global_batch, num_samples)
+    ids = sample_ids(seed, step, global_batch, num_samples=num_samples)
     return [
         MicroBatch(id=k, sample_ids=tuple(ids[start : start + micro_batch_size]))
         for k, start in enumerate(range(0, global_batch, micro_batch_size))

@@ -301,7 +301,7 @@ class HFCausalLM(Workload):
         """Layer ``index`` materialised and initialised with the default generator seeded from
         (seed, index), as the runtime seeds it around :meth:`build_layer`."""
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(layer_seed(seed, INIT_STEP, INIT_STEP, index))
+            torch.manual_seed(layer_seed(seed, INIT_STEP, INIT_STEP, layer=index))
             parts, rotary = self._copied(index)
             modules = [*parts.values(), *([rotary] if rotary is not None else [])]
             with torch.no_grad():

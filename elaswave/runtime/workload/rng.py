@@ -21,7 +21,7 @@ def _encode_int(value: int) -> bytes:
     return len(raw).to_bytes(2, "little") + raw
 
 
-def stream_seed(seed: int, step: int, microbatch: int, layer: int, site: int = 0) -> int:
+def stream_seed(seed: int, step: int, microbatch: int, *, layer: int, site: int = 0) -> int:
     """Seed for one random stream; pure and stable across processes, in [0, 2**63)."""
     h = hashlib.blake2b(digest_size=8, person=_DOMAIN)
     for value in (seed, step, microbatch, layer, site):

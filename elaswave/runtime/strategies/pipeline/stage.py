@@ -133,7 +133,7 @@ class Pipeline:
             for _ in range(repeats + 1):  # the first run warms up kernels and allocator; dropped
                 x = h.detach().requires_grad_(h.is_floating_point())
                 start = clock().now()  # an accelerator's clock waits for its queued work
-                y = e.state.model.run_layer(index, x, 0, 0)
+                y = e.state.model.run_layer(index, x, 0, microbatch=0)
                 y.float().sum().backward()
                 times.append(clock().now() - start)
             h = y
@@ -237,6 +237,7 @@ class Pipeline:
         step: int,
         sums: StepSums,
         everyone: list[MicroBatch],
+        *,
         broken: Callable[[], bool],
         kept: StageKept,
         acc: torch.Tensor | None = None,
@@ -273,15 +274,25 @@ class Pipeline:
         tools = StageTools(
             self.num_layers, self.span, self.timer, self.cost_share, self.device_pause
         )
-        return StageStep(self.e, tools, step, sums, mbs, broken, kept, acc, masks, replicas).run(
-            slow
-        )
+        return StageStep(
+            self.e,
+            tools,
+            step,
+            sums=sums,
+            mbs=mbs,
+            broken=broken,
+            kept=kept,
+            acc=acc,
+            masks=masks,
+            replicas=replicas,
+        ).run(slow)
 
     def update(
         self,
         step: int,
         grad: torch.Tensor,
         broken: Callable[[], bool],
+        *,
         before_gather: Callable[[], None] = lambda: None,
         finish: Callable[[], None] = lambda: None,
     ) -> None:
@@ -314,13 +325,13 @@ class Pipeline:
             store=store if self.zero else None,
         )
         if self.zero:
-            self.store.update(params, grads, step, st.opt.hyper)
+            self.store.update(params, grads, step, hyper=st.opt.hyper)
             before_gather()  # where an ``phase=optimizer`` fault lands
         else:
             h = st.opt.hyper
             update_(
-                params[held], grads[held], st.exp_avg[held], st.exp_avg_sq[held], step, h,
-                h.groups_of(held),
+                params[held], grads[held], st.exp_avg[held], exp_avg_sq=st.exp_avg_sq[held],
+                step=step, h=h, groups=h.groups_of(held),
             )  # fmt: skip
         try:
             if self.zero and not self.zero3:
@@ -335,7 +346,7 @@ class Pipeline:
         if m is not None and m.replay:
             missed = [grads[r] for r, _ in m.replay]
             if m.caught_up:
-                stagesync.replay_step(m, step, missed, self.e.state)
+                stagesync.replay_step(m, step, missed, state=self.e.state)
             else:
                 m.pending.append((step, [g.clone() for g in missed]))
         self._written(step)
@@ -350,7 +361,7 @@ class Pipeline:
     ) -> list[torch.Tensor]:
         """Point-to-point on the training group; the received buffers (fresh tensors, never live
         state: an abandoned receive may still write after a fault)."""
-        self.e.comm.p2p("dp", sends, recvs, broken)
+        self.e.comm.p2p("dp", sends, recvs, abort=broken)
         return [t for _, t, _ in recvs]
 
     def _gather(self, broken: Callable[[], bool]) -> None:
@@ -438,12 +449,12 @@ class Pipeline:
             else:
                 spec = st.workload.boundary(layers.start - 1, len(batches[i]))
                 h = torch.empty(spec.shape, dtype=spec.dtype, device=st.device)
-                e.comm.p2p("dp", [], [(ranks[s - 1], h, TAG_EVAL)], broken)
+                e.comm.p2p("dp", [], [(ranks[s - 1], h, TAG_EVAL)], abort=broken)
             h = st.model(h, EVAL_STEP, i, layers.start, layers.stop)
             if last:
                 slots[3 * i : 3 * i + 3] = torch.tensor(st.score(h, targets), dtype=slots.dtype)
             else:
-                e.comm.p2p("dp", [(ranks[s + 1], h, TAG_EVAL)], [], broken)
+                e.comm.p2p("dp", [(ranks[s + 1], h, TAG_EVAL)], [], abort=broken)
 
     def contributions(self, broken: Callable[[], bool]) -> tuple[list[Contribution], bool]:
         """What this rank brings to the whole state: ``(part, start, stop, tensor)``, part 0
@@ -481,6 +492,7 @@ class Pipeline:
         plan: Plan,
         broken: Callable[[], bool],
         asynchronous: bool,
+        *,
         start_from: Callable[[], DurableState | None] | None = None,
     ) -> dict[str, Any]:
         """Agree on the resume step, roll back ranks that updated the failed step, and start (or
@@ -488,15 +500,17 @@ class Pipeline:
         the whole state ``start_from`` returns, if any (``--resume``, or the newest durable
         checkpoint of a job that has committed steps)."""
         if self.zero:
-            return stagezero.sync(self, plan, broken, asynchronous, start_from)
-        return stagesync.sync(self, plan, broken, asynchronous, start_from)
+            return stagezero.sync(
+                self, plan, broken, asynchronous=asynchronous, start_from=start_from
+            )
+        return stagesync.sync(self, plan, broken, asynchronous=asynchronous, start_from=start_from)
 
     def begin_layout(
         self, plan: Plan, resume: int, rolled_back: list[int]
     ) -> tuple[list[range], dict[str, Any]]:
         """Once the resume step is agreed: every rank's layers under ``plan``, this rank's
         target, and the common part of the ``state_synced`` details."""
-        return stagesync.begin_layout(self, plan, resume, rolled_back)
+        return stagesync.begin_layout(self, plan, resume, rolled_back=rolled_back)
 
     def restore_whole(self, plan: Plan, state: DurableState) -> dict[str, Any]:
         """Adopt ``plan``'s layout from the whole training state (a durable checkpoint, read by
@@ -512,6 +526,7 @@ class Pipeline:
         m: Migration,
         sends: list[Any],
         recvs: list[Any],
+        *,
         lands: list[Callable[[torch.Tensor], object]],
     ) -> None:
         """Post the snapshot's messages on the migration group; a thread waits for them and

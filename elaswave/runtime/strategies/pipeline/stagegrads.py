@@ -58,6 +58,7 @@ class GradLayout:
         plan: Plan,
         offsets: list[tuple[int, int]],
         ties: tuple[tuple[slice, slice], ...],
+        *,
         hierarchy: str = "flat",
     ) -> GradLayout:
         """The plan's reductions; ``hierarchy`` (``train.hierarchy``): auto sums each holder
@@ -73,7 +74,7 @@ class GradLayout:
         tiers = tuple(
             tiers_of(
                 [plan.hosts[r] for r in red.members], hierarchy if name else "flat",
-                dict(plan.racks), [plan.workers[r] for r in red.members], prefix=name,
+                dict(plan.racks), workers=[plan.workers[r] for r in red.members], prefix=name,
             )
             for name, red in zip(names, reds, strict=True)
         )  # fmt: skip
@@ -122,7 +123,7 @@ class RankGrads:
     tiered: dict[str, Tiers] = field(default_factory=dict)  # the groups of ``mine`` by tiers
 
 
-def chunks(total: int, size: int, lo: int, hi: int) -> list[tuple[int, int, int, int]]:
+def chunks(total: int, size: int, lo: int, *, hi: int) -> list[tuple[int, int, int, int]]:
     """``[0, total)`` in chunks of ``size`` elements: ``(a, b, x, y)`` for each chunk ``[a, b)``
     with its overlap ``[x, y)`` with a window ``[lo, hi)`` (``x == y`` where they do not meet)."""
     out = []
@@ -163,7 +164,7 @@ def reduce_among_holders(
     tiered = [(name, t) for name, t in items if name in mine.tiered]
     comm.allreduce_many([(name, t) for name, t in items if name not in mine.tiered], broken)
     for name, t in tiered:  # after the flat ones, one by one in issue order: no cycle
-        allreduce_tiered(comm, name, mine.tiered[name], t, broken)
+        allreduce_tiered(comm, name, mine.tiered[name], tensor=t, abort=broken)
     for red, t in packed:
         offset = 0
         for a, b in red.spans:
@@ -195,7 +196,7 @@ def reduce_over_everyone(
         own = grads[held[0]].clone() if held else buf.new_zeros(first.stop - first.start)
         ties.append((held, own))
     comm.allreduce(DP, sums.tail.values, broken)
-    for a, b, x, y in chunks(flat.total, WHOLE_CHUNK, flat.base, flat.base + n):
+    for a, b, x, y in chunks(flat.total, WHOLE_CHUNK, flat.base, hi=flat.base + n):
         chunk = buf.new_zeros(b - a)
         chunk[x - a : y - a] = grads[x:y]
         comm.allreduce(DP, chunk, broken)

@@ -42,7 +42,7 @@ class StageKept:
     loss: torch.Tensor | None = None
     count: int = 0
 
-    def add(self, mb: int, kept: dict[int, frozenset[int]], loss: Any, count: int) -> None:
+    def add(self, mb: int, kept: dict[int, frozenset[int]], loss: Any, *, count: int) -> None:
         """Micro-batch ``mb``'s backward finished: its gradient is in every layer that does not
         keep it elsewhere (``kept``), its loss counted unless the last layer keeps it."""
         for layer in self.layers:
@@ -54,7 +54,7 @@ class StageKept:
             self.count += count
 
 
-def kept_row(kept: StageKept | None, usable: bool, total: int, layers: int) -> list[float]:
+def kept_row(kept: StageKept | None, usable: bool, total: int, *, layers: int) -> list[float]:
     """This rank's record as a row for the all-gather: [usable, then for each layer and each
     micro-batch of the step 1.0 where the rank holds that gradient]."""
     row = [1.0 if usable and kept is not None else 0.0] + [0.0] * (layers * total)
@@ -66,7 +66,11 @@ def kept_row(kept: StageKept | None, usable: bool, total: int, layers: int) -> l
 
 
 def agree(
-    rows: Sequence[Sequence[float]], total: int, layers: int, split: Callable[[int], Sequence[int]]
+    rows: Sequence[Sequence[float]],
+    total: int,
+    layers: int,
+    *,
+    split: Callable[[int], Sequence[int]],
 ) -> StageRedo | None:
     """Every rank's rows of :func:`kept_row` -> the redo (``None``: the whole step, as
     planned). Pure: every rank derives the same from the same rows."""
@@ -80,7 +84,7 @@ def agree(
             for layer in range(layers)
         }
         kept.append({layer: ids for layer, ids in mine.items() if ids})
-    return stage_redo(total, layers, kept, split)
+    return stage_redo(total, layers, kept, split=split)
 
 
 @contextlib.contextmanager

@@ -89,14 +89,22 @@ class MomentStore:
                     for mine, theirs in zip(self.views(lo, hi), other.views(lo, hi), strict=True):
                         mine.copy_(theirs)
 
-    def update(self, params: Spans, grad: Spans, step: int, hyper: OptimHyper) -> None:
+    def update(self, params: Spans, grad: Spans, step: int, *, hyper: OptimHyper) -> None:
         """AdamW on every kept element (element-wise: the other keeper of a part computes the
         same bits from the same all-reduced gradient): of the store's own parameters under
         ZeRO-3, else of ``params``."""
         for a, b in self.intervals:
             m, v = self.view(a, b)
             p = params[a:b] if self.params is None else self.params[self.locate(a, b)]
-            update_(p, grad[a:b], m, v, step, hyper, hyper.groups_of(slice(a, b)))
+            update_(
+                p,
+                grad[a:b],
+                m,
+                exp_avg_sq=v,
+                step=step,
+                h=hyper,
+                groups=hyper.groups_of(slice(a, b)),
+            )
 
 
 @dataclass

@@ -54,6 +54,7 @@ class StageStep:
         ctx: RankContext,
         tools: StageTools,
         step: int,
+        *,
         sums: StepSums,
         mbs: list[MicroBatch],
         broken: Callable[[], bool],
@@ -144,7 +145,7 @@ class StageStep:
         with masked(kept_elsewhere):
             for index in self.layers:
                 with timer.forward(index):
-                    h = st.model.run_layer(index, h, self.step, mb.id)
+                    h = st.model.run_layer(index, h, self.step, microbatch=mb.id)
         with timer.pause():
             self.tools.device_pause(self.layers, False)
         if self.last:
@@ -171,14 +172,14 @@ class StageStep:
         loss, count = self.losses.pop(i, (None, 0))
         if loss is not None and mb in self.masks.get(self.tools.num_layers - 1, ()):
             loss, count = None, 0  # another rank counted it
-        self.kept.add(mb, self.masks, loss, count)
+        self.kept.add(mb, self.masks, loss, count=count)
 
     def exchange(self, item: Comm) -> None:
         """Post this slot's sends and receives together; received activations need gradients."""
         sends = [self.message(k, i, True) for k, i in item.sends]
         recvs = [self.message(k, i, False) for k, i in item.recvs]
         self.ctx.enter("collective")
-        self.ctx.comm.p2p("dp", sends, recvs, self.broken)
+        self.ctx.comm.p2p("dp", sends, recvs, abort=self.broken)
         for kind, i in item.recvs:
             if kind == "act" and self.inputs[i].is_floating_point():
                 self.inputs[i].requires_grad_(True)

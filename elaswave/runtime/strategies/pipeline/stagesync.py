@@ -53,6 +53,7 @@ def sync(
     pipe: RecoveringStage,
     plan: Plan,
     broken: Callable[[], bool],
+    *,
     asynchronous: bool,
     start_from: Callable[[], DurableState | None] | None,
 ) -> dict[str, Any]:
@@ -108,7 +109,7 @@ def sync(
         pipe.fit_window()  # the layers it holds and those it takes over, until the switch
         sends, recvs, regions = _messages(pipe, transfers)
         m = Migration(transfers, [(r, True) for r in regions], len(receivers), holdings)
-        pipe.start_migration(m, sends, recvs, [partial(_land, pipe, r) for r in regions])
+        pipe.start_migration(m, sends, recvs, lands=[partial(_land, pipe, r) for r in regions])
         info.update(migration="async", serving=serving, shares=list(pipe.shares))
         return info
     start = time.perf_counter()
@@ -126,7 +127,7 @@ def sync(
 
 
 def begin_layout(
-    pipe: RecoveringStage, plan: Plan, resume: int, rolled_back: list[int]
+    pipe: RecoveringStage, plan: Plan, resume: int, *, rolled_back: list[int]
 ) -> tuple[list[range], dict[str, Any]]:
     """Once the resume step is agreed: every rank's layers under ``plan``, this rank's
     target, and the common part of the ``state_synced`` details."""
@@ -261,13 +262,15 @@ def catch_up(m: Migration, state: TrainState) -> None:
     for land, payload in m.landed:
         land(payload)
     for step, grads in m.pending:  # replay the steps the snapshot missed, in order
-        replay_step(m, step, grads, state)
+        replay_step(m, step, grads, state=state)
     m.pending.clear()
     m.landed.clear()
     m.caught_up = True
 
 
-def replay_step(m: Migration, step: int, grads: Sequence[torch.Tensor], state: TrainState) -> None:
+def replay_step(
+    m: Migration, step: int, grads: Sequence[torch.Tensor], *, state: TrainState
+) -> None:
     """One optimizer step on the regions a migration brings up to date."""
     for (region, own), g in zip(m.replay, grads, strict=True):
         if m.store is None:
@@ -276,4 +279,6 @@ def replay_step(m: Migration, step: int, grads: Sequence[torch.Tensor], state: T
             moments = m.store.view(region.start, region.stop)
         params = state.params[region] if own else state.params[region].clone()
         h = state.opt.hyper
-        update_(params, g, *moments, step, h, h.groups_of(region))
+        update_(
+            params, g, moments[0], exp_avg_sq=moments[1], step=step, h=h, groups=h.groups_of(region)
+        )

@@ -65,7 +65,11 @@ class StageTimer:
             self._warm = True
             return
         sample = stage_sample(
-            self._forward, self._backward, self._pause, pause_weights, microbatches
+            self._forward,
+            self._backward,
+            self._pause,
+            pause_weights=pause_weights,
+            microbatches=microbatches,
         )
         self.average = ema_update(
             self.average, dict(zip(self.layers, sample, strict=True)), weight=self.weight

@@ -100,6 +100,7 @@ class ZeroStage(Protocol):
         m: Migration,
         sends: list[Any],
         recvs: list[Any],
+        *,
         lands: list[Callable[[torch.Tensor], object]],
     ) -> None: ...
 
@@ -130,6 +131,7 @@ def sync(
     pipe: ZeroStage,
     plan: Plan,
     broken: Callable[[], bool],
+    *,
     asynchronous: bool,
     start_from: Callable[[], DurableState | None] | None,
 ) -> dict[str, Any]:
@@ -144,7 +146,7 @@ def sync(
     e = pipe.e
     rank = e.comm.rank("dp")
     pipe.migration = None  # a migration cut short by this change is void
-    agreed = _agree_resume(pipe, plan, broken, start_from)
+    agreed = _agree_resume(pipe, plan, broken, start_from=start_from)
     if isinstance(agreed, dict):
         return agreed  # every rank was fresh: the whole state from a checkpoint
     resume, rolled_back = agreed
@@ -203,14 +205,14 @@ def sync(
         pipe.fit_window()  # the layers it holds and those it takes over, until the switch
         receivers = len({p.dst for p in param_pieces + moment_pieces})
         _start_migration(
-            pipe, param_pieces, moment_pieces, newly[rank], wanted[rank], duty[rank], adopt,
-            receivers,
+            pipe, param_pieces, moment_pieces, newly=newly[rank], wanted=wanted[rank],
+            duty=duty[rank], adopt=adopt, receivers=receivers,
         )  # fmt: skip
         return {**info, "migration": "async", "serving": serving, "shares": list(pipe.shares)}
     store = pipe.new_store(duty[rank])
     if not pipe.zero3:  # ZeRO-3 moves no parameter into the window: it is gathered next step
         e.state.set_window(hull(range_of(*held_bounds), pipe.target))
-    moved = _move_blocking(pipe, param_pieces, moment_pieces, store, broken)
+    moved = _move_blocking(pipe, param_pieces, moment_pieces, store=store, broken=broken)
     pipe.held = pipe.target
     pipe.serving, pipe.shares = [True] * len(plan.replicas), plan.shares
     pipe.fit_window()
@@ -237,6 +239,7 @@ def _agree_resume(
     pipe: ZeroStage,
     plan: Plan,
     broken: Callable[[], bool],
+    *,
     start_from: Callable[[], DurableState | None] | None,
 ) -> tuple[int, list[int]] | dict[str, Any]:
     """The resume step (the oldest step a veteran rank holds) and the ranks rolled back to it;
@@ -284,6 +287,7 @@ def _move_blocking(
     pipe: ZeroStage,
     param_pieces: list[Piece],
     moment_pieces: list[Piece],
+    *,
     store: MomentStore,
     broken: Callable[[], bool],
 ) -> dict[str, Any]:
@@ -318,6 +322,7 @@ def _start_migration(
     pipe: ZeroStage,
     param_pieces: list[Piece],
     moment_pieces: list[Piece],
+    *,
     newly: list[Interval],
     wanted: list[Interval],
     duty: list[Interval],
@@ -354,7 +359,7 @@ def _start_migration(
     ]
     assert m.store is not None  # the migration was made with its store
     lands += [partial(m.store.unpack, p.start, p.stop) for p in got_m]
-    pipe.start_migration(m, sends, recvs_p + recvs_m, lands)
+    pipe.start_migration(m, sends, recvs_p + recvs_m, lands=lands)
 
 
 def _land_params(state: TrainState, start: int, stop: int, payload: torch.Tensor) -> None:

@@ -125,7 +125,7 @@ class PipelineStages(Strategy):
         self.pipe.fit_window()
 
     def compute(
-        self, step: int, every: Sequence[MicroBatch], sums: StepSums, slowdown: float
+        self, step: int, every: Sequence[MicroBatch], sums: StepSums, *, slowdown: float
     ) -> float | None:
         plan = self.ctx.plan
         assert plan is not None
@@ -133,7 +133,9 @@ class PipelineStages(Strategy):
         kept, acc = self._accumulator(step, sums.grads, continued=redo is not None)
         slow = slowdown * len(plan.replicas) / len(every)  # per micro-batch
         self.pipe.fill(self._broken)  # ZeRO-3: the held layers gathered for the step
-        per_mb = self.pipe.run_step(step, sums, list(every), self._broken, kept, acc, redo, slow)
+        per_mb = self.pipe.run_step(
+            step, sums, list(every), broken=self._broken, kept=kept, acc=acc, redo=redo, slow=slow
+        )
         sums.tail.flag = self.pipe.ready_flag
         return None if redo is not None else per_mb  # a redo's share says nothing of speed
 
@@ -185,6 +187,7 @@ class PipelineStages(Strategy):
         step: int,
         sums: StepSums,
         broken: Callable[[], bool],
+        *,
         before_update: Callable[[], None],
     ) -> int:
         st, pipe, ctx = self.state, self.pipe, self.ctx
@@ -207,7 +210,9 @@ class PipelineStages(Strategy):
         grad, loss, norm = mean_gradient(
             sums, max_norm=clip, ties=st.ties, segments=st.segments, sumsq=sumsq, measure=measure
         )
-        pipe.update(step, grad, broken, before_update, self._pruning(step, broken))
+        pipe.update(
+            step, grad, broken, before_gather=before_update, finish=self._pruning(step, broken)
+        )
         st.step, st.last_loss, st.last_grad_norm = step, loss, norm
         switched = pipe.after_step(step, sums.tail.flag)
         epochs = sums.tail.epoch
@@ -241,14 +246,14 @@ class PipelineStages(Strategy):
             reduce=lambda sums: self.ctx.comm.allreduce(DP, sums, broken),
         )
         lr = st.opt.hyper.lr_at(step)
-        return lambda: prune.after(step, old, st.params, lr, holding)
+        return lambda: prune.after(step, old, st.params, lr=lr, holding=holding)
 
     # ---- a new plan ---------------------------------------------------------------------------
     def groups(self, plan: Plan) -> dict[str, tuple[str, ...]]:
         """The training group, the migrations' group beside it, and one group per holder set
         (kept from plan to plan while its holders are the same)."""
         hierarchy = self.ctx.cfg.train.hierarchy
-        self.grads = GradLayout.of(plan, self.pipe.offsets, self.state.ties, hierarchy)
+        self.grads = GradLayout.of(plan, self.pipe.offsets, self.state.ties, hierarchy=hierarchy)
         return {DP: plan.workers, MIG: plan.workers, **self.grads.groups(plan)}
 
     def sync(self, plan: Plan, broken: Callable[[], bool]) -> dict[str, Any]:
@@ -268,7 +273,7 @@ class PipelineStages(Strategy):
                 and self.state.prune is None
                 and not self.pipe.zero3
             )
-            info = self.pipe.sync(plan, broken, moving, start_from)
+            info = self.pipe.sync(plan, broken, moving, start_from=start_from)
         except LayersLost as exc:
             chosen = self.durable.newest(broken)
             if not chosen:  # every rank sees the same choice, so all raise together
@@ -314,14 +319,14 @@ class PipelineStages(Strategy):
             and all(pipe.serving[d] for d, _ in roles)
             and kept.window == self._window()
         )
-        mine = torch.tensor(kept_row(kept, usable, total, layers), dtype=torch.float64,
+        mine = torch.tensor(kept_row(kept, usable, total, layers=layers), dtype=torch.float64,
                             device=st.device)  # fmt: skip
         rows = [r.tolist() for r in self.ctx.comm.allgather(DP, mine, broken)]
 
         def split(n: int) -> tuple[int, ...]:  # balanced like the step: 1F1B time, bubble too
-            return serving_shares(plan, pipe.serving, pipe.costs, n)
+            return serving_shares(plan, pipe.serving, pipe.costs, total=n)
 
-        redo = agree(rows, total, layers, split)
+        redo = agree(rows, total, layers, split=split)
         self.redo = (resume + 1, redo) if redo is not None else None
         if not usable or redo is None:
             self.kept = None  # the step starts from zero
@@ -382,7 +387,7 @@ class PipelineStages(Strategy):
 
         def chunks_of_whole() -> Iterator[tuple[int, torch.Tensor]]:
             for part in range(3):
-                for a, b, _, _ in chunks(n, WHOLE_CHUNK, 0, 0):
+                for a, b, _, _ in chunks(n, WHOLE_CHUNK, 0, hi=0):
                     chunk = torch.zeros(b - a, dtype=dtype, device=self.state.device)
                     for p, x, y, tensor in pieces:
                         lo, hi = max(a, x), min(b, y)
@@ -461,7 +466,7 @@ class PipelineStages(Strategy):
         return (plan.workers, plan.bounds, pipe.held, pipe.target, tuple(pipe.parts))
 
     def take_known_good(
-        self, step: int, loss: float, good: torch.Tensor, plan: Plan, broken: Callable[[], bool]
+        self, step: int, loss: float, good: torch.Tensor, *, plan: Plan, broken: Callable[[], bool]
     ) -> None:
         """Each unit back from this rank's own known-good copy (same layout: nothing moves)."""
         self.forget_partial()
