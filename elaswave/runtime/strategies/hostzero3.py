@@ -32,6 +32,7 @@ from elaswave.runtime.durable.checkpoints import DurableState, Piece
 from elaswave.runtime.strategies.base import DP
 from elaswave.runtime.strategies.reshard import unpack_into
 from elaswave.runtime.strategies.shard import Shard, ShardLost
+from elaswave.runtime.strategies.sharded import ResumePoint
 from elaswave.runtime.strategies.zero3 import Zero3
 
 if TYPE_CHECKING:
@@ -84,19 +85,11 @@ class HostZero3(Zero3):
             abort=broken,
         )
 
-    def _reshard(
-        self,
-        plan: Plan,
-        broken: Callable[[], bool],
-        rows: list[list[float]],
-        *,
-        with_state: list[int],
-        resume: int,
-        source: int,
-    ) -> dict[str, Any]:
-        """Every host's shards of its next layout, from the copies at ``resume`` wherever they
-        are (no snapshots: a shard's layout epoch does not matter, only what it holds)."""
-        return self._rebuild(plan, resume, broken)
+    def _reshard(self, plan: Plan, broken: Callable[[], bool], at: ResumePoint) -> dict[str, Any]:
+        """Every host's shards of its next layout, from the copies at ``at.resume`` wherever
+        they are (no snapshots: which layout a rank's shard had, and which rank the layout
+        would come from, do not matter: only what each copy holds)."""
+        return self._rebuild(plan, at.resume, broken)
 
     def holders(self) -> dict[str, list[int]]:
         """No replica pieces: the other hosts' copies take their place."""

@@ -5,6 +5,7 @@ how shards survive a loss)."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -22,7 +23,18 @@ if TYPE_CHECKING:
     from elaswave.runtime.durable.restore import DurableSource
     from elaswave.runtime.state import RankContext
 
-__all__ = ["Zero1"]
+__all__ = ["ResumePoint", "Zero1"]
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """What the ranks agreed at a sync: every rank's row (step, layout epoch, ...), the ranks
+    that hold optimizer state, the step they resume from and a rank that holds it."""
+
+    rows: list[list[float]]
+    with_state: list[int]
+    resume: int
+    source: int
 
 
 class Zero1(Replicated):
@@ -109,9 +121,8 @@ class Zero1(Replicated):
         newest = int(max(rows[i][4] for i in with_state))  # committed, incl. rolled back
         source = next(i for i in with_state if int(rows[i][0]) == resume)  # holds ``resume``
         try:
-            stats = self._reshard(
-                plan, broken, rows, with_state=with_state, resume=resume, source=source
-            )
+            at = ResumePoint(rows=rows, with_state=with_state, resume=resume, source=source)
+            stats = self._reshard(plan, broken, at)
         except ShardLost as exc:  # both in-memory copies gone: the durable checkpoint, if any
             chosen = self.durable.newest(broken)
             if not chosen:  # every rank sees the same choice, so all raise together
@@ -138,19 +149,11 @@ class Zero1(Replicated):
             epoch=plan.epoch, abort=broken, new_hosts=plan.domains,
         )  # fmt: skip
 
-    def _reshard(
-        self,
-        plan: Plan,
-        broken: Callable[[], bool],
-        rows: list[list[float]],
-        *,
-        with_state: list[int],
-        resume: int,
-        source: int,
-    ) -> dict[str, Any]:
-        """Survivors roll back to ``resume`` and move their shards to the plan's layout (the old
-        layout comes from rank ``source``); what moved."""
+    def _reshard(self, plan: Plan, broken: Callable[[], bool], at: ResumePoint) -> dict[str, Any]:
+        """Survivors roll back to ``at.resume`` and move their shards to the plan's layout (the
+        old layout comes from rank ``at.source``); what moved."""
         z, comm = self.zero, self.ctx.comm
+        rows, with_state, resume, source = at.rows, at.with_state, at.resume, at.source
         if len({int(rows[i][2]) for i in with_state}) > 1:
             raise ShardLost("ranks hold shards of different layouts (a fault while resharding)")
         z.settle(resume)
