@@ -44,6 +44,9 @@ class Message:
     """Base of every message: ``TYPE`` is its name on the wire."""
 
     TYPE: ClassVar[str]
+    # Fields the class converts itself (``fields`` / ``from_fields``): the JSON kind they have
+    # on the wire, checked by the decoder instead of the field's annotation.
+    WIRE_KINDS: ClassVar[dict[str, Any]] = {}
 
     def fields(self) -> dict[str, Any]:
         """The message's fields as JSON values."""
@@ -198,6 +201,7 @@ class PlanUpdate(Message):
     """A plan in force (the worker keeps the newest epoch it has seen)."""
 
     TYPE = "plan"
+    WIRE_KINDS = {"plan": str}
     plan: Plan
 
     def fields(self) -> dict[str, Any]:
@@ -213,6 +217,7 @@ class Fault(Message):
     """A fault to inject (``elaswave fault`` or ``launch --fault``)."""
 
     TYPE = "fault"
+    WIRE_KINDS = {"fault": dict[str, Any]}
     fault: FaultSpec
 
     def fields(self) -> dict[str, Any]:
@@ -249,11 +254,6 @@ DaemonMessage: TypeAlias = Config | PlanUpdate | Fault | Stop
 TYPES: dict[str, type[Message]] = {
     cls.TYPE: cls for cls in (*typing.get_args(WorkerMessage), *typing.get_args(DaemonMessage))
 }
-# Fields whose values a class converts itself (``from_fields``): checked as JSON of that kind.
-_WIRE_KINDS: dict[tuple[type[Message], str], Any] = {
-    (PlanUpdate, "plan"): str,
-    (Fault, "fault"): dict[str, Any],
-}
 
 
 def _schema(cls: type[Message]) -> tuple[tuple[str, Any, bool], ...]:
@@ -262,7 +262,7 @@ def _schema(cls: type[Message]) -> tuple[tuple[str, Any, bool], ...]:
     return tuple(
         (
             f.name,
-            _WIRE_KINDS.get((cls, f.name), hints[f.name]),
+            cls.WIRE_KINDS.get(f.name, hints[f.name]),
             f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING,
         )
         for f in dataclasses.fields(cls)  # type: ignore[arg-type]  # every message class is a dataclass

@@ -64,6 +64,9 @@ class ChannelHost(Protocol):
     def dispatch_faults(self) -> None:
         """Send pending faults to the workers that can take them now."""
 
+    def running(self) -> set[str]:
+        """The workers of this host whose processes have not exited."""
+
 
 class WorkerChannel:
     """Connections and message handlers of one host's workers."""
@@ -171,7 +174,7 @@ class WorkerChannel:
         ``status`` shows per rank), with those of this host's other running workers."""
         h = self.host
         self.memory[w.worker_id] = {k: int(v) for k, v in msg.bytes.items() if k.endswith("_bytes")}
-        live = {wid for wid, p in h.workers.items() if p.proc.returncode is None}
+        live = h.running()
         record = {wid: m for wid, m in self.memory.items() if wid in live}
         key = h.keys.memory + h.host_id
         h.outbox.put(

@@ -358,10 +358,10 @@ class HostDaemon:
 
     def _publish_compute(self) -> Coroutine[Any, Any, None]:
         return self.compute.publish(
-            self.jobstore, self.host_id, lease=lambda: self.lease, alive=self._running
+            self.jobstore, self.host_id, lease=lambda: self.lease, alive=self.running
         )
 
-    def _running(self) -> set[str]:
+    def running(self) -> set[str]:
         """The workers of this host whose processes have not exited."""
         return {wid for wid, w in self.workers.items() if w.proc.returncode is None}
 

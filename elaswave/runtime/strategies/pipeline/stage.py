@@ -388,7 +388,7 @@ class Pipeline:
                 m.replay = []  # its flag never rises, so nobody switches
             else:
                 stagesync.catch_up(m, self.e.state)
-        if int(round(ready_sum)) < m.receivers:
+        if ready_sum < m.receivers:
             return None
         # Every receiver holds its new layers at this step: switch, everyone at this boundary.
         self.held = self.target
