@@ -62,7 +62,7 @@ from elaswave.runtime.strategies.base import (
 )
 from elaswave.runtime.strategies.select import strategy_for
 from elaswave.runtime.strategies.sums import StepSums
-from elaswave.runtime.strategies.zero import ShardLost
+from elaswave.runtime.strategies.zero.shard import ShardLost
 from elaswave.runtime.timing import DeviceClock, set_clock
 from elaswave.runtime.workload.data import MicroBatch, microbatches
 

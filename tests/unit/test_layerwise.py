@@ -72,14 +72,14 @@ RANK = textwrap.dedent(
     every = microbatches(t.seed, 1, t.global_batch, micro_batch_size=t.micro_batch_size,
                          num_samples=len(state.dataset))
     strategy.compute(1, every, sums, slowdown=0.0)
-    grad = strategy.shards._gather(comm, strategy.grads.clone(), never)  # the reduced sums, whole
+    grad = strategy.zero.gather(comm, strategy.path.grads.clone(), never)  # the reduced sums, whole
     tail = sums.tail.fresh()
     tail.values.copy_(sums.tail.values)
     comm.allreduce("dp", tail.values, never)
     strategy.reduce_update(1, sums, never, before_update=lambda: None)
     params = strategy.whole(never).params
     torch.save({"grad": grad, "loss": tail.loss, "count": float(tail.count),
-                "params": params, "gathered": strategy.path.peak}, out)
+                "params": params, "gathered": strategy.path.gather.peak}, out)
     # as a worker ends: torch's teardown with gloo's threads still up can abort the process
     # ("terminate called without an active exception")
     exit_now(0)

@@ -363,7 +363,7 @@ def test_a_rank_major_cut_needs_no_copy(
     """Where every rank's part of a layer is one equal run in rank order, the layer is its own
     rank-major buffer: unpacking an all-gather returns it without a copy. Packing and
     unpacking stay inverses either way."""
-    from elaswave.runtime.strategies.paramshards import pack_layer, unpack_layer
+    from elaswave.runtime.strategies.zero.holding import pack_layer, unpack_layer
 
     layout = ShardLayout.even(segments, world + len(deaths))
     workers = _workers(layout.world)

@@ -21,8 +21,7 @@ from elaswave.runtime.state import RankContext, TrainState
 from elaswave.runtime.strategies.base import Strategy, mean_gradient, step_sums
 from elaswave.runtime.strategies.replicated import Replicated
 from elaswave.runtime.strategies.select import strategy_for
-from elaswave.runtime.strategies.sharded import Zero1
-from elaswave.runtime.strategies.zero3 import Zero3
+from elaswave.runtime.strategies.zero.strategy import Zero1, Zero3
 from elaswave.runtime.workload.data import microbatches
 from examples.mlp_classifier import MLPClassifier
 from tests.unit.threadcomm import Hub, ThreadComm, run_ranks

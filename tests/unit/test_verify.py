@@ -9,7 +9,7 @@ import torch
 
 from elaswave.runtime.integrity.checksums import digest, fast_checksum
 from elaswave.runtime.integrity.verify import flip_bit, judge, judge_copies
-from elaswave.runtime.strategies.zero import Shard
+from elaswave.runtime.strategies.zero.shard import Shard
 
 
 @pytest.mark.parametrize(

@@ -14,8 +14,8 @@ import torch
 from elaswave.planning.plan import Plan, assign_microbatches
 from elaswave.runtime.durable.checkpoints import DurableState
 from elaswave.runtime.strategies.base import Strategy, step_sums
-from elaswave.runtime.strategies.shard import ShardLost
-from elaswave.runtime.strategies.zero3 import Zero3
+from elaswave.runtime.strategies.zero.shard import ShardLost
+from elaswave.runtime.strategies.zero.strategy import Zero3
 from elaswave.runtime.workload.data import microbatches
 from tests.unit.test_strategies import (
     GLOBAL_BATCH,
@@ -210,8 +210,8 @@ def test_each_rank_holds_a_shard_and_gathers_at_most_two_layers() -> None:
         strategy.sync(strategy.ctx.plan, lambda: False)  # type: ignore[arg-type]
         _train(strategy, 1)
         assert isinstance(strategy, Zero3)
-        z = strategy.shards  # each layer as gathered: every rank's part, padded alike
-        layers = [len(z.workers) * cut.pad for cut in z.cuts]
+        z = strategy.zero  # each layer as gathered: every rank's part, padded alike
+        layers = [len(z.workers) * cut.pad for cut in strategy.shards.cuts]
         return z.size, strategy.state.flat.total, strategy.memory(), layers
 
     out = run_ranks(4, body)

@@ -16,7 +16,7 @@ from elaswave.planning.plan import Plan
 from elaswave.runtime.durable import checkpoints
 from elaswave.runtime.durable.checkpoints import DurableCheckpoints, DurableState
 from elaswave.runtime.durable.layout import newest_intact, resume_point
-from elaswave.runtime.strategies.zero import ShardLost
+from elaswave.runtime.strategies.zero.shard import ShardLost
 
 if TYPE_CHECKING:
     from elaswave.runtime.state import RankContext

@@ -31,8 +31,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from elaswave.planning.plan import Plan
+from elaswave.planning.tiers import Tiers, tiers_of
 from elaswave.runtime.durable.checkpoints import DurableState, Piece
-from elaswave.runtime.integrity.checksums import host_bytes
+from elaswave.runtime.integrity.checksums import digest, host_bytes
+from elaswave.runtime.integrity.verify import judge
 from elaswave.runtime.optim import clip_scale, global_norm, layer_sumsq
 from elaswave.runtime.strategies.sums import StepSums, StepTail
 from elaswave.runtime.workload.base import EVAL_STEP
@@ -46,7 +48,7 @@ DP = "dp"  # the training group: every rank of the plan
 
 __all__ = [
     "DP", "Final", "StepSums", "StepTail", "Strategy", "Whole", "mean_gradient", "nbytes",
-    "reduction_buffer", "state_digests", "step_sums",
+    "plan_tiers", "reduction_buffer", "state_digests", "step_sums", "vote",
 ]  # fmt: skip
 
 
@@ -341,3 +343,43 @@ class Strategy(ABC):
         """An event from rank 0 only (the others know the same)."""
         if self.ctx.comm.rank(DP) == 0:
             self.ctx.event(kind, **fields)
+
+
+def vote(
+    strategy: Strategy,
+    parts: list[torch.Tensor],
+    step: int,
+    broken: Callable[[], bool],
+    *flags: bool,
+) -> tuple[bool, list[list[int]]]:
+    """Checksum ``parts`` (copies every rank of ``strategy`` holds alike) on every rank; the
+    majority's copy overwrites any disagreeing one (rank 0 reports it). Returns whether some
+    copy disagreed, and every rank's ``flags``."""
+    comm, plan = strategy.ctx.comm, strategy.ctx.plan
+    dev = strategy.state.device
+    mine = torch.tensor([digest(*parts), *map(int, flags)], dtype=torch.int64, device=dev)
+    rows = [r.tolist() for r in comm.allgather(DP, mine, broken)]
+    verdict = judge([r[0] for r in rows])
+    workers = plan.workers if plan else ()
+    if verdict.bad:
+        strategy.say(
+            "sdc_detected",
+            step=step,
+            what="replicated state",
+            ranks=list(verdict.bad),
+            workers=[workers[r] for r in verdict.bad],
+            source_rank=verdict.source,
+            tie=verdict.unanimous_loss,
+        )
+        assert verdict.source is not None  # judge names one whenever a rank is bad
+        for part in parts:
+            comm.broadcast(DP, part, verdict.source, abort=broken)
+        strategy.say("sdc_repaired", step=step, what="replicated state")
+    return bool(verdict.bad), [row[1:] for row in rows]
+
+
+def plan_tiers(ctx: RankContext, plan: Plan, *, tiered: bool) -> Tiers | None:
+    """The tiers a data-parallel gradient reduction goes by under ``plan`` (``train.hierarchy``;
+    None: flat, or ``tiered`` is False)."""
+    mode = ctx.cfg.train.hierarchy if tiered else "flat"
+    return tiers_of(plan.hosts, mode, dict(plan.racks), workers=plan.workers)

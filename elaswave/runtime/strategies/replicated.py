@@ -1,98 +1,40 @@
 """Replicated data parallelism: every rank keeps the whole model and optimizer state.
 
-A step: forward and backward over this rank's contiguous share of the fixed global batch's
-micro-batches (each with RNG keyed by (seed, step, micro-batch, layer), loss scaled by 1/B), then
-a SUM all-reduce of the gradients and of the step's tail record (loss sum, count, newest epoch
-seen; float64) and the same update on every rank. A new plan: ranks behind (a newcomer, a rank
-whose reduction failed) copy the most advanced one.
-
-Partial redo: the micro-batches a rank finished are summed in an accumulator of its own (autograd's
-flat gradient, or a float64 one in the deterministic mode) and only copied into the step's
-reduction buffer, so a reduction that fails cannot touch them. A survivor keeps them; the next
-plan's ranks agree which micro-batches nobody keeps (:func:`~elaswave.planning.redo.redo_shares`)
-and compute only those before the step is reduced once.
+A step: the whole-model data path (:mod:`~elaswave.runtime.strategies.wholemodel`: this rank's
+share of the step's micro-batches, partial redo), then a SUM all-reduce of the gradients and of
+the step's tail record (loss sum, count, newest epoch seen; float64) and the same update on every
+rank. A new plan: ranks behind (a newcomer, a rank whose reduction failed) copy the most advanced
+one.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from elaswave.planning.plan import Plan
-from elaswave.planning.redo import redo_shares
-from elaswave.planning.tiers import Tiers, tiers_of
+from elaswave.planning.tiers import Tiers
 from elaswave.runtime.comm.tiered import allreduce_tiered
 from elaswave.runtime.durable.checkpoints import DurableState
-from elaswave.runtime.integrity.checksums import digest
-from elaswave.runtime.integrity.verify import judge
-from elaswave.runtime.strategies.base import DP, Strategy, Whole, mean_gradient, nbytes
+from elaswave.runtime.strategies.base import (
+    DP,
+    Strategy,
+    Whole,
+    mean_gradient,
+    plan_tiers,
+    vote,
+)
 from elaswave.runtime.strategies.sums import StepSums
-from elaswave.runtime.timing import busy_mark, busy_since
+from elaswave.runtime.strategies.wholemodel import Accumulation, WholeModel
 from elaswave.runtime.workload.data import MicroBatch
 
 if TYPE_CHECKING:
     from elaswave.runtime.durable.restore import DurableSource
-    from elaswave.runtime.state import RankContext, TrainState
+    from elaswave.runtime.state import RankContext
 
-__all__ = ["Accumulation", "Replicated"]
-
-
-@dataclass
-class Partial:
-    """What this rank finished of a step that is not committed yet: the micro-batches summed in
-    its accumulator, and their loss sum and count (float64, as the step's tail holds them)."""
-
-    step: int
-    sums: torch.Tensor  # [loss sum, count]
-    done: list[int] = field(default_factory=list)  # micro-batch indices, in computed order
-
-
-class Accumulation:
-    """One step's forward and backward on this rank, micro-batch by micro-batch: ``mine`` are
-    the indices to compute; after each one's backward, :meth:`add` takes its gradient (autograd
-    summed it into the flat gradient; the float64 mode adds it to ``acc``) and its loss sum and
-    count; :meth:`finish` fills the step's sums."""
-
-    def __init__(
-        self,
-        state: TrainState,
-        *,
-        sums: StepSums,
-        acc: torch.Tensor | None,
-        part: Partial,
-        mine: tuple[int, ...],
-        redo: bool,
-        world: int,
-    ) -> None:
-        self.state, self.sums, self.acc, self.part = state, sums, acc, part
-        self.mine, self.redo, self.world = mine, redo, world
-        self._mark = busy_mark()
-
-    def add(self, index: int, loss: torch.Tensor, count: int) -> None:
-        if self.acc is not None:
-            grad = self.state.flat.collect_grads()
-            self.acc.add_(grad)
-            grad.zero_()
-        part = self.part
-        part.sums[0] += loss.detach().to(part.sums.dtype)  # no host sync per micro-batch
-        part.sums[1] += count
-        part.done.append(index)
-
-    def finish(self) -> float | None:
-        """Fill the step's sums; this rank's busy seconds per micro-batch (None: a redone
-        share, or none, says nothing about its speed)."""
-        st, sums, part = self.state, self.sums, self.part
-        sums.grads.copy_(self.acc if self.acc is not None else st.flat.collect_grads())
-        sums.tail.loss, sums.tail.count = part.sums[0], part.sums[1]
-        if self.redo or not self.mine:
-            return None
-        # Time this rank needed, without the time its thread sat waiting for a CPU: on a shared
-        # host that measures the neighbours, not this rank (sleeps and stalls still count).
-        return busy_since(self._mark) / len(self.mine)
+__all__ = ["Replicated"]
 
 
 class Replicated(Strategy):
@@ -104,111 +46,25 @@ class Replicated(Strategy):
     def __init__(self, ctx: RankContext, durable: DurableSource) -> None:
         super().__init__(ctx, durable)
         self.tiers: Tiers | None = None  # the newest plan's (train.hierarchy)
-        self.partial: Partial | None = None
-        self.redo: tuple[int, tuple[int, ...]] | None = None  # (step, my micro-batches)
-        self._acc: torch.Tensor | None = None  # the float64 accumulator (deterministic mode)
+        self.path = WholeModel(ctx)
 
     def compute(
         self, step: int, every: Sequence[MicroBatch], sums: StepSums, *, slowdown: float
     ) -> float | None:
-        st, t = self.state, self.ctx.cfg.train
-        run = self.accumulation(step, sums)
-        slow = slowdown * run.world / len(every)  # per micro-batch
-        for i in run.mine:
-            mb = every[i]
-            inputs, targets = st.microbatch(mb.sample_ids)
-            loss, count = st.loss(st.model(inputs, step, mb.id), targets)
-            loss.backward()
-            if t.device_time:
-                time.sleep(t.device_time)  # emulated accelerator time (benchmarks)
-            run.add(i, loss, count)
-            if slow:
-                time.sleep(slow)
-        return run.finish()
+        return self.path.compute(step, every, sums, slowdown=slowdown)
 
     def accumulation(self, step: int, sums: StepSums) -> Accumulation:
-        """This rank's share of ``step`` (a redo's, or the plan's), to be computed micro-batch
-        by micro-batch: the engine's loop above, or a user's own (:mod:`elaswave.runtime.loop`)."""
-        plan = self.ctx.plan
-        assert plan is not None
-        redo = self.redo[1] if self.redo is not None and self.redo[0] == step else None
-        mine = redo if redo is not None else plan.microbatch_range(self.ctx.comm.rank(DP))
-        acc, part = self._accumulator(step, sums.grads)
-        return Accumulation(
-            self.state, sums=sums, acc=acc, part=part, mine=tuple(mine), redo=redo is not None,
-            world=plan.world_size,
-        )  # fmt: skip
-
-    def _accumulator(self, step: int, buf: torch.Tensor) -> tuple[torch.Tensor | None, Partial]:
-        """The float64 accumulator (None: autograd's flat gradient is the accumulator) and the
-        step's partial sums: the kept ones when this step was interrupted, else zeroed."""
-        st = self.state
-        acc = None
-        if buf.dtype != st.flat.grad.dtype:
-            if self._acc is None or self._acc.dtype != buf.dtype:
-                self._acc = buf.new_zeros(st.flat.numel)
-            acc = self._acc
-        if self.partial is None or self.partial.step != step:
-            (acc if acc is not None else st.flat.collect_grads()).zero_()
-            self.partial = Partial(step, buf.new_zeros(2, dtype=torch.float64))
-        return acc, self.partial
+        """This rank's share of ``step``, to be computed micro-batch by micro-batch (the
+        engine's loop, or a user's own: :mod:`elaswave.runtime.loop`)."""
+        return self.path.accumulation(step, sums)
 
     def covered(self, step: int) -> dict[int, Sequence[int]]:
-        """Every layer: the micro-batches summed in the accumulator (kept ones included)."""
-        part = self.partial
-        done = tuple(part.done) if part is not None and part.step == step else ()
-        return dict.fromkeys(range(len(self.state.model)), done)
+        return self.path.covered(step)
 
     def memory(self) -> dict[str, int]:
         out = super().memory()
-        out["grad_bytes"] += nbytes(self._acc)  # the deterministic mode's float64 sums
+        out["grad_bytes"] += self.path.extra_grad_bytes()
         return out
-
-    def forget_partial(self) -> None:
-        """The state changed under the kept sums (a copy, a restore, a rollback): drop them."""
-        self.partial, self.redo = None, None
-
-    def partial_row(self) -> list[float]:
-        """What this rank tells its peers at a sync about the step it keeps sums of:
-        [step (-1: none), then 1.0 for each micro-batch index it finished]."""
-        t = self.ctx.cfg.train
-        row = [-1.0] + [0.0] * (t.global_batch // t.micro_batch_size)
-        if self.partial is not None:
-            row[0] = float(self.partial.step)
-            for i in self.partial.done:
-                row[1 + i] = 1.0
-        return row
-
-    def plan_redo(
-        self, plan: Plan, resume: int, steps: list[int], *, rows: list[list[float]]
-    ) -> dict[str, Any]:
-        """Agree (every rank, from the same rows of ``partial_row``) which micro-batches of step
-        ``resume + 1`` each rank computes: only those no rank kept (``train.partial_redo``),
-        else all of them as the plan shares them. ``steps``: each rank's step before the sync
-        (kept sums are usable only if computed from the resume step's parameters). What is
-        redone, for the event: nothing when no step was interrupted."""
-        total = len(rows[0]) - 1
-        kept = [
-            [i for i in range(total) if row[1 + i]]
-            if int(row[0]) == resume + 1 and steps[r] == resume
-            else None
-            for r, row in enumerate(rows)
-        ]
-        me, interrupted = self.ctx.comm.rank(DP), any(kept)
-        shares = redo_shares(total, kept, plan.microbatches)
-        if not self.ctx.cfg.train.partial_redo or shares is None:
-            shares, kept = None, [None] * len(kept)
-        if kept[me] is None:
-            self.partial = None  # the step starts from zero
-        self.redo = (resume + 1, shares[me]) if shares is not None else None
-        if not interrupted:
-            return {}
-        every = shares or [tuple(plan.microbatch_range(r)) for r in range(len(rows))]
-        return {
-            "redo_step": resume + 1,
-            "kept_microbatches": {plan.workers[r]: len(k or ()) for r, k in enumerate(kept)},
-            "redo_microbatches": {plan.workers[r]: list(s) for r, s in enumerate(every) if s},
-        }
 
     def reduce_update(
         self,
@@ -228,7 +84,7 @@ class Replicated(Strategy):
             )
             comm.allreduce(DP, sums.tail.values, broken)
         # -- the reduction succeeded: every rank now holds the identical full-batch gradient.
-        self.forget_partial()
+        self.path.forget_partial()
         self.ctx.enter("compute")
         measure = self.ctx.cfg.logging.enabled and comm.rank(DP) == 0  # it reports
         grad, st.last_loss, st.last_grad_norm = mean_gradient(
@@ -245,8 +101,7 @@ class Replicated(Strategy):
     def groups(self, plan: Plan) -> dict[str, tuple[str, ...]]:
         """Every rank, and the tiers' groups (each host's ranks, each lane's) when the
         gradient is reduced by tiers."""
-        mode = self.ctx.cfg.train.hierarchy if self.tiered else "flat"
-        self.tiers = tiers_of(plan.hosts, mode, dict(plan.racks), workers=plan.workers)
+        self.tiers = plan_tiers(self.ctx, plan, tiered=self.tiered)
         extra = self.tiers.groups(plan.workers) if self.tiers is not None else {}
         return {**super().groups(plan), **extra}
 
@@ -256,7 +111,7 @@ class Replicated(Strategy):
         st, comm = self.state, self.ctx.comm
         rank = comm.rank(DP)
         mine = torch.tensor(
-            [float(st.step), *self.partial_row()], dtype=torch.float64, device=st.device
+            [float(st.step), *self.path.partial_row()], dtype=torch.float64, device=st.device
         )
         rows = [r.tolist() for r in comm.allgather(DP, mine, broken)]
         steps = [int(r[0]) for r in rows]
@@ -292,7 +147,7 @@ class Replicated(Strategy):
             "source_rank": source,
             "steps": steps,
             "bytes": moved if rank != source else 0,
-            **self.plan_redo(plan, target, steps, rows=[r[1:] for r in rows]),
+            **self.path.plan_redo(plan, target, steps, rows=[r[1:] for r in rows]),
         }
 
     def whole(self, broken: Callable[[], bool]) -> Whole:
@@ -301,7 +156,7 @@ class Replicated(Strategy):
 
     def adopt(self, state: DurableState, plan: Plan, broken: Callable[[], bool]) -> dict[str, Any]:
         st = self.state
-        self.forget_partial()
+        self.path.forget_partial()
         st.flat.data.copy_(state.params)
         st.opt.exp_avg.copy_(state.exp_avg)
         st.opt.exp_avg_sq.copy_(state.exp_avg_sq)
@@ -311,35 +166,8 @@ class Replicated(Strategy):
 
     def verify(self, step: int, broken: Callable[[], bool]) -> bool:
         st = self.state
-        found, _ = self.vote([st.flat.data, st.opt.exp_avg, st.opt.exp_avg_sq], step, broken)
+        found, _ = vote(self, [st.flat.data, st.opt.exp_avg, st.opt.exp_avg_sq], step, broken)
         return found
-
-    def vote(
-        self, parts: list[torch.Tensor], step: int, broken: Callable[[], bool], *flags: bool
-    ) -> tuple[bool, list[list[int]]]:
-        """Checksum ``parts`` on every rank; the majority's copy overwrites any disagreeing one
-        (rank 0 reports it). Returns whether some copy disagreed, and every rank's ``flags``."""
-        comm, plan = self.ctx.comm, self.ctx.plan
-        dev = self.state.device
-        mine = torch.tensor([digest(*parts), *map(int, flags)], dtype=torch.int64, device=dev)
-        rows = [r.tolist() for r in comm.allgather(DP, mine, broken)]
-        verdict = judge([r[0] for r in rows])
-        workers = plan.workers if plan else ()
-        if verdict.bad:
-            self.say(
-                "sdc_detected",
-                step=step,
-                what="replicated state",
-                ranks=list(verdict.bad),
-                workers=[workers[r] for r in verdict.bad],
-                source_rank=verdict.source,
-                tie=verdict.unanimous_loss,
-            )
-            assert verdict.source is not None  # judge names one whenever a rank is bad
-            for part in parts:
-                comm.broadcast(DP, part, verdict.source, abort=broken)
-            self.say("sdc_repaired", step=step, what="replicated state")
-        return bool(verdict.bad), [row[1:] for row in rows]
 
     def corrupt_target(self, target: str) -> tuple[torch.Tensor, str]:
         if target == "snapshot":

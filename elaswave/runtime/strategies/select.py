@@ -5,11 +5,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from elaswave.runtime.strategies.base import Strategy
-from elaswave.runtime.strategies.hostzero3 import HostZero3
 from elaswave.runtime.strategies.pipeline.strategy import PipelineStages
 from elaswave.runtime.strategies.replicated import Replicated
-from elaswave.runtime.strategies.sharded import Zero1
-from elaswave.runtime.strategies.zero3 import Zero3
+from elaswave.runtime.strategies.zero.strategy import HostZero3, Zero1, Zero3
 
 if TYPE_CHECKING:
     from elaswave.runtime.durable.restore import DurableSource

@@ -1,6 +1,6 @@
 """ZeRO-3's layer-wise data path: a layer's full parameters exist only while it runs.
 
-A rank keeps only its shard of every layer (:class:`~.paramshards.ParamShards`); its layers are
+A rank keeps only its shard of every layer (:class:`~.holding.ShardedParams`); its layers are
 shells (:func:`~elaswave.runtime.workload.base.hollow`: trainable parameters on the meta device,
 buffers real). One training step over this rank's micro-batches, layer-major:
 
@@ -45,8 +45,8 @@ from torch import nn
 from elaswave.planning.tiers import Tiers
 from elaswave.runtime.comm.communicator import Communicator, Pending
 from elaswave.runtime.comm.tiered import allgather_tiered, allreduce_tiered
-from elaswave.runtime.strategies.paramshards import ParamShards, pack_layer, unpack_layer
-from elaswave.runtime.strategies.zero import DP
+from elaswave.runtime.strategies.base import DP
+from elaswave.runtime.strategies.zero.holding import LayerShards, pack_layer, unpack_layer
 from elaswave.runtime.workload.base import KeyedLayers
 
 __all__ = ["Batch", "LayerGather"]
@@ -132,7 +132,7 @@ class LayerGather:
         self._live = [0, 0]  # bytes held now: [gathered parameters, layer gradients]
 
     # ---- parameters in and out ------------------------------------------------------------------
-    def post_gather(self, shards: ParamShards, i: int, abort: Callable[[], bool]) -> _Gathering:
+    def post_gather(self, shards: LayerShards, i: int, abort: Callable[[], bool]) -> _Gathering:
         """Post the all-gather of layer ``i``'s parameters (every rank's part of it)."""
         cut, rank, world = shards.cuts[i], shards.rank, len(shards.workers)
         start, size = cut.starts[rank], cut.sizes[rank]
@@ -152,7 +152,7 @@ class LayerGather:
         return _Gathering(i, out, work)
 
     def finish_gather(
-        self, g: _Gathering, shards: ParamShards, abort: Callable[[], bool]
+        self, g: _Gathering, shards: LayerShards, abort: Callable[[], bool]
     ) -> torch.Tensor:
         """Layer ``g.layer``'s parameters, whole and in flat order."""
         self._wait(g.work, abort)
@@ -188,7 +188,7 @@ class LayerGather:
 
     # ---- gradients ------------------------------------------------------------------------------
     def post_reduce(
-        self, shards: ParamShards, i: int, sums: torch.Tensor, *, abort: Callable[[], bool]
+        self, shards: LayerShards, i: int, sums: torch.Tensor, *, abort: Callable[[], bool]
     ) -> _Reducing:
         """Post the reduction of layer ``i``'s gradient sums: rank ``r`` receives the sum over
         the ranks of its part. Takes ``sums`` over (held; the caller no longer touches them): a
@@ -233,7 +233,7 @@ class LayerGather:
         return _Reducing(i, send, send.view(world, cut.pad)[shards.rank], work)
 
     def finish_reduce(
-        self, r: _Reducing, shards: ParamShards, grads: torch.Tensor, *, abort: Callable[[], bool]
+        self, r: _Reducing, shards: LayerShards, grads: torch.Tensor, *, abort: Callable[[], bool]
     ) -> None:
         """This rank's part of the layer's reduced sums into its gradient shard ``grads``."""
         self._wait(r.work, abort)
@@ -247,7 +247,7 @@ class LayerGather:
     # ---- the passes -----------------------------------------------------------------------------
     def train(
         self,
-        shards: ParamShards,
+        shards: LayerShards,
         step: int,
         batches: Sequence[Batch],
         *,
@@ -298,7 +298,7 @@ class LayerGather:
 
     def _backward(
         self,
-        shards: ParamShards,
+        shards: LayerShards,
         step: int,
         batches: Sequence[Batch],
         *,
@@ -359,7 +359,7 @@ class LayerGather:
 
     def score(
         self,
-        shards: ParamShards,
+        shards: LayerShards,
         batches: Sequence[Batch],
         score_fn: Callable[[torch.Tensor, Any], tuple[float, int, int]],
         *,
@@ -393,7 +393,7 @@ class LayerGather:
         return [score_fn(x, b.targets) for x, b in zip(xs, batches, strict=True)]
 
     # ---- helpers --------------------------------------------------------------------------------
-    def _post(self, shards: ParamShards, i: int, abort: Callable[[], bool]) -> _Gathering:
+    def _post(self, shards: LayerShards, i: int, abort: Callable[[], bool]) -> _Gathering:
         """Post layer ``i``'s gather: inside the host from the secondary parts where this step's
         forward kept them (hpZ), else over every rank."""
         piece = self._kept.pop(i, None)

@@ -22,7 +22,7 @@ from elaswave.planning.shards import (
     position,
 )
 from elaswave.runtime.comm.communicator import Communicator
-from elaswave.runtime.strategies.shard import Shard, ShardLost
+from elaswave.runtime.strategies.zero.shard import Shard, ShardLost
 
 # For each old shard a rank holds (part of), keyed by (owner, replica): the verified data and the
 # flat ranges its buffer positions stand for.

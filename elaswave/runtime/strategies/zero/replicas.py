@@ -12,7 +12,7 @@ import torch
 from elaswave.planning.shards import Range, ReplicaPiece
 from elaswave.runtime.comm.communicator import Communicator
 from elaswave.runtime.integrity.checksums import fast_checksum
-from elaswave.runtime.strategies.shard import Shard, ShardLost
+from elaswave.runtime.strategies.zero.shard import Shard, ShardLost
 
 
 def send_replicas(
