@@ -49,6 +49,7 @@ from elaswave.runtime.integrity.checker import Integrity
 from elaswave.runtime.integrity.checksums import host_bytes
 from elaswave.runtime.integrity.inject import FaultInjector
 from elaswave.runtime.optim import freed
+from elaswave.runtime.prunehook import PruneFactory
 from elaswave.runtime.state import RankContext, TrainState
 from elaswave.runtime.strategies.base import (
     DP,
@@ -109,8 +110,10 @@ class Engine:
         host_addr: str,
         device: torch.device | None = None,
         state: TrainState | None = None,
+        pruning: PruneFactory | None = None,
     ):
-        """``state``: what a user's own loop registered (default: the config's workload)."""
+        """``state``: what a user's own loop registered (default: the config's workload, with
+        the pruning hook ``pruning`` builds)."""
         self.cfg = cfg
         self.control = control
         self.me = worker_id
@@ -125,7 +128,7 @@ class Engine:
             if t.reduce_dtype == "float64":  # the deterministic mode: deterministic kernels
                 # where they exist (SDPA's memory-efficient backward sums with atomics else)
                 torch.use_deterministic_algorithms(True, warn_only=True)
-        self.state = TrainState.build(cfg, device) if state is None else state
+        self.state = TrainState.build(cfg, device, pruning=pruning) if state is None else state
         self.num_samples = training_samples(len(self.state.dataset), cfg.data.eval_samples)
         # [gradient sums | loss sum, newest epoch seen, a strategy's flag, loss count]
         self.sums = step_sums(self.state, t.reduce_dtype)
