@@ -35,7 +35,7 @@ import torch
 
 from elaswave import wire
 from elaswave.config import JobConfig
-from elaswave.errors import EXIT_STATE_LOST
+from elaswave.errors import EXIT_STATE_LOST, ShardLost
 from elaswave.planning.plan import Plan
 from elaswave.planning.stageshards import LayersLost
 from elaswave.runtime.comm.communicator import Communicator
@@ -63,7 +63,7 @@ from elaswave.runtime.strategies.base import (
 )
 from elaswave.runtime.strategies.select import strategy_for
 from elaswave.runtime.strategies.sums import StepSums
-from elaswave.runtime.strategies.zero import ShardLost
+from elaswave.runtime.strategies.zero import ShardLost as StrategyShardLost
 from elaswave.runtime.timing import DeviceClock, set_clock
 from elaswave.runtime.workload.data import MicroBatch, microbatches
 
@@ -190,7 +190,8 @@ class Engine:
     # ---- main loop --------------------------------------------------------------------------
     # What ends a step or its recovery: the step is redone under the next plan (a lost peer),
     # or the worker leaves (:meth:`failed` says which).
-    FAILURES = (CommError, Interrupted, NoPlan, Stopped, ShardLost, LayersLost)
+    # (StrategyShardLost is ShardLost itself once strategies/shard.py imports it from errors.)
+    FAILURES = (CommError, Interrupted, NoPlan, Stopped, ShardLost, StrategyShardLost, LayersLost)
 
     def run(self) -> int:
         total = self.cfg.train.steps
