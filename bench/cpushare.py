@@ -110,7 +110,7 @@ def _sample(pid: int, root: int) -> tuple[str, int]:
         return "daemon", ticks
     if "etcdbin/etcd" in args:
         return "etcd", ticks
-    if "elaswave.runtime.worker" in args:
+    if "elaswave.worker" in args:
         return "workers", ticks
     return "", 0
 

@@ -1,7 +1,9 @@
 """Errors shared by the CLI, the daemon and the runtime.
 
 Every error a user can cause derives from :class:`ElasWaveError`; the CLI turns it into a single
-line on stderr and a non-zero exit code. Anything else is a bug and keeps its traceback.
+line on stderr and a non-zero exit code. :class:`ShardLost` is the runtime's own: the layers of
+a worker that raise it (strategies, durable checkpoints) and the loop that ends the worker on it
+all import it from here. Anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -14,6 +16,12 @@ EXIT_STATE_LOST = 5
 # returned early: a respawned worker would run the same code into the same error. Never
 # respawned; the job stops with the reason.
 EXIT_SCRIPT_FAILED = 6
+
+
+class ShardLost(RuntimeError):
+    """Both copies of (part of) a shard are gone (an owner and a replica holder died together),
+    or every copy of some state is gone and no durable checkpoint replaces it: the worker ends
+    with :data:`EXIT_STATE_LOST`."""
 
 
 def one_line(exc: BaseException) -> str:

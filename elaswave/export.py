@@ -236,8 +236,8 @@ def compressed(
     sample or token (:func:`~elaswave.prune.compress.matmul_flops`; convolutions counted at the
     size of ``sample``'s inputs), each before and after."""
     from elaswave.prune.compress import hf_config, kept_groups, matmul_flops, shrink
-    from elaswave.prune.families import HEADS_FIXED
     from elaswave.prune.groups import find_groups
+    from elaswave.runtime.workload.hfgroups import HEADS_FIXED
 
     before, flops = sum(p.numel() for p in model.parameters()), matmul_flops(model, sample)
     families = find_groups(workload, model, kinds)

@@ -9,7 +9,7 @@ status with ``waitpid``, so a death is seen as soon as with a child the daemon s
 
 If the template cannot start (no subreaper or pidfd on this platform), is turned off
 (``elastic.worker_start: exec``), or dies, workers are executed as new interpreters
-(``python -m elaswave.runtime.worker``): slower to start, the same otherwise.
+(``python -m elaswave.worker``): slower to start, the same otherwise.
 """
 
 from __future__ import annotations

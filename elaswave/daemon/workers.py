@@ -121,7 +121,7 @@ async def spawn(
     if proc is None:
         with open(log_path, "ab") as logf:
             proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "elaswave.runtime.worker", *argv,
+                sys.executable, "-m", "elaswave.worker", *argv,
                 stdin=asyncio.subprocess.DEVNULL, stdout=logf, stderr=logf,
                 env=worker_environment(device),
             )  # fmt: skip

@@ -11,17 +11,18 @@ from __future__ import annotations
 
 import copy
 from collections import defaultdict
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Sequence
 from typing import Any, cast
 
 import torch
 from torch import nn
 
-from elaswave.prune.families import HEADS_FIXED, LLAMA_LIKE, attention_shape
 from elaswave.prune.groups import Family, flat_index
 from elaswave.runtime.workload.base import KeyedLayers, ParamRef
+from elaswave.runtime.workload.hfgroups import HEADS_FIXED, LLAMA_LIKE, attention_shape
+from elaswave.runtime.workload.resize import fit_attention, resized
 
-__all__ = ["fit_attention", "fit_shapes", "hf_config", "kept_groups", "matmul_flops", "shrink"]
+__all__ = ["hf_config", "kept_groups", "matmul_flops", "shrink"]
 
 
 def matmul_flops(model: nn.Module, sample: torch.Tensor | None = None) -> int:
@@ -106,50 +107,9 @@ def shrink(model: KeyedLayers, families: Sequence[Family], kept: Sequence[Sequen
                 buffer = getattr(module, stat)
                 if buffer is not None:
                     setattr(module, stat, buffer.index_select(0, keep).clone())
-        _resized(module)
+        resized(module)
     for block in model.layers:
         fit_attention(block)
-
-
-def _resized(module: nn.Module) -> None:
-    """The size attributes a projection's forward reads, from its (sliced) weight."""
-    weight = getattr(module, "weight", None)
-    if isinstance(module, nn.Linear) and weight is not None:
-        module.out_features, module.in_features = weight.shape
-    elif hasattr(module, "nf") and weight is not None:  # transformers' Conv1D (gpt2)
-        module.nf = weight.shape[1]
-    elif isinstance(module, nn.modules.conv._ConvNd) and weight is not None:
-        module.out_channels, module.in_channels = weight.shape[0], weight.shape[1] * module.groups
-    elif isinstance(module, nn.modules.batchnorm._BatchNorm) and weight is not None:
-        module.num_features = weight.shape[0]
-
-
-def fit_attention(model: nn.Module) -> None:
-    """The head counts gpt2's attention reads, from its (sliced) fused ``c_attn``: it splits
-    the projection into q, k and v by ``split_size``, the other families by the weights'
-    shapes."""
-    for m in model.modules():
-        c_attn = getattr(m, "c_attn", None)
-        if hasattr(m, "split_size") and c_attn is not None and hasattr(m, "head_dim"):
-            split_size = c_attn.weight.shape[1] // 3
-            m.split_size, m.num_heads = split_size, split_size // m.head_dim
-
-
-def fit_shapes(model: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
-    """Make every parameter of ``model`` that ``state`` holds at another shape that shape (an
-    uninitialised tensor on the parameter's device; ``load_state_dict`` fills it), with the size
-    attributes its module's forward reads: a compressed export whose layers kept different
-    widths loads into the model its config builds (the widest)."""
-    for key, tensor in state.items():
-        owner, _, leaf = key.rpartition(".")
-        module = model.get_submodule(owner)
-        current = module._parameters.get(leaf)
-        if current is None or current.shape == tensor.shape:
-            continue
-        empty = torch.empty(tensor.shape, dtype=current.dtype, device=current.device)
-        setattr(module, leaf, nn.Parameter(empty, requires_grad=current.requires_grad))
-        _resized(module)
-    fit_attention(model)
 
 
 def hf_config(config: Any, families: Sequence[Family], kept: Sequence[Sequence[int]]) -> Any:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from elaswave.errors import ElasWaveError
-from elaswave.prune.compress import fit_shapes
+from elaswave.runtime.workload.resize import fit_shapes
 
 __all__ = ["load_compressed"]
 

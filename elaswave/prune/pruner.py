@@ -28,34 +28,12 @@ from elaswave.config import JobConfig
 from elaswave.prune import dhspg
 from elaswave.prune.groups import Family, find_groups, flat_index
 from elaswave.runtime.optim import Spans
+from elaswave.runtime.prunehook import WHOLE, Holding, Part
 from elaswave.runtime.workload.base import KeyedLayers, Workload
 
 __all__ = ["WHOLE", "Holding", "Part", "Pruner"]
 
 DP = "dp"
-
-
-@dataclass(frozen=True)
-class Part:
-    """One family's elements in one layer: ``(count, k)`` flat offsets (the whole model's
-    layout), a slice of each group."""
-
-    layer: int
-    index: torch.Tensor
-
-
-@dataclass(frozen=True)
-class Holding:
-    """What a rank reads and writes of the groups: the layers whose parts it updates
-    (``held``), those whose sums it brings (``counted``: every layer by exactly one rank), and
-    how every rank's sums are added (``reduce``, in place; None: this rank counts them all)."""
-
-    held: Callable[[int], bool]
-    counted: Callable[[int], bool]
-    reduce: Callable[[torch.Tensor], None] | None = None
-
-
-WHOLE = Holding(held=lambda _: True, counted=lambda _: True)  # the whole model, alone
 
 
 def _parts(index: torch.Tensor, starts: torch.Tensor) -> list[Part]:
@@ -71,6 +49,9 @@ def _at(spans: Spans, index: torch.Tensor) -> torch.Tensor:
 
 @dataclass(eq=False)
 class Pruner:
+    """DHSPG over the model's zero-invariant groups: the
+    :class:`~elaswave.runtime.prunehook.PruneHook` a worker hands its train state."""
+
     families: list[Family]
     parts: list[list[Part]]  # each family's elements, layer by layer
     hp: dhspg.Hyper

@@ -35,7 +35,7 @@ import torch
 
 from elaswave import wire
 from elaswave.config import JobConfig
-from elaswave.errors import EXIT_STATE_LOST
+from elaswave.errors import EXIT_STATE_LOST, ShardLost
 from elaswave.planning.plan import Plan
 from elaswave.planning.stageshards import LayersLost
 from elaswave.runtime.comm.communicator import Communicator
@@ -49,6 +49,7 @@ from elaswave.runtime.integrity.checker import Integrity
 from elaswave.runtime.integrity.checksums import host_bytes
 from elaswave.runtime.integrity.inject import FaultInjector
 from elaswave.runtime.optim import freed
+from elaswave.runtime.prunehook import PruneFactory
 from elaswave.runtime.state import RankContext, TrainState
 from elaswave.runtime.strategies.base import (
     DP,
@@ -62,7 +63,6 @@ from elaswave.runtime.strategies.base import (
 )
 from elaswave.runtime.strategies.select import strategy_for
 from elaswave.runtime.strategies.sums import StepSums
-from elaswave.runtime.strategies.zero.shard import ShardLost
 from elaswave.runtime.timing import DeviceClock, set_clock
 from elaswave.runtime.workload.data import MicroBatch, microbatches
 
@@ -109,8 +109,10 @@ class Engine:
         host_addr: str,
         device: torch.device | None = None,
         state: TrainState | None = None,
+        pruning: PruneFactory | None = None,
     ):
-        """``state``: what a user's own loop registered (default: the config's workload)."""
+        """``state``: what a user's own loop registered (default: the config's workload, with
+        the pruning hook ``pruning`` builds)."""
         self.cfg = cfg
         self.control = control
         self.me = worker_id
@@ -125,7 +127,7 @@ class Engine:
             if t.reduce_dtype == "float64":  # the deterministic mode: deterministic kernels
                 # where they exist (SDPA's memory-efficient backward sums with atomics else)
                 torch.use_deterministic_algorithms(True, warn_only=True)
-        self.state = TrainState.build(cfg, device) if state is None else state
+        self.state = TrainState.build(cfg, device, pruning=pruning) if state is None else state
         self.num_samples = training_samples(len(self.state.dataset), cfg.data.eval_samples)
         # [gradient sums | loss sum, newest epoch seen, a strategy's flag, loss count]
         self.sums = step_sums(self.state, t.reduce_dtype)

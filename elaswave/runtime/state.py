@@ -19,10 +19,10 @@ import torch
 from elaswave import wire
 from elaswave.config import JobConfig
 from elaswave.planning.plan import Plan
-from elaswave.prune.pruner import Pruner
 from elaswave.runtime.comm.communicator import Communicator
 from elaswave.runtime.optim import FlatOptimizer, FlatParams, OptimHyper, Spans, decay_groups
 from elaswave.runtime.optimizers import ScheduleReplay, TorchRule, optimizer_classes
+from elaswave.runtime.prunehook import PruneFactory, PruneHook
 from elaswave.runtime.runningstats import RunningStats
 from elaswave.runtime.workload import (
     Dataset,
@@ -61,7 +61,7 @@ class TrainState:
     ties: tuple[tuple[slice, slice], ...] = ()  # flat ranges of copies of one logical weight
     window: range = range(0)
     zero: bool = False  # ZeRO keeps the moments in its shards: ``opt`` holds none
-    prune: Pruner | None = None  # train.prune: DHSPG after each update
+    prune: PruneHook | None = None  # train.prune: the pruning after each update
     stats: RunningStats | None = None  # the norm layers' running statistics, if any
     script: Any = None  # a script's own registered state (``registered.ScriptState``), if any
 
@@ -73,6 +73,7 @@ class TrainState:
         *,
         workload: Workload | None = None,
         optimizer: tuple[TorchRule, ScheduleReplay | None] | None = None,
+        pruning: PruneFactory | None = None,
     ) -> TrainState:
         """The rank's state on ``device`` (default: the CPU). Layers are built on the CPU, where
         their seeded initial values are the same on every kind of device, then moved. A pipeline
@@ -82,8 +83,14 @@ class TrainState:
 
         A user's own loop (:mod:`elaswave.runtime.loop`) gives its ``workload`` and its
         ``optimizer`` (the rule of its optimizer's class, probed, and its schedule's replay)
-        instead of the config's."""
+        instead of the config's.
+
+        ``pruning`` builds the rank's pruning hook (:mod:`elaswave.runtime.prunehook`); the
+        process that puts the worker together gives it, and a job with ``train.prune`` needs
+        it."""
         t = cfg.train
+        if t.prune is not None and pruning is None:
+            raise ValueError("train.prune is set but no pruning hook was given (pruning=)")
         device = torch.device("cpu") if device is None else device
         workload = load_workload(cfg) if workload is None else workload
         shells = cfg.zero == 3 and cfg.pp == 1  # a ZeRO-3 stage allocates its window per step
@@ -124,9 +131,10 @@ class TrainState:
                 raise ValueError(f"tied parameters {a} and {b} differ in size")
             ties.append((sa, sb))
         dataset = workload.dataset(t.seed)
+        prune = pruning(cfg, workload, model) if pruning is not None else None
         return cls(
             workload, model, flat, opt, dataset, ties=tuple(ties), window=window,
-            zero=bool(cfg.zero), prune=Pruner.build(cfg, workload, model), stats=stats,
+            zero=bool(cfg.zero), prune=prune, stats=stats,
         )  # fmt: skip
 
     def set_window(self, layers: range) -> None:

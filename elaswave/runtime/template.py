@@ -18,8 +18,8 @@ Protocol: JSON lines, requests on stdin and replies on stdout, one reply per req
   workload's, e.g. transformers for a Hugging Face model, and what a ZeRO-3 backward imports),
   so that every worker finds them;
 - ``{"op": "preflight", "config": {...}}`` → ``{"ok": true}`` or ``{"error": "one line"}``: the
-  model builds and the data fits it (:func:`~elaswave.runtime.workload.load.check_data`),
-  checked in a forked child;
+  worker entry's :func:`~elaswave.worker.preflight` (the model builds, the data fits it, a
+  pruned model has groups to prune), checked in a forked child;
 - ``{"op": "spawn", "entry": "worker" | "store", "argv": [...], "log": PATH, "parent": PID,
   "env": {...}}`` → ``{"pid": P}`` (a store adds ``"port"``) or ``{"error": "..."}``;
 - ``{"op": "warm"}`` → ``{"ok": true}``: start importing the ``--warm`` modules (below);
@@ -54,7 +54,7 @@ from typing import Any
 from elaswave.procutil import die_with_parent, exit_now
 
 # What each entry runs: a module whose ``main(argv) -> int`` is the process.
-ENTRIES = {"worker": "elaswave.runtime.worker", "store": "elaswave.runtime.storeserver"}
+ENTRIES = {"worker": "elaswave.worker", "store": "elaswave.runtime.storeserver"}
 REPORT_TIMEOUT = 30.0  # a store reports its port within this (it binds a socket, no more)
 
 
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int | Child:
         return 1  # the daemon died before we could ask to die with it
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the daemon's to handle
     started = time.monotonic()
-    importlib.import_module("elaswave.runtime.worker")
+    importlib.import_module(ENTRIES["worker"])
     _reply({"ready": True, "pid": os.getpid(), "seconds": time.monotonic() - started})
     warm: list[str] = []  # filled by a "warm" request
     lines = _Lines(sys.stdin.fileno())
@@ -189,22 +189,12 @@ def _preflight(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def _check(config: dict[str, Any]) -> dict[str, Any]:
+    """The worker entry's ``preflight(cfg)`` on ``config``, as a verdict."""
     from elaswave.config import JobConfig
     from elaswave.errors import ElasWaveError
-    from elaswave.runtime.workload.load import check_data, load_workload
 
     try:
-        cfg = JobConfig.from_dict(config)
-        if cfg.script is not None:  # the script builds its model: nothing to check before
-            return {"ok": True}
-        workload = load_workload(cfg)
-        check_data(cfg, workload)
-        if cfg.train.prune is not None:  # a model with nothing to prune: before any worker
-            from elaswave.prune.groups import find_groups
-            from elaswave.runtime.workload.base import build_layers
-
-            model = build_layers(workload, cfg.train.seed, keep=range(0))  # shapes: on meta
-            find_groups(workload, model, cfg.train.prune.kinds)
+        importlib.import_module(ENTRIES["worker"]).preflight(JobConfig.from_dict(config))
     except ElasWaveError as exc:
         return {"error": str(exc)}
     except Exception as exc:  # the job's own code: its error, on one line

@@ -15,6 +15,7 @@ from torch import nn
 
 from elaswave.config import JobConfig
 from elaswave.planning.plan import Plan, assign_microbatches
+from elaswave.prune.pruner import Pruner
 from elaswave.runtime.durable.restore import DurableSource
 from elaswave.runtime.evaluate import eval_microbatches, evaluate, training_samples
 from elaswave.runtime.state import RankContext, TrainState
@@ -125,7 +126,7 @@ def _plan(world: int, epoch: int = 1, committed: int = 0) -> Plan:
 def _strategy(cfg: JobConfig, comm: ThreadComm, plan: Plan) -> tuple[Strategy, list[Any]]:
     events: list[Any] = []
     with COMPUTE:
-        state = TrainState.build(cfg)
+        state = TrainState.build(cfg, pruning=Pruner.build)  # as the worker's entry builds it
     ctx = RankContext(
         state, cfg, comm, f"w{comm.me}",
         lambda kind, **f: events.append((kind, f)), events.append, lambda phase: None,

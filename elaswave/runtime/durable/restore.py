@@ -12,11 +12,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from elaswave.errors import ShardLost
 from elaswave.planning.plan import Plan
 from elaswave.runtime.durable import checkpoints
 from elaswave.runtime.durable.checkpoints import DurableCheckpoints, DurableState
 from elaswave.runtime.durable.layout import newest_intact, resume_point
-from elaswave.runtime.strategies.zero.shard import ShardLost
 
 if TYPE_CHECKING:
     from elaswave.runtime.state import RankContext

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import math
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -25,13 +26,41 @@ from elaswave.runtime.integrity.checksums import fast_checksum
 from elaswave.runtime.integrity.inject import FaultInjector
 from elaswave.runtime.integrity.rollback import NONE, KnownGood, rollback_verdict
 from elaswave.runtime.integrity.verify import flip_bit
-from elaswave.runtime.strategies.base import DP, Strategy, nbytes
 
 if TYPE_CHECKING:
+    from elaswave.planning.plan import Plan
     from elaswave.runtime.durable.restore import DurableSource
     from elaswave.runtime.state import RankContext
 
-__all__ = ["Integrity", "check_due"]
+__all__ = ["CheckedStrategy", "Integrity", "check_due"]
+
+DP = "dp"  # the training group: every rank of the plan
+
+
+class CheckedStrategy(Protocol):
+    """What the checker calls on the rank's strategy
+    (:class:`~elaswave.runtime.strategies.base.Strategy` has each, documented there)."""
+
+    @property
+    def sealed(self) -> bool: ...
+
+    def computes_with(self) -> torch.Tensor: ...
+
+    def corrupt_target(self, target: str) -> tuple[torch.Tensor, str]: ...
+
+    def verify(self, step: int, broken: Callable[[], bool]) -> bool: ...
+
+    def known_good(self, broken: Callable[[], bool]) -> torch.Tensor: ...
+
+    def take_known_good(
+        self, step: int, loss: float, good: torch.Tensor, *, plan: Plan, broken: Callable[[], bool]
+    ) -> None: ...
+
+    def layout_key(self) -> Any: ...
+
+    def layout_generation(self) -> Any: ...
+
+    def say(self, kind: str, **fields: Any) -> None: ...
 
 
 def check_due(
@@ -55,7 +84,12 @@ class Integrity:
     is called by every rank of the plan together)."""
 
     def __init__(
-        self, ctx: RankContext, strategy: Strategy, durable: DurableSource, *, faults: FaultInjector
+        self,
+        ctx: RankContext,
+        strategy: CheckedStrategy,
+        durable: DurableSource,
+        *,
+        faults: FaultInjector,
     ) -> None:
         self.ctx = ctx
         self.strategy = strategy
@@ -150,7 +184,9 @@ class Integrity:
     @property
     def good_bytes(self) -> int:
         """What this rank keeps for a rollback."""
-        return nbytes(self.good.kept) if self.good is not None else 0
+        if self.good is None or not self.good.kept.numel():
+            return 0
+        return self.good.kept.untyped_storage().nbytes()
 
     def capture_good(self, step: int) -> None:
         """Every rank keeps its known-good state of ``step`` (a collective where it is the whole

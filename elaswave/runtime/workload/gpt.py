@@ -14,10 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from elaswave.runtime.workload.base import Dataset, TensorSpec, Workload
+from elaswave.runtime.workload.base import Dataset, Family, Member, TensorSpec, Workload
 from elaswave.runtime.workload.data import SyntheticTokens, token_file
 
-__all__ = ["GPTConfig", "GPTWorkload", "gpt_layer_costs", "per_sample_loss"]
+__all__ = ["GPTConfig", "GPTWorkload", "gpt_families", "gpt_layer_costs", "per_sample_loss"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -189,8 +189,6 @@ class GPTWorkload(Workload):
         return per_sample_loss(output, targets).sum(), int(targets.shape[0])
 
     def zero_invariant_groups(self, model: Any) -> list[Any]:
-        from elaswave.prune.families import gpt_families
-
         return gpt_families(self.cfg.d_model, self.cfg.n_head, range(1, self.num_layers - 1))
 
     def layer_costs(self) -> Sequence[float]:
@@ -198,3 +196,24 @@ class GPTWorkload(Workload):
         return gpt_layer_costs(
             vocab_size=c.vocab_size, seq_len=c.seq_len, d_model=c.d_model, n_layer=c.n_layer
         )
+
+
+def gpt_families(d_model: int, n_head: int, blocks: range) -> list[Family]:
+    """The built-in GPT's blocks: each head (its q, k and v rows of ``qkv``, their biases, its
+    columns of ``proj``) and each MLP channel (``fc`` row and bias, ``fc_out`` column)."""
+    hd = d_model // n_head
+    out = []
+    for i in blocks:
+        members = []
+        for third in range(3):
+            members.append(Member((i, "qkv.weight"), 0, hd, third * d_model))
+            members.append(Member((i, "qkv.bias"), 0, hd, third * d_model))
+        members.append(Member((i, "proj.weight"), 1, hd))
+        out.append(Family(f"layers.{i}.attention", "attention", n_head, tuple(members)))
+        members = [
+            Member((i, "fc.weight"), 0),
+            Member((i, "fc.bias"), 0),
+            Member((i, "fc_out.weight"), 1),
+        ]
+        out.append(Family(f"layers.{i}.mlp", "mlp", 4 * d_model, tuple(members)))
+    return out

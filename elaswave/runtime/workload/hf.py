@@ -36,7 +36,9 @@ from elaswave.runtime.workload.base import (
     layer_seed,
 )
 from elaswave.runtime.workload.data import SyntheticTokens, token_file
+from elaswave.runtime.workload.hfgroups import hf_families
 from elaswave.runtime.workload.hflayers import BlockLayer, EmbeddingLayer, HeadLayer, cut_hf_model
+from elaswave.runtime.workload.resize import fit_shapes
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -372,9 +374,7 @@ class HFCausalLM(Workload):
 
     def zero_invariant_groups(self, model: Any) -> list[Any]:
         """Attention (GQA-aware) and MLP groups of every decoder block
-        (:func:`elaswave.prune.families.hf_families`)."""
-        from elaswave.prune.families import hf_families
-
+        (:func:`~elaswave.runtime.workload.hfgroups.hf_families`)."""
         blocks = [
             (i, layer) for i, layer in enumerate(model.layers) if isinstance(layer, BlockLayer)
         ]
@@ -392,8 +392,6 @@ class HFCausalLM(Workload):
             local = layer.state_dict()
             for name, key in {**self.hf_names(index), **self._buffer_names(index)}.items():
                 state[key] = local[name].detach().cpu()
-        from elaswave.prune.compress import fit_shapes
-
         with torch.device("meta"):
             hf_model = transformers.AutoModelForCausalLM.from_config(
                 self.config, dtype=torch.float32

@@ -22,9 +22,9 @@ from elaswave.planning.pipeplan import serving_shares
 from elaswave.planning.plan import Plan
 from elaswave.planning.redo import StageRedo
 from elaswave.planning.stageshards import LayersLost, holder_blocks
-from elaswave.prune.pruner import Holding
 from elaswave.runtime.durable.checkpoints import DurableState, Piece
 from elaswave.runtime.optim import Spans, free, freed
+from elaswave.runtime.prunehook import Holding
 from elaswave.runtime.strategies.base import (
     DP,
     Final,
@@ -233,7 +233,7 @@ class PipelineStages(Strategy):
     def _pruning(self, step: int, broken: Callable[[], bool]) -> Callable[[], None]:
         """DHSPG on the held layers once they are updated (nothing where step ``step`` does not
         prune): each layer's group sums from its first holder under the plan, added over every
-        rank, so all ranks decide alike (:class:`~elaswave.prune.pruner.Holding`)."""
+        rank, so all ranks decide alike (:class:`~elaswave.runtime.prunehook.Holding`)."""
         st, pipe, mine, prune = self.state, self.pipe, self.my_grads, self.state.prune
         if prune is None or not prune.active(step):
             return lambda: None

@@ -9,14 +9,11 @@ from dataclasses import dataclass
 
 import torch
 
+from elaswave.errors import ShardLost
 from elaswave.planning.shards import Range
 from elaswave.runtime.integrity.checksums import fast_checksum
 
 __all__ = ["Shard", "ShardLost", "Staged"]
-
-
-class ShardLost(RuntimeError):
-    """Both copies of (part of) a shard are gone (an owner and a replica holder died together)."""
 
 
 @dataclass

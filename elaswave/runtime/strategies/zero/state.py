@@ -55,9 +55,9 @@ from elaswave.planning.shards import (
     recovery_stats,
 )
 from elaswave.planning.tiers import Tiers
-from elaswave.prune.pruner import Pruner
 from elaswave.runtime.comm.communicator import Communicator
 from elaswave.runtime.optim import FlatParams, OptimHyper
+from elaswave.runtime.prunehook import PruneHook
 from elaswave.runtime.strategies.zero.replicas import repair_copies, send_replicas
 from elaswave.runtime.strategies.zero.reshard import pack_transfers, unpack_into, usable_copies
 from elaswave.runtime.strategies.zero.shard import Shard, Staged
@@ -111,7 +111,7 @@ class ShardState:
     # Whether this rank's squares count in the clipping norm (host scope: the first host's
     # only, so that every host clips by the same number and the copies stay the same bits).
     norm_share: bool = True
-    prune: Pruner | None = None  # train.prune: DHSPG on the whole updated parameters
+    prune: PruneHook | None = None  # train.prune: DHSPG after the update
     _send_spans: dict[int, list[Range]] = field(default_factory=dict)
     clip_runs: list[tuple[int, int]] | None = None  # ``layer_runs`` of this layout (clipping)
     _recv_sizes: dict[int, int] = field(default_factory=dict)

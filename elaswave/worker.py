@@ -1,9 +1,15 @@
-"""Worker process entry point: ``python -m elaswave.runtime.worker --control SOCK --worker-id ID``.
+"""Worker process entry point: ``python -m elaswave.worker --control SOCK --worker-id ID``.
 
 Started by the host daemon; receives its configuration over the control channel, builds the model,
 reports ``ready`` and runs the engine until the job's last step is committed. A job of a script
 (``launch --script``) runs the script instead, which drives the engine from its own loop
 (:mod:`elaswave.runtime.loop`).
+
+This is where a worker is put together: the runtime knows pruning only through its hook
+(:mod:`elaswave.runtime.prunehook`), and the concrete pruner
+(:class:`~elaswave.prune.pruner.Pruner`) is chosen here, outside the runtime. :func:`preflight`
+is what the worker template (:mod:`elaswave.runtime.template`) checks before any worker of a
+job starts.
 """
 
 from __future__ import annotations
@@ -15,10 +21,14 @@ import sys
 from elaswave import wire
 from elaswave.config import JobConfig
 from elaswave.procutil import die_with_parent, exit_now
+from elaswave.prune.groups import find_groups
+from elaswave.prune.pruner import Pruner
 from elaswave.runtime.comm.control_client import ControlClient
 from elaswave.runtime.device import place, probe, worker_device
 from elaswave.runtime.engine import Engine
 from elaswave.runtime.loop import Session, run_script
+from elaswave.runtime.workload.base import build_layers
+from elaswave.runtime.workload.load import check_data, load_workload
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         return code
     engine = Engine(
         cfg, control, worker_id=args.worker_id, host_addr=control.config.host_addr,
-        device=device,
+        device=device, pruning=Pruner.build,
     )  # fmt: skip
     # pipelines: the layer costs the leader cuts by
     control.send(wire.Ready(worker_id=args.worker_id, **engine.strategy.ready()))
@@ -56,6 +66,20 @@ def main(argv: list[str] | None = None) -> int:
     engine.close()  # no checkpoint write of this rank is left in flight
     control.flush(timeout=10.0)  # the last reports (final state, done) reach the daemon
     return code
+
+
+def preflight(cfg: JobConfig) -> None:
+    """What the workers of ``cfg`` would meet first, checked before any of them starts: the
+    model builds, the data fits it (:func:`~elaswave.runtime.workload.load.check_data`), and a
+    pruned model has groups to prune. Raises the first problem (an
+    :class:`~elaswave.errors.ElasWaveError`, or the job's own code's error)."""
+    if cfg.script is not None:  # the script builds its model: nothing to check before
+        return
+    workload = load_workload(cfg)
+    check_data(cfg, workload)
+    if cfg.train.prune is not None:  # a model with nothing to prune: before any worker
+        model = build_layers(workload, cfg.train.seed, keep=range(0))  # shapes: on meta
+        find_groups(workload, model, cfg.train.prune.kinds)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
-"""The zero-invariant groups of the transformer families ElasWave trains: Hugging Face llama /
-qwen2 / mistral (GQA-aware attention heads and MLP channels), gpt2 (heads of its fused ``c_attn``
-``Conv1D``, MLP channels), gpt_neox (heads of its per-head interleaved ``query_key_value``, MLP
-channels) and the built-in GPT (attention heads and MLP channels). Pure functions of a config
-and the layers' parameter names; the workloads declare them through
-:meth:`Workload.zero_invariant_groups`.
+"""The zero-invariant groups (:class:`~elaswave.runtime.workload.base.Family`) of the Hugging
+Face families ElasWave trains: llama / qwen2 / mistral (GQA-aware attention heads and MLP
+channels), gpt2 (heads of its fused ``c_attn`` ``Conv1D``, MLP channels) and gpt_neox (heads of
+its per-head interleaved ``query_key_value``, MLP channels). Pure functions of a config and the
+layers' parameter names; the HF workload declares them through
+:meth:`~elaswave.runtime.workload.base.Workload.zero_invariant_groups`.
 
 gpt2's and gpt_neox's configs derive a head's width from the hidden size and the head count
 (:data:`HEADS_FIXED`), so a model with fewer heads cannot be written as one: its export keeps the
@@ -18,9 +18,9 @@ from typing import Any
 
 from torch import nn
 
-from elaswave.prune.groups import Family, Member
+from elaswave.runtime.workload.base import Family, Member
 
-__all__ = ["HEADS_FIXED", "LLAMA_LIKE", "attention_shape", "gpt_families", "hf_families"]
+__all__ = ["HEADS_FIXED", "LLAMA_LIKE", "attention_shape", "hf_families"]
 
 LLAMA_LIKE = ("llama", "qwen2", "mistral", "qwen3")
 HEADS_FIXED = ("gpt2", "gpt_neox")  # a head's width is hidden size / head count
@@ -104,25 +104,4 @@ def hf_families(config: Any, layers: Sequence[tuple[int, nn.Module]]) -> list[Fa
             out.append(
                 Family(f"layers.{index}.mlp", "mlp", config.intermediate_size, tuple(members))
             )
-    return out
-
-
-def gpt_families(d_model: int, n_head: int, blocks: range) -> list[Family]:
-    """The built-in GPT's blocks: each head (its q, k and v rows of ``qkv``, their biases, its
-    columns of ``proj``) and each MLP channel (``fc`` row and bias, ``fc_out`` column)."""
-    hd = d_model // n_head
-    out = []
-    for i in blocks:
-        members = []
-        for third in range(3):
-            members.append(Member((i, "qkv.weight"), 0, hd, third * d_model))
-            members.append(Member((i, "qkv.bias"), 0, hd, third * d_model))
-        members.append(Member((i, "proj.weight"), 1, hd))
-        out.append(Family(f"layers.{i}.attention", "attention", n_head, tuple(members)))
-        members = [
-            Member((i, "fc.weight"), 0),
-            Member((i, "fc.bias"), 0),
-            Member((i, "fc_out.weight"), 1),
-        ]
-        out.append(Family(f"layers.{i}.mlp", "mlp", 4 * d_model, tuple(members)))
     return out

@@ -1,0 +1,54 @@
+"""A model's layers at widths other than its config's: the size attributes a module's forward
+reads, set from its weights' shapes. A compressed model (``export --compress``) keeps fewer
+heads and channels than the config it was built from; its layers may differ in width.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+__all__ = ["fit_attention", "fit_shapes", "resized"]
+
+
+def resized(module: nn.Module) -> None:
+    """The size attributes a projection's forward reads, from its (sliced) weight."""
+    weight = getattr(module, "weight", None)
+    if isinstance(module, nn.Linear) and weight is not None:
+        module.out_features, module.in_features = weight.shape
+    elif hasattr(module, "nf") and weight is not None:  # transformers' Conv1D (gpt2)
+        module.nf = weight.shape[1]
+    elif isinstance(module, nn.modules.conv._ConvNd) and weight is not None:
+        module.out_channels, module.in_channels = weight.shape[0], weight.shape[1] * module.groups
+    elif isinstance(module, nn.modules.batchnorm._BatchNorm) and weight is not None:
+        module.num_features = weight.shape[0]
+
+
+def fit_attention(model: nn.Module) -> None:
+    """The head counts gpt2's attention reads, from its (sliced) fused ``c_attn``: it splits
+    the projection into q, k and v by ``split_size``, the other families by the weights'
+    shapes."""
+    for m in model.modules():
+        c_attn = getattr(m, "c_attn", None)
+        if hasattr(m, "split_size") and c_attn is not None and hasattr(m, "head_dim"):
+            split_size = c_attn.weight.shape[1] // 3
+            m.split_size, m.num_heads = split_size, split_size // m.head_dim
+
+
+def fit_shapes(model: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
+    """Make every parameter of ``model`` that ``state`` holds at another shape that shape (an
+    uninitialised tensor on the parameter's device; ``load_state_dict`` fills it), with the size
+    attributes its module's forward reads: a compressed export whose layers kept different
+    widths loads into the model its config builds (the widest)."""
+    for key, tensor in state.items():
+        owner, _, leaf = key.rpartition(".")
+        module = model.get_submodule(owner)
+        current = module._parameters.get(leaf)
+        if current is None or current.shape == tensor.shape:
+            continue
+        empty = torch.empty(tensor.shape, dtype=current.dtype, device=current.device)
+        setattr(module, leaf, nn.Parameter(empty, requires_grad=current.requires_grad))
+        resized(module)
+    fit_attention(model)
