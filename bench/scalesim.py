@@ -109,7 +109,6 @@ class SimHost:
         self.keys: JobKeys = sim.keys
         self.etcd: Etcd = None  # type: ignore[assignment]  # set in start()
         self.jobstore: SimJobStore = None  # type: ignore[assignment]
-        self.lease: Any = None
         self.events = sim.events
         self.leadership = Leadership()
         self.workers: dict[str, _NoWorker] = {}
@@ -128,15 +127,16 @@ class SimHost:
     def host_info(self) -> dict[str, Any]:
         return {"host": self.host_id, "nproc": self.sim.per_host, "sim": True}
 
-    def adopt_json(self, value: bytes) -> None:  # a renewal re-reads the plan
-        self._adopt(self.jobstore.decode(value))
+    @property
+    def lease(self) -> Any:  # the control plane's: a renewal takes a new one
+        return self.cp.lease
 
     async def start(self) -> None:
         self.etcd = await Etcd.connect(
             self.sim.endpoints, prefix=self.keys.prefix, timeout=10.0, client=self.host_id
         )
         self.jobstore = SimJobStore(self.etcd, self.keys, self.sim.whole)
-        self.lease = await self.etcd.lease(self.cfg.timeouts.lease_ttl)
+        await self.cp.new_lease()
         if not await self.jobstore.register_host(self.host_id, self.host_info(), lease=self.lease):
             raise RuntimeError(f"host {self.host_id} registered twice")
         self.cp.joined()
@@ -164,9 +164,9 @@ class SimHost:
 
     async def _follow_plans(self) -> None:
         async for plan in self.jobstore.plans(lambda: self.plan):
-            self._adopt(plan)
+            self.adopt(plan)
 
-    def _adopt(self, plan: Plan | PlanError) -> None:
+    def adopt(self, plan: Plan | PlanError) -> None:  # a renewal re-reads the plan too
         got = time.monotonic() + self.jobstore.owed
         self.jobstore.owed = 0.0
         if isinstance(plan, PlanError):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 from elaswave import wire
@@ -40,19 +40,32 @@ UNRECOVERABLE = ("shard_lost", "script_failed")
 class ChannelHost(Protocol):
     """What the channel reads of its daemon."""
 
-    cfg: JobConfig
-    host_id: str
-    host_addr: str
-    keys: JobKeys
-    etcd: Etcd
-    jobstore: JobStore
-    events: EventLog
-    outbox: Outbox
-    records: StepRecords
-    compute: ComputeTimes
-    prom: DaemonMetrics | None
-    plan: Plan | None
-    workers: dict[str, WorkerProc]
+    @property
+    def cfg(self) -> JobConfig: ...
+    @property
+    def host_id(self) -> str: ...
+    @property
+    def host_addr(self) -> str: ...
+    @property
+    def keys(self) -> JobKeys: ...
+    @property
+    def etcd(self) -> Etcd: ...
+    @property
+    def jobstore(self) -> JobStore: ...
+    @property
+    def events(self) -> EventLog: ...
+    @property
+    def outbox(self) -> Outbox: ...
+    @property
+    def records(self) -> StepRecords: ...
+    @property
+    def compute(self) -> ComputeTimes: ...
+    @property
+    def prom(self) -> DaemonMetrics | None: ...
+    @property
+    def plan(self) -> Plan | None: ...
+    @property
+    def workers(self) -> Mapping[str, WorkerProc]: ...
 
     @property
     def lease(self) -> Any:

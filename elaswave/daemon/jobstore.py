@@ -190,6 +190,10 @@ class JobStore:
         """A ready worker's key (``info["worker_id"]``, its host, costs), under the host lease."""
         await self.etcd.put_json(self.keys.worker(info["worker_id"]), info, lease=lease)
 
+    async def remove_worker(self, worker_id: str) -> None:
+        """A worker this host stopped on purpose (fenced, evicted): its key goes, no departure."""
+        await self.etcd.delete(self.keys.worker(worker_id))
+
     async def record_departure(self, worker_id: str, reason: str, *, lease: Any) -> None:
         """A worker left: why (read once by the leader), and its key removed, in one write."""
         keys = self.keys

@@ -38,6 +38,8 @@ class StepRecords:
         outbox: Outbox,
         host_id: str,
         total_steps: int,
+        stream: JobStream | None = None,
+        planned_hosts: Callable[[], Collection[str] | None] = lambda: None,
     ) -> None:
         self.etcd = etcd
         self.keys = keys
@@ -52,13 +54,13 @@ class StepRecords:
         self.commit_times: list[tuple[float, int]] = []
         self.final_step = 0  # the newest step a worker of this host committed or finished at
         self.recorded_before = 0  # steps an earlier run of the job recorded (a relaunch)
-        self.stream: JobStream | None = None  # logging.tensorboard / wandb: the job's stream
+        self.stream = stream  # logging.tensorboard / wandb: the job's stream
         self.last_epoch = 0  # the epoch of the newest step rank 0 reported here
         self._last_writer = ""  # the writer token of this host's newest record in etcd
         self._local: dict[str, Any] | None = None  # the newest record written only locally
         # The hosts of the plan in force (None: none yet): a record whose writer is not among
         # them may have died with its host before its line was written (``_land_record``).
-        self.planned_hosts: Callable[[], Collection[str] | None] = lambda: None
+        self.planned_hosts = planned_hosts
 
     def recorded_up_to(self, step: int, *, kept: dict[str, Any] | None = None) -> int | None:
         """A relaunch: earlier runs of the job recorded the steps up to ``step`` (those after
