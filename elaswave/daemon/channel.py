@@ -15,18 +15,17 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from elaswave import wire
 from elaswave.daemon.control_server import WorkerConn
+from elaswave.wire_etcd import MemoryReport, WorkerInfo
 
 if TYPE_CHECKING:
     from elaswave.config import JobConfig
     from elaswave.daemon.compute import ComputeTimes
-    from elaswave.daemon.etcd import Etcd
     from elaswave.daemon.jobstore import JobStore
     from elaswave.daemon.metrics import DaemonMetrics
     from elaswave.daemon.outbox import Outbox
     from elaswave.daemon.records import StepRecords
     from elaswave.daemon.workers import WorkerProc
     from elaswave.events import EventLog
-    from elaswave.keys import JobKeys
     from elaswave.planning.plan import Plan
 
 __all__ = ["UNRECOVERABLE", "ChannelHost", "WorkerChannel"]
@@ -46,10 +45,6 @@ class ChannelHost(Protocol):
     def host_id(self) -> str: ...
     @property
     def host_addr(self) -> str: ...
-    @property
-    def keys(self) -> JobKeys: ...
-    @property
-    def etcd(self) -> Etcd: ...
     @property
     def jobstore(self) -> JobStore: ...
     @property
@@ -144,16 +139,17 @@ class WorkerChannel:
     def _on_ready(self, w: WorkerProc, msg: wire.Ready) -> None:
         h = self.host
         w.ready = True
-        info: dict[str, Any] = {
-            "worker_id": w.worker_id, "host": h.host_id, "pid": w.pid, "slot": w.slot,
-        }  # fmt: skip
-        if h.cfg.rack:  # the tier above hosts, for the planner
-            info["rack"] = h.cfg.rack
-        # pipelines: the workload's estimate, a start-up profile, the layers' bytes
-        for name in ("layer_estimate", "layer_seconds", "layer_bytes"):
-            costs = getattr(msg, name)
-            if costs is not None:
-                info[name] = [float(x) for x in costs]
+
+        def floats(costs: list[float] | None) -> list[float] | None:
+            return [float(x) for x in costs] if costs is not None else None
+
+        info = WorkerInfo(
+            worker_id=w.worker_id, host=h.host_id, pid=w.pid, slot=w.slot,
+            rack=h.cfg.rack or None,  # the tier above hosts, for the planner
+            # pipelines: the workload's estimate, a start-up profile, the layers' bytes
+            layer_estimate=floats(msg.layer_estimate), layer_seconds=floats(msg.layer_seconds),
+            layer_bytes=floats(msg.layer_bytes),
+        )  # fmt: skip
         w.info = info
         h.outbox.put(
             f"registration of {w.worker_id}",
@@ -188,10 +184,10 @@ class WorkerChannel:
         h = self.host
         self.memory[w.worker_id] = {k: int(v) for k, v in msg.bytes.items() if k.endswith("_bytes")}
         live = h.running()
-        record = {wid: m for wid, m in self.memory.items() if wid in live}
-        key = h.keys.memory + h.host_id
+        record = MemoryReport({wid: m for wid, m in self.memory.items() if wid in live})
         h.outbox.put(
-            f"memory of {w.worker_id}", lambda: h.etcd.put_json(key, record, lease=h.lease)
+            f"memory of {w.worker_id}",
+            lambda: h.jobstore.share_memory(h.host_id, record, lease=h.lease),
         )
 
     def _on_done(self, w: WorkerProc, msg: wire.Done) -> None:

@@ -20,7 +20,6 @@ through :class:`PlaneHost`.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import sys
 import time
@@ -30,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from elaswave.daemon.aio import wait_for
 from elaswave.daemon.outbox import Outbox
 from elaswave.errors import ElasWaveError, EtcdUnavailable, LeaseExpired
+from elaswave.wire_etcd import HostInfo, encode
 
 if TYPE_CHECKING:
     from elaswave.config import JobConfig
@@ -74,7 +74,7 @@ class PlaneHost(Protocol):
     @property
     def workers(self) -> Mapping[str, WorkerProc]: ...
 
-    def host_info(self) -> dict[str, Any]:
+    def host_info(self) -> HostInfo:
         """This host's key's value."""
 
     def adopt(self, plan: Plan | PlanError) -> None:
@@ -178,13 +178,13 @@ class ControlPlane:
         d.leadership.revoke()  # the leader key went with the lease: a planner steps down
         d.events.emit("lease_expired", host=d.host_id, step=d.worker_step)
         await self.new_lease()
-        await d.etcd.put(d.keys.host(d.host_id), json.dumps(d.host_info()), lease=self.lease)
+        await d.etcd.put(d.keys.host(d.host_id), encode(d.host_info()), lease=self.lease)
         while True:
             kv = await d.etcd.get(d.keys.plan)
             if kv is not None:
                 d.adopt(d.jobstore.decode(kv.value))
             live = {
-                d.keys.worker(wid): json.dumps(w.info)
+                d.keys.worker(wid): encode(w.info)
                 for wid, w in d.workers.items()
                 if w.info is not None and w.proc.returncode is None and not w.stopping
             }

@@ -8,7 +8,7 @@ returns whether the job resumes.
 from __future__ import annotations
 
 import asyncio
-import json
+import logging
 import os
 import time
 from dataclasses import replace
@@ -19,6 +19,8 @@ from elaswave.daemon.earlier import etcd_records, write_run_config
 from elaswave.errors import ElasWaveError, JobComplete, StartOverRefused
 from elaswave.planning.relaunch import Verdict, merge_records, relaunch_verdict
 from elaswave.runtime.durable.layout import newest_intact
+from elaswave.wire import WireError
+from elaswave.wire_etcd import HostInfo, StreamStart, TrainedConfig, decode, encode
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -33,6 +35,9 @@ if TYPE_CHECKING:
     from elaswave.events import EventLog
     from elaswave.keys import JobKeys
     from elaswave.planning.relaunch import Records
+
+
+log = logging.getLogger(__name__)
 
 
 class EntryHost(Protocol):
@@ -80,7 +85,7 @@ class EntryHost(Protocol):
     async def new_lease(self) -> Any:
         """A new host lease, the one this host's keys go under from now on."""
 
-    def host_info(self) -> dict[str, Any]:
+    def host_info(self) -> HostInfo:
         """This host's key's value."""
 
 
@@ -123,7 +128,7 @@ class JobEntry:
         lease = await d.new_lease()
         await d.control.start()
         self.joined_at = time.time()
-        if not await d.jobstore.register_host(d.host_id, d.host_info(), lease=lease):
+        if not await d.jobstore.register_host(d.host_info(), lease=lease):
             raise ElasWaveError(
                 f"host id {d.host_id!r} is already registered in job {d.cfg.job_id!r}"
             )
@@ -221,7 +226,8 @@ class JobEntry:
                 {k: trained.get(k) for k in ("model", "data")},
                 {k: v for k, v in training_config(cfg).items() if k in ("model", "data")},
             ).replace("job has", "it had", 1)  # fmt: skip
-            progress = self._kept = await d.jobstore.progress()
+            kept = await d.jobstore.progress()
+            progress = self._kept = kept.fields() if kept is not None else None
             seen = etcd_records(progress, plan.epoch if plan else 0, config_diff=diff)
             if seen is not None and d.earlier is None:  # where checkpoints would be
                 intact = newest_intact(cfg.resolved_durable_dir)
@@ -264,10 +270,13 @@ class JobEntry:
         """Every host must train the same thing: the first publishes it, the others compare."""
         d = self.host
         mine = training_config(d.cfg)
-        if await d.etcd.create(d.keys.config, json.dumps(mine, sort_keys=True)):
+        if await d.etcd.create(d.keys.config, encode(TrainedConfig(mine))):
             return
         kv = await d.etcd.get(d.keys.config)
-        theirs = kv.json() if kv else mine
+        try:
+            theirs = decode(TrainedConfig, kv.value).config if kv is not None else mine
+        except WireError as exc:
+            raise ElasWaveError(f"job {d.cfg.job_id!r} cannot be compared with: {exc}") from None
         diff = config_difference(theirs, mine)
         if diff:
             raise ElasWaveError(f"this host's config differs from job {d.cfg.job_id!r}: {diff}")
@@ -276,8 +285,14 @@ class JobEntry:
         """When the job's event stream started: set once by the first host that asks; every
         host names its event files and the W&B run by it."""
         d = self.host
-        mine = {"started": time.time()}
-        if await d.etcd.create(d.keys.logging, json.dumps(mine)):
-            return mine["started"]
+        mine = StreamStart(started=time.time())
+        if await d.etcd.create(d.keys.logging, encode(mine)):
+            return mine.started
         kv = await d.etcd.get(d.keys.logging)
-        return float(kv.json()["started"]) if kv is not None else mine["started"]
+        if kv is None:
+            return mine.started
+        try:
+            return decode(StreamStart, kv.value).started
+        except WireError as exc:
+            log.error("naming the job's stream by this host's start: %s", exc)
+            return mine.started

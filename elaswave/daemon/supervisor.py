@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import signal
@@ -71,6 +70,8 @@ from elaswave.events import EVENTS_FILE, METRICS_FILE, EventLog, JsonlWriter
 from elaswave.keys import JobKeys
 from elaswave.planning.plan import Plan
 from elaswave.planning.relaunch import Records
+from elaswave.wire import WireError
+from elaswave.wire_etcd import HostInfo, JobStop, Progress, decode
 
 if TYPE_CHECKING:
     from elaswave.daemon.streams import JobStream
@@ -316,14 +317,13 @@ class HostDaemon:
     async def _watch_progress(self) -> None:
         """The job's progress record, every write of it, into the metrics."""
         assert self.prom is not None
-        rev = await self.etcd.revision()
-        kv = await self.etcd.get(self.keys.progress)
-        if kv is not None:
-            self.prom.progress(kv.json())
-        async for ev in self.etcd.watch_prefix(self.keys.progress, start_revision=rev + 1):
-            if ev.key == self.keys.progress and ev.kind == "put":
-                with contextlib.suppress(ValueError):
-                    self.prom.progress(json.loads(ev.value))
+        async for value in self.etcd.values(self.keys.progress):
+            try:
+                record = decode(Progress, value)
+            except WireError as exc:
+                log.error("ignoring a progress record: %s", exc)
+                continue
+            self.prom.progress(record.fields())
 
     @property
     def worker_step(self) -> int:
@@ -376,16 +376,16 @@ class HostDaemon:
         )
         self.finished.set()
 
-    def host_info(self) -> dict[str, Any]:
-        return {
-            "host": self.host_id,
-            "addr": self.host_addr,
-            "pid": os.getpid(),
-            "nproc": self.cfg.elastic.nproc_per_node,
-            "run_dir": str(self.run_dir.resolve()),
-            "netns": current_netns(),
-            "started": self.entry.joined_at,
-        }
+    def host_info(self) -> HostInfo:
+        return HostInfo(
+            host=self.host_id,
+            addr=self.host_addr,
+            pid=os.getpid(),
+            nproc=self.cfg.elastic.nproc_per_node,
+            run_dir=str(self.run_dir.resolve()),
+            netns=current_netns(),
+            started=self.entry.joined_at,
+        )
 
     async def _wait_for_other_hosts(self) -> None:
         deadline = (
@@ -410,9 +410,7 @@ class HostDaemon:
         if done:
             step = self.records.final_step
             self.events.emit("job_done", host=self.host_id, step=step)
-            self.outbox.put(
-                "done", lambda: self.etcd.put_json(self.keys.done, {"step": step, "t": time.time()})
-            )
+            self.outbox.put("done", lambda: self.jobstore.finish_job(step))
             return 0
         done_elsewhere = False
         with contextlib.suppress(EtcdUnavailable):
@@ -514,16 +512,16 @@ class HostDaemon:
 
     async def _watch_stop(self) -> None:
         """The leader's verdict to end the whole job (restart loop): stop everything here."""
-        rev = await self.etcd.revision()
-        kv = await self.etcd.get(self.keys.stop)
-        value = kv.value if kv is not None else None
-        if value is None:
-            async for ev in self.etcd.watch_prefix(self.keys.stop, start_revision=rev + 1):
-                if ev.key == self.keys.stop and ev.kind == "put":
-                    value = ev.value
-                    break
-        assert value is not None
-        self.stopped = str(json.loads(value)["reason"])
+        async for value in self.etcd.values(self.keys.stop):
+            try:
+                verdict = decode(JobStop, value)
+            except WireError as exc:
+                log.error("ignoring a stop verdict: %s", exc)
+                continue
+            break
+        else:
+            return
+        self.stopped = verdict.reason
         self.stopping = True  # no respawns; exits from here on are ours
         self.events.emit("job_stopped", host=self.host_id, reason=self.stopped)
         self.finished.set()
