@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import os
 import random
 import statistics
 import time
@@ -45,6 +46,7 @@ from elaswave.keys import JobKeys
 from elaswave.planning import planwire
 from elaswave.planning.plan import Plan
 from elaswave.planning.plandelta import encode_delta
+from elaswave.wire_etcd import HostInfo, WorkerInfo
 
 ETCD_REQUEST_LIMIT = 1_572_864  # etcd's default --max-request-bytes (1.5 MiB)
 CONNECT_AT_ONCE = 16  # hosts connecting at the same time while the job starts
@@ -109,7 +111,6 @@ class SimHost:
         self.keys: JobKeys = sim.keys
         self.etcd: Etcd = None  # type: ignore[assignment]  # set in start()
         self.jobstore: SimJobStore = None  # type: ignore[assignment]
-        self.lease: Any = None
         self.events = sim.events
         self.leadership = Leadership()
         self.workers: dict[str, _NoWorker] = {}
@@ -125,19 +126,23 @@ class SimHost:
     worker_step = 0
     is_leader = property(lambda self: self.leadership.held)
 
-    def host_info(self) -> dict[str, Any]:
-        return {"host": self.host_id, "nproc": self.sim.per_host, "sim": True}
+    def host_info(self) -> HostInfo:
+        return HostInfo(
+            host=self.host_id, addr="", pid=os.getpid(), nproc=self.sim.per_host, run_dir="",
+            netns=None, started=time.time(),
+        )  # fmt: skip
 
-    def adopt_json(self, value: bytes) -> None:  # a renewal re-reads the plan
-        self._adopt(self.jobstore.decode(value))
+    @property
+    def lease(self) -> Any:  # the control plane's: a renewal takes a new one
+        return self.cp.lease
 
     async def start(self) -> None:
         self.etcd = await Etcd.connect(
             self.sim.endpoints, prefix=self.keys.prefix, timeout=10.0, client=self.host_id
         )
         self.jobstore = SimJobStore(self.etcd, self.keys, self.sim.whole)
-        self.lease = await self.etcd.lease(self.cfg.timeouts.lease_ttl)
-        if not await self.jobstore.register_host(self.host_id, self.host_info(), lease=self.lease):
+        await self.cp.new_lease()
+        if not await self.jobstore.register_host(self.host_info(), lease=self.lease):
             raise RuntimeError(f"host {self.host_id} registered twice")
         self.cp.joined()
         candidate = Candidate(
@@ -158,15 +163,14 @@ class SimHost:
             asyncio.create_task(self.cp.resilient(self._follow_plans)),
         ]
         for slot, wid in enumerate(self.worker_ids):
-            await self.jobstore.register_worker(
-                {"worker_id": wid, "host": self.host_id, "slot": slot}, lease=self.lease
-            )
+            info = WorkerInfo(worker_id=wid, host=self.host_id, pid=os.getpid(), slot=slot)
+            await self.jobstore.register_worker(info, lease=self.lease)
 
     async def _follow_plans(self) -> None:
         async for plan in self.jobstore.plans(lambda: self.plan):
-            self._adopt(plan)
+            self.adopt(plan)
 
-    def _adopt(self, plan: Plan | PlanError) -> None:
+    def adopt(self, plan: Plan | PlanError) -> None:  # a renewal re-reads the plan too
         got = time.monotonic() + self.jobstore.owed
         self.jobstore.owed = 0.0
         if isinstance(plan, PlanError):

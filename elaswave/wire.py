@@ -30,7 +30,8 @@ from elaswave.planning.plan import Plan
 __all__ = [
     "MAX_LINE", "Commit", "Compute", "Config", "DaemonMessage", "Done", "Eval", "Event", "Fault",
     "Heartbeat", "Hello", "LayerCosts", "Log", "Memory", "Message", "PlanUpdate", "Ready",
-    "Rollback", "Stop", "WireError", "WorkerMessage", "decode", "encode",
+    "Rollback", "Stop", "WireError", "WorkerMessage", "check_fields", "decode", "encode", "fits",
+    "schema",
 ]  # fmt: skip
 
 MAX_LINE = 1 << 20
@@ -256,20 +257,39 @@ TYPES: dict[str, type[Message]] = {
 }
 
 
-def _schema(cls: type[Message]) -> tuple[tuple[str, Any, bool], ...]:
-    """``cls``'s fields on the wire: (name, JSON kind, required)."""
+Schema: TypeAlias = tuple[tuple[str, Any, bool], ...]
+
+
+def schema(cls: type[Any]) -> Schema:
+    """The fields on the wire of the dataclass ``cls``: (name, JSON kind, required); a field
+    named in its ``WIRE_KINDS`` has that kind instead of its annotation."""
     hints = typing.get_type_hints(cls)
+    kinds = getattr(cls, "WIRE_KINDS", {})
     return tuple(
         (
             f.name,
-            cls.WIRE_KINDS.get(f.name, hints[f.name]),
+            kinds.get(f.name, hints[f.name]),
             f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING,
         )
-        for f in dataclasses.fields(cls)  # type: ignore[arg-type]  # every message class is a dataclass
+        for f in dataclasses.fields(cls)
     )
 
 
-_SCHEMAS = {cls: _schema(cls) for cls in TYPES.values()}
+def check_fields(name: str, fields: Schema, data: dict[str, Any]) -> None:
+    """:class:`WireError` unless ``data`` has exactly the ``fields`` of ``name``, each of its
+    kind (checked by :func:`fits`)."""
+    extra = sorted(set(data) - {fname for fname, _, _ in fields})
+    if extra:
+        raise WireError(f"{name!r}: unknown field {extra[0]!r}")
+    for fname, kind, required in fields:
+        if fname not in data:
+            if required:
+                raise WireError(f"{name!r} lacks {fname!r}")
+        elif not fits(data[fname], kind):
+            raise WireError(f"{name!r}: {fname!r} is not {_kind_name(kind)}: {data[fname]!r:.80}")
+
+
+_SCHEMAS = {cls: schema(cls) for cls in TYPES.values()}
 
 
 def encode(msg: Message) -> bytes:
@@ -289,29 +309,29 @@ def decode(line: bytes) -> Message:
     cls = TYPES.get(name) if isinstance(name, str) else None
     if cls is None:
         raise WireError(f"unknown message type {name!r}")
-    schema = _SCHEMAS[cls]
-    extra = sorted(set(data) - {fname for fname, _, _ in schema})
-    if extra:
-        raise WireError(f"{name!r}: unknown field {extra[0]!r}")
-    for fname, kind, required in schema:
-        if fname not in data:
-            if required:
-                raise WireError(f"{name!r} lacks {fname!r}")
-        elif not _fits(data[fname], kind):
-            raise WireError(f"{name!r}: {fname!r} is not {_kind_name(kind)}: {data[fname]!r:.80}")
+    check_fields(name, _SCHEMAS[cls], data)
     try:
         return cls.from_fields(data)
     except (ElasWaveError, ValueError, KeyError, TypeError) as exc:
         raise WireError(f"{name!r}: {exc}") from None
 
 
-def _fits(value: Any, kind: Any) -> bool:
-    """Whether the JSON ``value`` is of the annotated ``kind`` (ints count as floats)."""
+def fits(value: Any, kind: Any) -> bool:
+    """Whether the JSON ``value`` is of the annotated ``kind`` (ints count as floats; a
+    dataclass is an object of its fields, each of its kind)."""
     if kind is Any:
         return True
     origin = typing.get_origin(kind)
     if origin in (Union, types.UnionType):
-        return any(_fits(value, k) for k in typing.get_args(kind))
+        return any(fits(value, k) for k in typing.get_args(kind))
+    if isinstance(kind, type) and dataclasses.is_dataclass(kind):
+        if not isinstance(value, dict):
+            return False
+        try:
+            check_fields(kind.__name__, schema(kind), value)
+        except WireError:
+            return False
+        return True
     if kind is type(None):
         return value is None
     if kind is float:
@@ -322,11 +342,11 @@ def _fits(value: Any, kind: Any) -> bool:
         return isinstance(value, kind)
     if origin is list:
         (item,) = typing.get_args(kind)
-        return isinstance(value, list) and all(_fits(v, item) for v in value)
+        return isinstance(value, list) and all(fits(v, item) for v in value)
     if origin is dict:
         key, item = typing.get_args(kind)
         return isinstance(value, dict) and all(
-            _fits(k, key) and _fits(v, item) for k, v in value.items()
+            fits(k, key) and fits(v, item) for k, v in value.items()
         )
     raise TypeError(f"no wire check for {kind!r}")
 

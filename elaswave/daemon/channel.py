@@ -10,23 +10,22 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 from elaswave import wire
 from elaswave.daemon.control_server import WorkerConn
+from elaswave.wire_etcd import MemoryReport, WorkerInfo
 
 if TYPE_CHECKING:
     from elaswave.config import JobConfig
     from elaswave.daemon.compute import ComputeTimes
-    from elaswave.daemon.etcd import Etcd
     from elaswave.daemon.jobstore import JobStore
     from elaswave.daemon.metrics import DaemonMetrics
     from elaswave.daemon.outbox import Outbox
     from elaswave.daemon.records import StepRecords
     from elaswave.daemon.workers import WorkerProc
     from elaswave.events import EventLog
-    from elaswave.keys import JobKeys
     from elaswave.planning.plan import Plan
 
 __all__ = ["UNRECOVERABLE", "ChannelHost", "WorkerChannel"]
@@ -40,19 +39,28 @@ UNRECOVERABLE = ("shard_lost", "script_failed")
 class ChannelHost(Protocol):
     """What the channel reads of its daemon."""
 
-    cfg: JobConfig
-    host_id: str
-    host_addr: str
-    keys: JobKeys
-    etcd: Etcd
-    jobstore: JobStore
-    events: EventLog
-    outbox: Outbox
-    records: StepRecords
-    compute: ComputeTimes
-    prom: DaemonMetrics | None
-    plan: Plan | None
-    workers: dict[str, WorkerProc]
+    @property
+    def cfg(self) -> JobConfig: ...
+    @property
+    def host_id(self) -> str: ...
+    @property
+    def host_addr(self) -> str: ...
+    @property
+    def jobstore(self) -> JobStore: ...
+    @property
+    def events(self) -> EventLog: ...
+    @property
+    def outbox(self) -> Outbox: ...
+    @property
+    def records(self) -> StepRecords: ...
+    @property
+    def compute(self) -> ComputeTimes: ...
+    @property
+    def prom(self) -> DaemonMetrics | None: ...
+    @property
+    def plan(self) -> Plan | None: ...
+    @property
+    def workers(self) -> Mapping[str, WorkerProc]: ...
 
     @property
     def lease(self) -> Any:
@@ -131,16 +139,17 @@ class WorkerChannel:
     def _on_ready(self, w: WorkerProc, msg: wire.Ready) -> None:
         h = self.host
         w.ready = True
-        info: dict[str, Any] = {
-            "worker_id": w.worker_id, "host": h.host_id, "pid": w.pid, "slot": w.slot,
-        }  # fmt: skip
-        if h.cfg.rack:  # the tier above hosts, for the planner
-            info["rack"] = h.cfg.rack
-        # pipelines: the workload's estimate, a start-up profile, the layers' bytes
-        for name in ("layer_estimate", "layer_seconds", "layer_bytes"):
-            costs = getattr(msg, name)
-            if costs is not None:
-                info[name] = [float(x) for x in costs]
+
+        def floats(costs: list[float] | None) -> list[float] | None:
+            return [float(x) for x in costs] if costs is not None else None
+
+        info = WorkerInfo(
+            worker_id=w.worker_id, host=h.host_id, pid=w.pid, slot=w.slot,
+            rack=h.cfg.rack or None,  # the tier above hosts, for the planner
+            # pipelines: the workload's estimate, a start-up profile, the layers' bytes
+            layer_estimate=floats(msg.layer_estimate), layer_seconds=floats(msg.layer_seconds),
+            layer_bytes=floats(msg.layer_bytes),
+        )  # fmt: skip
         w.info = info
         h.outbox.put(
             f"registration of {w.worker_id}",
@@ -175,10 +184,10 @@ class WorkerChannel:
         h = self.host
         self.memory[w.worker_id] = {k: int(v) for k, v in msg.bytes.items() if k.endswith("_bytes")}
         live = h.running()
-        record = {wid: m for wid, m in self.memory.items() if wid in live}
-        key = h.keys.memory + h.host_id
+        record = MemoryReport({wid: m for wid, m in self.memory.items() if wid in live})
         h.outbox.put(
-            f"memory of {w.worker_id}", lambda: h.etcd.put_json(key, record, lease=h.lease)
+            f"memory of {w.worker_id}",
+            lambda: h.jobstore.share_memory(h.host_id, record, lease=h.lease),
         )
 
     def _on_done(self, w: WorkerProc, msg: wire.Done) -> None:

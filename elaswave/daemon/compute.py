@@ -17,6 +17,7 @@ from typing import Any
 from elaswave import wire
 from elaswave.daemon.jobstore import JobStore
 from elaswave.planning.verdicts import WINDOW
+from elaswave.wire_etcd import LayerCostsReport, Speeds, WorkerLayerCosts, WorkerSpeed
 
 COMPUTE_PUBLISH_S = 0.5  # how often a host shares its workers' compute times with the leader
 
@@ -25,7 +26,7 @@ class ComputeTimes:
     def __init__(self) -> None:
         # worker -> (plan epoch, its newest compute seconds per micro-batch under that epoch)
         self.per_mb: dict[str, tuple[int, list[float]]] = {}
-        self.layer_costs: dict[str, dict[str, Any]] = {}  # worker -> its layers' seconds
+        self.layer_costs: dict[str, WorkerLayerCosts] = {}  # worker -> its layers' seconds
         self._per_mb_dirty = False
         self._costs_dirty = False
 
@@ -41,11 +42,9 @@ class ComputeTimes:
 
     def measured_layers(self, wid: str, msg: wire.LayerCosts) -> None:
         """A worker's ``layer_costs`` report (pipelines, ``layer_costs: online``)."""
-        self.layer_costs[wid] = {
-            "step": msg.step,
-            "epoch": msg.epoch,
-            "layer_seconds": dict(msg.layer_seconds),
-        }
+        self.layer_costs[wid] = WorkerLayerCosts(
+            step=msg.step, epoch=msg.epoch, layer_seconds=dict(msg.layer_seconds)
+        )
         self._costs_dirty = True
 
     async def publish(
@@ -66,15 +65,19 @@ class ComputeTimes:
             live = alive()
             if self._per_mb_dirty:
                 self._per_mb_dirty = False
-                speeds = {
-                    wid: {"epoch": epoch, "per_mb": samples}
-                    for wid, (epoch, samples) in self.per_mb.items()
-                    if wid in live
-                }
+                speeds = Speeds(
+                    {
+                        wid: WorkerSpeed(epoch=epoch, per_mb=samples)
+                        for wid, (epoch, samples) in self.per_mb.items()
+                        if wid in live
+                    }
+                )
                 with contextlib.suppress(Exception):
                     await store.share_speeds(host_id, speeds, lease=lease())
             if self._costs_dirty:
                 self._costs_dirty = False
-                costs = {wid: c for wid, c in self.layer_costs.items() if wid in live}
+                costs = LayerCostsReport(
+                    {wid: c for wid, c in self.layer_costs.items() if wid in live}
+                )
                 with contextlib.suppress(Exception):
                     await store.share_layer_costs(host_id, costs, lease=lease())

@@ -12,24 +12,35 @@ Training never waits for the control plane. This module keeps the daemon's side 
 - :meth:`ControlPlane.renew`: a host whose lease expired (etcd away, or the daemon paused, for
   longer than the TTL) registers again in place; the plan decides which of its workers stay;
 - the supervision of an embedded etcd: restarted at once on its data directory and ports.
+
+It owns the host lease (:meth:`ControlPlane.new_lease`) and reads what else it needs of its daemon
+through :class:`PlaneHost`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import sys
 import time
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Protocol
 
 from elaswave.daemon.aio import wait_for
 from elaswave.daemon.outbox import Outbox
 from elaswave.errors import ElasWaveError, EtcdUnavailable, LeaseExpired
+from elaswave.wire_etcd import HostInfo, encode
 
 if TYPE_CHECKING:
-    from elaswave.daemon.host import Host
+    from elaswave.config import JobConfig
+    from elaswave.daemon.etcd import Etcd
+    from elaswave.daemon.etcd_server import EmbeddedEtcd
+    from elaswave.daemon.jobstore import JobStore, PlanError
+    from elaswave.daemon.leader import Leadership
+    from elaswave.daemon.workers import WorkerProc
+    from elaswave.events import EventLog
+    from elaswave.keys import JobKeys
+    from elaswave.planning.plan import Plan
 
 log = logging.getLogger(__name__)
 
@@ -37,9 +48,42 @@ RETRY_S = 0.2  # how soon a task that lost etcd, or a keep-alive during an outag
 RESTART_TRIES = 3  # failed restarts of an embedded etcd before the job is told FT is off
 
 
+class PlaneHost(Protocol):
+    """What the control plane reads of its daemon."""
+
+    @property
+    def cfg(self) -> JobConfig: ...
+    @property
+    def host_id(self) -> str: ...
+    @property
+    def keys(self) -> JobKeys: ...
+    @property
+    def etcd(self) -> Etcd: ...
+    @property
+    def jobstore(self) -> JobStore: ...
+    @property
+    def events(self) -> EventLog: ...
+    @property
+    def leadership(self) -> Leadership:
+        """This host's hold on the leader key (it goes with an expired lease)."""
+
+    @property
+    def worker_step(self) -> int:
+        """The newest step this host's workers have committed."""
+
+    @property
+    def workers(self) -> Mapping[str, WorkerProc]: ...
+
+    def host_info(self) -> HostInfo:
+        """This host's key's value."""
+
+    def adopt(self, plan: Plan | PlanError) -> None:
+        """A plan read from etcd (or why it does not decode), for the daemon to follow."""
+
+
 class ControlPlane:
-    def __init__(self, d: Host) -> None:
-        self.d = d
+    def __init__(self, host: PlaneHost) -> None:
+        self.host = host
         self.up = asyncio.Event()  # set while etcd answers
         self.outbox = Outbox(self.up, self.lost)
         self.registered = asyncio.Event()  # set while this host's keys live under its lease
@@ -50,7 +94,7 @@ class ControlPlane:
     async def new_lease(self) -> Any:
         """A new host lease, the one this host's keys go under from now on (this part owns
         it: joining the job takes the first, an expiry the next)."""
-        d = self.d
+        d = self.host
         self.lease = await d.etcd.lease(d.cfg.timeouts.lease_ttl)
         return self.lease
 
@@ -63,13 +107,13 @@ class ControlPlane:
     async def keep_alive(self) -> None:
         """Refresh the host lease every TTL/4 (every ``RETRY_S`` during an outage). A refresh
         answered "expired" means etcd dropped this host's keys: it registers again."""
-        d = self.d
+        d = self.host
         interval = max(0.1, d.cfg.timeouts.lease_ttl / 4)
         while True:
             await asyncio.sleep(interval if self.outage_since is None else RETRY_S)
             try:
                 try:
-                    remaining = await wait_for(d.etcd.refresh_lease(d.lease), interval)
+                    remaining = await wait_for(d.etcd.refresh_lease(self.lease), interval)
                 except LeaseExpired:
                     remaining = 0
                 if remaining <= 0 or not self.registered.is_set():
@@ -84,7 +128,7 @@ class ControlPlane:
         self.up.clear()
         if self.outage_since is not None:
             return
-        d = self.d
+        d = self.host
         self.outage_since, self.outage_step = time.time(), d.worker_step
         log.warning("etcd unreachable (%s); training goes on, fault tolerance waits for it", reason)
         d.events.emit(
@@ -95,7 +139,7 @@ class ControlPlane:
         self.up.set()
         if self.outage_since is None:
             return
-        d = self.d
+        d = self.host
         since, self.outage_since = self.outage_since, None
         d.events.emit(
             "etcd_reachable",
@@ -129,35 +173,34 @@ class ControlPlane:
         place under a new lease. Workers a newer plan dropped meanwhile are fenced by the
         daemon when it adopts that plan; the others' keys come back in one transaction that
         holds only if no plan was published since the plan was read."""
-        d = self.d
+        d = self.host
         self.registered.clear()
         d.leadership.revoke()  # the leader key went with the lease: a planner steps down
         d.events.emit("lease_expired", host=d.host_id, step=d.worker_step)
         await self.new_lease()
-        await d.etcd.put(d.keys.host(d.host_id), json.dumps(d.host_info()), lease=d.lease)
+        await d.etcd.put(d.keys.host(d.host_id), encode(d.host_info()), lease=self.lease)
         while True:
             kv = await d.etcd.get(d.keys.plan)
             if kv is not None:
-                d.adopt_json(kv.value)
+                d.adopt(d.jobstore.decode(kv.value))
             live = {
-                d.keys.worker(wid): json.dumps(w.info)
+                d.keys.worker(wid): encode(w.info)
                 for wid, w in d.workers.items()
                 if w.info is not None and w.proc.returncode is None and not w.stopping
             }
             rev = kv.mod_revision if kv is not None else 0
-            if await d.etcd.put_all_if(live, key=d.keys.plan, mod_revision=rev, lease=d.lease):
+            if await d.etcd.put_all_if(live, key=d.keys.plan, mod_revision=rev, lease=self.lease):
                 break
         self.registered.set()
         d.events.emit("host_registered", host=d.host_id, workers=sorted(live))
 
     # ---- the embedded etcd ------------------------------------------------------------------
-    async def supervise_etcd(self) -> None:
-        """Restart the embedded etcd at once if it exits (same data directory and ports: keys,
-        revisions and leases survive). After ``RESTART_TRIES`` failed restarts the job trains
-        on without fault tolerance, says so once, and the daemon keeps trying, less often."""
-        d = self.d
-        etcd = d.embedded
-        assert etcd is not None
+    async def supervise_etcd(self, etcd: EmbeddedEtcd) -> None:
+        """Restart the embedded ``etcd`` at once if it exits (same data directory and ports:
+        keys, revisions and leases survive). After ``RESTART_TRIES`` failed restarts the job
+        trains on without fault tolerance, says so once, and the daemon keeps trying, less
+        often."""
+        d = self.host
         while True:
             await asyncio.sleep(0.1)
             code = etcd.exit_code()

@@ -1,30 +1,97 @@
 """How a host enters its job: the job starts, starts again (a relaunch resumes it from its
 records: :mod:`elaswave.planning.relaunch`), or must not start; the host agrees with the others
-on what the job trains, registers under its lease and says so.
+on what the job trains, registers under a new host lease (the control plane's: ``new_lease``) and
+says so. It reads what it needs of its daemon through :class:`EntryHost`; :meth:`JobEntry.join`
+returns whether the job resumes.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
+import logging
 import os
 import time
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from elaswave.config.jobs import config_difference, training_config
 from elaswave.daemon.earlier import etcd_records, write_run_config
 from elaswave.errors import ElasWaveError, JobComplete, StartOverRefused
 from elaswave.planning.relaunch import Verdict, merge_records, relaunch_verdict
 from elaswave.runtime.durable.layout import newest_intact
+from elaswave.wire import WireError
+from elaswave.wire_etcd import HostInfo, StreamStart, TrainedConfig, decode, encode
 
 if TYPE_CHECKING:
-    from elaswave.daemon.host import Host
+    from pathlib import Path
+
+    from elaswave.config import JobConfig
+    from elaswave.daemon.control_server import ControlServer
+    from elaswave.daemon.etcd import Etcd
+    from elaswave.daemon.etcd_server import EmbeddedEtcd
+    from elaswave.daemon.jobstore import JobStore
+    from elaswave.daemon.records import StepRecords
+    from elaswave.daemon.streams import JobStream
+    from elaswave.events import EventLog
+    from elaswave.keys import JobKeys
+    from elaswave.planning.relaunch import Records
+
+
+log = logging.getLogger(__name__)
+
+
+class EntryHost(Protocol):
+    """What the job entry reads of its daemon."""
+
+    @property
+    def cfg(self) -> JobConfig: ...
+    @property
+    def host_id(self) -> str: ...
+    @property
+    def host_addr(self) -> str: ...
+    @property
+    def keys(self) -> JobKeys: ...
+    @property
+    def etcd(self) -> Etcd: ...
+    @property
+    def jobstore(self) -> JobStore: ...
+    @property
+    def events(self) -> EventLog: ...
+    @property
+    def run_dir(self) -> Path: ...
+    @property
+    def earlier(self) -> Records | None:
+        """What an earlier run of this job id left in this run directory."""
+
+    @property
+    def moved(self) -> Path | None:
+        """Where ``--fresh`` moved that earlier run."""
+
+    @property
+    def records(self) -> StepRecords:
+        """Told which steps a relaunch recorded already."""
+
+    @property
+    def stream(self) -> JobStream | None:
+        """Started once the job's start time is agreed."""
+
+    @property
+    def control(self) -> ControlServer:
+        """Started just before the host registers."""
+
+    @property
+    def embedded(self) -> EmbeddedEtcd | None: ...
+
+    async def new_lease(self) -> Any:
+        """A new host lease, the one this host's keys go under from now on."""
+
+    def host_info(self) -> HostInfo:
+        """This host's key's value."""
 
 
 class JobEntry:
-    def __init__(self, d: Host) -> None:
-        self.d = d
+    def __init__(self, host: EntryHost) -> None:
+        self.host = host
         self._kept: dict[str, Any] | None = None  # the progress record etcd kept (a relaunch)
         self._resuming = False
         self.joined_at = 0.0  # when this host registered in the job (wall clock)
@@ -34,7 +101,7 @@ class JobEntry:
         job starts, starts again (a relaunch resumes) or must not start (one host decides:
         :meth:`_start`); then agree on the config. Returns whether this host started the job
         again from its durable checkpoints (a relaunch that resumes)."""
-        d = self.d
+        d = self.host
         live_hosts = await self._outlive_earlier_self(await d.etcd.get_prefix(d.keys.hosts))
         if live_hosts and d.cfg.fresh:
             raise ElasWaveError(
@@ -53,15 +120,15 @@ class JobEntry:
         return self._resuming
 
     async def _register(self) -> None:
-        d = self.d
+        d = self.host
         await self._agree_on_config()
         write_run_config(d.cfg, d.run_dir)  # in the job now: what it trains is this run's
         if d.stream is not None:
             d.stream.start(await self._stream_started())
-        await d.new_lease()
+        lease = await d.new_lease()
         await d.control.start()
         self.joined_at = time.time()
-        if not await d.jobstore.register_host(d.host_id, d.host_info(), lease=d.lease):
+        if not await d.jobstore.register_host(d.host_info(), lease=lease):
             raise ElasWaveError(
                 f"host id {d.host_id!r} is already registered in job {d.cfg.job_id!r}"
             )
@@ -83,7 +150,7 @@ class JobEntry:
         keys registered then to go, or, if the job still runs, for its leader to plan without
         this host, then read again; which host starts the job again is :meth:`_start`'s to
         decide, and a host still running keeps its key and is joined."""
-        d = self.d
+        d = self.host
         if not live:
             return live  # nobody registered: nothing to outlive (and no plan to read)
         mine = d.keys.host(d.host_id)
@@ -115,7 +182,7 @@ class JobEntry:
         starter lets the key go only once it is registered, so a host that finds the key free
         and a host registered joins. Returns the lease of the start key this host holds until
         it is registered (None: another host started the job)."""
-        d = self.d
+        d = self.host
         while True:
             lock = await d.etcd.lease(d.cfg.timeouts.lease_ttl)
             if await d.etcd.create(d.keys.starting, d.host_id, lease=lock):
@@ -139,7 +206,7 @@ class JobEntry:
     async def _started_by_another(self) -> bool:
         """While another host holds the start key: True once a host is registered, False if
         the key went without one."""
-        d = self.d
+        d = self.host
         while not await d.etcd.get_prefix(d.keys.hosts):
             if await d.etcd.get(d.keys.starting) is None:
                 return bool(await d.etcd.get_prefix(d.keys.hosts))
@@ -149,7 +216,7 @@ class JobEntry:
     async def _verdict(self) -> Verdict:
         """Whether this job id starts new, resumes, is done already, or must not start: from
         what its earlier runs left in the run directory, the checkpoints and etcd."""
-        d = self.d
+        d = self.host
         cfg = d.cfg
         seen = None
         if not cfg.fresh:
@@ -159,7 +226,8 @@ class JobEntry:
                 {k: trained.get(k) for k in ("model", "data")},
                 {k: v for k, v in training_config(cfg).items() if k in ("model", "data")},
             ).replace("job has", "it had", 1)  # fmt: skip
-            progress = self._kept = await d.jobstore.progress()
+            kept = await d.jobstore.progress()
+            progress = self._kept = kept.fields() if kept is not None else None
             seen = etcd_records(progress, plan.epoch if plan else 0, config_diff=diff)
             if seen is not None and d.earlier is None:  # where checkpoints would be
                 intact = newest_intact(cfg.resolved_durable_dir)
@@ -184,7 +252,7 @@ class JobEntry:
     async def _start_as(self, verdict: Verdict) -> None:
         """Start as the relaunch verdict says: new, or resumed with the job's progress seeded
         so that the steps it recorded are not recorded again."""
-        d = self.d
+        d = self.host
         if verdict.action == "resume":
             self._resuming = True
             await d.jobstore.seed_progress(verdict.committed, verdict.epoch, verdict.reason)
@@ -200,12 +268,15 @@ class JobEntry:
 
     async def _agree_on_config(self) -> None:
         """Every host must train the same thing: the first publishes it, the others compare."""
-        d = self.d
+        d = self.host
         mine = training_config(d.cfg)
-        if await d.etcd.create(d.keys.config, json.dumps(mine, sort_keys=True)):
+        if await d.etcd.create(d.keys.config, encode(TrainedConfig(mine))):
             return
         kv = await d.etcd.get(d.keys.config)
-        theirs = kv.json() if kv else mine
+        try:
+            theirs = decode(TrainedConfig, kv.value).config if kv is not None else mine
+        except WireError as exc:
+            raise ElasWaveError(f"job {d.cfg.job_id!r} cannot be compared with: {exc}") from None
         diff = config_difference(theirs, mine)
         if diff:
             raise ElasWaveError(f"this host's config differs from job {d.cfg.job_id!r}: {diff}")
@@ -213,9 +284,15 @@ class JobEntry:
     async def _stream_started(self) -> float:
         """When the job's event stream started: set once by the first host that asks; every
         host names its event files and the W&B run by it."""
-        d = self.d
-        mine = {"started": time.time()}
-        if await d.etcd.create(d.keys.logging, json.dumps(mine)):
-            return mine["started"]
+        d = self.host
+        mine = StreamStart(started=time.time())
+        if await d.etcd.create(d.keys.logging, encode(mine)):
+            return mine.started
         kv = await d.etcd.get(d.keys.logging)
-        return float(kv.json()["started"]) if kv is not None else mine["started"]
+        if kv is None:
+            return mine.started
+        try:
+            return decode(StreamStart, kv.value).started
+        except WireError as exc:
+            log.error("naming the job's stream by this host's start: %s", exc)
+            return mine.started

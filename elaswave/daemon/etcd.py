@@ -455,6 +455,16 @@ class Etcd:
         with contextlib.suppress(aetcd.exceptions.ClientError):
             await self._call(lambda c: c.revoke_lease(lease.id))
 
+    async def values(self, key: str) -> AsyncGenerator[bytes, None]:
+        """The value of ``key`` now (if it has one), then every value put under it."""
+        revision = await self.revision()
+        kv = await self.get(key)
+        if kv is not None:
+            yield kv.value
+        async for ev in self.watch_prefix(key, start_revision=revision + 1):
+            if ev.key == key and ev.kind == "put":
+                yield ev.value
+
     async def watch_prefix(
         self, prefix: str, *, start_revision: int | None = None
     ) -> AsyncGenerator[WatchEvent, None]:

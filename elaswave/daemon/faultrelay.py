@@ -15,7 +15,8 @@ import contextlib
 import logging
 import os
 import signal
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Protocol
 
 from elaswave import wire
 from elaswave.daemon.aio import wait_for
@@ -26,22 +27,52 @@ from elaswave.faults import FaultKind, FaultSpec, decode_request
 from elaswave.keys import JobKeys
 
 if TYPE_CHECKING:
-    from elaswave.daemon.host import Host
+    from elaswave.config import JobConfig
+    from elaswave.daemon.control_server import WorkerConn
+    from elaswave.daemon.outbox import Outbox
+    from elaswave.daemon.workers import WorkerProc
+    from elaswave.events import EventLog
+    from elaswave.planning.plan import Plan
 
 log = logging.getLogger(__name__)
+
+
+class FaultHost(Protocol):
+    """What the fault relay reads of its daemon."""
+
+    @property
+    def cfg(self) -> JobConfig: ...
+    @property
+    def host_id(self) -> str: ...
+    @property
+    def keys(self) -> JobKeys: ...
+    @property
+    def etcd(self) -> Etcd: ...
+    @property
+    def events(self) -> EventLog: ...
+    @property
+    def outbox(self) -> Outbox: ...
+    @property
+    def plan(self) -> Plan | None: ...
+    @property
+    def is_leader(self) -> bool: ...
+    @property
+    def workers(self) -> Mapping[str, WorkerProc]: ...
+    @property
+    def conns(self) -> Mapping[str, WorkerConn]: ...
 
 
 class FaultRelay:
     """The daemon's fault requests: read from etcd, checked, and sent where they belong."""
 
-    def __init__(self, d: Host) -> None:
-        self.d = d
+    def __init__(self, host: FaultHost) -> None:
+        self.host = host
         self._pending_faults: dict[str, FaultSpec] = {}
         self._repeat_sent: dict[str, set[str]] = {}  # repeat fault key -> workers it went to
         self._seen_faults: set[str] = set()  # fault keys taken (a watch re-read skips them)
 
     async def watch(self) -> None:
-        d = self.d
+        d = self.host
         rev = await d.etcd.revision()
         for kv in await d.etcd.get_prefix(d.keys.faults):
             self._queue_fault(kv.key, kv.value)
@@ -53,7 +84,7 @@ class FaultRelay:
         """Accept a fault request from etcd only if it is well-formed; anything else is logged,
         removed and ignored (the daemon never trusts what it reads there). Each key is taken
         once: a watch that runs again after an etcd outage re-reads requests already handled."""
-        d = self.d
+        d = self.host
         if key in self._seen_faults:
             return
         self._seen_faults.add(key)
@@ -68,11 +99,11 @@ class FaultRelay:
         self.dispatch()
 
     def _delete_request(self, key: str) -> None:
-        d = self.d
+        d = self.host
         d.outbox.put("fault request removal", lambda: d.etcd.delete(key))
 
     def dispatch(self) -> None:
-        d = self.d
+        d = self.host
         if d.plan is None:
             return
         for key, fault in list(self._pending_faults.items()):
@@ -135,7 +166,7 @@ class FaultRelay:
 
     def _dispatch_repeat(self, key: str, fault: FaultSpec) -> None:
         """A repeated fault stays armed: each worker that holds its rank gets it once."""
-        d = self.d
+        d = self.host
         assert d.plan is not None and fault.rank is not None
         if fault.rank >= d.plan.world_size:
             return  # the rank may exist again after a grow
@@ -152,7 +183,7 @@ class FaultRelay:
     async def _die(self, key: str, fault: FaultSpec) -> None:
         """A host fault: SIGKILL every worker and then this daemon. Nothing tidies up after it,
         as with a host that loses power: its lease expires and the leader plans without it."""
-        d = self.d
+        d = self.host
         with contextlib.suppress(Exception):
             await wait_for(d.etcd.delete(key), d.cfg.timeouts.etcd_connect)
         pids = [w.pid for w in d.workers.values() if w.proc.returncode is None]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -20,12 +20,31 @@ from dataclasses import dataclass
 from typing import Any
 
 from elaswave.daemon.aio import wait_for
-from elaswave.daemon.etcd import Etcd
+from elaswave.daemon.etcd import Etcd, WatchEvent
 from elaswave.faults import FaultSpec
 from elaswave.keys import JobKeys
 from elaswave.planning import planwire
 from elaswave.planning.plan import Member, Plan
 from elaswave.planning.plandelta import apply_delta, delta_epochs, encode_delta
+from elaswave.wire import WireError
+from elaswave.wire_etcd import (
+    Done,
+    HostInfo,
+    Incident,
+    Incidents,
+    JobStop,
+    LayerCostsReport,
+    MemoryReport,
+    Progress,
+    Speeds,
+    TrainedConfig,
+    WorkerInfo,
+    decode,
+    decode_entries,
+    encode,
+)
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -46,15 +65,16 @@ class WorkerRecord:
 
     @classmethod
     def parse(cls, value: bytes, create_revision: int) -> WorkerRecord:
-        info = json.loads(value)
+        """The record of a worker key's value; :class:`WireError` when it is malformed."""
+        info = decode(WorkerInfo, value)
         return cls(
-            worker_id=info["worker_id"],
-            host=info["host"],
+            worker_id=info.worker_id,
+            host=info.host,
             order=create_revision,
-            layer_seconds=info.get("layer_seconds") or None,
-            layer_estimate=info.get("layer_estimate") or None,
-            layer_bytes=info.get("layer_bytes") or None,
-            rack=str(info.get("rack") or ""),
+            layer_seconds=info.layer_seconds or None,
+            layer_estimate=info.layer_estimate or None,
+            layer_bytes=info.layer_bytes or None,
+            rack=info.rack or "",
         )
 
 
@@ -72,7 +92,7 @@ class Change(enum.Enum):
 class JobChange:
     kind: Change
     host: str = ""  # HOST_GONE, SPEED, SPEED_GONE: which host
-    speeds: Any = None  # SPEED: worker -> {"epoch": ..., "per_mb": [...]}, as the host wrote it
+    speeds: Speeds | None = None  # SPEED: the host's workers' compute times
     worker: WorkerRecord | None = None  # MEMBERSHIP: a worker key written (registered)
     gone: str = ""  # MEMBERSHIP: the worker whose key was deleted
     revision: int = 0  # the change's etcd revision
@@ -182,13 +202,17 @@ class JobStore:
         return landed is not None and landed.decode() == data
 
     # ---- membership: what a host's daemon writes --------------------------------------------
-    async def register_host(self, host_id: str, info: dict[str, Any], *, lease: Any) -> bool:
+    async def register_host(self, info: HostInfo, *, lease: Any) -> bool:
         """Create this host's key under its lease; False if a live host holds that id."""
-        return await self.etcd.create(self.keys.host(host_id), json.dumps(info), lease=lease)
+        return await self.etcd.create(self.keys.host(info.host), encode(info), lease=lease)
 
-    async def register_worker(self, info: dict[str, Any], *, lease: Any) -> None:
-        """A ready worker's key (``info["worker_id"]``, its host, costs), under the host lease."""
-        await self.etcd.put_json(self.keys.worker(info["worker_id"]), info, lease=lease)
+    async def register_worker(self, info: WorkerInfo, *, lease: Any) -> None:
+        """A ready worker's key (its id, host, costs), under the host lease."""
+        await self.etcd.put(self.keys.worker(info.worker_id), encode(info), lease=lease)
+
+    async def remove_worker(self, worker_id: str) -> None:
+        """A worker this host stopped on purpose (fenced, evicted): its key goes, no departure."""
+        await self.etcd.delete(self.keys.worker(worker_id))
 
     async def record_departure(self, worker_id: str, reason: str, *, lease: Any) -> None:
         """A worker left: why (read once by the leader), and its key removed, in one write."""
@@ -244,7 +268,13 @@ class JobStore:
         """The ready workers' keys, in key order, and the revision they were read at (the
         leader keeps the list from there by watching the changes after it)."""
         kvs, revision = await self.etcd.get_prefix_at(self.keys.workers)
-        return [WorkerRecord.parse(kv.value, kv.create_revision) for kv in kvs], revision
+        records = []
+        for kv in kvs:
+            try:
+                records.append(WorkerRecord.parse(kv.value, kv.create_revision))
+            except WireError as exc:
+                log.error("ignoring worker key %s: %s", kv.key, exc)
+        return records, revision
 
     async def take_departures(self) -> tuple[list[str], int, int]:
         """Why workers left since the last call (each departure is read once, then deleted),
@@ -262,12 +292,20 @@ class JobStore:
     # ---- progress, measurements ---------------------------------------------------------------
     async def committed_step(self) -> int:
         """The job's newest committed step as its progress record says (0: none yet)."""
-        return int((await self.progress() or {}).get("step", 0))
+        progress = await self.progress()
+        return progress.step if progress is not None else 0
 
-    async def progress(self) -> dict[str, Any] | None:
-        """The job's progress record (its newest committed step, that step's epoch, ...)."""
+    async def progress(self) -> Progress | None:
+        """The job's progress record (its newest committed step, that step's epoch, ...);
+        None without one, or with one that does not decode (logged)."""
         kv = await self.etcd.get(self.keys.progress)
-        return dict(kv.json()) if kv is not None else None
+        if kv is None:
+            return None
+        try:
+            return decode(Progress, kv.value)
+        except WireError as exc:
+            log.error("ignoring the job's progress record: %s", exc)
+            return None
 
     async def clear_but_records(self) -> None:
         """The last host out: remove the job's keys but its records (the progress record and
@@ -279,44 +317,62 @@ class JobStore:
                 await self.etcd.put(key, kv.value)
 
     async def trained(self) -> dict[str, Any] | None:
-        """What the job trains, as its first host published it (None: no record)."""
+        """What the job trains, as its first host published it (None: no record, or one that
+        does not decode: logged)."""
         kv = await self.etcd.get(self.keys.config)
-        return dict(kv.json()) if kv is not None else None
+        if kv is None:
+            return None
+        try:
+            return decode(TrainedConfig, kv.value).config
+        except WireError as exc:
+            log.error("ignoring the job's config record: %s", exc)
+            return None
 
     async def seed_progress(self, step: int, epoch: int, reason: str) -> None:
         """A relaunched job's progress as its earlier runs recorded it: the steps up to ``step``
         are recorded already (trained again, they are not recorded twice), and its plans come
         after ``epoch``."""
-        record = {"step": step, "epoch": epoch, "relaunched": reason, "time": time.time()}
-        await self.etcd.put_json(self.keys.progress, record)
+        record = Progress(step=step, epoch=epoch, relaunched=reason, time=time.time())
+        await self.etcd.put(self.keys.progress, encode(record))
 
-    async def share_speeds(self, host_id: str, speeds: dict[str, Any], *, lease: Any) -> None:
-        """A host's workers' compute seconds per micro-batch (worker -> {epoch, per_mb})."""
-        await self.etcd.put_json(self.keys.speed + host_id, speeds, lease=lease)
+    async def share_speeds(self, host_id: str, speeds: Speeds, *, lease: Any) -> None:
+        """A host's workers' compute seconds per micro-batch."""
+        await self.etcd.put(self.keys.speed + host_id, encode(speeds), lease=lease)
 
-    async def share_layer_costs(self, host_id: str, costs: dict[str, Any], *, lease: Any) -> None:
-        """A host's workers' measured seconds per layer (worker -> {step, epoch, layer_seconds})."""
-        await self.etcd.put_json(self.keys.costs + host_id, costs, lease=lease)
+    async def share_layer_costs(self, host_id: str, costs: LayerCostsReport, *, lease: Any) -> None:
+        """A host's workers' measured seconds per layer."""
+        await self.etcd.put(self.keys.costs + host_id, encode(costs), lease=lease)
+
+    async def share_memory(self, host_id: str, memory: MemoryReport, *, lease: Any) -> None:
+        """A host's workers' bytes by purpose (what ``status`` shows per rank)."""
+        await self.etcd.put(self.keys.memory + host_id, encode(memory), lease=lease)
 
     async def online_costs(self, live: set[str]) -> list[dict[str, float]]:
         """The newest per-layer seconds every worker in ``live`` measured while training, as its
-        host shared them; anything malformed is skipped."""
-        out = []
+        host shared them; a malformed entry is skipped (logged), the host's others are kept."""
+        out: list[dict[str, float]] = []
         for kv in await self.etcd.get_prefix(self.keys.costs):
-            per_worker = kv.json()
-            for wid, record in per_worker.items() if isinstance(per_worker, dict) else ():
-                seconds = record.get("layer_seconds") if isinstance(record, dict) else None
-                if wid in live and isinstance(seconds, dict):
-                    out.append(seconds)
+            try:
+                report, errors = decode_entries(LayerCostsReport, kv.value)
+            except WireError as exc:
+                errors, report = [str(exc)], LayerCostsReport({})
+            for error in errors:
+                log.error("ignoring layer costs in %s: %s", kv.key, error)
+            out.extend(c.layer_seconds for wid, c in report.workers.items() if wid in live)
         return out
 
     # ---- the job's record and its end ---------------------------------------------------------
-    async def record_incident(self, incident: dict[str, Any], *, keep: int) -> None:
+    async def record_incident(self, incident: Incident, *, keep: int) -> None:
         """Append ``incident`` to the job's incident list, keeping the newest ``keep``."""
         kv = await self.etcd.get(self.keys.incidents)
-        incidents = json.loads(kv.value) if kv else []
+        incidents: list[Incident] = []
+        if kv is not None:
+            try:
+                incidents = decode(Incidents, kv.value).incidents
+            except WireError as exc:  # the list starts over
+                log.error("replacing the job's incident list: %s", exc)
         incidents.append(incident)
-        await self.etcd.put_json(self.keys.incidents, incidents[-keep:])
+        await self.etcd.put(self.keys.incidents, encode(Incidents(incidents[-keep:])))
 
     async def submit_fault(self, fault: FaultSpec) -> str:
         """Request ``fault`` (as ``inject-fault`` does); its request id."""
@@ -330,37 +386,68 @@ class JobStore:
 
     async def stop_job(self, reason: str) -> None:
         """The leader's verdict that ends the whole job: every host stops."""
-        await self.etcd.put_json(self.keys.stop, {"reason": reason, "t": time.time()})
+        await self.etcd.put(self.keys.stop, encode(JobStop(reason=reason, t=time.time())))
+
+    async def finish_job(self, step: int) -> None:
+        """The job committed its last ``step``: every host finishes."""
+        await self.etcd.put(self.keys.done, encode(Done(step=step, t=time.time())))
 
     # ---- changes ------------------------------------------------------------------------------
     async def changes(self, start_revision: int) -> AsyncIterator[JobChange]:
         """What planning reacts to under the job's prefix, from ``start_revision`` on: the done
         key, hosts that vanish, worker keys and new departures, the hosts' compute times.
-        Anything else (the plan itself, progress, requests) is skipped."""
+        Anything else (the plan itself, progress, requests) is skipped; a value that does not
+        decode is logged and skipped."""
+        table = self.change_table
+        async for ev in self.etcd.watch_prefix(self.keys.prefix, start_revision=start_revision):
+            for prefix, change_of in table.items():
+                if ev.key.startswith(prefix):
+                    try:
+                        change = change_of(ev, ev.key.removeprefix(prefix))
+                    except WireError as exc:
+                        log.error("ignoring %s: %s", ev.key, exc)
+                        change = None
+                    if change is not None:
+                        yield change
+                    break
+
+    @property
+    def change_table(self) -> dict[str, Callable[[WatchEvent, str], JobChange | None]]:
+        """What an event under each key (by prefix) means to planning; the rest of the key
+        names the host or worker."""
         k = self.keys
-        async for ev in self.etcd.watch_prefix(k.prefix, start_revision=start_revision):
-            if ev.key == k.done:
-                yield JobChange(Change.DONE, revision=ev.mod_revision)
-            elif ev.key.startswith(k.hosts):
-                if ev.kind == "delete":
-                    host = ev.key.removeprefix(k.hosts)
-                    yield JobChange(Change.HOST_GONE, host=host, revision=ev.mod_revision)
-            elif ev.key.startswith(k.workers):
-                rev = ev.mod_revision
-                if ev.kind == "put":
-                    worker = WorkerRecord.parse(ev.value, ev.create_revision)
-                    yield JobChange(Change.MEMBERSHIP, worker=worker, revision=rev)
-                else:
-                    yield JobChange(Change.MEMBERSHIP, gone=ev.key.removeprefix(k.workers),
-                                    revision=rev)  # fmt: skip
-            elif ev.key.startswith(k.departures) and ev.kind == "put":
-                yield JobChange(Change.MEMBERSHIP, revision=ev.mod_revision)
-            elif ev.key.startswith(k.speed):
-                host = ev.key.removeprefix(k.speed)
-                if ev.kind == "put":
-                    speeds = json.loads(ev.value)
-                    yield JobChange(
-                        Change.SPEED, host=host, speeds=speeds, revision=ev.mod_revision
-                    )
-                else:
-                    yield JobChange(Change.SPEED_GONE, host=host, revision=ev.mod_revision)
+        return {
+            k.done: _done_change,
+            k.hosts: _host_change,
+            k.workers: _worker_change,
+            k.departures: _departure_change,
+            k.speed: _speed_change,
+        }
+
+
+def _done_change(ev: WatchEvent, rest: str) -> JobChange | None:
+    return JobChange(Change.DONE, revision=ev.mod_revision) if not rest else None
+
+
+def _host_change(ev: WatchEvent, host: str) -> JobChange | None:
+    if ev.kind != "delete":
+        return None
+    return JobChange(Change.HOST_GONE, host=host, revision=ev.mod_revision)
+
+
+def _worker_change(ev: WatchEvent, worker: str) -> JobChange:
+    if ev.kind == "put":
+        record = WorkerRecord.parse(ev.value, ev.create_revision)
+        return JobChange(Change.MEMBERSHIP, worker=record, revision=ev.mod_revision)
+    return JobChange(Change.MEMBERSHIP, gone=worker, revision=ev.mod_revision)
+
+
+def _departure_change(ev: WatchEvent, worker: str) -> JobChange | None:
+    return JobChange(Change.MEMBERSHIP, revision=ev.mod_revision) if ev.kind == "put" else None
+
+
+def _speed_change(ev: WatchEvent, host: str) -> JobChange:
+    if ev.kind == "put":
+        speeds = decode(Speeds, ev.value)
+        return JobChange(Change.SPEED, host=host, speeds=speeds, revision=ev.mod_revision)
+    return JobChange(Change.SPEED_GONE, host=host, revision=ev.mod_revision)

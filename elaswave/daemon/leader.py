@@ -47,6 +47,7 @@ from elaswave.planning.verdicts import (
     pipeline_straggler_verdict,
     straggler_verdict,
 )
+from elaswave.wire_etcd import Incident, Speeds
 
 log = logging.getLogger(__name__)
 
@@ -159,7 +160,7 @@ class Planner:
         self.costs: tuple[float, ...] = ()  # pipelines: the layer costs the last plan used
         self.cost_source = ""  # where they came from: estimate | profile | online
         self.evicted: set[str] = set()  # never re-admitted, even if their key lingers
-        self.speeds: dict[str, dict[str, dict]] = {}  # host -> worker -> {epoch, per_mb}
+        self.speeds: dict[str, Speeds] = {}  # host -> its workers' compute times
         self.hysteresis = Hysteresis()
         self.failure_steps: list[int] = []  # last committed step at each worker failure
         self.host_causes: list[str] = []  # hosts whose lease expired since the last plan
@@ -191,7 +192,8 @@ class Planner:
     async def _lead(self, watcher: asyncio.Task[None]) -> None:
         c, store = self.c, self.store
         current, plan_rev = await store.read_plan()
-        self.epoch_floor = int((await store.progress() or {}).get("epoch", 0))
+        progress = await store.progress()
+        self.epoch_floor = progress.epoch or 0 if progress is not None else 0
         if current is None:
             await self._await_initial_members()
         elif not await store.is_done():
@@ -341,9 +343,9 @@ class Planner:
         """Every worker's recent compute seconds per micro-batch under ``current``."""
         samples: dict[str, list[float]] = {}
         for per_host in self.speeds.values():
-            for wid, info in per_host.items():
-                if int(info.get("epoch", 0)) == current.epoch:
-                    samples[wid] = [float(x) for x in info.get("per_mb", [])]
+            for wid, speed in per_host.workers.items():
+                if speed.epoch == current.epoch:
+                    samples[wid] = [float(x) for x in speed.per_mb]
         return samples
 
     def _pipeline_straggler_plan(self, current: Plan, members: list[Member]) -> Plan | None:
@@ -451,7 +453,7 @@ class Planner:
                 self.changed.set()
             elif change.kind is Change.MEMBERSHIP:
                 self.changed.set()
-            elif change.kind is Change.SPEED:
+            elif change.kind is Change.SPEED and change.speeds is not None:
                 self.speeds[change.host] = change.speeds
                 self.changed.set()
             elif change.kind is Change.SPEED_GONE:
@@ -533,7 +535,7 @@ class Planner:
 
     async def _record_incident(self, plan: Plan, is_incident: bool) -> None:
         await self.store.record_incident(
-            {"t": plan.created, "epoch": plan.epoch, "reason": plan.reason, "fault": is_incident},
+            Incident(t=plan.created, epoch=plan.epoch, reason=plan.reason, fault=is_incident),
             keep=MAX_INCIDENTS,
         )
 

@@ -4,6 +4,10 @@ Every exit becomes an event and a departure in etcd within milliseconds (queued 
 etcd away it lands, and is planned for, once etcd answers) and, within the restart budget, a new
 worker in the same slot. Workers a newer plan dropped are fenced (killed and replaced by new ones
 that join like any newcomer); workers the leader evicted are stopped for good.
+
+The pool owns the host's :class:`~elaswave.daemon.workers.WorkerProc` table; it reads what else it
+needs of its daemon through :class:`PoolHost` and sets the ``finished`` event it is given once
+every worker process has exited.
 """
 
 from __future__ import annotations
@@ -11,7 +15,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Protocol
 
 from elaswave import wire
 from elaswave.daemon.template import Adopted
@@ -19,13 +24,57 @@ from elaswave.daemon.workers import WorkerProc, spawn, stop_all, worker_id
 from elaswave.planning.verdicts import respawn_verdict
 
 if TYPE_CHECKING:
-    from elaswave.daemon.host import Host
+    from pathlib import Path
+
+    from elaswave.config import JobConfig
+    from elaswave.daemon.control_server import WorkerConn
+    from elaswave.daemon.jobstore import JobStore
+    from elaswave.daemon.outbox import Outbox
+    from elaswave.daemon.template import Template
+    from elaswave.events import EventLog
     from elaswave.planning.plan import Plan
 
 
+class PoolHost(Protocol):
+    """What the pool reads of its daemon."""
+
+    @property
+    def cfg(self) -> JobConfig: ...
+    @property
+    def host_id(self) -> str: ...
+    @property
+    def run_dir(self) -> Path: ...
+    @property
+    def control_path(self) -> str:
+        """The control socket a spawned worker connects to."""
+
+    @property
+    def template(self) -> Template | None:
+        """Forks this host's workers (None: they are executed)."""
+
+    @property
+    def events(self) -> EventLog: ...
+    @property
+    def outbox(self) -> Outbox: ...
+    @property
+    def jobstore(self) -> JobStore: ...
+    @property
+    def plan(self) -> Plan | None: ...
+    @property
+    def lease(self) -> Any: ...
+    @property
+    def stopping(self) -> bool: ...
+    @property
+    def unrecoverable(self) -> str | None: ...
+    @property
+    def conns(self) -> Mapping[str, WorkerConn]: ...
+
+
 class WorkerPool:
-    def __init__(self, d: Host) -> None:
-        self.d = d
+    def __init__(self, host: PoolHost, *, finished: asyncio.Event) -> None:
+        self.host = host
+        self.finished = finished  # set once every worker process of this host has exited
+        self.workers: dict[str, WorkerProc] = {}  # this host's workers, by worker id
         self.restarts_used = 0
         self.replacing = 0  # fenced workers whose replacements are being spawned
         self.expecting: dict[str, asyncio.Event] = {}  # worker ids being spawned
@@ -33,10 +82,10 @@ class WorkerPool:
     @property
     def next_incarnation(self) -> int:
         """The first worker incarnation a replacement may use (fresh worker ids)."""
-        return 1 + max((w.incarnation for w in self.d.workers.values()), default=-1)
+        return 1 + max((w.incarnation for w in self.workers.values()), default=-1)
 
     async def spawn(self, slot: int, incarnation: int) -> WorkerProc:
-        d = self.d
+        d = self.host
         # A forked worker may say hello before the template's answer reaches us: the daemon
         # holds its hello until the worker is registered (see ``registered``).
         wid = worker_id(d.host_id, slot, incarnation)
@@ -56,18 +105,18 @@ class WorkerPool:
             await pending.wait()
 
     async def _spawn(self, slot: int, incarnation: int) -> WorkerProc:
-        d = self.d
+        d = self.host
         w = await spawn(
             host_id=d.host_id,
             slot=slot,
             incarnation=incarnation,
-            control_path=d.control.path,
+            control_path=d.control_path,
             log_dir=d.run_dir / "logs",
             device=d.cfg.train.device,
             template=d.template,
             timeout=d.cfg.timeouts.template,
         )
-        d.workers[w.worker_id] = w
+        self.workers[w.worker_id] = w
         w.waiter = asyncio.create_task(self._watch_exit(w))
         d.events.emit(
             "worker_spawned",
@@ -80,7 +129,7 @@ class WorkerPool:
         return w
 
     async def _watch_exit(self, w: WorkerProc) -> None:
-        d = self.d
+        d = self.host
         w.exit_code = await w.proc.wait()
         if w.done or w.stopping or d.stopping:
             self.check_finished()
@@ -122,16 +171,14 @@ class WorkerPool:
     def check_finished(self) -> None:
         """This host is finished once every worker process has exited (standbys are told to stop
         by :meth:`stop_unfinished` when the job commits its last step)."""
-        if not self.replacing and all(
-            w.proc.returncode is not None for w in self.d.workers.values()
-        ):
-            self.d.finished.set()
+        if not self.replacing and all(w.proc.returncode is not None for w in self.workers.values()):
+            self.finished.set()
 
     def fence(self, workers: list[WorkerProc], plan: Plan) -> None:
         """A newer plan dropped these live workers (their host was cut off, or paused, and the
         others moved on): their state is stale. They are SIGKILLed and replaced by new workers
         (new ids) that join like any newcomer."""
-        d = self.d
+        d = self.host
         pids = []
         for w in workers:
             w.stopping = True  # its exit is ours: no departure, no respawn
@@ -147,8 +194,8 @@ class WorkerPool:
             epoch=plan.epoch,
         )
         for w in workers:  # gone with an expired lease, as a rule; if not, gone now
-            key = d.keys.worker(w.worker_id)
-            d.outbox.put(f"fenced {w.worker_id}", functools.partial(d.etcd.delete, key))
+            gone = functools.partial(d.jobstore.remove_worker, w.worker_id)
+            d.outbox.put(f"fenced {w.worker_id}", gone)
         self.replacing += 1
         asyncio.create_task(self._replace(workers))
 
@@ -158,7 +205,7 @@ class WorkerPool:
                 if w.waiter is not None:
                     await asyncio.wait([w.waiter])
             incarnation = self.next_incarnation
-            if not self.d.stopping:
+            if not self.host.stopping:
                 for w in workers:
                     await self.spawn(w.slot, incarnation)
         finally:
@@ -167,21 +214,20 @@ class WorkerPool:
 
     def evict(self, wid: str, plan: Plan) -> None:
         """Stop a worker the leader evicted (too slow): cleanly, and without a respawn."""
-        d = self.d
-        w = d.workers.get(wid)
+        d = self.host
+        w = self.workers.get(wid)
         if w is None or w.stopping or w.proc.returncode is not None:
             return
         d.events.emit(
             "worker_evicted", host=d.host_id, worker=wid, epoch=plan.epoch, reason=plan.reason
         )
         self._ask_to_stop(w)
-        d.outbox.put(f"eviction of {wid}", lambda: d.etcd.delete(d.keys.worker(wid)))
+        d.outbox.put(f"eviction of {wid}", lambda: d.jobstore.remove_worker(wid))
 
     def stop_unfinished(self) -> None:
         """The job is done: whoever has not finished (a standby, a late joiner) has nothing left
         to do and is told to stop."""
-        d = self.d
-        for w in d.workers.values():
+        for w in self.workers.values():
             if w.proc.returncode is None and not w.done:
                 self._ask_to_stop(w)
         self.check_finished()
@@ -190,7 +236,7 @@ class WorkerPool:
         """A clean stop: its exit is not a failure (no departure, no respawn); over its
         connection when it has one, else SIGTERM."""
         w.stopping = True
-        conn = self.d.conns.get(w.worker_id)
+        conn = self.host.conns.get(w.worker_id)
         if conn is not None:
             conn.send(wire.Stop())
         else:

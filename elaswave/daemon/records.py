@@ -12,7 +12,7 @@ write replaced (its epoch tells which plans came in between) and the revision th
 
 from __future__ import annotations
 
-import json
+import logging
 import time
 import uuid
 from collections.abc import Callable, Collection
@@ -23,9 +23,13 @@ from elaswave.daemon.etcd import KV, Etcd
 from elaswave.daemon.outbox import Outbox
 from elaswave.events import JsonlWriter
 from elaswave.keys import JobKeys
+from elaswave.wire import WireError
+from elaswave.wire_etcd import Done, Progress, decode, encode, from_json
 
 if TYPE_CHECKING:
     from elaswave.daemon.streams import JobStream
+
+log = logging.getLogger(__name__)
 
 
 class StepRecords:
@@ -38,6 +42,8 @@ class StepRecords:
         outbox: Outbox,
         host_id: str,
         total_steps: int,
+        stream: JobStream | None = None,
+        planned_hosts: Callable[[], Collection[str] | None] = lambda: None,
     ) -> None:
         self.etcd = etcd
         self.keys = keys
@@ -52,13 +58,13 @@ class StepRecords:
         self.commit_times: list[tuple[float, int]] = []
         self.final_step = 0  # the newest step a worker of this host committed or finished at
         self.recorded_before = 0  # steps an earlier run of the job recorded (a relaunch)
-        self.stream: JobStream | None = None  # logging.tensorboard / wandb: the job's stream
+        self.stream = stream  # logging.tensorboard / wandb: the job's stream
         self.last_epoch = 0  # the epoch of the newest step rank 0 reported here
         self._last_writer = ""  # the writer token of this host's newest record in etcd
         self._local: dict[str, Any] | None = None  # the newest record written only locally
         # The hosts of the plan in force (None: none yet): a record whose writer is not among
         # them may have died with its host before its line was written (``_land_record``).
-        self.planned_hosts: Callable[[], Collection[str] | None] = lambda: None
+        self.planned_hosts = planned_hosts
 
     def recorded_up_to(self, step: int, *, kept: dict[str, Any] | None = None) -> int | None:
         """A relaunch: earlier runs of the job recorded the steps up to ``step`` (those after
@@ -119,8 +125,8 @@ class StepRecords:
             fallback=lambda: self._landed(record, progress, self._newest(), revision=None),
         )
         if step >= self.total_steps:
-            done = {"step": step, "t": time.time()}
-            self.outbox.put("done", lambda: self.etcd.put_json(self.keys.done, done))
+            done = Done(step=step, t=time.time())
+            self.outbox.put("done", lambda: self.etcd.put(self.keys.done, encode(done)))
 
     def evaluated(self, msg: wire.Eval) -> None:
         """A held-out evaluation rank 0 made after committing a step: a line of its own, in the
@@ -201,11 +207,11 @@ class StepRecords:
                 return  # recorded by another host (or redone after a recovery)
             rev = kv.mod_revision if kv is not None else 0
             tried.append(rev)
-            before = befores[rev] = kv.json() if kv is not None else None
+            before = befores[rev] = _value(kv.value) if kv is not None else None
             # the epoch it follows: what a host that adopts the record marks with it (_adopt)
             sent = {**progress, "prior_epoch": before.get("epoch") if before else None}
             ok, kv = await self.etcd.compare_and_put_get(
-                self.keys.progress, json.dumps(sent, sort_keys=True), mod_revision=rev
+                self.keys.progress, encode(from_json(Progress, sent)), mod_revision=rev
             )
             self._progress = kv
             if ok:
@@ -242,7 +248,7 @@ class StepRecords:
         """Write the line of the progress record ``kv``, whose writer left the plan
         (``_orphaned``), and put the step into the job's stream again, on which this host's
         next records follow (:meth:`~elaswave.daemon.streams.JobStream.adopted`)."""
-        value = kv.json()
+        value = _value(kv.value)
         line = _line(value)
         self.metrics.write(line)
         if self.stream is not None:
@@ -257,7 +263,7 @@ class StepRecords:
         writes the line from the record, with the writer's token (a reader keeps one line per
         token: :func:`~elaswave.events.distinct_records`, should the first writer have written
         it after all)."""
-        value, hosts = kv.json(), self.planned_hosts()
+        value, hosts = _value(kv.value), self.planned_hosts()
         writer = str(value.get("writer") or "")
         host = writer.rpartition("/")[0]
         return (
@@ -271,7 +277,7 @@ class StepRecords:
         came back), else the last it saw in etcd (what a local line comes after)."""
         if self._local is not None:
             return self._local
-        return self._progress.json() if self._progress is not None else None
+        return _value(self._progress.value) if self._progress is not None else None
 
     async def _progress_landed(self, kv: KV, writer: str, tried: list[int]) -> int | None:
         """Whether the progress record ``kv`` is (or was, right after one of the revisions a
@@ -281,7 +287,7 @@ class StepRecords:
             return tried[-1] if tried else kv.mod_revision - 1
         for rev in tried:
             value = await self.etcd.first_put_after(self.keys.progress, rev)
-            if value is not None and json.loads(value).get("writer") == writer:
+            if value is not None and _value(value).get("writer") == writer:
                 return rev
         return None
 
@@ -302,7 +308,9 @@ class StepRecords:
         async def roll_back() -> None:
             self.metrics.keep_only(lambda r: int(r.get("step", 0)) <= step)
             self._progress = None
-            revision = await self.etcd.put_json(self.keys.progress, progress)
+            revision = await self.etcd.put(
+                self.keys.progress, encode(from_json(Progress, progress))
+            )
             if self.stream is not None:
                 self.stream.rolled_back(step, found_at=found_at, revision=revision)
             self._last_writer = writer
@@ -330,12 +338,21 @@ def _line(progress: dict[str, Any]) -> dict[str, Any]:
     return {key: progress.get(key) for key in RECORD}
 
 
+def _value(raw: bytes) -> dict[str, Any]:
+    """A progress record as read from etcd, checked (:class:`~elaswave.wire_etcd.Progress`);
+    one that does not decode is logged and read as empty (no step: the next write replaces it)."""
+    try:
+        return decode(Progress, raw).fields()
+    except WireError as exc:
+        log.error("a malformed progress record in etcd: %s", exc)
+        return {}
+
+
 def _writer(kv: KV) -> str | None:
     """The writer token of a progress record (None: a record without one)."""
-    value = kv.json()
-    return value.get("writer") if isinstance(value, dict) else None
+    return _value(kv.value).get("writer")
 
 
 def _covers(kv: KV, step: int) -> bool:
     """Whether the progress record ``kv`` is at ``step`` or past it."""
-    return int(kv.json().get("step", 0)) >= step
+    return int(_value(kv.value).get("step", 0)) >= step

@@ -16,14 +16,16 @@ Its parts live apart: the worker pool (:mod:`~elaswave.daemon.pool`), the hang d
 (:mod:`~elaswave.daemon.compute`), the step records (:mod:`~elaswave.daemon.records`) and the
 job's event stream hung off them (:mod:`~elaswave.daemon.streams`), the control plane, the fault
 relay, and the campaign for leader (:mod:`~elaswave.daemon.leader`, on the
-job's keys through a :class:`~elaswave.daemon.jobstore.JobStore`).
+job's keys through a :class:`~elaswave.daemon.jobstore.JobStore`). Each part declares what it
+reads of the daemon as a protocol of its own (``PoolHost``, ``FaultHost``, ``PlaneHost``,
+``EntryHost``, ``ChannelHost``), which this class satisfies, and owns what it decides: the pool
+its workers, the control plane the host lease, the entry whether the job resumes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import signal
@@ -47,7 +49,7 @@ from elaswave.daemon.etcd_connect import EtcdSecurity
 from elaswave.daemon.etcd_server import EmbeddedEtcd
 from elaswave.daemon.faultrelay import FaultRelay
 from elaswave.daemon.hangs import detect_hangs
-from elaswave.daemon.jobstore import JobStore, PlanError, decode_plan
+from elaswave.daemon.jobstore import JobStore, PlanError
 from elaswave.daemon.leader import Candidate, Leadership, campaign, succession_turn
 from elaswave.daemon.metrics import DaemonMetrics, worker_state
 from elaswave.daemon.netns import current_netns
@@ -68,6 +70,8 @@ from elaswave.events import EVENTS_FILE, METRICS_FILE, EventLog, JsonlWriter
 from elaswave.keys import JobKeys
 from elaswave.planning.plan import Plan
 from elaswave.planning.relaunch import Records
+from elaswave.wire import WireError
+from elaswave.wire_etcd import HostInfo, JobStop, Progress, decode
 
 if TYPE_CHECKING:
     from elaswave.daemon.streams import JobStream
@@ -125,7 +129,6 @@ class HostDaemon:
         self.store_up = asyncio.Event()  # the store serves: this host may lead (plans name it)
         self.channel = WorkerChannel(self)  # the workers' connections and their messages
         self.control = ControlServer(self.channel.on_message, self.channel.on_disconnect)
-        self.workers: dict[str, WorkerProc] = {}
         self.plan: Plan | None = None
         self.leadership = Leadership()
         self.stopping = False
@@ -135,7 +138,8 @@ class HostDaemon:
         self.embedded = embedded  # an etcd this launch started: restarted if it exits
         self.stopped: str | None = None  # the leader's verdict that ended the job
         self.compute = ComputeTimes()  # the workers' compute times, shared with the leader
-        self.pool = WorkerPool(self)  # spawns, watches, respawns, fences and evicts workers
+        # spawns, watches, respawns, fences and evicts workers; owns the table of them
+        self.pool = WorkerPool(self, finished=self.finished)
         self.faults = FaultRelay(self)  # fault requests from etcd to this host's workers
         self.cp = ControlPlane(self)  # etcd outages, the outbox, the lease, the embedded etcd
         self.entry = JobEntry(self)  # joins the job: starts it, resumes it, or refuses
@@ -182,10 +186,9 @@ class HostDaemon:
         self.jobstore = JobStore(self.etcd, self.keys)
         self.records = StepRecords(
             self.etcd, self.keys, self.metrics, outbox=self.outbox,
-            host_id=self.host_id, total_steps=self.cfg.train.steps,
+            host_id=self.host_id, total_steps=self.cfg.train.steps, stream=self.stream,
+            planned_hosts=lambda: set(self.plan.hosts) if self.plan else None,
         )  # fmt: skip
-        self.records.stream = self.stream
-        self.records.planned_hosts = lambda: set(self.plan.hosts) if self.plan else None
         try:
             self.resuming = await self.entry.join()
             self.cp.joined()
@@ -210,7 +213,8 @@ class HostDaemon:
                 asyncio.create_task(self._publish_compute(), name="compute"),
             ]
             if self.embedded is not None:
-                self._tasks.append(asyncio.create_task(self.cp.supervise_etcd(), name="etcd"))
+                supervise = self.cp.supervise_etcd(self.embedded)
+                self._tasks.append(asyncio.create_task(supervise, name="etcd"))
             await self._preflight()
             if (
                 (self.resuming or self.cfg.resume or self.cfg.durable_every)
@@ -313,14 +317,13 @@ class HostDaemon:
     async def _watch_progress(self) -> None:
         """The job's progress record, every write of it, into the metrics."""
         assert self.prom is not None
-        rev = await self.etcd.revision()
-        kv = await self.etcd.get(self.keys.progress)
-        if kv is not None:
-            self.prom.progress(kv.json())
-        async for ev in self.etcd.watch_prefix(self.keys.progress, start_revision=rev + 1):
-            if ev.key == self.keys.progress and ev.kind == "put":
-                with contextlib.suppress(ValueError):
-                    self.prom.progress(json.loads(ev.value))
+        async for value in self.etcd.values(self.keys.progress):
+            try:
+                record = decode(Progress, value)
+            except WireError as exc:
+                log.error("ignoring a progress record: %s", exc)
+                continue
+            self.prom.progress(record.fields())
 
     @property
     def worker_step(self) -> int:
@@ -373,16 +376,16 @@ class HostDaemon:
         )
         self.finished.set()
 
-    def host_info(self) -> dict[str, Any]:
-        return {
-            "host": self.host_id,
-            "addr": self.host_addr,
-            "pid": os.getpid(),
-            "nproc": self.cfg.elastic.nproc_per_node,
-            "run_dir": str(self.run_dir.resolve()),
-            "netns": current_netns(),
-            "started": self.entry.joined_at,
-        }
+    def host_info(self) -> HostInfo:
+        return HostInfo(
+            host=self.host_id,
+            addr=self.host_addr,
+            pid=os.getpid(),
+            nproc=self.cfg.elastic.nproc_per_node,
+            run_dir=str(self.run_dir.resolve()),
+            netns=current_netns(),
+            started=self.entry.joined_at,
+        )
 
     async def _wait_for_other_hosts(self) -> None:
         deadline = (
@@ -407,9 +410,7 @@ class HostDaemon:
         if done:
             step = self.records.final_step
             self.events.emit("job_done", host=self.host_id, step=step)
-            self.outbox.put(
-                "done", lambda: self.etcd.put_json(self.keys.done, {"step": step, "t": time.time()})
-            )
+            self.outbox.put("done", lambda: self.jobstore.finish_job(step))
             return 0
         done_elsewhere = False
         with contextlib.suppress(EtcdUnavailable):
@@ -467,6 +468,16 @@ class HostDaemon:
 
     # ---- what the parts read of the daemon ---------------------------------------------------
     @property
+    def workers(self) -> dict[str, WorkerProc]:
+        """This host's workers, by worker id (the pool's)."""
+        return self.pool.workers
+
+    @property
+    def control_path(self) -> str:
+        """The control socket this host's workers connect to."""
+        return self.control.path
+
+    @property
     def conns(self) -> dict[str, WorkerConn]:
         """The live control connections, by worker."""
         return self.channel.conns
@@ -501,16 +512,16 @@ class HostDaemon:
 
     async def _watch_stop(self) -> None:
         """The leader's verdict to end the whole job (restart loop): stop everything here."""
-        rev = await self.etcd.revision()
-        kv = await self.etcd.get(self.keys.stop)
-        value = kv.value if kv is not None else None
-        if value is None:
-            async for ev in self.etcd.watch_prefix(self.keys.stop, start_revision=rev + 1):
-                if ev.key == self.keys.stop and ev.kind == "put":
-                    value = ev.value
-                    break
-        assert value is not None
-        self.stopped = str(json.loads(value)["reason"])
+        async for value in self.etcd.values(self.keys.stop):
+            try:
+                verdict = decode(JobStop, value)
+            except WireError as exc:
+                log.error("ignoring a stop verdict: %s", exc)
+                continue
+            break
+        else:
+            return
+        self.stopped = verdict.reason
         self.stopping = True  # no respawns; exits from here on are ours
         self.events.emit("job_stopped", host=self.host_id, reason=self.stopped)
         self.finished.set()
@@ -518,12 +529,10 @@ class HostDaemon:
     # ---- plans and faults -------------------------------------------------------------------
     async def _watch_plans(self) -> None:
         async for plan in self.jobstore.plans(lambda: self.plan):
-            self._adopt_checked(plan)
+            self.adopt(plan)
 
-    def adopt_json(self, value: bytes) -> None:
-        self._adopt_checked(decode_plan(value))
-
-    def _adopt_checked(self, plan: Plan | PlanError) -> None:
+    def adopt(self, plan: Plan | PlanError) -> None:
+        """A plan read from etcd: followed if it is newer, recorded if it does not decode."""
         if isinstance(plan, PlanError):  # JSON only; a bad value is ignored
             log.warning("ignoring a malformed plan in etcd: %s", plan)
             self.events.emit("plan_rejected", reason=str(plan))

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from elaswave.daemon.template import Adopted, Template, TemplateGone
 from elaswave.runtime.device import nccl_environment
+from elaswave.wire_etcd import WorkerInfo
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +32,7 @@ class WorkerProc:
     phase: str = "idle"
     phase_age: float = 0.0  # how long the worker had been in ``phase`` at that heartbeat
     step: int = 0  # its last committed step, as its newest heartbeat said
-    info: dict[str, object] | None = None  # its worker key's value in etcd (set when ready)
+    info: WorkerInfo | None = None  # its worker key's value in etcd (set when ready)
     kill_reason: str | None = None  # set when the daemon kills it (hang)
     detect_delay: float = 0.0  # a kill fault sent to it asks for its death to be reported late
     waiter: asyncio.Task[None] | None = field(default=None, repr=False)

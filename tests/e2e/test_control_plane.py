@@ -321,7 +321,7 @@ def test_embedded_etcd_that_does_not_come_back(tmp_path: Path, capfd: Any) -> No
 
     etcd = EmbeddedEtcd().start()
     log = EventLog(tmp_path / "events.jsonl")
-    daemon = SimpleNamespace(host_id="h0", embedded=etcd, events=log)
+    daemon = SimpleNamespace(host_id="h0", events=log)
     blocker = socket.socket()
     blocker.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
 
@@ -329,7 +329,7 @@ def test_embedded_etcd_that_does_not_come_back(tmp_path: Path, capfd: Any) -> No
         db = await Etcd.connect([etcd.endpoint], prefix="/elaswave/t/")
         await db.put("/elaswave/t/kept", "across restarts")
         await db.close()
-        task = asyncio.create_task(ControlPlane(daemon).supervise_etcd())  # type: ignore[arg-type]
+        task = asyncio.create_task(ControlPlane(daemon).supervise_etcd(etcd))  # type: ignore[arg-type]
         etcd.kill()
         blocker.bind((etcd.host, etcd.client_port))
         blocker.listen()

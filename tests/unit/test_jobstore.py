@@ -20,6 +20,14 @@ from elaswave.faults import FaultKind, FaultSpec, decode_request
 from elaswave.keys import JobKeys
 from elaswave.planning import planwire
 from elaswave.planning.plan import Plan
+from elaswave.wire_etcd import (
+    Incident,
+    LayerCostsReport,
+    Speeds,
+    WorkerInfo,
+    WorkerLayerCosts,
+    WorkerSpeed,
+)
 
 T = TypeVar("T")
 _jobs = itertools.count()
@@ -238,9 +246,12 @@ def test_workers_are_listed_with_their_registration_order(endpoint: str) -> None
             info = {"worker_id": wid, "host": wid.split(".")[0], "pid": 1, "slot": 0, **extra}
             await s.etcd.put_json(s.keys.worker(wid), info)
         await s.etcd.put_json(s.keys.worker("h0.w2"), {"worker_id": "h0.w2", "host": "h0",
+                                                        "pid": 1, "slot": 2,
                                                         "layer_estimate": []})  # fmt: skip
         # Registered again (its host renewed an expired lease): it keeps its place.
-        await s.etcd.put_json(s.keys.worker("h1.w0"), {"worker_id": "h1.w0", "host": "h1"})
+        await s.register_worker(WorkerInfo(worker_id="h1.w0", host="h1", pid=2, slot=0), lease=None)
+        # A malformed worker key is left out (logged), the others are read.
+        await s.etcd.put_json(s.keys.worker("h9.w0"), {"worker_id": "h9.w0", "host": "h9"})
         records = {r.worker_id: r for r in await s.workers()}
         assert set(records) == {"h0.w0", "h0.w1", "h0.w2", "h1.w0"}
         by_order = sorted(records.values(), key=lambda r: r.order)
@@ -302,12 +313,17 @@ def test_online_costs_of_live_workers_only(endpoint: str) -> None:
     async def body(s: JobStore) -> list[dict[str, float]]:
         await s.share_layer_costs(
             "h0",
-            {
-                "h0.w0": {"step": 4, "epoch": 1, "layer_seconds": {"0": 0.1, "1": 0.2}},
-                "h0.w1": {"step": 4, "epoch": 1, "layer_seconds": {"0": 0.3}},  # not live
-                "h0.w2": {"step": 4, "epoch": 1, "layer_seconds": [0.1]},  # malformed
-            },
+            LayerCostsReport(
+                {
+                    "h0.w0": WorkerLayerCosts(step=4, epoch=1, layer_seconds={"0": 0.1, "1": 0.2}),
+                    "h0.w1": WorkerLayerCosts(step=4, epoch=1, layer_seconds={"0": 0.3}),  # gone
+                }
+            ),
             lease=None,
+        )
+        await s.etcd.put_json(
+            s.keys.costs + "h2",
+            {"h0.w2": {"step": 4, "epoch": 1, "layer_seconds": [0.1]}},  # malformed
         )
         await s.etcd.put(s.keys.costs + "h1", json.dumps(["not", "a", "mapping"]))
         return await s.online_costs({"h0.w0", "h0.w2", "h1.w0"})
@@ -318,11 +334,11 @@ def test_online_costs_of_live_workers_only(endpoint: str) -> None:
 def test_incidents_keep_the_newest(endpoint: str) -> None:
     async def body(s: JobStore) -> Any:
         for epoch in range(1, 6):
-            await s.record_incident({"epoch": epoch}, keep=3)
+            await s.record_incident(Incident(t=0.5, epoch=epoch, reason="r", fault=False), keep=3)
         kv = await s.etcd.get(s.keys.incidents)
         return kv.json() if kv else None
 
-    assert run(endpoint, body) == [{"epoch": 3}, {"epoch": 4}, {"epoch": 5}]
+    assert [i["epoch"] for i in run(endpoint, body)] == [3, 4, 5]
 
 
 def test_faults_stop_and_done(endpoint: str) -> None:
@@ -425,10 +441,12 @@ def test_changes_name_what_planning_reacts_to(endpoint: str) -> None:
 
         task = asyncio.create_task(collect())
         await s.etcd.put(k.host("h2"), "{}")  # a host joins: nothing to plan
-        await s.etcd.put_json(k.worker("h1.w0"), {"worker_id": "h1.w0", "host": "h1"}, lease=lease)
+        worker = WorkerInfo(worker_id="h1.w0", host="h1", pid=1, slot=0)
+        await s.register_worker(worker, lease=lease)
         await s.etcd.put(k.departures + "h1.w1", "gone")
         await s.etcd.delete(k.departures + "h1.w1")  # taken by the planner: nothing
-        await s.share_speeds("h1", {"h1.w0": {"epoch": 1, "per_mb": [0.5]}}, lease=lease)
+        speeds = Speeds({"h1.w0": WorkerSpeed(epoch=1, per_mb=[0.5])})
+        await s.share_speeds("h1", speeds, lease=lease)
         await s.etcd.put(k.plan, planwire.encode(_plan(1, ["h1.w0"])))  # the plan itself: nothing
         await s.etcd.put_json(k.progress, {"step": 1})  # progress: nothing
         await s.etcd.revoke_lease(lease)  # h1 goes: its host, worker and speed keys
@@ -443,7 +461,7 @@ def test_changes_name_what_planning_reacts_to(endpoint: str) -> None:
         (Change.MEMBERSHIP, ""),  # the departure
         (Change.SPEED, "h1"),
     ]
-    assert seen[2].speeds == {"h1.w0": {"epoch": 1, "per_mb": [0.5]}}
+    assert seen[2].speeds == Speeds({"h1.w0": WorkerSpeed(epoch=1, per_mb=[0.5])})
     # what the leader keeps its roster with: the record registered, the worker whose key went
     assert seen[0].worker is not None and seen[0].worker.worker_id == "h1.w0"
     assert [c.gone for c in seen[3:6] if c.gone] == ["h1.w0"]

@@ -65,7 +65,8 @@ class Host:
 async def _register(etcd: Etcd, keys: JobKeys, host_id: str, lease: Any, slot: int = 0) -> str:
     wid = f"{host_id}.w{slot}"
     await etcd.put(keys.host(host_id), "{}", lease=lease)
-    await etcd.put(keys.worker(wid), json.dumps({"worker_id": wid, "host": host_id}), lease=lease)
+    info = {"worker_id": wid, "host": host_id, "pid": 1, "slot": slot}
+    await etcd.put(keys.worker(wid), json.dumps(info), lease=lease)
     return wid
 
 

@@ -27,7 +27,7 @@ class FakeEtcd:
         self.revision = 10
         self.lose_answers = lose_answers
 
-    def put(self, value: dict[str, Any]) -> None:
+    def record(self, value: dict[str, Any]) -> None:
         self.revision += 1
         self.history.append((self.revision, json.dumps(value).encode()))
 
@@ -41,7 +41,7 @@ class FakeEtcd:
         current = self.history[-1][0] if self.history else 0
         if current != mod_revision:
             return False
-        self.put(json.loads(value))
+        self.record(json.loads(value))
         if self.lose_answers:
             self.lose_answers -= 1
             return False
@@ -93,7 +93,7 @@ def test_the_write_that_moves_progress_writes_the_line() -> None:
 
 def test_a_step_another_host_recorded_is_dropped() -> None:
     etcd = FakeEtcd()
-    etcd.put({"step": 3, "writer": "other host"})
+    etcd.record({"step": 3, "writer": "other host"})
     d, lines = _daemon(etcd)
     _land(d, 3, "a")  # a new rank 0 re-reports its resume step
     assert lines == []
@@ -101,7 +101,7 @@ def test_a_step_another_host_recorded_is_dropped() -> None:
 
 def test_a_write_whose_answer_was_lost_still_writes_its_line() -> None:
     etcd = FakeEtcd(lose_answers=1)
-    etcd.put({"step": 4, "writer": "earlier"})
+    etcd.record({"step": 4, "writer": "earlier"})
     d, lines = _daemon(etcd)
     _land(d, 5, "mine")
     assert steps(lines) == [5]
@@ -110,14 +110,14 @@ def test_a_write_whose_answer_was_lost_still_writes_its_line() -> None:
 
 def test_found_in_the_history_when_a_later_record_came_first() -> None:
     etcd = FakeEtcd(lose_answers=1)
-    etcd.put({"step": 4, "writer": "earlier"})
+    etcd.record({"step": 4, "writer": "earlier"})
     d, lines = _daemon(etcd)
     tried: list[int] = []
     original = etcd.compare_and_put
 
     async def lost_then_overtaken(key: str, value: str, *, mod_revision: int) -> bool:
         ok = await original(key, value, mod_revision=mod_revision)
-        etcd.put({"step": 6, "writer": "other host"})  # progress moved on before we re-read
+        etcd.record({"step": 6, "writer": "other host"})  # progress moved on before we re-read
         return ok
 
     etcd.compare_and_put = lost_then_overtaken  # type: ignore[method-assign]
@@ -158,7 +158,7 @@ def test_a_stale_guess_never_records_a_step_twice() -> None:
     etcd = FakeEtcd()
     d, lines = _daemon(etcd)
     _land(d, 1, "a1")
-    etcd.put({"step": 2, "writer": "other host"})
+    etcd.record({"step": 2, "writer": "other host"})
     _land(d, 2, "a2")
     assert steps(lines) == [1]
 
@@ -170,7 +170,7 @@ def test_after_another_host_rolled_back_a_fresh_read_decides() -> None:
     d, lines = _daemon(etcd)
     for step in (1, 2, 3):
         _land(d, step, f"a{step}")
-    etcd.put({"step": 1, "rolled_back": True})
+    etcd.record({"step": 1, "rolled_back": True})
     _land(d, 2, "a2-redone")
     assert steps(lines) == [1, 2, 3, 2]
 
@@ -180,7 +180,7 @@ def test_the_stream_gets_the_record_the_write_replaced() -> None:
     (its epoch says which plans came in between), the write's revision (its files' order), and
     whether this host wrote the record before it — also when etcd's answer was lost."""
     etcd = FakeEtcd(lose_answers=1)
-    etcd.put({"step": 4, "writer": "other host", "epoch": 1})
+    etcd.record({"step": 4, "writer": "other host", "epoch": 1})
     d, lines = _daemon(etcd)
     calls: list[dict[str, Any]] = []
     d.stream = SimpleNamespace(landed=lambda record, progress, **kw: calls.append(kw))
@@ -207,7 +207,7 @@ def test_a_record_whose_writer_left_the_plan_is_written_again_from_etcd() -> Non
     now on h1, re-reports step 7: h2 is not in the plan, so h1 writes the line from the
     progress record, with h2's token (a reader keeps one line per token)."""
     etcd = FakeEtcd()
-    etcd.put({**RECORD, "samples_per_s": 9.0, "total_steps": 30, "writer": "h2/abc"})
+    etcd.record({**RECORD, "samples_per_s": 9.0, "total_steps": 30, "writer": "h2/abc"})
     d, lines = _daemon(etcd)
     d.planned_hosts = lambda: {"h0", "h1"}
     _land(d, 7, "h1/def")
@@ -222,7 +222,7 @@ def test_a_record_of_a_writer_still_in_the_plan_or_rolled_back_is_not_written_ag
         ({**RECORD, "writer": "h2/abc"}, None),  # no plan yet
     ):
         etcd = FakeEtcd()
-        etcd.put(value)
+        etcd.record(value)
         d, lines = _daemon(etcd)
         d.planned_hosts = lambda planned=planned: planned
         _land(d, 7, "h1/def")
