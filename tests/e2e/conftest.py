@@ -241,14 +241,35 @@ def paced(env: dict[str, str], device_time: float) -> dict[str, str]:
     return {**env, "ELASWAVE_TRAIN__DEVICE_TIME": str(device_time)}
 
 
-def float64_run(factory: pytest.TempPathFactory, job_id: str, steps: int) -> Run:
-    """A fault-free data-parallel run in the deterministic mode (float64 reduction): the run
-    that faults of any kind, under any strategy, must match bit for bit."""
-    base = factory.mktemp(job_id)
-    env = {**os.environ, "ELASWAVE_STATE_DIR": str(base / "state"), **F64}
-    r = launch(base / "run", "--job-id", job_id, "--steps", str(steps), env=env)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return Run(base / "run")
+class Float64Runs:
+    """Fault-free data-parallel runs in the deterministic mode (float64 reduction): the runs
+    that faults of any kind, under any strategy, must match bit for bit. One run per
+    configuration (steps and the settings given) per session, however many tests and files
+    compare with it: the job id and the state directory change no bit of a run."""
+
+    def __init__(self, factory: pytest.TempPathFactory) -> None:
+        self.factory = factory
+        self.runs: dict[tuple[int, tuple[tuple[str, str], ...]], Run] = {}
+
+    def __call__(self, steps: int, settings: dict[str, str] | None = None) -> Run:
+        """The run of ``steps`` steps with the environment ``settings`` (``ELASWAVE_*``
+        overrides; the same config is the same run)."""
+        key = (steps, tuple(sorted((settings or {}).items())))
+        if key not in self.runs:
+            job_id = f"f64-ref-{len(self.runs)}"
+            base = self.factory.mktemp(job_id)
+            env = {**os.environ, "ELASWAVE_STATE_DIR": str(base / "state"), **F64}
+            env.pop("ELASWAVE_FAULTS", None)
+            env.update(settings or {})
+            r = launch(base / "run", "--job-id", job_id, "--steps", str(steps), env=env)
+            assert r.returncode == 0, r.stderr[-3000:]
+            self.runs[key] = Run(base / "run")
+        return self.runs[key]
+
+
+@pytest.fixture(scope="session")
+def float64_runs(tmp_path_factory: pytest.TempPathFactory) -> Float64Runs:
+    return Float64Runs(tmp_path_factory)
 
 
 @pytest.fixture(scope="session")

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import F64, Run, assert_clean_run, float64_run, launch
+from conftest import F64, Float64Runs, Run, assert_clean_run, launch
 
 from elaswave.report import build_report
 
@@ -95,8 +95,8 @@ SDC_STEPS = 16
 
 
 @pytest.fixture(scope="module")
-def float64_reference(tmp_path_factory: pytest.TempPathFactory) -> Run:
-    return float64_run(tmp_path_factory, "sdc-ref", SDC_STEPS)
+def float64_reference(float64_runs: Float64Runs) -> Run:
+    return float64_runs(SDC_STEPS)
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import F64, Run, assert_clean_run, float64_run, paced, read_jsonl, wait_for
+from conftest import F64, Float64Runs, Run, assert_clean_run, paced, read_jsonl, wait_for
 from netbed import NetBed, netbed_fixture  # noqa: F401 - provides the netbed_factory fixture
 
 from elaswave.runtime.durable import checkpoints
@@ -27,8 +27,8 @@ LOSS_TOL = 5e-4  # int8 between hosts: relative distance from the exact curve (m
 
 
 @pytest.fixture(scope="module")
-def single_host(tmp_path_factory: pytest.TempPathFactory) -> Run:
-    return float64_run(tmp_path_factory, "hier-ref", STEPS)
+def single_host(float64_runs: Float64Runs) -> Run:
+    return float64_runs(STEPS)
 
 
 def _run(

@@ -1,8 +1,9 @@
 """Data × pipeline parallelism: a lost stage is taken over by its replica's surviving stages.
 
 Real etcd, real worker processes, real SIGKILL, gloo point-to-point between stages. Every run is
-compared with the fault-free data-parallel run of the same model (the ``reference`` fixture):
-pipelining changes who computes what, never the global batch or the per-sample randomness.
+compared with the fault-free data-parallel run of the same model (the ``reference`` and
+``float64_runs`` fixtures): pipelining changes who computes what, never the global batch or the
+per-sample randomness.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from pathlib import Path
 
 import pytest
 from conftest import (
+    F64,
+    Float64Runs,
     Run,
     assert_clean_run,
     assert_groups_edited,
@@ -61,21 +64,29 @@ def _redid_the_damaged_replicas(run: Run, plan: dict, dead: set[str]) -> list[li
     return redone
 
 
-def _bit_identical_to_data_parallel(tmp_path: Path, env: dict, steps: int, *args: str) -> Run:
-    """Run a fault-free data-parallel job and the pipelined job ``args`` in the deterministic
-    mode (float64 reduction); every loss, the final parameters and the final optimizer state
-    (assembled from the stages) must be bit-identical."""
-    env = {**env, "ELASWAVE_TRAIN__REDUCE_DTYPE": "float64"}
-    r = launch(tmp_path / "dp", "--job-id", "dp-f64", "--steps", str(steps), env=env)
-    assert r.returncode == 0, r.stderr[-3000:]
+def _bit_identical_to_data_parallel(
+    float64_runs: Float64Runs,
+    tmp_path: Path,
+    env: dict,
+    steps: int,
+    *args: str,
+    settings: dict[str, str] | None = None,
+) -> tuple[Run, Run]:
+    """The pipelined job ``args`` in the deterministic mode (float64 reduction) and the
+    fault-free data-parallel run of the same ``steps`` and ``settings`` (environment overrides
+    both runs take); every loss, the final parameters and the final optimizer state (assembled
+    from the stages) must be bit-identical. ``env`` is the pipelined job's own (its pacing, its
+    emulated links: what sets when things happen, never a value). Returns both runs."""
+    dp = float64_runs(steps, settings)
+    env = {**env, **F64, **(settings or {})}
     r = launch(tmp_path / "pp", "--steps", str(steps), *args, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
-    dp, run = Run(tmp_path / "dp"), Run(tmp_path / "pp")
+    run = Run(tmp_path / "pp")
     assert_clean_run(run, steps, dp)
     assert run.losses == dp.losses  # bit for bit, step by step
     for key in ("params_sha256", "state_sha256"):
         assert {f[key] for f in run.of("final_state")} == {f[key] for f in dp.of("final_state")}
-    return run
+    return run, dp
 
 
 def test_stage_loss_async_then_second_fault(
@@ -117,15 +128,18 @@ def test_stage_loss_async_then_second_fault(
     assert {m["samples"] for m in run.metrics if m["step"] == STEPS} == {STEPS * 32}
 
 
-def test_middle_stage_loss_blocking_is_bit_identical(tmp_path: Path, state_env: dict) -> None:
+def test_middle_stage_loss_blocking_is_bit_identical(
+    tmp_path: Path, state_env: dict, float64_runs: Float64Runs
+) -> None:
     """dp=2 × pp=3: the middle stage of replica 0 dies; its layers are split over the two
     surviving stages with a blocking migration. In the deterministic mode (float64 reduction)
     every loss and the final model are bit-identical to a fault-free data-parallel run. The
     layers travel over an emulated 20 MB/s link: receivers wait at least bytes / bandwidth."""
     env = {**state_env, "ELASWAVE_TRAIN__STATE_BANDWIDTH": "20"}
-    run = _bit_identical_to_data_parallel(
-        tmp_path, env, 8, "--job-id", "pp-mid", "--pp", "3", "--nproc-per-node", "6",
-        "--migration", "blocking", "--fault", "kill,rank=1,at_step=4,detect_delay=1",
+    run, _ = _bit_identical_to_data_parallel(
+        float64_runs, tmp_path, env, 8, "--job-id", "pp-mid", "--pp", "3",
+        "--nproc-per-node", "6", "--migration", "blocking",
+        "--fault", "kill,rank=1,at_step=4,detect_delay=1",
     )  # fmt: skip
     plans = _pipeline_plans(run)
     assert [p["world"] for p in plans] == [6, 5]
@@ -156,7 +170,7 @@ def test_middle_stage_loss_blocking_is_bit_identical(tmp_path: Path, state_env: 
 
 @pytest.mark.parametrize("reduce", ["holders", "all"])
 def test_clipping_by_the_global_norm_across_stages_is_bit_identical(
-    tmp_path: Path, state_env: dict, reference: Run, reduce: str
+    tmp_path: Path, state_env: dict, float64_runs: Float64Runs, reference: Run, reduce: str
 ) -> None:
     """dp=2 × pp=2 with gradient clipping: each rank adds the squared norms of the layers it is
     the first holder of and one all-reduce sums them, in layer order; a stage dies and its
@@ -164,10 +178,11 @@ def test_clipping_by_the_global_norm_across_stages_is_bit_identical(
     Every loss and the final state stay bit-identical to data parallelism with the same clip,
     whether gradients are summed among holders or (``grad_reduce: all``, the comparison mode
     of ``bench gradstep``) over every rank."""
-    env = {**state_env, "ELASWAVE_TRAIN__GRAD_CLIP": "0.25", "ELASWAVE_GRAD_REDUCE": reduce}
-    run = _bit_identical_to_data_parallel(
-        tmp_path, env, 8, "--job-id", "pp-clip", "--pp", "2", "--migration", "async",
-        "--fault", "kill,rank=1,at_step=4,detect_delay=1",
+    settings = {"ELASWAVE_TRAIN__GRAD_CLIP": "0.25", "ELASWAVE_GRAD_REDUCE": reduce}
+    run, dp = _bit_identical_to_data_parallel(
+        float64_runs, tmp_path, state_env, 8, "--job-id", "pp-clip", "--pp", "2",
+        "--migration", "async", "--fault", "kill,rank=1,at_step=4,detect_delay=1",
+        settings=settings,
     )  # fmt: skip
     # Only replica 0's micro-batches ran again, all on replica 1 (replica 0's survivor waits
     # for its layers), in the mode that sums over every rank too.
@@ -179,7 +194,7 @@ def test_clipping_by_the_global_norm_across_stages_is_bit_identical(
     synced = [e for e in run.of("state_synced") if e["epoch"] == 2]
     assert {e["migration"] for e in synced} == {"async"}
     first = [e for e in run.of("state_synced") if e["epoch"] == 1]
-    dp_memory = build_report(tmp_path / "dp")["totals"]["memory"].values()
+    dp_memory = build_report(dp.dir)["totals"]["memory"].values()
     (params,) = {m["param_bytes"] for m in dp_memory}  # the whole model, on every dp rank
     whole = 2 * params  # the model's gradient in the float64 reduction
     if reduce == "all":  # one all-reduce of the whole model over the 4 ranks
@@ -193,7 +208,7 @@ def test_clipping_by_the_global_norm_across_stages_is_bit_identical(
     ("zero", "migration"), [("1", "async"), ("1", "blocking"), ("3", "blocking")]
 )
 def test_zero_inside_stages_survives_two_losses_bit_identical(
-    tmp_path: Path, state_env: dict, zero: str, migration: str
+    tmp_path: Path, state_env: dict, float64_runs: Float64Runs, zero: str, migration: str
 ) -> None:
     """dp=3 × pp=2 with ZeRO inside the stages: each layer's Adam moments (ZeRO-3: and its
     parameters, between steps) are cut over its three holders and every part is kept by two of
@@ -202,9 +217,9 @@ def test_zero_inside_stages_survives_two_losses_bit_identical(
     nothing is lost, and in the deterministic mode every loss, the final parameters and the
     final optimizer state are bit-identical to a fault-free data-parallel run, whether the lost
     layers and moment parts move in the background or before training resumes."""
-    run = _bit_identical_to_data_parallel(
-        tmp_path, state_env, 10, "--job-id", "pp-zero", "--pp", "2", "--nproc-per-node", "6",
-        "--zero", zero, "--migration", migration,
+    run, _ = _bit_identical_to_data_parallel(
+        float64_runs, tmp_path, state_env, 10, "--job-id", "pp-zero", "--pp", "2",
+        "--nproc-per-node", "6", "--zero", zero, "--migration", migration,
         "--fault", "kill,rank=1,at_step=4,detect_delay=1",
         "--fault", "kill,rank=3,at_step=7,phase=optimizer",
     )  # fmt: skip
@@ -244,16 +259,17 @@ def test_zero_inside_stages_survives_two_losses_bit_identical(
 
 @pytest.mark.parametrize("zero", ["1", "3"])
 def test_zero_inside_two_by_two_stages_redoes_only_the_damaged_replica_blocking(
-    tmp_path: Path, state_env: dict, zero: str
+    tmp_path: Path, state_env: dict, float64_runs: Float64Runs, zero: str
 ) -> None:
     """dp=2 × pp=2 with ZeRO inside the stages and a blocking migration: replica 0's last
     stage dies mid-step; its layers and their moment parts (ZeRO-3: with their parameters)
     reach replica 0's survivor before training resumes, and only replica 0's micro-batches are
     computed again, by both replicas (the intact replica keeps its sums; replica 0's survivor,
     now holding every layer, starts from zero). Bit-identical to data parallelism."""
-    run = _bit_identical_to_data_parallel(
-        tmp_path, state_env, 8, "--job-id", "pp-zero22", "--pp", "2", "--zero", zero,
-        "--migration", "blocking", "--fault", "kill,rank=1,at_step=4,detect_delay=1",
+    run, _ = _bit_identical_to_data_parallel(
+        float64_runs, tmp_path, state_env, 8, "--job-id", "pp-zero22", "--pp", "2",
+        "--zero", zero, "--migration", "blocking",
+        "--fault", "kill,rank=1,at_step=4,detect_delay=1",
     )  # fmt: skip
     assert all(f["holders_agree"] for f in run.of("final_state"))
     plans = _pipeline_plans(run)
@@ -270,7 +286,7 @@ def test_zero_inside_two_by_two_stages_redoes_only_the_damaged_replica_blocking(
 
 
 def test_zero3_inside_stages_through_a_respawn_and_a_hang_bit_identical(
-    tmp_path: Path, state_env: dict
+    tmp_path: Path, state_env: dict, float64_runs: Float64Runs
 ) -> None:
     """dp=3 × pp=2 with ZeRO-3 inside the stages: rank 1 is SIGKILLed in step 3 and respawned;
     once it has joined (plan epoch 3) rank 2 hangs from step 8 (killed after 1.5 s, no restart
@@ -278,9 +294,9 @@ def test_zero3_inside_stages_through_a_respawn_and_a_hang_bit_identical(
     the ranks that keep them and gathers its stage's layers for its first step; every loss, the
     final parameters and the final optimizer state are data parallelism's, bit for bit."""
     steps = 14
-    run = _bit_identical_to_data_parallel(
-        tmp_path, paced(state_env, 0.05), steps, "--job-id", "pp-zero3-join", "--pp", "2",
-        "--nproc-per-node", "6", "--zero", "3", "--max-restarts", "1",
+    run, _ = _bit_identical_to_data_parallel(
+        float64_runs, tmp_path, paced(state_env, 0.05), steps, "--job-id", "pp-zero3-join",
+        "--pp", "2", "--nproc-per-node", "6", "--zero", "3", "--max-restarts", "1",
         "--fault", "kill,rank=1,at_step=3", "--fault", "hang,rank=2,at_step=8,epoch=3",
         "--hang-timeout", "1.5",
     )  # fmt: skip
@@ -320,16 +336,17 @@ def test_a_stage_budget_no_cut_meets_stops_the_job_in_one_line(
 
 
 def test_recycle_reroutes_a_lost_stage_to_its_peer_bit_identical(
-    tmp_path: Path, state_env: dict
+    tmp_path: Path, state_env: dict, float64_runs: Float64Runs
 ) -> None:
     """dp=2 × pp=2 under ``stage_loss: recycle`` (the ReCycle baseline): replica 0's last stage
     dies in step 4; its micro-batches run on replica 1's last stage, which runs both replicas'
     until the killed worker, respawned, takes a last stage back (its layers sent by the peer).
     Nothing else moves, the cuts and shares stay; every loss and the final model are
     bit-identical to the fault-free data-parallel run (float64 reduction)."""
-    run = _bit_identical_to_data_parallel(
-        tmp_path, paced(state_env, 0.03), 12, "--job-id", "pp-recycle", "--pp", "2",
-        "--stage-loss", "recycle", "--max-restarts", "1", "--fault", "kill,rank=1,at_step=4",
+    run, _ = _bit_identical_to_data_parallel(
+        float64_runs, tmp_path, paced(state_env, 0.03), 12, "--job-id", "pp-recycle",
+        "--pp", "2", "--stage-loss", "recycle", "--max-restarts", "1",
+        "--fault", "kill,rank=1,at_step=4",
     )  # fmt: skip
     plans = _pipeline_plans(run)
     assert [p["world"] for p in plans] == [4, 3, 4]
@@ -352,19 +369,19 @@ def test_recycle_reroutes_a_lost_stage_to_its_peer_bit_identical(
 
 
 def test_recycle_reroutes_to_the_least_loaded_peer_and_evaluates_bit_identical(
-    tmp_path: Path, state_env: dict
+    tmp_path: Path, state_env: dict, float64_runs: Float64Runs
 ) -> None:
     """dp=3 × pp=2 under ``stage_loss: recycle``, evaluating every 3 steps: replica 0's last
     stage dies and replica 1's runs it; then that peer dies too, and replica 2's last stage runs
     the last stage of all three replicas (each lost stage goes to the live peer with the fewest
     roles). Losses, evaluations and the final model bit-identical to data parallelism."""
-    env = {**state_env, "ELASWAVE_TRAIN__EVAL_EVERY": "3", "ELASWAVE_DATA__EVAL_SAMPLES": "16"}
-    run = _bit_identical_to_data_parallel(
-        tmp_path, env, 10, "--job-id", "pp-recycle3", "--pp", "2", "--nproc-per-node", "6",
-        "--stage-loss", "recycle",
+    settings = {"ELASWAVE_TRAIN__EVAL_EVERY": "3", "ELASWAVE_DATA__EVAL_SAMPLES": "16"}
+    run, dp = _bit_identical_to_data_parallel(
+        float64_runs, tmp_path, state_env, 10, "--job-id", "pp-recycle3", "--pp", "2",
+        "--nproc-per-node", "6", "--stage-loss", "recycle",
         "--fault", "kill,rank=1,at_step=3", "--fault", "kill,rank=3,at_step=6",
+        settings=settings,
     )  # fmt: skip
-    dp = Run(tmp_path / "dp")
     evals = [(m["step"], m["eval_loss"]) for m in run.evals]
     assert len(evals) == 3 and evals == [(m["step"], m["eval_loss"]) for m in dp.evals]
     plans = _pipeline_plans(run)
@@ -379,16 +396,16 @@ def test_recycle_reroutes_to_the_least_loaded_peer_and_evaluates_bit_identical(
 
 @pytest.mark.parametrize(("pp", "lost"), [(3, 1), (4, 4)])
 def test_recycle_reroutes_a_deeper_pipeline_bit_identical(
-    tmp_path: Path, state_env: dict, pp: int, lost: int
+    tmp_path: Path, state_env: dict, float64_runs: Float64Runs, pp: int, lost: int
 ) -> None:
     """dp=2 × pp=3 and 4 under ``stage_loss: recycle``: rank ``lost`` dies (replica 0's middle
     stage; replica 1's first stage, where one 1F1B order over both replicas would deadlock); the
     same stage of the other replica runs both replicas' micro-batches, one replica's after the
     other's, each between its own replica's neighbours. Losses and the final model
     bit-identical to data parallelism."""
-    run = _bit_identical_to_data_parallel(
-        tmp_path, state_env, 8, "--job-id", f"pp-recycle-{pp}", "--pp", str(pp),
-        "--nproc-per-node", str(2 * pp), "--stage-loss", "recycle",
+    run, _ = _bit_identical_to_data_parallel(
+        float64_runs, tmp_path, state_env, 8, "--job-id", f"pp-recycle-{pp}",
+        "--pp", str(pp), "--nproc-per-node", str(2 * pp), "--stage-loss", "recycle",
         "--fault", f"kill,rank={lost},at_step=3",
     )  # fmt: skip
     first, after = _pipeline_plans(run)

@@ -18,9 +18,9 @@ import pytest
 from conftest import (
     F64,
     REL_TOL,
+    Float64Runs,
     Run,
     assert_no_orphans,
-    float64_run,
     launch,
     paced,
     start,
@@ -127,8 +127,8 @@ ROT_STEPS = 24  # the rotten-checkpoint test's run: a kill, then three relaunche
 
 
 @pytest.fixture(scope="module")
-def f64_reference(tmp_path_factory: pytest.TempPathFactory) -> Run:
-    return float64_run(tmp_path_factory, "rot-ref", ROT_STEPS)
+def f64_reference(float64_runs: Float64Runs) -> Run:
+    return float64_runs(ROT_STEPS)
 
 
 def _rot(newest: Path, how: str) -> str:

@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 
 import pytest
-from conftest import F64, Run, assert_clean_run, assert_redid_only, float64_run, launch
+from conftest import F64, Float64Runs, Run, assert_clean_run, assert_redid_only, launch
 
 pytestmark = pytest.mark.e2e
 
@@ -22,8 +22,8 @@ SHARED = ("--workers-per-device", "2", "--steps", str(STEPS))
 
 
 @pytest.fixture(scope="module")
-def f64_reference(tmp_path_factory: pytest.TempPathFactory) -> Run:
-    run = float64_run(tmp_path_factory, "shared-ref", STEPS)
+def f64_reference(float64_runs: Float64Runs) -> Run:
+    run = float64_runs(STEPS)
     assert {e.get("staged", False) for e in run.of("comm_rebuilt")} == {False}
     return run
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import F64, Run, assert_clean_run, assert_redid_only, float64_run, launch
+from conftest import F64, Float64Runs, Run, assert_clean_run, assert_redid_only, launch
 
 pytestmark = pytest.mark.e2e
 
@@ -23,8 +23,8 @@ FAULT = "kill,rank=1,at_step=5,phase=forward,detect_delay=2"
 
 
 @pytest.fixture(scope="module")
-def float64_reference(tmp_path_factory: pytest.TempPathFactory) -> Run:
-    return float64_run(tmp_path_factory, "f64-ref", STEPS)
+def float64_reference(float64_runs: Float64Runs) -> Run:
+    return float64_runs(STEPS)
 
 
 @pytest.mark.parametrize(
