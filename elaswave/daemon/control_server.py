@@ -11,11 +11,11 @@ import contextlib
 import logging
 import os
 import shutil
-import tempfile
 from collections.abc import Awaitable, Callable
 
 from elaswave import wire
 from elaswave.daemon.aio import wait_for
+from elaswave.owneddirs import new_owned_dir
 
 log = logging.getLogger(__name__)
 
@@ -41,12 +41,15 @@ class WorkerConn:
 Handler = Callable[[WorkerConn, wire.WorkerMessage], Awaitable[None]]
 
 
+CONTROL_PREFIX = "elaswave-ctl-"
+
+
 class ControlServer:
     def __init__(self, on_message: Handler, on_disconnect: Callable[[WorkerConn], None]) -> None:
         self._on_message = on_message
         self._on_disconnect = on_disconnect
-        self._dir = tempfile.mkdtemp(prefix="elaswave-ctl-")
-        os.chmod(self._dir, 0o700)
+        # the socket's directory names this daemon: one SIGKILLed leaves it, the next sweeps it
+        self._dir = str(new_owned_dir(CONTROL_PREFIX))
         self.path = os.path.join(self._dir, "control.sock")
         self._server: asyncio.base_events.Server | None = None
 

@@ -20,17 +20,15 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-import psutil
-
 from elaswave.daemon import procs
 from elaswave.errors import ElasWaveError
+from elaswave.owneddirs import new_owned_dir, sweep_owned_dirs
 
 log = logging.getLogger(__name__)
 
@@ -140,46 +138,20 @@ class ServerTLS:
 
 
 DATA_PREFIX = "elaswave-etcd-"  # a member's home in the temporary directory
-OWNER = "owner"  # in the home: "pid start-time" of the process that made it
 
 
 def new_data_dir(root: str | None = None) -> str:
     """A fresh data directory for an embedded etcd member, inside a home marked with the
-    process that owns it. A process killed with SIGKILL never removes its member's home: the
-    homes of owners that are gone are removed first (:func:`sweep_data_dirs`)."""
-    sweep_data_dirs(root)
-    home = Path(tempfile.mkdtemp(prefix=DATA_PREFIX, dir=root))
-    me = psutil.Process()
-    (home / OWNER).write_text(f"{me.pid} {me.create_time()}")
-    data = home / "data"
+    process that owns it (:mod:`elaswave.owneddirs`: the homes of owners that are gone, killed
+    before their cleanup, are removed first)."""
+    data = new_owned_dir(DATA_PREFIX, root) / "data"
     data.mkdir(mode=0o700)
     return str(data)
 
 
 def sweep_data_dirs(root: str | None = None) -> list[Path]:
-    """Remove the members' homes under ``root`` (default: the temporary directory) whose owner
-    process has exited (a pid reused by another process counts as exited: its start time
-    differs). A home without a readable owner is left alone. Returns what was removed."""
-    removed = []
-    for home in Path(root or tempfile.gettempdir()).glob(DATA_PREFIX + "*"):
-        try:
-            pid, started = (home / OWNER).read_text().split()
-            alive = _running(int(pid), float(started))
-        except (OSError, ValueError):
-            continue
-        if not alive:
-            shutil.rmtree(home, ignore_errors=True)
-            removed.append(home)
-    return removed
-
-
-def _running(pid: int, started: float) -> bool:
-    try:
-        return psutil.Process(pid).create_time() == started
-    except (psutil.NoSuchProcess, psutil.ZombieProcess):
-        return False
-    except psutil.AccessDenied:
-        return True  # someone else's process: not ours to judge
+    """Remove the members' homes under ``root`` whose owner process has exited."""
+    return sweep_owned_dirs(DATA_PREFIX, root)
 
 
 class EmbeddedEtcd:

@@ -1,6 +1,6 @@
 """An embedded etcd member's data directory lives in a home marked with its owner process; a
 home whose owner is gone (a launch SIGKILLed before its cleanup) is removed by the next member
-that starts, and nothing else is."""
+that starts, and nothing else is; the daemon's control socket directory likewise."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ from pathlib import Path
 
 import psutil
 
-from elaswave.daemon.etcd_server import DATA_PREFIX, OWNER, new_data_dir, sweep_data_dirs
+from elaswave.daemon.control_server import CONTROL_PREFIX
+from elaswave.daemon.etcd_server import DATA_PREFIX, new_data_dir, sweep_data_dirs
+from elaswave.owneddirs import OWNER, new_owned_dir, sweep_owned_dirs
 
 
 def _home(root: Path, name: str, owner: str | None) -> Path:
@@ -51,3 +53,16 @@ def test_a_new_data_dir_is_marked_and_sweeps_first(tmp_path: Path) -> None:
     me = psutil.Process()
     assert (int(pid), float(started)) == (me.pid, me.create_time())
     assert sweep_data_dirs(str(tmp_path)) == []  # its owner runs: kept
+
+
+def test_a_control_socket_directory_is_owned_and_a_dead_owners_is_swept(tmp_path: Path) -> None:
+    """The daemon's control socket lives in an owned directory too: one left by a daemon that
+    died before its cleanup goes when the next daemon makes its own."""
+    stale = tmp_path / f"{CONTROL_PREFIX}stale"
+    stale.mkdir()
+    (stale / "control.sock").touch()
+    (stale / OWNER).write_text("999999999 1.0")
+    fresh = new_owned_dir(CONTROL_PREFIX, str(tmp_path))
+    assert not stale.exists()
+    assert fresh.stat().st_mode & 0o777 == 0o700
+    assert sweep_owned_dirs(CONTROL_PREFIX, str(tmp_path)) == []  # its owner runs: kept
