@@ -1,6 +1,6 @@
 """The spread replicas of ZeRO-1's snapshots as messages: each holder sent its pieces of a rank's
 snapshot (with their checksum), and corrupt copies repaired from the good ones. Kept apart from
-:class:`~elaswave.runtime.strategies.zero.ZeroState`, which decides when to replicate and what
+:class:`~.state.ShardState`, which decides when to replicate and what
 is corrupt; these functions move the pieces its layout places."""
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def repair_copies(
     group: str,
     like: torch.Tensor,
 ) -> None:
-    """Replace corrupt copies from the good ones (see ``ZeroState.repair``): ``snap`` repaired
+    """Replace corrupt copies from the good ones (see ``ShardState.repair``): ``snap`` repaired
     in place, ``replicas`` given the repaired pieces. ``placement``, ``send_spans`` and
     ``recv_sizes`` are the layout's replica pieces as :func:`send_replicas` takes them; new
     buffers take ``like``'s device."""

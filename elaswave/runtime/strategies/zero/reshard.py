@@ -1,7 +1,7 @@
 """Where a ZeRO-1 reshard's data comes from and how it travels: the surviving copies of the old
 shards, verified and agreed on by every rank, the transfers packed into one message per peer,
 and the received messages unpacked into the new shard. Pure data movement over a
-:class:`~elaswave.runtime.strategies.zero.ZeroState`'s copies, kept apart from the state's step
+:class:`~.state.ShardState`'s copies, kept apart from the state's step
 and commit (host-scoped ZeRO-3 unpacks its own rebuild transfers with :func:`unpack_into`)."""
 
 from __future__ import annotations
