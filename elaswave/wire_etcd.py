@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import types
 import typing
 from dataclasses import dataclass
@@ -37,6 +38,8 @@ __all__ = [
 ]  # fmt: skip
 
 V = TypeVar("V", bound="Value")
+
+log = logging.getLogger(__name__)
 
 
 class Value:
@@ -277,6 +280,16 @@ def decode(cls: type[V], raw: bytes | str) -> V:
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
         raise WireError(f"{cls.KEY or cls.__name__}: not JSON ({exc})") from None
     return from_json(cls, data)
+
+
+def decode_or_log(cls: type[V], raw: bytes | str, *, ignoring: str) -> V | None:
+    """:func:`decode`, or None with one logged line (``ignoring``: what the caller reads) when
+    ``raw`` holds no value of ``cls``: a daemon skips a malformed value and goes on."""
+    try:
+        return decode(cls, raw)
+    except WireError as exc:
+        log.error("ignoring %s: %s", ignoring, exc)
+        return None
 
 
 def from_json(cls: type[V], data: Any) -> V:

@@ -41,6 +41,7 @@ from elaswave.wire_etcd import (
     WorkerInfo,
     decode,
     decode_entries,
+    decode_or_log,
     encode,
 )
 
@@ -301,11 +302,7 @@ class JobStore:
         kv = await self.etcd.get(self.keys.progress)
         if kv is None:
             return None
-        try:
-            return decode(Progress, kv.value)
-        except WireError as exc:
-            log.error("ignoring the job's progress record: %s", exc)
-            return None
+        return decode_or_log(Progress, kv.value, ignoring="the job's progress record")
 
     async def clear_but_records(self) -> None:
         """The last host out: remove the job's keys but its records (the progress record and
@@ -322,11 +319,8 @@ class JobStore:
         kv = await self.etcd.get(self.keys.config)
         if kv is None:
             return None
-        try:
-            return decode(TrainedConfig, kv.value).config
-        except WireError as exc:
-            log.error("ignoring the job's config record: %s", exc)
-            return None
+        trained = decode_or_log(TrainedConfig, kv.value, ignoring="the job's config record")
+        return trained.config if trained is not None else None
 
     async def seed_progress(self, step: int, epoch: int, reason: str) -> None:
         """A relaunched job's progress as its earlier runs recorded it: the steps up to ``step``

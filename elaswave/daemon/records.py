@@ -23,8 +23,7 @@ from elaswave.daemon.etcd import KV, Etcd
 from elaswave.daemon.outbox import Outbox
 from elaswave.events import JsonlWriter
 from elaswave.keys import JobKeys
-from elaswave.wire import WireError
-from elaswave.wire_etcd import Done, Progress, decode, encode, from_json
+from elaswave.wire_etcd import Done, Progress, decode_or_log, encode, from_json
 
 if TYPE_CHECKING:
     from elaswave.daemon.streams import JobStream
@@ -341,11 +340,8 @@ def _line(progress: dict[str, Any]) -> dict[str, Any]:
 def _value(raw: bytes) -> dict[str, Any]:
     """A progress record as read from etcd, checked (:class:`~elaswave.wire_etcd.Progress`);
     one that does not decode is logged and read as empty (no step: the next write replaces it)."""
-    try:
-        return decode(Progress, raw).fields()
-    except WireError as exc:
-        log.error("a malformed progress record in etcd: %s", exc)
-        return {}
+    record = decode_or_log(Progress, raw, ignoring="a malformed progress record in etcd")
+    return record.fields() if record is not None else {}
 
 
 def _writer(kv: KV) -> str | None:

@@ -70,8 +70,7 @@ from elaswave.events import EVENTS_FILE, METRICS_FILE, EventLog, JsonlWriter
 from elaswave.keys import JobKeys
 from elaswave.planning.plan import Plan
 from elaswave.planning.relaunch import Records
-from elaswave.wire import WireError
-from elaswave.wire_etcd import HostInfo, JobStop, Progress, decode
+from elaswave.wire_etcd import HostInfo, JobStop, Progress, decode_or_log
 
 if TYPE_CHECKING:
     from elaswave.daemon.streams import JobStream
@@ -318,12 +317,9 @@ class HostDaemon:
         """The job's progress record, every write of it, into the metrics."""
         assert self.prom is not None
         async for value in self.etcd.values(self.keys.progress):
-            try:
-                record = decode(Progress, value)
-            except WireError as exc:
-                log.error("ignoring a progress record: %s", exc)
-                continue
-            self.prom.progress(record.fields())
+            record = decode_or_log(Progress, value, ignoring="a progress record")
+            if record is not None:
+                self.prom.progress(record.fields())
 
     @property
     def worker_step(self) -> int:
@@ -513,12 +509,9 @@ class HostDaemon:
     async def _watch_stop(self) -> None:
         """The leader's verdict to end the whole job (restart loop): stop everything here."""
         async for value in self.etcd.values(self.keys.stop):
-            try:
-                verdict = decode(JobStop, value)
-            except WireError as exc:
-                log.error("ignoring a stop verdict: %s", exc)
-                continue
-            break
+            verdict = decode_or_log(JobStop, value, ignoring="a stop verdict")
+            if verdict is not None:
+                break
         else:
             return
         self.stopped = verdict.reason
