@@ -75,6 +75,11 @@ class ParamHolding(ABC):
     ) -> torch.Tensor:
         """A shard-laid-out tensor of every rank, whole in flat order."""
 
+    @abstractmethod
+    def take_whole(self, z: ShardState, params: torch.Tensor) -> None:
+        """A whole state taken in (a durable checkpoint): the parameters, where they are kept
+        whole (the shard's chunk is cut by :meth:`ShardState.restore_full`)."""
+
 
 class WholeParams(ParamHolding):
     """ZeRO-1: the parameters are replicated; the shards hold the optimizer moments."""
@@ -117,6 +122,9 @@ class WholeParams(ParamHolding):
         flat = z.flat.data.new_zeros(z.layout.numel + 1)
         flat.index_copy_(0, z.index, gathered)
         return flat[:-1]
+
+    def take_whole(self, z: ShardState, params: torch.Tensor) -> None:
+        z.flat.data.copy_(params)  # whole on every rank
 
 
 @dataclass
@@ -169,6 +177,9 @@ class ShardedParams(ParamHolding):
         self, z: ShardState, comm: Communicator, own: Shard, abort: Callable[[], bool]
     ) -> None:
         """Nothing to gather: the reshard moved the parameter chunks with the moments."""
+
+    def take_whole(self, z: ShardState, params: torch.Tensor) -> None:
+        """Nothing whole: the shard takes its chunk."""
 
     def gather(
         self, z: ShardState, comm: Communicator, part: torch.Tensor, abort: Callable[[], bool]

@@ -229,8 +229,7 @@ class ZeroStrategy(Strategy):
         over the scope's ranks (the parameter chunk too, where the shard carries one)."""
         st, comm = self.state, self.ctx.comm
         self.path.forget_partial()
-        if isinstance(self.holding, WholeParams):
-            st.flat.data.copy_(state.params)  # whole on every rank
+        self.holding.take_whole(self.zero, state.params)
         members = self.scope.adopt(plan)
         self.zero.restore_full(
             comm, members.workers, members.index, step=state.step, exp_avg=state.exp_avg,
