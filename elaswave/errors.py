@@ -16,6 +16,11 @@ EXIT_STATE_LOST = 5
 # returned early: a respawned worker would run the same code into the same error. Never
 # respawned; the job stops with the reason.
 EXIT_SCRIPT_FAILED = 6
+# A worker's exit code when the job stops on a step that is not finite (``train.nonfinite:
+# stop``, more skipped steps in a row than ``train.nonfinite_limit``, or a pipeline, which
+# cannot skip a step): every rank saw the same reduced values, so every rank stops alike.
+# Never respawned: a new worker would meet the same data.
+EXIT_NONFINITE = 7
 
 
 class ShardLost(RuntimeError):
@@ -94,3 +99,8 @@ class RunDirFull(ElasWaveError):
     """Records of a finished run could not be written to its run directory (a full disk)."""
 
     exit_code = 6
+
+
+class NonFiniteStop(RuntimeError):
+    """The job stops on a non-finite step: the message is the one line that says which and why
+    (the workers end with :data:`EXIT_NONFINITE`)."""

@@ -10,6 +10,7 @@ Text form (``launch --fault`` and ``ELASWAVE_FAULTS``)::
     kill,rank=1,at_step=8,phase=forward,detect_delay=2  # dies before step 8's first forward;
                                     # its daemon reports the death 2 s late
     hang,rank=2,at_step=8,epoch=3   # from step 8 on, once the job runs plan epoch 3 or later
+    nan,rank=1,at_step=10           # rank 1's loss and gradient are NaN in step 10
     host,host=h2                    # whole-host faults name a host instead of a rank
 
 YAML form (``faults:`` in a config)::
@@ -42,6 +43,7 @@ class FaultKind(str, enum.Enum):
     SLOW = "slow"  # the worker computes ``delay`` seconds per step slower: a straggler
     HOST = "host"  # SIGKILL a host's daemon and all its workers: a dead host, no cleanup runs
     PARTITION = "partition"  # cut a host's network link (only where the tool can act: netns bed)
+    NAN = "nan"  # the worker's loss (and so its gradient) turns NaN in that step: bad data
 
     @property
     def targets_host(self) -> bool:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import statistics
 from collections import Counter
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +70,10 @@ def build_report(run_dir: str | Path, *more: str | Path) -> dict[str, Any]:
             incidents.append(_relaunch(ev, events, plans, metrics=metrics))
         elif ev["kind"] == "fault_injected" and kind in HOST_KINDS:
             continue  # the victim's own record; its incident starts from the leader's host_lost
+        elif ev["kind"] == "fault_injected" and kind == "nan":
+            continue  # its incident starts from the step it made non-finite (step_skipped)
+        elif ev["kind"] == "step_skipped" and ev.get("reason") == "nonfinite":
+            incidents.append(_nonfinite(ev, events, metrics))
         elif ev["kind"] == "fault_injected":
             victim = ev.get("worker")
             exit_ev = _first(
@@ -225,7 +230,7 @@ def _host_fault(before: list[dict[str, Any]], host: str) -> dict[str, Any] | Non
     return min(causes, key=lambda e: e["t"]) if causes else None
 
 
-def _first(items: list[dict[str, Any]], pred: Any) -> dict[str, Any] | None:
+def _first(items: Iterable[dict[str, Any]], pred: Any) -> dict[str, Any] | None:
     return next((e for e in items if pred(e)), None)
 
 
@@ -277,6 +282,46 @@ def _corruption(
         inc["state_s"] = round(repaired["t"] - detected["t"], 6)
         inc["mttr_s"] = round(repaired["t"] - t0, 6)
         inc["reason"] += " → repaired from a good copy"
+    return inc
+
+
+def _nonfinite(
+    skipped: dict[str, Any], events: list[dict[str, Any]], metrics: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """A step whose reduced loss or gradient was not finite: not applied on any rank. Its
+    reason names the ranks' micro-batches and samples that brought the non-finite values
+    (their ``nonfinite_local`` events), and an injected ``nan`` fault where one caused it."""
+    step = skipped["step"]
+    fault = _first(
+        (e for e in reversed(events) if e["t"] <= skipped["t"]),
+        lambda e: e["kind"] == "fault_injected" and e.get("fault", {}).get("kind") == "nan"
+        and e.get("step") == step,
+    )  # fmt: skip
+    local = [e for e in events if e["kind"] == "nonfinite_local" and e.get("step") == step]
+    named = "; ".join(
+        f"rank {e.get('rank')}: micro-batches {e.get('microbatches')}, samples "
+        f"{e.get('samples')}{' …' if e.get('samples_total', 0) > len(e.get('samples', [])) else ''}"
+        for e in local
+    )
+    nxt = _first(metrics, lambda m: m.get("step") == step + 1 and m["time"] >= skipped["t"])
+    t0 = (fault or skipped)["t"]
+    inc: dict[str, Any] = dict.fromkeys(PHASES)
+    inc.update(
+        kind="nonfinite",
+        worker=(fault or (local[0] if local else skipped)).get("worker"),
+        rank=local[0].get("rank") if local else None,
+        fault_step=step,
+        fault_t=t0,
+        reason=f"step {step} not applied: its loss or gradient was not finite"
+        + (f" ({named})" if named else ""),
+        epoch=None,
+        world_after=None,
+        first_commit_step=nxt["step"] if nxt else None,
+        mttr_s=round(nxt["time"] - t0, 6) if nxt else None,
+        recomputed_steps=0,
+        microbatches={e.get("rank"): e.get("microbatches") for e in local},
+        samples={e.get("rank"): e.get("samples") for e in local},
+    )
     return inc
 
 

@@ -50,7 +50,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         ]
         for inc in incidents:
             who = inc["kind"]
-            after = f"{inc['world_after'] or '–'} workers"
+            after = f"{inc['world_after']} workers" if inc["world_after"] else "–"
             if inc["kind"] == CONTROL_PLANE:
                 who = f"{inc['what']} ({_ms(inc['downtime_s'])})"
                 after = f"trained on: {inc['steps_trained']} steps"

@@ -116,6 +116,7 @@ class Commit(Message):
     lr: float | None = None
     grad_norm: float | None = None  # None unless measured (a stream, clipping)
     prune: dict[str, float] = field(default_factory=dict)
+    skipped: str | None = None  # "nonfinite" | "configured": counted, not applied
 
 
 @dataclass(frozen=True)

@@ -150,7 +150,7 @@ class MemoryReport(Value):
 # ---- the job's record ----------------------------------------------------------------------------
 STEP_FIELDS = (
     "step", "loss", "epoch", "world_size", "samples", "step_seconds", "lr", "grad_norm",
-    "sparsity", "time", "samples_per_s", "total_steps", "writer", "prior_epoch",
+    "sparsity", "skipped", "time", "samples_per_s", "total_steps", "writer", "prior_epoch",
 )  # fmt: skip
 
 
@@ -173,6 +173,7 @@ class Progress(Value):
     lr: float | None = None
     grad_norm: float | None = None
     sparsity: float | None = None
+    skipped: str | None = None  # "nonfinite" or "configured": the step counted, not applied
     samples_per_s: float | None = None
     total_steps: int | None = None
     prior_epoch: int | None = None

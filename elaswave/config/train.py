@@ -23,6 +23,7 @@ GradCompress = Literal["off", "int8"]
 Hpz = Literal["auto", "off"]
 Zero3Gather = Literal["flat", "tiers"]
 ShardScope = Literal["job", "host"]
+NonFinite = Literal["skip", "stop"]
 
 
 @dataclass(kw_only=True)
@@ -143,6 +144,18 @@ class TrainConfig:
     """A fault in the middle of a step: survivors keep the micro-batches they finished and only
     the lost ones are computed again (data parallelism and ZeRO-1; pipelines redo the step).
     false: the whole step is redone (for comparisons)."""
+    nonfinite: NonFinite = "skip"
+    """A step whose reduced loss or gradient is not finite (NaN or Inf: bad data, an overflow) is
+    never applied, on any rank: every rank sees the same reduced values, so every rank decides
+    alike. skip (default): the step counts (its number, learning rate and samples are spent) and
+    training goes on with the next step's samples; stop: the job stops with one line. Pipelines
+    stop either way (a stage cannot skip a step yet)."""
+    nonfinite_limit: int = 5
+    """skip: this many non-finite steps in a row are skipped; the next one stops the job."""
+    skip_steps: list[int] = field(default_factory=list)
+    """Steps whose samples are drawn but never trained on (known-bad data, a loss spike to step
+    over): each is computed and reduced like any step, then not applied, exactly as a
+    non-finite step is skipped. Data parallelism (replicated, ZeRO-1, ZeRO-3), not pipelines."""
     prune: PruneConfig | None = None
     """Structured pruning while training (OTOv2's DHSPG; see elaswave.config.prune): None: off."""
     threads_per_worker: int = 1
@@ -246,6 +259,15 @@ class TrainConfig:
             raise ConfigError("train.param_groups: at most 253 distinct weight decays")
         if not self.grad_clip >= 0:  # also rejects NaN
             raise ConfigError(f"train.grad_clip must be >= 0 (0: off), got {self.grad_clip}")
+        if self.nonfinite not in get_args(NonFinite):
+            raise ConfigError(f"train.nonfinite must be skip or stop, got {self.nonfinite!r}")
+        positive("train.nonfinite_limit", self.nonfinite_limit)
+        for s in self.skip_steps:
+            if not 1 <= s <= self.steps:
+                raise ConfigError(
+                    f"train.skip_steps: each must be a step in [1, train.steps={self.steps}], "
+                    f"got {s!r}"
+                )
 
     @property
     def num_microbatches(self) -> int:

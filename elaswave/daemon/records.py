@@ -104,6 +104,7 @@ class StepRecords:
             "lr": msg.lr,
             "grad_norm": msg.grad_norm,  # None where not measured (no stream, no clip)
             "sparsity": msg.prune.get("prune_sparsity"),  # train.prune: the share of zero groups
+            "skipped": msg.skipped,  # why the step counted and was not applied (None: applied)
             "time": msg.t,
         }
         self.commit_times.append((msg.t, msg.samples))
@@ -323,7 +324,7 @@ class StepRecords:
 
 
 RECORD = ("step", "loss", "epoch", "world_size", "samples", "step_seconds", "lr", "grad_norm",
-          "sparsity", "time", "writer")  # fmt: skip
+          "sparsity", "skipped", "time", "writer")  # fmt: skip
 
 
 def _is_step_record(progress: dict[str, Any]) -> bool:

@@ -22,7 +22,7 @@ from collections import Counter
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-from elaswave.errors import EXIT_SCRIPT_FAILED, EXIT_STATE_LOST
+from elaswave.errors import EXIT_NONFINITE, EXIT_SCRIPT_FAILED, EXIT_STATE_LOST
 from elaswave.planning.partition import COMPUTE_ONLY, StageMemory
 from elaswave.planning.pipeplan import predicted_step, respeed_pipeline_plan, stage_speeds
 from elaswave.planning.plan import Plan, assign_microbatches, capped
@@ -345,7 +345,10 @@ def respawn_verdict(
     """Whether a worker that exited is replaced. Pure. Never after it gave up because state is
     lost (``EXIT_STATE_LOST``, or another worker reported it): a fresh worker would start the
     job over from step 0, silently; the job stops with the reason instead."""
-    if exit_code in (EXIT_STATE_LOST, EXIT_SCRIPT_FAILED) or unrecoverable is not None:
+    if (
+        exit_code in (EXIT_STATE_LOST, EXIT_SCRIPT_FAILED, EXIT_NONFINITE)
+        or unrecoverable is not None
+    ):
         return False
     return restarts_used < max_restarts
 
@@ -371,3 +374,22 @@ def silence(now: float, last_beat: float, resumed: float) -> float:
     """How long a worker has been silent as far as the daemon can tell. Pure. Time before the
     daemon last resumed from a pause of its own does not count: it was not listening then."""
     return now - max(last_beat, resumed)
+
+
+def nonfinite_verdict(
+    *, configured: bool, streak: int, mode: str, limit: int, pipeline: bool
+) -> tuple[str | None, int]:
+    """What a skipped step means for the job, and the new count of non-finite steps in a row.
+    Pure; every rank computes it from the same reduced tail. ``configured``: the step is one of
+    ``train.skip_steps`` (not a fault: the streak is left as it is); else the step was not
+    finite. Returns (the one-line reason the job stops, or None to go on; the streak)."""
+    if configured:
+        return None, streak
+    streak += 1
+    if pipeline:
+        return "a pipeline stage cannot skip a step", streak
+    if mode == "stop":
+        return "train.nonfinite is stop", streak
+    if streak > limit:
+        return f"{streak} non-finite steps in a row (train.nonfinite_limit: {limit})", streak
+    return None, streak

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -35,9 +36,10 @@ import torch
 
 from elaswave import wire
 from elaswave.config import JobConfig
-from elaswave.errors import EXIT_STATE_LOST, ShardLost
+from elaswave.errors import EXIT_NONFINITE, EXIT_STATE_LOST, NonFiniteStop, ShardLost
 from elaswave.planning.plan import Plan
 from elaswave.planning.stageshards import LayersLost
+from elaswave.planning.verdicts import nonfinite_verdict
 from elaswave.runtime.comm.communicator import Communicator
 from elaswave.runtime.comm.control_client import ControlClient
 from elaswave.runtime.comm.groups import CommError, Interrupted
@@ -72,6 +74,7 @@ EXIT_OK = 0
 EXIT_NO_PLAN = 4
 EXIT_SHARD_LOST = EXIT_STATE_LOST  # both copies of a shard or layer are gone, no durable one
 SKIPPED_MAX = 3  # compute times left unreported in a row while a checkpoint is written
+NAMED_SAMPLES = 64  # a non-finite step's event names at most this many of a rank's sample ids
 
 
 def skipped_next(writing: bool, skipped: int) -> int:
@@ -97,6 +100,7 @@ class StepResult:
     # layers only; the leader compares it with ranks that run the same layers). None: it
     # computed nothing.
     compute_per_mb: float | None = None
+    skipped: str | None = None  # "nonfinite" | "configured": the step counted, not applied
 
 
 class Engine:
@@ -168,6 +172,7 @@ class Engine:
         self._writer_busy = False  # a checkpoint write ran when this step began
         self._skipped = 0  # compute times not reported in a row (a checkpoint write ran beside)
         self._memory: tuple[int, dict[str, int]] | None = None  # (epoch, bytes) reported last
+        self._nonfinite_streak = 0  # non-finite steps skipped in a row
         control.start_heartbeat(cfg.timeouts.heartbeat, self._heartbeat)
 
     @property
@@ -189,7 +194,7 @@ class Engine:
     # ---- main loop --------------------------------------------------------------------------
     # What ends a step or its recovery: the step is redone under the next plan (a lost peer),
     # or the worker leaves (:meth:`failed` says which).
-    FAILURES = (CommError, Interrupted, NoPlan, Stopped, ShardLost, LayersLost)
+    FAILURES = (CommError, Interrupted, NoPlan, Stopped, ShardLost, LayersLost, NonFiniteStop)
 
     def run(self) -> int:
         total = self.cfg.train.steps
@@ -230,6 +235,10 @@ class Engine:
             return EXIT_NO_PLAN
         if isinstance(exc, Stopped):
             return EXIT_OK
+        if isinstance(exc, NonFiniteStop):
+            self.control.event("nonfinite_stop", worker=self.me, reason=str(exc))
+            log.error("%s", exc)
+            return EXIT_NONFINITE
         self.control.event("shard_lost", worker=self.me, reason=str(exc))
         log.error("unrecoverable: %s", exc)
         return EXIT_SHARD_LOST
@@ -264,6 +273,7 @@ class Engine:
                     lr=self.state.opt.hyper.lr_at(result.step),
                     grad_norm=self.state.last_grad_norm,  # None unless measured
                     prune=dict(self.state.prune.last) if self.state.prune is not None else {},
+                    skipped=result.skipped,
                 )
             )
 
@@ -325,20 +335,71 @@ class Engine:
         self.state.tie_gradients(sums.grads)
         sums.tail.epoch = self.control.latest_epoch
         self.faults.fire(step, "reduce")
+        mine = self.strategy.local_gradient(sums)
+        self.faults.poison(step, sums.tail.values[sums.tail.LOSS : sums.tail.LOSS + 1], mine)
+        configured = step in self.cfg.train.skip_steps
+        bad = bool(sums.tail.judge(mine, skip=configured)) and not configured  # its own values
+        covered = self.strategy.covered(step) if self.state.stats is not None or bad else {}
         self._enter("collective")
         stats, rows = self.state.stats, None
         if stats is not None:  # each micro-batch's norm statistics, from the rank that ran it
-            rows = stats.contribution(step, self.strategy.covered(step))
+            rows = stats.contribution(step, covered)
             self.comm.allreduce(DP, rows, self.ctx.broken)
-        epochs = self.strategy.reduce_update(
-            step, sums, self.ctx.broken, before_update=lambda: self.faults.fire(step, "optimizer")
-        )
-        if stats is not None and rows is not None:  # applied: fold them in (rows iff stats)
+        try:
+            epochs = self.strategy.reduce_update(
+                step, sums, self.ctx.broken,
+                before_update=lambda: self.faults.fire(step, "optimizer"),
+            )  # fmt: skip
+        finally:
+            if bad:
+                self._name_nonfinite(step, covered)
+        skipped = None
+        if sums.tail.nonfinite:  # not applied, on every rank
+            skipped = self._not_applied(step, sums.tail.nonfinite, configured=configured)
+        elif stats is not None and rows is not None:  # applied: fold them in (rows iff stats)
             stats.commit(step, rows)
+        if skipped is None:
+            self._nonfinite_streak = 0
         self._enter("idle")
         if epochs != plan.world_size * plan.epoch:
             self.replan = True  # some rank has seen a newer plan: switch at this boundary
-        return StepResult(step, self.state.last_loss, time.perf_counter() - start, per_mb)
+        seconds = time.perf_counter() - start
+        return StepResult(step, self.state.last_loss, seconds, per_mb, skipped=skipped)
+
+    def _not_applied(self, step: int, ranks: int, *, configured: bool) -> str:
+        """A step every rank left unapplied: its record, and whether the job goes on (the
+        verdict is the same on every rank: it reads the same reduced tail)."""
+        why = "configured" if configured else "nonfinite"
+        stop, self._nonfinite_streak = nonfinite_verdict(
+            configured=configured, streak=self._nonfinite_streak, mode=self.cfg.train.nonfinite,
+            limit=self.cfg.train.nonfinite_limit, pipeline=self.cfg.pp > 1,
+        )  # fmt: skip
+        if self.comm.rank(DP) == 0:
+            self.control.event(
+                "step_skipped", worker=self.me, step=step, reason=why, ranks=ranks,
+                loss=self.state.last_loss if math.isfinite(self.state.last_loss) else None,
+            )  # fmt: skip
+        if stop is not None:
+            raise NonFiniteStop(f"step {step} is not finite and the job stops: {stop}")
+        return why
+
+    def _name_nonfinite(self, step: int, covered: dict[int, Any]) -> None:
+        """This rank brought non-finite values to ``step``: which of its micro-batches and
+        samples (the report's incident names them)."""
+        assert self.plan is not None
+        rank = self.comm.rank(DP)
+        ids = sorted({i for mbs in covered.values() for i in mbs})
+        if not ids:
+            ids = list(self.plan.microbatch_range(rank))
+        every = microbatches(
+            self.cfg.train.seed, step, self.cfg.train.global_batch,
+            micro_batch_size=self.cfg.train.micro_batch_size, num_samples=self.num_samples,
+        )  # fmt: skip
+        samples = [int(s) for i in ids for s in every[i].sample_ids]
+        self.control.event(
+            "nonfinite_local", worker=self.me, rank=rank, step=step, microbatches=ids,
+            samples=samples[:NAMED_SAMPLES], samples_total=len(samples),
+        )  # fmt: skip
 
     def after_commit(self, step: int) -> None:
         """Corruption checks (they may roll every rank back), then the durable checkpoint, then

@@ -198,7 +198,7 @@ def test_the_stream_gets_the_record_the_write_replaced() -> None:
 
 
 RECORD = {"step": 7, "loss": 1.5, "epoch": 1, "world_size": 6, "samples": 224,
-          "step_seconds": 0.1, "lr": 0.003, "grad_norm": None, "sparsity": None,
+          "step_seconds": 0.1, "lr": 0.003, "grad_norm": None, "sparsity": None, "skipped": None,
           "time": 100.0}  # fmt: skip
 
 

@@ -1,6 +1,7 @@
 """Faults aimed at this rank (from the job config or ``elaswave inject-fault``), landed where they
 act: a signal at a phase of the step (forward, reduce, optimizer, recovery), extra compute time
-(``slow``), a flipped bit in committed state (``corrupt``). Every fault is announced with a
+(``slow``), a flipped bit in committed state (``corrupt``), a loss and gradient that turn NaN
+(``nan``). Every fault is announced with a
 ``fault_injected`` event before it lands: the MTTR report starts its incident there.
 """
 
@@ -8,6 +9,8 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+
+import torch
 
 from elaswave.faults import FaultKind, FaultSpec
 from elaswave.runtime.comm.control_client import ControlClient
@@ -62,6 +65,17 @@ class FaultInjector:
                 self.injected(fault, step, delay=fault.delay)
             total += fault.delay or 0.0
         return total
+
+    def poison(self, step: int, loss: torch.Tensor, grads: torch.Tensor) -> None:
+        """``nan`` faults due at ``step``: this rank's loss sum (a one-element view of the
+        step's tail) and the gradient sums it brings to the reduction turn NaN, as a bad
+        sample's would."""
+        for fault in list(self.control.faults):
+            if fault.kind is FaultKind.NAN and fault.armed(self.epoch(), step):
+                self.control.faults.remove(fault)
+                self.injected(fault, step)
+                loss.fill_(float("nan"))
+                grads.fill_(float("nan"))
 
     def corrupt(self, step: int, flip: Callable[[str, int], str]) -> None:
         """``corrupt`` faults due at ``step``: ``flip(target, step)`` flips a bit of committed

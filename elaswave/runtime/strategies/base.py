@@ -195,6 +195,11 @@ class Strategy(ABC):
         loss. Returns the reduced "newest epoch seen" sum (the engine switches plans when it
         says some rank saw a newer one)."""
 
+    def local_gradient(self, sums: StepSums) -> torch.Tensor:
+        """The gradient sums this rank brings to the step's reduction (judged finite or not
+        before it): the step's buffer (ZeRO-3: the rank's part, reduced as it computed)."""
+        return sums.grads
+
     def covered(self, step: int) -> dict[int, Sequence[int]]:
         """Which micro-batches of ``step`` this rank's reduction holds the gradients of, per
         layer (layer -> micro-batch ids): the rows of the norm layers' batch statistics it adds

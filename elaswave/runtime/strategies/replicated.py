@@ -85,6 +85,10 @@ class Replicated(Strategy):
             comm.allreduce(DP, sums.tail.values, broken)
         # -- the reduction succeeded: every rank now holds the identical full-batch gradient.
         self.path.forget_partial()
+        if sums.tail.nonfinite:  # every rank alike: the step counts, nothing is applied
+            st.opt.step_count, st.step = step, step
+            st.last_loss, st.last_grad_norm = sums.tail.loss / max(sums.tail.count, 1), None
+            return sums.tail.epoch
         self.ctx.enter("compute")
         measure = self.ctx.cfg.logging.enabled and comm.rank(DP) == 0  # it reports
         grad, st.last_loss, st.last_grad_norm = mean_gradient(

@@ -27,11 +27,14 @@ class StepTail:
     - ``epoch``: the newest plan epoch this rank has seen (the sum tells the engine whether
       some rank saw a newer plan than the one it runs);
     - ``flag``: a strategy's flag (pipelines: this rank's migrations are ready);
-    - ``count``: the loss terms counted (samples, tokens): gradient and loss are divided by it.
+    - ``count``: the loss terms counted (samples, tokens): gradient and loss are divided by it;
+    - ``nonfinite``: 1 where this rank's loss sum or gradient sums are not finite, or the step is
+      one the job skips (``train.skip_steps``); summed, the ranks that say so (every rank skips
+      the step when it is not 0).
     """
 
-    LOSS, EPOCH, FLAG, COUNT = range(4)
-    SIZE = 4
+    LOSS, EPOCH, FLAG, COUNT, NONFINITE = range(5)
+    SIZE = 5
 
     __slots__ = ("values",)
 
@@ -84,9 +87,25 @@ class StepTail:
     def count(self, value: int | torch.Tensor) -> None:
         self.values[self.COUNT] = value
 
+    @property
+    def nonfinite(self) -> int:
+        return int(self.values[self.NONFINITE])
+
+    def judge(self, grads: torch.Tensor, *, skip: bool) -> torch.Tensor:
+        """Before the reduction: whether this rank's loss sum or ``grads`` (the gradient sums it
+        brings to the step) are not finite, or ``skip`` says the step is skipped anyway; set
+        and returned (a one-element bool tensor, this rank's own values' verdict). A sum is
+        finite only when every element it adds is (in float64, finite float32 values cannot
+        overflow it)."""
+        v = self.values
+        bad = ~torch.isfinite(v[self.LOSS] + grads.sum(dtype=torch.float64))
+        v[self.NONFINITE] = 1.0 if skip else bad.to(torch.float64)
+        return bad
+
     def __repr__(self) -> str:
         return (
-            f"StepTail(loss={self.loss}, epoch={self.epoch}, flag={self.flag}, count={self.count})"
+            f"StepTail(loss={self.loss}, epoch={self.epoch}, flag={self.flag}, count={self.count}, "
+            f"nonfinite={self.nonfinite})"
         )
 
 

@@ -201,6 +201,8 @@ class PipelineStages(Strategy):
             )  # fmt: skip
         else:  # receivers replay every layer they take over: the whole model's gradient
             sumsq = reduce_over_everyone(ctx.comm, sums, broken, state=st, mine=self.my_grads)
+        if sums.tail.nonfinite:  # nothing applied; the engine stops the job: a stage cannot
+            return sums.tail.epoch  # skip a step (its layer moves would have to skip it too)
         self.forget_partial()  # reduced: every rank holds the step's sums of its layers
         ctx.enter("compute")
         clip = ctx.cfg.train.grad_clip

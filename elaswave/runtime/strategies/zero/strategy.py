@@ -49,6 +49,7 @@ from elaswave.runtime.strategies.zero.update import (
     Clip,
     Update,
     commit_barrier,
+    stage_unchanged,
     update_from_layers,
     update_from_whole,
 )
@@ -124,6 +125,9 @@ class ZeroStrategy(Strategy):
     def covered(self, step: int) -> dict[int, Sequence[int]]:
         return self.path.covered(step)
 
+    def local_gradient(self, sums: StepSums) -> torch.Tensor:
+        return self.path.gradient(sums)
+
     def reduce_update(
         self,
         step: int,
@@ -138,11 +142,15 @@ class ZeroStrategy(Strategy):
         count = tail.count
         if count <= 0:
             raise ValueError("the workload's loss counted nothing in the whole batch")
-        norm = self.update(
-            z, comm, self.path.gradient(sums), step, count=count,
-            clip=Clip(cfg.train.grad_clip, st.ties, st.segments), measure=cfg.logging.enabled,
-            reporter=comm.rank(DP) == 0, abort=broken, before_update=before_update,
-        )  # fmt: skip
+        norm = None
+        if tail.nonfinite:  # every rank alike: the step counts, nothing is applied
+            stage_unchanged(z, comm, step, abort=broken)
+        else:
+            norm = self.update(
+                z, comm, self.path.gradient(sums), step, count=count,
+                clip=Clip(cfg.train.grad_clip, st.ties, st.segments), measure=cfg.logging.enabled,
+                reporter=comm.rank(DP) == 0, abort=broken, before_update=before_update,
+            )  # fmt: skip
         assert z.staged is not None
         z.staged.reached_barrier = True
         commit_barrier(comm, broken)

@@ -44,6 +44,7 @@ __all__ = [
     "layer_runs",
     "shard_clip",
     "shard_sumsq",
+    "stage_unchanged",
     "update_from_layers",
     "update_from_whole",
 ]
@@ -177,6 +178,32 @@ def update_from_layers(
         own = Shard(step, opt.exp_avg, opt.exp_avg_sq, None, param)
         z.staged = Staged(step, param, own, None)
     return norm
+
+
+def stage_unchanged(
+    z: ShardState, comm: Communicator, step: int, *, abort: Callable[[], bool]
+) -> None:
+    """Stage step ``step`` as one that changes nothing (a non-finite step, a skipped one): the
+    live shard under the step's number, staged, replicated on a snapshot step and committed
+    like any other, so that every rank's committed step and every replica's move on alike."""
+    own = z.own
+    assert own is not None
+    sharded = isinstance(z.holding, ShardedParams)
+    if sharded:
+        assert own.params is not None
+        param = own.params.clone()
+        staged = param
+    else:
+        param = z.mine(z.flat.data).clone()
+        staged = padded(z.flat.data).index_select(0, z.index)  # rank-major, as gathered
+    moments = own.exp_avg.clone(), own.exp_avg_sq.clone()
+    if z.is_snapshot(step):
+        shard = Shard.of(step, *moments, params=param if z.keeps_params else None)
+        z.staged = Staged(step, staged, shard, None)
+        z.staged.replicas = z.replicate(comm, shard, abort)
+    else:
+        live = Shard(step, *moments, None, param if sharded else None)
+        z.staged = Staged(step, staged, live, None)
 
 
 def _staged_optimizer(z: ShardState, step: int) -> FlatOptimizer:
