@@ -21,6 +21,11 @@ EXIT_SCRIPT_FAILED = 6
 # cannot skip a step): every rank saw the same reduced values, so every rank stops alike.
 # Never respawned: a new worker would meet the same data.
 EXIT_NONFINITE = 7
+# A worker's exit code, and a launch's, when the job was preempted (``launch --preempt-signal``,
+# SIGTERM by default): the newest committed step is checkpointed durably and launching the job
+# again resumes from it with no step lost. EX_TEMPFAIL: "try again"; a Slurm script requeues on
+# it (docs/deploy.md). Never respawned.
+EXIT_PREEMPTED = 75
 
 
 class ShardLost(RuntimeError):
@@ -99,6 +104,13 @@ class RunDirFull(ElasWaveError):
     """Records of a finished run could not be written to its run directory (a full disk)."""
 
     exit_code = 6
+
+
+class JobPreempted(ElasWaveError):
+    """The job was preempted and its newest committed step checkpointed: launch it again to
+    resume."""
+
+    exit_code = EXIT_PREEMPTED
 
 
 class NonFiniteStop(RuntimeError):

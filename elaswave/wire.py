@@ -237,6 +237,15 @@ class Stop(Message):
     TYPE = "stop"
 
 
+@dataclass(frozen=True)
+class Preempt(Message):
+    """The host is being preempted (``signal``, e.g. SIGTERM, reached its launch): checkpoint
+    the newest committed step durably, then leave with the preempted exit code."""
+
+    TYPE = "preempt"
+    signal: str
+
+
 WorkerMessage: TypeAlias = (
     Hello
     | Ready
@@ -251,7 +260,7 @@ WorkerMessage: TypeAlias = (
     | LayerCosts
     | Done
 )
-DaemonMessage: TypeAlias = Config | PlanUpdate | Fault | Stop
+DaemonMessage: TypeAlias = Config | PlanUpdate | Fault | Stop | Preempt
 
 TYPES: dict[str, type[Message]] = {
     cls.TYPE: cls for cls in (*typing.get_args(WorkerMessage), *typing.get_args(DaemonMessage))

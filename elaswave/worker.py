@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 
 from elaswave import wire
@@ -36,7 +37,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--control", required=True, help="daemon control socket path")
     parser.add_argument("--worker-id", required=True)
     parser.add_argument("--slot", type=int, default=0, help="local slot (picks the device)")
+    parser.add_argument("--shield", type=int, help="a signal to ignore (the daemon's to answer)")
     args = parser.parse_args(argv)
+    if args.shield is not None:  # the preemption signal: a scheduler sends it to every process
+        signal.signal(args.shield, signal.SIG_IGN)  # of the job, and the daemon answers it
     die_with_parent()  # never outlive the daemon, even if it is SIGKILLed
     logging.basicConfig(
         level=logging.INFO,

@@ -150,6 +150,18 @@ _HangTimeout = Annotated[
     float | None,
     typer.Option("--hang-timeout", help="Seconds without progress before a worker counts as hung."),
 ]
+_PreemptSignal = Annotated[
+    str | None,
+    typer.Option(
+        "--preempt-signal",
+        help="The signal that preempts the job: checkpoint the newest step, exit 75 (default "
+        "TERM; none: the signal stops this host only).",
+    ),
+]
+_PreemptGrace = Annotated[
+    float | None,
+    typer.Option("--preempt-grace", help="Seconds a preempted launch waits for its checkpoint."),
+]
 _StragglerThreshold = Annotated[
     float | None,
     typer.Option(
@@ -221,6 +233,8 @@ def launch(
     snapshot_every: _SnapshotEvery = None,
     verify_every: _VerifyEvery = None,
     hang_timeout: _HangTimeout = None,
+    preempt_signal: _PreemptSignal = None,
+    preempt_grace: _PreemptGrace = None,
     straggler_threshold: _StragglerThreshold = None,
     loop_breaker: _LoopBreaker = None,
     metrics_port: _MetricsPort = None,

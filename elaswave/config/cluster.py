@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import signal
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -12,6 +13,30 @@ from elaswave.errors import ConfigError
 
 # How workers start (``elastic.worker_start``).
 WorkerStart = Literal["template", "exec"]
+
+
+def preempt_signum(name: str) -> int | None:
+    """The signal number ``elastic.preempt_signal`` names (TERM, SIGUSR1, 10, ...; None for
+    "none"); a ConfigError for anything else, or a signal a process cannot catch."""
+    if name.strip().lower() == "none":
+        return None
+    text = name.strip().upper()
+    try:
+        sig = (
+            signal.Signals(int(text))
+            if text.isdigit()
+            else signal.Signals[text if text.startswith("SIG") else f"SIG{text}"]
+        )
+    except (KeyError, ValueError):
+        raise ConfigError(
+            f"elastic.preempt_signal must be a signal name (TERM, USR1, ...) or none, got {name!r}"
+        ) from None
+    if sig in (signal.SIGKILL, signal.SIGSTOP, signal.SIGINT):
+        raise ConfigError(
+            f"elastic.preempt_signal cannot be {sig.name}: "
+            + ("SIGINT stops a launch" if sig is signal.SIGINT else "it cannot be caught")
+        )
+    return int(sig)
 
 
 @dataclass(kw_only=True)
@@ -40,9 +65,17 @@ class ElasticConfig:
     devices × K workers per host, slot s on device s // K, collectives over gloo through host
     memory (NCCL takes one rank per device). On the CPU no device is set, but K > 1 still runs
     the staged path (host-to-host copies)."""
+    preempt_signal: str = "TERM"
+    """The signal that tells a launch its allocation ends (Slurm's and Kubernetes' SIGTERM, or
+    the one a batch script forwards, e.g. USR1): the job checkpoints its newest committed step
+    durably within timeouts.preempt_grace and every launch exits 75, which a Slurm script
+    requeues on; launching it again resumes with no step lost. "none": the signal stops this
+    host's part only (the other hosts train on without it) and, as SIGINT does, keeps no
+    checkpoint of its own."""
 
     def __post_init__(self) -> None:
         positive("elastic.nproc_per_node", self.nproc_per_node)
+        preempt_signum(self.preempt_signal)  # validates
         positive("elastic.workers_per_device", self.workers_per_device)
         positive("elastic.min_workers", self.min_workers)
         if self.max_restarts < 0:
@@ -90,6 +123,9 @@ class Timeouts:
     """SIGTERM -> SIGKILL."""
     heartbeat: float = 0.2
     """Worker → daemon heartbeat interval."""
+    preempt_grace: float = 30.0
+    """A preempted launch waits this long for the checkpoint, then stops its workers anyway
+    (Slurm's KillWait is 30 s by default)."""
     hang: float = 10.0
     """No heartbeat, or one compute phase, for this long = hung: killed."""
     template: float = 120.0

@@ -330,6 +330,8 @@ LAUNCH_FLAGS: dict[str, str] = {
     "global_batch": "train.global_batch",
     "micro_batch_size": "train.micro_batch_size",
     "hang_timeout": "timeouts.hang",
+    "preempt_signal": "elastic.preempt_signal",
+    "preempt_grace": "timeouts.preempt_grace",
     "zero": "zero",
     "pp": "pp",
     "dp": "dp",

@@ -84,6 +84,8 @@ class WorkerChannel:
         self.conns: dict[str, WorkerConn] = {}
         self.memory: dict[str, dict[str, int]] = {}  # worker -> bytes it holds, by purpose
         self.unrecoverable: str | None = None  # why workers gave up (e.g. a lost ZeRO shard)
+        # (step, signal) once a worker checkpointed a step and left for a preemption
+        self.preempted: tuple[int, str] | None = None
 
     async def on_message(self, conn: WorkerConn, msg: wire.WorkerMessage) -> None:
         """One message from a worker, by :attr:`handlers`. Anything but a ``hello`` counts only
@@ -98,6 +100,11 @@ class WorkerChannel:
     def on_disconnect(self, conn: WorkerConn) -> None:
         if conn.worker_id and self.conns.get(conn.worker_id) is conn:
             del self.conns[conn.worker_id]
+
+    def send_all(self, msg: wire.DaemonMessage) -> None:
+        """``msg`` to every connected worker."""
+        for conn in list(self.conns.values()):
+            conn.send(msg)
 
     def send_plan(self, plan: Plan) -> None:
         """``plan`` to every worker that is ready for plans."""
@@ -168,6 +175,8 @@ class WorkerChannel:
         self.host.events.write(event)
         if event.get("kind") in UNRECOVERABLE and self.unrecoverable is None:
             self.unrecoverable = str(event.get("reason"))  # the first cause, not echoes
+        if event.get("kind") == "preempted" and self.preempted is None:
+            self.preempted = (int(event.get("step", 0)), str(event.get("signal")))
 
     def _on_heartbeat(self, w: WorkerProc, msg: wire.Heartbeat) -> None:
         w.last_beat = time.monotonic()

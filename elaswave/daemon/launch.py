@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from elaswave.config import JobConfig, check_packages
+from elaswave.config.cluster import preempt_signum
 from elaswave.daemon.discovery import discovery_path, find_job
 from elaswave.daemon.earlier import archive, run_dir_records
 from elaswave.daemon.etcd_connect import EtcdSecurity
@@ -171,8 +172,11 @@ def tls_paths(cfg: JobConfig) -> dict[str, str]:
 
 async def _run(daemon: HostDaemon) -> int:
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    preempt = preempt_signum(daemon.cfg.elastic.preempt_signal)
+    for sig in {signal.SIGINT, signal.SIGTERM} - {preempt}:
         loop.add_signal_handler(sig, daemon.request_stop, sig)
+    if preempt is not None:
+        loop.add_signal_handler(preempt, daemon.request_preempt, preempt)
     return await daemon.run()
 
 

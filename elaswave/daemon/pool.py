@@ -19,8 +19,10 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 from elaswave import wire
+from elaswave.config.cluster import preempt_signum
 from elaswave.daemon.template import Adopted
 from elaswave.daemon.workers import WorkerProc, spawn, stop_all, worker_id
+from elaswave.errors import EXIT_PREEMPTED
 from elaswave.planning.verdicts import respawn_verdict
 
 if TYPE_CHECKING:
@@ -115,6 +117,7 @@ class WorkerPool:
             device=d.cfg.train.device,
             template=d.template,
             timeout=d.cfg.timeouts.template,
+            shield=preempt_signum(d.cfg.elastic.preempt_signal),
         )
         self.workers[w.worker_id] = w
         w.waiter = asyncio.create_task(self._watch_exit(w))
@@ -131,7 +134,9 @@ class WorkerPool:
     async def _watch_exit(self, w: WorkerProc) -> None:
         d = self.host
         w.exit_code = await w.proc.wait()
-        if w.done or w.stopping or d.stopping:
+        # finished, stopped by us, or checkpointed and left for a preemption (every rank of the
+        # job leaves with it): no departure, no respawn
+        if w.done or w.stopping or d.stopping or w.exit_code == EXIT_PREEMPTED:
             self.check_finished()
             return
         if w.detect_delay:  # a fault that asks for a slow detector: the survivors meanwhile
@@ -240,4 +245,4 @@ class WorkerPool:
         if conn is not None:
             conn.send(wire.Stop())
         else:
-            w.proc.terminate()
+            w.terminate()

@@ -37,6 +37,7 @@ from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from elaswave import wire
 from elaswave.config import JobConfig
 from elaswave.daemon.aio import wait_for
 from elaswave.daemon.channel import WorkerChannel
@@ -63,6 +64,7 @@ from elaswave.errors import (
     ElasWaveError,
     EtcdUnavailable,
     JobFailed,
+    JobPreempted,
     JobStopped,
     RunDirFull,
 )
@@ -134,6 +136,7 @@ class HostDaemon:
         self.finished = asyncio.Event()  # every worker process of this host has exited
         self._tasks: list[asyncio.Task[Any]] = []
         self.signal_received: int | None = None
+        self.preempting: int | None = None  # the preemption signal, once it came
         self.embedded = embedded  # an etcd this launch started: restarted if it exits
         self.stopped: str | None = None  # the leader's verdict that ended the job
         self.compute = ComputeTimes()  # the workers' compute times, shared with the leader
@@ -364,6 +367,26 @@ class HostDaemon:
         """The workers of this host whose processes have not exited."""
         return {wid for wid, w in self.workers.items() if w.proc.returncode is None}
 
+    def request_preempt(self, signum: int) -> None:
+        """The preemption signal (``elastic.preempt_signal``): every worker of this host is
+        told, the next step's tail tells every rank of the job, and each checkpoints that step
+        and leaves (:meth:`Engine._preempted`). The launch then exits with
+        :data:`EXIT_PREEMPTED`; after ``timeouts.preempt_grace`` it stops what is left anyway."""
+        if self.preempting is not None:
+            return  # the same signal again
+        name = signal.Signals(signum).name
+        self.preempting, self.signal_received, self.stopping = signum, signum, True
+        grace = self.cfg.timeouts.preempt_grace
+        self.events.emit("preempt_requested", host=self.host_id, signal=name, grace=grace)
+        self.channel.send_all(wire.Preempt(signal=name))
+        self._tasks.append(asyncio.create_task(self._preempt_deadline(grace), name="preempt"))
+
+    async def _preempt_deadline(self, grace: float) -> None:
+        await asyncio.sleep(grace)
+        if not self.finished.is_set():
+            self.events.emit("preempt_expired", host=self.host_id, grace=grace)
+            self.finished.set()
+
     def request_stop(self, signum: int) -> None:
         self.signal_received = signum
         self.stopping = True
@@ -396,6 +419,12 @@ class HostDaemon:
             await asyncio.sleep(0.2)
 
     async def _finish(self) -> int:
+        if self.channel.preempted is not None:
+            step, name = self.channel.preempted
+            raise JobPreempted(
+                f"job {self.cfg.job_id!r} preempted by {name}: step {step} is checkpointed in "
+                f"{self.cfg.resolved_durable_dir}; launch it again to resume"
+            )
         if self.signal_received is not None:
             return 128 + self.signal_received
         if self.unrecoverable:  # the cause; a loop breaker's stop that followed is its echo

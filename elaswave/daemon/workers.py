@@ -35,7 +35,17 @@ class WorkerProc:
     info: WorkerInfo | None = None  # its worker key's value in etcd (set when ready)
     kill_reason: str | None = None  # set when the daemon kills it (hang)
     detect_delay: float = 0.0  # a kill fault sent to it asks for its death to be reported late
+    shield: int | None = (
+        None  # the signal it ignores: the preemption signal, the daemon's to act on
+    )
     waiter: asyncio.Task[None] | None = field(default=None, repr=False)
+
+    def terminate(self) -> None:
+        """End it now: SIGTERM, or SIGKILL where it ignores SIGTERM (the preemption signal:
+        a scheduler sends it to every process of the job, and the daemon answers it for the
+        worker). A worker keeps SIGTERM's default action, so the two end it alike."""
+        sig = signal.SIGKILL if self.shield == signal.SIGTERM else signal.SIGTERM
+        self.proc.send_signal(sig)
 
     def sent(self, detect_delay: float | None) -> None:
         """A fault was sent to this worker: one that asks for a slow detector delays the report
@@ -105,14 +115,18 @@ async def spawn(
     device: str = "cpu",
     template: Template | None = None,
     timeout: float = 60.0,
+    shield: int | None = None,
 ) -> WorkerProc:
     """Start worker ``slot`` (its ``incarnation``-th life) on ``device`` (the resolved
     ``train.device``): an accelerator worker takes the slot-th device. Forked from the
-    ``template`` while it runs (milliseconds), else executed (a new interpreter imports torch)."""
+    ``template`` while it runs (milliseconds), else executed (a new interpreter imports torch).
+    ``shield``: a signal the worker ignores from its start (the preemption signal)."""
     wid = worker_id(host_id, slot, incarnation)
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{wid}.log"
     argv = ["--control", control_path, "--worker-id", wid, "--slot", str(slot)]
+    if shield is not None:
+        argv += ["--shield", str(shield)]
     proc: asyncio.subprocess.Process | Adopted | None = None
     if template is not None and template.alive:
         try:
@@ -127,17 +141,18 @@ async def spawn(
                 env=worker_environment(device),
             )  # fmt: skip
     return WorkerProc(
-        worker_id=wid, slot=slot, incarnation=incarnation, proc=proc, log_path=log_path
-    )
+        worker_id=wid, slot=slot, incarnation=incarnation, proc=proc, log_path=log_path,
+        shield=shield,
+    )  # fmt: skip
 
 
 async def stop_all(workers: list[WorkerProc], grace: float) -> None:
-    """SIGTERM everyone, wait up to ``grace``, SIGKILL the rest; tolerate the already dead."""
+    """Terminate everyone, wait up to ``grace``, SIGKILL the rest; tolerate the already dead."""
     live = [w for w in workers if w.proc.returncode is None]
     for w in live:
         w.stopping = True
         try:
-            w.proc.terminate()
+            w.terminate()
         except ProcessLookupError:
             pass
     if not live:

@@ -22,7 +22,7 @@ from collections import Counter
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-from elaswave.errors import EXIT_NONFINITE, EXIT_SCRIPT_FAILED, EXIT_STATE_LOST
+from elaswave.errors import EXIT_NONFINITE, EXIT_PREEMPTED, EXIT_SCRIPT_FAILED, EXIT_STATE_LOST
 from elaswave.planning.partition import COMPUTE_ONLY, StageMemory
 from elaswave.planning.pipeplan import predicted_step, respeed_pipeline_plan, stage_speeds
 from elaswave.planning.plan import Plan, assign_microbatches, capped
@@ -346,7 +346,7 @@ def respawn_verdict(
     lost (``EXIT_STATE_LOST``, or another worker reported it): a fresh worker would start the
     job over from step 0, silently; the job stops with the reason instead."""
     if (
-        exit_code in (EXIT_STATE_LOST, EXIT_SCRIPT_FAILED, EXIT_NONFINITE)
+        exit_code in (EXIT_STATE_LOST, EXIT_SCRIPT_FAILED, EXIT_NONFINITE, EXIT_PREEMPTED)
         or unrecoverable is not None
     ):
         return False

@@ -36,7 +36,13 @@ import torch
 
 from elaswave import wire
 from elaswave.config import JobConfig
-from elaswave.errors import EXIT_NONFINITE, EXIT_STATE_LOST, NonFiniteStop, ShardLost
+from elaswave.errors import (
+    EXIT_NONFINITE,
+    EXIT_PREEMPTED,
+    EXIT_STATE_LOST,
+    NonFiniteStop,
+    ShardLost,
+)
 from elaswave.planning.plan import Plan
 from elaswave.planning.stageshards import LayersLost
 from elaswave.planning.verdicts import nonfinite_verdict
@@ -101,6 +107,7 @@ class StepResult:
     # computed nothing.
     compute_per_mb: float | None = None
     skipped: str | None = None  # "nonfinite" | "configured": the step counted, not applied
+    preempt: bool = False  # some rank's host is preempted: every rank checkpoints and leaves
 
 
 class Engine:
@@ -209,6 +216,8 @@ class Engine:
                 during = "checks"
                 self.commit_step(result)
                 self.after_commit(result.step)
+                if result.preempt:
+                    return self._preempted()
             except self.FAILURES as exc:
                 code = self.failed(exc, during)
                 if code is not None:
@@ -337,6 +346,7 @@ class Engine:
         self.faults.fire(step, "reduce")
         mine = self.strategy.local_gradient(sums)
         self.faults.poison(step, sums.tail.values[sums.tail.LOSS : sums.tail.LOSS + 1], mine)
+        sums.tail.preempt = self.control.preempt_requested is not None
         configured = step in self.cfg.train.skip_steps
         bad = bool(sums.tail.judge(mine, skip=configured)) and not configured  # its own values
         covered = self.strategy.covered(step) if self.state.stats is not None or bad else {}
@@ -364,7 +374,28 @@ class Engine:
         if epochs != plan.world_size * plan.epoch:
             self.replan = True  # some rank has seen a newer plan: switch at this boundary
         seconds = time.perf_counter() - start
-        return StepResult(step, self.state.last_loss, seconds, per_mb, skipped=skipped)
+        return StepResult(
+            step, self.state.last_loss, seconds, per_mb, skipped=skipped,
+            preempt=bool(sums.tail.preempt),
+        )  # fmt: skip
+
+    def _preempted(self) -> int:
+        """Some rank's host is being preempted, and every rank read it in the same step's tail:
+        every rank checkpoints the newest committed step durably (unless the periodic
+        checkpoint just did), waits for it to be on disk, and leaves with
+        :data:`EXIT_PREEMPTED`. Launching the job again resumes from it: no step is lost."""
+        step, every = self.state.step, self.cfg.durable_every
+        if self.store is None:  # no periodic checkpoints: this one is still owed
+            self.store = DurableCheckpoints(self.cfg.resolved_durable_dir)
+        if not (self.durable.checkpoints is not None and step % every == 0):
+            self._checkpoint(step, "preempt_saved")
+        self.store.flush()
+        self.control.event(
+            "preempted", worker=self.me, rank=self.comm.rank(DP), step=step,
+            signal=self.control.preempt_requested,
+        )  # fmt: skip
+        self.control.flush(timeout=5.0)
+        return EXIT_PREEMPTED
 
     def _not_applied(self, step: int, ranks: int, *, configured: bool) -> str:
         """A step every rank left unapplied: its record, and whether the job goes on (the
@@ -413,13 +444,7 @@ class Engine:
         if self.integrity.after_commit(step):
             return  # the main loop redoes the steps since the known-good state
         if self.durable.checkpoints is not None and step % self.cfg.durable_every == 0:
-            pieces = self.strategy.durable_pieces()
-            self._enter("collective")
-            if pieces is None:
-                self._save_durable(step, self.strategy.whole(self.ctx.broken), "durable_saved")
-            else:
-                self._save_pieces(step, pieces)
-            self._enter("idle")
+            self._checkpoint(step, "durable_saved")
         if self.cfg.train.eval_every and step % self.cfg.train.eval_every == 0:
             self._enter("compute")
             loss, samples, accuracy = evaluate(self.ctx, self.strategy, self.ctx.broken)
@@ -430,6 +455,17 @@ class Engine:
                         step=step, loss=loss, samples=samples, t=time.time(), accuracy=accuracy
                     )
                 )
+
+    def _checkpoint(self, step: int, event: str) -> None:
+        """A durable checkpoint of ``step`` (every rank takes part): the whole state from rank
+        0, or each rank's own pieces where the strategy has them; ``event`` names its record."""
+        pieces = self.strategy.durable_pieces()
+        self._enter("collective")
+        if pieces is None:
+            self._save_durable(step, self.strategy.whole(self.ctx.broken), event)
+        else:
+            self._save_pieces(step, pieces, event)
+        self._enter("idle")
 
     def _save_durable(self, step: int, whole: Whole, event: str) -> None:
         """Rank 0 writes the whole state (from ``Strategy.whole``, a collective: ZeRO gathers the
@@ -456,14 +492,10 @@ class Engine:
         step = self.state.step
         if final.whole is not None:
             self._save_durable(step, final.whole, "final_saved")
-            return
-        pieces = self.strategy.durable_pieces()
-        if pieces is None:
-            self._save_durable(step, self.strategy.whole(self.ctx.broken), "final_saved")
         else:
-            self._save_pieces(step, pieces, "final_saved")
+            self._checkpoint(step, "final_saved")
 
-    def _save_pieces(self, step: int, pieces: list[Piece], event: str = "durable_saved") -> None:
+    def _save_pieces(self, step: int, pieces: list[Piece], event: str) -> None:
         """Every rank writes the intervals it owns (pipelines: nothing assembled on one rank);
         rank 0 commits the checkpoint once all are written and records ``event``."""
         store, plan = self.store, self.plan

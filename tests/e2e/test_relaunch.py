@@ -30,6 +30,7 @@ from netbed import netbed_fixture  # noqa: F401 - provides the netbed_factory fi
 
 from elaswave.daemon.etcd import Etcd
 from elaswave.daemon.etcd_server import EmbeddedEtcd
+from elaswave.errors import EXIT_PREEMPTED
 from elaswave.events import read_jsonl
 from elaswave.keys import JobKeys
 from elaswave.report import build_report
@@ -329,14 +330,15 @@ def test_a_host_relaunched_beside_a_dead_hosts_key_resumes_the_job(
     tmp_path: Path, state_env: dict[str, str], reference: Run
 ) -> None:
     """A requeue where the hosts go unevenly: h1 SIGKILLed (its key stays until its lease
-    expires), h0 stopped with SIGTERM (its key gone, its id still in the plan), h0 launched again
-    at once. The key it finds is no running job's: it waits for it to go and resumes the job
-    from its checkpoint as a relaunch, rather than joining a job nobody runs."""
+    expires), h0 stopped with SIGTERM (its key gone, its id still in the plan; SIGTERM is no
+    preemption here, so no checkpoint of its own), h0 launched again at once. The key it finds
+    is no running job's: it waits for it to go and resumes the job from its checkpoint as a
+    relaunch, rather than joining a job nobody runs."""
     ttl = 10  # h0 is back long before h1's key goes
     env = dict(paced(state_env, 0.01), ELASWAVE_TIMEOUTS__LEASE_TTL=str(ttl))
     with EmbeddedEtcd() as etcd:
         args = ("--job-id", "uneven", "--etcd", etcd.endpoint, "--nnodes", "1:2",
-                "--nproc-per-node", "2", "--durable-every", "5",
+                "--nproc-per-node", "2", "--durable-every", "5", "--preempt-signal", "none",
                 "--durable-dir", str(tmp_path / "checkpoints"))  # fmt: skip
         procs = {h: start(tmp_path / h, env, *args, "--host-id", h) for h in ("h0", "h1")}
         try:
@@ -391,10 +393,12 @@ def _read(endpoint: str, job_id: str, query: Callable[[Etcd, JobKeys], Awaitable
 def test_hosts_stopped_and_relaunched_together_resume_once(
     tmp_path: Path, state_env: dict[str, str], reference: Run
 ) -> None:
-    """Three hosts of a job on an external etcd stopped with SIGTERM (a scheduler's requeue or
-    scancel: nothing of theirs is left registered) and launched again at the same moment (srun
-    starts every node's launch at once): one of them decides that the job resumes and starts it,
-    the others join it; the relaunch is one incident, every step is recorded once."""
+    """Three hosts of a job on an external etcd preempted with SIGTERM (a scheduler's requeue or
+    scancel: nothing of theirs is left registered), each launch exiting 75 once the job
+    checkpointed its newest step, whatever durable_every says, and launched again at the same
+    moment (srun starts every node's launch at once): one of them decides that the job resumes
+    from that step and starts it, the others join it; no step is trained again, the relaunch is
+    one incident, every step is recorded once."""
     etcd = EmbeddedEtcd().start()
     hosts = ("h0", "h1", "h2")
     try:
@@ -415,6 +419,7 @@ def test_hosts_stopped_and_relaunched_together_resume_once(
                 proc.send_signal(signal.SIGTERM)
             for proc in procs.values():
                 proc.wait(timeout=60)
+        assert {h: p.returncode for h, p in procs.items()} == dict.fromkeys(hosts, EXIT_PREEMPTED)
         procs = start_all()
         outs = {h: p.communicate(timeout=180) for h, p in procs.items()}
         codes = {h: p.returncode for h, p in procs.items()}
@@ -424,7 +429,9 @@ def test_hosts_stopped_and_relaunched_together_resume_once(
     run = Run(*(tmp_path / h for h in hosts))
     _assert_on_the_curve(run, 30, reference)
     (again,) = run.of("relaunched")
-    assert again["resume_step"] == again["committed"] - again["committed"] % 5
+    preempted = {e["step"] for e in run.of("preempted") if e["t"] < again["t"]}
+    assert preempted == {again["resume_step"]} == {again["committed"]}, (preempted, again)
+    assert again["lost_steps"] == 0
     report = build_report(*(tmp_path / h for h in hosts))
     assert [i["kind"] for i in report["incidents"]].count("relaunch") == 1
     assert_no_orphans(run)

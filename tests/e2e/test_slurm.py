@@ -319,9 +319,12 @@ def test_scancel_leaves_nothing_running(slurm: Any) -> None:
 
 
 def test_a_requeue_resumes_from_the_checkpoint(slurm: Any, reference: Run) -> None:
-    """``scontrol requeue`` kills the running job and runs the script again under its job id
-    (on the same four nodes: the bed has four): etcd comes back with the job's records from its
-    data directory, the launches resume from the newest checkpoint, no step is recorded twice."""
+    """``scontrol requeue`` signals the running job (SIGTERM to every process of it, SIGKILL
+    after KillWait) and runs the script again under its job id (on the same four nodes: the bed
+    has four): the launches take the SIGTERM as a preemption, checkpoint the newest committed
+    step and exit 75 (the periodic checkpoint is further back); etcd comes back with the job's
+    records from its data directory, the launches resume from that step, none is trained again
+    and none is recorded twice."""
     # Long enough past the checkpoint that the job still trains when the requeue's signal
     # reaches it (Slurm takes a second or more): 40 steps of at least 0.12 s.
     steps = CHECKPOINT_EVERY + 40
@@ -344,8 +347,10 @@ def test_a_requeue_resumes_from_the_checkpoint(slurm: Any, reference: Run) -> No
         if step in ref:
             assert abs(loss - ref[step]) <= 1e-6 * abs(ref[step]), (step, loss, ref[step])
     (again,) = run.of("relaunched")  # one host decided, the others joined it
-    assert again["resume_step"] == CHECKPOINT_EVERY and again["committed"] >= done_before
-    assert {e["step"] for e in run.of("durable_restored")} == {CHECKPOINT_EVERY}
+    preempted = {e["step"] for e in run.of("preempted") if e["t"] < again["t"]}
+    assert preempted == {again["resume_step"]} == {again["committed"]}, (preempted, again)
+    assert again["committed"] >= done_before and again["lost_steps"] == 0
+    assert {e["step"] for e in run.of("durable_restored")} == preempted
     assert exit_codes(bed, job_id) == dict.fromkeys(dirs, 0)
     report = build_report(*dirs.values())
     assert [i["kind"] for i in report["incidents"]].count("relaunch") == 1

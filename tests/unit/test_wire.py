@@ -47,6 +47,7 @@ EVERY = [
     wire.PlanUpdate(PLAN),
     wire.Fault(FaultSpec.parse("kill,rank=1,at_step=5")),
     wire.Stop(),
+    wire.Preempt(signal="SIGTERM"),
 ]
 
 

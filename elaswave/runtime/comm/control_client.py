@@ -42,6 +42,7 @@ class ControlClient:
         self.config: wire.Config | None = None
         self.faults: list[FaultSpec] = []
         self.stop_requested = False
+        self.preempt_requested: str | None = None  # the signal that preempts this host
         self._reader = threading.Thread(target=self._read_loop, name="control-reader", daemon=True)
         self._reader.start()
         self._sender = threading.Thread(target=self._send_loop, name="control-sender", daemon=True)
@@ -148,6 +149,9 @@ class ControlClient:
     def _on_stop(self, msg: wire.Stop) -> None:
         self.stop_requested = True
 
+    def _on_preempt(self, msg: wire.Preempt) -> None:
+        self.preempt_requested = msg.signal
+
     # ---- waiting ----------------------------------------------------------------------------
     def wait_for(self, predicate: Callable[[], bool], timeout: float) -> bool:
         """Block until ``predicate()`` holds (re-checked on every message) or ``timeout``."""
@@ -187,4 +191,5 @@ HANDLERS: dict[type[wire.Message], Callable[[ControlClient, Any], None]] = {
     wire.PlanUpdate: ControlClient._on_plan,
     wire.Fault: ControlClient._on_fault,
     wire.Stop: ControlClient._on_stop,
+    wire.Preempt: ControlClient._on_preempt,
 }

@@ -30,11 +30,13 @@ class StepTail:
     - ``count``: the loss terms counted (samples, tokens): gradient and loss are divided by it;
     - ``nonfinite``: 1 where this rank's loss sum or gradient sums are not finite, or the step is
       one the job skips (``train.skip_steps``); summed, the ranks that say so (every rank skips
-      the step when it is not 0).
+      the step when it is not 0);
+    - ``preempt``: 1 where this rank's host is being preempted; summed, not 0 tells every rank
+      to checkpoint this step and leave.
     """
 
-    LOSS, EPOCH, FLAG, COUNT, NONFINITE = range(5)
-    SIZE = 5
+    LOSS, EPOCH, FLAG, COUNT, NONFINITE, PREEMPT = range(6)
+    SIZE = 6
 
     __slots__ = ("values",)
 
@@ -90,6 +92,14 @@ class StepTail:
     @property
     def nonfinite(self) -> int:
         return int(self.values[self.NONFINITE])
+
+    @property
+    def preempt(self) -> int:
+        return int(self.values[self.PREEMPT])
+
+    @preempt.setter
+    def preempt(self, value: int) -> None:
+        self.values[self.PREEMPT] = value
 
     def judge(self, grads: torch.Tensor, *, skip: bool) -> torch.Tensor:
         """Before the reduction: whether this rank's loss sum or ``grads`` (the gradient sums it

@@ -1,8 +1,10 @@
 """Non-finite steps: the local verdict each rank adds to the step's tail, the job's verdict on a
-skipped step, the config and fault that name them, and the report's incident."""
+skipped step, the config and fault that name them, and the report's incident. Preemption's
+signal and its slot in the same tail."""
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +12,7 @@ import pytest
 import torch
 
 from elaswave.config import load_config
+from elaswave.config.cluster import preempt_signum
 from elaswave.faults import FaultKind, FaultSpec
 from elaswave.planning.verdicts import nonfinite_verdict
 from elaswave.report import build_report
@@ -134,3 +137,34 @@ def test_the_report_names_the_skipped_step_its_ranks_and_samples(tmp_path: Path)
     assert inc["mttr_s"] == pytest.approx(0.2)  # the fault to step 11 committed
     assert "micro-batches [4, 5], samples [17, 3, 99, 41]" in inc["reason"]
     assert "step 10 not applied" in render(report, "md")
+
+
+# ---- preemption: the signal's name, and the tail that tells every rank ----------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "signum"),
+    [("TERM", signal.SIGTERM), ("SIGUSR1", signal.SIGUSR1), ("usr2", signal.SIGUSR2),
+     (str(int(signal.SIGHUP)), signal.SIGHUP), ("none", None), ("None", None)],
+)  # fmt: skip
+def test_the_preemption_signal_by_name_or_number(name: str, signum: int | None) -> None:
+    assert preempt_signum(name) == signum
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [("KILL", "cannot be SIGKILL: it cannot be caught"), ("STOP", "cannot be SIGSTOP"),
+     ("INT", "cannot be SIGINT: SIGINT stops a launch"), ("FOO", "must be a signal name"),
+     ("999", "must be a signal name")],
+)  # fmt: skip
+def test_a_preemption_signal_that_cannot_work_is_a_one_line_error(name: str, message: str) -> None:
+    assert message in config_error(overrides={"elastic.preempt_signal": name})
+
+
+def test_one_preempted_rank_tells_every_rank_in_the_same_step() -> None:
+    total = StepTail()
+    for preempted in (False, False, True, False):
+        tail = StepTail()
+        tail.preempt = preempted
+        total.values += tail.values
+    assert total.preempt == 1
