@@ -217,7 +217,7 @@ class Engine:
                 self.commit_step(result)
                 self.after_commit(result.step)
                 if result.preempt:
-                    return self._preempted()
+                    return self.leave_preempted()
             except self.FAILURES as exc:
                 code = self.failed(exc, during)
                 if code is not None:
@@ -379,7 +379,7 @@ class Engine:
             preempt=bool(sums.tail.preempt),
         )  # fmt: skip
 
-    def _preempted(self) -> int:
+    def leave_preempted(self) -> int:
         """Some rank's host is being preempted, and every rank read it in the same step's tail:
         every rank checkpoints the newest committed step durably (unless the periodic
         checkpoint just did), waits for it to be on disk, and leaves with

@@ -351,6 +351,8 @@ class Job:
                 raise ScriptError(f"step {step.index} ended without step.commit()")
             if step.error is not None:
                 self._failed(step.error, step.failed_during)
+            elif step.preempt:  # every rank: checkpoint this step (the script's state too), leave
+                raise JobLeft(engine.leave_preempted())
         self._set_user_lr(total + 1)
 
     def _keep_good(self) -> None:
@@ -431,6 +433,7 @@ class Step:
     def __init__(self, job: Job, index: int) -> None:
         self._job, self.index = job, index
         self.committed = False
+        self.preempt = False  # committed, and the job is preempted after it
         self.loss: float | None = None  # the step's mean loss once committed (every rank's)
         self.error: BaseException | None = None  # what ended it uncommitted
         self.failed_during = "step"
@@ -534,6 +537,7 @@ class Step:
             self.error = exc
             return False
         self.committed, self.loss = True, result.loss
+        self.preempt = result.preempt
         try:
             engine.commit_step(result)
             engine.after_commit(result.step)

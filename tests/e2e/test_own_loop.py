@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 from pathlib import Path
 
@@ -27,6 +28,8 @@ from conftest import (
     paced,
     wait_for,
 )
+
+from elaswave.errors import EXIT_PREEMPTED
 
 SCRIPT = ROOT / "examples" / "own_loop.py"
 MISUSE = Path(__file__).with_name("loop_misuse.py")
@@ -115,6 +118,38 @@ def test_a_checkpoint_resumed_at_another_world_size_continues_the_loop_bit_ident
     assert [p["world"] for p in run.of("plan_published")] == [2]
     assert run.losses == {s: reference.losses[s] for s in range(half + 1, STEPS + 1)}
     _same_final_state(run.of("final_state"), reference)
+
+
+def test_a_preempted_loop_checkpoints_its_step_and_its_state_and_resumes_bit_identical(
+    tmp_path: Path, state_env: dict, reference: Run
+) -> None:
+    """SIGTERM to the launch mid-run: the loop leaves after the step every rank was told in,
+    with a checkpoint of it (the script's registered state too); launched again it trains the
+    rest, nothing twice, to the fault-free run's state."""
+    env = paced({**state_env, **F64}, 0.08)
+    cmd = elaswave_cmd("launch", "--script", str(SCRIPT), "--run-dir", str(tmp_path / "run"),
+                       "--quiet", *SHAPE, "--job-id", "loop-preempt", "--", *ARGS)  # fmt: skip
+    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: len(Run(tmp_path / "run").metrics) >= 4 or proc.poll() is not None,
+                 timeout=120, interval=0.05)  # fmt: skip
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == EXIT_PREEMPTED, err[-3000:]
+    (step,) = {e["step"] for e in Run(tmp_path / "run").of("preempted")}
+    assert 4 <= step < STEPS
+    r = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=200)
+    assert r.returncode == 0, r.stderr[-3000:]
+    run = Run(tmp_path / "run")
+    assert [m["step"] for m in run.metrics] == list(range(1, STEPS + 1))
+    (again,) = run.of("relaunched")
+    assert again["resume_step"] == step and again["lost_steps"] == 0
+    assert run.losses == reference.losses
+    _same_final_state([f for f in run.of("final_state") if f["t"] > again["t"]], reference)
+    assert_no_orphans(run)
 
 
 def test_silent_corruption_rolls_the_loop_back_with_its_state(
