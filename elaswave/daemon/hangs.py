@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from elaswave.daemon.workers import WorkerProc
+from elaswave.planning.hanglimits import hang_limits
 from elaswave.planning.verdicts import hang_verdict, silence
 
 DAEMON_STALL_BEATS = 2  # the hang detector's loop running this many beats late = the daemon paused
@@ -31,6 +32,7 @@ async def detect_hangs(
     """Watch ``workers`` (this host's, as they come and go) every half ``heartbeat``; kill the
     ones that hang for ``hang`` seconds. ``rank_of`` gives a worker's rank in the current plan,
     ``emit`` records an event."""
+    limits = hang_limits(hang, compute=(), evals=(), beat_s=heartbeat)
     tick = resumed = time.monotonic()
     while True:
         await asyncio.sleep(heartbeat / 2)
@@ -48,7 +50,7 @@ async def detect_hangs(
                 silence(now, w.last_beat, resumed),
                 w.phase,
                 w.phase_age,
-                limit_s=hang,
+                limits=limits,
                 beat_s=heartbeat,
             )
             if reason is None:
