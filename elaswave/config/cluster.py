@@ -90,15 +90,21 @@ class Timeouts:
     """SIGTERM -> SIGKILL."""
     heartbeat: float = 0.2
     """Worker → daemon heartbeat interval."""
-    hang: float = 10.0
-    """No heartbeat, or one compute phase, for this long = hung: killed."""
+    hang: float | Literal["auto"] = "auto"
+    """No heartbeat, or one compute phase or evaluation, for this long = hung: killed. "auto"
+    derives each bound from the job's own phase times (elaswave.planning.hanglimits): about a
+    second of silence, a compute phase several times the recent ones' p99 (10 s at least)."""
     template: float = 120.0
     """The worker template's imports, and each of its answers."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
-            if not getattr(self, f.name) > 0:  # also rejects NaN
+            if f.name != "hang" and not getattr(self, f.name) > 0:  # also rejects NaN
                 raise ConfigError(f"timeouts.{f.name} must be > 0, got {getattr(self, f.name)}")
+        if self.hang == "auto":
+            return
+        if isinstance(self.hang, str) or not self.hang > 0:
+            raise ConfigError(f"timeouts.hang must be auto or a number > 0, got {self.hang!r}")
         if self.hang < 2 * self.heartbeat:
             raise ConfigError(
                 f"timeouts.hang ({self.hang:g}) must be at least twice timeouts.heartbeat "

@@ -170,8 +170,7 @@ class WorkerChannel:
             self.unrecoverable = str(event.get("reason"))  # the first cause, not echoes
 
     def _on_heartbeat(self, w: WorkerProc, msg: wire.Heartbeat) -> None:
-        w.last_beat = time.monotonic()
-        w.phase, w.phase_age, w.step = msg.phase, msg.phase_age, msg.step
+        w.heard(msg, time.monotonic())
 
     def _on_log(self, w: WorkerProc, msg: wire.Log) -> None:
         self.host.records.logged(msg)

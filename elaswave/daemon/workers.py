@@ -10,7 +10,9 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from elaswave import wire
 from elaswave.daemon.template import Adopted, Template, TemplateGone
+from elaswave.planning.hanglimits import phase_ended
 from elaswave.runtime.device import nccl_environment
 from elaswave.wire_etcd import WorkerInfo
 
@@ -32,10 +34,20 @@ class WorkerProc:
     phase: str = "idle"
     phase_age: float = 0.0  # how long the worker had been in ``phase`` at that heartbeat
     step: int = 0  # its last committed step, as its newest heartbeat said
+    ended: list[tuple[str, float]] = field(default_factory=list)  # judged phases it ended
     info: WorkerInfo | None = None  # its worker key's value in etcd (set when ready)
     kill_reason: str | None = None  # set when the daemon kills it (hang)
     detect_delay: float = 0.0  # a kill fault sent to it asks for its death to be reported late
     waiter: asyncio.Task[None] | None = field(default=None, repr=False)
+
+    def heard(self, msg: wire.Heartbeat, at: float) -> None:
+        """A heartbeat, read at ``at`` (the daemon's monotonic clock): the compute phase or
+        evaluation it shows ended goes into :attr:`ended` (the hang detector's phase times)."""
+        done = phase_ended((self.phase, self.phase_age), (msg.phase, msg.phase_age))
+        if done is not None:
+            self.ended.append(done)
+        self.last_beat = at
+        self.phase, self.phase_age, self.step = msg.phase, msg.phase_age, msg.step
 
     def sent(self, detect_delay: float | None) -> None:
         """A fault was sent to this worker: one that asks for a slow detector delays the report

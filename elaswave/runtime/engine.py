@@ -161,6 +161,7 @@ class Engine:
         self.strategy: Strategy = strategy_for(self.ctx, self.durable)
         self.replan = True  # apply a (newer) plan before the next step
         self.phase, self.phase_since = "idle", time.monotonic()
+        self._evaluating = False  # the strategy's "compute" is an evaluation's ("eval")
         self.faults = FaultInjector(
             control, worker_id=worker_id, rank=lambda: self.comm.rank(DP),
             epoch=lambda: self.plan.epoch if self.plan is not None else 0,
@@ -181,7 +182,10 @@ class Engine:
         return self.ctx.plan
 
     def _enter(self, phase: str) -> None:
-        """compute | collective | idle: what the daemon's hang detector sees."""
+        """compute | collective | idle, and eval for the compute of an evaluation (the hang
+        detector gives it a bound of its own): what the daemon's hang detector sees."""
+        if phase == "compute" and self._evaluating:
+            phase = "eval"
         self.phase, self.phase_since = phase, time.monotonic()
 
     def _heartbeat(self) -> wire.Heartbeat:
@@ -421,8 +425,12 @@ class Engine:
                 self._save_pieces(step, pieces)
             self._enter("idle")
         if self.cfg.train.eval_every and step % self.cfg.train.eval_every == 0:
-            self._enter("compute")
-            loss, samples, accuracy = evaluate(self.ctx, self.strategy, self.ctx.broken)
+            self._evaluating = True
+            try:
+                self._enter("compute")
+                loss, samples, accuracy = evaluate(self.ctx, self.strategy, self.ctx.broken)
+            finally:
+                self._evaluating = False
             self._enter("idle")
             if self.comm.rank(DP) == 0:
                 self.control.send(
