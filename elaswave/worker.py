@@ -20,7 +20,7 @@ import sys
 
 from elaswave import wire
 from elaswave.config import JobConfig
-from elaswave.procutil import die_with_parent, exit_now
+from elaswave.procutil import die_with_parent, exit_now, stacks_on_signal
 from elaswave.prune.groups import find_groups
 from elaswave.prune.pruner import Pruner
 from elaswave.runtime.comm.control_client import ControlClient
@@ -36,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--control", required=True, help="daemon control socket path")
     parser.add_argument("--worker-id", required=True)
     parser.add_argument("--slot", type=int, default=0, help="local slot (picks the device)")
+    parser.add_argument("--stacks", help="where the stacks go when the daemon kills it as hung")
     args = parser.parse_args(argv)
     die_with_parent()  # never outlive the daemon, even if it is SIGKILLed
     logging.basicConfig(
@@ -43,6 +44,11 @@ def main(argv: list[str] | None = None) -> int:
         format=f"%(asctime)s {args.worker_id} %(name)s %(levelname)s %(message)s",
         stream=sys.stderr,
     )
+    if args.stacks:
+        try:
+            stacks_on_signal(args.stacks)  # this process's own file (a forked one's too)
+        except OSError as exc:  # no stacks of a hang then; training goes on
+            logging.getLogger(__name__).warning("no stacks file %s: %s", args.stacks, exc)
     control = ControlClient(args.control, args.worker_id)
     if not control.wait_for(lambda: control.config is not None, timeout=60):
         logging.getLogger(__name__).error("no configuration from the daemon within 60s")

@@ -1,8 +1,10 @@
 """The daemon's hang detector: a worker whose heartbeats stop, or whose compute phase or
-evaluation outlasts its bound, is killed.
+evaluation outlasts its bound, is killed, its stacks taken first.
 
 Killing it turns a hang into a crash: its peers' collectives fail at once instead of waiting for a
-transport timeout, and the usual in-place recovery follows.
+transport timeout, and the usual in-place recovery follows. Just before the kill the worker
+writes every thread's Python stack (:mod:`~elaswave.daemon.stacks`): the ``hang_stacks`` event
+and the run directory's ``stacks/`` keep them for the report.
 
 The bounds are ``timeouts.hang`` seconds, or with ``auto`` derived from the phase times this
 host's workers' heartbeats showed (:mod:`~elaswave.planning.hanglimits`); the detector shares
@@ -14,19 +16,25 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
 from elaswave.daemon.jobstore import JobStore
+from elaswave.daemon.stacks import keep, kill_with_stacks
 from elaswave.daemon.workers import WorkerProc
 from elaswave.planning.hanglimits import WINDOW, HangLimits, hang_limits
 from elaswave.planning.verdicts import hang_verdict, silence
 from elaswave.wire_etcd import HangBounds
 
+log = logging.getLogger(__name__)
+
 DAEMON_STALL_BEATS = 2  # the hang detector's loop running this many beats late = the daemon paused
 SHARE_S = 1.0  # how often the detector looks whether its bounds changed for ``status``
 REFRESH_S = 30.0  # a description that changed with the same bounds is shared this often
+EVENT_STACKS = 32_000  # characters of stacks an event carries (the file keeps them all)
 
 
 class HangDetector:
@@ -38,16 +46,19 @@ class HangDetector:
         *,
         setting: float | str,
         heartbeat: float,
+        run_dir: Path,
         host_id: str,
         emit: Callable[..., Any],
     ) -> None:
         self.setting = setting  # ``timeouts.hang``: seconds, or "auto"
         self.heartbeat = heartbeat
+        self.run_dir = run_dir
         self.host_id = host_id
         self.emit = emit
         self.compute: collections.deque[float] = collections.deque(maxlen=WINDOW)
         self.evals: collections.deque[float] = collections.deque(maxlen=WINDOW)
         self.limits = self._limits()
+        self._kills: set[asyncio.Task[None]] = set()
 
     def _limits(self) -> HangLimits:
         return hang_limits(
@@ -97,13 +108,29 @@ class HangDetector:
                     self._kill(w, reason, rank_of(w.worker_id))
 
     def _kill(self, w: WorkerProc, reason: str, rank: int | None) -> None:
+        """Record the verdict now, then take the stacks and kill, beside this loop."""
         w.kill_reason = reason
         self.emit(
             "hang_detected", host=self.host_id, worker=w.worker_id, rank=rank, reason=reason,
             phase=w.phase,
         )  # fmt: skip
-        with contextlib.suppress(ProcessLookupError):
-            w.proc.kill()
+        task = asyncio.create_task(self._kill_with_stacks(w, rank), name=f"kill {w.worker_id}")
+        self._kills.add(task)
+        task.add_done_callback(self._kills.discard)
+
+    async def _kill_with_stacks(self, w: WorkerProc, rank: int | None) -> None:
+        found, started = time.time(), time.monotonic()
+        await kill_with_stacks(w)
+        kept = keep(w, self.run_dir, found)
+        if kept is None:
+            log.warning("%s wrote no stacks before it was killed", w.worker_id)
+        path, stacks = kept if kept is not None else (None, None)
+        if stacks is not None and len(stacks) > EVENT_STACKS:
+            stacks = stacks[:EVENT_STACKS] + f"\n… (the rest is in {path})\n"
+        self.emit(
+            "hang_stacks", host=self.host_id, worker=w.worker_id, rank=rank, path=path,
+            stacks=stacks, seconds=round(time.monotonic() - started, 4),
+        )  # fmt: skip
 
     async def share(self, store: JobStore, *, lease: Callable[[], Any]) -> None:
         """Keep ``hang/<host>`` on the bounds in force (``status`` shows them): written when a

@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 from elaswave import wire
+from elaswave.daemon.stacks import discard_unused
 from elaswave.daemon.template import Adopted
 from elaswave.daemon.workers import WorkerProc, spawn, stop_all, worker_id
 from elaswave.planning.verdicts import respawn_verdict
@@ -131,6 +132,7 @@ class WorkerPool:
     async def _watch_exit(self, w: WorkerProc) -> None:
         d = self.host
         w.exit_code = await w.proc.wait()
+        discard_unused(w)  # its stacks file, unless it wrote its stacks (killed as hung)
         if w.done or w.stopping or d.stopping:
             self.check_finished()
             return

@@ -138,8 +138,8 @@ class HostDaemon:
         self.stopped: str | None = None  # the leader's verdict that ended the job
         self.compute = ComputeTimes()  # the workers' compute times, shared with the leader
         self.hangs = HangDetector(
-            setting=cfg.timeouts.hang, heartbeat=cfg.timeouts.heartbeat, host_id=self.host_id,
-            emit=self.events.emit,
+            setting=cfg.timeouts.hang, heartbeat=cfg.timeouts.heartbeat, run_dir=self.run_dir,
+            host_id=self.host_id, emit=self.events.emit,
         )  # fmt: skip
         # spawns, watches, respawns, fences and evicts workers; owns the table of them
         self.pool = WorkerPool(self, finished=self.finished)

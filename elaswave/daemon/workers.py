@@ -30,6 +30,7 @@ class WorkerProc:
     done: bool = False
     stopping: bool = False
     exit_code: int | None = None
+    stacks_path: Path | None = None  # where it writes its stacks when killed as hung
     last_beat: float | None = None  # daemon's monotonic clock at the last heartbeat
     phase: str = "idle"
     phase_age: float = 0.0  # how long the worker had been in ``phase`` at that heartbeat
@@ -124,7 +125,9 @@ async def spawn(
     wid = worker_id(host_id, slot, incarnation)
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{wid}.log"
-    argv = ["--control", control_path, "--worker-id", wid, "--slot", str(slot)]
+    stacks = log_dir / f"{wid}.stacks"  # moved to the run's stacks/ if it is killed as hung
+    argv = ["--control", control_path, "--worker-id", wid, "--slot", str(slot),
+            "--stacks", str(stacks)]  # fmt: skip
     proc: asyncio.subprocess.Process | Adopted | None = None
     if template is not None and template.alive:
         try:
@@ -139,8 +142,9 @@ async def spawn(
                 env=worker_environment(device),
             )  # fmt: skip
     return WorkerProc(
-        worker_id=wid, slot=slot, incarnation=incarnation, proc=proc, log_path=log_path
-    )
+        worker_id=wid, slot=slot, incarnation=incarnation, proc=proc, log_path=log_path,
+        stacks_path=stacks,
+    )  # fmt: skip
 
 
 async def stop_all(workers: list[WorkerProc], grace: float) -> None:
