@@ -134,24 +134,27 @@ class HangDetector:
 
     async def share(self, store: JobStore, *, lease: Callable[[], Any]) -> None:
         """Keep ``hang/<host>`` on the bounds in force (``status`` shows them): written when a
-        bound changes, and every ``REFRESH_S`` while only how they were derived changed (their
-        counts move with every beat early on). A write that fails is tried at the next look."""
-        shared: HangBounds | None = None
+        bound changes or the host's lease does (the key went with the old one), and every
+        ``REFRESH_S`` while only how they were derived changed (their counts move with every
+        beat early on). A write that fails is tried at the next look."""
+        shared: tuple[HangBounds, Any] | None = None  # what was written, under which lease
         at = 0.0
         while True:
-            lim = self.limits
+            lim, held = self.limits, lease()
             bounds = HangBounds(
                 silence_s=round(lim.silence_s, 3), compute_s=_rounded(lim.compute_s),
                 eval_s=_rounded(lim.eval_s), how=lim.describe(),
             )  # fmt: skip
-            same = shared is not None and _values(shared) == _values(bounds)
-            due = shared is None or not same or (
-                bounds.how != shared.how and time.monotonic() - at >= REFRESH_S
-            )  # fmt: skip
+            due = (
+                shared is None
+                or shared[1] is not held
+                or _values(shared[0]) != _values(bounds)
+                or (bounds.how != shared[0].how and time.monotonic() - at >= REFRESH_S)
+            )
             if due:
                 with contextlib.suppress(Exception):
-                    await store.share_hang_bounds(self.host_id, bounds, lease=lease())
-                    shared, at = bounds, time.monotonic()
+                    await store.share_hang_bounds(self.host_id, bounds, lease=held)
+                    shared, at = (bounds, held), time.monotonic()
             await asyncio.sleep(SHARE_S)
 
 

@@ -13,6 +13,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -178,3 +179,37 @@ def test_the_detector_learns_phase_times_from_heartbeats(tmp_path: Path) -> None
                          emit=lambda *a, **k: None)  # fmt: skip
     fixed.learn([w])
     assert (fixed.limits.silence_s, fixed.limits.compute_s) == (1.5, 1.5)
+
+
+def test_the_bounds_are_shared_when_they_change_or_the_lease_does(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``hang/<host>`` for ``status``: written at once, again when a bound moves or the host
+    holds a new lease (the key went with the old one), not while nothing changed."""
+    from elaswave.daemon import hangs
+
+    monkeypatch.setattr(hangs, "SHARE_S", 0.0)
+    written: list[tuple[float, object]] = []
+
+    class Store:
+        async def share_hang_bounds(self, host: str, bounds: Any, *, lease: object) -> None:
+            written.append((bounds.compute_s, lease))
+
+    det = HangDetector(setting="auto", heartbeat=0.2, run_dir=Path("."), host_id="h",
+                       emit=lambda *a, **k: None)  # fmt: skip
+    leases = ["lease 1"]
+
+    async def main() -> None:
+        task = asyncio.create_task(det.share(Store(), lease=lambda: leases[-1]))  # type: ignore[arg-type]
+        for change in (None, "bound", None, "lease", None):
+            if change == "bound":
+                det.compute.extend([30.0] * MIN_PHASES)
+                det.limits = det._limits()
+            elif change == "lease":
+                leases.append("lease 2")
+            for _ in range(5):
+                await asyncio.sleep(0)
+        task.cancel()
+
+    asyncio.run(main())
+    assert written == [(WARMUP_S, "lease 1"), (120.0, "lease 1"), (120.0, "lease 2")]
