@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import logging
 import os
 import signal
@@ -11,6 +12,10 @@ from typing import NoReturn
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
+
+# A worker that gets it writes every thread's Python stack to its stacks file and dies by
+# SIGKILL: the daemon's hang kill (:func:`stacks_on_signal`).
+STACKS_SIGNAL = signal.SIGUSR2
 
 
 def die_with_parent() -> None:
@@ -49,3 +54,37 @@ def exit_now(code: int) -> NoReturn:
         except (OSError, ValueError):
             pass
     os._exit(code)
+
+
+def stacks_on_signal(path: str | os.PathLike[str]) -> None:
+    """From now on, :data:`STACKS_SIGNAL` makes this process write every thread's Python stack to
+    ``path`` (truncated now) and then die by SIGKILL, as a hung worker killed by its daemon.
+
+    The stacks are faulthandler's, written by the C signal handler of whichever thread takes
+    the signal: while the main thread is blocked in C code too, and in a stopped process as soon
+    as it is continued (the daemon sends the signal to the main thread, then SIGCONT: that thread
+    writes them before it runs anything else). The handler then chains to a Python one that
+    SIGKILLs the process once the main thread is back in Python; one stuck in C code is killed
+    by the sender, which waits a bounded time for the stacks (``daemon/hangs.py``).
+    """
+    stacks = open(path, "w")  # noqa: SIM115 - kept open for the process's life by faulthandler
+    signal.signal(STACKS_SIGNAL, _die)
+    faulthandler.register(STACKS_SIGNAL, file=stacks, all_threads=True, chain=True)
+
+
+def _die(signum: int, frame: object) -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def signal_main_thread(pid: int, sig: int) -> None:
+    """Send ``sig`` to the main thread of process ``pid`` (Linux ``tgkill``; elsewhere, or once
+    that thread is gone, to the process). A stopped process then takes it in its main thread
+    first when it is continued, before that thread runs any code; sent to the process, any of
+    its threads may take it, after the main one has moved on. Raises ``ProcessLookupError``
+    when there is no such process."""
+    try:
+        tgkill = ctypes.CDLL("libc.so.6", use_errno=True).tgkill
+    except (OSError, AttributeError):
+        tgkill = None
+    if tgkill is None or tgkill(pid, pid, int(sig)) != 0:
+        os.kill(pid, sig)

@@ -19,6 +19,11 @@ micro-batches the survivors kept and how many were computed again, by whom
 pipelines, where every stage of a replica runs the redone micro-batches; ``None`` where the
 strategy does not report it, e.g. ZeRO-3, which redoes the whole step).
 
+A worker its daemon killed as hung carries the stacks of its threads as it was killed
+(``stacks``, from the ``hang_stacks`` event) and their file in its host's run directory
+(``stacks_file``, ``stacks/<worker>-step<N>.txt``); a worker slowed past the hang timeout is such
+a crash too, not a straggler.
+
 Control-plane outages (etcd unreachable or restarted, a daemon paused) are incidents too, with
 their downtime and the steps trained meanwhile instead of phases: training does not stop for them,
 so they have no MTTR.
@@ -359,7 +364,19 @@ def _incident(
     _note_rollback(inc, t0, redone, events=events)
     inc["first_commit_step"] = commit["step"] if commit else None
     inc["mttr_s"] = round(commit["time"] - t0, 6) if commit else None
+    inc.update(_stacks(t0, worker, events))
     return inc
+
+
+def _stacks(t0: float, worker: str | None, events: list[dict[str, Any]]) -> dict[str, Any]:
+    """A worker killed as hung: its threads' stacks as it was killed (``stacks``) and their file
+    in its host's run directory (``stacks_file``)."""
+    taken = _first(
+        events, lambda e: e["kind"] == "hang_stacks" and e.get("worker") == worker and e["t"] >= t0
+    ) if worker is not None else None  # fmt: skip
+    if taken is None:
+        return {}
+    return {"stacks": taken.get("stacks"), "stacks_file": taken.get("path")}
 
 
 def _relaunch(
@@ -409,7 +426,8 @@ def _answer(
     which the lost worker or host departed) and when the incident was detected, each ``None`` if
     never.
     A straggler is detected by the leader's verdict instead, and answered by the plan of that
-    verdict (a re-share or an eviction)."""
+    verdict (a re-share or an eviction), unless it was so slow that its daemon killed it as
+    hung."""
     detected = exit_ev["t"] if exit_ev else None
 
     def departed(p: dict[str, Any]) -> bool:
@@ -421,7 +439,11 @@ def _answer(
         return worker in gone
 
     plan = _first(plans, lambda p: p["t"] >= t0 and departed(p))
-    if (fault or {}).get("fault", {}).get("kind") == "slow":
+    hung = _first(  # a worker slowed past the hang timeout is killed: a crash, not a straggler
+        events,
+        lambda e: e["kind"] == "hang_detected" and e.get("worker") == worker and e["t"] >= t0,
+    )
+    if (fault or {}).get("fault", {}).get("kind") == "slow" and hung is None:
         verdict = _first(
             events,
             lambda e: (

@@ -1,5 +1,6 @@
 """``elaswave report --format html``: one self-contained page (inline SVG, no script from the
-network, no CDN) with the incident table, each MTTR's phases as stacked bars, the loss curve
+network, no CDN) with the incident table, the stacks of workers killed as hung (folded), each
+MTTR's phases as stacked bars, the loss curve
 with the faults marked (and, with a baseline run, the fault-free curve and the deviation from
 it), and throughput and world size over time.
 
@@ -178,6 +179,19 @@ def _table(incidents: Sequence[dict[str, Any]]) -> str:
     return f'<table id="incidents"><tr>{header}</tr>{"".join(rows)}</table>'
 
 
+def _stacks(incidents: Sequence[dict[str, Any]]) -> str:
+    """The stacks of each worker killed as hung, folded under its incident's number."""
+    parts = []
+    for inc in incidents:
+        if not inc.get("stacks"):
+            continue
+        where = f" ({inc['stacks_file']})" if inc.get("stacks_file") else ""
+        summary = f"#{inc['id']}: stacks of {inc['worker']} as it was killed{where}"
+        parts.append(f'<details class="stacks"><summary>{html.escape(summary)}</summary>'
+                     f"<pre>{html.escape(inc['stacks'])}</pre></details>")  # fmt: skip
+    return "\n".join(parts)
+
+
 LAYOUT_SCRIPT = """
 <script>
 // What the browser drew: each chart's size, its lines' lengths, its fault marks and bars.
@@ -253,7 +267,7 @@ def render_html(
         "<h1>ElasWave MTTR report</h1>",
         f"<p>{html.escape(report['run_dir'])}</p>",
         f"<p id=\"totals\">{html.escape(summary)}</p>",
-        _table(incidents) if incidents else "<p>No incidents.</p>",
+        _table(incidents) if incidents else "<p>No incidents.</p>", _stacks(incidents),
         phase_bars(incidents), *charts,
         '<pre id="layout"></pre>', LAYOUT_SCRIPT, "</body></html>",
     ])  # fmt: skip

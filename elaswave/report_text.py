@@ -17,7 +17,7 @@ CSV_FIELDS = [
     "id", "kind", "host", "worker", "rank", "fault_step", "epoch", "world_after", *PHASES,
     "mttr_s", "first_commit_step", "state_bytes", "state_promoted_bytes", "state_max_over_mean",
     "recomputed_steps", "kept_microbatches", "redone_microbatches", "downtime_s",
-    "steps_trained", "reason",
+    "steps_trained", "stacks_file", "reason",
 ]  # fmt: skip
 
 
@@ -78,6 +78,11 @@ def render_markdown(report: dict[str, Any]) -> str:
                 by = ", ".join(f"{w} {n}" for w, n in inc["redone_by"].items())
                 redo = f"; redone {again} of {kept + again} micro-batches ({by})"
             lines.append(f"- incident {inc['id']}: {inc['reason']}{state}{redo}")
+            if inc.get("stacks"):
+                where = f" ({inc['stacks_file']})" if inc.get("stacks_file") else ""
+                lines += [f"  stacks of {inc['worker']} as it was killed{where}:", "", "  ```"]
+                lines += [f"  {line}".rstrip() for line in inc["stacks"].splitlines()]
+                lines += ["  ```", ""]
         lines.append("")
     else:
         lines += ["No incidents.", ""]

@@ -92,7 +92,9 @@ class Event(Message):
 @dataclass(frozen=True)
 class Heartbeat(Message):
     """The worker is alive: its step, its phase and how long it has been in that phase (the
-    daemon's hang detector compares that with the timeout)."""
+    daemon's hang detector compares that with the phase's bound). ``phase``: ``compute`` (a
+    step's forward, backward and update), ``eval`` (a held-out evaluation's compute),
+    ``collective`` (waiting on peers), ``idle`` (between steps, waiting for a plan)."""
 
     TYPE = "hb"
     step: int

@@ -31,7 +31,8 @@ from typing import Any, ClassVar, TypeVar, Union
 from elaswave.wire import WireError, check_fields, schema
 
 __all__ = [
-    "KEYS", "VALUES", "Done", "HostInfo", "Incident", "Incidents", "JobStop", "LayerCostsReport",
+    "KEYS", "VALUES", "Done", "HangBounds", "HostInfo", "Incident", "Incidents", "JobStop",
+    "LayerCostsReport",
     "MemoryReport", "Progress", "Speeds", "StreamStart", "TrainedConfig", "Value", "WireError",
     "WorkerInfo", "WorkerLayerCosts", "WorkerSpeed", "decode", "decode_entries", "encode",
     "from_json",
@@ -147,6 +148,19 @@ class MemoryReport(Value):
     workers: dict[str, dict[str, int]]
 
 
+@dataclass(frozen=True)
+class HangBounds(Value):
+    """``hang/<host>``, under the host lease: the bounds its hang detector applies now (seconds
+    of silence, of one compute phase, of one evaluation) and how they were derived; ``status``
+    shows them."""
+
+    KEY = "hang/<host>"
+    silence_s: float
+    compute_s: float
+    eval_s: float
+    how: str
+
+
 # ---- the job's record ----------------------------------------------------------------------------
 STEP_FIELDS = (
     "step", "loss", "epoch", "world_size", "samples", "step_seconds", "lr", "grad_norm",
@@ -245,8 +259,8 @@ class StreamStart(Value):
 
 
 VALUES: tuple[type[Value], ...] = (
-    HostInfo, WorkerInfo, Speeds, LayerCostsReport, MemoryReport, Progress, Incidents, Done,
-    JobStop, TrainedConfig, StreamStart,
+    HostInfo, WorkerInfo, Speeds, LayerCostsReport, MemoryReport, HangBounds, Progress, Incidents,
+    Done, JobStop, TrainedConfig, StreamStart,
 )  # fmt: skip
 
 # Every JSON key of a job (under ``/elaswave/<job-id>/``): the class it holds, or the module whose

@@ -21,7 +21,7 @@ import sys
 
 from elaswave import wire
 from elaswave.config import JobConfig
-from elaswave.procutil import die_with_parent, exit_now
+from elaswave.procutil import die_with_parent, exit_now, stacks_on_signal
 from elaswave.prune.groups import find_groups
 from elaswave.prune.pruner import Pruner
 from elaswave.runtime.comm.control_client import ControlClient
@@ -38,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worker-id", required=True)
     parser.add_argument("--slot", type=int, default=0, help="local slot (picks the device)")
     parser.add_argument("--shield", type=int, help="a signal to ignore (the daemon's to answer)")
+    parser.add_argument("--stacks", help="where the stacks go when the daemon kills it as hung")
     args = parser.parse_args(argv)
     if args.shield is not None:  # the preemption signal: a scheduler sends it to every process
         signal.signal(args.shield, signal.SIG_IGN)  # of the job, and the daemon answers it
@@ -47,6 +48,11 @@ def main(argv: list[str] | None = None) -> int:
         format=f"%(asctime)s {args.worker_id} %(name)s %(levelname)s %(message)s",
         stream=sys.stderr,
     )
+    if args.stacks:
+        try:
+            stacks_on_signal(args.stacks)  # this process's own file (a forked one's too)
+        except OSError as exc:  # no stacks of a hang then; training goes on
+            logging.getLogger(__name__).warning("no stacks file %s: %s", args.stacks, exc)
     control = ControlClient(args.control, args.worker_id)
     if not control.wait_for(lambda: control.config is not None, timeout=60):
         logging.getLogger(__name__).error("no configuration from the daemon within 60s")

@@ -61,6 +61,9 @@ async def read_status(db: Etcd, job_id: str) -> dict[str, Any] | None:
     memory: dict[str, Any] = {}
     for kv in await db.get_prefix(keys.memory):
         memory.update(kv.json())
+    hang = {  # each host's hang detector's bounds now
+        kv.key.removeprefix(keys.hang): kv.json() for kv in await db.get_prefix(keys.hang)
+    }
     plan_kv = await db.get(keys.plan)
     progress_kv = await db.get(keys.progress)
     incidents_kv = await db.get(keys.incidents)
@@ -97,6 +100,7 @@ async def read_status(db: Etcd, job_id: str) -> dict[str, Any] | None:
         "standby": standby,
         "progress": json.loads(progress_kv.value) if progress_kv else None,
         "incidents": json.loads(incidents_kv.value) if incidents_kv else [],
+        "hang_timeout": hang,
         "done": json.loads(done_kv.value) if done_kv else None,
     }
 

@@ -147,8 +147,12 @@ _VerifyEvery = Annotated[
     typer.Option("--verify-every", help="Compare replicas' checksums every K steps (0: never)."),
 ]
 _HangTimeout = Annotated[
-    float | None,
-    typer.Option("--hang-timeout", help="Seconds without progress before a worker counts as hung."),
+    str | None,
+    typer.Option(
+        "--hang-timeout",
+        help="Seconds without progress before a worker counts as hung, or auto (default): "
+        "from the job's own phase times.",
+    ),
 ]
 _PreemptSignal = Annotated[
     str | None,

@@ -16,6 +16,8 @@ from rich.table import Table
 from elaswave.cli.common import EtcdCacert, EtcdCert, EtcdKey, client_tls, fail, out
 from elaswave.errors import ConfigError, ElasWaveError
 
+HANG_LINES = 4  # distinct hang-timeout descriptions status shows (hosts apply their own)
+
 
 def status(
     job_id: str = typer.Option("elaswave", "--job-id"),
@@ -130,4 +132,21 @@ def _status_view(st: dict[str, Any]) -> Any:
         Text(f"  {time.strftime('%H:%M:%S', time.localtime(inc['t']))}  {inc['reason']}")
         for inc in st["incidents"][-5:]
     ]
-    return Group(head, table, *lines)
+    return Group(head, table, *_hang_timeout(st.get("hang_timeout", {})), *lines)
+
+
+def _hang_timeout(by_host: dict[str, dict[str, Any]]) -> list[Any]:
+    """The hang detectors' bounds: one line if every host applies the same, else one per
+    distinct description with its hosts (at most ``HANG_LINES``)."""
+    from rich.text import Text
+
+    hosts: dict[str, list[str]] = {}
+    for host, bounds in sorted(by_host.items()):
+        hosts.setdefault(str(bounds.get("how", "?")), []).append(host)
+    if len(hosts) <= 1:
+        return [Text(f"hang timeout: {how}") for how in hosts]
+    out = []
+    for how, names in list(hosts.items())[:HANG_LINES]:
+        more = f" and {len(names) - 2} more" if len(names) > 2 else ""
+        out.append(Text(f"hang timeout on {', '.join(names[:2])}{more}: {how}"))
+    return out

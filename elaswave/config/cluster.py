@@ -31,11 +31,13 @@ def preempt_signum(name: str) -> int | None:
         raise ConfigError(
             f"elastic.preempt_signal must be a signal name (TERM, USR1, ...) or none, got {name!r}"
         ) from None
-    if sig in (signal.SIGKILL, signal.SIGSTOP, signal.SIGINT):
-        raise ConfigError(
-            f"elastic.preempt_signal cannot be {sig.name}: "
-            + ("SIGINT stops a launch" if sig is signal.SIGINT else "it cannot be caught")
-        )
+    why = {
+        signal.SIGKILL: "it cannot be caught", signal.SIGSTOP: "it cannot be caught",
+        signal.SIGINT: "SIGINT stops a launch",
+        signal.SIGUSR2: "SIGUSR2 asks a hung worker for its stacks",
+    }.get(sig)  # fmt: skip
+    if why is not None:
+        raise ConfigError(f"elastic.preempt_signal cannot be {sig.name}: {why}")
     return int(sig)
 
 
@@ -126,15 +128,21 @@ class Timeouts:
     preempt_grace: float = 30.0
     """A preempted launch waits this long for the checkpoint, then stops its workers anyway
     (Slurm's KillWait is 30 s by default)."""
-    hang: float = 10.0
-    """No heartbeat, or one compute phase, for this long = hung: killed."""
+    hang: float | Literal["auto"] = "auto"
+    """No heartbeat, or one compute phase or evaluation, for this long = hung: killed. "auto"
+    derives each bound from the job's own phase times (elaswave.planning.hanglimits): about a
+    second of silence, a compute phase several times the recent ones' p99 (10 s at least)."""
     template: float = 120.0
     """The worker template's imports, and each of its answers."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
-            if not getattr(self, f.name) > 0:  # also rejects NaN
+            if f.name != "hang" and not getattr(self, f.name) > 0:  # also rejects NaN
                 raise ConfigError(f"timeouts.{f.name} must be > 0, got {getattr(self, f.name)}")
+        if self.hang == "auto":
+            return
+        if isinstance(self.hang, str) or not self.hang > 0:
+            raise ConfigError(f"timeouts.hang must be auto or a number > 0, got {self.hang!r}")
         if self.hang < 2 * self.heartbeat:
             raise ConfigError(
                 f"timeouts.hang ({self.hang:g}) must be at least twice timeouts.heartbeat "

@@ -50,7 +50,12 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         if value is None:
             return None
-        return coerce(value, args[0], key)
+        for arg in args[:-1]:  # one of several kinds (a number or "auto"): the first that fits
+            try:
+                return coerce(value, arg, key)
+            except ConfigError:
+                continue
+        return coerce(value, args[-1], key)
     if origin is typing.Literal:
         # a fixed set of values: coerced as their type (str); the dataclass's __post_init__
         # checks the value, with its own one-line error

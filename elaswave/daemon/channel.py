@@ -179,8 +179,7 @@ class WorkerChannel:
             self.preempted = (int(event.get("step", 0)), str(event.get("signal")))
 
     def _on_heartbeat(self, w: WorkerProc, msg: wire.Heartbeat) -> None:
-        w.last_beat = time.monotonic()
-        w.phase, w.phase_age, w.step = msg.phase, msg.phase_age, msg.step
+        w.heard(msg, time.monotonic())
 
     def _on_log(self, w: WorkerProc, msg: wire.Log) -> None:
         self.host.records.logged(msg)

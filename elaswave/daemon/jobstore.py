@@ -29,6 +29,7 @@ from elaswave.planning.plandelta import apply_delta, delta_epochs, encode_delta
 from elaswave.wire import WireError
 from elaswave.wire_etcd import (
     Done,
+    HangBounds,
     HostInfo,
     Incident,
     Incidents,
@@ -340,6 +341,10 @@ class JobStore:
     async def share_memory(self, host_id: str, memory: MemoryReport, *, lease: Any) -> None:
         """A host's workers' bytes by purpose (what ``status`` shows per rank)."""
         await self.etcd.put(self.keys.memory + host_id, encode(memory), lease=lease)
+
+    async def share_hang_bounds(self, host_id: str, bounds: HangBounds, *, lease: Any) -> None:
+        """A host's hang detector's bounds now (what ``status`` shows)."""
+        await self.etcd.put(self.keys.hang + host_id, encode(bounds), lease=lease)
 
     async def online_costs(self, live: set[str]) -> list[dict[str, float]]:
         """The newest per-layer seconds every worker in ``live`` measured while training, as its

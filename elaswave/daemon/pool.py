@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from elaswave import wire
 from elaswave.config.cluster import preempt_signum
+from elaswave.daemon.stacks import discard_unused
 from elaswave.daemon.template import Adopted
 from elaswave.daemon.workers import WorkerProc, spawn, stop_all, worker_id
 from elaswave.errors import EXIT_PREEMPTED
@@ -134,6 +135,7 @@ class WorkerPool:
     async def _watch_exit(self, w: WorkerProc) -> None:
         d = self.host
         w.exit_code = await w.proc.wait()
+        discard_unused(w)  # its stacks file, unless it wrote its stacks (killed as hung)
         # finished, stopped by us, or checkpointed and left for a preemption (every rank of the
         # job leaves with it): no departure, no respawn
         if w.done or w.stopping or d.stopping or w.exit_code == EXIT_PREEMPTED:

@@ -49,7 +49,7 @@ from elaswave.daemon.etcd import Etcd
 from elaswave.daemon.etcd_connect import EtcdSecurity
 from elaswave.daemon.etcd_server import EmbeddedEtcd
 from elaswave.daemon.faultrelay import FaultRelay
-from elaswave.daemon.hangs import detect_hangs
+from elaswave.daemon.hangs import HangDetector
 from elaswave.daemon.jobstore import JobStore, PlanError
 from elaswave.daemon.leader import Candidate, Leadership, campaign, succession_turn
 from elaswave.daemon.metrics import DaemonMetrics, worker_state
@@ -140,6 +140,10 @@ class HostDaemon:
         self.embedded = embedded  # an etcd this launch started: restarted if it exits
         self.stopped: str | None = None  # the leader's verdict that ended the job
         self.compute = ComputeTimes()  # the workers' compute times, shared with the leader
+        self.hangs = HangDetector(
+            setting=cfg.timeouts.hang, heartbeat=cfg.timeouts.heartbeat, run_dir=self.run_dir,
+            host_id=self.host_id, emit=self.events.emit,
+        )  # fmt: skip
         # spawns, watches, respawns, fences and evicts workers; owns the table of them
         self.pool = WorkerPool(self, finished=self.finished)
         self.faults = FaultRelay(self)  # fault requests from etcd to this host's workers
@@ -212,6 +216,9 @@ class HostDaemon:
                     for name, body in resilient.items()
                 ),
                 asyncio.create_task(self._detect_hangs(), name="hangs"),
+                asyncio.create_task(
+                    self.hangs.share(self.jobstore, lease=lambda: self.lease), name="hang-bounds"
+                ),
                 asyncio.create_task(self._publish_compute(), name="compute"),
             ]
             if self.embedded is not None:
@@ -349,13 +356,8 @@ class HostDaemon:
         )
 
     def _detect_hangs(self) -> Coroutine[Any, Any, None]:
-        return detect_hangs(
-            self.workers,
-            hang=self.cfg.timeouts.hang,
-            heartbeat=self.cfg.timeouts.heartbeat,
-            rank_of=lambda wid: self.plan.rank_of(wid) if self.plan else None,
-            emit=self.events.emit,
-            host_id=self.host_id,
+        return self.hangs.watch(
+            self.workers, rank_of=lambda wid: self.plan.rank_of(wid) if self.plan else None
         )
 
     def _publish_compute(self) -> Coroutine[Any, Any, None]:

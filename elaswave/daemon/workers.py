@@ -10,7 +10,9 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from elaswave import wire
 from elaswave.daemon.template import Adopted, Template, TemplateGone
+from elaswave.planning.hanglimits import phase_ended
 from elaswave.runtime.device import nccl_environment
 from elaswave.wire_etcd import WorkerInfo
 
@@ -28,16 +30,16 @@ class WorkerProc:
     done: bool = False
     stopping: bool = False
     exit_code: int | None = None
+    stacks_path: Path | None = None  # where it writes its stacks when killed as hung
     last_beat: float | None = None  # daemon's monotonic clock at the last heartbeat
     phase: str = "idle"
     phase_age: float = 0.0  # how long the worker had been in ``phase`` at that heartbeat
     step: int = 0  # its last committed step, as its newest heartbeat said
+    ended: list[tuple[str, float]] = field(default_factory=list)  # judged phases it ended
     info: WorkerInfo | None = None  # its worker key's value in etcd (set when ready)
     kill_reason: str | None = None  # set when the daemon kills it (hang)
     detect_delay: float = 0.0  # a kill fault sent to it asks for its death to be reported late
-    shield: int | None = (
-        None  # the signal it ignores: the preemption signal, the daemon's to act on
-    )
+    shield: int | None = None  # a signal it ignores: the preemption signal (the daemon's)
     waiter: asyncio.Task[None] | None = field(default=None, repr=False)
 
     def terminate(self) -> None:
@@ -46,6 +48,15 @@ class WorkerProc:
         worker). A worker keeps SIGTERM's default action, so the two end it alike."""
         sig = signal.SIGKILL if self.shield == signal.SIGTERM else signal.SIGTERM
         self.proc.send_signal(sig)
+
+    def heard(self, msg: wire.Heartbeat, at: float) -> None:
+        """A heartbeat, read at ``at`` (the daemon's monotonic clock): the compute phase or
+        evaluation it shows ended goes into :attr:`ended` (the hang detector's phase times)."""
+        done = phase_ended((self.phase, self.phase_age), (msg.phase, msg.phase_age))
+        if done is not None:
+            self.ended.append(done)
+        self.last_beat = at
+        self.phase, self.phase_age, self.step = msg.phase, msg.phase_age, msg.step
 
     def sent(self, detect_delay: float | None) -> None:
         """A fault was sent to this worker: one that asks for a slow detector delays the report
@@ -124,7 +135,9 @@ async def spawn(
     wid = worker_id(host_id, slot, incarnation)
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{wid}.log"
-    argv = ["--control", control_path, "--worker-id", wid, "--slot", str(slot)]
+    stacks = log_dir / f"{wid}.stacks"  # moved to the run's stacks/ if it is killed as hung
+    argv = ["--control", control_path, "--worker-id", wid, "--slot", str(slot),
+            "--stacks", str(stacks)]  # fmt: skip
     if shield is not None:
         argv += ["--shield", str(shield)]
     proc: asyncio.subprocess.Process | Adopted | None = None
@@ -143,6 +156,7 @@ async def spawn(
     return WorkerProc(
         worker_id=wid, slot=slot, incarnation=incarnation, proc=proc, log_path=log_path,
         shield=shield,
+        stacks_path=stacks,
     )  # fmt: skip
 
 

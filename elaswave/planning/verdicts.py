@@ -6,8 +6,9 @@
   re-cut of the stages' layers and a re-share of the replicas' micro-batches, or an eviction.
 - :class:`Hysteresis`: a proposal is acted on only once it has been made several times in a row.
 - :func:`loop_verdict`: whether the job keeps failing without committing a step.
-- :func:`hang_verdict` and :func:`silence`: whether a worker is hung, judged only on silence the
-  daemon was there to hear; :func:`respawn_verdict`: whether a worker that exited is replaced.
+- :func:`hang_verdict` and :func:`silence`: whether a worker is hung (against the bounds of
+  :mod:`~elaswave.planning.hanglimits`), judged only on silence the daemon was there to hear;
+  :func:`respawn_verdict`: whether a worker that exited is replaced.
 
 The leader runs the straggler verdicts whenever a host reports its workers' speeds, so at 100,000
 ranks they must stay (near) linear: ranks are looked up in dicts and sets, never by scanning the
@@ -23,6 +24,7 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from elaswave.errors import EXIT_NONFINITE, EXIT_PREEMPTED, EXIT_SCRIPT_FAILED, EXIT_STATE_LOST
+from elaswave.planning.hanglimits import HangLimits, seconds_text
 from elaswave.planning.partition import COMPUTE_ONLY, StageMemory
 from elaswave.planning.pipeplan import predicted_step, respeed_pipeline_plan, stage_speeds
 from elaswave.planning.plan import Plan, assign_microbatches, capped
@@ -354,20 +356,29 @@ def respawn_verdict(
 
 
 def hang_verdict(
-    silent_s: float, phase: str, phase_age_s: float, *, limit_s: float, beat_s: float
+    silent_s: float, phase: str, phase_age_s: float, *, limits: HangLimits, beat_s: float
 ) -> str | None:
     """Why a worker counts as hung, or ``None``. Pure: the hang detector's whole decision.
 
-    Two disjoint cases, each needing the full ``limit_s``: the process is frozen (no heartbeat
-    for longer than the limit), or it is alive (beats still arrive) but its main thread has been
-    in one compute phase for longer than the limit. A worker waiting in a collective or for a
-    plan is never hung on its own account: a peer may be.
+    Two disjoint cases: the process is frozen (no heartbeat for longer than
+    ``limits.silence_s``), or it is alive (beats still arrive) but its main thread has been in
+    one compute phase, or one evaluation, for longer than that phase's bound. A worker waiting
+    in a collective or for a plan is never hung on its own account: a peer may be. The reason
+    names the bound and how it was derived (``auto``: :mod:`elaswave.planning.hanglimits`).
     """
-    if silent_s > limit_s:
-        return f"no heartbeat for {silent_s:.1f} s"
-    if phase == "compute" and silent_s <= 2 * beat_s and phase_age_s > limit_s:
-        return f"stuck computing for {phase_age_s:.1f} s"
+    if silent_s > limits.silence_s:
+        return f"no heartbeat for {silent_s:.1f} s{_bound(limits.silence_s, limits.silence_how)}"
+    bound = limits.phase(phase)
+    if bound is not None and silent_s <= 2 * beat_s and phase_age_s > bound[0]:
+        doing = "computing" if phase == "compute" else "evaluating"
+        return f"stuck {doing} for {phase_age_s:.1f} s{_bound(*bound)}"
     return None
+
+
+def _bound(limit_s: float, how: str) -> str:
+    """A hang reason's bound, in its parentheses: the limit, and how auto derived it."""
+    limit = seconds_text(limit_s)
+    return f" (limit {limit})" if how == "fixed" else f" (limit {limit}; {how})"
 
 
 def silence(now: float, last_beat: float, resumed: float) -> float:

@@ -168,6 +168,7 @@ class Engine:
         self.strategy: Strategy = strategy_for(self.ctx, self.durable)
         self.replan = True  # apply a (newer) plan before the next step
         self.phase, self.phase_since = "idle", time.monotonic()
+        self._evaluating = False  # the strategy's "compute" is an evaluation's ("eval")
         self.faults = FaultInjector(
             control, worker_id=worker_id, rank=lambda: self.comm.rank(DP),
             epoch=lambda: self.plan.epoch if self.plan is not None else 0,
@@ -188,7 +189,10 @@ class Engine:
         return self.ctx.plan
 
     def _enter(self, phase: str) -> None:
-        """compute | collective | idle: what the daemon's hang detector sees."""
+        """compute | collective | idle, and eval for the compute of an evaluation (the hang
+        detector gives it a bound of its own): what the daemon's hang detector sees."""
+        if phase == "compute" and self._evaluating:
+            phase = "eval"
         self.phase, self.phase_since = phase, time.monotonic()
 
     def _heartbeat(self) -> wire.Heartbeat:
@@ -446,8 +450,12 @@ class Engine:
         if self.durable.checkpoints is not None and step % self.cfg.durable_every == 0:
             self._checkpoint(step, "durable_saved")
         if self.cfg.train.eval_every and step % self.cfg.train.eval_every == 0:
-            self._enter("compute")
-            loss, samples, accuracy = evaluate(self.ctx, self.strategy, self.ctx.broken)
+            self._evaluating = True
+            try:
+                self._enter("compute")
+                loss, samples, accuracy = evaluate(self.ctx, self.strategy, self.ctx.broken)
+            finally:
+                self._evaluating = False
             self._enter("idle")
             if self.comm.rank(DP) == 0:
                 self.control.send(

@@ -2,10 +2,10 @@
 AdamW with a cosine schedule, scikit-learn's digits) run by ``elaswave launch --script``.
 
 In the deterministic mode (float64 reduction) a run whose rank 1 is SIGKILLed mid-step and
-respawned, or frozen until the daemon kills it, gives the fault-free run's losses, parameters and
-optimizer state bit for bit, replicated and under ZeRO-1; every step is committed once and the
-survivors redo only the lost rank's micro-batches. Misuse of the API ends the job with one line
-naming the rank, and nothing is left running.
+respawned, or frozen or slowed until the daemon kills it, gives the fault-free run's losses,
+parameters and optimizer state bit for bit, replicated and under ZeRO-1; every step is committed
+once and the survivors redo only the lost rank's micro-batches. Misuse of the API ends the job
+with one line naming the rank, and nothing is left running.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from conftest import (
 )
 
 from elaswave.errors import EXIT_PREEMPTED
+from elaswave.report import build_report
 
 SCRIPT = ROOT / "examples" / "own_loop.py"
 MISUSE = Path(__file__).with_name("loop_misuse.py")
@@ -204,20 +205,33 @@ def test_a_second_host_joins_the_loop_mid_run_bit_identical(
     assert_no_orphans(h2)
 
 
-def test_a_plain_loop_survives_a_hang_bit_identical(
+def test_a_plain_loop_survives_a_hang_and_a_stuck_step_bit_identical(
     tmp_path: Path, state_env: dict, reference: Run
 ) -> None:
+    """Rank 1 frozen in step 5, then (under the plan that followed) rank 1 slowed by 4 s in step
+    8: with a hang timeout of 1.5 s the daemon kills both, the second as stuck computing, each
+    once it wrote its stacks, which name where it was stuck: the user's loop, in the frozen
+    step's commit and in the slowed step's micro-batches."""
     env = {**state_env, **F64}
     r = _launch(tmp_path / "run", env, "--job-id", "loop-hang", "--hang-timeout", "1.5",
-                "--fault", "hang,rank=1,at_step=5", after=ARGS)  # fmt: skip
+                "--fault", "hang,rank=1,at_step=5",
+                "--fault", "slow,rank=1,at_step=8,epoch=2,delay=4", after=ARGS)  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     run = Run(tmp_path / "run")
-    (detected,) = run.of("hang_detected")
-    (fault,) = run.of("fault_injected")
-    assert detected["worker"] == fault["worker"]
+    frozen, slowed = run.of("fault_injected")
+    assert [e["worker"] for e in run.of("hang_detected")] == [frozen["worker"], slowed["worker"]]
     assert_clean_run(run, STEPS, reference)
     assert run.losses == reference.losses
-    assert_redid_only(run, 2, {fault["worker"]})
+    assert_redid_only(run, 2, {frozen["worker"]})
+    assert_redid_only(run, 3, {slowed["worker"]})
+    hang, stuck = build_report(run.dir)["incidents"]
+    assert "no heartbeat" in hang["reason"] and "(limit 1.5 s)" in hang["reason"]
+    assert (stuck["kind"], stuck["worker"]) == ("slow", slowed["worker"])
+    assert "stuck computing" in stuck["reason"] and stuck["epoch"] == 3, stuck
+    for inc, where in ((hang, "in commit"), (stuck, "in _iterate")):
+        main_thread = inc["stacks"].split("Current thread")[1]
+        assert where in main_thread and "own_loop.py" in main_thread, inc["stacks"]
+        assert (run.dir / inc["stacks_file"]).read_text() == inc["stacks"]
 
 
 @pytest.mark.parametrize(

@@ -103,6 +103,10 @@ def test_launch_unknown_config_key(tmp_path: Path) -> None:
         (["--progress-every", "0"], "--progress-every must be > 0"),
         (["--device", "tpu"], "train.device must be one of auto, cpu, cuda, npu"),
         (["--workers-per-device", "0"], "elastic.workers_per_device must be > 0, got 0"),
+        (["--hang-timeout", "soon"], "timeouts.hang must be auto or a number > 0, got 'soon'"),
+        (["--hang-timeout", "0"], "timeouts.hang must be auto or a number > 0, got 0.0"),
+        (["--hang-timeout", "-2"], "timeouts.hang must be auto or a number > 0, got -2.0"),
+        (["--hang-timeout", "0.3"], "timeouts.hang (0.3) must be at least twice"),
     ],
 )
 def test_launch_bad_flags(args: list[str], fragment: str) -> None:

@@ -172,6 +172,9 @@ def test_missing_config_file(tmp_path: Path) -> None:
         ({"train.lr": float("nan")}, "train.lr"),
         ({"timeouts.collective": float("nan")}, "timeouts.collective"),
         ({"timeouts.lease_ttl": 0}, "timeouts.lease_ttl"),
+        ({"timeouts.hang": "later"}, "timeouts.hang must be auto or a number > 0, got 'later'"),
+        ({"timeouts.hang": float("nan")}, "timeouts.hang must be auto or a number > 0"),
+        ({"timeouts.hang": True}, "timeouts.hang must be auto or a number > 0, got 'True'"),
         ({"train.reduce_dtype": "float16"}, "reduce_dtype"),
         ({"train.device_time": -0.1}, "train.device_time"),
         ({"train.state_bandwidth": float("nan")}, "train.state_bandwidth"),
@@ -365,6 +368,10 @@ def test_wrong_types(tmp_path: Path, source: str, key: str, value: Any) -> None:
         ({"ELASWAVE_RUN_DIR": "/tmp/r"}, ("run_dir",), "/tmp/r"),
         ({"ELASWAVE_ETCD": "h1:2379,h2:2379"}, ("etcd",), ["h1:2379", "h2:2379"]),
         ({"ELASWAVE_TIMEOUTS__LEASE_TTL": "9"}, ("timeouts", "lease_ttl"), 9),
+        ({}, ("timeouts", "hang"), "auto"),  # the default
+        ({"ELASWAVE_TIMEOUTS__HANG": "1.5"}, ("timeouts", "hang"), 1.5),
+        ({"ELASWAVE_TIMEOUTS__HANG": "2"}, ("timeouts", "hang"), 2.0),
+        ({"ELASWAVE_TIMEOUTS__HANG": "auto"}, ("timeouts", "hang"), "auto"),
     ],
 )
 def test_env_values_are_coerced_to_field_types(
@@ -396,6 +403,8 @@ def test_env_values_are_coerced_to_field_types(
             "model.dropout": 0.0,
             "faults": [FaultSpec(kind="kill", rank=1, at_step=3), FaultSpec(kind="kill", rank=0)],
         },
+        {"timeouts.hang": 2.5},
+        {"timeouts.hang": "2.5"},
     ],
 )
 def test_to_dict_from_dict_round_trip(tmp_path: Path, overrides: dict[str, Any]) -> None:

@@ -5,9 +5,15 @@ from __future__ import annotations
 import pytest
 
 from elaswave.errors import EXIT_STATE_LOST
+from elaswave.planning.hanglimits import HangLimits
 from elaswave.planning.verdicts import hang_verdict, respawn_verdict, silence
 
 BEAT = 0.2
+
+
+def fixed(limit: float) -> HangLimits:
+    """``--hang-timeout N``: one bound for everything."""
+    return HangLimits(silence_s=limit, compute_s=limit, eval_s=limit)
 
 
 @pytest.mark.parametrize(
@@ -20,6 +26,7 @@ BEAT = 0.2
         (0.1, "collective", 30.0, 2.0, None),  # blocked on a hung peer: not its fault
         (0.1, "idle", 30.0, 2.0, None),  # waiting for a plan
         (0.1, "compute", 2.5, 2.0, "computing"),  # alive, one compute phase past the limit
+        (0.1, "eval", 2.5, 2.0, "evaluating"),  # a fixed limit bounds an evaluation alike
         (0.1, "compute", 1.95, 2.0, None),  # just under the limit
         (1.0, "compute", 1.5, 2.0, None),  # beats late but compute time alone is under it
         (2.0, "compute", 0.0, 2.0, None),  # exactly at the limit is not past it
@@ -28,11 +35,49 @@ BEAT = 0.2
 def test_hang_verdict(
     silent: float, phase: str, phase_age: float, limit: float, verdict: str | None
 ) -> None:
-    reason = hang_verdict(silent, phase, phase_age, limit_s=limit, beat_s=BEAT)
+    reason = hang_verdict(silent, phase, phase_age, limits=fixed(limit), beat_s=BEAT)
     if verdict is None:
         assert reason is None
     else:
         assert reason is not None and verdict in reason
+        assert reason.endswith(f"(limit {limit:g} s)")
+
+
+AUTO = HangLimits(
+    silence_s=1.0, compute_s=10.0, eval_s=300.0, silence_how="auto: floor",
+    compute_how="auto: floor, 4 × p99 of 40 compute phases is 0.4 s",
+    eval_how="auto: no evaluation seen",
+)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("silent", "phase", "phase_age", "reason"),
+    [
+        (0.9, "compute", 0.5, None),  # beats a little late: under the silence bound
+        (1.1, "collective", 0.0, "no heartbeat for 1.1 s (limit 1 s; auto: floor)"),
+        (1.1, "compute", 0.0, "no heartbeat for 1.1 s (limit 1 s; auto: floor)"),
+        (0.1, "compute", 9.9, None),  # a long phase, under the compute bound
+        (
+            0.1, "compute", 10.5,
+            "stuck computing for 10.5 s (limit 10 s; auto: floor, 4 × p99 of 40 compute "
+            "phases is 0.4 s)",
+        ),
+        (0.1, "eval", 200.0, None),  # an evaluation has its own, wider bound
+        (0.1, "eval", 301.0, "stuck evaluating for 301.0 s (limit 300 s; auto: no evaluation"),
+        (0.5, "compute", 10.5, None),  # phase times are judged only on fresh beats
+        (0.1, "idle", 1000.0, None),
+    ],
+)  # fmt: skip
+def test_hang_verdict_under_auto_bounds_each_phase_on_its_own(
+    silent: float, phase: str, phase_age: float, reason: str | None
+) -> None:
+    """Silence, a compute phase and an evaluation each against its own bound; the reason names
+    the bound and how it was derived (the report's incident shows it)."""
+    got = hang_verdict(silent, phase, phase_age, limits=AUTO, beat_s=BEAT)
+    if reason is None:
+        assert got is None
+    else:
+        assert got is not None and got.startswith(reason)
 
 
 @pytest.mark.parametrize(
@@ -70,6 +115,6 @@ def test_silence_excludes_the_daemons_own_pause(
     workers it did not listen to as hung: only silence after its resume counts."""
     assert silence(now, last_beat, resumed) == pytest.approx(silent)
     verdict = hang_verdict(
-        silence(now, last_beat, resumed), "compute", 0.0, limit_s=10.0, beat_s=BEAT
+        silence(now, last_beat, resumed), "compute", 0.0, limits=fixed(10.0), beat_s=BEAT
     )
     assert (verdict is not None) is hung

@@ -202,3 +202,23 @@ def test_a_watch_that_loses_etcd_ends_only_if_the_launcher_did(
         with pytest.raises(typer.Exit) as exc:
             status._watch_status(st, read, lambda: False)
         assert exc.value.exit_code == 3  # etcd unreachable
+
+
+@pytest.mark.parametrize(
+    ("by_host", "lines"),
+    [
+        ({}, []),
+        ({"h0": {"how": "1.5 s (fixed)"}, "h1": {"how": "1.5 s (fixed)"}},
+         ["hang timeout: 1.5 s (fixed)"]),
+        ({"h0": {"how": "A"}, "h1": {"how": "B"}, "h2": {"how": "B"}, "h3": {"how": "B"}},
+         ["hang timeout on h0: A", "hang timeout on h1, h2 and 1 more: B"]),
+    ],
+)  # fmt: skip
+def test_status_shows_each_hosts_hang_timeout_once(
+    by_host: dict[str, dict[str, Any]], lines: list[str]
+) -> None:
+    """``status``: the bounds each host's hang detector applies (``hang/<host>``), one line when
+    every host applies the same."""
+    from elaswave.cli.status import _hang_timeout
+
+    assert [str(t) for t in _hang_timeout(by_host)] == lines

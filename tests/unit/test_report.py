@@ -471,6 +471,64 @@ def test_slow_incident_runs_from_the_fault_to_the_first_reshared_commit(tmp_path
     assert inc["first_commit_step"] == 15 and inc["mttr_s"] == pytest.approx(0.1, abs=1e-6)
 
 
+# ---- hangs: the stacks of the killed worker --------------------------------------------------
+
+HUNG_EXIT = (
+    "worker w1 (rank 1) hung (stuck computing for 10.1 s (limit 10 s; auto: floor, 4 × p99 of "
+    "40 compute phases is 0.2 s)), killed"
+)
+HUNG_PLAN = f"{HUNG_EXIT} → epoch 2: dp 4→3, micro-batches 16 → [6, 5, 5]"
+STACKS = (
+    "Thread 0x00007f01 (most recent call first):\n"
+    '  File "control_client.py", line 99 in beat\n\n'
+    "Current thread 0x00007f02 (most recent call first):\n"
+    '  File "replicated.py", line 120 in compute\n'
+    '  File "engine.py", line 297 in train_step\n'
+)
+
+
+def hang_events(kind: str) -> list[dict[str, Any]]:
+    """Rank 1 (w1) slowed (``slow``) or frozen (``hang``) in step 15 past the hang timeout:
+    killed by its daemon, its stacks taken, and the recovery to epoch 2 (kill_events' own)."""
+    fault = {"kind": kind, "rank": 1, "at_step": 15} | ({"delay": 30.0} if kind == "slow" else {})
+    return [
+        {"t": 100.0, "kind": "fault_injected", "worker": "w1", "rank": 1, "step": 15,
+         "fault": fault},
+        {"t": 100.01, "kind": "hang_detected", "worker": "w1", "rank": 1,
+         "reason": HUNG_EXIT.split("hung (")[1].removesuffix("), killed")},
+        {"t": 100.02, "kind": "worker_exit", "worker": "w1", "rank": 1, "exit_code": -9,
+         "reason": HUNG_EXIT},
+        {"t": 100.021, "kind": "hang_stacks", "worker": "w1", "rank": 1,
+         "path": "stacks/w1-20250304-050607.txt", "stacks": STACKS, "seconds": 0.011},
+        *[dict(e, reason=HUNG_PLAN) if e["kind"] == "plan_published" else e
+          for e in kill_events()[2:]],
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["hang", "slow"])
+def test_a_worker_killed_as_hung_carries_its_stacks(tmp_path: Path, kind: str) -> None:
+    """A hang, or a slow worker past the hang timeout (a crash then, not a straggler: no
+    straggler verdict answers it), is answered by the plan it departed in; the incident holds
+    the stacks it was killed with and their file, and every format shows them."""
+    run = write_run(tmp_path / kind, start_events() + hang_events(kind), metrics())
+    report = build_report(run)
+    (inc,) = report["incidents"]
+    assert inc["kind"] == kind and inc["reason"] == HUNG_PLAN
+    assert inc["detection_s"] == pytest.approx(0.02, abs=1e-6)
+    assert inc["mttr_s"] == pytest.approx(0.1, abs=1e-6)
+    assert inc["stacks"] == STACKS and inc["stacks_file"] == "stacks/w1-20250304-050607.txt"
+    text = render(report, "md")
+    assert "stacks of w1 as it was killed (stacks/w1-20250304-050607.txt):" in text
+    assert '  File "engine.py", line 297 in train_step' in text
+    (row,) = csv.DictReader(io.StringIO(render(report, "csv")))
+    assert row["stacks_file"] == "stacks/w1-20250304-050607.txt"
+
+
+def test_a_crash_carries_no_stacks(kill_run: Path) -> None:
+    (inc,) = build_report(kill_run)["incidents"]
+    assert "stacks" not in inc and "stacks" not in render(build_report(kill_run), "md")
+
+
 def test_stop_verdict_and_evictions_are_in_the_totals(tmp_path: Path) -> None:
     reason = "restart loop (3 failures without a committed step since step 2)"
     events = start_events() + [

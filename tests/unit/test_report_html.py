@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import html
 import json
 import re
 import shutil
@@ -13,7 +14,14 @@ from typing import Any
 import pytest
 
 from elaswave.report_html import deviation, render_html, throughput
-from tests.unit.test_report import kill_events, metrics, start_events, write_run
+from tests.unit.test_report import (
+    STACKS,
+    hang_events,
+    kill_events,
+    metrics,
+    start_events,
+    write_run,
+)
 
 
 class _Elements(HTMLParser):
@@ -48,6 +56,15 @@ def test_the_page_is_self_contained_and_has_every_plot(tmp_path: Path) -> None:
     assert "kill rank 1" in page and "epoch 2: dp 4→3" in page
     without = render_html([tmp_path / "run"])
     assert "deviation" not in re.findall(r'<svg class="chart" id="(\w+)"', without)
+
+
+def test_the_stacks_of_a_worker_killed_as_hung_are_on_the_page(tmp_path: Path) -> None:
+    run = write_run(tmp_path / "run", start_events() + hang_events("hang"), metrics())
+    page = render_html([run])
+    (details,) = re.findall(r'<details class="stacks">(.*?)</details>', page, re.S)
+    assert "#1: stacks of w1 as it was killed (stacks/w1-20250304-050607.txt)" in details
+    assert html.escape(STACKS) in details
+    assert "<details" not in render_html([write_run(tmp_path / "kill", kill_events(), metrics())])
 
 
 def test_throughput_and_deviation_are_computed_from_the_records() -> None:

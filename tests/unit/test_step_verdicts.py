@@ -144,7 +144,7 @@ def test_the_report_names_the_skipped_step_its_ranks_and_samples(tmp_path: Path)
 
 @pytest.mark.parametrize(
     ("name", "signum"),
-    [("TERM", signal.SIGTERM), ("SIGUSR1", signal.SIGUSR1), ("usr2", signal.SIGUSR2),
+    [("TERM", signal.SIGTERM), ("SIGUSR1", signal.SIGUSR1), ("usr1", signal.SIGUSR1),
      (str(int(signal.SIGHUP)), signal.SIGHUP), ("none", None), ("None", None)],
 )  # fmt: skip
 def test_the_preemption_signal_by_name_or_number(name: str, signum: int | None) -> None:
@@ -155,6 +155,7 @@ def test_the_preemption_signal_by_name_or_number(name: str, signum: int | None) 
     ("name", "message"),
     [("KILL", "cannot be SIGKILL: it cannot be caught"), ("STOP", "cannot be SIGSTOP"),
      ("INT", "cannot be SIGINT: SIGINT stops a launch"), ("FOO", "must be a signal name"),
+     ("USR2", "cannot be SIGUSR2: SIGUSR2 asks a hung worker for its stacks"),
      ("999", "must be a signal name")],
 )  # fmt: skip
 def test_a_preemption_signal_that_cannot_work_is_a_one_line_error(name: str, message: str) -> None:

@@ -24,6 +24,7 @@ EVERY = [
     wire.Ready(worker_id="h0.w1", layer_estimate=[1.0, 2.5], layer_bytes=[4.0, 4.0]),
     wire.Event({"t": 1.5, "kind": "step_aborted", "step": 4}),
     wire.Heartbeat(step=7, phase="collective", phase_age=0.25),
+    wire.Heartbeat(step=8, phase="eval", phase_age=12.5),
     wire.Commit(step=2**40, loss=1.25, epoch=9, world=10**6, samples=2**45, t=2.0),
     wire.Commit(
         step=3,

@@ -21,6 +21,7 @@ from elaswave.keys import JobKeys
 from elaswave.wire import WireError
 from elaswave.wire_etcd import (
     Done,
+    HangBounds,
     HostInfo,
     Incident,
     Incidents,
@@ -59,6 +60,7 @@ EXAMPLES: list[Value] = [
     JobStop(reason="restart loop", t=9.0),
     TrainedConfig({"model": {"n_layer": 2}, "data": None}),
     StreamStart(started=1700000000.25),
+    HangBounds(silence_s=1.0, compute_s=10.0, eval_s=300.0, how="auto: floor"),
 ]
 
 
@@ -150,6 +152,7 @@ def test_every_json_key_of_a_job_is_in_the_table() -> None:
     named = {
         keys.hosts: "hosts/<host>", keys.workers: "workers/<worker>", keys.faults: "faults/<id>",
         keys.speed: "speed/<host>", keys.costs: "costs/<host>", keys.memory: "memory/<host>",
+        keys.hang: "hang/<host>",
     }  # fmt: skip
     layout = {v for k, v in vars(keys).items() if k not in ("job_id", "prefix")}
     expected = {named.get(key, key.removeprefix(keys.prefix)) for key in layout - plain_text}

@@ -91,7 +91,7 @@ class ControlClient:
         """Send ``probe()`` every ``interval`` seconds from a daemon thread.
 
         The daemon declares the worker hung when beats stop (the process is frozen) or when the
-        probe reports one compute phase lasting longer than the hang timeout.
+        probe reports one compute phase, or evaluation, lasting longer than its bound.
         """
 
         def beat() -> None:
