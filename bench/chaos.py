@@ -7,9 +7,13 @@ respawn on (``--max-restarts``), hosts that may leave and come back (``--nnodes 
 eviction off (a slow rank is re-shared, never evicted) and the restart-loop breaker off.
 
 The schedule is drawn from a seeded generator (:func:`schedule`, printed and stored in the
-result) over all six kinds:
+result) over all eight kinds:
 
-- kill, hang, corrupt, slow: ``inject-fault --rank R`` on the live job (R drawn at random);
+- kill, hang, corrupt, slow, nan: ``inject-fault --rank R`` on the live job (R drawn at random;
+  ``nan`` turns that rank's loss and gradient NaN in its next step, which every rank skips;
+  pipelines, which cannot skip a step, leave it out);
+- preempt: SIGTERM to every launch (a scheduler's requeue): the job checkpoints its newest
+  step and every launch exits 75; then every host is launched again and resumes from it;
 - host: ``inject-fault --kind host`` on a non-leader host, which is then relaunched (a new daemon
   for the same host id) so that capacity comes back;
 - partition: ``inject-fault --kind partition`` on a non-leader host, healed once the others
@@ -59,6 +63,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -101,10 +106,12 @@ REL_TOL = 1e-6  # the per-step loss goal of the e2e tests
 # float32 (default) or float64 gradient reduction; float64 makes the sum independent of the
 # world size, so any loss deviation left is a bug rather than rounding (CHAOS_REDUCE_DTYPE=float64).
 REDUCE_DTYPE = os.environ.get("CHAOS_REDUCE_DTYPE", "float64")
-RANK_KINDS = ("kill", "hang", "corrupt", "slow")
+RANK_KINDS = ("kill", "hang", "corrupt", "slow", "nan")
 HOST_KINDS = ("host", "partition")
-KINDS = RANK_KINDS + HOST_KINDS
+KINDS = (*RANK_KINDS, *HOST_KINDS, "preempt")
+PIPE_KINDS = tuple(k for k in KINDS if k != "nan")  # a pipeline stage cannot skip a step
 ETCD_RESTART_AFTER = 4.0  # s a killed etcd member stays down
+PREEMPT_GRACE = 30.0
 
 
 @dataclass(frozen=True)
@@ -124,8 +131,8 @@ VARIANTS = {
         Variant("hier", KINDS, racks=("A", "A", "B")),
         Variant("zero", KINDS, ("--zero", "1")),
         Variant("zero3", KINDS, ("--zero", "3")),
-        Variant("pipeline", KINDS, ("--pp", "2", "--zero", "1")),
-        Variant("pipeline-zero3", KINDS, ("--pp", "2", "--zero", "3")),
+        Variant("pipeline", PIPE_KINDS, ("--pp", "2", "--zero", "1")),
+        Variant("pipeline-zero3", PIPE_KINDS, ("--pp", "2", "--zero", "3")),
         Variant("leader", KINDS, at_leader=True),
         Variant("etcd", (*KINDS, "etcd"), etcd_members=3),
         Variant("recovery", ("kill", "hang", "host", "recovery")),
@@ -199,8 +206,7 @@ def run(repeat: int, config: Path) -> dict[str, Any]:
         bed_name = f"single host × {LOCAL_NPROC} workers, rank faults only ({reason})"
         hosts, nproc = 1, LOCAL_NPROC
         variants = [
-            Variant(v.name, tuple(k for k in v.kinds if k in ("kill", "hang", "corrupt", "slow")),
-                    v.flags)
+            Variant(v.name, tuple(k for k in v.kinds if k in (*RANK_KINDS, "preempt")), v.flags)
             for v in variants
             if v.name in ("dp", "zero", "zero3", "pipeline", "pipeline-zero3")
         ]  # fmt: skip
@@ -235,6 +241,13 @@ def run(repeat: int, config: Path) -> dict[str, Any]:
             with _workdir(f"{v.name}-{i}") as tmp:
                 soak = _on_bed(make_bed(Path(tmp) / "soak", v.etcd_members, v.racks), nproc,
                                f"chaos-{v.name}-{i}", plan, v)  # fmt: skip
+            ref = refs[key]
+            skipped = sorted(m["step"] for m in soak["metrics"] if m.get("skipped"))
+            if skipped:  # the fault-free run that skips the same steps' samples
+                with _workdir(f"ref-{v.name}-{i}") as tmp:
+                    ref = _on_bed(make_bed(Path(tmp) / "ref", 1), nproc, f"chaos-ref-{v.name}-{i}",
+                                  [], Variant("ref", (), key),
+                                  {"ELASWAVE_TRAIN__SKIP_STEPS": json.dumps(skipped)})  # fmt: skip
             by_variant[v.name] = {
                 "flags": list(v.flags),
                 "kinds": list(v.kinds),
@@ -242,7 +255,8 @@ def run(repeat: int, config: Path) -> dict[str, Any]:
                 "at_leader": v.at_leader,
                 "racks": list(v.racks),
                 "schedule": plan,
-                **_figures(refs[key], soak),
+                "skipped_steps": skipped,
+                **_figures(ref, soak),
             }
         rounds.append(by_variant)
     return {
@@ -263,7 +277,12 @@ def run(repeat: int, config: Path) -> dict[str, Any]:
 
 
 def _on_bed(
-    bed: Any, nproc: int, job: str, plan: list[dict[str, Any]], variant: Variant
+    bed: Any,
+    nproc: int,
+    job: str,
+    plan: list[dict[str, Any]],
+    variant: Variant,
+    extra_env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     workdir = bed.workdir
     workdir.mkdir(parents=True)
@@ -276,6 +295,7 @@ def _on_bed(
                 "ELASWAVE_TIMEOUTS__ETCD_CONNECT": "2",
                 "ELASWAVE_TIMEOUTS__RENDEZVOUS": "60",
                 "ELASWAVE_TRAIN__REDUCE_DTYPE": REDUCE_DTYPE,
+                **(extra_env or {}),
             },
         )
         soak = _Soak(bed, nproc, job, env, variant)
@@ -317,7 +337,9 @@ class _Soak:
             "--steps", str(STEPS),
             "--max-restarts", "100", "--hang-timeout", str(HANG_TIMEOUT),
             "--straggler-threshold", "0", "--loop-breaker", "0",
-            "--verify-every", str(VERIFY_EVERY), *self.variant.flags, env=self.env,
+            "--verify-every", str(VERIFY_EVERY), "--preempt-grace", str(PREEMPT_GRACE),
+            "--durable-dir", str(self.bed.workdir / "checkpoints"),  # shared: a preemption's
+            *self.variant.flags, env=self.env,
         )  # fmt: skip
 
     def events(self) -> list[dict[str, Any]]:
@@ -392,6 +414,11 @@ class _Soak:
             return record
         if kind == "recovery":
             return self._inject_during_recovery(fault, plan, record, leader)
+        if kind == "preempt":
+            record.update(what="SIGTERM to every launch", t=time.time())
+            for proc in self.bed.daemons.values():
+                proc.send_signal(signal.SIGTERM)
+            return record
         if kind in HOST_KINDS:
             hosts = [h for h in self.bed.hosts if (h == leader) == self.variant.at_leader]
             host = hosts[fault["pick"] % len(hosts)]
@@ -480,6 +507,17 @@ class _Soak:
                 lambda: self._after("sdc_rolled_back", t0) or self._after("sdc_repaired", t0),
                 90, "corruption not answered",
             )  # fmt: skip
+        elif kind == "nan":
+            wait_until(lambda: self._after("step_skipped", t0), 60, "the NaN step not skipped")
+        elif kind == "preempt":  # every launch checkpoints and exits 75; all are launched again
+            procs = list(self.bed.daemons.values())
+            wait_until(lambda: all(p.poll() is not None for p in procs),
+                       PREEMPT_GRACE + 30, "a preempted launch did not exit")  # fmt: skip
+            codes = sorted({p.returncode for p in procs})
+            if codes != [75]:
+                raise BenchError(f"preempted launches exited {codes}, not 75")
+            for host in self.bed.hosts:
+                self.launch(host)
         elif kind == "etcd":  # training goes on meanwhile; then the member comes back
             time.sleep(ETCD_RESTART_AFTER)
             self.bed.restart_etcd(record["member"])
@@ -490,7 +528,7 @@ class _Soak:
                     return {"finished": True}
                 raise BenchError("a daemon exited")
             plans = [p for p in self.plans() if p["t"] > t0]
-            if kind not in ("corrupt", "etcd") and not plans:
+            if kind not in ("corrupt", "etcd", "nan") and not plans:
                 return None
             last = self.plans()[-1]
             if last["world"] != self.full:
@@ -575,6 +613,8 @@ DETECTED_BY = {
     "host": "host_lost",
     "partition": "host_lost",
     "recovery": "worker_exit",
+    "nan": "step_skipped",
+    "preempt": "preempt_requested",
 }
 
 
@@ -585,7 +625,7 @@ def _figures(ref: dict[str, Any], soak: dict[str, Any]) -> dict[str, Any]:
     dev = {
         m["step"]: abs(m["loss"] - ref_loss[m["step"]]) / abs(ref_loss[m["step"]])
         for m in soak["metrics"]
-        if m["step"] in ref_loss
+        if m["step"] in ref_loss and not m.get("skipped")  # a skipped step's loss: NaN
     }
     last = max(steps, default=0)
     injected = soak["injected"]
@@ -613,7 +653,7 @@ def _figures(ref: dict[str, Any], soak: dict[str, Any]) -> dict[str, Any]:
         "faults_recovered": sum(weight.get(f["kind"], 1) for f in injected if f.get("recovered")),
         "unexpected_exits": _unexpected_exits(soak["events"]),
         "steps_bit_identical": sum(
-            1 for m in soak["metrics"] if ref_loss.get(m["step"]) == m["loss"]
+            1 for m in soak["metrics"] if ref_loss.get(m["step"]) == m["loss"] or m.get("skipped")
         ),
         "final_state_identical": bool(finals)
         and {(f["params_sha256"], f["state_sha256"]) for f in finals} == ref_final,
@@ -686,7 +726,9 @@ def _marks(
     )
     answer = None
     if detected is not None:
-        keys = ("sdc_rolled_back", "sdc_repaired") if kind == "corrupt" else ("plan_published",)
+        keys = {
+            "corrupt": ("sdc_rolled_back", "sdc_repaired"), "nan": ("step_skipped",),
+        }.get(kind, ("plan_published",))  # fmt: skip
         answer = first(lambda e: e["kind"] in keys, detected["t"])
     commit = None
     if answer is not None:
