@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from elaswave.report import build_report
+from elaswave.report_text import render
 from tests.e2e.conftest import F64, Float64Runs, Run, assert_no_orphans, launch
 
 STEPS = 12
@@ -40,6 +42,11 @@ def test_a_miscomputed_gradient_is_outvoted_its_rank_evicted_and_the_step_redone
     assert {f["params_sha256"] for f in finals} == {
         f["params_sha256"] for f in reference.of("final_state")
     }, "the parameters differ from the fault-free run"
+    (inc,) = build_report(run.dir)["incidents"]  # the eviction is no crash of its own
+    assert inc["kind"] == "grad_sdc" and inc["fault_step"] == inc["first_commit_step"] == BAD_STEP
+    assert inc["evicted"] == [bad] and inc["world_after"] == 3 and inc["mttr_s"] > 0
+    assert "miscomputed gradient" in inc["reason"]
+    assert "grad_sdc" in render(build_report(run.dir), "md")
     assert_no_orphans(run)
 
 
