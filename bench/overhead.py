@@ -50,7 +50,9 @@ VARIANTS = {
     "elaswave": "ElasWave, float32 reduce (default)",
     "ddp": "PyTorch DDP, float32 reduce",
     "elaswave_fp64": "ElasWave, float64 reduce (deterministic)",
+    "elaswave_replay": "ElasWave, float32 reduce, --replay-every 1",
 }
+ELASWAVE = ("elaswave", "elaswave_fp64", "elaswave_replay")
 
 
 def run(repeat: int, config: Path) -> dict[str, Any]:
@@ -78,12 +80,9 @@ def run(repeat: int, config: Path) -> dict[str, Any]:
     shutil.rmtree(tmp, ignore_errors=True)
     summary = {name: _summary(rounds, name) for name in VARIANTS}
     ddp = summary["ddp"]["step_s"]["median"]
-    ratios = {
-        name: summary[name]["step_s"]["median"] / ddp for name in ("elaswave", "elaswave_fp64")
-    }
+    ratios = {name: summary[name]["step_s"]["median"] / ddp for name in ELASWAVE}
     per_round = [
-        {name: row[name]["step_median_s"] / row["ddp"]["step_median_s"]
-         for name in ("elaswave", "elaswave_fp64")}
+        {name: row[name]["step_median_s"] / row["ddp"]["step_median_s"] for name in ELASWAVE}
         for row in rounds
     ]  # fmt: skip
     ref = rounds[0]["elaswave"]["loss"]
@@ -99,6 +98,9 @@ def run(repeat: int, config: Path) -> dict[str, Any]:
             "elaswave": launch_command(config, ["--steps", str(STEPS)]),
             "elaswave_fp64": "ELASWAVE_TRAIN__REDUCE_DTYPE=float64 "
             + launch_command(config, ["--steps", str(STEPS)]),
+            "elaswave_replay": launch_command(
+                config, ["--steps", str(STEPS), "--replay-every", "1"]
+            ),
             "ddp": f"bench.ddp_baseline.run_ddp (torch.multiprocessing.spawn, {WORLD} gloo ranks)",
         },
         "repeat": repeat,
@@ -123,8 +125,9 @@ def _run_variant(name: str, config: Path, out: Path, job: str) -> dict[str, Any]
     dtype = "float64" if name == "elaswave_fp64" else "float32"
     env = bench_env(out.parent / "state", {"ELASWAVE_TRAIN__REDUCE_DTYPE": dtype})
     job_id = f"bench-ovh-{os.getpid()}-{job.replace('_', '-')}"
+    replay = ["--replay-every", "1"] if name == "elaswave_replay" else []
     began, ended = elaswave_launch(
-        config, out / "run", job_id, env=env, extra_args=["--steps", str(STEPS)]
+        config, out / "run", job_id, env=env, extra_args=["--steps", str(STEPS), *replay]
     )
     result = measure_elaswave(out / "run")
     # Not part of the comparison; recorded because launch time varies a lot on a busy machine.

@@ -11,6 +11,8 @@ Text form (``launch --fault`` and ``ELASWAVE_FAULTS``)::
                                     # its daemon reports the death 2 s late
     hang,rank=2,at_step=8,epoch=3   # from step 8 on, once the job runs plan epoch 3 or later
     nan,rank=1,at_step=10           # rank 1's loss and gradient are NaN in step 10
+    corrupt,target=grad,rank=2,at_step=9  # rank 2 computes step 9's replayed micro-batch's
+                                    # gradient with one bit wrong (a device that miscomputes)
     host,host=h2                    # whole-host faults name a host instead of a rank
 
 YAML form (``faults:`` in a config)::
@@ -31,7 +33,7 @@ from elaswave.errors import FaultSpecError
 
 MAX_REQUEST_BYTES = 4096  # a fault request is a few dozen bytes of JSON
 PHASES = ("reduce", "optimizer", "recovery", "forward")
-TARGETS = ("params", "snapshot")
+TARGETS = ("params", "snapshot", "grad")
 
 
 class FaultKind(str, enum.Enum):
@@ -83,7 +85,9 @@ class FaultSpec:
     host: str | None = None  # whole-host faults: the target host id
     at_step: int | None = None
     phase: str = "reduce"  # "reduce": before the gradient reduction; "optimizer": ZeRO's update
-    target: str = "params"  # corrupt: "params" or "snapshot" (ZeRO: a replica piece it keeps)
+    # corrupt: "params", "snapshot" (ZeRO: a replica piece it keeps) or "grad" (the gradient of
+    # the step's first micro-batch, and of a peer's it recomputes, as this rank computes them)
+    target: str = "params"
     delay: float | None = None  # slow: extra compute seconds per step (even share)
     repeat: bool = False  # re-arm on whichever worker holds ``rank`` in later plans
     detect_delay: float | None = None  # kill: the death is reported this many seconds late

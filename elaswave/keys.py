@@ -32,6 +32,7 @@ class JobKeys:
         self.costs = self.prefix + "costs/"  # costs/<host_id>: its workers' layer seconds, lease
         self.memory = self.prefix + "memory/"  # memory/<host_id>: its workers' bytes, lease
         self.hang = self.prefix + "hang/"  # hang/<host_id>: its hang detector's bounds, lease
+        self.evict = self.prefix + "evict/"  # evict/<worker_id>: a replay found it miscomputing
         self.logging = self.prefix + "logging"  # when the job's event stream started (its
         #                                         files' and W&B run's names), set once
         self.starting = self.prefix + "starting"  # host_id of the one host that starts the job

@@ -63,7 +63,11 @@ def build_report(run_dir: str | Path, *more: str | Path) -> dict[str, Any]:
     for i, ev in enumerate(events):
         kind = ev.get("fault", {}).get("kind")
         if ev["kind"] == "fault_injected" and kind == "corrupt":
+            if ev["fault"].get("target") == "grad":
+                continue  # its incident starts from the replay that found it (or none)
             incidents.append(_corruption(ev, events[i:], metrics))
+        elif ev["kind"] == "replay_mismatch":
+            incidents.append(_grad_sdc(ev, events[:i], plans, metrics))
         elif ev["kind"] == "host_lost":
             cause = _host_fault(events[:i], ev["host"])
             incidents.append(
@@ -287,6 +291,44 @@ def _corruption(
         inc["state_s"] = round(repaired["t"] - detected["t"], 6)
         inc["mttr_s"] = round(repaired["t"] - t0, 6)
         inc["reason"] += " → repaired from a good copy"
+    return inc
+
+
+def _grad_sdc(
+    found: dict[str, Any],
+    before: list[dict[str, Any]],
+    plans: list[dict[str, Any]],
+    metrics: list[dict[str, Any]],
+) -> dict[str, Any]:
+    """A replay found a rank miscomputing a gradient (``replay_mismatch``): the step was not
+    applied, the odd rank evicted, the step redone; it ends when that step is committed."""
+    step, odd = found["step"], found.get("odd_workers") or []
+    fault = _first(
+        reversed(before),
+        lambda e: e["kind"] == "fault_injected" and e.get("fault", {}).get("target") == "grad"
+        and e.get("step") == step,
+    )  # fmt: skip
+    plan = _first(plans, lambda p: p["t"] >= found["t"] and set(odd) & set(p.get("evicted", [])))
+    commit = _first(metrics, lambda m: m.get("step") == step and m["time"] >= found["t"])
+    t0 = (fault or found)["t"]
+    inc: dict[str, Any] = dict.fromkeys(PHASES)
+    inc.update(
+        kind="grad_sdc",
+        worker=odd[0] if odd else None,
+        rank=(found.get("odd_ranks") or [None])[0],
+        fault_step=step,
+        fault_t=t0,
+        detected_step=step,
+        reason=plan["reason"]
+        if plan
+        else f"step {step}: replayed gradients disagree ({found.get('verdict')})",
+        evicted=odd,
+        epoch=plan["epoch"] if plan else None,
+        world_after=plan["world"] if plan else None,
+        first_commit_step=commit["step"] if commit else None,
+        mttr_s=round(commit["time"] - t0, 6) if commit else None,
+        recomputed_steps=1 if commit else 0,
+    )
     return inc
 
 

@@ -8,7 +8,7 @@ each end logs it and drops the line. Both ends dispatch by a table from message 
 
 worker → daemon: :class:`Hello`, :class:`Ready`, :class:`Event`, :class:`Heartbeat`,
 :class:`Commit`, :class:`Eval`, :class:`Log`, :class:`Rollback`, :class:`Compute`,
-:class:`Memory`, :class:`LayerCosts`, :class:`Done`.
+:class:`Memory`, :class:`LayerCosts`, :class:`Evict`, :class:`Done`.
 
 daemon → worker: :class:`Config`, :class:`PlanUpdate`, :class:`Fault`, :class:`Stop`.
 """
@@ -28,8 +28,8 @@ from elaswave.planning import planwire
 from elaswave.planning.plan import Plan
 
 __all__ = [
-    "MAX_LINE", "Commit", "Compute", "Config", "DaemonMessage", "Done", "Eval", "Event", "Fault",
-    "Heartbeat", "Hello", "LayerCosts", "Log", "Memory", "Message", "PlanUpdate", "Ready",
+    "MAX_LINE", "Commit", "Compute", "Config", "DaemonMessage", "Done", "Eval", "Event", "Evict",
+    "Fault", "Heartbeat", "Hello", "LayerCosts", "Log", "Memory", "Message", "PlanUpdate", "Ready",
     "Rollback", "Stop", "WireError", "WorkerMessage", "check_fields", "decode", "encode", "fits",
     "schema",
 ]  # fmt: skip
@@ -182,6 +182,17 @@ class LayerCosts(Message):
 
 
 @dataclass(frozen=True)
+class Evict(Message):
+    """A replay of ``step`` found ``workers`` miscomputing a gradient: the leader should plan
+    without them (``reason``: the plan's)."""
+
+    TYPE = "evict"
+    step: int
+    workers: list[str]
+    reason: str
+
+
+@dataclass(frozen=True)
 class Done(Message):
     """The worker finished the job at ``step``."""
 
@@ -260,6 +271,7 @@ WorkerMessage: TypeAlias = (
     | Compute
     | Memory
     | LayerCosts
+    | Evict
     | Done
 )
 DaemonMessage: TypeAlias = Config | PlanUpdate | Fault | Stop | Preempt

@@ -121,6 +121,17 @@ class Speeds(Value):
 
 
 @dataclass(frozen=True)
+class EvictRequest(Value):
+    """``evict/<worker>``: a replay of ``step`` outvoted the worker on a micro-batch's gradient
+    (``by``: the worker that reported it); the leader plans without it (``reason``)."""
+
+    KEY = "evict/<worker>"
+    step: int
+    reason: str
+    by: str
+
+
+@dataclass(frozen=True)
 class WorkerLayerCosts(Value):
     """A pipeline worker's newest seconds per layer (``layer_costs: online``)."""
 
@@ -259,8 +270,8 @@ class StreamStart(Value):
 
 
 VALUES: tuple[type[Value], ...] = (
-    HostInfo, WorkerInfo, Speeds, LayerCostsReport, MemoryReport, HangBounds, Progress, Incidents,
-    Done, JobStop, TrainedConfig, StreamStart,
+    HostInfo, WorkerInfo, Speeds, EvictRequest, LayerCostsReport, MemoryReport, HangBounds,
+    Progress, Incidents, Done, JobStop, TrainedConfig, StreamStart,
 )  # fmt: skip
 
 # Every JSON key of a job (under ``/elaswave/<job-id>/``): the class it holds, or the module whose

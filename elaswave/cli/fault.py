@@ -23,7 +23,7 @@ def inject_fault_cmd(
     delay: float | None = typer.Option(
         None, "--delay", help="slow: extra compute seconds per step."
     ),
-    target: str | None = typer.Option(None, "--target", help="corrupt: params | snapshot"),
+    target: str | None = typer.Option(None, "--target", help="corrupt: params | snapshot | grad"),
     rank: int | None = typer.Option(None, "--rank"),
     host: str | None = typer.Option(None, "--host", help="Target of host and partition faults."),
     at_step: int | None = typer.Option(

@@ -146,6 +146,14 @@ _VerifyEvery = Annotated[
     int | None,
     typer.Option("--verify-every", help="Compare replicas' checksums every K steps (0: never)."),
 ]
+_ReplayEvery = Annotated[
+    int | None,
+    typer.Option(
+        "--replay-every",
+        help="Recompute one micro-batch of each rank on a peer every K steps and compare the "
+        "gradients (0: never).",
+    ),
+]
 _HangTimeout = Annotated[
     str | None,
     typer.Option(
@@ -236,6 +244,7 @@ def launch(
     fresh: _Fresh = None,
     snapshot_every: _SnapshotEvery = None,
     verify_every: _VerifyEvery = None,
+    replay_every: _ReplayEvery = None,
     hang_timeout: _HangTimeout = None,
     preempt_signal: _PreemptSignal = None,
     preempt_grace: _PreemptGrace = None,

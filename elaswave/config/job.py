@@ -77,6 +77,10 @@ class JobConfig:
     replica whose survivors could not fit is dropped)."""
     verify_every: int = 10
     """Compare replicas' checksums every K committed steps (0: never)."""
+    replay_every: int = 0
+    """Every K steps a peer recomputes one micro-batch of each rank and the gradients' digests
+    are compared before the reduction; a rank that miscomputes is evicted and the step redone
+    without it (0: never; data parallelism and ZeRO-1 only)."""
     snapshot_every: int = 1
     """ZeRO (pp = 1): replicate each shard (spread over the peers) every K committed steps; a
     fault rolls back to the last snapshot step (0: none; then a lost shard only comes back from
@@ -131,6 +135,7 @@ class JobConfig:
             raise ConfigError(f"cost_every must be >= 1, got {self.cost_every}")
         if self.verify_every < 0:
             raise ConfigError(f"verify_every must be >= 0, got {self.verify_every}")
+        self._check_replay()
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ConfigError(f"metrics_port must be 0..65535, got {self.metrics_port}")
         if self.zero not in (0, 1, 3):
@@ -200,6 +205,29 @@ class JobConfig:
                 raise ConfigError(
                     f"fault '{fault.describe()}': rank out of range (job has ranks 0..{most - 1})"
                 )
+
+    def _check_replay(self) -> None:
+        """``replay_every`` compares whole-model gradients of one micro-batch: the data path of
+        replicated data parallelism and ZeRO-1 only."""
+        if self.replay_every < 0:
+            raise ConfigError(f"replay_every must be >= 0, got {self.replay_every}")
+        if not self.replay_every:
+            return
+        if self.zero == 3:
+            raise ConfigError(
+                "replay_every: zero: 3 reduce-scatters each layer's gradient as it is computed, "
+                "so no rank holds a micro-batch's whole gradient to compare (use zero 0 or 1)"
+            )
+        if self.pp > 1:
+            raise ConfigError(
+                f"replay_every: pp={self.pp} stages each hold part of the model, so no rank "
+                "can recompute a peer's micro-batch (use data parallelism)"
+            )
+        if self.script is not None:
+            raise ConfigError(
+                "replay_every: a script's own loop computes its micro-batches itself, so the "
+                "engine cannot recompute one on a peer (use a config job)"
+            )
 
     def _check_script(self) -> None:
         """What a user's own loop does not run, refused in one line each."""
@@ -339,6 +367,7 @@ LAUNCH_FLAGS: dict[str, str] = {
     "stage_loss": "stage_loss",
     "dvfs": "dvfs",
     "verify_every": "verify_every",
+    "replay_every": "replay_every",
     "snapshot_every": "snapshot_every",
     "durable_every": "durable_every",
     "durable_dir": "durable_dir",

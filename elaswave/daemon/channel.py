@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from elaswave import wire
 from elaswave.daemon.control_server import WorkerConn
-from elaswave.wire_etcd import MemoryReport, WorkerInfo
+from elaswave.wire_etcd import EvictRequest, MemoryReport, WorkerInfo
 
 if TYPE_CHECKING:
     from elaswave.config import JobConfig
@@ -129,6 +129,7 @@ class WorkerChannel:
             wire.Compute: lambda w, msg: h.compute.measured(w.worker_id, msg),
             wire.Memory: self._on_memory,
             wire.LayerCosts: lambda w, msg: h.compute.measured_layers(w.worker_id, msg),
+            wire.Evict: self._on_evict,
             wire.Done: self._on_done,
         }
 
@@ -197,6 +198,16 @@ class WorkerChannel:
             f"memory of {w.worker_id}",
             lambda: h.jobstore.share_memory(h.host_id, record, lease=h.lease),
         )
+
+    def _on_evict(self, w: WorkerProc, msg: wire.Evict) -> None:
+        """A replay found workers miscomputing: a request per worker, which the leader reads."""
+        h = self.host
+        for wid in msg.workers:
+            request = EvictRequest(step=msg.step, reason=msg.reason, by=w.worker_id)
+            h.outbox.put(
+                f"eviction request for {wid}",
+                functools.partial(h.jobstore.request_eviction, wid, request),
+            )
 
     def _on_done(self, w: WorkerProc, msg: wire.Done) -> None:
         w.done = True

@@ -29,6 +29,7 @@ from elaswave.planning.plandelta import apply_delta, delta_epochs, encode_delta
 from elaswave.wire import WireError
 from elaswave.wire_etcd import (
     Done,
+    EvictRequest,
     HangBounds,
     HostInfo,
     Incident,
@@ -88,6 +89,7 @@ class Change(enum.Enum):
     MEMBERSHIP = "membership"  # a worker key came or went, or a departure was recorded
     SPEED = "speed"  # a host shared its workers' compute times
     SPEED_GONE = "speed_gone"  # a host's compute times went (with its lease)
+    EVICT = "evict"  # a replay found a worker miscomputing: plan without it
 
 
 @dataclass(frozen=True)
@@ -97,6 +99,8 @@ class JobChange:
     speeds: Speeds | None = None  # SPEED: the host's workers' compute times
     worker: WorkerRecord | None = None  # MEMBERSHIP: a worker key written (registered)
     gone: str = ""  # MEMBERSHIP: the worker whose key was deleted
+    evicting: str = ""  # EVICT: the worker to evict
+    evict: EvictRequest | None = None  # EVICT: who found it and why
     revision: int = 0  # the change's etcd revision
 
 
@@ -334,6 +338,22 @@ class JobStore:
         """A host's workers' compute seconds per micro-batch."""
         await self.etcd.put(self.keys.speed + host_id, encode(speeds), lease=lease)
 
+    async def request_eviction(self, worker: str, request: EvictRequest) -> None:
+        """A replay found ``worker`` miscomputing: the leader plans without it. No lease: the
+        request outlives the host that made it (the job's keys go at its end)."""
+        await self.etcd.put(self.keys.evict + worker, encode(request))
+
+    async def eviction_requests(self) -> dict[str, EvictRequest]:
+        """Every eviction request recorded so far (a leader that takes over reads them once);
+        a malformed one is skipped (logged)."""
+        out: dict[str, EvictRequest] = {}
+        for kv in await self.etcd.get_prefix(self.keys.evict):
+            try:
+                out[kv.key.removeprefix(self.keys.evict)] = decode(EvictRequest, kv.value)
+            except WireError as exc:
+                log.error("ignoring %s: %s", kv.key, exc)
+        return out
+
     async def share_layer_costs(self, host_id: str, costs: LayerCostsReport, *, lease: Any) -> None:
         """A host's workers' measured seconds per layer."""
         await self.etcd.put(self.keys.costs + host_id, encode(costs), lease=lease)
@@ -421,6 +441,7 @@ class JobStore:
             k.workers: _worker_change,
             k.departures: _departure_change,
             k.speed: _speed_change,
+            k.evict: _evict_change,
         }
 
 
@@ -443,6 +464,13 @@ def _worker_change(ev: WatchEvent, worker: str) -> JobChange:
 
 def _departure_change(ev: WatchEvent, worker: str) -> JobChange | None:
     return JobChange(Change.MEMBERSHIP, revision=ev.mod_revision) if ev.kind == "put" else None
+
+
+def _evict_change(ev: WatchEvent, worker: str) -> JobChange | None:
+    if ev.kind != "put":
+        return None
+    request = decode(EvictRequest, ev.value)
+    return JobChange(Change.EVICT, evicting=worker, evict=request, revision=ev.mod_revision)
 
 
 def _speed_change(ev: WatchEvent, host: str) -> JobChange:

@@ -161,6 +161,7 @@ class Planner:
         self.cost_source = ""  # where they came from: estimate | profile | online
         self.evicted: set[str] = set()  # never re-admitted, even if their key lingers
         self.speeds: dict[str, Speeds] = {}  # host -> its workers' compute times
+        self.evicting: dict[str, str] = {}  # worker -> why a replay says to evict it (pending)
         self.hysteresis = Hysteresis()
         self.failure_steps: list[int] = []  # last committed step at each worker failure
         self.host_causes: list[str] = []  # hosts whose lease expired since the last plan
@@ -180,6 +181,8 @@ class Planner:
         raises :class:`EtcdUnavailable` (from a call, or from the watch): the daemon runs the
         campaign again once etcd answers, and a new planner starts from a fresh read."""
         rev = await self._read_roster()
+        for wid, request in (await self.store.eviction_requests()).items():
+            self.evicting.setdefault(wid, request.reason)
         watcher = asyncio.create_task(self._watch(rev + 1))
         try:
             with self.c.leadership.planning(self.changed):
@@ -206,6 +209,7 @@ class Planner:
             if await store.is_done():
                 return  # the last step is committed: leaving workers change nothing
             read_at = time.perf_counter()
+            evicted = self._take_evictions(current)  # before the members: they leave them out
             members, causes = await self._read_members()
             causes, self.host_causes = self.host_causes + causes, []
             if current is None:
@@ -220,8 +224,10 @@ class Planner:
             if current is not None and causes and await self._loop_breaker(len(causes)):
                 return
             plan_at = time.perf_counter()
-            try:
-                plan = self._next(current, members, "; ".join(causes))
+            try:  # an eviction is no failure: the loop breaker does not count it
+                plan = self._next(current, members, "; ".join(causes + list(evicted.values())))
+                if plan is not None and evicted:
+                    plan = replace(plan, evicted=tuple(evicted))
                 if plan is None and current is not None:
                     if current.is_pipeline:
                         plan = self._pipeline_straggler_plan(current, members)
@@ -458,6 +464,28 @@ class Planner:
                 self.changed.set()
             elif change.kind is Change.SPEED_GONE:
                 self.speeds.pop(change.host, None)
+            elif change.kind is Change.EVICT and change.evict is not None:
+                self.evicting.setdefault(change.evicting, change.evict.reason)
+                self.changed.set()
+
+    def _take_evictions(self, current: Plan | None) -> dict[str, str]:
+        """The pending evictions of workers the current plan runs (worker -> reason), now
+        evicted for good; requests for others (gone already, or evicted) are dropped."""
+        if current is None:
+            return {}
+        pending, self.evicting = self.evicting, {}
+        out = {
+            w: why for w, why in pending.items() if w in current.workers and w not in self.evicted
+        }
+        if out:
+            self.evicted.update(out)
+            self.c.emit(
+                "replay_eviction",
+                epoch=current.epoch,
+                evict=list(out),
+                reason="; ".join(out.values()),
+            )
+        return out
 
     def _host_lost(self, host: str, why: str) -> None:
         """A host key vanished without the job being done: the host died or is cut off."""

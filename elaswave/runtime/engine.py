@@ -56,6 +56,7 @@ from elaswave.runtime.evaluate import evaluate, training_samples
 from elaswave.runtime.integrity.checker import Integrity
 from elaswave.runtime.integrity.checksums import host_bytes
 from elaswave.runtime.integrity.inject import FaultInjector
+from elaswave.runtime.integrity.replay import Miscomputed
 from elaswave.runtime.optim import freed
 from elaswave.runtime.prunehook import PruneFactory
 from elaswave.runtime.state import RankContext, TrainState
@@ -174,6 +175,7 @@ class Engine:
             epoch=lambda: self.plan.epoch if self.plan is not None else 0,
             sharded=self.strategy.sharded,
         )  # fmt: skip
+        self.ctx.miscomputes = self.faults.miscomputes
         self.integrity = Integrity(self.ctx, self.strategy, self.durable, faults=self.faults)
         self._speeds: list[float] = []  # compute seconds per micro-batch not yet reported
         self._speeds_epoch, self._speeds_sent = 0, 0.0
@@ -205,7 +207,9 @@ class Engine:
     # ---- main loop --------------------------------------------------------------------------
     # What ends a step or its recovery: the step is redone under the next plan (a lost peer),
     # or the worker leaves (:meth:`failed` says which).
-    FAILURES = (CommError, Interrupted, NoPlan, Stopped, ShardLost, LayersLost, NonFiniteStop)
+    FAILURES = (
+        CommError, Interrupted, Miscomputed, NoPlan, Stopped, ShardLost, LayersLost, NonFiniteStop,
+    )  # fmt: skip
 
     def run(self) -> int:
         total = self.cfg.train.steps
@@ -232,7 +236,7 @@ class Engine:
     def failed(self, exc: BaseException, during: str) -> int | None:
         """After one of :attr:`FAILURES` ``during`` recovery, a step or its checks: None when
         the step is redone under the next plan, else the worker's exit code."""
-        if isinstance(exc, (CommError, Interrupted)):
+        if isinstance(exc, (CommError, Interrupted, Miscomputed)):
             self.control.event(
                 "step_aborted", worker=self.me, step=self.state.step + 1, during=during,
                 reason=str(exc)[:300],

@@ -299,6 +299,9 @@ class RankContext:
     enter: Callable[[str], None]  # compute | collective | idle: what the hang detector sees
     removes_any: Callable[[tuple[str, ...]], bool]  # does a newer plan remove one of these?
     plan: Plan | None = None  # the plan this rank runs (None before the first)
+    # miscomputes(step): an injected fault makes this rank's gradients of the step's replayed
+    # micro-batches wrong (a device that miscomputes; None: no injector)
+    miscomputes: Callable[[int], bool] | None = None
 
     def broken(self) -> bool:
         """Whether the plan this rank runs has lost a member (collectives stop waiting)."""

@@ -209,6 +209,9 @@ def test_missing_config_file(tmp_path: Path) -> None:
         ),
         ({"stage_loss": "recycle", "pp": 2, "dvfs": "sim"}, "dvfs: sim is not supported with"),
         ({"elastic.workers_per_device": 0}, "elastic.workers_per_device must be > 0, got 0"),
+        ({"replay_every": -1}, "replay_every must be >= 0, got -1"),
+        ({"replay_every": 1, "zero": 3}, "replay_every: zero: 3 reduce-scatters each layer's"),
+        ({"replay_every": 1, "pp": 2}, "replay_every: pp=2 stages each hold part of the model"),
         (
             {"elastic.workers_per_device": 2, "dvfs": "nvml", "pp": 2},
             "dvfs=nvml clocks each worker's own device: it cannot be used with "
@@ -218,6 +221,12 @@ def test_missing_config_file(tmp_path: Path) -> None:
 )
 def test_invalid_values(overrides: dict[str, Any], fragment: str) -> None:
     assert fragment in config_error(overrides=overrides)
+
+
+def test_replay_every_is_allowed_on_the_whole_model_data_path() -> None:
+    for zero in (0, 1):
+        cfg = load_config(env={}, overrides={"replay_every": 2, "zero": zero})
+        assert cfg.replay_every == 2
 
 
 def test_workers_equal_to_microbatches_is_allowed() -> None:

@@ -106,6 +106,7 @@ def test_a_scheduler_that_stepped_already_is_refused() -> None:
          "pipelines cut the model"),
         ({"script": "t.py", "zero": 3}, "zero: 3 gathers"),
         ({"script_args": ["--x"]}, "script_args needs a script"),
+        ({"script": "t.py", "replay_every": 1}, "replay_every: a script's own loop"),
     ],
 )  # fmt: skip
 def test_what_a_script_job_does_not_run_is_refused(values: dict, says: str) -> None:

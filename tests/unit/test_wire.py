@@ -43,6 +43,7 @@ EVERY = [
     wire.Compute(step=7, epoch=2, per_mb=[0.01, 0.02]),
     wire.Memory(epoch=2, bytes={"param_bytes": 2**33, "grad_bytes": 16}),
     wire.LayerCosts(step=8, epoch=2, layer_seconds={"0": 0.5, "1": 0.25}),
+    wire.Evict(step=9, workers=["h0.w2"], reason="miscomputed gradient: h0.w2 (rank 2)"),
     wire.Done(step=9, worker_id="h0.w0"),
     wire.Config(config={"train": {"steps": 3}}, host_addr="127.0.0.1"),
     wire.PlanUpdate(PLAN),

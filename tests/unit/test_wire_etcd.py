@@ -21,6 +21,7 @@ from elaswave.keys import JobKeys
 from elaswave.wire import WireError
 from elaswave.wire_etcd import (
     Done,
+    EvictRequest,
     HangBounds,
     HostInfo,
     Incident,
@@ -61,6 +62,7 @@ EXAMPLES: list[Value] = [
     TrainedConfig({"model": {"n_layer": 2}, "data": None}),
     StreamStart(started=1700000000.25),
     HangBounds(silence_s=1.0, compute_s=10.0, eval_s=300.0, how="auto: floor"),
+    EvictRequest(step=9, reason="miscomputed gradient: h0.w2 (rank 2)", by="h0.w0"),
 ]
 
 
@@ -152,7 +154,7 @@ def test_every_json_key_of_a_job_is_in_the_table() -> None:
     named = {
         keys.hosts: "hosts/<host>", keys.workers: "workers/<worker>", keys.faults: "faults/<id>",
         keys.speed: "speed/<host>", keys.costs: "costs/<host>", keys.memory: "memory/<host>",
-        keys.hang: "hang/<host>",
+        keys.hang: "hang/<host>", keys.evict: "evict/<worker>",
     }  # fmt: skip
     layout = {v for k, v in vars(keys).items() if k not in ("job_id", "prefix")}
     expected = {named.get(key, key.removeprefix(keys.prefix)) for key in layout - plain_text}
@@ -166,14 +168,15 @@ def test_each_class_is_found_under_its_key() -> None:
 
 def test_the_planners_change_table_covers_every_change() -> None:
     store = JobStore(None, JobKeys("j"))  # type: ignore[arg-type]  # no call reaches etcd
-    assert len(store.change_table) == 5
+    assert len(store.change_table) == 6
     made = {
         (Change.DONE, "put"), (Change.HOST_GONE, "delete"), (Change.MEMBERSHIP, "put"),
-        (Change.SPEED, "put"), (Change.SPEED_GONE, "delete"),
+        (Change.SPEED, "put"), (Change.SPEED_GONE, "delete"), (Change.EVICT, "put"),
     }  # fmt: skip
     values = {
         "workers/": encode(WorkerInfo(worker_id="h.w0", host="h", pid=1, slot=0)).encode(),
         "speed/": encode(Speeds({})).encode(),
+        "evict/": encode(EvictRequest(step=1, reason="r", by="h.w1")).encode(),
     }
     seen = set()
     for prefix, change_of in store.change_table.items():

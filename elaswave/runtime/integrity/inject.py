@@ -1,6 +1,7 @@
 """Faults aimed at this rank (from the job config or ``elaswave inject-fault``), landed where they
 act: a signal at a phase of the step (forward, reduce, optimizer, recovery), extra compute time
-(``slow``), a flipped bit in committed state (``corrupt``), a loss and gradient that turn NaN
+(``slow``), a flipped bit in committed state (``corrupt``) or in a gradient as it is computed
+(``corrupt,target=grad``: a device that miscomputes), a loss and gradient that turn NaN
 (``nan``). Every fault is announced with a
 ``fault_injected`` event before it lands: the MTTR report starts its incident there.
 """
@@ -81,9 +82,26 @@ class FaultInjector:
         """``corrupt`` faults due at ``step``: ``flip(target, step)`` flips a bit of committed
         state and says where."""
         for fault in list(self.control.faults):
-            if fault.kind is FaultKind.CORRUPT and fault.armed(self.epoch(), step):
+            if (
+                fault.kind is FaultKind.CORRUPT
+                and fault.target != "grad"
+                and fault.armed(self.epoch(), step)
+            ):
                 self.control.faults.remove(fault)
                 self.injected(fault, step, corrupted=flip(fault.target, step))
+
+    def miscomputes(self, step: int) -> bool:
+        """``corrupt,target=grad`` faults due at ``step``: whether this rank computes the
+        gradients of the step's replayed micro-batches with one bit wrong (the whole-model data
+        path asks once per step; the fault is spent and announced here)."""
+        hit = False
+        for fault in list(self.control.faults):
+            if fault.kind is FaultKind.CORRUPT and fault.target == "grad":
+                if fault.armed(self.epoch(), step):
+                    self.control.faults.remove(fault)
+                    self.injected(fault, step, corrupted="gradient")
+                    hit = True
+        return hit
 
     def injected(self, fault: FaultSpec, step: int, **detail: object) -> None:
         """The event the MTTR report starts an incident from (sent before the fault lands)."""

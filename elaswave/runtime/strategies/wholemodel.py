@@ -12,6 +12,10 @@ step's reduction buffer, so a reduction that fails cannot touch them. A survivor
 next plan's ranks agree which micro-batches nobody keeps
 (:func:`~elaswave.planning.redo.redo_shares`) and compute only those before the step is reduced
 once.
+
+Miscomputed gradients (``replay_every``): on a replayed step the rank also recomputes a peer's
+first micro-batch before its own, and digests its own first micro-batch's gradient before it is
+summed; the digests are compared before the reduction (:mod:`~elaswave.runtime.integrity.replay`).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import torch
 
 from elaswave.planning.plan import Plan
 from elaswave.planning.redo import redo_shares
+from elaswave.runtime.integrity.replay import GradReplay, Miscomputed
 from elaswave.runtime.strategies.base import DP, nbytes
 from elaswave.runtime.strategies.sums import StepSums
 from elaswave.runtime.timing import busy_mark, busy_since
@@ -99,6 +104,7 @@ class WholeModel:
         self.partial: Partial | None = None
         self.redo: tuple[int, tuple[int, ...]] | None = None  # (step, my micro-batches)
         self._acc: torch.Tensor | None = None  # the float64 accumulator (deterministic mode)
+        self.replay = GradReplay(ctx)
 
     def gradient(self, sums: StepSums) -> torch.Tensor:
         """The gradient sums a step's update reduces: the whole model's, in the step's buffer."""
@@ -110,6 +116,10 @@ class WholeModel:
         st, t = self.state, self.ctx.cfg.train
         run = self.accumulation(step, sums)
         slow = slowdown * run.world / len(every)  # per micro-batch
+        replay = self.replay
+        replay.begin(
+            step, run.mine, redo=run.redo, compute=lambda i: self._aside(step, every[i], keep=False)
+        )
         for i in run.mine:
             mb = every[i]
             inputs, targets = st.microbatch(mb.sample_ids)
@@ -117,10 +127,36 @@ class WholeModel:
             loss.backward()
             if t.device_time:
                 time.sleep(t.device_time)  # emulated accelerator time (benchmarks)
+            if i == run.mine[0]:  # its gradient alone (the step's first), before it is summed
+                replay.owned(step, st.flat.collect_grads())
             run.add(i, loss, count)
             if slow:
                 time.sleep(slow)
-        return run.finish()
+        per_mb = run.finish()
+        try:
+            replay.check(step, lambda i: self._aside(step, every[i], keep=run.acc is None))
+        except Miscomputed:
+            self.forget_partial()  # the step is redone whole under the plan without the odd rank
+            raise
+        return per_mb
+
+    def _aside(self, step: int, mb: MicroBatch, *, keep: bool) -> torch.Tensor:
+        """A copy of the gradient of ``mb`` alone (a peer's micro-batch, recomputed), computed in
+        the flat gradient and zeroed after; ``keep``: the flat gradient holds sums (autograd's
+        accumulator, mid-step), kept aside and restored."""
+        st = self.state
+        grad = st.flat.collect_grads()
+        saved = grad.clone() if keep else None
+        grad.zero_()
+        inputs, targets = st.microbatch(mb.sample_ids)
+        loss, _ = st.loss(st.model(inputs, step, mb.id), targets)
+        loss.backward()
+        out = st.flat.collect_grads().clone()
+        if saved is not None:
+            grad.copy_(saved)
+        else:
+            grad.zero_()
+        return out
 
     def accumulation(self, step: int, sums: StepSums) -> Accumulation:
         """This rank's share of ``step`` (a redo's, or the plan's), to be computed micro-batch
