@@ -21,6 +21,9 @@ EXIT_SCRIPT_FAILED = 6
 # cannot skip a step): every rank saw the same reduced values, so every rank stops alike.
 # Never respawned: a new worker would meet the same data.
 EXIT_NONFINITE = 7
+# A worker's exit code when a replay of a micro-batch (``replay_every``) finds three different
+# gradients: no majority names the rank that miscomputes, and no gradient can be vouched for.
+EXIT_UNDECIDED = 8
 # A worker's exit code, and a launch's, when the job was preempted (``launch --preempt-signal``,
 # SIGTERM by default): the newest committed step is checkpointed durably and launching the job
 # again resumes from it with no step lost. EX_TEMPFAIL: "try again"; a Slurm script requeues on
@@ -113,6 +116,24 @@ class JobPreempted(ElasWaveError):
     exit_code = EXIT_PREEMPTED
 
 
-class NonFiniteStop(RuntimeError):
-    """The job stops on a non-finite step: the message is the one line that says which and why
-    (the workers end with :data:`EXIT_NONFINITE`)."""
+class VerdictStop(RuntimeError):
+    """Every rank reached the same verdict that the job cannot go on: the message is the one
+    line that says which and why, ``event`` the record's kind, and the workers end with
+    ``exit_code`` (never respawned: a new worker would meet the same step)."""
+
+    event = "verdict_stop"
+    exit_code = EXIT_NONFINITE
+
+
+class NonFiniteStop(VerdictStop):
+    """The job stops on a non-finite step (:data:`EXIT_NONFINITE`)."""
+
+    event = "nonfinite_stop"
+    exit_code = EXIT_NONFINITE
+
+
+class ReplayUndecided(VerdictStop):
+    """A replayed micro-batch's gradient differs on three ranks (:data:`EXIT_UNDECIDED`)."""
+
+    event = "replay_undecided"
+    exit_code = EXIT_UNDECIDED

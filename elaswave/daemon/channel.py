@@ -33,7 +33,7 @@ __all__ = ["UNRECOVERABLE", "ChannelHost", "WorkerChannel"]
 # Events a worker sends when the job cannot go on: every copy of some state is gone, or the
 # user's script failed (it would fail again in a respawned worker). The first one's reason is
 # the job's.
-UNRECOVERABLE = ("shard_lost", "script_failed", "nonfinite_stop")
+UNRECOVERABLE = ("shard_lost", "script_failed", "nonfinite_stop", "replay_undecided")
 
 
 class ChannelHost(Protocol):

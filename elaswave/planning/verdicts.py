@@ -23,7 +23,13 @@ from collections import Counter
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-from elaswave.errors import EXIT_NONFINITE, EXIT_PREEMPTED, EXIT_SCRIPT_FAILED, EXIT_STATE_LOST
+from elaswave.errors import (
+    EXIT_NONFINITE,
+    EXIT_PREEMPTED,
+    EXIT_SCRIPT_FAILED,
+    EXIT_STATE_LOST,
+    EXIT_UNDECIDED,
+)
 from elaswave.planning.hanglimits import HangLimits, seconds_text
 from elaswave.planning.partition import COMPUTE_ONLY, StageMemory
 from elaswave.planning.pipeplan import predicted_step, respeed_pipeline_plan, stage_speeds
@@ -341,16 +347,20 @@ def loop_verdict(failure_steps: Sequence[int], committed: int, limit: int) -> st
     return f"restart loop ({streak} failures without a committed step since step {committed})"
 
 
+# Exit codes a worker leaves with on purpose: a new one would meet the same state or step.
+NEVER_RESPAWNED = (
+    EXIT_STATE_LOST, EXIT_SCRIPT_FAILED, EXIT_NONFINITE, EXIT_UNDECIDED, EXIT_PREEMPTED,
+)  # fmt: skip
+
+
 def respawn_verdict(
     exit_code: int | None, restarts_used: int, max_restarts: int, *, unrecoverable: str | None
 ) -> bool:
-    """Whether a worker that exited is replaced. Pure. Never after it gave up because state is
-    lost (``EXIT_STATE_LOST``, or another worker reported it): a fresh worker would start the
-    job over from step 0, silently; the job stops with the reason instead."""
-    if (
-        exit_code in (EXIT_STATE_LOST, EXIT_SCRIPT_FAILED, EXIT_NONFINITE, EXIT_PREEMPTED)
-        or unrecoverable is not None
-    ):
+    """Whether a worker that exited is replaced. Pure. Never after it gave up on purpose
+    (:data:`NEVER_RESPAWNED`: state lost, its script failed, a verdict that stops the job, a
+    preemption) or another worker reported state lost: a fresh worker would start the job over
+    from step 0, or meet the same step; the job stops with the reason instead."""
+    if exit_code in NEVER_RESPAWNED or unrecoverable is not None:
         return False
     return restarts_used < max_restarts
 

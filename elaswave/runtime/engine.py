@@ -37,11 +37,11 @@ import torch
 from elaswave import wire
 from elaswave.config import JobConfig
 from elaswave.errors import (
-    EXIT_NONFINITE,
     EXIT_PREEMPTED,
     EXIT_STATE_LOST,
     NonFiniteStop,
     ShardLost,
+    VerdictStop,
 )
 from elaswave.planning.plan import Plan
 from elaswave.planning.stageshards import LayersLost
@@ -208,7 +208,7 @@ class Engine:
     # What ends a step or its recovery: the step is redone under the next plan (a lost peer),
     # or the worker leaves (:meth:`failed` says which).
     FAILURES = (
-        CommError, Interrupted, Miscomputed, NoPlan, Stopped, ShardLost, LayersLost, NonFiniteStop,
+        CommError, Interrupted, Miscomputed, NoPlan, Stopped, ShardLost, LayersLost, VerdictStop,
     )  # fmt: skip
 
     def run(self) -> int:
@@ -252,10 +252,10 @@ class Engine:
             return EXIT_NO_PLAN
         if isinstance(exc, Stopped):
             return EXIT_OK
-        if isinstance(exc, NonFiniteStop):
-            self.control.event("nonfinite_stop", worker=self.me, reason=str(exc))
+        if isinstance(exc, VerdictStop):  # every rank alike: the job stops, with the reason
+            self.control.event(exc.event, worker=self.me, reason=str(exc))
             log.error("%s", exc)
-            return EXIT_NONFINITE
+            return exc.exit_code
         self.control.event("shard_lost", worker=self.me, reason=str(exc))
         log.error("unrecoverable: %s", exc)
         return EXIT_SHARD_LOST

@@ -15,7 +15,7 @@ A finding is never applied: every rank drops the step's sums and raises :class:`
 (the engine waits for the next plan, as after a lost peer), and the lowest good rank asks its
 daemon to evict the odd ranks (:class:`~elaswave.wire.Evict`); the leader publishes a plan
 without them and the step is redone. Three different digests name nobody: the job stops
-(:class:`~elaswave.errors.ShardLost`'s exit) rather than apply a gradient nobody can vouch for.
+(:class:`~elaswave.errors.ReplayUndecided`) rather than apply a gradient nobody can vouch for.
 
 Bit-identity: the RNG is keyed by (seed, step, micro-batch, layer) and the replicas hold the
 same parameters, so two healthy CPUs give the same bytes in float32 and float64 alike (the same
@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from elaswave import wire
-from elaswave.errors import ShardLost
+from elaswave.errors import ReplayUndecided
 from elaswave.planning.replay import (
     ReplayFinding,
     judge_replay,
@@ -158,7 +158,7 @@ class GradReplay:
                 undecided=list(finding.undecided),
             )  # fmt: skip
         if finding.undecided:
-            raise ShardLost(
+            raise ReplayUndecided(
                 f"step {step}: a replayed micro-batch's gradient differs on three ranks "
                 f"(owners {list(finding.undecided)}): no majority names the rank that "
                 "miscomputes, and the job stops rather than apply a gradient nobody can vouch for"
