@@ -616,6 +616,7 @@ DETECTED_BY = {
     "nan": "step_skipped",
     "preempt": "preempt_requested",
 }
+REPORTED_AS = {"nan": "nonfinite", "preempt": "relaunch"}  # the report's incident kind
 
 
 def _figures(ref: dict[str, Any], soak: dict[str, Any]) -> dict[str, Any]:
@@ -636,7 +637,7 @@ def _figures(ref: dict[str, Any], soak: dict[str, Any]) -> dict[str, Any]:
     by_kind = {}
     for kind in sorted({p["kind"] for p in per_fault}):
         mine = [p for p in per_fault if p["kind"] == kind]
-        rep = [i for i in soak["report"]["incidents"] if i["kind"] == kind]
+        rep = [i for i in soak["report"]["incidents"] if i["kind"] == REPORTED_AS.get(kind, kind)]
         by_kind[kind] = {
             "injected": len(mine),
             "recovered": sum(1 for p in mine if p["recovered"]),
