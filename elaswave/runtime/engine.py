@@ -356,8 +356,10 @@ class Engine:
         self.faults.poison(step, sums.tail.values[sums.tail.LOSS : sums.tail.LOSS + 1], mine)
         sums.tail.preempt = self.control.preempt_requested is not None
         configured = step in self.cfg.train.skip_steps
-        bad = bool(sums.tail.judge(mine, skip=configured)) and not configured  # its own values
-        covered = self.strategy.covered(step) if self.state.stats is not None or bad else {}
+        bad = sums.tail.judge(mine, skip=configured)  # this rank's own values (no host sync)
+        # which micro-batches this rank holds, before the reduction forgets them (the norm
+        # statistics' rows; a non-finite step's record names them)
+        covered = self.strategy.covered(step) if self.state.stats is not None else {}
         self._enter("collective")
         stats, rows = self.state.stats, None
         if stats is not None:  # each micro-batch's norm statistics, from the rank that ran it
@@ -369,7 +371,7 @@ class Engine:
                 before_update=lambda: self.faults.fire(step, "optimizer"),
             )  # fmt: skip
         finally:
-            if bad:
+            if not configured and bool(bad):  # read once the reduction is on its way
                 self._name_nonfinite(step, covered)
         skipped = None
         if sums.tail.nonfinite:  # not applied, on every rank
