@@ -29,10 +29,10 @@ from elaswave.planning import planwire
 from elaswave.planning.plan import Plan
 
 __all__ = [
-    "MAX_LINE", "Commit", "Compute", "Config", "DaemonMessage", "Done", "Eval", "Event", "Evict",
-    "Activate", "Fault", "Heartbeat", "Hello", "LayerCosts", "Log", "Memory", "Message", "PlanUpdate", "Ready",
-    "Rollback", "Stop", "WireError", "WorkerMessage", "check_fields", "decode", "encode", "fits",
-    "schema",
+    "MAX_LINE", "Activate", "Commit", "Compute", "Config", "DaemonMessage", "Done", "Eval",
+    "Event", "Evict", "Fault", "Heartbeat", "Hello", "LayerCosts", "Log", "Memory", "Message",
+    "PlanUpdate", "Preempt", "Ready", "Rollback", "Stop", "WireError", "WorkerMessage",
+    "check_fields", "decode", "encode", "fits", "schema",
 ]  # fmt: skip
 
 MAX_LINE = 1 << 20

@@ -157,8 +157,9 @@ class ControlClient:
         self.activation = msg
 
     # ---- waiting ----------------------------------------------------------------------------
-    def wait_for(self, predicate: Callable[[], bool], timeout: float) -> bool:
-        """Block until ``predicate()`` holds (re-checked on every message) or ``timeout``."""
+    def wait_for(self, predicate: Callable[[], bool], timeout: float | None) -> bool:
+        """Block until ``predicate()`` holds (re-checked on every message) or ``timeout``
+        (None: as long as it takes)."""
         with self._cond:
             return self._cond.wait_for(predicate, timeout)
 
