@@ -117,7 +117,7 @@ def _start_run(run_dir: Path, config: Path, mode: dict[str, Any], job_id: str) -
     start, end = _launch(run_dir, config, mode, job_id, "--steps", str(START_STEPS))
     events = read_jsonl(run_dir / "events.jsonl")
     metrics = read_jsonl(run_dir / "metrics.jsonl")
-    spawned = [e["t"] for e in events if e["kind"] == "worker_spawned"]
+    spawned = [e["t"] for e in events if e["kind"] == "worker_spawned" and not e.get("spare")]
     ready = [e["t"] for e in events if e["kind"] == "worker_ready"]
     if not metrics or len(ready) < len(spawned):
         raise BenchError(f"{run_dir}: no committed step, or a worker never ready")
