@@ -8,11 +8,13 @@ Two runs per mode and round, the modes interleaved so that they share the machin
   spawn → all ready, and launch → exit;
 - *respawn*: 100 steps, ``--max-restarts 1``, rank 1 SIGKILLed in step 10: the death seen by its
   daemon (``worker_exit``) → the respawned worker ready → admitted (the first plan that holds
-  it) → the first step committed with it.
+  it) → the first step committed with it. Mode *spares* (the template, ``elastic.spares: 1``):
+  the same, the place taken by the warm spare (ready: its activation, it was built before).
 
 Goals (issue: gpt-tiny, 4 workers, 2 cores): launch → first step ≤ 4 s; respawn admitted ≤ 1 s
-after the death is seen. ``--tree DIR`` adds the same runs from another checkout of ElasWave (an
-earlier commit, for the before/after comparison; its launch runs with ``PYTHONPATH=DIR``).
+after the death is seen; with a warm spare, admitted ≤ 0.2 s. ``--tree DIR`` adds the same runs
+from another checkout of ElasWave (an earlier commit, for the before/after comparison; its launch
+runs with ``PYTHONPATH=DIR``).
 """
 
 from __future__ import annotations
@@ -36,18 +38,25 @@ from bench.common import (
     summarize,
 )
 
-DESCRIPTION = "launch → first step, and a respawned worker's admission: template vs exec"
+DESCRIPTION = (
+    "launch → first step, and a respawned worker's admission: template vs exec vs a warm spare"
+)
 DEFAULT_REPEAT = 5
 START_STEPS = 10
 RESPAWN_STEPS = 100  # long enough that a slow-starting respawn is admitted before the end
 KILL_AT = 10
 GOALS = {"first_step_s": 4.0, "admitted_s": 1.0}
+SPARE_GOALS = {"admitted_s": 0.2}  # mode "spares"
 
 
 def run(repeat: int, config: Path, tree: Path | None = None) -> dict[str, Any]:
     modes: dict[str, dict[str, Any]] = {
         "template": {"env": {"ELASWAVE_ELASTIC__WORKER_START": "template"}, "root": REPO_ROOT},
         "exec": {"env": {"ELASWAVE_ELASTIC__WORKER_START": "exec"}, "root": REPO_ROOT},
+        "spares": {
+            "env": {"ELASWAVE_ELASTIC__WORKER_START": "template", "ELASWAVE_ELASTIC__SPARES": "1"},
+            "root": REPO_ROOT,
+        },
     }
     if tree is not None:
         modes["before"] = earlier_tree(tree)
@@ -69,7 +78,7 @@ def run(repeat: int, config: Path, tree: Path | None = None) -> dict[str, Any]:
         name: {k: summarize(r[k] for r in rounds if r["mode"] == name) for k in keys}
         for name in modes
     }
-    ours = summary["template"]
+    ours, spares = summary["template"], summary["spares"]
     return {
         "scenario": "startup",
         "config": os.path.relpath(config, REPO_ROOT),
@@ -79,6 +88,8 @@ def run(repeat: int, config: Path, tree: Path | None = None) -> dict[str, Any]:
         "summary": summary,
         "goals": GOALS,
         "goals_met": {k: (ours[k]["median"] or 1e9) <= v for k, v in GOALS.items()},
+        "spare_goals": SPARE_GOALS,
+        "spare_goals_met": {k: (spares[k]["median"] or 1e9) <= v for k, v in SPARE_GOALS.items()},
         "command": f"python -m bench startup --repeat {repeat}"
         + (" --tree DIR" if tree is not None else ""),
     }
@@ -106,7 +117,7 @@ def _start_run(run_dir: Path, config: Path, mode: dict[str, Any], job_id: str) -
     start, end = _launch(run_dir, config, mode, job_id, "--steps", str(START_STEPS))
     events = read_jsonl(run_dir / "events.jsonl")
     metrics = read_jsonl(run_dir / "metrics.jsonl")
-    spawned = [e["t"] for e in events if e["kind"] == "worker_spawned"]
+    spawned = [e["t"] for e in events if e["kind"] == "worker_spawned" and not e.get("spare")]
     ready = [e["t"] for e in events if e["kind"] == "worker_ready"]
     if not metrics or len(ready) < len(spawned):
         raise BenchError(f"{run_dir}: no committed step, or a worker never ready")
@@ -125,9 +136,13 @@ def _respawn_run(run_dir: Path, config: Path, mode: dict[str, Any], job_id: str)
     if [m["step"] for m in metrics] != list(range(1, RESPAWN_STEPS + 1)):
         raise BenchError(f"{run_dir}: steps lost or duplicated")
     (death,) = [e for e in events if e["kind"] == "worker_exit"]
-    (respawn,) = [e for e in events if e["kind"] == "worker_respawned"]
-    new = respawn["worker"]
-    ready = next(e for e in events if e["kind"] == "worker_ready" and e["worker"] == new)
+    (successor,) = [e for e in events if e["kind"] in ("worker_respawned", "spare_activated")]
+    new = successor["worker"]
+    ready = (
+        successor  # a spare was ready before: its activation is when it could be registered
+        if successor["kind"] == "spare_activated"
+        else next(e for e in events if e["kind"] == "worker_ready" and e["worker"] == new)
+    )
     admitted = next(
         (e for e in events if e["kind"] == "plan_published" and new in e["workers"]), None
     )
@@ -166,3 +181,6 @@ def show(result: dict[str, Any]) -> None:
     for key, goal in result["goals"].items():
         met = "met" if result["goals_met"][key] else "NOT met"
         console.print(f"goal {labels[key]} ≤ {goal:g} s (template): {met}")
+    for key, goal in result.get("spare_goals", {}).items():
+        met = "met" if result["spare_goals_met"][key] else "NOT met"
+        console.print(f"goal {labels[key]} ≤ {goal:g} s (spares): {met}")

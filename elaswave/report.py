@@ -407,7 +407,19 @@ def _incident(
     inc["first_commit_step"] = commit["step"] if commit else None
     inc["mttr_s"] = round(commit["time"] - t0, 6) if commit else None
     inc.update(_stacks(t0, worker, events))
+    inc["spare"] = _spare(t0, worker, events)
     return inc
+
+
+def _spare(t0: float, worker: str | None, events: list[dict[str, Any]]) -> str | None:
+    """The warm spare that took ``worker``'s place (``spare_activated``), if one did."""
+    if worker is None:
+        return None
+    ev = _first(
+        events,
+        lambda e: e["kind"] == "spare_activated" and e.get("replaces") == worker and e["t"] >= t0,
+    )
+    return str(ev["worker"]) if ev is not None else None
 
 
 def _stacks(t0: float, worker: str | None, events: list[dict[str, Any]]) -> dict[str, Any]:

@@ -17,7 +17,7 @@ CSV_FIELDS = [
     "id", "kind", "host", "worker", "rank", "fault_step", "epoch", "world_after", *PHASES,
     "mttr_s", "first_commit_step", "state_bytes", "state_promoted_bytes", "state_max_over_mean",
     "recomputed_steps", "kept_microbatches", "redone_microbatches", "downtime_s",
-    "steps_trained", "stacks_file", "reason",
+    "steps_trained", "stacks_file", "spare", "reason",
 ]  # fmt: skip
 
 
@@ -77,7 +77,8 @@ def render_markdown(report: dict[str, Any]) -> str:
                 kept, again = inc["kept_microbatches"], inc["redone_microbatches"]
                 by = ", ".join(f"{w} {n}" for w, n in inc["redone_by"].items())
                 redo = f"; redone {again} of {kept + again} micro-batches ({by})"
-            lines.append(f"- incident {inc['id']}: {inc['reason']}{state}{redo}")
+            spare = f"; its place taken by warm spare {inc['spare']}" if inc.get("spare") else ""
+            lines.append(f"- incident {inc['id']}: {inc['reason']}{state}{redo}{spare}")
             if inc.get("stacks"):
                 where = f" ({inc['stacks_file']})" if inc.get("stacks_file") else ""
                 lines += [f"  stacks of {inc['worker']} as it was killed{where}:", "", "  ```"]

@@ -10,7 +10,8 @@ worker → daemon: :class:`Hello`, :class:`Ready`, :class:`Event`, :class:`Heart
 :class:`Commit`, :class:`Eval`, :class:`Log`, :class:`Rollback`, :class:`Compute`,
 :class:`Memory`, :class:`LayerCosts`, :class:`Evict`, :class:`Done`.
 
-daemon → worker: :class:`Config`, :class:`PlanUpdate`, :class:`Fault`, :class:`Stop`.
+daemon → worker: :class:`Config`, :class:`PlanUpdate`, :class:`Fault`, :class:`Stop`,
+:class:`Preempt`, :class:`Activate`.
 """
 
 from __future__ import annotations
@@ -28,10 +29,10 @@ from elaswave.planning import planwire
 from elaswave.planning.plan import Plan
 
 __all__ = [
-    "MAX_LINE", "Commit", "Compute", "Config", "DaemonMessage", "Done", "Eval", "Event", "Evict",
-    "Fault", "Heartbeat", "Hello", "LayerCosts", "Log", "Memory", "Message", "PlanUpdate", "Ready",
-    "Rollback", "Stop", "WireError", "WorkerMessage", "check_fields", "decode", "encode", "fits",
-    "schema",
+    "MAX_LINE", "Activate", "Commit", "Compute", "Config", "DaemonMessage", "Done", "Eval",
+    "Event", "Evict", "Fault", "Heartbeat", "Hello", "LayerCosts", "Log", "Memory", "Message",
+    "PlanUpdate", "Preempt", "Ready", "Rollback", "Stop", "WireError", "WorkerMessage",
+    "check_fields", "decode", "encode", "fits", "schema",
 ]  # fmt: skip
 
 MAX_LINE = 1 << 20
@@ -259,6 +260,17 @@ class Preempt(Message):
     signal: str
 
 
+@dataclass(frozen=True)
+class Activate(Message):
+    """A warm spare takes a lost worker's place: the device ``slot`` it now holds (set before
+    anything is built on an accelerator) and the worker it ``replaces``. Until this message a
+    spare trains nothing and gets no plans."""
+
+    TYPE = "activate"
+    slot: int
+    replaces: str
+
+
 WorkerMessage: TypeAlias = (
     Hello
     | Ready
@@ -274,7 +286,7 @@ WorkerMessage: TypeAlias = (
     | Evict
     | Done
 )
-DaemonMessage: TypeAlias = Config | PlanUpdate | Fault | Stop | Preempt
+DaemonMessage: TypeAlias = Config | PlanUpdate | Fault | Stop | Preempt | Activate
 
 TYPES: dict[str, type[Message]] = {
     cls.TYPE: cls for cls in (*typing.get_args(WorkerMessage), *typing.get_args(DaemonMessage))

@@ -78,6 +78,14 @@ _Script = Annotated[
 _MaxRestarts = Annotated[
     int | None, typer.Option("--max-restarts", help="Respawns of crashed workers.")
 ]
+_Spares = Annotated[
+    int | None,
+    typer.Option(
+        "--spares",
+        help="Warm spares per host: built ahead, they take a lost rank's place instead of a "
+        "respawn (within --max-restarts).",
+    ),
+]
 _Fault = Annotated[
     list[str], typer.Option("--fault", help="e.g. kill,rank=1,at_step=15 (repeatable).")
 ]
@@ -228,6 +236,7 @@ def launch(
     global_batch: _GlobalBatch = None,
     micro_batch_size: _MicroBatchSize = None,
     max_restarts: _MaxRestarts = None,
+    spares: _Spares = None,
     fault: _Fault = [],  # noqa: B006 - typer's way to repeat an option
     host_id: _HostId = None,
     host_addr: _HostAddr = None,

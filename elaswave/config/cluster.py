@@ -50,7 +50,12 @@ class ElasticConfig:
     nnodes: str = "1:1"
     """MIN:MAX hosts; a single number means MIN=MAX."""
     max_restarts: int = 0
-    """Respawns of crashed workers per host (0 = continue without them)."""
+    """Respawns of crashed workers per host (0 = continue without them). A lost rank taken over
+    by a warm spare counts as one: the budget bounds how many replacements a host makes."""
+    spares: int = 0
+    """Warm spares per host: workers forked, imported and built ahead (on the CPU the model and
+    data too), never planned, waiting to take a lost rank's place at the next step boundary
+    instead of a respawn (within max_restarts); each one used is replaced by a new spare."""
     min_workers: int = 1
     """Below this many live workers the job stops."""
     straggler_threshold: float = 3.0
@@ -82,6 +87,8 @@ class ElasticConfig:
         positive("elastic.min_workers", self.min_workers)
         if self.max_restarts < 0:
             raise ConfigError(f"elastic.max_restarts must be >= 0, got {self.max_restarts}")
+        if self.spares < 0:
+            raise ConfigError(f"elastic.spares must be >= 0, got {self.spares}")
         if not (self.straggler_threshold == 0 or 1 < self.straggler_threshold < float("inf")):
             raise ConfigError(
                 "elastic.straggler_threshold must be 0 (off) or a finite number > 1, "

@@ -351,6 +351,7 @@ LAUNCH_FLAGS: dict[str, str] = {
     "workers_per_device": "elastic.workers_per_device",
     "nnodes": "elastic.nnodes",
     "max_restarts": "elastic.max_restarts",
+    "spares": "elastic.spares",
     "straggler_threshold": "elastic.straggler_threshold",
     "loop_breaker": "elastic.loop_breaker",
     "script": "script",  # made absolute by launch (workers may start elsewhere)

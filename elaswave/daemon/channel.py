@@ -111,7 +111,7 @@ class WorkerChannel:
         msg = wire.PlanUpdate(plan)
         workers = self.host.workers
         for wid, conn in list(self.conns.items()):
-            if (w := workers.get(wid)) is not None and w.ready:
+            if (w := workers.get(wid)) is not None and w.ready and not w.spare:
                 conn.send(msg)
 
     @functools.cached_property
@@ -159,6 +159,9 @@ class WorkerChannel:
             layer_bytes=floats(msg.layer_bytes),
         )  # fmt: skip
         w.info = info
+        if w.spare:  # built, and waiting: registered only once it takes a place
+            h.events.emit("spare_ready", host=h.host_id, worker=w.worker_id, pid=w.pid)
+            return
         h.outbox.put(
             f"registration of {w.worker_id}",
             lambda: h.jobstore.register_worker(info, lease=h.lease),

@@ -386,17 +386,24 @@ class Etcd:
         return bool(ok)
 
     async def put_and_delete(
-        self, put_key: str, value: bytes | str, delete_key: str, *, lease: Any = None
+        self,
+        put_key: str,
+        value: bytes | str,
+        delete_key: str,
+        *,
+        lease: Any = None,
+        also: tuple[tuple[str, str], ...] = (),
     ) -> None:
-        """Put one key and delete another in one transaction (watchers see both at once)."""
+        """Put one key (and those in ``also``, under the same lease) and delete another in one
+        transaction (watchers see all of it at once)."""
         data = value.encode() if isinstance(value, str) else value
-        pk, dk = self._own(put_key), self._own(delete_key)
+        puts = [(self._own(put_key), data), *((self._own(k), v.encode()) for k, v in also)]
+        dk = self._own(delete_key)
 
         def op(c: aetcd.Client) -> Awaitable[Any]:
             tx = c.transactions
-            return c.transaction(
-                compare=[], success=[tx.put(pk, data, lease=lease), tx.delete(dk)], failure=[]
-            )
+            ops = [tx.put(k, v, lease=lease) for k, v in puts] + [tx.delete(dk)]
+            return c.transaction(compare=[], success=ops, failure=[])
 
         await self._call(op)
 

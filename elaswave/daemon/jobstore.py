@@ -220,11 +220,16 @@ class JobStore:
         """A worker this host stopped on purpose (fenced, evicted): its key goes, no departure."""
         await self.etcd.delete(self.keys.worker(worker_id))
 
-    async def record_departure(self, worker_id: str, reason: str, *, lease: Any) -> None:
-        """A worker left: why (read once by the leader), and its key removed, in one write."""
+    async def record_departure(
+        self, worker_id: str, reason: str, *, lease: Any, successor: WorkerInfo | None = None
+    ) -> None:
+        """A worker left: why (read once by the leader), and its key removed, in one write;
+        with a ``successor`` (a warm spare that takes its place) that worker's key in the same
+        write, so that the leader plans the departure and the spare together."""
         keys = self.keys
+        also = ((keys.worker(successor.worker_id), encode(successor)),) if successor else ()
         await self.etcd.put_and_delete(
-            keys.departures + worker_id, reason, keys.worker(worker_id), lease=lease
+            keys.departures + worker_id, reason, keys.worker(worker_id), lease=lease, also=also
         )
 
     async def plans(self, held: Callable[[], Plan | None]) -> AsyncIterator[Plan | PlanError]:

@@ -5,6 +5,13 @@ etcd away it lands, and is planned for, once etcd answers) and, within the resta
 worker in the same slot. Workers a newer plan dropped are fenced (killed and replaced by new ones
 that join like any newcomer); workers the leader evicted are stopped for good.
 
+Warm spares (``elastic.spares``) live in the same table, flagged: forked ahead, built as far as
+they can be without a slot, never registered with the leader. A lost worker's place goes to a
+waiting spare when :func:`~elaswave.planning.verdicts.replacement_verdict` says so: the spare
+takes the dead worker's slot, and a spare that is built is registered in the very etcd write that
+records the departure, so the leader's next plan replaces the one by the other. A new spare is
+started in its stead. A spare that dies while it waits is not replaced (a respawn remains).
+
 The pool owns the host's :class:`~elaswave.daemon.workers.WorkerProc` table; it reads what else it
 needs of its daemon through :class:`PoolHost` and sets the ``finished`` event it is given once
 every worker process has exited.
@@ -14,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol
@@ -22,9 +30,11 @@ from elaswave import wire
 from elaswave.config.cluster import preempt_signum
 from elaswave.daemon.stacks import discard_unused
 from elaswave.daemon.template import Adopted
-from elaswave.daemon.workers import WorkerProc, spawn, stop_all, worker_id
+from elaswave.daemon.workers import WorkerProc, spare_id, spawn, stop_all, worker_id
 from elaswave.errors import EXIT_PREEMPTED
-from elaswave.planning.verdicts import respawn_verdict
+from elaswave.planning.verdicts import replacement_verdict
+from elaswave.runtime.device import spare_builds_ahead
+from elaswave.wire_etcd import WorkerInfo
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -81,20 +91,22 @@ class WorkerPool:
         self.restarts_used = 0
         self.replacing = 0  # fenced workers whose replacements are being spawned
         self.expecting: dict[str, asyncio.Event] = {}  # worker ids being spawned
+        self.spares_started = 0  # warm spares started so far (the next one's number)
+        self._spare_tasks: set[asyncio.Task[None]] = set()  # new spares being started
 
     @property
     def next_incarnation(self) -> int:
         """The first worker incarnation a replacement may use (fresh worker ids)."""
         return 1 + max((w.incarnation for w in self.workers.values()), default=-1)
 
-    async def spawn(self, slot: int, incarnation: int) -> WorkerProc:
+    async def spawn(self, slot: int, incarnation: int, *, spare: str | None = None) -> WorkerProc:
         d = self.host
         # A forked worker may say hello before the template's answer reaches us: the daemon
         # holds its hello until the worker is registered (see ``registered``).
-        wid = worker_id(d.host_id, slot, incarnation)
+        wid = spare or worker_id(d.host_id, slot, incarnation)
         self.expecting[wid] = asyncio.Event()
         try:
-            w = await self._spawn(slot, incarnation)
+            w = await self._spawn(slot, incarnation, spare=spare)
         finally:
             self.expecting.pop(wid).set()
         if d.stopping:  # this host stopped while the worker was being made: it never joins
@@ -107,7 +119,49 @@ class WorkerPool:
         if pending is not None:
             await pending.wait()
 
-    async def _spawn(self, slot: int, incarnation: int) -> WorkerProc:
+    async def spawn_spare(self) -> WorkerProc:
+        """Start one warm spare (no slot until it is activated)."""
+        sid = spare_id(self.host.host_id, self.spares_started)
+        self.spares_started += 1
+        return await self.spawn(-1, 0, spare=sid)
+
+    def waiting_spare(self) -> WorkerProc | None:
+        """A spare that can take a place now: built ahead and ready, or, where spares build
+        only once activated (an accelerator, a script), connected and configured."""
+        d = self.host
+        ahead = spare_builds_ahead(d.cfg.train.device, script=d.cfg.script is not None)
+        for w in self.workers.values():
+            if not w.spare or w.stopping or w.proc.returncode is not None:
+                continue
+            if w.ready if ahead else w.worker_id in d.conns:
+                return w
+        return None
+
+    def _activate(self, spare: WorkerProc, dead: WorkerProc) -> WorkerInfo | None:
+        """``spare`` takes ``dead``'s slot; returns its registration when it is built (else it
+        registers when it reports ready, as a newcomer does)."""
+        d = self.host
+        spare.spare = False
+        spare.slot, spare.incarnation = dead.slot, dead.incarnation + 1
+        if spare.info is not None:
+            spare.info = dataclasses.replace(spare.info, slot=dead.slot)
+        d.conns[spare.worker_id].send(wire.Activate(slot=dead.slot, replaces=dead.worker_id))
+        d.events.emit(
+            "spare_activated", host=d.host_id, worker=spare.worker_id, replaces=dead.worker_id,
+            slot=dead.slot, registered=spare.info is not None,
+        )  # fmt: skip
+        return spare.info
+
+    async def _replace_spare(self) -> None:
+        """A new spare in place of one that was activated."""
+        try:
+            if not self.host.stopping:
+                await self.spawn_spare()
+        finally:
+            self.replacing -= 1
+            self.check_finished()
+
+    async def _spawn(self, slot: int, incarnation: int, *, spare: str | None) -> WorkerProc:
         d = self.host
         w = await spawn(
             host_id=d.host_id,
@@ -119,6 +173,7 @@ class WorkerPool:
             template=d.template,
             timeout=d.cfg.timeouts.template,
             shield=preempt_signum(d.cfg.elastic.preempt_signal),
+            spare=spare,
         )
         self.workers[w.worker_id] = w
         w.waiter = asyncio.create_task(self._watch_exit(w))
@@ -129,6 +184,7 @@ class WorkerPool:
             pid=w.pid,
             incarnation=incarnation,
             forked=isinstance(w.proc, Adopted),  # from the template; else executed
+            spare=w.spare,
         )
         return w
 
@@ -139,6 +195,11 @@ class WorkerPool:
         # finished, stopped by us, or checkpointed and left for a preemption (every rank of the
         # job leaves with it): no departure, no respawn
         if w.done or w.stopping or d.stopping or w.exit_code == EXIT_PREEMPTED:
+            self.check_finished()
+            return
+        if w.spare:  # it never had a place: nothing to record or plan, and no new spare
+            d.events.emit("spare_exit", host=d.host_id, worker=w.worker_id, pid=w.pid,
+                          exit_code=w.exit_code, reason=w.describe_exit())  # fmt: skip
             self.check_finished()
             return
         if w.detect_delay:  # a fault that asks for a slow detector: the survivors meanwhile
@@ -154,20 +215,34 @@ class WorkerPool:
             exit_code=w.exit_code,
             reason=reason,
         )
+        spare = self.waiting_spare()
+        verdict = replacement_verdict(
+            w.exit_code,
+            self.restarts_used,
+            d.cfg.elastic.max_restarts,
+            unrecoverable=d.unrecoverable,
+            spare_waiting=spare is not None,
+        )
+        if d.stopping:
+            verdict = None
+        successor = None
+        if verdict == "spare":
+            assert spare is not None
+            successor = self._activate(spare, w)
         # Queued: with etcd away, the departure lands (and is planned for) once it answers.
         d.outbox.put(
             f"departure of {w.worker_id}",
-            lambda: d.jobstore.record_departure(w.worker_id, reason, lease=d.lease),
+            lambda: d.jobstore.record_departure(
+                w.worker_id, reason, lease=d.lease, successor=successor
+            ),
         )
-        if (
-            respawn_verdict(
-                w.exit_code,
-                self.restarts_used,
-                d.cfg.elastic.max_restarts,
-                unrecoverable=d.unrecoverable,
-            )
-            and not d.stopping
-        ):
+        if verdict == "spare":
+            self.restarts_used += 1
+            self.replacing += 1
+            task = asyncio.create_task(self._replace_spare(), name="new spare")
+            self._spare_tasks.add(task)
+            task.add_done_callback(self._spare_tasks.discard)
+        elif verdict == "respawn":
             self.restarts_used += 1
             nw = await self.spawn(w.slot, w.incarnation + 1)
             d.events.emit(

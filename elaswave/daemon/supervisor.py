@@ -246,6 +246,8 @@ class HostDaemon:
             self._tasks.append(asyncio.create_task(self._watch_store(), name="store"))
             for slot in range(self.cfg.elastic.nproc_per_node):
                 await self.pool.spawn(slot, 0)
+            for _ in range(self.cfg.elastic.spares):  # after the workers: they train first
+                await self.pool.spawn_spare()
             waiter = asyncio.create_task(self.finished.wait())
             pending: set[asyncio.Task[Any]] = {waiter, *self._tasks}
             while waiter in pending:

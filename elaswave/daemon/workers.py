@@ -31,6 +31,7 @@ class WorkerProc:
     stopping: bool = False
     exit_code: int | None = None
     stacks_path: Path | None = None  # where it writes its stacks when killed as hung
+    spare: bool = False  # a warm spare: built, never planned nor registered until activated
     last_beat: float | None = None  # daemon's monotonic clock at the last heartbeat
     phase: str = "idle"
     phase_age: float = 0.0  # how long the worker had been in ``phase`` at that heartbeat
@@ -90,6 +91,11 @@ def worker_id(host_id: str, slot: int, incarnation: int) -> str:
     return base if incarnation == 0 else f"{base}.r{incarnation}"
 
 
+def spare_id(host_id: str, n: int) -> str:
+    """The id of this host's ``n``-th warm spare (it keeps it once activated)."""
+    return f"{host_id}.s{n}"
+
+
 def base_environment(base: dict[str, str] | None = None) -> dict[str, str]:
     """The environment of the worker template and of every worker, whatever its device: one
     OpenMP thread unless the user says otherwise, and no etcd credentials (workers never talk
@@ -127,12 +133,14 @@ async def spawn(
     template: Template | None = None,
     timeout: float = 60.0,
     shield: int | None = None,
+    spare: str | None = None,
 ) -> WorkerProc:
     """Start worker ``slot`` (its ``incarnation``-th life) on ``device`` (the resolved
     ``train.device``): an accelerator worker takes the slot-th device. Forked from the
     ``template`` while it runs (milliseconds), else executed (a new interpreter imports torch).
-    ``shield``: a signal the worker ignores from its start (the preemption signal)."""
-    wid = worker_id(host_id, slot, incarnation)
+    ``shield``: a signal the worker ignores from its start (the preemption signal). ``spare``:
+    start a warm spare of that id instead (no slot until it is activated)."""
+    wid = spare or worker_id(host_id, slot, incarnation)
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{wid}.log"
     stacks = log_dir / f"{wid}.stacks"  # moved to the run's stacks/ if it is killed as hung
@@ -140,6 +148,8 @@ async def spawn(
             "--stacks", str(stacks)]  # fmt: skip
     if shield is not None:
         argv += ["--shield", str(shield)]
+    if spare:
+        argv.append("--spare")
     proc: asyncio.subprocess.Process | Adopted | None = None
     if template is not None and template.alive:
         try:
@@ -156,7 +166,7 @@ async def spawn(
     return WorkerProc(
         worker_id=wid, slot=slot, incarnation=incarnation, proc=proc, log_path=log_path,
         shield=shield,
-        stacks_path=stacks,
+        stacks_path=stacks, spare=bool(spare),
     )  # fmt: skip
 
 

@@ -22,6 +22,7 @@ import statistics
 from collections import Counter
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Literal
 
 from elaswave.errors import (
     EXIT_NONFINITE,
@@ -363,6 +364,29 @@ def respawn_verdict(
     if exit_code in NEVER_RESPAWNED or unrecoverable is not None:
         return False
     return restarts_used < max_restarts
+
+
+Replacement = Literal["spare", "respawn"]
+
+
+def replacement_verdict(
+    exit_code: int | None,
+    restarts_used: int,
+    max_restarts: int,
+    *,
+    unrecoverable: str | None,
+    spare_waiting: bool,
+) -> Replacement | None:
+    """Who takes the place of a worker that exited: a warm spare that waits (``spare_waiting``),
+    a respawned worker when none does, or nobody (``None``). Pure.
+
+    A spare counts against ``max_restarts`` as a respawn does: the budget bounds how many times
+    a host replaces a lost rank, whichever process takes its place. Were spares free, a crash
+    that repeats would go through every spare and each spare's own replacement without bound,
+    and ``--spares`` would quietly lift the limit the operator set."""
+    if not respawn_verdict(exit_code, restarts_used, max_restarts, unrecoverable=unrecoverable):
+        return None
+    return "spare" if spare_waiting else "respawn"
 
 
 def hang_verdict(

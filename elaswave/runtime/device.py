@@ -237,3 +237,11 @@ def nccl_environment(env: dict[str, str]) -> dict[str, str]:
     for key, value in NCCL_ENV.items():
         out.setdefault(key, value)
     return out
+
+
+def spare_builds_ahead(kind: str, *, script: bool) -> bool:
+    """Whether a warm spare on a ``kind`` device builds its engine (model, data, optimizer)
+    before it is activated: on the CPU, yes; on an accelerator it must not touch a device
+    before it knows its slot, and a script builds its own state: those wait, imported and
+    configured, and build once activated."""
+    return kind == "cpu" and not script

@@ -6,7 +6,12 @@ import pytest
 
 from elaswave.errors import EXIT_STATE_LOST
 from elaswave.planning.hanglimits import HangLimits
-from elaswave.planning.verdicts import hang_verdict, respawn_verdict, silence
+from elaswave.planning.verdicts import (
+    hang_verdict,
+    replacement_verdict,
+    respawn_verdict,
+    silence,
+)
 
 BEAT = 0.2
 
@@ -118,3 +123,30 @@ def test_silence_excludes_the_daemons_own_pause(
         silence(now, last_beat, resumed), "compute", 0.0, limits=fixed(10.0), beat_s=BEAT
     )
     assert (verdict is not None) is hung
+
+
+@pytest.mark.parametrize(
+    ("exit_code", "used", "limit", "unrecoverable", "waiting", "verdict"),
+    [
+        (-9, 0, 2, None, True, "spare"),  # a spare waits: it takes the place
+        (-9, 0, 2, None, False, "respawn"),  # none waits: a new worker, as without spares
+        (-9, 2, 2, None, True, None),  # a spare counts against the budget: none left
+        (1, 1, 2, None, True, "spare"),
+        (EXIT_STATE_LOST, 0, 100, None, True, None),  # state is lost: nobody replaces it
+        (-9, 0, 100, "both copies of layer 3 are gone", True, None),
+        (-9, 0, 0, None, True, None),  # --spares without --max-restarts: spares stay idle
+    ],
+)
+def test_replacement_verdict(
+    exit_code: int,
+    used: int,
+    limit: int,
+    unrecoverable: str | None,
+    waiting: bool,
+    verdict: str | None,
+) -> None:
+    """A waiting warm spare is used instead of a respawn, within the same restart budget."""
+    got = replacement_verdict(
+        exit_code, used, limit, unrecoverable=unrecoverable, spare_waiting=waiting
+    )
+    assert got == verdict

@@ -20,6 +20,7 @@ from elaswave.daemon.jobstore import JobStore
 from elaswave.daemon.leader import Candidate, Leadership, Planner, campaign
 from elaswave.keys import JobKeys
 from elaswave.planning.plan import Plan
+from elaswave.wire_etcd import WorkerInfo
 
 _jobs = itertools.count()
 
@@ -194,5 +195,34 @@ def test_a_worker_that_leaves_while_its_reason_is_read_is_planned_with_its_reaso
             watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await watcher
+
+    run(endpoint, body)
+
+
+def test_a_departure_with_a_spare_as_successor_is_one_plan_of_the_same_size(
+    endpoint: str,
+) -> None:
+    """A warm spare registered in the departure's own write: the next plan drops the dead
+    worker and admits the spare at once (no plan without it, then a grow), with the cause."""
+
+    async def body(etcd: Etcd, store: JobStore, cfg: JobConfig) -> None:
+        lease = await etcd.lease(30)
+        w0 = await _register(etcd, store.keys, "h0", lease)
+        w1 = await _register(etcd, store.keys, "h1", lease)
+        h = Host(store, cfg, "h0", lease)
+        h.task = asyncio.create_task(campaign(h.candidate))
+        try:
+            first = await _plan_where(store, lambda p: True, 20)
+            assert first.workers == (w0, w1)
+            spare = WorkerInfo(worker_id="h1.s0", host="h1", pid=2, slot=0)
+            why = f"worker {w1} (rank 1) killed by SIGKILL"
+            await store.record_departure(w1, why, lease=lease, successor=spare)
+            second = await _plan_where(store, lambda p: p.epoch > first.epoch, 20)
+            assert set(second.workers) == {w0, "h1.s0"} and why in second.reason
+            await asyncio.sleep(1.0)  # nothing else to plan: no further epoch
+            assert (await store.read_plan())[0] == second
+            assert len(h.of("plan_published")) == 2
+        finally:
+            await h.stop()
 
     run(endpoint, body)

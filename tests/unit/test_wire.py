@@ -50,6 +50,7 @@ EVERY = [
     wire.Fault(FaultSpec.parse("kill,rank=1,at_step=5")),
     wire.Stop(),
     wire.Preempt(signal="SIGTERM"),
+    wire.Activate(slot=1, replaces="h0.w1"),
 ]
 
 

@@ -43,6 +43,7 @@ class ControlClient:
         self.faults: list[FaultSpec] = []
         self.stop_requested = False
         self.preempt_requested: str | None = None  # the signal that preempts this host
+        self.activation: wire.Activate | None = None  # a warm spare: the place it took
         self._reader = threading.Thread(target=self._read_loop, name="control-reader", daemon=True)
         self._reader.start()
         self._sender = threading.Thread(target=self._send_loop, name="control-sender", daemon=True)
@@ -152,9 +153,13 @@ class ControlClient:
     def _on_preempt(self, msg: wire.Preempt) -> None:
         self.preempt_requested = msg.signal
 
+    def _on_activate(self, msg: wire.Activate) -> None:
+        self.activation = msg
+
     # ---- waiting ----------------------------------------------------------------------------
-    def wait_for(self, predicate: Callable[[], bool], timeout: float) -> bool:
-        """Block until ``predicate()`` holds (re-checked on every message) or ``timeout``."""
+    def wait_for(self, predicate: Callable[[], bool], timeout: float | None) -> bool:
+        """Block until ``predicate()`` holds (re-checked on every message) or ``timeout``
+        (None: as long as it takes)."""
         with self._cond:
             return self._cond.wait_for(predicate, timeout)
 
@@ -192,4 +197,5 @@ HANDLERS: dict[type[wire.Message], Callable[[ControlClient, Any], None]] = {
     wire.Fault: ControlClient._on_fault,
     wire.Stop: ControlClient._on_stop,
     wire.Preempt: ControlClient._on_preempt,
+    wire.Activate: ControlClient._on_activate,
 }
