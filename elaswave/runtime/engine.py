@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import math
 import os
 import time
 from dataclasses import dataclass
@@ -39,24 +38,24 @@ from elaswave.config import JobConfig
 from elaswave.errors import (
     EXIT_PREEMPTED,
     EXIT_STATE_LOST,
-    NonFiniteStop,
     ShardLost,
     VerdictStop,
 )
 from elaswave.planning.plan import Plan
 from elaswave.planning.stageshards import LayersLost
-from elaswave.planning.verdicts import nonfinite_verdict
+from elaswave.runtime.checkpointer import Checkpointer
 from elaswave.runtime.comm.communicator import Communicator
 from elaswave.runtime.comm.control_client import ControlClient
 from elaswave.runtime.comm.groups import CommError, Interrupted
 from elaswave.runtime.device import backend_for, stages_through_host
-from elaswave.runtime.durable.checkpoints import DurableCheckpoints, Piece
+from elaswave.runtime.durable.checkpoints import DurableCheckpoints
 from elaswave.runtime.durable.restore import DurableSource
 from elaswave.runtime.evaluate import evaluate, training_samples
 from elaswave.runtime.integrity.checker import Integrity
 from elaswave.runtime.integrity.checksums import host_bytes
 from elaswave.runtime.integrity.inject import FaultInjector
 from elaswave.runtime.integrity.replay import Miscomputed
+from elaswave.runtime.nonfinite import NonFiniteSteps
 from elaswave.runtime.optim import freed
 from elaswave.runtime.prunehook import PruneFactory
 from elaswave.runtime.state import RankContext, TrainState
@@ -64,7 +63,6 @@ from elaswave.runtime.strategies.base import (
     DP,
     Final,
     Strategy,
-    Whole,
     nbytes,
     reduction_buffer,
     state_digests,
@@ -81,7 +79,6 @@ EXIT_OK = 0
 EXIT_NO_PLAN = 4
 EXIT_SHARD_LOST = EXIT_STATE_LOST  # both copies of a shard or layer are gone, no durable one
 SKIPPED_MAX = 3  # compute times left unreported in a row while a checkpoint is written
-NAMED_SAMPLES = 64  # a non-finite step's event names at most this many of a rank's sample ids
 
 
 def skipped_next(writing: bool, skipped: int) -> int:
@@ -162,11 +159,13 @@ class Engine:
         every = cfg.durable_every
         # One writer for the periodic checkpoints and the final state (train.save_final);
         # recovery reads checkpoints only when periodic ones are on.
-        self.store = (
+        store = (
             DurableCheckpoints(cfg.resolved_durable_dir) if every or cfg.train.save_final else None
         )
-        self.durable = DurableSource(self.ctx, self.store if every else None)
+        self.durable = DurableSource(self.ctx, store if every else None)
         self.strategy: Strategy = strategy_for(self.ctx, self.durable)
+        self.checkpoints = Checkpointer(self.ctx, self.strategy, store)
+        self.nonfinite = NonFiniteSteps(cfg, control.event, num_samples=self.num_samples)
         self.replan = True  # apply a (newer) plan before the next step
         self.phase, self.phase_since = "idle", time.monotonic()
         self._evaluating = False  # the strategy's "compute" is an evaluation's ("eval")
@@ -182,8 +181,12 @@ class Engine:
         self._writer_busy = False  # a checkpoint write ran when this step began
         self._skipped = 0  # compute times not reported in a row (a checkpoint write ran beside)
         self._memory: tuple[int, dict[str, int]] | None = None  # (epoch, bytes) reported last
-        self._nonfinite_streak = 0  # non-finite steps skipped in a row
         control.start_heartbeat(cfg.timeouts.heartbeat, self._heartbeat)
+
+    @property
+    def store(self) -> DurableCheckpoints | None:
+        """Where this rank's durable checkpoints go (None: none is written)."""
+        return self.checkpoints.store
 
     @property
     def plan(self) -> Plan | None:
@@ -372,14 +375,17 @@ class Engine:
             )  # fmt: skip
         finally:
             if not configured and bool(bad):  # read once the reduction is on its way
-                self._name_nonfinite(step, covered)
+                self.nonfinite.name(step, covered, rank=self.comm.rank(DP), plan=plan)
         skipped = None
         if sums.tail.nonfinite:  # not applied, on every rank
-            skipped = self._not_applied(step, sums.tail.nonfinite, configured=configured)
+            skipped = self.nonfinite.not_applied(
+                step, sums.tail.nonfinite, configured=configured,
+                reporter=self.comm.rank(DP) == 0, loss=self.state.last_loss,
+            )  # fmt: skip
         elif stats is not None and rows is not None:  # applied: fold them in (rows iff stats)
             stats.commit(step, rows)
         if skipped is None:
-            self._nonfinite_streak = 0
+            self.nonfinite.applied()
         self._enter("idle")
         if epochs != plan.world_size * plan.epoch:
             self.replan = True  # some rank has seen a newer plan: switch at this boundary
@@ -395,52 +401,16 @@ class Engine:
         checkpoint just did), waits for it to be on disk, and leaves with
         :data:`EXIT_PREEMPTED`. Launching the job again resumes from it: no step is lost."""
         step, every = self.state.step, self.cfg.durable_every
-        if self.store is None:  # no periodic checkpoints: this one is still owed
-            self.store = DurableCheckpoints(self.cfg.resolved_durable_dir)
+        store = self.checkpoints.ensure_store()  # owed whatever durable_every says
         if not (self.durable.checkpoints is not None and step % every == 0):
-            self._checkpoint(step, "preempt_saved")
-        self.store.flush()
+            self.checkpoints.checkpoint(step, "preempt_saved")
+        store.flush()
         self.control.event(
             "preempted", worker=self.me, rank=self.comm.rank(DP), step=step,
             signal=self.control.preempt_requested,
         )  # fmt: skip
         self.control.flush(timeout=5.0)
         return EXIT_PREEMPTED
-
-    def _not_applied(self, step: int, ranks: int, *, configured: bool) -> str:
-        """A step every rank left unapplied: its record, and whether the job goes on (the
-        verdict is the same on every rank: it reads the same reduced tail)."""
-        why = "configured" if configured else "nonfinite"
-        stop, self._nonfinite_streak = nonfinite_verdict(
-            configured=configured, streak=self._nonfinite_streak, mode=self.cfg.train.nonfinite,
-            limit=self.cfg.train.nonfinite_limit, pipeline=self.cfg.pp > 1,
-        )  # fmt: skip
-        if self.comm.rank(DP) == 0:
-            self.control.event(
-                "step_skipped", worker=self.me, step=step, reason=why, ranks=ranks,
-                loss=self.state.last_loss if math.isfinite(self.state.last_loss) else None,
-            )  # fmt: skip
-        if stop is not None:
-            raise NonFiniteStop(f"step {step} is not finite and the job stops: {stop}")
-        return why
-
-    def _name_nonfinite(self, step: int, covered: dict[int, Any]) -> None:
-        """This rank brought non-finite values to ``step``: which of its micro-batches and
-        samples (the report's incident names them)."""
-        assert self.plan is not None
-        rank = self.comm.rank(DP)
-        ids = sorted({i for mbs in covered.values() for i in mbs})
-        if not ids:
-            ids = list(self.plan.microbatch_range(rank))
-        every = microbatches(
-            self.cfg.train.seed, step, self.cfg.train.global_batch,
-            micro_batch_size=self.cfg.train.micro_batch_size, num_samples=self.num_samples,
-        )  # fmt: skip
-        samples = [int(s) for i in ids for s in every[i].sample_ids]
-        self.control.event(
-            "nonfinite_local", worker=self.me, rank=rank, step=step, microbatches=ids,
-            samples=samples[:NAMED_SAMPLES], samples_total=len(samples),
-        )  # fmt: skip
 
     def after_commit(self, step: int) -> None:
         """Corruption checks (they may roll every rank back), then the durable checkpoint, then
@@ -454,7 +424,7 @@ class Engine:
         if self.integrity.after_commit(step):
             return  # the main loop redoes the steps since the known-good state
         if self.durable.checkpoints is not None and step % self.cfg.durable_every == 0:
-            self._checkpoint(step, "durable_saved")
+            self.checkpoints.checkpoint(step, "durable_saved")
         if self.cfg.train.eval_every and step % self.cfg.train.eval_every == 0:
             self._evaluating = True
             try:
@@ -469,74 +439,6 @@ class Engine:
                         step=step, loss=loss, samples=samples, t=time.time(), accuracy=accuracy
                     )
                 )
-
-    def _checkpoint(self, step: int, event: str) -> None:
-        """A durable checkpoint of ``step`` (every rank takes part): the whole state from rank
-        0, or each rank's own pieces where the strategy has them; ``event`` names its record."""
-        pieces = self.strategy.durable_pieces()
-        self._enter("collective")
-        if pieces is None:
-            self._save_durable(step, self.strategy.whole(self.ctx.broken), event)
-        else:
-            self._save_pieces(step, pieces, event)
-        self._enter("idle")
-
-    def _save_durable(self, step: int, whole: Whole, event: str) -> None:
-        """Rank 0 writes the whole state (from ``Strategy.whole``, a collective: ZeRO gathers the
-        moments, pipelines assemble the model from the stages) in the background; ``event``
-        names the record of it."""
-        store = self.store
-        assert store is not None
-        if self.comm.rank(DP) != 0:
-            return
-
-        def saved(path: Any, seconds: float) -> None:
-            self.control.event(event, step=step, path=str(path), seconds=round(seconds, 4))
-
-        prune = self.state.prune.saved() if self.state.prune is not None else None
-        store.save_async(
-            step, self.state.last_loss, whole.params, exp_avg=whole.exp_avg,
-            exp_avg_sq=whole.exp_avg_sq, on_done=saved, extra=prune, buffers=self._stats_saved(),
-            script=self._script_saved(),
-        )  # fmt: skip
-
-    def _save_final(self, final: Final) -> None:
-        """The final state as a durable checkpoint: the whole state the strategy assembled, or
-        each rank's own pieces (pipelines: nothing assembled on one rank)."""
-        step = self.state.step
-        if final.whole is not None:
-            self._save_durable(step, final.whole, "final_saved")
-        else:
-            self._checkpoint(step, "final_saved")
-
-    def _save_pieces(self, step: int, pieces: list[Piece], event: str) -> None:
-        """Every rank writes the intervals it owns (pipelines: nothing assembled on one rank);
-        rank 0 commits the checkpoint once all are written and records ``event``."""
-        store, plan = self.store, self.plan
-        assert store is not None and plan is not None
-        rank = self.comm.rank(DP)
-
-        def saved(path: Any, seconds: float) -> None:
-            self.control.event(
-                event, step=step, path=str(path), seconds=round(seconds, 4),
-                parts=plan.world_size,
-            )  # fmt: skip
-
-        prune = self.state.prune.saved() if self.state.prune is not None else None
-        store.save_pieces_async(
-            step, self.state.last_loss, rank=rank, world=plan.world_size,
-            attempt=f"e{plan.epoch}", pieces=pieces, on_done=saved if rank == 0 else None,
-            extra=prune, buffers=self._stats_saved(), script=self._script_saved(),
-        )  # fmt: skip
-
-    def _script_saved(self) -> torch.Tensor | None:
-        """A script's own registered state as a checkpoint keeps it (None: it has none)."""
-        return self.state.script.saved() if self.state.script is not None else None
-
-    def _stats_saved(self) -> torch.Tensor | None:
-        """The norm layers' running statistics as a checkpoint keeps them (None: the model has
-        none)."""
-        return self.state.stats.saved() if self.state.stats is not None else None
 
     # ---- recovery ---------------------------------------------------------------------------
     def _recover(self) -> None:
@@ -665,7 +567,7 @@ class Engine:
             final = self.strategy.final(self.ctx.broken)
             every = self.cfg.durable_every
             if self.cfg.train.save_final and not (every and self.state.step % every == 0):
-                self._save_final(final)  # export reads it
+                self.checkpoints.save_final(final)  # export reads it
             token = self.state.flat.data.new_zeros(1)
             self.comm.allreduce(DP, token, self.ctx.broken)
         except (CommError, Interrupted):  # what this rank holds, then
