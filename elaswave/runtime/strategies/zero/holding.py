@@ -80,6 +80,12 @@ class ParamHolding(ABC):
         """A whole state taken in (a durable checkpoint): the parameters, where they are kept
         whole (the shard's chunk is cut by :meth:`ShardState.restore_full`)."""
 
+    @abstractmethod
+    def unchanged(self, z: ShardState) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """A step that changes nothing, as its update would stage it: the staged parameters
+        (what :meth:`apply` takes), a copy of this rank's chunk, and whether the live shard
+        carries that chunk between snapshots."""
+
 
 class WholeParams(ParamHolding):
     """ZeRO-1: the parameters are replicated; the shards hold the optimizer moments."""
@@ -125,6 +131,11 @@ class WholeParams(ParamHolding):
 
     def take_whole(self, z: ShardState, params: torch.Tensor) -> None:
         z.flat.data.copy_(params)  # whole on every rank
+
+    def unchanged(self, z: ShardState) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """Every rank's chunk rank-major, as the update's all-gather leaves them."""
+        staged = padded(z.flat.data).index_select(0, z.index)
+        return staged, self.mine(z, z.flat.data).clone(), False
 
 
 @dataclass
@@ -180,6 +191,12 @@ class ShardedParams(ParamHolding):
 
     def take_whole(self, z: ShardState, params: torch.Tensor) -> None:
         """Nothing whole: the shard takes its chunk."""
+
+    def unchanged(self, z: ShardState) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """The shard's own chunk: it is the staged parameters too."""
+        assert z.own is not None and z.own.params is not None
+        param = z.own.params.clone()
+        return param, param, True
 
     def gather(
         self, z: ShardState, comm: Communicator, part: torch.Tensor, abort: Callable[[], bool]

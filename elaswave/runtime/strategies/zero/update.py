@@ -188,21 +188,14 @@ def stage_unchanged(
     like any other, so that every rank's committed step and every replica's move on alike."""
     own = z.own
     assert own is not None
-    sharded = isinstance(z.holding, ShardedParams)
-    if sharded:
-        assert own.params is not None
-        param = own.params.clone()
-        staged = param
-    else:
-        param = z.mine(z.flat.data).clone()
-        staged = padded(z.flat.data).index_select(0, z.index)  # rank-major, as gathered
+    staged, param, live_chunk = z.holding.unchanged(z)
     moments = own.exp_avg.clone(), own.exp_avg_sq.clone()
     if z.is_snapshot(step):
         shard = Shard.of(step, *moments, params=param if z.keeps_params else None)
         z.staged = Staged(step, staged, shard, None)
         z.staged.replicas = z.replicate(comm, shard, abort)
     else:
-        live = Shard(step, *moments, None, param if sharded else None)
+        live = Shard(step, *moments, None, param if live_chunk else None)
         z.staged = Staged(step, staged, live, None)
 
 
