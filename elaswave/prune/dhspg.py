@@ -28,8 +28,11 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from elaswave.prune.method import Choice, no_marks
+from elaswave.runtime.prunehook import Decisions
+
 __all__ = [
-    "Hyper", "Stats", "apply", "decide", "group_stats", "lambdas", "part_sums", "partition",
+    "DHSPG", "Hyper", "Stats", "decide", "group_stats", "lambdas", "part_sums", "partition",
 ]  # fmt: skip
 
 SAFE = 1e-8  # OTOv2's safe guard in x / |x|
@@ -158,11 +161,50 @@ def decide(
     return scale, projected
 
 
-def apply(
-    x: torch.Tensor, h: torch.Tensor, scale: torch.Tensor, *, zero: torch.Tensor
-) -> torch.Tensor:
-    """Groups ``h`` (``(G, S)``, one family) after the decisions: pulled by ``scale * x``, the
-    groups in ``zero`` (projected now, or zero before the step: they stay zero) set to 0."""
-    out = h - scale.to(h.dtype).unsqueeze(1) * x
-    out[zero] = 0.0
-    return out
+@dataclass(frozen=True)
+class DHSPG:
+    """DHSPG as a :class:`~elaswave.prune.method.Method`. A group's mark is 1 where it is
+    redundant; the marks are chosen once, at ``partition_at``."""
+
+    hp: Hyper
+    partition_at: int
+    start_step: int  # the first step that projects
+    buckets: tuple[int, ...] | None = None  # uniform: each family's group count
+
+    @property
+    def first_step(self) -> int:
+        return self.partition_at
+
+    def decide(
+        self,
+        step: int,
+        stats: Stats,
+        *,
+        marks: torch.Tensor,
+        taken_at: int,
+        sizes: torch.Tensor,
+        lr: float,
+    ) -> Choice:
+        """The redundant set, chosen first where this step chooses it (or again, in a redo of
+        that step); then each redundant group's pull while the sparsity is below the target,
+        and the groups projected onto zero (:func:`decide`). A group that is zero stays zero."""
+        zero = stats.zero
+        zero_before = int(zero.sum())
+        if taken_at == 0 or taken_at >= step:
+            marks = partition(stats, sizes, self.hp.upper, buckets=self.buckets).long().cpu()
+            taken_at = step
+        redundant = marks.to(zero.device).bool()
+        if not zero_before < self.hp.target * zero.numel():  # reached: no more pulls
+            redundant = torch.zeros_like(redundant)
+        scale, projected = decide(
+            stats, redundant, zero_before, lr=lr, hp=self.hp, project=step >= self.start_step
+        )
+        return Choice(
+            Decisions(projected | zero, pull=scale), marks, taken_at,
+            {"prune_projected": int(projected.sum())},
+        )  # fmt: skip
+
+    def kept(self, marks: torch.Tensor, taken_at: int, step: int) -> tuple[torch.Tensor, int]:
+        if taken_at == 0 or taken_at > step:
+            return no_marks(), 0
+        return marks, taken_at

@@ -1,11 +1,13 @@
-"""A rank's pruning: DHSPG applied to the parameters it holds after each update.
+"""A rank's pruning: a method (:mod:`elaswave.prune.method`) applied to the parameters it holds
+after each update.
 
-The only state pruning adds is the redundant set, chosen once at ``partition_step`` from that
-step's parameters and direction: :attr:`Pruner.redundant` (with :attr:`taken_at`, the step it
-was chosen at). Which groups are zero is read off the parameters themselves, and the penalties
-are recomputed every step, so snapshots, transfers and checkpoints of the parameters carry the
-rest. A newcomer receives the set from a peer when the plan is applied (:meth:`share`), and a
-durable checkpoint stores it beside the parameters (:meth:`saved`, :meth:`adopt`).
+The only state pruning adds is each group's mark, chosen from some step's parameters and
+direction (DHSPG: the redundant set, chosen once at ``partition_step``): :attr:`Pruner.marks`,
+with :attr:`taken_at`, the step the newest marks were chosen at. Which groups are zero is read
+off the parameters themselves, and everything else is recomputed every step, so snapshots,
+transfers and checkpoints of the parameters carry the rest. A newcomer receives the marks from
+a peer when the plan is applied (:meth:`share`), and a durable checkpoint stores them beside
+the parameters (:meth:`saved`, :meth:`adopt`).
 
 Every decision reads every group's statistics. A rank that holds the whole model takes them
 alone; a pipeline stage holds some layers (:class:`Holding`): each layer's sums come from one
@@ -20,18 +22,22 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import torch
 
 from elaswave.config import JobConfig
+from elaswave.config.prune import PruneConfig
 from elaswave.prune import dhspg
+from elaswave.prune.dhspg import DHSPG
 from elaswave.prune.groups import Family, find_groups, flat_index
+from elaswave.prune.method import Method, no_marks
 from elaswave.runtime.optim import Spans
-from elaswave.runtime.prunehook import WHOLE, Holding, Part
+from elaswave.runtime.prunehook import WHOLE, Decisions, Holding, Part
 from elaswave.runtime.workload.base import KeyedLayers, Workload
 
-__all__ = ["WHOLE", "Holding", "Part", "Pruner"]
+__all__ = ["WHOLE", "Decisions", "Holding", "Part", "Pruner", "method_of"]
 
 DP = "dp"
 
@@ -47,19 +53,26 @@ def _at(spans: Spans, index: torch.Tensor) -> torch.Tensor:
     return spans.tensor[index - spans.base]
 
 
+def method_of(p: PruneConfig, *, buckets: tuple[int, ...] | None) -> Method:
+    """The method ``p`` (resolved: every hyper-parameter set) asks for; ``buckets``: each
+    family's group count where every family picks its own share (``uniform``)."""
+    assert p.lmbda is not None and p.lmbda_amplify is not None and p.hat_lmbda_coeff
+    hp = dhspg.Hyper(
+        p.target_sparsity, p.tolerance, p.epsilon, p.lmbda, p.lmbda_amplify, p.hat_lmbda_coeff
+    )
+    return DHSPG(hp, p.partition_at, p.start_step, buckets)
+
+
 @dataclass(eq=False)
 class Pruner:
-    """DHSPG over the model's zero-invariant groups: the
+    """A pruning method over the model's zero-invariant groups: the
     :class:`~elaswave.runtime.prunehook.PruneHook` a worker hands its train state."""
 
     families: list[Family]
     parts: list[list[Part]]  # each family's elements, layer by layer
-    hp: dhspg.Hyper
-    partition_at: int
-    start_step: int
-    uniform: bool
-    redundant: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.bool))
-    taken_at: int = 0  # the step the redundant set was chosen at (0: not yet)
+    method: Method
+    marks: torch.Tensor = field(default_factory=no_marks)  # each group's mark (CPU, int64)
+    taken_at: int = 0  # the step the newest marks were chosen at (0: none yet)
     last: dict[str, Any] = field(default_factory=dict)  # the last step's numbers, for metrics
 
     @classmethod
@@ -70,13 +83,10 @@ class Pruner:
             return None
         p = p.resolved(cfg.train.optimizer)
         families = find_groups(workload, model, p.kinds)
-        assert p.lmbda is not None and p.lmbda_amplify is not None and p.hat_lmbda_coeff
-        hp = dhspg.Hyper(
-            p.target_sparsity, p.tolerance, p.epsilon, p.lmbda, p.lmbda_amplify, p.hat_lmbda_coeff
-        )
         starts = torch.tensor([offset for offset, _ in model.segments()], dtype=torch.int64)
         parts = [_parts(flat_index(f, model), starts) for f in families]
-        return cls(families, parts, hp, p.partition_at, p.start_step, p.uniform)
+        buckets = tuple(f.count for f in families) if p.uniform else None
+        return cls(families, parts, method_of(p, buckets=buckets))
 
     @property
     def groups(self) -> int:
@@ -84,7 +94,7 @@ class Pruner:
 
     def active(self, step: int) -> bool:
         """Whether step ``step`` prunes (before it, training is exactly as without pruning)."""
-        return step >= self.partition_at
+        return step >= self.method.first_step
 
     def before(self, step: int, params: Spans) -> Spans | None:
         """A copy of the parameters before the update, where step ``step`` prunes."""
@@ -93,20 +103,21 @@ class Pruner:
     def after(
         self, step: int, old: Spans | None, params: Spans, *, lr: float, holding: Holding = WHOLE
     ) -> None:
-        """DHSPG on ``params`` (just updated from ``old``; the parts ``holding`` holds) in
-        place."""
+        """The method's step on ``params`` (just updated from ``old``; the parts ``holding``
+        holds) in place."""
         if old is None:
             return
         self.to(params.tensor.device)
         sums = self.sums(lambda layer: (old, params) if holding.counted(layer) else None, lr)
         if holding.reduce is not None:
             holding.reduce(sums)
-        scale, cleared = self.decide(step, sums, lr)
+        decisions = self.decide(step, sums, lr)
         for start, count, p in self.rows():
             if holding.held(p.layer):
-                x, h = _at(old, p.index), _at(params, p.index)
-                params.tensor[p.index - params.base] = dhspg.apply(
-                    x, h, scale[start : start + count], zero=cleared[start : start + count]
+                group = torch.arange(start, start + count, device=params.tensor.device)
+                at = p.index - params.base
+                params.tensor[at] = decisions.apply(
+                    _at(old, p.index), params.tensor[at], group.unsqueeze(1)
                 )
 
     def to(self, device: torch.device) -> None:
@@ -151,39 +162,31 @@ class Pruner:
                     )
         return sums
 
-    def decide(self, step: int, sums: torch.Tensor, lr: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """Step ``step``'s decisions from every part's sums (added over the ranks): each
-        group's pull and whether it is zero after the step (see
-        :func:`~elaswave.prune.dhspg.decide`); the redundant set is chosen first where this
-        step chooses it."""
+    def decide(self, step: int, sums: torch.Tensor, lr: float) -> Decisions:
+        """Step ``step``'s decisions from every part's sums (added over the ranks), as the
+        method takes them; the marks it chooses are kept."""
         stats = self._stats(sums)
-        device = sums.device
-        zero = stats.zero
-        zero_before = int(zero.sum())
-        if self.taken_at == 0 or self.taken_at >= step:  # chosen now (or again, in a redo)
-            width = [sum(p.index.shape[1] for p in ps) for ps in self.parts]  # a group's size
-            sizes = torch.tensor(
-                [w for f, w in zip(self.families, width, strict=True) for _ in range(f.count)],
-                dtype=torch.float64, device=device,
-            )  # fmt: skip
-            buckets = [f.count for f in self.families] if self.uniform else None
-            self.redundant = dhspg.partition(stats, sizes, self.hp.upper, buckets=buckets).cpu()
-            self.taken_at = step
-        pulling = zero_before < self.hp.target * self.groups
-        redundant = self.redundant.to(device)
-        if not pulling:  # the target is reached: no more pulls, zero groups stay zero
-            redundant = torch.zeros_like(redundant)
-        scale, projected = dhspg.decide(
-            stats, redundant, zero_before, lr=lr, hp=self.hp, project=step >= self.start_step
-        )
-        cleared = projected | zero
-        zeros = int(cleared.sum())
+        choice = self.method.decide(
+            step, stats, marks=self.marks, taken_at=self.taken_at,
+            sizes=self.sizes.to(sums.device), lr=lr,
+        )  # fmt: skip
+        self.marks, self.taken_at = choice.marks, choice.taken_at
+        zeros = int(choice.decisions.cleared.sum())
         self.last = {
             "prune_sparsity": zeros / self.groups,
             "prune_zero_groups": zeros,
-            "prune_projected": int(projected.sum()),
+            **choice.numbers,
         }
-        return scale, cleared
+        return choice.decisions
+
+    @cached_property
+    def sizes(self) -> torch.Tensor:
+        """Each group's element count (float64)."""
+        width = [sum(p.index.shape[1] for p in ps) for ps in self.parts]
+        return torch.tensor(
+            [w for f, w in zip(self.families, width, strict=True) for _ in range(f.count)],
+            dtype=torch.float64,
+        )
 
     def _stats(self, sums: torch.Tensor) -> dhspg.Stats:
         """Every group's statistics: a group's parts added in layer order."""
@@ -198,37 +201,37 @@ class Pruner:
 
     # ---- carried state ----------------------------------------------------------------------
     def saved(self) -> torch.Tensor:
-        """The redundant set for a checkpoint: ``[taken_at, flags...]`` (float64)."""
+        """The marks for a checkpoint: ``[taken_at, marks...]`` (float64)."""
         return torch.cat(
-            [torch.tensor([float(self.taken_at)], dtype=torch.float64), self.redundant.double()]
+            [torch.tensor([float(self.taken_at)], dtype=torch.float64), self.marks.double()]
         )
 
     def adopt(self, saved: torch.Tensor | None, step: int) -> None:
-        """Take a checkpoint's (or a peer's) redundant set for a state at ``step``; one chosen
-        after ``step`` is dropped (the step that chooses it is ahead)."""
-        if saved is None or saved.numel() == 0 or int(saved[0]) == 0 or int(saved[0]) > step:
-            self.redundant, self.taken_at = torch.zeros(0, dtype=torch.bool), 0
+        """Take a checkpoint's (or a peer's) marks for a state at ``step``; those chosen after
+        ``step`` are dropped (the steps that choose them are ahead)."""
+        if saved is None or saved.numel() == 0 or int(saved[0]) == 0:
+            self.marks, self.taken_at = no_marks(), 0
             return
         if saved.numel() != self.groups + 1:
             raise ValueError(
                 f"the saved pruning state has {saved.numel() - 1} groups, the model {self.groups}"
             )
-        self.taken_at, self.redundant = int(saved[0]), saved[1:].bool().cpu()
+        self.marks, self.taken_at = self.method.kept(saved[1:].long().cpu(), int(saved[0]), step)
 
     def share(
         self, comm: Any, step: int, broken: Callable[[], bool], *, device: torch.device
     ) -> int:
-        """After a plan's sync to ``step``: every rank takes the redundant set of the lowest rank
-        that holds one chosen by ``step`` (a newcomer has none). Returns the step the set was
-        chosen at (0: none yet)."""
-        mine = self.taken_at if 0 < self.taken_at <= step else 0
-        flag = torch.tensor([float(mine)], dtype=torch.float64, device=device)
+        """After a plan's sync to ``step``: every rank takes the marks of the lowest rank that
+        holds some chosen by ``step`` (a newcomer has none). Returns the step they were chosen
+        at (0: none yet)."""
+        self.marks, self.taken_at = self.method.kept(self.marks, self.taken_at, step)
+        flag = torch.tensor([float(self.taken_at)], dtype=torch.float64, device=device)
         have = [int(r[0]) for r in comm.allgather(DP, flag, broken)]
         holders = [r for r, t in enumerate(have) if t]
         if not holders:
             self.adopt(None, step)
             return 0
-        buf = self.saved() if mine else torch.zeros(self.groups + 1, dtype=torch.float64)
+        buf = self.saved() if self.taken_at else torch.zeros(self.groups + 1, dtype=torch.float64)
         buf = buf.to(device)
         comm.broadcast(DP, buf, holders[0], abort=broken)
         self.adopt(buf.cpu(), step)

@@ -11,7 +11,7 @@ A strategy that holds the whole model calls :meth:`PruneHook.before` and :meth:`
 around its update; a pipeline stage passes a :class:`Holding` (which layers it updates, which
 sums it brings, how they are added over the ranks); a strategy that holds no layer whole
 (ZeRO-3) gathers each layer for :meth:`PruneHook.sums` and applies :meth:`PruneHook.decide`'s
-decisions to the elements it owns, part by part (:meth:`PruneHook.rows`).
+:class:`Decisions` to the elements it owns, part by part (:meth:`PruneHook.rows`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from elaswave.config import JobConfig
 from elaswave.runtime.optim import Spans
 from elaswave.runtime.workload.base import KeyedLayers, Workload
 
-__all__ = ["WHOLE", "Holding", "Part", "PruneFactory", "PruneHook"]
+__all__ = ["WHOLE", "Decisions", "Holding", "Part", "PruneFactory", "PruneHook"]
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,26 @@ class Holding:
 
 
 WHOLE = Holding(held=lambda _: True, counted=lambda _: True)  # the whole model, alone
+
+
+@dataclass(frozen=True)
+class Decisions:
+    """One pruning step's decisions for every group, the same on every rank: a group's elements
+    become ``keep * h - pull * x`` (``x`` before the update, ``h`` after it; float64 factors per
+    group, None: ``keep`` 1 and ``pull`` 0, so that ``h`` is taken as it is), or exactly zero
+    where ``cleared``."""
+
+    cleared: torch.Tensor
+    pull: torch.Tensor | None = None
+    keep: torch.Tensor | None = None
+
+    def apply(self, x: torch.Tensor, h: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
+        """Elements ``x`` and ``h`` after the decisions; ``group`` holds each element's group
+        number, broadcast against them (a column ``(G, 1)`` for a matrix of whole groups)."""
+        out = h if self.keep is None else self.keep[group].to(h.dtype) * h
+        if self.pull is not None:
+            out = out - self.pull[group].to(h.dtype) * x
+        return out.masked_fill(self.cleared[group], 0.0)
 
 
 class PruneHook(Protocol):
@@ -88,9 +108,8 @@ class PruneHook(Protocol):
         does not count it)."""
         ...
 
-    def decide(self, step: int, sums: torch.Tensor, lr: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """Step ``step``'s decisions from every part's sums (added over the ranks): each
-        group's pull and whether it is zero after the step."""
+    def decide(self, step: int, sums: torch.Tensor, lr: float) -> Decisions:
+        """Step ``step``'s decisions from every part's sums (added over the ranks)."""
         ...
 
     def saved(self) -> torch.Tensor:

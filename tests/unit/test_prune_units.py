@@ -16,7 +16,7 @@ from elaswave.errors import ConfigError
 from elaswave.prune import dhspg
 from elaswave.prune.compress import kept_groups, matmul_flops, shrink
 from elaswave.prune.groups import NoGroups, find_groups, flat_index
-from elaswave.prune.pruner import Holding, Pruner
+from elaswave.prune.pruner import Decisions, Holding, Pruner
 from elaswave.runtime.durable import checkpoints
 from elaswave.runtime.durable.checkpoints import DurableCheckpoints
 from elaswave.runtime.optim import FlatParams, Spans
@@ -334,7 +334,8 @@ def test_applying_leaves_important_groups_bit_identical_and_zero_groups_zero() -
     x = torch.randn(3, 5)
     h = torch.randn(3, 5)
     scale = torch.tensor([0.0, 0.5, 0.0], dtype=torch.float64)
-    out = dhspg.apply(x, h, scale, zero=torch.tensor([False, False, True]))
+    decisions = Decisions(torch.tensor([False, False, True]), pull=scale)
+    out = decisions.apply(x, h, torch.arange(3).unsqueeze(1))
     assert torch.equal(out[0], h[0])
     assert torch.equal(out[1], h[1] - 0.5 * x[1])
     assert not out[2].any()
@@ -382,7 +383,7 @@ def _stages(
         )
         params = Spans(new[a:b].clone(), a)
         copy.after(step, Spans(old[a:b].clone(), a), params, lr=0.1, holding=holding)
-        out[s] = (params.tensor, copy.redundant)
+        out[s] = (params.tensor, copy.marks)
 
     threads = [threading.Thread(target=stage, args=(s,)) for s in range(len(sums))]
     for t in threads:
@@ -419,14 +420,14 @@ def test_pipeline_stages_prune_exactly_as_the_whole_model_whatever_the_cut(name:
             stages = _stages(pruner, [cut], old, new, starts, step)
             assert torch.equal(torch.cat([p for p, _ in stages]), expected), cut
             for _, redundant in stages:
-                assert torch.equal(redundant, whole.redundant)
+                assert torch.equal(redundant, whole.marks)
         pruner = whole
 
 
 def test_the_redundant_set_survives_a_durable_checkpoint(tmp_path: Path) -> None:
     source = _pruner()
     source.taken_at = 3
-    source.redundant = torch.arange(source.groups) % 3 == 0
+    source.marks = (torch.arange(source.groups) % 3 == 0).long()
     store = DurableCheckpoints(tmp_path)
     params = torch.randn(10)
     store.save_async(7, 0.5, params, exp_avg=params, exp_avg_sq=params, extra=source.saved())
@@ -434,9 +435,9 @@ def test_the_redundant_set_survives_a_durable_checkpoint(tmp_path: Path) -> None
     state = checkpoints.load(tmp_path / "step-00000007", 10)
     fresh = _pruner()
     fresh.adopt(state.prune, state.step)
-    assert (fresh.taken_at, fresh.redundant.tolist()) == (3, source.redundant.tolist())
+    assert (fresh.taken_at, fresh.marks.tolist()) == (3, source.marks.tolist())
     fresh.adopt(state.prune, 2)  # a state from before the set was chosen: dropped
-    assert (fresh.taken_at, fresh.redundant.numel()) == (0, 0)
+    assert (fresh.taken_at, fresh.marks.numel()) == (0, 0)
     store.save_async(8, 0.5, params, exp_avg=params, exp_avg_sq=params)  # without pruning: no set
     store.flush()
     assert checkpoints.load(tmp_path / "step-00000008", 10).prune is None
@@ -451,7 +452,7 @@ def test_the_redundant_set_survives_a_durable_checkpoint(tmp_path: Path) -> None
             assert state.prune is None
         else:
             fresh.adopt(state.prune, state.step)
-            assert (fresh.taken_at, fresh.redundant.tolist()) == (3, source.redundant.tolist())
+            assert (fresh.taken_at, fresh.marks.tolist()) == (3, source.marks.tolist())
 
 
 @pytest.mark.parametrize(

@@ -233,7 +233,7 @@ class PipelineStages(Strategy):
         return self.ctx.broken()
 
     def _pruning(self, step: int, broken: Callable[[], bool]) -> Callable[[], None]:
-        """DHSPG on the held layers once they are updated (nothing where step ``step`` does not
+        """Pruning on the held layers once they are updated (nothing where step ``step`` does not
         prune): each layer's group sums from its first holder under the plan, added over every
         rank, so all ranks decide alike (:class:`~elaswave.runtime.prunehook.Holding`)."""
         st, pipe, mine, prune = self.state, self.pipe, self.my_grads, self.state.prune

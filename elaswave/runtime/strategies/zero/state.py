@@ -111,7 +111,7 @@ class ShardState:
     # Whether this rank's squares count in the clipping norm (host scope: the first host's
     # only, so that every host clips by the same number and the copies stay the same bits).
     norm_share: bool = True
-    prune: PruneHook | None = None  # train.prune: DHSPG after the update
+    prune: PruneHook | None = None  # train.prune: pruning after the update
     _send_spans: dict[int, list[Range]] = field(default_factory=dict)
     clip_runs: list[tuple[int, int]] | None = None  # ``layer_runs`` of this layout (clipping)
     _recv_sizes: dict[int, int] = field(default_factory=dict)

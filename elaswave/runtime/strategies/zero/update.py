@@ -230,7 +230,7 @@ def _pruned_whole(
 ) -> torch.Tensor:
     """Pruning on the whole updated parameters (every rank holds them after the all-gather, so
     every rank takes the same decisions, as replicated data parallelism does): ``gathered`` back
-    in flat order, DHSPG against the parameters before the update (still the live ones), then
+    in flat order, pruned against the parameters before the update (still the live ones), then
     rank-major again; this rank's updated chunk ``param`` takes its part."""
     assert z.prune is not None
     whole = padded(z.flat.data).clone()
@@ -250,11 +250,11 @@ def _pruned_chunk(
     *,
     abort: Callable[[], bool],
 ) -> None:
-    """DHSPG on the updated chunk ``param``. No rank holds the whole parameters: each layer
+    """Pruning on the updated chunk ``param``. No rank holds the whole parameters: each layer
     with groups is gathered whole, before and after the update, for its groups' sums (the
     numbers replicated data parallelism takes, on every rank alike, whatever the layout); the
-    decisions then apply to this rank's elements, each as :func:`~elaswave.prune.dhspg.apply`
-    computes it."""
+    decisions then apply to this rank's elements, each as
+    :meth:`~elaswave.runtime.prunehook.Decisions.apply` computes it for a whole group."""
     prune, old = z.prune, holding.params(z)
     assert prune is not None
     prune.to(param.device)
@@ -266,7 +266,7 @@ def _pruned_chunk(
         return Spans(before, cut.offset), Spans(after, cut.offset)
 
     lr = z.hyper.lr_at(step)
-    scale, cleared = prune.decide(step, prune.sums(spans, lr), lr)
+    decisions = prune.decide(step, prune.sums(spans, lr), lr)
     for start, count, part in prune.rows():
         cut = holding.cuts[part.layer]
         if part.layer not in holding.positions:  # once per layout, not every pruning step
@@ -278,10 +278,7 @@ def _pruned_chunk(
         group = torch.arange(start, start + count, device=param.device).unsqueeze(1)
         group = group.expand_as(at)[mine]
         at = at[mine]
-        x, h = old[at], param[at]
-        out = h - scale[group].to(h.dtype) * x
-        out[cleared[group]] = 0.0
-        param[at] = out
+        param[at] = decisions.apply(old[at], param[at], group)
 
 
 def shard_clip(
