@@ -157,7 +157,8 @@ class TrainConfig:
     over): each is computed and reduced like any step, then not applied, exactly as a
     non-finite step is skipped. Data parallelism (replicated, ZeRO-1, ZeRO-3), not pipelines."""
     prune: PruneConfig | None = None
-    """Structured pruning while training (OTOv2's DHSPG; see elaswave.config.prune): None: off."""
+    """Structured pruning while training (OTOv2's DHSPG or OTOv3's HESSO; see
+    elaswave.config.prune): None: off."""
     threads_per_worker: int = 1
     """torch's intra-op threads in each worker process (torch.set_num_threads)."""
     device: Device = "auto"
@@ -250,7 +251,7 @@ class TrainConfig:
                     "optimizer class its weight_decay in train.optimizer_args"
                 )
             if self.prune is not None:
-                raise ConfigError("train.prune runs DHSPG on adamw or sgd, not an optimizer class")
+                raise ConfigError("train.prune runs on adamw or sgd, not an optimizer class")
         if not 0 <= self.momentum < 1:  # also rejects NaN
             raise ConfigError(f"train.momentum must be in [0, 1), got {self.momentum}")
         if not self.weight_decay >= 0:  # also rejects NaN

@@ -35,7 +35,8 @@ class Choice:
 
 
 class Method(Protocol):
-    """A pruning method, such as DHSPG (:class:`~elaswave.prune.dhspg.DHSPG`)."""
+    """A pruning method: DHSPG (:class:`~elaswave.prune.dhspg.DHSPG`) or HESSO
+    (:class:`~elaswave.prune.hesso.HESSO`)."""
 
     @property
     def first_step(self) -> int:

@@ -1,13 +1,13 @@
-"""A rank's pruning: a method (:mod:`elaswave.prune.method`) applied to the parameters it holds
-after each update.
+"""A rank's pruning: a method (DHSPG or HESSO, :mod:`elaswave.prune.method`) applied to the
+parameters it holds after each update.
 
 The only state pruning adds is each group's mark, chosen from some step's parameters and
-direction (DHSPG: the redundant set, chosen once at ``partition_step``): :attr:`Pruner.marks`,
-with :attr:`taken_at`, the step the newest marks were chosen at. Which groups are zero is read
-off the parameters themselves, and everything else is recomputed every step, so snapshots,
-transfers and checkpoints of the parameters carry the rest. A newcomer receives the marks from
-a peer when the plan is applied (:meth:`share`), and a durable checkpoint stores them beside
-the parameters (:meth:`saved`, :meth:`adopt`).
+direction (DHSPG: the redundant set, chosen once at ``partition_step``; HESSO: the period that
+picked the group): :attr:`Pruner.marks`, with :attr:`taken_at`, the step the newest marks were
+chosen at. Which groups are zero is read off the parameters themselves, and everything else is
+recomputed every step, so snapshots, transfers and checkpoints of the parameters carry the
+rest. A newcomer receives the marks from a peer when the plan is applied (:meth:`share`), and a
+durable checkpoint stores them beside the parameters (:meth:`saved`, :meth:`adopt`).
 
 Every decision reads every group's statistics. A rank that holds the whole model takes them
 alone; a pipeline stage holds some layers (:class:`Holding`): each layer's sums come from one
@@ -32,6 +32,7 @@ from elaswave.config.prune import PruneConfig
 from elaswave.prune import dhspg
 from elaswave.prune.dhspg import DHSPG
 from elaswave.prune.groups import Family, find_groups, flat_index
+from elaswave.prune.hesso import HESSO, Schedule
 from elaswave.prune.method import Method, no_marks
 from elaswave.runtime.optim import Spans
 from elaswave.runtime.prunehook import WHOLE, Decisions, Holding, Part
@@ -56,6 +57,10 @@ def _at(spans: Spans, index: torch.Tensor) -> torch.Tensor:
 def method_of(p: PruneConfig, *, buckets: tuple[int, ...] | None) -> Method:
     """The method ``p`` (resolved: every hyper-parameter set) asks for; ``buckets``: each
     family's group count where every family picks its own share (``uniform``)."""
+    if p.method == "hesso":
+        assert p.pruning_steps is not None and p.pruning_periods is not None
+        schedule = Schedule.of(p.start_step, p.pruning_steps, p.pruning_periods)
+        return HESSO(p.target_sparsity, schedule, buckets)
     assert p.lmbda is not None and p.lmbda_amplify is not None and p.hat_lmbda_coeff
     hp = dhspg.Hyper(
         p.target_sparsity, p.tolerance, p.epsilon, p.lmbda, p.lmbda_amplify, p.hat_lmbda_coeff
