@@ -28,19 +28,25 @@ Control-plane outages (etcd unreachable or restarted, a daemon paused) are incid
 their downtime and the steps trained meanwhile instead of phases: training does not stop for them,
 so they have no MTTR.
 
+A pruning run (``train.prune``) also reports where its group sparsity ended against its target,
+and, once the job is done below it, one line naming the setting that would change that
+(:func:`pruning`).
+
 This computes the report; :mod:`elaswave.report_text` (json, csv, md) and
 :mod:`elaswave.report_html` lay it out.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import statistics
 from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from elaswave.events import EVENTS_FILE, METRICS_FILE, distinct_records, read_jsonl
+from elaswave.events import EVENTS_FILE, METRICS_FILE, RUN_CONFIG, distinct_records, read_jsonl
 
 PHASES = ("detection_s", "plan_s", "comm_s", "state_s", "redo_s")
 HOST_KINDS = ("host", "partition")  # whole-host faults: detected by the leader's host_lost
@@ -114,12 +120,35 @@ def build_report(run_dir: str | Path, *more: str | Path) -> dict[str, Any]:
         inc["id"] = n
     totals = _totals(events, metrics, incidents)
     totals["memory"] = memory_by_worker(events)
+    prune = pruning(dirs[0], metrics, done=any(e["kind"] == "job_done" for e in events))
+    if prune is not None:
+        totals["prune"] = prune
     evals = sorted((m for m in lines if m.get("kind") == "eval"), key=lambda m: m["step"])
     if evals:
         last = evals[-1]
         totals["eval_loss"] = {"step": last["step"], "loss": last["eval_loss"],
                                "accuracy": last.get("eval_accuracy")}  # fmt: skip
     return {"run_dir": ", ".join(str(d) for d in dirs), "incidents": incidents, "totals": totals}
+
+
+def pruning(run_dir: Path, metrics: list[dict[str, Any]], *, done: bool) -> dict[str, Any] | None:
+    """Where a pruning run stands (None: the run does not prune, or its config cannot be read):
+    its method, the group sparsity of its newest committed step, its target, and where the job
+    is ``done`` below it, the one line that says so (``below_target``; None otherwise)."""
+    from elaswave.config import JobConfig
+    from elaswave.errors import ElasWaveError
+
+    cfg = None
+    with contextlib.suppress(OSError, ValueError, TypeError, ElasWaveError):
+        cfg = JobConfig.from_dict(json.loads((run_dir / RUN_CONFIG).read_text()))
+    if cfg is None or cfg.train.prune is None:
+        return None
+    p = cfg.train.prune
+    last = metrics[-1] if metrics else {}
+    sparsity = last.get("sparsity")
+    below = p.shortfall(sparsity, last_step=int(last.get("step", 0))) if done else None
+    return {"method": p.method, "sparsity": sparsity, "target": p.target_sparsity,
+            "below_target": below}  # fmt: skip
 
 
 def recovered_incident(run_dir: str | Path, epoch: int) -> dict[str, Any] | None:

@@ -94,6 +94,12 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"final loss {t['final_loss']}; wall {t['wall_s']} s; "
         f"median MTTR {_ms(t['mttr_median_s'])}.",
     ]
+    if t.get("prune"):
+        p = t["prune"]
+        reached = f"{p['sparsity']:.2f}" if p["sparsity"] is not None else "–"
+        lines.append(f"Group sparsity {reached}/{p['target']:.2f} ({p['method']}).")
+        if p["below_target"]:
+            lines.append(p["below_target"])
     if t.get("eval_loss"):
         e = t["eval_loss"]
         accuracy = f", accuracy {e['accuracy']:.1%}" if e.get("accuracy") is not None else ""

@@ -282,9 +282,11 @@ def launch(
         if not quiet:
             if not progress_every > 0:
                 raise ConfigError(f"--progress-every must be > 0, got {progress_every}")
+            prune = cfg.train.prune
             view = LiveProgress(
                 cfg.job_id, cfg.train.steps, cfg.resolved_run_dir, out,
                 interactive=out.is_terminal, every=progress_every,
+                target=prune.target_sparsity if prune is not None else None,
             )  # fmt: skip
         code = run_launch(
             cfg, host_addr=host_addr, security=security,

@@ -23,7 +23,10 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
-__all__ = ["LiveProgress", "Snapshot", "clock", "eta_seconds", "incident_lines", "plain_line"]
+__all__ = [
+    "LiveProgress", "Snapshot", "clock", "eta_seconds", "incident_lines", "plain_line",
+    "sparsity_text",
+]  # fmt: skip
 
 POLL_S = 0.5
 REPORT_WAIT_S = 5.0  # how long a recovery's line waits for this host's records of it
@@ -40,11 +43,13 @@ class Snapshot:
     world: int
     epoch: int
     done: bool
+    sparsity: float | None = None  # train.prune: the share of zero groups (None: not yet)
 
     @classmethod
     def of(cls, status: dict[str, Any], total: int) -> Snapshot:
         prog = status.get("progress") or {}
         loss = prog.get("loss")
+        sparsity = prog.get("sparsity")
         return cls(
             step=int(prog.get("step", 0)),
             total=int(prog.get("total_steps", total)),
@@ -53,6 +58,7 @@ class Snapshot:
             world=int(status.get("world_size", 0)),
             epoch=int(status.get("epoch", 0)),
             done=bool(status.get("done")),
+            sparsity=float(sparsity) if isinstance(sparsity, int | float) else None,
         )
 
 
@@ -74,12 +80,24 @@ def eta_seconds(first: tuple[float, int] | None, now: float, step: int, total: i
     return max(total - step, 0) * pace
 
 
-def plain_line(snap: Snapshot, elapsed: float, eta: float | None) -> str:
-    """The progress as one line (not on a terminal)."""
+def sparsity_text(sparsity: float | None, target: float) -> str:
+    """A pruning job's group sparsity beside its target: ``0.31/0.50`` (``–/0.50`` before it
+    prunes)."""
+    reached = f"{sparsity:.2f}" if sparsity is not None else "–"
+    return f"{reached}/{target:.2f}"
+
+
+def plain_line(
+    snap: Snapshot, elapsed: float, eta: float | None, *, target: float | None = None
+) -> str:
+    """The progress as one line (not on a terminal); ``target``: a pruning job's target
+    sparsity, shown with the sparsity reached."""
     loss = f"{snap.loss:.4f}" if snap.loss is not None else "–"
+    sparsity = f"sparsity {sparsity_text(snap.sparsity, target)}  " if target is not None else ""
     return (
-        f"step {snap.step}/{snap.total}  loss {loss}  {snap.samples_per_s:.1f} samples/s  "
-        f"world {snap.world}  epoch {snap.epoch}  elapsed {clock(elapsed)}  eta {clock(eta)}"
+        f"step {snap.step}/{snap.total}  loss {loss}  {sparsity}{snap.samples_per_s:.1f} "
+        f"samples/s  world {snap.world}  epoch {snap.epoch}  elapsed {clock(elapsed)}  "
+        f"eta {clock(eta)}"
     )
 
 
@@ -122,8 +140,10 @@ class LiveProgress:
         *,
         interactive: bool,
         every: float,
+        target: float | None = None,
     ) -> None:
         self.job_id = job_id
+        self.target = target  # train.prune's target sparsity (None: the job does not prune)
         self.total = total_steps
         self.run_dir = run_dir
         self.console = console
@@ -176,7 +196,7 @@ class LiveProgress:
                     self._update_bar(last, 0.0 if code == 0 else None)
                 else:
                     eta = eta_seconds(self._first, now, last.step, last.total)
-                    self._emit(plain_line(last, now - self.started, eta))
+                    self._emit(plain_line(last, now - self.started, eta, target=self.target))
             if self._progress is not None:
                 self._progress.stop()
 
@@ -188,10 +208,12 @@ class LiveProgress:
             rows = [m for m in read_jsonl(self.run_dir / METRICS_FILE) if "kind" not in m]
             if rows:
                 m = rows[-1]
+                sparsity = m.get("sparsity")
                 return Snapshot(
                     step=int(m["step"]), total=last.total, loss=float(m["loss"]),
                     samples_per_s=last.samples_per_s, world=int(m["world_size"]),
                     epoch=int(m["epoch"]), done=True,
+                    sparsity=float(sparsity) if sparsity is not None else None,
                 )  # fmt: skip
         return last
 
@@ -237,7 +259,7 @@ class LiveProgress:
             self._update_bar(snap, eta)
         elif now - self._last_line >= self.every:
             self._last_line = now
-            self._emit(plain_line(snap, now - self.started, eta))
+            self._emit(plain_line(snap, now - self.started, eta, target=self.target))
 
     def _recovered(self, snap: Snapshot, status: dict[str, Any]) -> None:
         """A line for each incident whose plan has its first committed step now (its MTTR
@@ -286,12 +308,19 @@ class LiveProgress:
             "world": snap.world,
             "epoch": snap.epoch,
             "eta": clock(eta),
+            "sparsity": (
+                f"  sparsity {sparsity_text(snap.sparsity, self.target)}"
+                if self.target is not None
+                else ""
+            ),
         }
         if self._progress is None:
             self._progress = Progress(
                 TextColumn("[bold]step {task.completed:.0f}/{task.total:.0f}"),
                 BarColumn(),
-                TextColumn("loss {task.fields[loss]}  {task.fields[rate]} samples/s"),
+                TextColumn(
+                    "loss {task.fields[loss]}{task.fields[sparsity]}  {task.fields[rate]} samples/s"
+                ),
                 TextColumn("world {task.fields[world]}  epoch {task.fields[epoch]}"),
                 TimeElapsedColumn(),
                 TextColumn("eta {task.fields[eta]}"),

@@ -59,6 +59,8 @@ class StepRecords:
         self.recorded_before = 0  # steps an earlier run of the job recorded (a relaunch)
         self.stream = stream  # logging.tensorboard / wandb: the job's stream
         self.last_epoch = 0  # the epoch of the newest step rank 0 reported here
+        self.last_sparsity: float | None = None  # train.prune: that step's group sparsity
+        self.committed_here = False  # whether rank 0 reported a committed step here
         self._last_writer = ""  # the writer token of this host's newest record in etcd
         self._local: dict[str, Any] | None = None  # the newest record written only locally
         # The hosts of the plan in force (None: none yet): a record whose writer is not among
@@ -94,6 +96,8 @@ class StepRecords:
         self.last_metric_step = step
         self.final_step = max(self.final_step, step)
         self.last_epoch = msg.epoch
+        self.last_sparsity = msg.prune.get("prune_sparsity")
+        self.committed_here = True
         record = {
             "step": step,
             "loss": msg.loss,

@@ -439,6 +439,10 @@ class HostDaemon:
         if done:
             step = self.records.final_step
             self.events.emit("job_done", host=self.host_id, step=step)
+            prune = self.cfg.train.prune
+            below = prune.shortfall(self.records.last_sparsity, last_step=step) if prune else None
+            if below is not None and self.records.committed_here:  # rank 0's host says it
+                log.warning("%s", below)
             self.outbox.put("done", lambda: self.jobstore.finish_job(step))
             return 0
         done_elsewhere = False

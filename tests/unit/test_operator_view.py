@@ -63,6 +63,18 @@ def test_a_plain_line_says_everything_the_display_does() -> None:
     assert plain_line(empty, 0, None).startswith("step 0/40  loss –")
 
 
+def test_a_pruning_job_shows_its_sparsity_beside_its_target() -> None:
+    status = {**STATUS, "progress": {**STATUS["progress"], "sparsity": 0.3125}}
+    snap = Snapshot.of(status, 99)
+    assert snap.sparsity == 0.3125
+    assert plain_line(snap, 75.0, 120.0, target=0.5) == (
+        "step 17/40  loss 4.2500  sparsity 0.31/0.50  321.5 samples/s  world 3  epoch 2  "
+        "elapsed 1:15  eta 2:00"
+    )
+    before = Snapshot.of(STATUS, 99)  # before pruning starts: no sparsity yet
+    assert "  sparsity –/0.50  " in plain_line(before, 75.0, 120.0, target=0.5)
+
+
 def test_each_plan_after_the_first_is_shown_once() -> None:
     seen: set[int] = set()
     incidents: list[dict[str, Any]] = [

@@ -674,3 +674,33 @@ def test_control_plane_outage_is_an_incident_with_downtime_and_steps_trained(
     assert "trained on: 3 steps" in render(report, "md")
     row = next(csv.DictReader(io.StringIO(render(report, "csv"))))
     assert row["downtime_s"] == "3.0" and row["steps_trained"] == "3"
+
+
+@pytest.mark.parametrize(
+    ("sparsity", "done", "line"),
+    [
+        (0.12, True, "train.prune: ended at group sparsity 0.12, below its target 0.50: raise "
+                     "train.prune.epsilon (0.0 now; 0.9-0.95 is usual for short runs) or train "
+                     "more steps"),
+        (0.12, False, None),  # still running: not ended yet
+        (0.5, True, None),
+    ],
+)  # fmt: skip
+def test_a_pruning_run_reports_its_sparsity_and_a_shortfall_in_one_line(
+    tmp_path: Path, sparsity: float, done: bool, line: str | None
+) -> None:
+    from elaswave.events import RUN_CONFIG
+
+    rows = [{**m, "sparsity": sparsity if m["step"] > 5 else None} for m in metrics()]
+    end = [{"t": 200.0, "kind": "job_done", "host": "h0", "step": 40}] if done else []
+    run = write_run(tmp_path / "run", start_events() + end, rows)
+    (run / RUN_CONFIG).write_text(json.dumps({"train": {"prune": {"target_sparsity": 0.5}}}))
+    report = build_report(run)
+    assert report["totals"]["prune"] == {
+        "method": "dhspg", "sparsity": sparsity, "target": 0.5, "below_target": line,
+    }  # fmt: skip
+    text = render(report, "md")
+    assert f"Group sparsity {sparsity:.2f}/0.50 (dhspg)." in text
+    said = [x for x in text.splitlines() if x.startswith("train.prune:")]
+    assert said == ([line] if line else [])
+    assert "prune" not in build_report(write_run(tmp_path / "plain", [], metrics()))["totals"]
