@@ -1,12 +1,14 @@
-"""Structured pruning (``train.prune``, DHSPG) in a real elastic job: a worker SIGKILLed while
-groups are being driven to zero changes nothing (float64 mode: the same losses, sparsity and
-final state as the fault-free pruned run, and a byte-identical compressed export); the
+"""Structured pruning (``train.prune``, DHSPG and HESSO) in a real elastic job: a worker
+SIGKILLed while groups are being driven to zero changes nothing (float64 mode: the same losses,
+sparsity and final state as the fault-free pruned run, and a byte-identical compressed export);
+HESSO ends exactly at its target; a run that ends below its target says so in one line; the
 compressed Hugging Face model loads with ``from_pretrained`` and gives the sparse model's
 outputs; bad input is one line."""
 
 from __future__ import annotations
 
 import json
+import math
 import re
 import subprocess
 from pathlib import Path
@@ -14,6 +16,8 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import ROOT, Run, assert_clean_run, assert_no_orphans, cli, elaswave_cmd
+
+from elaswave.report import build_report
 
 pytestmark = pytest.mark.e2e
 
@@ -32,6 +36,16 @@ MLP = {
                   "epsilon": 0.95},
     },
     "elastic": {"nproc_per_node": 3, "nnodes": "1:1", "max_restarts": 1},
+}  # fmt: skip
+
+
+GROUPS = 96  # the MLP's hidden channels: 3 families of 32
+HESSO_STEPS = 16
+HESSO = {
+    **MLP,
+    "train": {**MLP["train"], "steps": HESSO_STEPS,
+              "prune": {"method": "hesso", "target_sparsity": TARGET, "start_step": 3,
+                        "pruning_steps": 8, "pruning_periods": 2}},
 }  # fmt: skip
 
 
@@ -128,23 +142,62 @@ def test_a_kill_while_pruning_changes_nothing(
 def test_a_resume_mid_pruning_continues_the_same_run(
     tmp_path: Path, state_env: dict, pruned: Run
 ) -> None:
-    """20 steps under ZeRO-3 (the redundant set, chosen at step 6, is saved in the index of the
-    final checkpoint, written by every rank), then ``--resume`` to step 40 on 2 workers under
-    ZeRO-1: the fault-free pruned run's steps 21-40 and final state, bit for bit."""
-    first = _launch(tmp_path / "a", state_env, {**MLP, "train": {**MLP["train"], "steps": 20}},
+    """6 steps under ZeRO-3 (the redundant set, chosen at step 6, is saved in the index of the
+    final checkpoint, written by every rank; the run ends below its target and says so in one
+    line), then ``--resume`` to step 40 on 2 workers under ZeRO-1: the fault-free pruned run's
+    steps 7-40 and final state, bit for bit."""
+    first = _launch(tmp_path / "a", state_env, {**MLP, "train": {**MLP["train"], "steps": 6}},
                     "--job-id", "prune-res-a", "--zero", "3")  # fmt: skip
     resume = str(first.dir / "checkpoints")
     assert [e["parts"] for e in first.of("final_saved")] == [3]  # a part per rank
+    below = build_report(first.dir)["totals"]["prune"]["below_target"]
+    assert below == (
+        f"train.prune: ended at group sparsity {_sparsity(pruned)[6]:.2f}, below its target "
+        f"{TARGET:.2f}: raise train.prune.lmbda (its optimizer's default) or train more steps"
+    )
+    logged = (first.dir / "daemon.log").read_text().splitlines()
+    assert len([line for line in logged if line.endswith(below)]) == 1
     second = _launch(tmp_path / "b", state_env, MLP, "--job-id", "prune-res-b", "--zero", "1",
                      "--nproc-per-node", "2", "--resume", resume)  # fmt: skip
-    assert {e["step"] for e in second.of("durable_restored")} == {20}
+    assert {e["step"] for e in second.of("durable_restored")} == {6}
     assert {e["prune_partition_step"] for e in second.of("state_synced")} == {6}
-    later = range(21, STEPS + 1)
+    later = range(7, STEPS + 1)
     assert [second.losses[s] for s in later] == [pruned.losses[s] for s in later]
     assert [_sparsity(second)[s] for s in later] == [_sparsity(pruned)[s] for s in later]
     assert {f["params_sha256"] for f in second.of("final_state")} == {
         f["params_sha256"] for f in pruned.of("final_state")
     }
+    assert build_report(second.dir)["totals"]["prune"]["below_target"] is None
+
+
+def test_hesso_ends_exactly_at_its_target_and_a_kill_changes_nothing(
+    tmp_path: Path, state_env: dict
+) -> None:
+    """HESSO, two periods of 4 steps from step 3: the sparsity steps up on each period's last
+    step and ends at exactly ``ceil(target * groups)`` zero groups. Rank 1 SIGKILLed at step 7,
+    the step that picks the second period's groups, under ZeRO-3 (the lost piece comes back
+    from its replicas, the newcomer takes the marks from a peer): the fault-free replicated
+    run's losses, sparsity and final state, bit for bit."""
+    ref = _launch(tmp_path / "ref", state_env, HESSO, "--job-id", "hesso-ref")
+    first, total = 14, math.ceil(TARGET * GROUPS)  # picked by the end of periods 1 and 2
+    expected = {s: None for s in (1, 2)} | {s: 0.0 for s in range(3, 6)}
+    expected |= {s: first / GROUPS for s in range(6, 10)}
+    expected |= {s: total / GROUPS for s in range(10, HESSO_STEPS + 1)}
+    assert _sparsity(ref) == expected
+    assert build_report(ref.dir)["totals"]["prune"]["below_target"] is None
+    run = _launch(tmp_path / "kill", state_env, HESSO, "--job-id", "hesso-kill", "--zero", "3",
+                  "--fault", "kill,rank=1,at_step=7")  # fmt: skip
+    assert [e["exit_code"] for e in run.of("worker_exit")] == [-9]
+    assert [p["world"] for p in run.of("plan_published")] == [3, 2, 3]
+    rejoined = [e for e in run.of("state_synced") if e["epoch"] == 3]
+    assert len({e["prune_partition_step"] for e in rejoined}) == 1  # the newcomer's too
+    assert rejoined[0]["prune_partition_step"] in (3, 7)
+    assert_clean_run(run, HESSO_STEPS, ref)
+    assert run.losses == ref.losses
+    assert _sparsity(run) == expected
+    for key in ("params_sha256", "state_sha256"):
+        assert {f[key] for f in run.of("final_state")} == {f[key] for f in ref.of("final_state")}
+    assert_no_orphans(run)
 
 
 def test_a_compressed_llama_loads_and_matches_the_sparse_one(
