@@ -16,6 +16,7 @@ statistics are the same.
 from __future__ import annotations
 
 import copy
+from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -45,29 +46,44 @@ class ZIG:
         self._sites = analysis.sites
         self._params = dict(model.named_parameters())
 
-    def _block(self, m: Member, j: int) -> torch.Tensor:
-        return self._params[m.param[1]].narrow(m.axis, m.start + j * m.size, m.size)
+    def _blocks(self, m: Member, count: int) -> torch.Tensor:
+        """Member ``m``'s ``count`` blocks, a view with the block index on its own axis (right
+        after the member's axis)."""
+        p = self._params[m.param[1]]
+        return p.narrow(m.axis, m.start, count * m.size).unflatten(m.axis, (count, m.size))
 
     def zero(self, indices: Iterable[int]) -> None:
         """Set the groups at ``indices`` (of :attr:`groups`) exactly to zero, in place."""
+        chosen: dict[int, list[int]] = defaultdict(list)
+        for g in indices:
+            i, j = self.groups[g]
+            chosen[i].append(j)
         with torch.no_grad():
-            for g in indices:
-                i, j = self.groups[g]
-                for m in self.families[i].members:
-                    self._block(m, j).zero_()
+            for i, js in chosen.items():
+                f = self.families[i]
+                index = torch.tensor(js, dtype=torch.long)
+                for m in f.members:
+                    self._blocks(m, f.count).index_fill_(m.axis, index, 0.0)
 
     def zero_groups(self) -> list[int]:
         """The indices of the groups whose every member is zero."""
-        return [g for g, (i, j) in enumerate(self.groups) if not self._nonzero(i, j)]
+        nonzero = [self._nonzero(i) for i in range(len(self.families))]
+        return [g for g, (i, j) in enumerate(self.groups) if not nonzero[i][j]]
 
-    def _nonzero(self, i: int, j: int) -> bool:
-        return any(bool(self._block(m, j).any()) for m in self.families[i].members)
+    def _nonzero(self, i: int) -> list[bool]:
+        """Whether each group of family ``i`` has a non-zero element."""
+        f = self.families[i]
+        out = torch.zeros(f.count, dtype=torch.bool)
+        for m in f.members:
+            out |= self._blocks(m, f.count).movedim(m.axis, 0).reshape(f.count, -1).ne(0).any(1)
+        return out.tolist()
 
     def compress(self) -> nn.Module:
         """A copy of the module without its zero groups (and what only they fed): the same
         outputs, fewer parameters."""
         kept = [
-            [j for j in range(f.count) if self._nonzero(i, j)] for i, f in enumerate(self.families)
+            [j for j, live in enumerate(self._nonzero(i)) if live]
+            for i in range(len(self.families))
         ]
         small = copy.deepcopy(self.model)
         full = {module for module, kind, _, _ in self._sites if kind == "pad"}
