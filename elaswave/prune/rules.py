@@ -127,15 +127,19 @@ def step_node(
     if node.op == "get_attr":
         shape = _shape(node)
         return Param(str(node.target), shape) if shape is not None else None
-    if node.op == "call_module":
-        module = modules[str(node.target)]
-        rule = _module_rule(module)
-        if rule is not None:
-            return rule(node, module, val, walk)
-    else:
-        rule = _function_rule(node)
-        if rule is not None:
-            return rule(node, val, walk)
+    try:
+        if node.op == "call_module":
+            module = modules[str(node.target)]
+            rule = _module_rule(module)
+            if rule is not None:
+                return rule(node, module, val, walk)
+        else:
+            rule = _function_rule(node)
+            if rule is not None:
+                return rule(node, val, walk)
+    except (TypeError, ValueError, IndexError, KeyError):  # arguments a rule does not read
+        walk.kill(*ins)
+        return None
     if node.op == "call_method" and node.target in SHAPE_QUERIES:
         return None
     if node.op == "call_function" and node.target is getattr:
