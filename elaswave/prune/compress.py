@@ -2,7 +2,8 @@
 
 :func:`kept_groups` decides which groups stay (the non-zero ones; with ``same_width`` every family
 of a kind keeps as many as the widest of them, padding with zero groups, which change nothing);
-:func:`shrink` slices the parameters; :func:`hf_config` writes the smaller widths into a
+:func:`shrink` slices the parameters (:func:`slice_params`, which :class:`~elaswave.prune.zig.ZIG`
+uses too); :func:`hf_config` writes the smaller widths into a
 Hugging Face config so that ``from_pretrained`` loads the result; :func:`matmul_flops` is what the
 export reports a forward costs before and after.
 """
@@ -11,18 +12,19 @@ from __future__ import annotations
 
 import copy
 from collections import defaultdict
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any, cast
 
 import torch
 from torch import nn
 
 from elaswave.prune.groups import Family, flat_index
+from elaswave.prune.heads import fit_heads
 from elaswave.runtime.workload.base import KeyedLayers, ParamRef
 from elaswave.runtime.workload.hfgroups import HEADS_FIXED, LLAMA_LIKE, attention_shape
 from elaswave.runtime.workload.resize import fit_attention, resized
 
-__all__ = ["hf_config", "kept_groups", "matmul_flops", "shrink"]
+__all__ = ["hf_config", "kept_groups", "matmul_flops", "removals", "shrink", "slice_params"]
 
 
 def matmul_flops(model: nn.Module, sample: torch.Tensor | None = None) -> int:
@@ -85,9 +87,11 @@ def kept_groups(
     return out
 
 
-def shrink(model: KeyedLayers, families: Sequence[Family], kept: Sequence[Sequence[int]]) -> None:
-    """Slice ``model``'s parameters in place: the blocks of every dropped group (its members
-    and its consumers) removed."""
+def removals(
+    families: Sequence[Family], kept: Sequence[Sequence[int]]
+) -> dict[tuple[ParamRef, int], set[int]]:
+    """The indices each (parameter, axis) loses: the blocks of every dropped group, of its
+    members and of its consumers."""
     removed: dict[tuple[ParamRef, int], set[int]] = defaultdict(set)
     for f, k in zip(families, kept, strict=True):
         dropped = sorted(set(range(f.count)) - set(k))
@@ -95,21 +99,39 @@ def shrink(model: KeyedLayers, families: Sequence[Family], kept: Sequence[Sequen
             for j in dropped:
                 start = m.start + j * m.size
                 removed[(m.param, m.axis)].update(range(start, start + m.size))
+    return removed
+
+
+def slice_params(
+    layers: Sequence[nn.Module], removed: Mapping[tuple[ParamRef, int], Collection[int]]
+) -> None:
+    """Slice the parameters of ``layers`` in place: (layer, name) loses ``removed``'s indices
+    along each axis; a norm's running statistics follow its weight, and every module's size
+    attributes follow its weights (:func:`resized`)."""
     for (ref, axis), gone in sorted(removed.items()):
         layer, name = ref
         owner, _, leaf = name.rpartition(".")
-        module = model.layers[layer].get_submodule(owner) if owner else model.layers[layer]
+        module = layers[layer].get_submodule(owner) if owner else layers[layer]
         p = getattr(module, leaf)
         keep = torch.tensor([i for i in range(p.shape[axis]) if i not in gone], dtype=torch.long)
-        setattr(module, leaf, nn.Parameter(p.detach().index_select(axis, keep).clone()))
-        if isinstance(module, nn.modules.batchnorm._BatchNorm) and leaf == "weight":
+        setattr(
+            module, leaf, nn.Parameter(p.detach().index_select(axis, keep).clone(), p.requires_grad)
+        )
+        if isinstance(module, nn.modules.batchnorm._NormBase) and leaf == "weight":
             for stat in ("running_mean", "running_var"):  # the kept channels' statistics
                 buffer = getattr(module, stat)
                 if buffer is not None:
                     setattr(module, stat, buffer.index_select(0, keep).clone())
         resized(module)
-    for block in model.layers:
+    for block in layers:
         fit_attention(block)
+        fit_heads(block)
+
+
+def shrink(model: KeyedLayers, families: Sequence[Family], kept: Sequence[Sequence[int]]) -> None:
+    """Slice ``model``'s parameters in place: the blocks of every dropped group (its members
+    and its consumers) removed."""
+    slice_params(list(model.layers), removals(families, kept))
 
 
 def hf_config(config: Any, families: Sequence[Family], kept: Sequence[Sequence[int]]) -> Any:

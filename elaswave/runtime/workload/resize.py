@@ -14,16 +14,35 @@ __all__ = ["fit_attention", "fit_shapes", "resized"]
 
 
 def resized(module: nn.Module) -> None:
-    """The size attributes a projection's forward reads, from its (sliced) weight."""
+    """The size attributes a module's forward reads, from its (sliced) weight: a projection's
+    widths, a grouped convolution's groups, a norm's channels (and GroupNorm's groups)."""
     weight = getattr(module, "weight", None)
     if isinstance(module, nn.Linear) and weight is not None:
         module.out_features, module.in_features = weight.shape
     elif hasattr(module, "nf") and weight is not None:  # transformers' Conv1D (gpt2)
         module.nf = weight.shape[1]
     elif isinstance(module, nn.modules.conv._ConvNd) and weight is not None:
-        module.out_channels, module.in_channels = weight.shape[0], weight.shape[1] * module.groups
-    elif isinstance(module, nn.modules.batchnorm._BatchNorm) and weight is not None:
+        if module.transposed:  # (in, out / groups, ...)
+            module.in_channels, module.out_channels = (
+                weight.shape[0],
+                weight.shape[1] * module.groups,
+            )
+        else:
+            if module.groups > 1:  # it loses whole groups: its rows per group stay
+                module.groups = weight.shape[0] // (module.out_channels // module.groups)
+            module.out_channels, module.in_channels = (
+                weight.shape[0],
+                weight.shape[1] * module.groups,
+            )
+    elif isinstance(module, nn.modules.batchnorm._NormBase) and weight is not None:
         module.num_features = weight.shape[0]
+    elif isinstance(module, nn.GroupNorm) and weight is not None:
+        per_group = module.num_channels // module.num_groups
+        module.num_channels, module.num_groups = weight.shape[0], weight.shape[0] // per_group
+    elif isinstance(module, nn.LayerNorm) and weight is not None and weight.dim() == 1:
+        module.normalized_shape = (weight.shape[0],)
+    elif isinstance(module, nn.Embedding) and weight is not None:
+        module.embedding_dim = weight.shape[1]
 
 
 def fit_attention(model: nn.Module) -> None:
