@@ -100,10 +100,14 @@ class HangDetector:
                     or w.kill_reason is not None
                 ):  # fmt: skip
                     continue
+                silent = silence(now, w.last_beat, resumed)
+                # Late beats: is the process frozen, or busy in one long call? Its CPU time says.
+                still = w.still(now) if silent > beat else None
+                if still is not None:
+                    still = min(still, now - resumed)
                 reason = hang_verdict(
-                    silence(now, w.last_beat, resumed), w.phase, w.phase_age,
-                    limits=self.limits, beat_s=beat,
-                )  # fmt: skip
+                    silent, w.phase, w.phase_age, limits=self.limits, beat_s=beat, still_s=still
+                )
                 if reason is not None:
                     self._kill(w, reason, rank_of(w.worker_id))
 

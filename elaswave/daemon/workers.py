@@ -10,6 +10,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
+
 from elaswave import wire
 from elaswave.daemon.template import Adopted, Template, TemplateGone
 from elaswave.planning.hanglimits import phase_ended
@@ -42,6 +44,10 @@ class WorkerProc:
     detect_delay: float = 0.0  # a kill fault sent to it asks for its death to be reported late
     shield: int | None = None  # a signal it ignores: the preemption signal (the daemon's)
     waiter: asyncio.Task[None] | None = field(default=None, repr=False)
+    # While its heartbeats are late: its CPU time at the last look, and when that last grew.
+    cpu_seen: float | None = field(default=None, repr=False)
+    cpu_moved: float | None = field(default=None, repr=False)
+    _ps: psutil.Process | None = field(default=None, repr=False)
 
     def terminate(self) -> None:
         """End it now: SIGTERM, or SIGKILL where it ignores SIGTERM (the preemption signal:
@@ -58,6 +64,26 @@ class WorkerProc:
             self.ended.append(done)
         self.last_beat = at
         self.phase, self.phase_age, self.step = msg.phase, msg.phase_age, msg.step
+        self.cpu_seen = self.cpu_moved = None
+
+    def still(self, now: float) -> float | None:
+        """While its heartbeats are late: how long since it last beat or used CPU time, as the
+        looks so far tell (called every half heartbeat, it takes one look each call); ``None``
+        when its CPU time cannot be read. A frozen process (stopped, deadlocked) uses none; one
+        whose main thread holds the interpreter in a long call does."""
+        if self.last_beat is None:
+            return None
+        try:
+            if self._ps is None:
+                self._ps = psutil.Process(self.pid)
+            times = self._ps.cpu_times()
+        except (psutil.Error, OSError):
+            return None
+        used = times.user + times.system
+        if self.cpu_seen is not None and used > self.cpu_seen:
+            self.cpu_moved = now
+        self.cpu_seen = used
+        return now - max(self.last_beat, self.cpu_moved or self.last_beat)
 
     def sent(self, detect_delay: float | None) -> None:
         """A fault was sent to this worker: one that asks for a slow detector delays the report

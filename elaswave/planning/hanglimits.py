@@ -6,7 +6,8 @@ Pure: the daemon feeds :func:`hang_limits` the phase times its workers' heartbea
 ``timeouts.hang`` is a number of seconds, the one bound of everything (silence, a compute phase,
 an evaluation), or ``auto`` (the default), which bounds each on its own:
 
-- **silence** (no heartbeat: a frozen process, SIGSTOP, a stalled host):
+- **silence** (no heartbeat and no CPU time used: a frozen process, SIGSTOP, a deadlock, a
+  stalled host; a silent process that uses CPU time is judged by the compute bound instead):
   ``max(SILENCE_FLOOR_S, SILENCE_BEATS × timeouts.heartbeat)``. Heartbeats come from a thread of
   their own, whatever the main thread does, so their rhythm does not depend on how long a step
   takes: a frozen worker of a fast job and one of a slow job are caught alike, in about a second.

@@ -390,18 +390,38 @@ def replacement_verdict(
 
 
 def hang_verdict(
-    silent_s: float, phase: str, phase_age_s: float, *, limits: HangLimits, beat_s: float
+    silent_s: float,
+    phase: str,
+    phase_age_s: float,
+    *,
+    limits: HangLimits,
+    beat_s: float,
+    still_s: float | None = None,
 ) -> str | None:
     """Why a worker counts as hung, or ``None``. Pure: the hang detector's whole decision.
 
-    Two disjoint cases: the process is frozen (no heartbeat for longer than
-    ``limits.silence_s``), or it is alive (beats still arrive) but its main thread has been in
-    one compute phase, or one evaluation, for longer than that phase's bound. A worker waiting
-    in a collective or for a plan is never hung on its own account: a peer may be. The reason
-    names the bound and how it was derived (``auto``: :mod:`elaswave.planning.hanglimits`).
+    Three disjoint cases:
+
+    - the process is frozen: no heartbeat and no CPU time used for longer than
+      ``limits.silence_s`` (``still_s``: seconds since it last did either; ``None`` when its CPU
+      time cannot be read, then silence alone counts);
+    - it is busy but silent: its CPU time grows, yet no heartbeat comes, because its main thread
+      holds the interpreter in one long call (an import, a garbage collection, an unpickling)
+      and the heartbeat thread cannot run. That is judged like a compute phase, by
+      ``limits.compute_s``: a busy process is no more hung than a long step is;
+    - it is alive (beats still arrive) but its main thread has been in one compute phase, or one
+      evaluation, for longer than that phase's bound.
+
+    A worker waiting in a collective or for a plan is never hung on its own account: a peer may
+    be. The reason names the bound and how it was derived (``auto``:
+    :mod:`elaswave.planning.hanglimits`).
     """
-    if silent_s > limits.silence_s:
+    still = silent_s if still_s is None else min(still_s, silent_s)
+    if still > limits.silence_s:
         return f"no heartbeat for {silent_s:.1f} s{_bound(limits.silence_s, limits.silence_how)}"
+    if silent_s > max(limits.silence_s, limits.compute_s):
+        busy = _bound(limits.compute_s, limits.compute_how)
+        return f"no heartbeat for {silent_s:.1f} s while using CPU{busy}"
     bound = limits.phase(phase)
     if bound is not None and silent_s <= 2 * beat_s and phase_age_s > bound[0]:
         doing = "computing" if phase == "compute" else "evaluating"

@@ -213,3 +213,41 @@ def test_the_bounds_are_shared_when_they_change_or_the_lease_does(
 
     asyncio.run(main())
     assert written == [(WARMUP_S, "lease 1"), (120.0, "lease 1"), (120.0, "lease 2")]
+
+
+BUSY = "print('ready', flush=True); sum(range(10**13))"  # one C call: the GIL is never let go
+FROZEN = "import os, signal; print('ready', flush=True); os.kill(os.getpid(), signal.SIGSTOP)"
+
+
+@pytest.mark.parametrize(("code", "frozen"), [(BUSY, False), (FROZEN, True)])
+def test_cpu_time_tells_a_busy_silent_worker_from_a_frozen_one(
+    tmp_path: Path, code: str, frozen: bool
+) -> None:
+    """Both are silent; only the frozen one uses no CPU time: looked at every half heartbeat
+    for 1.5 s, it has been still since its last beat, and the busy one never for long."""
+
+    async def main() -> float:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", code, stdout=asyncio.subprocess.PIPE
+        )
+        assert proc.stdout is not None
+        assert (await asyncio.wait_for(proc.stdout.readline(), 30)).strip() == b"ready"
+        w = WorkerProc(worker_id="h.w1", slot=1, incarnation=0, proc=proc,
+                       log_path=tmp_path / "h.w1.log")  # fmt: skip
+        w.last_beat = time.monotonic()
+        try:
+            still = None
+            while time.monotonic() - w.last_beat < 1.5:
+                await asyncio.sleep(0.1)
+                still = w.still(time.monotonic())
+            assert still is not None
+            return still
+        finally:
+            proc.kill()
+            await proc.wait()
+
+    still = asyncio.run(main())
+    if frozen:
+        assert still >= 1.4, still
+    else:
+        assert still < 0.7, still

@@ -86,6 +86,31 @@ def test_hang_verdict_under_auto_bounds_each_phase_on_its_own(
 
 
 @pytest.mark.parametrize(
+    ("silent", "still", "phase", "reason"),
+    [
+        (1.1, 1.1, "compute", "no heartbeat for 1.1 s (limit 1 s; auto: floor)"),  # frozen
+        (1.1, None, "idle", "no heartbeat for 1.1 s (limit 1 s"),  # CPU time unreadable
+        (1.1, 0.05, "idle", None),  # silent but using CPU: an import, a collection
+        (9.9, 0.05, "compute", None),  # ... judged like a compute phase
+        (10.5, 0.05, "idle", "no heartbeat for 10.5 s while using CPU (limit 10 s; auto: floor"),
+        (5.0, 1.2, "idle", "no heartbeat for 5.0 s (limit 1 s"),  # busy, then frozen
+        (0.5, 3.0, "compute", None),  # a fresh beat counts whatever the CPU did
+    ],
+)  # fmt: skip
+def test_a_silent_worker_using_cpu_is_busy_not_frozen(
+    silent: float, still: float | None, phase: str, reason: str | None
+) -> None:
+    """A main thread that holds the interpreter in one long call (compiling an import, a
+    garbage collection) starves the heartbeat thread while its CPU time grows: it is judged
+    by the compute bound, not killed as frozen after a second's silence."""
+    got = hang_verdict(silent, phase, 0.0, limits=AUTO, beat_s=BEAT, still_s=still)
+    if reason is None:
+        assert got is None
+    else:
+        assert got is not None and got.startswith(reason)
+
+
+@pytest.mark.parametrize(
     ("exit_code", "used", "limit", "unrecoverable", "respawn"),
     [
         (-9, 0, 2, None, True),  # a crash, restarts left
