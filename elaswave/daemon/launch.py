@@ -24,7 +24,12 @@ from elaswave.daemon.earlier import archive, run_dir_records
 from elaswave.daemon.etcd_connect import EtcdSecurity
 from elaswave.daemon.etcd_server import EmbeddedEtcd, ServerTLS, check_port_free
 from elaswave.daemon.supervisor import HostDaemon, default_host_id
-from elaswave.daemon.template import Template, hf_model_type, take_prestarted
+from elaswave.daemon.template import (
+    Template,
+    builds_torch_optimizers,
+    hf_model_type,
+    take_prestarted,
+)
 from elaswave.daemon.workers import base_environment, device_environment
 from elaswave.errors import ElasWaveError, JobNotFound
 from elaswave.runtime.durable.layout import resume_point
@@ -149,7 +154,11 @@ def start_template(cfg: JobConfig, log_path: Path) -> Template | None:
         template.configure(
             model_source=cfg.model.source, log_path=log_path,
             device_env=device_environment(cfg.train.device), zero=cfg.zero,
-            model_type=hf_model_type(cfg.model.hf, cfg.model.pretrained),
+            model_type=hf_model_type(cfg.model.hf, cfg.model.pretrained), pp=cfg.pp,
+            torch_optim=builds_torch_optimizers(
+                script=cfg.script is not None, optimizer=cfg.train.optimizer,
+                lr_schedule=cfg.train.lr_schedule,
+            ),
         )  # fmt: skip
     return template
 

@@ -44,23 +44,45 @@ class TemplateGone(RuntimeError):
 
 
 # What autograd imports the first time a backward is handed a gradient (ZeRO-3 backpropagates
-# layer by layer; see runtime/strategies/gather.py): most of a second, once per process.
-ZERO3_PRELOADS = ("torch.fx.experimental.symbolic_shapes",)
+# layer by layer, see runtime/strategies/gather.py; a pipeline stage backpropagates the gradient
+# of its output): most of a second, once per process.
+BACKWARD_PRELOADS = ("torch.fx.experimental.symbolic_shapes",)
+# What torch.optim's Optimizer constructor imports the first time (the compiler stack, which
+# includes the above): a second or more, once per process.
+OPTIM_PRELOADS = ("torch._dynamo",)
 
 
-def preloads(model_source: str, zero: int = 0, model_type: str = "") -> list[str]:
+def preloads(
+    model_source: str,
+    zero: int = 0,
+    model_type: str = "",
+    *,
+    pp: int = 1,
+    torch_optim: bool = False,
+) -> list[str]:
     """What the template imports before it is ready, beyond the runtime: the module of the
     job's workload source that every worker imports at start (for a Hugging Face model, its
     family's modeling module too: transformers imports it on the first use, seconds of work
     every worker would repeat; for a model by name, its library: timm alone imports for a
-    second), and what ZeRO-3 workers import at start (``ZERO3_PRELOADS``). Pure."""
+    second), what ZeRO-3 workers and pipeline stages import at start (``BACKWARD_PRELOADS``),
+    and what building a ``torch.optim`` optimizer imports when the workers build one
+    (``torch_optim``: a script's own loop, an optimizer or scheduler class;
+    ``OPTIM_PRELOADS``). Each worker would otherwise import these itself, all at once. Pure."""
     out = ["elaswave.runtime.workload.hf"] if model_source == "hf" else []
     if model_source in ("torchvision", "timm"):
         out = ["elaswave.runtime.workload.module", model_source]
     family = model_type.replace("-", "_")
     if out and re.fullmatch(r"[a-z][a-z0-9_]*", family):
         out.append(f"transformers.models.{family}.modeling_{family}")
-    return out + (list(ZERO3_PRELOADS) if zero == 3 else [])
+    if zero == 3 or pp > 1:
+        out += BACKWARD_PRELOADS
+    return out + (list(OPTIM_PRELOADS) if torch_optim else [])
+
+
+def builds_torch_optimizers(*, script: bool, optimizer: str, lr_schedule: str) -> bool:
+    """Whether a job's workers build ``torch.optim`` optimizers: a script's own loop does, and
+    so do an optimizer class and a scheduler class (dotted names) the runtime replays. Pure."""
+    return script or "." in optimizer or "." in lr_schedule
 
 
 def hf_model_type(hf: dict[str, Any], pretrained: str | None) -> str:
@@ -152,6 +174,8 @@ class Template:
         device_env: dict[str, str],
         zero: int = 0,
         model_type: str = "",
+        pp: int = 1,
+        torch_optim: bool = False,
     ) -> None:
         """What this job needs of the template, sent at once (answered after its imports): its
         log file (a template started before the run directory was known moves to it), the
@@ -160,7 +184,8 @@ class Template:
         self.device_env = dict(device_env)
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self._send({"op": "log", "path": str(log_path)})
-        self._send({"op": "preload", "modules": preloads(model_source, zero, model_type)})
+        modules = preloads(model_source, zero, model_type, pp=pp, torch_optim=torch_optim)
+        self._send({"op": "preload", "modules": modules})
         if log_path != self.log_path:
             with contextlib.suppress(OSError):
                 self.log_path.unlink()  # the template holds it open until it moves

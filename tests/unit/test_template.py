@@ -18,7 +18,14 @@ from types import SimpleNamespace
 
 import pytest
 
-from elaswave.daemon.template import Template, hf_model_type, preloads
+from elaswave.daemon.template import (
+    BACKWARD_PRELOADS,
+    OPTIM_PRELOADS,
+    Template,
+    builds_torch_optimizers,
+    hf_model_type,
+    preloads,
+)
 from elaswave.runtime.device import Accelerators, may_have_accelerators, probe_for
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,6 +45,48 @@ ROOT = Path(__file__).resolve().parents[2]
 )
 def test_preloads_follow_the_workload_source(source: str, zero: int, modules: list[str]) -> None:
     assert preloads(source, zero) == modules
+
+
+@pytest.mark.parametrize(
+    ("pp", "torch_optim", "modules"),
+    [
+        (1, False, []),
+        (2, False, ["torch.fx.experimental.symbolic_shapes"]),  # a stage's backward
+        (1, True, ["torch._dynamo"]),  # what Optimizer's constructor imports
+        (3, True, ["torch.fx.experimental.symbolic_shapes", "torch._dynamo"]),
+    ],
+)
+def test_pipelines_and_torch_optimizers_preload_what_each_worker_would_import(
+    pp: int, torch_optim: bool, modules: list[str]
+) -> None:
+    assert preloads("gpt", 0, pp=pp, torch_optim=torch_optim) == modules
+
+
+@pytest.mark.parametrize(
+    ("script", "optimizer", "lr_schedule", "builds"),
+    [
+        (False, "adamw", "cosine", False),  # the runtime's own update
+        (True, "adamw", "constant", True),  # a script's loop builds its own
+        (False, "torch.optim.RMSprop", "constant", True),
+        (False, "sgd", "torch.optim.lr_scheduler.OneCycleLR", True),
+    ],
+)
+def test_which_jobs_build_torch_optimizers(
+    script: bool, optimizer: str, lr_schedule: str, builds: bool
+) -> None:
+    got = builds_torch_optimizers(script=script, optimizer=optimizer, lr_schedule=lr_schedule)
+    assert got is builds
+
+
+def test_the_optimizer_preload_is_what_building_one_imports() -> None:
+    """In a fresh interpreter, building a torch.optim optimizer imports every module of
+    OPTIM_PRELOADS and BACKWARD_PRELOADS: the preload is not a guess."""
+    code = (
+        "import sys, torch; torch.optim.AdamW([torch.zeros(1, requires_grad=True)]); "
+        f"print(all(m in sys.modules for m in {[*OPTIM_PRELOADS, *BACKWARD_PRELOADS]!r}))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "True"
 
 
 @pytest.mark.parametrize(
