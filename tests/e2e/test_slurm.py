@@ -327,12 +327,15 @@ def test_a_requeue_resumes_from_the_checkpoint(slurm: Any, reference: Run) -> No
     and none is recorded twice."""
     # Long enough that the job still trains when the requeue's signal reaches it (Slurm takes
     # a second or more), and before the recipe's periodic checkpoint: 40 steps of at least
-    # 0.12 s, signalled after the fifth.
+    # 0.12 s, signalled three steps after the last node's worker joined.
     steps = 40
     assert CHECKPOINT_EVERY > steps
     bed = slurm(steps=steps, nodes=4, device_time=0.03)
     job_id = submit(bed)
-    done_before = wait_committed(bed, job_id, 5, timeout=180)
+    # Signalled once every node's worker trains: one still joining when the signal stops etcd
+    # never reaches a step boundary, and its launch waits out the grace period.
+    wait_for(lambda: len(planned(bed, job_id)) == 4, timeout=120, interval=0.1)
+    done_before = wait_committed(bed, job_id, committed(bed, job_id) + 3, timeout=180)
     bed.requeue(job_id)
     wait_for(lambda: bed.job(job_id).get("Restarts") == "1", timeout=30)
     finished(bed, job_id, timeout=240)
