@@ -449,3 +449,24 @@ def test_torchvision_models_have_the_reference_group_counts_and_compress_exactly
     found["vit"] = len(zig.groups)  # stream 32, 2 × (2 heads + 64 MLP channels)
     assert found == {**TORCHVISION, "vit": 164}
     assert max(diffs.values()) <= 1e-5, diffs
+
+
+def test_a_compressed_module_export_loads_into_the_model_the_run_built(tmp_path) -> None:
+    """A compressed module's state (BatchNorm's running statistics at the new width too), as
+    ``export --compress`` writes it, loads into a freshly built full-width module with
+    ``load_compressed_module``: the compressed outputs."""
+    from safetensors.torch import save_file
+
+    from elaswave.prune.load import load_compressed_module
+
+    torch.manual_seed(0)
+    model = settle(Residual())
+    x = torch.randn(IMAGE, generator=torch.Generator().manual_seed(2))
+    zig = ZIG(model, x)
+    zig.zero(range(0, len(zig.groups), 2))
+    small = zig.compress().eval()
+    save_file({k: v.contiguous() for k, v in small.state_dict().items()}, tmp_path / "m.st")
+    loaded = load_compressed_module(Residual(), tmp_path / "m.st")
+    assert loaded.stem[1].running_mean.shape == small.stem[1].running_mean.shape == (4,)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x), small(x), rtol=0, atol=0)
