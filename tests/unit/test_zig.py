@@ -470,3 +470,19 @@ def test_a_compressed_module_export_loads_into_the_model_the_run_built(tmp_path)
     assert loaded.stem[1].running_mean.shape == small.stem[1].running_mean.shape == (4,)
     with torch.no_grad():
         torch.testing.assert_close(loaded(x), small(x), rtol=0, atol=0)
+
+
+def test_a_family_zero_to_its_last_group_keeps_one_zero_group() -> None:
+    """Every group of the block's inner family (4) and half the stream zeroed: the compressed
+    copy keeps one zero channel there (a convolution of no channels does not run), the same
+    outputs."""
+    torch.manual_seed(0)
+    model = settle(Residual())
+    x = torch.randn(IMAGE, generator=torch.Generator().manual_seed(2))
+    zig = ZIG(model, x)
+    inner = [g for g, (i, _) in enumerate(zig.groups) if zig.families[i].count == 4]
+    zig.zero([*inner, 0, 2, 4, 6])
+    small = zig.compress().eval()
+    assert small.block[0].weight.shape[0] == 1 and not small.block[0].weight.any()
+    with torch.no_grad():
+        torch.testing.assert_close(small(x), model(x), rtol=0, atol=1e-5)
