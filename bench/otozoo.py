@@ -112,6 +112,7 @@ def run(repeat: int, config: Any) -> dict[str, Any]:
     rows = []
     for name, (build, inputs, fixed, part) in ZOO.items():
         row: dict[str, Any] = {"model": name, "part": part}
+        torch.manual_seed(SEED)  # the builders draw their initial weights from it
         model = _settle(build())
         gen = torch.Generator().manual_seed(SEED)
         example, probe = inputs(gen), inputs(gen)
