@@ -1,6 +1,6 @@
-"""Structured pruning's quality and what compression saves (``train.prune``, DHSPG).
+"""Structured pruning's quality and what compression saves (``train.prune``, DHSPG and HESSO).
 
-Two pairs of runs, each a dense run and the same run pruned, 2 workers, fault-free:
+Two pairs of runs, each a dense run and the same run pruned (DHSPG), 2 workers, fault-free:
 
 - ``examples/digits.py``: an MLP (64 → 128 → 128 → 10, ReLU) on scikit-learn's handwritten
   digits, pruned to 0.7 of its hidden channels; test accuracy on the 360 held-out images, dense
@@ -12,6 +12,9 @@ Two pairs of runs, each a dense run and the same run pruned, 2 workers, fault-fr
 For each: parameters, FLOPs per sample or token (2 × the matrix products' weights) and the CPU
 latency of one forward pass on one thread (median of 100), before and after ``elaswave export
 --compress``.
+
+Then a small residual CNN with BatchNorm on the same digits, dense and pruned to half its
+groups with DHSPG and with HESSO, three seeds each (:mod:`bench.prune_cnn`).
 """
 
 from __future__ import annotations
@@ -32,9 +35,10 @@ import torch
 import yaml
 
 from bench.common import REPO_ROOT, BenchError, bench_env, console, elaswave_launch, print_table
+from bench.prune_cnn import run_cnn, show_cnn
 from elaswave.prune.compress import matmul_flops
 
-DESCRIPTION = "structured pruning (DHSPG): quality vs dense, parameters, FLOPs, CPU latency"
+DESCRIPTION = "structured pruning (DHSPG, HESSO): quality vs dense, parameters, FLOPs, CPU latency"
 DEFAULT_REPEAT = 1
 WORKERS = 2
 
@@ -77,6 +81,7 @@ def run(repeat: int, config: Path) -> dict[str, Any]:
             f"{d['pruned']['accuracy']:.3f} pruned; llama eval loss "
             f"{m['dense']['eval_loss']:.3f} dense, {m['pruned']['eval_loss']:.3f} pruned"
         )
+    cnn = run_cnn(tmp, env)
     shutil.rmtree(tmp, ignore_errors=True)
     return {
         "scenario": "prune",
@@ -85,6 +90,7 @@ def run(repeat: int, config: Path) -> dict[str, Any]:
         "digits": {"config": DIGITS, "prune": DIGITS_PRUNE},
         "llama": {"config": LLAMA, "prune": LLAMA_PRUNE, "tokens": count},
         "cells": cells,
+        "cnn": cnn,
     }
 
 
@@ -266,3 +272,5 @@ def show(result: dict[str, Any]) -> None:
         ),
         _rows(result, "llama"),
     )
+    if "cnn" in result:
+        show_cnn(result["cnn"])

@@ -66,11 +66,12 @@ def kept_groups(
     same_width: bool,
     whole: Collection[str] = (),
 ) -> list[list[int]]:
-    """The groups each family keeps (sorted): those with a non-zero element; with
-    ``same_width``, as many in every family of a kind as its widest keeps (lowest-index zero
-    groups added); every group of the kinds in ``whole``."""
+    """The groups each family keeps (sorted): those with a non-zero element, or its first
+    group where all are zero (a layer of no channels does not run; a zero one changes
+    nothing); with ``same_width``, as many in every family of a kind as its widest keeps
+    (lowest-index zero groups added); every group of the kinds in ``whole``."""
     kept = [
-        torch.nonzero((flat[flat_index(f, model)] != 0).any(dim=1)).flatten().tolist()
+        torch.nonzero((flat[flat_index(f, model)] != 0).any(dim=1)).flatten().tolist() or [0]
         for f in families
     ]
     if not same_width and not whole:

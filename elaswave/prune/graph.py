@@ -82,17 +82,34 @@ class Chan:
 @dataclass(frozen=True)
 class Param:
     """A parameter or buffer the graph reads directly (``get_attr``), ``lead`` dimensions
-    added in front of it (``expand``)."""
+    added in front of it (``expand``); ``dims``, where it was reshaped: the parameter's axis
+    under each dimension of the view (None: a dimension of one added)."""
 
     name: str
     shape: tuple[int, ...]
     lead: int = 0
+    dims: tuple[int | None, ...] = ()
 
     def axis_of(self, axis: int, ndim: int) -> int | None:
         """The parameter's axis under axis ``axis`` of a result of ``ndim`` dimensions (right
         aligned, as broadcasting aligns them), or None."""
+        if self.dims:
+            at = axis - (ndim - len(self.dims))
+            return self.dims[at] if 0 <= at < len(self.dims) else None
         at = axis - (ndim - len(self.shape) - self.lead) - self.lead
         return at if 0 <= at < len(self.shape) else None
+
+    def view(self, source: tuple[int, ...], shape: tuple[int, ...]) -> Param | None:
+        """This parameter (seen as ``source``) reshaped to ``shape``, or None unless the
+        reshape only adds or removes dimensions of one (a layer scale made ``(1, C, 1, 1)``)."""
+        own = self.dims or tuple(
+            i - self.lead if i >= self.lead else None for i in range(len(source))
+        )
+        kept = [d for d, n in zip(own, source, strict=True) if n != 1]
+        if [n for n in shape if n != 1] != [n for n in source if n != 1]:
+            return None
+        it = iter(kept)
+        return Param(self.name, self.shape, 0, tuple(next(it) if n != 1 else None for n in shape))
 
 
 Value = Chan | Param | tuple | None  # a tuple of Values for a node that returns several
@@ -137,6 +154,7 @@ class Walk:
     steps: list[tuple[int, int]] = field(default_factory=list)  # (space, units per block)
     escaped: set[str] = field(default_factory=set)
     sites: list[Site] = field(default_factory=list)
+    calls: dict[str, tuple[Any, Any]] = field(default_factory=dict)  # module: (input, output)
     mixing: bool = True  # norms whose statistics span the channels may be grouped
 
     def new(self, name: str, size: int, kind: str = "channels") -> int:
@@ -320,11 +338,17 @@ def _families(
     walk: Walk, params: dict[str, nn.Parameter], *, ref: Callable[[str], ParamRef], prefix: str
 ) -> Analysis:
     refs: dict[int, list[Ref]] = defaultdict(list)
+    seen: set[tuple[int, str, int, int, Fraction, bool]] = set()
     for r in walk.refs:
-        if r.param in params and params[r.param].requires_grad:
-            refs[walk.find(r.space)].append(r)
-        else:  # a buffer, or a frozen parameter: not something a group can hold
-            walk.dead.add(walk.find(r.space))
+        root = walk.find(r.space)
+        key = (root, r.param, r.axis, r.start, r.per, r.consumer)
+        if key in seen:  # a shared module's slices, read again at its next call
+            continue
+        seen.add(key)
+        if r.param in params and (r.consumer or params[r.param].requires_grad):
+            refs[root].append(r)
+        else:  # a buffer, or a frozen member: not something a group can drive to zero
+            walk.dead.add(root)
     for _ in range(2):  # killing a space can only remove overlaps
         refs = {k: v for k, v in refs.items() if k not in walk.dead}
         walk.dead |= _overlaps(walk, refs)

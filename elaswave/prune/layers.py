@@ -4,8 +4,9 @@ A producer (``Linear``, a convolution, a transposed one, an ``Embedding``) makes
 output channels, its rows (and bias) the members; its input columns consume what it reads. A
 grouped convolution passes its input's channels through by whole groups (a depthwise one by
 single channels), its rows joining their spaces. A norm over the channels keeps them, its
-weight and bias joining their spaces; a GroupNorm needs whole norm groups, a LayerNorm over the
-channels is kept at full width by the compressed model (:class:`~.graph.Site` ``pad``). An
+weight and bias joining their spaces (a PReLU's slopes are removed with them); a GroupNorm
+needs whole norm groups, a LayerNorm over the channels is kept at full width by the compressed
+model (:class:`~.graph.Site` ``pad``). An
 attention makes a space of its heads (blocks of ``head_dim``: the q, k and v rows, the output
 projection's columns) and one of its output projection.
 """
@@ -44,6 +45,8 @@ def rule_of(m: nn.Module) -> Callable[..., Value] | None:
         return _group_norm
     if isinstance(m, nn.LayerNorm):
         return _layer_norm
+    if isinstance(m, nn.PReLU):
+        return _prelu
     if isinstance(m, nn.MultiheadAttention):
         return _multihead
     if is_attention(m):
@@ -164,6 +167,20 @@ def _channel_norm(node: fx.Node, m: nn.Module, val: Val, walk: Walk) -> Value:
         walk.kill(x)
         return None
     add_site(walk, name, "width", x)
+    return x
+
+
+def _prelu(node: fx.Node, m: nn.PReLU, val: Val, walk: Walk) -> Value:
+    """PReLU, ``max(0, x) + a min(0, x)``: zero stays zero whatever the slope, so a slope per
+    channel is a consumer (removed with its channel, never required to be zero); one slope
+    for all channels is element-wise."""
+    x = val(node.args[0])
+    if m.num_parameters == 1 or not isinstance(x, Chan):
+        return x if isinstance(x, Chan) else None
+    if x.axis != min(1, _ndim(node) - 1) or x.channels != m.num_parameters:
+        walk.kill(x)
+        return None
+    walk.ref(x, f"{node.target}.weight", 0, consumer=True)
     return x
 
 

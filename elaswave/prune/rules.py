@@ -132,7 +132,10 @@ def step_node(
             module = modules[str(node.target)]
             rule = _module_rule(module)
             if rule is not None:
-                return rule(node, module, val, walk)
+                out = rule(node, module, val, walk)
+                if next(module.parameters(), None) is None:
+                    return out
+                return _shared(walk, str(node.target), val(node.args[0]), out)
         else:
             rule = _function_rule(node)
             if rule is not None:
@@ -200,6 +203,22 @@ def _function_rule(node: fx.Node) -> Callable[..., Value] | None:
 # -- the rules ---------------------------------------------------------------------------------
 
 
+def _shared(walk: Walk, name: str, x: Value, out: Value) -> Value:
+    """Module ``name`` (with parameters) read ``x`` and gave ``out``. Called again (its weights
+    shared), its inputs' channels and its outputs' are the same columns and rows as at its
+    first call: one space for each pair of runs, or no group where the runs do not line up."""
+    if name not in walk.calls:
+        walk.calls[name] = (x, out)
+        return out
+    for a, b in zip(walk.calls[name], (x, out), strict=True):
+        if isinstance(a, Chan) and isinstance(b, Chan) and a.axis == b.axis:
+            if _unify(a, b, walk, both=False) is None:
+                walk.kill(a, b)
+        elif isinstance(a, Chan) or isinstance(b, Chan):
+            walk.kill(a, b)
+    return out
+
+
 def _same(v: Value, *, zero: bool | None) -> Value:
     """The same channels; ``zero`` False: a zero channel is no longer zero."""
     if not isinstance(v, Chan) or zero is None:
@@ -241,7 +260,14 @@ def _reduce(node: fx.Node, val: Callable[[Any], Any], walk: Walk) -> Value:
 
 def _reshape(node: fx.Node, v: Value, walk: Walk) -> Value:
     """A view: the channel axis kept whole, its leading dimensions regrouped at will and the
-    dimensions right after it merged into it (channel-major: ``per`` grows)."""
+    dimensions right after it merged into it (channel-major: ``per`` grows); a parameter
+    given or losing dimensions of one (:meth:`Param.view`)."""
+    if isinstance(v, Param):
+        source, shape = _shape(node.args[0]), _shape(node)
+        view = v.view(source, shape) if source is not None and shape is not None else None
+        if view is None:
+            walk.kill(v)
+        return view
     if not isinstance(v, Chan):
         walk.kill(v)
         return None
@@ -301,6 +327,8 @@ def _expand(node: fx.Node, val: Callable[[Any], Any], walk: Walk) -> Value:
     v = val(node.args[0])
     grow = len(_shape(node) or ()) - len(_shape(node.args[0]) or ())
     if isinstance(v, Param):
+        if v.dims:
+            return Param(v.name, v.shape, 0, (None,) * grow + v.dims)
         return Param(v.name, v.shape, v.lead + grow)
     if isinstance(v, Chan):
         return Chan(v.axis + grow, v.segs)

@@ -80,9 +80,10 @@ class ZIG:
 
     def compress(self) -> nn.Module:
         """A copy of the module without its zero groups (and what only they fed): the same
-        outputs, fewer parameters."""
+        outputs, fewer parameters. A family whose every group is zero keeps its first (a
+        layer of no channels does not run)."""
         kept = [
-            [j for j, live in enumerate(self._nonzero(i)) if live]
+            [j for j, live in enumerate(self._nonzero(i)) if live] or [0]
             for i in range(len(self.families))
         ]
         small = copy.deepcopy(self.model)

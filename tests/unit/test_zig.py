@@ -251,6 +251,56 @@ class VitBlock(nn.Module):
         return self.out(x[:, 0])
 
 
+class Shared(nn.Module):
+    """conv 6, then one conv (4) called twice: on it, and on it through a BN; the two results
+    added. Its rows are one family (4) and its columns consume the 6 at both calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.norm, self.b, self.head = (
+            nn.Conv2d(3, 6, 1),
+            nn.BatchNorm2d(6),
+            nn.Conv2d(6, 4, 3),
+            head(4),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.relu(self.a(x))
+        return self.head(self.b(y) + self.b(self.norm(y)))
+
+
+def prelu() -> nn.Module:
+    """conv 6, a PReLU of a slope per channel (removed with its channel), conv 4: 6 + 4."""
+    return nn.Sequential(nn.Conv2d(3, 6, 1), nn.PReLU(6), nn.Conv2d(6, 4, 3), nn.PReLU(), head(4))
+
+
+class FrozenConsumer(nn.Module):
+    """conv 6 into a frozen conv 3 (a fixed colour transform, as CARN's mean shift) whose
+    outputs are the model's: the 6 channels are a family, the frozen columns consumers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.fixed = nn.Conv2d(3, 6, 3, padding=1), nn.Conv2d(6, 3, 1)
+        self.fixed.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fixed(F.relu(self.a(x)))
+
+
+class LayerScale(nn.Module):
+    """conv 6 scaled by a vector reshaped to ``(1, 6, 1, 1)`` (timm's ConvNeXt layer scale;
+    it joins the family), conv 4: 6 + 4."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.head = nn.Conv2d(3, 6, 1), nn.Conv2d(6, 4, 3), head(4)
+        self.gamma = nn.Parameter(torch.ones(6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.a(x).mul(self.gamma.reshape(1, -1, 1, 1))
+        return self.head(self.b(F.relu(y)))
+
+
 IMAGE = (2, 3, 12, 12)
 TOKENS = (2, 6, 5)
 CASES = {
@@ -266,6 +316,10 @@ CASES = {
     "squeeze-excite": (SqueezeExcite, IMAGE, [("channels", 8), ("channels", 2), ("channels", 4)]),
     "attention": (Attention, TOKENS, [("channels", 8), ("attention", 2)]),
     "vit-block": (VitBlock, TOKENS, [("channels", 8), ("attention", 2), ("channels", 16)]),
+    "shared": (Shared, IMAGE, [("channels", 6), ("channels", 4)]),
+    "prelu": (prelu, IMAGE, [("channels", 6), ("channels", 4)]),
+    "frozen-consumer": (FrozenConsumer, IMAGE, [("channels", 6)]),
+    "layer-scale": (LayerScale, IMAGE, [("channels", 6), ("channels", 4)]),
 }  # fmt: skip
 
 
@@ -395,3 +449,40 @@ def test_torchvision_models_have_the_reference_group_counts_and_compress_exactly
     found["vit"] = len(zig.groups)  # stream 32, 2 × (2 heads + 64 MLP channels)
     assert found == {**TORCHVISION, "vit": 164}
     assert max(diffs.values()) <= 1e-5, diffs
+
+
+def test_a_compressed_module_export_loads_into_the_model_the_run_built(tmp_path) -> None:
+    """A compressed module's state (BatchNorm's running statistics at the new width too), as
+    ``export --compress`` writes it, loads into a freshly built full-width module with
+    ``load_compressed_module``: the compressed outputs."""
+    from safetensors.torch import save_file
+
+    from elaswave.prune.load import load_compressed_module
+
+    torch.manual_seed(0)
+    model = settle(Residual())
+    x = torch.randn(IMAGE, generator=torch.Generator().manual_seed(2))
+    zig = ZIG(model, x)
+    zig.zero(range(0, len(zig.groups), 2))
+    small = zig.compress().eval()
+    save_file({k: v.contiguous() for k, v in small.state_dict().items()}, tmp_path / "m.st")
+    loaded = load_compressed_module(Residual(), tmp_path / "m.st")
+    assert loaded.stem[1].running_mean.shape == small.stem[1].running_mean.shape == (4,)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x), small(x), rtol=0, atol=0)
+
+
+def test_a_family_zero_to_its_last_group_keeps_one_zero_group() -> None:
+    """Every group of the block's inner family (4) and half the stream zeroed: the compressed
+    copy keeps one zero channel there (a convolution of no channels does not run), the same
+    outputs."""
+    torch.manual_seed(0)
+    model = settle(Residual())
+    x = torch.randn(IMAGE, generator=torch.Generator().manual_seed(2))
+    zig = ZIG(model, x)
+    inner = [g for g, (i, _) in enumerate(zig.groups) if zig.families[i].count == 4]
+    zig.zero([*inner, 0, 2, 4, 6])
+    small = zig.compress().eval()
+    assert small.block[0].weight.shape[0] == 1 and not small.block[0].weight.any()
+    with torch.no_grad():
+        torch.testing.assert_close(small(x), model(x), rtol=0, atol=1e-5)

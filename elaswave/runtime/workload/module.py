@@ -27,6 +27,7 @@ from elaswave.runtime.runningstats import norms_of
 from elaswave.runtime.workload.base import Dataset, KeyedLayers, ParamRef, TensorSpec, Workload
 from elaswave.runtime.workload.cut import Cut, cut_module
 from elaswave.runtime.workload.plaindata import LossFn, cross_entropy
+from elaswave.runtime.workload.resize import fit_shapes
 
 __all__ = ["ModuleWorkload", "load_state_file"]
 
@@ -147,7 +148,8 @@ class ModuleWorkload(Workload):
     def export(self, model: KeyedLayers, out: Path) -> None:
         """The user's ``state_dict``: the trained layers' parameters and buffers under the
         module's own names, in a whole model built as the run built it (a module its forward
-        never calls keeps its initial values), written as one safetensors file."""
+        never calls keeps its initial values; a compressed layer's tensors keep their shapes),
+        written as one safetensors file."""
         from safetensors.torch import save_file
 
         whole = self.whole(model.seed)
@@ -156,6 +158,7 @@ class ModuleWorkload(Workload):
             for name, t in layer.state_dict().items():
                 if name in state:
                     state[name] = t
+        fit_shapes(whole, state)
         whole.load_state_dict(state, strict=True)
         tensors = {n: t.detach().cpu().contiguous().clone() for n, t in whole.state_dict().items()}
         save_file(tensors, str(out), metadata={"format": "pt"})

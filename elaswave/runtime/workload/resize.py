@@ -57,15 +57,21 @@ def fit_attention(model: nn.Module) -> None:
 
 
 def fit_shapes(model: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
-    """Make every parameter of ``model`` that ``state`` holds at another shape that shape (an
-    uninitialised tensor on the parameter's device; ``load_state_dict`` fills it), with the size
+    """Make every parameter and buffer of ``model`` that ``state`` holds at another shape that
+    shape (an uninitialised tensor on its device; ``load_state_dict`` fills it), with the size
     attributes its module's forward reads: a compressed export whose layers kept different
-    widths loads into the model its config builds (the widest)."""
+    widths loads into the model its config builds (the widest); a norm's running statistics
+    follow its channels."""
     for key, tensor in state.items():
         owner, _, leaf = key.rpartition(".")
         module = model.get_submodule(owner)
         current = module._parameters.get(leaf)
-        if current is None or current.shape == tensor.shape:
+        if current is None:
+            buffer = module._buffers.get(leaf)
+            if buffer is not None and buffer.shape != tensor.shape:
+                module._buffers[leaf] = buffer.new_empty(tensor.shape)
+            continue
+        if current.shape == tensor.shape:
             continue
         empty = torch.empty(tensor.shape, dtype=current.dtype, device=current.device)
         setattr(module, leaf, nn.Parameter(empty, requires_grad=current.requires_grad))
