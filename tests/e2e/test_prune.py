@@ -15,7 +15,15 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import ROOT, Run, assert_clean_run, assert_no_orphans, cli, elaswave_cmd
+from conftest import (
+    ROOT,
+    Run,
+    assert_clean_run,
+    assert_no_orphans,
+    cli,
+    elaswave_cmd,
+    paced,
+)
 
 from elaswave.report import build_report
 
@@ -118,7 +126,8 @@ def test_a_kill_while_pruning_changes_nothing(
     elements of its shard, whose lost piece comes back from its replicas; two
     pipelines of two stages, ZeRO-1 inside them, add each layer's group sums from its first
     holder and take the same decisions, through the stage's loss, its re-cut and the respawn)."""
-    run = _launch(tmp_path, state_env, MLP, "--job-id", "prune-kill", *strategy,
+    env = paced(state_env, 0.02)  # the respawn rejoins before the end, however busy the CPU
+    run = _launch(tmp_path, env, MLP, "--job-id", "prune-kill", *strategy,
                   "--fault", "kill,rank=1,at_step=9")  # fmt: skip
     assert [e["exit_code"] for e in run.of("worker_exit")] == [-9]
     n = 4 if "--pp" in strategy else 3
