@@ -15,11 +15,12 @@ Its parts live apart: the worker pool (:mod:`~elaswave.daemon.pool`), the hang d
 (:mod:`~elaswave.daemon.hangs`), the compute times shared with the leader
 (:mod:`~elaswave.daemon.compute`), the step records (:mod:`~elaswave.daemon.records`) and the
 job's event stream hung off them (:mod:`~elaswave.daemon.streams`), the control plane, the fault
-relay, and the campaign for leader (:mod:`~elaswave.daemon.leader`, on the
-job's keys through a :class:`~elaswave.daemon.jobstore.JobStore`). Each part declares what it
-reads of the daemon as a protocol of its own (``PoolHost``, ``FaultHost``, ``PlaneHost``,
-``EntryHost``, ``ChannelHost``), which this class satisfies, and owns what it decides: the pool
-its workers, the control plane the host lease, the entry whether the job resumes.
+relay, the campaign for leader (:mod:`~elaswave.daemon.leader`, on the job's keys through a
+:class:`~elaswave.daemon.jobstore.JobStore`), and the ordered, bounded shutdown
+(:mod:`~elaswave.daemon.shutdown`). Each part declares what it reads of the daemon as a protocol
+of its own (``PoolHost``, ``FaultHost``, ``PlaneHost``, ``EntryHost``, ``ChannelHost``,
+``ShutdownHost``), which this class satisfies, and owns what it decides: the pool its workers,
+the control plane the host lease, the entry whether the job resumes.
 """
 
 from __future__ import annotations
@@ -31,15 +32,12 @@ import os
 import signal
 import socket
 import sys
-import threading
-import time
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Coroutine
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from elaswave import wire
 from elaswave.config import JobConfig
-from elaswave.daemon.aio import wait_for
 from elaswave.daemon.channel import WorkerChannel
 from elaswave.daemon.compute import ComputeTimes
 from elaswave.daemon.control_server import ControlServer, WorkerConn
@@ -56,9 +54,10 @@ from elaswave.daemon.metrics import DaemonMetrics, worker_state
 from elaswave.daemon.netns import current_netns
 from elaswave.daemon.pool import WorkerPool
 from elaswave.daemon.records import StepRecords
+from elaswave.daemon.shutdown import shut_down
 from elaswave.daemon.store import StoreProcess
 from elaswave.daemon.template import Template, TemplateGone
-from elaswave.daemon.workers import WorkerProc, describe_exit, stop_all
+from elaswave.daemon.workers import WorkerProc, describe_exit
 from elaswave.errors import (
     ConfigError,
     ElasWaveError,
@@ -410,18 +409,6 @@ class HostDaemon:
             started=self.entry.joined_at,
         )
 
-    async def _wait_for_other_hosts(self) -> None:
-        deadline = (
-            time.monotonic() + 2 * self.cfg.timeouts.shutdown_grace + self.cfg.timeouts.lease_ttl
-        )
-        while time.monotonic() < deadline:
-            try:
-                if not await self.etcd.get_prefix(self.keys.hosts):
-                    return
-            except EtcdUnavailable:
-                return
-            await asyncio.sleep(0.2)
-
     async def _finish(self) -> int:
         if self.channel.preempted is not None:
             step, name = self.channel.preempted
@@ -457,47 +444,7 @@ class HostDaemon:
 
     async def _cleanup(self) -> None:
         self.stopping = True
-        # Bounded: a shutdown that hangs must not leave the daemon running. The outbox and the
-        # keep-alive run on until the writes still owed to etcd have landed (or time is up).
-        with shutdown_watchdog(4 * self.cfg.timeouts.shutdown_grace + 30):
-            last = {"outbox", "keep-alive"}
-            early = [t for t in self._tasks if t.get_name() not in last]
-            for task in early:
-                task.cancel()
-            if early:
-                await asyncio.wait(early, timeout=5.0)
-            await stop_all(list(self.workers.values()), self.cfg.timeouts.shutdown_grace)
-            # a respawn under way may add a worker meanwhile (the pool stops it: we are stopping)
-            for w in list(self.workers.values()):
-                if w.waiter is not None:
-                    with contextlib.suppress(BaseException):
-                        await wait_for(w.waiter, 1.0)
-            await self.control.stop()
-            if self.store is not None:
-                await self.store.stop(self.cfg.timeouts.shutdown_grace)
-            if self.template is not None:
-                await self.template.close(self.cfg.timeouts.shutdown_grace)
-            if self.etcd is not None and not await self.outbox.drain(
-                self.cfg.timeouts.etcd_connect
-            ):
-                # etcd never came back: this host's records are the only ones it knows of
-                log.warning("%d etcd write(s) never landed", self.outbox.pending)
-                self.outbox.abandon()
-            late = [t for t in self._tasks if t.get_name() in last]
-            for task in late:
-                task.cancel()
-            if late:
-                await asyncio.wait(late, timeout=5.0)
-            if self.etcd is not None:
-                with contextlib.suppress(Exception):
-                    if self.lease is not None:
-                        await self.lease.revoke()
-                if self.embedded is not None and self.signal_received is None:
-                    await self._wait_for_other_hosts()  # they still need the etcd we host
-                with contextlib.suppress(Exception):  # last one out: no stale keys, but the
-                    if not await self.etcd.get_prefix(self.keys.hosts):  # job's records
-                        await self.jobstore.clear_but_records()
-                await self.etcd.close()
+        await shut_down(self, self._tasks)
 
     # ---- what the parts read of the daemon ---------------------------------------------------
     @property
@@ -595,23 +542,3 @@ class HostDaemon:
         for wid in plan.evicted:
             self.pool.evict(wid, plan)
         self.faults.dispatch()
-
-
-def _stuck_shutdown() -> None:
-    """Last resort: a shutdown that outlives every bounded wait must not leave us running."""
-    log.error("shutdown did not finish in time; exiting")
-    os._exit(70)
-
-
-@contextlib.contextmanager
-def shutdown_watchdog(
-    seconds: float, on_expiry: Callable[[], None] = _stuck_shutdown
-) -> Iterator[threading.Timer]:
-    """``on_expiry`` (default: exit the process) if the block is still running after ``seconds``."""
-    timer = threading.Timer(seconds, on_expiry)
-    timer.daemon = True
-    timer.start()
-    try:
-        yield timer
-    finally:
-        timer.cancel()

@@ -24,12 +24,10 @@ from peers, else from a durable checkpoint); the step is redone. Survivors are n
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -52,7 +50,6 @@ from elaswave.runtime.durable.checkpoints import DurableCheckpoints
 from elaswave.runtime.durable.restore import DurableSource
 from elaswave.runtime.evaluate import evaluate, training_samples
 from elaswave.runtime.integrity.checker import Integrity
-from elaswave.runtime.integrity.checksums import host_bytes
 from elaswave.runtime.integrity.inject import FaultInjector
 from elaswave.runtime.integrity.replay import Miscomputed
 from elaswave.runtime.nonfinite import NonFiniteSteps
@@ -70,6 +67,7 @@ from elaswave.runtime.strategies.base import (
 )
 from elaswave.runtime.strategies.select import strategy_for
 from elaswave.runtime.strategies.sums import StepSums
+from elaswave.runtime.telemetry import Telemetry
 from elaswave.runtime.timing import DeviceClock, set_clock
 from elaswave.runtime.workload.data import MicroBatch, microbatches
 
@@ -78,13 +76,6 @@ log = logging.getLogger(__name__)
 EXIT_OK = 0
 EXIT_NO_PLAN = 4
 EXIT_SHARD_LOST = EXIT_STATE_LOST  # both copies of a shard or layer are gone, no durable one
-SKIPPED_MAX = 3  # compute times left unreported in a row while a checkpoint is written
-
-
-def skipped_next(writing: bool, skipped: int) -> int:
-    """How many compute times in a row are left unreported after this step's (0: this one is
-    reported): one is while a checkpoint write runs beside it, up to ``SKIPPED_MAX`` in a row."""
-    return skipped + 1 if writing and skipped < SKIPPED_MAX else 0
 
 
 class NoPlan(RuntimeError):
@@ -176,11 +167,8 @@ class Engine:
         )  # fmt: skip
         self.ctx.miscomputes = self.faults.miscomputes
         self.integrity = Integrity(self.ctx, self.strategy, self.durable, faults=self.faults)
-        self._speeds: list[float] = []  # compute seconds per micro-batch not yet reported
-        self._speeds_epoch, self._speeds_sent = 0, 0.0
+        self.telemetry = Telemetry(control, worker_id=worker_id, interval=cfg.timeouts.heartbeat)
         self._writer_busy = False  # a checkpoint write ran when this step began
-        self._skipped = 0  # compute times not reported in a row (a checkpoint write ran beside)
-        self._memory: tuple[int, dict[str, int]] | None = None  # (epoch, bytes) reported last
         control.start_heartbeat(cfg.timeouts.heartbeat, self._heartbeat)
 
     @property
@@ -271,14 +259,11 @@ class Engine:
 
     def commit_step(self, result: StepResult) -> None:
         assert self.plan is not None
-        # Every rank: the straggler detector's input. Not a step this rank's checkpoint writer
-        # ran beside (that thread shares the process's cores and interpreter lock: rank 0, which
-        # writes the whole state, would look slow for its own write), unless it has run beside
-        # SKIPPED_MAX steps in a row (a writer that never rests must not hide a straggler).
+        # Every rank: the straggler detector's input.
         writing = self._writer_busy or (self.store is not None and self.store.writing())
-        self._skipped = skipped_next(writing, self._skipped)
-        if result.compute_per_mb is not None and not self._skipped:
-            self._report_speed(result.step, result.compute_per_mb)
+        self.telemetry.computed(
+            result.step, result.compute_per_mb, epoch=self.plan.epoch, writing=writing
+        )
         self.strategy.after_commit(result.step)
         if self.comm.rank(DP) == 0:
             self.control.send(
@@ -296,23 +281,6 @@ class Engine:
                     skipped=result.skipped,
                 )
             )
-
-    def _report_speed(self, step: int, per_mb: float) -> None:
-        """Compute times go to the daemon in batches, at most one message per heartbeat interval
-        (the daemon shares them with the leader every half second anyway); a new plan epoch
-        sends what the old one measured first."""
-        assert self.plan is not None
-        epoch, now = self.plan.epoch, time.monotonic()
-        if self._speeds and self._speeds_epoch != epoch:
-            self._send_speeds(step - 1)
-        self._speeds.append(per_mb)
-        self._speeds_epoch = epoch
-        if now - self._speeds_sent >= self.cfg.timeouts.heartbeat:
-            self._send_speeds(step)
-
-    def _send_speeds(self, step: int) -> None:
-        self.control.send(wire.Compute(step=step, epoch=self._speeds_epoch, per_mb=self._speeds))
-        self._speeds, self._speeds_sent = [], time.monotonic()
 
     # ---- one step ---------------------------------------------------------------------------
     def train_step(self, step: int) -> StepResult:
@@ -417,10 +385,7 @@ class Engine:
         the held-out evaluation, when due. Before them, under each plan and whenever it changed
         (a pipeline rank frees the layers it gave away): what this rank holds."""
         assert self.plan is not None
-        memory = self.memory()
-        if self._memory != (self.plan.epoch, memory):
-            self._memory = (self.plan.epoch, memory)
-            self._report_memory(self.plan, memory)
+        self.telemetry.memory(self.plan.epoch, self.memory())
         if self.integrity.after_commit(step):
             return  # the main loop redoes the steps since the known-good state
         if self.durable.checkpoints is not None and step % self.cfg.durable_every == 0:
@@ -546,13 +511,6 @@ class Engine:
         out["verify_bytes"] = self.integrity.good_bytes
         return out
 
-    def _report_memory(self, plan: Plan, memory: dict[str, int]) -> None:
-        """What this rank holds under ``plan`` once it has trained a step under it (the copies a
-        step keeps exist by then): an event (the report) and a message (the daemon shares it in
-        etcd, where ``status`` reads it)."""
-        self.control.event("memory", worker=self.me, epoch=plan.epoch, **memory)
-        self.control.send(wire.Memory(epoch=plan.epoch, bytes=dict(memory)))
-
     def close(self) -> None:
         """Before the process exits: wait for this rank's checkpoint writes (a stop may come
         while one runs in the background; a finished run flushed them already)."""
@@ -583,23 +541,6 @@ class Engine:
             params_sha256=final.params_sha256,
             state_sha256=final.state_sha256,
             **final.checks,
-            **self._side_digests(),
+            **self.state.side_digests(),
         )
         self.control.send(wire.Done(step=self.state.step, worker_id=self.me))
-
-    def _side_digests(self) -> dict[str, Any]:
-        """The running statistics' SHA-256 and the fewest batches a norm layer has seen (none
-        where the model keeps no running statistics), and a script's own state's SHA-256."""
-        out: dict[str, Any] = {}
-        if self.state.script is not None:  # a script's own state, serialized
-            out["script_state_sha256"] = hashlib.sha256(
-                host_bytes(self.state.script.saved())
-            ).hexdigest()
-        stats = self.state.stats
-        if stats is None:
-            return out
-        return {
-            **out,
-            "buffers_sha256": hashlib.sha256(host_bytes(stats.saved())).hexdigest(),
-            "norm_batches": int(stats.counts.min()),
-        }

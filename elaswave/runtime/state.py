@@ -9,6 +9,7 @@ member). Strategies get these two objects, never the engine.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from elaswave import wire
 from elaswave.config import JobConfig
 from elaswave.planning.plan import Plan
 from elaswave.runtime.comm.communicator import Communicator
+from elaswave.runtime.integrity.checksums import host_bytes
 from elaswave.runtime.optim import FlatOptimizer, FlatParams, OptimHyper, Spans, decay_groups
 from elaswave.runtime.optimizers import ScheduleReplay, TorchRule, optimizer_classes
 from elaswave.runtime.prunehook import PruneFactory, PruneHook
@@ -224,6 +226,21 @@ class TrainState:
         total, count = self.loss(output, targets)
         hits = self.workload.correct(output, targets)
         return float(total), count, int(hits or 0)
+
+    def side_digests(self) -> dict[str, Any]:
+        """The running statistics' SHA-256 and the fewest batches a norm layer has seen (none
+        where the model keeps no running statistics), and a script's own state's SHA-256."""
+        out: dict[str, Any] = {}
+        if self.script is not None:  # a script's own state, serialized
+            out["script_state_sha256"] = hashlib.sha256(host_bytes(self.script.saved())).hexdigest()
+        stats = self.stats
+        if stats is None:
+            return out
+        return {
+            **out,
+            "buffers_sha256": hashlib.sha256(host_bytes(stats.saved())).hexdigest(),
+            "norm_batches": int(stats.counts.min()),
+        }
 
 
 def to_device(value: Any, device: torch.device) -> Any:

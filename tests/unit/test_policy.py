@@ -231,7 +231,7 @@ def test_straggler_verdicts_at_100k_ranks() -> None:
     ],
 )
 def test_compute_times_beside_a_checkpoint_write(writes: list[bool], reported: list[bool]) -> None:
-    from elaswave.runtime.engine import SKIPPED_MAX, skipped_next
+    from elaswave.runtime.telemetry import SKIPPED_MAX, skipped_next
 
     assert SKIPPED_MAX == 3
     skipped, out = 0, []

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from elaswave.daemon.supervisor import shutdown_watchdog
+from elaswave.daemon.shutdown import shutdown_watchdog
 
 
 @pytest.mark.parametrize(
