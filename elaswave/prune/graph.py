@@ -41,7 +41,7 @@ from elaswave.runtime.workload.base import Family, Member, ParamRef
 
 __all__ = [
     "Analysis", "Chan", "Param", "Ref", "Seg", "Site", "TraceError", "Walk", "analyse",
-    "trace",
+    "is_attention", "trace",
 ]  # fmt: skip
 
 
@@ -215,12 +215,26 @@ class Analysis:
     sites: list[tuple[str, str, int, tuple[tuple[int | None, int], ...]]]
 
 
+def is_attention(m: nn.Module) -> bool:
+    """A timm-style attention: a fused ``qkv`` ``Linear`` of three times ``num_heads`` heads of
+    ``head_dim``, a ``proj`` back, and no gate or norm over the heads' outputs."""
+    qkv, proj = getattr(m, "qkv", None), getattr(m, "proj", None)
+    heads, dim = getattr(m, "num_heads", None), getattr(m, "head_dim", None)
+    return (
+        isinstance(qkv, nn.Linear)
+        and isinstance(proj, nn.Linear)
+        and isinstance(heads, int)
+        and isinstance(dim, int)
+        and qkv.out_features == 3 * heads * dim
+        and getattr(m, "gate", None) is None
+        and isinstance(getattr(m, "norm", nn.Identity()), nn.Identity)
+    )
+
+
 class _Tracer(fx.Tracer):
     """torch.fx's tracer, with every norm and attention the rules read kept as one call."""
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        from elaswave.prune.rules import is_attention
-
         if isinstance(m, (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase)):
             return True
         return is_attention(m) or super().is_leaf_module(m, module_qualified_name)
@@ -270,6 +284,7 @@ def analyse(
     model: nn.Module,
     example: tuple[Any, ...],
     *,
+    step: Callable[[fx.Node, dict[fx.Node, Value], dict[str, nn.Module], Walk], Value],
     mixing: bool = True,
     ref: Callable[[str], ParamRef] = lambda name: (0, name),
     prefix: str = "",
@@ -277,9 +292,9 @@ def analyse(
     """The zero-invariant groups of ``model`` run on ``example`` (its positional inputs), in
     eval mode: one family per live space, in the order the spaces were made. ``mixing``: norms
     whose statistics span the channels (LayerNorm over them) may be in a group (the compressed
-    model then keeps them at full width, fed zeros for the removed channels)."""
-    from elaswave.prune.rules import step_node
-
+    model then keeps them at full width, fed zeros for the removed channels). ``step`` gives
+    a node's value from its inputs' (the rules: :func:`elaswave.prune.analysis.analyse` passes
+    them)."""
     training = model.training
     model.eval()
     try:
@@ -289,7 +304,7 @@ def analyse(
         env: dict[fx.Node, Value] = {}
         modules = dict(gm.named_modules())
         for node in gm.graph.nodes:
-            env[node] = step_node(node, env, modules, walk)
+            env[node] = step(node, env, modules, walk)
     finally:
         model.train(training)
     return _families(walk, dict(gm.named_parameters()), ref=ref, prefix=prefix)

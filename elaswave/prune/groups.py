@@ -25,7 +25,8 @@ import torch
 from torch import nn
 
 from elaswave.errors import ConfigError
-from elaswave.prune.graph import TraceError, analyse
+from elaswave.prune.analysis import analyse
+from elaswave.prune.graph import TraceError
 from elaswave.runtime.workload.base import Family, KeyedLayers, Member, ParamRef, Workload
 
 __all__ = [

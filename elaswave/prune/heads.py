@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from elaswave.prune.rules import is_attention
+from elaswave.prune.graph import is_attention
 
 __all__ = ["HeadsAttention", "fit_heads"]
 

@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from elaswave.prune.graph import Chan, Ref, Seg, Value, Walk
-from elaswave.prune.rules import CONV, CONV_T, add_site, aligned, block_units, is_attention
+from elaswave.prune.graph import Chan, Ref, Seg, Value, Walk, is_attention
+from elaswave.prune.rules import CONV, CONV_T, add_site, aligned, block_units
 
 __all__ = ["norm_axis", "rule_of"]
 
@@ -280,7 +280,7 @@ def _multihead(node: fx.Node, m: nn.MultiheadAttention, val: Val, walk: Walk) ->
 
 
 def _attention(node: fx.Node, m: nn.Module, val: Val, walk: Walk) -> Value:
-    """A timm-style attention (:func:`~.rules.is_attention`) on its first input (a mask
+    """A timm-style attention (:func:`~.graph.is_attention`) on its first input (a mask
     changes which positions a head reads, not that a head with zero values gives zero)."""
     x, name = val(node.args[0]), str(node.target)
     walk.kill(*[val(a) for a in (*node.args[1:], *node.kwargs.values())])  # masks: read whole

@@ -18,7 +18,7 @@ from torch import fx, nn
 
 from elaswave.prune.graph import Chan, Param, Seg, Site, Value, Walk
 
-__all__ = ["is_attention", "step_node"]
+__all__ = ["step_node"]
 
 # -- the tables --------------------------------------------------------------------------------
 
@@ -76,22 +76,6 @@ CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 CONV_T = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 
 
-def is_attention(m: nn.Module) -> bool:
-    """A timm-style attention: a fused ``qkv`` ``Linear`` of three times ``num_heads`` heads of
-    ``head_dim``, a ``proj`` back, and no gate or norm over the heads' outputs."""
-    qkv, proj = getattr(m, "qkv", None), getattr(m, "proj", None)
-    heads, dim = getattr(m, "num_heads", None), getattr(m, "head_dim", None)
-    return (
-        isinstance(qkv, nn.Linear)
-        and isinstance(proj, nn.Linear)
-        and isinstance(heads, int)
-        and isinstance(dim, int)
-        and qkv.out_features == 3 * heads * dim
-        and getattr(m, "gate", None) is None
-        and isinstance(getattr(m, "norm", nn.Identity()), nn.Identity)
-    )
-
-
 # -- one node ----------------------------------------------------------------------------------
 
 
@@ -107,9 +91,16 @@ def _arg(node: fx.Node, i: int, name: str, default: Any = None) -> Any:
 
 
 def step_node(
-    node: fx.Node, env: dict[fx.Node, Value], modules: dict[str, nn.Module], walk: Walk
+    node: fx.Node,
+    env: dict[fx.Node, Value],
+    modules: dict[str, nn.Module],
+    walk: Walk,
+    *,
+    layer_rule: Callable[[nn.Module], Callable[..., Value] | None],
 ) -> Value:
-    """The value of ``node`` (what its channels are) from its inputs' values."""
+    """The value of ``node`` (what its channels are) from its inputs' values; a module with
+    parameters the element-wise, pooling and reshaping rules here do not cover is read by
+    ``layer_rule`` (:func:`elaswave.prune.layers.rule_of`)."""
 
     def val(a: Any) -> Any:
         if isinstance(a, fx.Node):
@@ -130,7 +121,7 @@ def step_node(
     try:
         if node.op == "call_module":
             module = modules[str(node.target)]
-            rule = _module_rule(module)
+            rule = _module_rule(module, layer_rule)
             if rule is not None:
                 out = rule(node, module, val, walk)
                 if next(module.parameters(), None) is None:
@@ -151,9 +142,9 @@ def step_node(
     return None
 
 
-def _module_rule(m: nn.Module) -> Callable[..., Value] | None:
-    from elaswave.prune import layers
-
+def _module_rule(
+    m: nn.Module, layer_rule: Callable[[nn.Module], Callable[..., Value] | None]
+) -> Callable[..., Value] | None:
     if isinstance(m, ZERO_MODULES):
         return lambda node, m, val, walk: _same(val(node.args[0]), zero=None)
     if isinstance(m, SHIFT_MODULES):
@@ -163,7 +154,7 @@ def _module_rule(m: nn.Module) -> Callable[..., Value] | None:
             return lambda node, m, val, walk: _pool(node, val(node.args[0]), spatial, walk)
     if isinstance(m, (nn.Flatten, nn.Unflatten)):
         return lambda node, m, val, walk: _reshape(node, val(node.args[0]), walk)
-    return layers.rule_of(m)
+    return layer_rule(m)
 
 
 def _function_rule(node: fx.Node) -> Callable[..., Value] | None:

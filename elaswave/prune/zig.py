@@ -23,8 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from elaswave.prune.analysis import analyse
 from elaswave.prune.compress import removals, slice_params
-from elaswave.prune.graph import analyse
 from elaswave.runtime.workload.base import Family, Member
 
 __all__ = ["ZIG"]
