@@ -22,6 +22,7 @@ from conftest import (
     assert_no_orphans,
     elaswave_cmd,
     launch,
+    paced,
     start,
     wait_for,
 )
@@ -64,9 +65,11 @@ def test_template_lost_mid_run_executes_the_respawn(
 ) -> None:
     """The template SIGKILLed while the job trains: nothing stops, and the worker respawned
     after a crash is executed instead of forked. An executed worker imports torch itself (some
-    5 s with three workers training on two cores): the job leaves it about 110 steps to join."""
+    5 s with three workers training on two cores, more on a busy machine): the job's steps are
+    paced so that the 50 left after the kill take at least 12 s."""
     run_dir = tmp_path / "run"
-    proc = start(run_dir, state_env, "--job-id", "notemplate", "--steps", "120",
+    env = paced(state_env, 0.04)  # three workers: at least 0.24 s a step
+    proc = start(run_dir, env, "--job-id", "notemplate", "--steps", "60",
                  "--max-restarts", "1", "--fault", "kill,rank=2,at_step=10")  # fmt: skip
     try:
         ready = wait_for(lambda: _event(run_dir, "template_ready"), timeout=60, interval=0.05)
@@ -77,7 +80,7 @@ def test_template_lost_mid_run_executes_the_respawn(
         if proc.poll() is None:
             proc.kill()
     run = Run(run_dir)
-    assert_clean_run(run, 120, reference)
+    assert_clean_run(run, 60, reference)
     (respawn,) = run.of("worker_respawned")
     (spawn,) = [e for e in run.of("worker_spawned") if e["worker"] == respawn["worker"]]
     assert spawn["forked"] is False
