@@ -154,7 +154,7 @@ def start_template(cfg: JobConfig, log_path: Path) -> Template | None:
         template.configure(
             model_source=cfg.model.source, log_path=log_path,
             device_env=device_environment(cfg.train.device), zero=cfg.zero,
-            model_type=hf_model_type(cfg.model.hf, cfg.model.pretrained), pp=cfg.pp,
+            model_type=hf_model_type(cfg.model.hf, cfg.model.pretrained),
             torch_optim=builds_torch_optimizers(
                 script=cfg.script is not None, optimizer=cfg.train.optimizer,
                 lr_schedule=cfg.train.lr_schedule,

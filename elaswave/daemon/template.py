@@ -44,8 +44,9 @@ class TemplateGone(RuntimeError):
 
 
 # What autograd imports the first time a backward is handed a gradient (ZeRO-3 backpropagates
-# layer by layer, see runtime/strategies/gather.py; a pipeline stage backpropagates the gradient
-# of its output): most of a second, once per process.
+# layer by layer, see runtime/strategies/gather.py): most of a second, once per process. A
+# pipeline stage imports it too, but only a stage that receives a gradient, beside its peers'
+# compute: preloading it for pipelines delays every launch more than it saves.
 BACKWARD_PRELOADS = ("torch.fx.experimental.symbolic_shapes",)
 # What torch.optim's Optimizer constructor imports the first time (the compiler stack, which
 # includes the above): a second or more, once per process.
@@ -57,14 +58,13 @@ def preloads(
     zero: int = 0,
     model_type: str = "",
     *,
-    pp: int = 1,
     torch_optim: bool = False,
 ) -> list[str]:
     """What the template imports before it is ready, beyond the runtime: the module of the
     job's workload source that every worker imports at start (for a Hugging Face model, its
     family's modeling module too: transformers imports it on the first use, seconds of work
     every worker would repeat; for a model by name, its library: timm alone imports for a
-    second), what ZeRO-3 workers and pipeline stages import at start (``BACKWARD_PRELOADS``),
+    second), what ZeRO-3 workers import at start (``BACKWARD_PRELOADS``),
     and what building a ``torch.optim`` optimizer imports when the workers build one
     (``torch_optim``: a script's own loop, an optimizer or scheduler class;
     ``OPTIM_PRELOADS``). Each worker would otherwise import these itself, all at once. Pure."""
@@ -74,7 +74,7 @@ def preloads(
     family = model_type.replace("-", "_")
     if out and re.fullmatch(r"[a-z][a-z0-9_]*", family):
         out.append(f"transformers.models.{family}.modeling_{family}")
-    if zero == 3 or pp > 1:
+    if zero == 3:
         out += BACKWARD_PRELOADS
     return out + (list(OPTIM_PRELOADS) if torch_optim else [])
 
@@ -174,7 +174,6 @@ class Template:
         device_env: dict[str, str],
         zero: int = 0,
         model_type: str = "",
-        pp: int = 1,
         torch_optim: bool = False,
     ) -> None:
         """What this job needs of the template, sent at once (answered after its imports): its
@@ -184,7 +183,7 @@ class Template:
         self.device_env = dict(device_env)
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self._send({"op": "log", "path": str(log_path)})
-        modules = preloads(model_source, zero, model_type, pp=pp, torch_optim=torch_optim)
+        modules = preloads(model_source, zero, model_type, torch_optim=torch_optim)
         self._send({"op": "preload", "modules": modules})
         if log_path != self.log_path:
             with contextlib.suppress(OSError):
