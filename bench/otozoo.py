@@ -39,6 +39,7 @@ from bench.common import console, print_table
 from bench.otozoo_models import DEMOS, Carn
 from elaswave.errors import one_line
 from elaswave.prune import ZIG
+from elaswave.testing.models import settle
 
 DESCRIPTION = "zero-invariant groups on the OTOv2 zoo, beside only-train-once: counts, exactness"
 DEFAULT_REPEAT = 1
@@ -113,7 +114,7 @@ def run(repeat: int, config: Any) -> dict[str, Any]:
     for name, (build, inputs, fixed, part) in ZOO.items():
         row: dict[str, Any] = {"model": name, "part": part}
         torch.manual_seed(SEED)  # the builders draw their initial weights from it
-        model = _settle(build())
+        model = settle(build(), SEED)
         gen = torch.Generator().manual_seed(SEED)
         example, probe = inputs(gen), inputs(gen)
         row["elaswave"] = _measure_zig(copy.deepcopy(model), example, probe)
@@ -134,27 +135,6 @@ def run(repeat: int, config: Any) -> dict[str, Any]:
         "torch": torch.__version__,
         "rows": rows,
     }
-
-
-def _settle(model: nn.Module) -> nn.Module:
-    """``model`` in eval mode, with norms that do something (affine weights around 1, biases,
-    running statistics off their defaults) and no parameter left at zero (a ViT's head), so
-    that a wrong slice shows in the outputs."""
-    gen = torch.Generator().manual_seed(SEED)
-    with torch.no_grad():
-        for m in model.modules():
-            norm = isinstance(m, (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LayerNorm))
-            if norm and getattr(m, "weight", None) is not None:
-                m.weight.copy_(torch.rand(m.weight.shape, generator=gen) + 0.5)
-            if norm and getattr(m, "bias", None) is not None:
-                m.bias.copy_(torch.randn(m.bias.shape, generator=gen) * 0.1)
-            if getattr(m, "running_var", None) is not None:
-                m.running_var.copy_(torch.rand(m.running_var.shape, generator=gen) + 0.5)
-                m.running_mean.copy_(torch.randn(m.running_mean.shape, generator=gen) * 0.1)
-        for p in model.parameters():
-            if not p.any():
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
-    return model.eval()
 
 
 def _outputs(model: nn.Module, inputs: tuple) -> list[torch.Tensor]:

@@ -15,27 +15,7 @@ from torch import nn
 from elaswave.prune import ZIG
 from elaswave.prune.graph import TraceError
 from elaswave.runtime.workload.base import Family
-
-
-def settle(model: nn.Module, seed: int = 0) -> nn.Module:
-    """``model`` in eval mode with norms that do something: affine weights around 1, biases
-    and running statistics off their defaults, parameters initialised to zero made small and
-    random (a ViT's head), so that a wrong slice shows in the outputs."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for m in model.modules():
-            norm = isinstance(m, (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LayerNorm))
-            if norm and getattr(m, "weight", None) is not None:
-                m.weight.copy_(torch.rand(m.weight.shape, generator=gen) + 0.5)
-            if norm and getattr(m, "bias", None) is not None:
-                m.bias.copy_(torch.randn(m.bias.shape, generator=gen) * 0.1)
-            if getattr(m, "running_var", None) is not None:
-                m.running_var.copy_(torch.rand(m.running_var.shape, generator=gen) + 0.5)
-                m.running_mean.copy_(torch.randn(m.running_mean.shape, generator=gen) * 0.1)
-        for p in model.parameters():
-            if not p.any():
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
-    return model.eval()
+from elaswave.testing.models import settle
 
 
 def disjoint(zig: ZIG) -> bool:
