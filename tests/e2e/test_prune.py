@@ -194,7 +194,8 @@ def test_hesso_ends_exactly_at_its_target_and_a_kill_changes_nothing(
     expected |= {s: total / GROUPS for s in range(10, HESSO_STEPS + 1)}
     assert _sparsity(ref) == expected
     assert build_report(ref.dir)["totals"]["prune"]["below_target"] is None
-    run = _launch(tmp_path / "kill", state_env, HESSO, "--job-id", "hesso-kill", "--zero", "3",
+    env = paced(state_env, 0.1)  # the 9 steps after the kill leave the respawn 2 s to rejoin
+    run = _launch(tmp_path / "kill", env, HESSO, "--job-id", "hesso-kill", "--zero", "3",
                   "--fault", "kill,rank=1,at_step=7")  # fmt: skip
     assert [e["exit_code"] for e in run.of("worker_exit")] == [-9]
     assert [p["world"] for p in run.of("plan_published")] == [3, 2, 3]
