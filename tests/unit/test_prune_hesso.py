@@ -5,7 +5,6 @@ parallelism and alone. Also the one line a run that ends below its target prints
 
 from __future__ import annotations
 
-import copy as copy_module
 import math
 
 import pytest
@@ -15,9 +14,7 @@ from elaswave.config import JobConfig
 from elaswave.errors import ConfigError
 from elaswave.prune import dhspg, hesso
 from elaswave.prune.hesso import HESSO, Schedule
-from elaswave.prune.pruner import Pruner
-from elaswave.runtime.optim import Spans
-from tests.unit.test_prune_units import MODELS, _model, _stages
+from tests.unit.test_prune_units import MODELS, _every_cut_matches_the_whole, _stage_problem
 
 F64 = torch.float64
 
@@ -224,23 +221,9 @@ def test_pipeline_stages_prune_exactly_as_the_whole_model(name: str) -> None:
     model's parameters and marks bit for bit, on a period's first step (a pick), on its shrinking
     step and on the step that zeroes the picked groups."""
     cfg = JobConfig.from_dict({"model": MODELS[name], "train": {"prune": HESSO_PRUNE}})
-    workload, model = _model(name)
-    pruner = Pruner.build(cfg, workload, model)
-    assert pruner is not None
-    starts = [o for o, _ in model.segments()]
-    starts.append(sum(model.segments()[-1]))
-    gen = torch.Generator().manual_seed(0)
-    old = torch.randn(starts[-1], generator=gen)
-    new = old * 0.6 + 0.05 * torch.randn(starts[-1], generator=gen)
+    pruner, starts, old, new = _stage_problem(cfg, name)
     for step in (1, 2, 3):
-        whole = copy_module.deepcopy(pruner)
-        expected = new.clone()
-        whole.after(step, Spans(old.clone()), Spans(expected), lr=0.1)
-        for cut in range(1, len(starts) - 1):
-            stages = _stages(pruner, [cut], old, new, starts, step)
-            assert torch.equal(torch.cat([p for p, _ in stages]), expected), cut
-            assert all(torch.equal(marks, whole.marks) for _, marks in stages)
-        pruner = whole
+        pruner = _every_cut_matches_the_whole(pruner, starts, old, new, step)
     # the second period's first step: the first period's groups zero, the next ones shrinking
     first = hesso.quota(pruner.groups, 0.5, 2, 1)
     assert pruner.last["prune_zero_groups"] == first

@@ -393,6 +393,39 @@ def _stages(
     return out
 
 
+def _stage_problem(
+    cfg: JobConfig, name: str
+) -> tuple[Pruner, list[int], torch.Tensor, torch.Tensor]:
+    """A pruner of model ``name``, its layers' offsets (and the end), and parameters before and
+    after an update in which some groups cross zero."""
+    workload, model = _model(name)
+    pruner = Pruner.build(cfg, workload, model)
+    assert pruner is not None
+    starts = [o for o, _ in model.segments()]
+    starts.append(sum(model.segments()[-1]))
+    gen = torch.Generator().manual_seed(0)
+    old = torch.randn(starts[-1], generator=gen)
+    new = old * 0.6 + 0.05 * torch.randn(starts[-1], generator=gen)
+    return pruner, starts, old, new
+
+
+def _every_cut_matches_the_whole(
+    pruner: Pruner, starts: list[int], old: torch.Tensor, new: torch.Tensor, step: int
+) -> Pruner:
+    """Step ``step`` on the whole model and on two stages cut at every layer: the stages'
+    parameters put together and their marks are the whole model's. Returns the whole model's
+    pruner after the step."""
+    whole = copy_module.deepcopy(pruner)
+    expected = new.clone()
+    whole.after(step, Spans(old.clone()), Spans(expected), lr=0.1)
+    for cut in range(1, len(starts) - 1):
+        stages = _stages(pruner, [cut], old, new, starts, step)
+        assert torch.equal(torch.cat([p for p, _ in stages]), expected), cut
+        for _, marks in stages:
+            assert torch.equal(marks, whole.marks)
+    return whole
+
+
 @pytest.mark.parametrize("name", ["mlp", "llama-gqa", "conv-split"])
 def test_pipeline_stages_prune_exactly_as_the_whole_model_whatever_the_cut(name: str) -> None:
     """Each stage brings the group sums of its layers, zeros for the rest; the added sums give
@@ -403,24 +436,10 @@ def test_pipeline_stages_prune_exactly_as_the_whole_model_whatever_the_cut(name:
         {"model": MODELS[name], "train": {"prune": {"start_step": 1, "target_sparsity": 0.5,
                                                     "epsilon": 0.9}}}
     )  # fmt: skip
-    workload, model = _model(name)
-    pruner = Pruner.build(cfg, workload, model)
-    assert pruner is not None
-    starts = [o for o, _ in model.segments()]
-    starts.append(sum(model.segments()[-1]))
-    gen = torch.Generator().manual_seed(0)
-    old = torch.randn(starts[-1], generator=gen)
-    new = old * 0.6 + 0.05 * torch.randn(starts[-1], generator=gen)  # some groups cross zero
+    pruner, starts, old, new = _stage_problem(cfg, name)
     for step in (1, 2):  # the partition is chosen, then kept
-        whole = copy_module.deepcopy(pruner)
-        expected = new.clone()
-        whole.after(step, Spans(old.clone()), Spans(expected), lr=0.1)
+        whole = _every_cut_matches_the_whole(pruner, starts, old, new, step)
         assert whole.last["prune_projected"] > 0  # the step decides something
-        for cut in range(1, len(starts) - 1):
-            stages = _stages(pruner, [cut], old, new, starts, step)
-            assert torch.equal(torch.cat([p for p, _ in stages]), expected), cut
-            for _, redundant in stages:
-                assert torch.equal(redundant, whole.marks)
         pruner = whole
 
 
