@@ -110,10 +110,11 @@ class ConcatNet(nn.Module):
     concatenated to the first conv's output (192 channels), a BN, a conv to 256, pooling and
     two Linears (the reference's concat case 1)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, share: bool = False) -> None:
         super().__init__()
         self.conv1, self.bn_1 = _conv(3, 64), nn.BatchNorm2d(64)
-        self.conv2, self.conv3 = _conv(64, 128), _conv(64, 128)
+        self.conv2 = _conv(64, 128)
+        self.conv3 = None if share else _conv(64, 128)  # shared: conv2 called again instead
         self.bn_2, self.bn_3, self.bn_4 = (
             nn.BatchNorm2d(128),
             nn.BatchNorm2d(128),
@@ -125,7 +126,8 @@ class ConcatNet(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x1 = F.relu(self.bn_1(self.conv1(x)))
         t = self.conv2(x1)
-        x2 = self.bn_2(t) + self.bn_3(t) + self.conv3(x1)
+        third = self.conv2 if self.conv3 is None else self.conv3
+        x2 = self.bn_2(t) + self.bn_3(t) + third(x1)
         x5 = self.conv5(self.bn_4(torch.cat([x1, x2], dim=1)))
         x7 = F.adaptive_avg_pool2d(x5, 1)
         return self.gemm2(self.gemm1(x7.view(x7.size(0), -1)))
@@ -158,29 +160,12 @@ class ConcatNet2(nn.Module):
         return self.gemm2(self.gemm1(x7.view(x7.size(0), -1)))
 
 
-class WeightShareNet(nn.Module):
+class WeightShareNet(ConcatNet):
     """Concat case 1 with ``conv2`` called twice (its output through two BNs, and again in
     place of ``conv3``): one module's weights used at two places (weight sharing case 1)."""
 
     def __init__(self) -> None:
-        super().__init__()
-        self.conv1, self.bn_1 = _conv(3, 64), nn.BatchNorm2d(64)
-        self.conv2 = _conv(64, 128)
-        self.bn_2, self.bn_3, self.bn_4 = (
-            nn.BatchNorm2d(128),
-            nn.BatchNorm2d(128),
-            nn.BatchNorm2d(192),
-        )
-        self.conv5 = _conv(192, 256)
-        self.gemm1, self.gemm2 = nn.Linear(256, 128), nn.Linear(128, 10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x1 = F.relu(self.bn_1(self.conv1(x)))
-        t = self.conv2(x1)
-        x2 = self.bn_2(t) + self.bn_3(t) + self.conv2(x1)
-        x5 = self.conv5(self.bn_4(torch.cat([x1, x2], dim=1)))
-        x7 = F.adaptive_avg_pool2d(x5, 1)
-        return self.gemm2(self.gemm1(x7.view(x7.size(0), -1)))
+        super().__init__(share=True)
 
 
 class WeightShareNet2(nn.Module):
