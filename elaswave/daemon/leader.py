@@ -202,8 +202,11 @@ class Planner:
         elif not await store.is_done():
             for host in lost_hosts(current.hosts, await store.live_hosts()):
                 self._host_lost(host, "not registered when this leader took over")
-        if current is not None:
-            self.evicted.update(current.evicted)
+        if current is not None:  # the evicted processes still registered (see _watch): a key
+            # made after the plan that evicted its id is a new process (its host relaunched)
+            self.evicted.update(
+                w for w in current.evicted if w in self.roster and self.roster[w].order < plan_rev
+            )
         while not c.stopping() and c.leadership.held:
             self.changed.clear()
             if await store.is_done():
@@ -448,6 +451,9 @@ class Planner:
                     self.roster[change.worker.worker_id] = change.worker
                 elif change.gone and self.roster.pop(change.gone, None) is not None:
                     self.dropped = change.revision
+                    # An evicted worker's key goes once its daemon stopped it: the id may
+                    # come back only as a new process (its host launched again), a newcomer.
+                    self.evicted.discard(change.gone)
             self.applied = max(self.applied, change.revision)
             self.moved.set()
             if change.kind is Change.DONE:

@@ -12,7 +12,15 @@ from itertools import groupby
 from typing import Any
 
 import pytest
-from conftest import Run, assert_clean_run, assert_redid_only, paced, wait_for
+from conftest import (
+    F64,
+    Float64Runs,
+    Run,
+    assert_clean_run,
+    assert_redid_only,
+    paced,
+    wait_for,
+)
 from netbed import NetBed, netbed_fixture  # noqa: F401 - provides the netbed_factory fixture
 
 from elaswave.daemon.etcd_connect import start_order
@@ -277,3 +285,55 @@ def test_single_etcd_stopped_for_two_lease_ttls(
     report = build_report(*(bed.run_dirs[h] for h in bed.hosts))
     (outage,) = [i for i in report["incidents"] if i["kind"] == "control plane"]
     assert outage["downtime_s"] >= 2 * LEASE_TTL - 0.5 and outage["steps_trained"] >= 3
+
+
+def test_a_host_launched_again_brings_back_the_worker_a_replay_evicted(
+    netbed_factory: Any, state_env: dict[str, str], float64_runs: Float64Runs
+) -> None:
+    """A replay outvotes a worker of the second host (a miscomputed gradient): it is evicted
+    for good, and the job trains on three. Its host is then killed and launched again, as an
+    operator does once the device is fixed: the new daemon's workers take the host's worker ids
+    again, the evicted one's included, and a new process under that id is a newcomer, admitted
+    by the next plan. The run ends bit-identical in float64 to the fault-free one."""
+    steps = 60
+    bed = netbed_factory(hosts=2)
+    env = paced({**_env(state_env), **F64}, 0.06)  # runs on while the host comes back
+    args = ("--job-id", "mh-evict", "--nproc-per-node", "2", "--nnodes", "1:2",
+            "--steps", str(steps), "--replay-every", "1")  # fmt: skip
+    for host in bed.hosts:
+        bed.launch(host, *args, env=env)
+    victim = next(h for h in bed.hosts if h != _leader(bed))
+
+    def published() -> list[dict[str, Any]]:
+        return [e for h in bed.hosts for e in _events(bed, h) if e["kind"] == "plan_published"]
+
+    # the job may start on the first host ready (--nnodes 1:2): the fault waits for both
+    full = wait_for(lambda: next((p for p in published() if p["world"] == 4), None), timeout=60)
+    rank = next(r for r, w in enumerate(full["workers"]) if w.startswith(victim + "."))
+    r = bed.cli("inject-fault", "--job-id", "mh-evict", "--kind", "corrupt", "--target", "grad",
+                "--rank", str(rank), "--etcd", bed.endpoints, env=env)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    wait_for(lambda: any(p.get("evicted") for p in published()), timeout=60)
+    bed.kill_host(victim)
+    wait_for(lambda: any(p["world"] == 2 for p in published()), timeout=60)
+    bed.launch(victim, *args, env=env)
+    codes = bed.wait(timeout=180)
+    assert codes == {h: 0 for h in bed.hosts}, [bed.output(h) for h in bed.hosts]
+
+    run = _merged(bed)
+    reference = float64_runs(steps)
+    assert [m["step"] for m in run.metrics] == list(range(1, steps + 1))
+    assert run.losses == reference.losses
+    (found,) = run.of("replay_mismatch")
+    (bad,) = found["odd_workers"]
+    assert bad == full["workers"][rank]
+    plans = assert_one_plan_per_epoch(run)
+    worlds = [p["world"] for p in plans]
+    start = worlds.index(4)  # before: the job started on the first host alone
+    assert worlds[start:] == [4, 3, 2, 4], worlds
+    assert plans[start + 1]["evicted"] == [bad]
+    assert bad in plans[-1]["workers"], "the evicted worker's id was never admitted again"
+    finals = run.of("final_state")
+    assert len(finals) == 4 and bad in {f["worker"] for f in finals}
+    for key in ("params_sha256", "state_sha256"):
+        assert {f[key] for f in finals} == {f[key] for f in reference.of("final_state")}, key
