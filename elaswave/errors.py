@@ -92,6 +92,12 @@ class JobComplete(ElasWaveError):
     exit_code = 0
 
 
+class HostDrained(ElasWaveError):
+    """Every worker this host ran was evicted: it leaves, and the job goes on without it."""
+
+    exit_code = 0
+
+
 class EtcdAccessDenied(ElasWaveError):
     """etcd refused an operation: the user has no role on the job's key prefix."""
 

@@ -11,7 +11,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from elaswave.errors import ElasWaveError, JobComplete, JobStopped
+from elaswave.errors import ElasWaveError, HostDrained, JobComplete, JobStopped
 
 if TYPE_CHECKING:
     from elaswave.config import EtcdTLSConfig
@@ -33,7 +33,7 @@ err = Console(stderr=True)
 
 def fail(exc: ElasWaveError) -> typer.Exit:
     """``exc`` as one line on stderr, and the exit that carries its code (raise it)."""
-    if isinstance(exc, JobStopped | JobComplete):  # a verdict, not a usage error: "elaswave: …"
+    if isinstance(exc, JobStopped | JobComplete | HostDrained):  # a verdict: "elaswave: …"
         err.print(f"elaswave: {escape(str(exc))}", highlight=False, soft_wrap=True)
         return typer.Exit(exc.exit_code)
     err.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False, soft_wrap=True)

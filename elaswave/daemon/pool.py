@@ -303,6 +303,7 @@ class WorkerPool:
         d.events.emit(
             "worker_evicted", host=d.host_id, worker=wid, epoch=plan.epoch, reason=plan.reason
         )
+        w.evicted = True
         self._ask_to_stop(w)
         d.outbox.put(f"eviction of {wid}", lambda: d.jobstore.remove_worker(wid))
 

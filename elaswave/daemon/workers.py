@@ -31,6 +31,7 @@ class WorkerProc:
     ready: bool = False
     done: bool = False
     stopping: bool = False
+    evicted: bool = False  # the leader evicted it (a straggler, a miscomputing device)
     exit_code: int | None = None
     stacks_path: Path | None = None  # where it writes its stacks when killed as hung
     spare: bool = False  # a warm spare: built, never planned nor registered until activated

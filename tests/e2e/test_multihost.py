@@ -287,14 +287,15 @@ def test_single_etcd_stopped_for_two_lease_ttls(
     assert outage["downtime_s"] >= 2 * LEASE_TTL - 0.5 and outage["steps_trained"] >= 3
 
 
-def test_a_host_launched_again_brings_back_the_worker_a_replay_evicted(
+def test_a_host_whose_workers_were_evicted_leaves_and_comes_back_when_launched_again(
     netbed_factory: Any, state_env: dict[str, str], float64_runs: Float64Runs
 ) -> None:
-    """A replay outvotes a worker of the second host (a miscomputed gradient): it is evicted
-    for good, and the job trains on three. Its host is then killed and launched again, as an
-    operator does once the device is fixed: the new daemon's workers take the host's worker ids
-    again, the evicted one's included, and a new process under that id is a newcomer, admitted
-    by the next plan. The run ends bit-identical in float64 to the fault-free one."""
+    """Replays outvote both workers of the second host, one after the other (each a device
+    that miscomputes a gradient): each is evicted for good, and the host, with nothing left to
+    run, leaves the job in one line and exits 0 while the first host trains on. Launched again,
+    as an operator does once the devices are fixed, its new workers take the host's worker ids
+    again: a new process under an evicted id is a newcomer, admitted by the next plan. The run
+    ends bit-identical in float64 to the fault-free one."""
     steps = 60
     bed = netbed_factory(hosts=2)
     env = paced({**_env(state_env), **F64}, 0.06)  # runs on while the host comes back
@@ -307,15 +308,21 @@ def test_a_host_launched_again_brings_back_the_worker_a_replay_evicted(
     def published() -> list[dict[str, Any]]:
         return [e for h in bed.hosts for e in _events(bed, h) if e["kind"] == "plan_published"]
 
+    def miscompute(plan: dict[str, Any]) -> str:
+        """A gradient fault on the victim's first worker in ``plan``; that worker."""
+        rank = next(r for r, w in enumerate(plan["workers"]) if w.startswith(victim + "."))
+        r = bed.cli("inject-fault", "--job-id", "mh-evict", "--kind", "corrupt", "--target",
+                    "grad", "--rank", str(rank), "--etcd", bed.endpoints, env=env)  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        return str(plan["workers"][rank])
+
     # the job may start on the first host ready (--nnodes 1:2): the fault waits for both
     full = wait_for(lambda: next((p for p in published() if p["world"] == 4), None), timeout=60)
-    rank = next(r for r, w in enumerate(full["workers"]) if w.startswith(victim + "."))
-    r = bed.cli("inject-fault", "--job-id", "mh-evict", "--kind", "corrupt", "--target", "grad",
-                "--rank", str(rank), "--etcd", bed.endpoints, env=env)  # fmt: skip
-    assert r.returncode == 0, r.stderr
-    wait_for(lambda: any(p.get("evicted") for p in published()), timeout=60)
-    bed.kill_host(victim)
-    wait_for(lambda: any(p["world"] == 2 for p in published()), timeout=60)
+    bad = [miscompute(full)]
+    three = wait_for(lambda: next((p for p in published() if p["world"] == 3), None), timeout=60)
+    bad.append(miscompute(three))
+    assert bed.daemons[victim].wait(timeout=60) == 0, bed.output(victim)
+    assert "every worker it ran was evicted" in bed.output(victim)
     bed.launch(victim, *args, env=env)
     codes = bed.wait(timeout=180)
     assert codes == {h: 0 for h in bed.hosts}, [bed.output(h) for h in bed.hosts]
@@ -324,16 +331,16 @@ def test_a_host_launched_again_brings_back_the_worker_a_replay_evicted(
     reference = float64_runs(steps)
     assert [m["step"] for m in run.metrics] == list(range(1, steps + 1))
     assert run.losses == reference.losses
-    (found,) = run.of("replay_mismatch")
-    (bad,) = found["odd_workers"]
-    assert bad == full["workers"][rank]
+    assert [e["odd_workers"] for e in run.of("replay_mismatch")] == [[b] for b in bad]
+    (drained,) = run.of("host_drained")
+    assert drained["host"] == victim and drained["evicted"] == sorted(bad)
     plans = assert_one_plan_per_epoch(run)
     worlds = [p["world"] for p in plans]
     start = worlds.index(4)  # before: the job started on the first host alone
     assert worlds[start:] == [4, 3, 2, 4], worlds
-    assert plans[start + 1]["evicted"] == [bad]
-    assert bad in plans[-1]["workers"], "the evicted worker's id was never admitted again"
+    assert [p["evicted"] for p in plans[start + 1 : start + 3]] == [[b] for b in bad]
+    assert set(bad) <= set(plans[-1]["workers"]), "an evicted worker's id was never admitted again"
     finals = run.of("final_state")
-    assert len(finals) == 4 and bad in {f["worker"] for f in finals}
+    assert len(finals) == 4 and set(bad) <= {f["worker"] for f in finals}
     for key in ("params_sha256", "state_sha256"):
         assert {f[key] for f in finals} == {f[key] for f in reference.of("final_state")}, key
