@@ -75,14 +75,16 @@ def build_report(run_dir: str | Path, *more: str | Path) -> dict[str, Any]:
     plans = [e for e in events if e["kind"] == "plan_published"]
     incidents = []
     used_exits: set[int] = set()
+    outvoted: set[int] = set()  # replays that answered a state corruption (its incident)
     for i, ev in enumerate(events):
         kind = ev.get("fault", {}).get("kind")
         if ev["kind"] == "fault_injected" and kind == "corrupt":
             if ev["fault"].get("target") == "grad":
                 continue  # its incident starts from the replay that found it (or none)
-            incidents.append(corruption(ev, events[i:], metrics))
+            incidents.append(corruption(ev, events[i:], plans, metrics, claimed=outvoted))
         elif ev["kind"] == "replay_mismatch":
-            incidents.append(grad_sdc(ev, events[:i], plans, metrics))
+            if id(ev) not in outvoted:
+                incidents.append(grad_sdc(ev, events[:i], plans, metrics))
         elif ev["kind"] == "host_lost":
             cause = host_fault(events[:i], ev["host"])
             incidents.append(

@@ -42,12 +42,27 @@ def first(items: Iterable[dict[str, Any]], pred: Any) -> dict[str, Any] | None:
 
 
 def corruption(
-    fault: dict[str, Any], events: list[dict[str, Any]], metrics: list[dict[str, Any]]
+    fault: dict[str, Any],
+    events: list[dict[str, Any]],
+    plans: list[dict[str, Any]],
+    metrics: list[dict[str, Any]],
+    *,
+    claimed: set[int],
 ) -> dict[str, Any]:
     """A silent-corruption incident: injected → detected by verification → rolled back to the
-    known-good state and redone up to the detecting step (or, without one, repaired)."""
+    known-good state and redone up to the detecting step (or, without one, repaired); or, where
+    a replay (``replay_every``) met the corrupted parameters first, outvoted and evicted
+    (:func:`evicted_by_replay`; that replay's id goes into ``claimed``)."""
     t0 = fault["t"]
     detected = first(events, lambda e: e["kind"] == "sdc_detected" and e["t"] >= t0)
+    outvoted = first(
+        events,
+        lambda e: e["kind"] == "replay_mismatch" and e["t"] >= t0
+        and fault.get("worker") in (e.get("odd_workers") or []),
+    )  # fmt: skip
+    if outvoted is not None and (detected is None or outvoted["t"] < detected["t"]):
+        claimed.add(id(outvoted))  # one incident, not a grad_sdc of its own too
+        return evicted_by_replay(fault, outvoted, plans, metrics)
     after = (detected or fault)["t"]
     repaired = first(events, lambda e: e["kind"] == "sdc_repaired" and e["t"] >= after)
     inc: dict[str, Any] = dict.fromkeys(PHASES)
@@ -126,6 +141,32 @@ def grad_sdc(
         first_commit_step=commit["step"] if commit else None,
         mttr_s=round(commit["time"] - t0, 6) if commit else None,
         recomputed_steps=1 if commit else 0,
+    )
+    return inc
+
+
+def evicted_by_replay(
+    fault: dict[str, Any],
+    found: dict[str, Any],
+    plans: list[dict[str, Any]],
+    metrics: list[dict[str, Any]],
+) -> dict[str, Any]:
+    """A corrupted rank whose parameters gave a replayed micro-batch another gradient than its
+    peers': the replay outvoted it before the checksums saw it, so the step was not applied, the
+    rank was evicted and the step redone (the replay's incident, with the corruption's start)."""
+    inc = grad_sdc(found, [], plans, metrics)
+    t0 = fault["t"]
+    commit = first(metrics, lambda m: m.get("step") == found["step"] and m["time"] >= found["t"])
+    inc.update(
+        kind="corrupt",
+        worker=fault.get("worker"),
+        rank=fault.get("rank"),
+        fault_step=fault.get("step"),
+        fault_t=t0,
+        detection_s=round(found["t"] - t0, 6),
+        mttr_s=round(commit["time"] - t0, 6) if commit else None,
+        reason=f"corrupted {fault.get('corrupted')}; outvoted on a replayed micro-batch of step "
+        f"{found['step']} → evicted → epoch {inc['epoch']}, world {inc['world_after']}",
     )
     return inc
 

@@ -704,3 +704,84 @@ def test_a_pruning_run_reports_its_sparsity_and_a_shortfall_in_one_line(
     said = [x for x in text.splitlines() if x.startswith("train.prune:")]
     assert said == ([line] if line else [])
     assert "prune" not in build_report(write_run(tmp_path / "plain", [], metrics()))["totals"]
+
+
+@pytest.mark.parametrize("replay_first", [True, False], ids=["replay-first", "checksum-first"])
+def test_a_corruption_a_replay_meets_first_is_one_incident_answered_by_the_eviction(
+    tmp_path: Path, replay_first: bool
+) -> None:
+    """Corrupted parameters give a replayed micro-batch another gradient: when the replay
+    outvotes the rank before the checksums see it, the corruption's incident is that eviction
+    (detected at the replay, ended by the step's commit) and there is no grad_sdc of its own;
+    when the checksums come first, it is rolled back as ever and a later replay of the same
+    worker stays an incident of its own."""
+    fault = {
+        "t": 100.0,
+        "kind": "fault_injected",
+        "worker": "w1",
+        "rank": 1,
+        "step": 15,
+        "corrupted": "parameters[7]",
+        "fault": {"kind": "corrupt", "rank": 1},
+    }
+    replay = {
+        "t": 100.3 if replay_first else 101.0,
+        "kind": "replay_mismatch",
+        "step": 16,
+        "odd_workers": ["w1"],
+        "odd_ranks": [1],
+        "verdict": "evict",
+    }
+    evict_plan = {
+        "t": replay["t"] + 0.01,
+        "kind": "plan_published",
+        "epoch": 2,
+        "world": 3,
+        "departed": [],
+        "evicted": ["w1"],
+        "workers": ["w0", "w2", "w3"],
+        "reason": "miscomputed gradient: w1 (rank 1) outvoted → evicted → epoch 2",
+    }
+    checks = [
+        {"t": 100.6, "kind": "sdc_detected", "step": 15, "what": "replicated state"},
+        {"t": 100.62, "kind": "sdc_rolled_back", "step": 15, "to_step": 10, "redone_steps": 5},
+    ]
+    events = start_events() + [fault, replay, evict_plan] + ([] if replay_first else checks)
+    rows = [
+        {
+            "step": s,
+            "loss": 1.0,
+            "epoch": 1,
+            "world_size": 4,
+            "samples": 32 * s,
+            "step_seconds": 0.05,
+            "time": 90.0 + 0.5 * s,
+        }
+        for s in range(1, 16)
+    ]
+    rows.append(
+        {
+            "step": 16,
+            "loss": 1.0,
+            "epoch": 2,
+            "world_size": 3,
+            "samples": 32 * 16,
+            "step_seconds": 0.05,
+            "time": replay["t"] + 0.2,
+        }
+    )
+    if not replay_first:  # the rollback's redo of step 15 lands before the replay
+        rows[14]["time"] = 100.7
+    report = build_report(write_run(tmp_path / "run", events, rows))
+    kinds = [i["kind"] for i in report["incidents"]]
+    (inc,) = [i for i in report["incidents"] if i["kind"] == "corrupt"]
+    if replay_first:
+        assert kinds == ["corrupt"]
+        assert inc["detection_s"] == pytest.approx(0.3) and inc["detected_step"] == 16
+        assert inc["evicted"] == ["w1"] and inc["world_after"] == 3 and inc["epoch"] == 2
+        assert inc["mttr_s"] == pytest.approx(0.5) and inc["first_commit_step"] == 16
+        assert "outvoted on a replayed micro-batch of step 16 → evicted" in inc["reason"]
+    else:
+        assert kinds == ["corrupt", "grad_sdc"]
+        assert inc["detection_s"] == pytest.approx(0.6) and inc["detected_step"] == 15
+        assert "rolled back to the known-good step 10" in inc["reason"]
