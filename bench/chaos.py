@@ -9,9 +9,13 @@ eviction off (a slow rank is re-shared, never evicted) and the restart-loop brea
 The schedule is drawn from a seeded generator (:func:`schedule`, printed and stored in the
 result) over all eight kinds:
 
-- kill, hang, corrupt, slow, nan: ``inject-fault --rank R`` on the live job (R drawn at random;
-  ``nan`` turns that rank's loss and gradient NaN in its next step, which every rank skips;
-  pipelines, which cannot skip a step, leave it out);
+- kill, hang, corrupt, slow, nan, gradsdc: ``inject-fault --rank R`` on the live job (R drawn
+  at random; ``nan`` turns that rank's loss and gradient NaN in its next step, which every rank
+  skips; pipelines, which cannot skip a step, leave it out; ``gradsdc`` is ``--kind corrupt
+  --target grad``: the rank computes its next step's gradient with one bit wrong, a replay of
+  every step (``--replay-every 1``) outvotes it and the rank is evicted for good, its slot empty
+  until its host is launched again by a later host fault or preemption; ZeRO-3 and pipelines,
+  where no rank holds a micro-batch's whole gradient, leave it out);
 - preempt: SIGTERM to every launch (a scheduler's requeue): the job checkpoints its newest
   step and every launch exits 75; then every host is launched again and resumes from it;
 - host: ``inject-fault --kind host`` on a non-leader host, which is then relaunched (a new daemon
@@ -106,10 +110,13 @@ REL_TOL = 1e-6  # the per-step loss goal of the e2e tests
 # float32 (default) or float64 gradient reduction; float64 makes the sum independent of the
 # world size, so any loss deviation left is a bug rather than rounding (CHAOS_REDUCE_DTYPE=float64).
 REDUCE_DTYPE = os.environ.get("CHAOS_REDUCE_DTYPE", "float64")
-RANK_KINDS = ("kill", "hang", "corrupt", "slow", "nan")
+RANK_KINDS = ("kill", "hang", "corrupt", "slow", "nan", "gradsdc")
 HOST_KINDS = ("host", "partition")
+# a replay needs a micro-batch's whole gradient on one rank: not under ZeRO-3 or pipelines
 KINDS = (*RANK_KINDS, *HOST_KINDS, "preempt")
-PIPE_KINDS = tuple(k for k in KINDS if k != "nan")  # a pipeline stage cannot skip a step
+SHARDED_KINDS = tuple(k for k in KINDS if k != "gradsdc")
+PIPE_KINDS = tuple(k for k in SHARDED_KINDS if k != "nan")  # a pipeline stage cannot skip a step
+REPLAY = ("--replay-every", "1")  # every step, so that every gradsdc meets a replay
 ETCD_RESTART_AFTER = 4.0  # s a killed etcd member stays down
 PREEMPT_GRACE = 30.0
 
@@ -127,14 +134,14 @@ class Variant:
 VARIANTS = {
     v.name: v
     for v in (
-        Variant("dp", KINDS),
-        Variant("hier", KINDS, racks=("A", "A", "B")),
-        Variant("zero", KINDS, ("--zero", "1")),
-        Variant("zero3", KINDS, ("--zero", "3")),
+        Variant("dp", KINDS, REPLAY),
+        Variant("hier", KINDS, REPLAY, racks=("A", "A", "B")),
+        Variant("zero", KINDS, ("--zero", "1", *REPLAY)),
+        Variant("zero3", SHARDED_KINDS, ("--zero", "3")),
         Variant("pipeline", PIPE_KINDS, ("--pp", "2", "--zero", "1")),
         Variant("pipeline-zero3", PIPE_KINDS, ("--pp", "2", "--zero", "3")),
-        Variant("leader", KINDS, at_leader=True),
-        Variant("etcd", (*KINDS, "etcd"), etcd_members=3),
+        Variant("leader", KINDS, REPLAY, at_leader=True),
+        Variant("etcd", (*KINDS, "etcd"), REPLAY, etcd_members=3),
         Variant("recovery", ("kill", "hang", "host", "recovery")),
     )
 }
@@ -327,8 +334,13 @@ class _Soak:
         self, bed: Any, nproc: int, job: str, env: dict[str, str], variant: Variant
     ) -> None:
         self.bed, self.nproc, self.job, self.env, self.variant = bed, nproc, job, env, variant
-        self.full = len(bed.hosts) * nproc  # workers at full size
+        self.evicted: Counter[str] = Counter()  # host -> its slots a replay emptied
         self.slowed: str | None = None  # worker id made slow by the last slow fault
+
+    @property
+    def full(self) -> int:
+        """Workers at full size: every slot but those evicted since their host's launch."""
+        return len(self.bed.hosts) * self.nproc - sum(self.evicted.values())
 
     def launch(self, host: str) -> None:
         self.bed.launch(
@@ -436,6 +448,8 @@ class _Soak:
             if kind == "slow":
                 args += ["--delay", str(SLOW_DELAY)]
                 self.slowed = worker
+            elif kind == "gradsdc":
+                args = ["--kind", "corrupt", "--target", "grad"]
             args += ["--rank", str(rank)]
             record.update(rank=rank, worker=worker, what=f"{kind} rank {rank} ({worker})")
             if fault.get("cure"):
@@ -498,17 +512,25 @@ class _Soak:
                 lambda: self.bed.daemons[record["host"]].poll() is not None, 30, "host alive"
             )
             self.launch(record["host"])  # a new daemon for the lost host: capacity comes back
+            self.evicted.pop(record["host"], None)
         elif kind == "slow":
             wait_until(lambda: self._after("straggler_detected", t0), 90, "no straggler verdict")
             target = self.step() + SLOW_STEPS
             wait_until(lambda: self.step() >= target or not self.alive(), 120, "no slow steps")
-        elif kind == "corrupt":
-            wait_until(
-                lambda: self._after("sdc_rolled_back", t0) or self._after("sdc_repaired", t0),
+        elif kind == "corrupt":  # repaired from a replica, or, where a replay of the gradient
+            # sees the wrong parameters first, outvoted and evicted
+            answer = wait_until(
+                lambda: self._after("sdc_rolled_back", t0) or self._after("sdc_repaired", t0)
+                or self._after("replay_mismatch", t0),
                 90, "corruption not answered",
             )  # fmt: skip
+            if answer["kind"] == "replay_mismatch":
+                self._evicted(answer, record["worker"])
         elif kind == "nan":
             wait_until(lambda: self._after("step_skipped", t0), 60, "the NaN step not skipped")
+        elif kind == "gradsdc":  # outvoted, evicted: its slot stays empty
+            found = wait_until(lambda: self._after("replay_mismatch", t0), 60, "no replay verdict")
+            self._evicted(found, record["worker"])
         elif kind == "preempt":  # every launch checkpoints and exits 75; all are launched again
             procs = list(self.bed.daemons.values())
             wait_until(lambda: all(p.poll() is not None for p in procs),
@@ -518,6 +540,7 @@ class _Soak:
                 raise BenchError(f"preempted launches exited {codes}, not 75")
             for host in self.bed.hosts:
                 self.launch(host)
+            self.evicted.clear()
         elif kind == "etcd":  # training goes on meanwhile; then the member comes back
             time.sleep(ETCD_RESTART_AFTER)
             self.bed.restart_etcd(record["member"])
@@ -542,6 +565,22 @@ class _Soak:
         if commit.get("finished"):  # no time to full size: the job ended first
             return {"recovered": True, "full_size_s": None}
         return {"recovered": True, "full_size_s": commit["time"] - t0}
+
+    def _evicted(self, verdict: dict[str, Any], worker: str) -> None:
+        """A replay evicted ``worker``: its slot stays empty until its host is launched again.
+        A host left with no worker leaves the job (exit 0) and is launched again at once."""
+        if verdict.get("verdict") != "evict" or verdict.get("odd_workers") != [worker]:
+            raise BenchError(f"replay verdict {verdict}, not the eviction of {worker}")
+        host = worker.split(".")[0]
+        self.evicted[host] += 1
+        if self.evicted[host] < self.nproc:
+            return
+        proc = self.bed.daemons[host]
+        wait_until(lambda: proc.poll() is not None, 60, f"{host}, drained, still running")
+        if proc.returncode != 0:
+            raise BenchError(f"drained host {host} exited {proc.returncode}")
+        self.launch(host)
+        self.evicted.pop(host)
 
     def _after(self, kind: str, t0: float, **match: Any) -> dict[str, Any] | None:
         return next(
@@ -608,15 +647,16 @@ class _LocalBed:
 DETECTED_BY = {
     "kill": "worker_exit",
     "hang": "hang_detected",
-    "corrupt": "sdc_detected",
+    "corrupt": ("sdc_detected", "replay_mismatch"),
     "slow": "straggler_detected",
     "host": "host_lost",
     "partition": "host_lost",
     "recovery": "worker_exit",
     "nan": "step_skipped",
     "preempt": "preempt_requested",
+    "gradsdc": "replay_mismatch",
 }
-REPORTED_AS = {"nan": "nonfinite", "preempt": "relaunch"}  # the report's incident kind
+REPORTED_AS = {"nan": "nonfinite", "preempt": "relaunch", "gradsdc": "grad_sdc"}  # the report's
 
 
 def _figures(ref: dict[str, Any], soak: dict[str, Any]) -> dict[str, Any]:
@@ -719,16 +759,18 @@ def _marks(
             "detection_s": None, "mttr_s": None, "full_size_s": fault.get("full_size_s"),
         }  # fmt: skip
     want = DETECTED_BY[kind]
+    wanted = (want,) if isinstance(want, str) else want
     detected = first(
         lambda e: (
-            e["kind"] == want and (e.get("host") == fault["host"] if kind in HOST_KINDS else True)
+            e["kind"] in wanted and (e.get("host") == fault["host"] if kind in HOST_KINDS else True)
         ),
         t0,
     )
     answer = None
     if detected is not None:
         keys = {
-            "corrupt": ("sdc_rolled_back", "sdc_repaired"), "nan": ("step_skipped",),
+            "corrupt": ("sdc_rolled_back", "sdc_repaired", "plan_published"),
+            "nan": ("step_skipped",),
         }.get(kind, ("plan_published",))  # fmt: skip
         answer = first(lambda e: e["kind"] in keys, detected["t"])
     commit = None
