@@ -7,7 +7,7 @@ respawn on (``--max-restarts``), hosts that may leave and come back (``--nnodes 
 eviction off (a slow rank is re-shared, never evicted) and the restart-loop breaker off.
 
 The schedule is drawn from a seeded generator (:func:`schedule`, printed and stored in the
-result) over all eight kinds:
+result) over the variant's kinds, nine at most:
 
 - kill, hang, corrupt, slow, nan, gradsdc: ``inject-fault --rank R`` on the live job (R drawn
   at random; ``nan`` turns that rank's loss and gradient NaN in its next step, which every rank
@@ -32,20 +32,20 @@ and a step committed under it (corrupt: repaired, then a commit), plus a few ste
 Variants (``CHAOS_VARIANTS=dp,zero,...``; all by default), one job each (``CHAOS_KEEP=DIR`` keeps
 each bed's directory, the run directories of every host, under ``DIR``):
 
-- ``dp``: data parallelism, the six kinds above; the gradient is reduced by tiers
+- ``dp``: data parallelism, every kind above; the gradient is reduced by tiers
   (``train.hierarchy: auto``, the default: inside each host, then lanes between them), through
   plans whose hosts hold different numbers of workers (``uneven_plans`` in the result);
 - ``hier``: ``dp`` with racks: hosts h0 and h1 in rack A, h2 in rack B, each rack a bridge of
   its own joined by one link (``launch --rack``), so the gradient goes by three levels (hosts,
   lanes inside the racks, slices between them) whenever rack A has two hosts in the plan;
-- ``zero``: ZeRO-1 (``--zero 1``), the six kinds;
-- ``zero3``: ZeRO-3 (``--zero 3``: parameters, gradients and moments sharded), the six kinds;
-- ``pipeline``: dp 3 × pp 2 with ZeRO-1 inside the stages, the six kinds;
+- ``zero``: ZeRO-1 (``--zero 1``), every kind;
+- ``zero3``: ZeRO-3 (``--zero 3``: parameters, gradients and moments sharded), all but ``gradsdc``;
+- ``pipeline``: dp 3 × pp 2 with ZeRO-1 inside the stages, all but ``gradsdc`` and ``nan``;
 - ``pipeline-zero3``: dp 3 × pp 2 with ZeRO-3 inside the stages (between steps a rank keeps only
-  its parts, parameters with their moments; each step gathers its stage), the six kinds;
+  its parts, parameters with their moments; each step gathers its stage), as ``pipeline``;
 - ``leader``: every host and partition fault hits the leader's host, every rank fault a worker
   on it: the leadership moves while the job recovers;
-- ``etcd``: three etcd members; besides the six kinds, ``etcd`` kills a member (the one every
+- ``etcd``: three etcd members; besides every kind above, ``etcd`` kills a member (the one every
   daemon talks to first, drawn) and starts it again on its data a few seconds later;
 - ``recovery``: faults during recovery: ``recovery`` arms ``kill --phase recovery`` on one rank
   and then kills another, so the first dies as it starts applying the plan that answers the

@@ -67,11 +67,7 @@ def corruption(
     repaired = first(events, lambda e: e["kind"] == "sdc_repaired" and e["t"] >= after)
     inc: dict[str, Any] = dict.fromkeys(PHASES)
     inc.update(
-        kind="corrupt",
-        worker=fault.get("worker"),
-        rank=fault.get("rank"),
-        fault_step=fault.get("step"),
-        fault_t=t0,
+        _corrupted(fault),
         reason=f"corrupted {fault.get('corrupted')}",
         epoch=None,
         world_after=None,
@@ -145,6 +141,12 @@ def grad_sdc(
     return inc
 
 
+def _corrupted(fault: dict[str, Any]) -> dict[str, Any]:
+    """A corruption incident's start: who was corrupted, when."""
+    return {"kind": "corrupt", "worker": fault.get("worker"), "rank": fault.get("rank"),
+            "fault_step": fault.get("step"), "fault_t": fault["t"]}  # fmt: skip
+
+
 def evicted_by_replay(
     fault: dict[str, Any],
     found: dict[str, Any],
@@ -158,11 +160,7 @@ def evicted_by_replay(
     t0 = fault["t"]
     commit = first(metrics, lambda m: m.get("step") == found["step"] and m["time"] >= found["t"])
     inc.update(
-        kind="corrupt",
-        worker=fault.get("worker"),
-        rank=fault.get("rank"),
-        fault_step=fault.get("step"),
-        fault_t=t0,
+        _corrupted(fault),
         detection_s=round(found["t"] - t0, 6),
         mttr_s=round(commit["time"] - t0, 6) if commit else None,
         reason=f"corrupted {fault.get('corrupted')}; outvoted on a replayed micro-batch of step "
