@@ -656,7 +656,8 @@ DETECTED_BY = {
     "preempt": "preempt_requested",
     "gradsdc": "replay_mismatch",
 }
-REPORTED_AS = {"nan": "nonfinite", "preempt": "relaunch", "gradsdc": "grad_sdc"}  # the report's
+# the report's incident kind, where it is not the fault's
+REPORTED_AS = {"nan": "nonfinite", "preempt": "relaunch", "gradsdc": "grad_sdc"}
 
 
 def _figures(ref: dict[str, Any], soak: dict[str, Any]) -> dict[str, Any]:
