@@ -343,6 +343,8 @@ class _Soak:
         return len(self.bed.hosts) * self.nproc - sum(self.evicted.values())
 
     def launch(self, host: str) -> None:
+        """A daemon for ``host`` (again): every slot of the host, the evicted ones too."""
+        self.evicted.pop(host, None)
         self.bed.launch(
             host, "--job-id", self.job, "--nproc-per-node", str(self.nproc),
             "--nnodes", f"{max(1, len(self.bed.hosts) - 1)}:{len(self.bed.hosts)}",
@@ -512,7 +514,6 @@ class _Soak:
                 lambda: self.bed.daemons[record["host"]].poll() is not None, 30, "host alive"
             )
             self.launch(record["host"])  # a new daemon for the lost host: capacity comes back
-            self.evicted.pop(record["host"], None)
         elif kind == "slow":
             wait_until(lambda: self._after("straggler_detected", t0), 90, "no straggler verdict")
             target = self.step() + SLOW_STEPS
@@ -540,7 +541,6 @@ class _Soak:
                 raise BenchError(f"preempted launches exited {codes}, not 75")
             for host in self.bed.hosts:
                 self.launch(host)
-            self.evicted.clear()
         elif kind == "etcd":  # training goes on meanwhile; then the member comes back
             time.sleep(ETCD_RESTART_AFTER)
             self.bed.restart_etcd(record["member"])
@@ -580,7 +580,6 @@ class _Soak:
         if proc.returncode != 0:
             raise BenchError(f"drained host {host} exited {proc.returncode}")
         self.launch(host)
-        self.evicted.pop(host)
 
     def _after(self, kind: str, t0: float, **match: Any) -> dict[str, Any] | None:
         return next(

@@ -250,6 +250,17 @@ class WorkerPool:
             )
         self.check_finished()
 
+    def drained(self) -> list[str]:
+        """The evicted workers, when each slot's newest worker was evicted (the host has
+        nothing left to run); empty otherwise."""
+        newest: dict[int, WorkerProc] = {}
+        for w in self.workers.values():
+            if not w.spare and (w.slot not in newest or w.incarnation > newest[w.slot].incarnation):
+                newest[w.slot] = w
+        if newest and all(w.evicted for w in newest.values()):
+            return sorted(w.worker_id for w in newest.values())
+        return []
+
     def check_finished(self) -> None:
         """This host is finished once every worker process has exited (standbys are told to stop
         by :meth:`stop_unfinished` when the job commits its last step)."""

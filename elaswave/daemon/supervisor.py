@@ -439,12 +439,8 @@ class HostDaemon:
         if done_elsewhere:
             self.events.emit("job_done_elsewhere", host=self.host_id)
             return 0  # the job completed on other hosts before this one was needed
-        latest: dict[int, WorkerProc] = {}  # each slot's newest worker
-        for w in self.workers.values():
-            if not w.spare and (w.slot not in latest or w.incarnation > latest[w.slot].incarnation):
-                latest[w.slot] = w
-        if latest and all(w.evicted for w in latest.values()):  # the job goes on without it
-            evicted = sorted(w.worker_id for w in latest.values())
+        evicted = self.pool.drained()
+        if evicted:  # nothing left to run here: the job goes on without this host
             self.events.emit("host_drained", host=self.host_id, evicted=evicted)
             raise HostDrained(
                 f"host {self.host_id} leaves job {self.cfg.job_id!r}: every worker it ran was "
