@@ -47,6 +47,7 @@ from bench.common import (
     write_config,
 )
 from bench.hier import counting, sent_between, shape, tx_bytes
+from bench.pipeline import migration_incident
 from elaswave.testing import netbed
 
 DESCRIPTION = "pipeline migration over a tc-shaped link between netns hosts: async vs blocking"
@@ -161,43 +162,33 @@ def _one_job(tmp: Path, config: Path, link: str, width: int, mode: str) -> dict[
 
 
 def _ready(run_dir: Path) -> int:
-    events = run_dir / "events.jsonl"
-    return sum(e["kind"] == "worker_ready" for e in read_jsonl(events)) if events.exists() else 0
+    return sum(e["kind"] == "worker_ready" for e in read_jsonl(run_dir / "events.jsonl"))
 
 
 def _measure(dirs: list[Path]) -> dict[str, Any]:
-    """The fault's incident (MTTR, the state phase, the bytes), the full layout's time, the
-    window's samples/s, and the fault-free steps' median time, from every host's records."""
-    from elaswave.report import build_report
-
-    report = build_report(*dirs)
-    totals = report["totals"]
-    if totals["missing_steps"] or totals["duplicate_steps"]:
-        raise BenchError(f"{dirs[0].parent}: steps lost or duplicated")
-    (inc,) = report["incidents"]
-    events = sorted((e for d in dirs for e in read_jsonl(d / "events.jsonl")),
-                    key=lambda e: e["t"])  # fmt: skip
+    """The fault's incident (MTTR, the state phase, the bytes, the full layout's time:
+    :func:`bench.pipeline.migration_incident`), the window's samples/s, and the fault-free
+    steps' median time, from every host's records."""
+    inc = migration_incident(*dirs)
+    t0, full = inc["fault_t"], inc["full_layout_s"]
+    first = next(e for d in dirs for e in read_jsonl(d / "events.jsonl")
+                 if e["kind"] == "plan_published")  # fmt: skip
+    hosts = [{first["workers"][r].split(".")[0] for r in replica} for replica in first["replicas"]]
+    if hosts != [{"h0"}, {"h1"}]:
+        raise BenchError(f"{dirs[0].parent}: replicas on hosts {hosts}, not one host each")
+    if not inc["state_bytes"]:
+        raise BenchError(f"{dirs[0].parent}: the incident moved no state")
     metrics: dict[int, dict[str, Any]] = {}
     for d in dirs:
         for m in read_jsonl(d / "metrics.jsonl"):
             metrics.setdefault(m["step"], m)
-    t0 = min(e["t"] for e in events if e["kind"] == "fault_injected")
-    done = [e["t"] for e in events if e["kind"] == "migration_done"]
-    synced = [e["t"] for e in events if e["kind"] == "state_synced" and e["epoch"] == inc["epoch"]]
-    full = (min(done) if done else max(synced)) - t0
-    first = next(e for e in events if e["kind"] == "plan_published")
-    hosts = [{first["workers"][r].split(".")[0] for r in replica} for replica in first["replicas"]]
-    if hosts != [{"h0"}, {"h1"}]:
-        raise BenchError(f"{dirs[0].parent}: replicas on hosts {hosts}, not one host each")
     window = [m for m in metrics.values() if t0 < m["time"] <= t0 + full]
     samples = sum(m["samples"] - metrics[m["step"] - 1]["samples"] for m in window)
     healthy = [metrics[s]["step_seconds"] for s in range(2, FAULT_STEP)]
-    if not inc.get("state_bytes"):
-        raise BenchError(f"{dirs[0].parent}: the incident moved no state")
     return {
         "mttr_s": inc["mttr_s"],
-        "state_s": inc.get("state_s") or 0.0,
-        "migration_s": inc.get("migration_s") or 0.0,
+        "state_s": inc["state_s"] or 0.0,
+        "migration_s": inc["migration_s"] or 0.0,
         "state_bytes": inc["state_bytes"],
         "full_layout_s": full,
         "window_samples_per_s": samples / full if full > 0 else 0.0,

@@ -127,7 +127,7 @@ def run(repeat: int, config: Path) -> dict[str, Any]:
                     extra_args=extra,
                 )
                 key = _mode(mode, link)
-                mttr[key].append(_incident(run_dir))
+                mttr[key].append(migration_incident(run_dir))
                 console.print(f"run {i}/{repeat} wide {key}: MTTR {ms(mttr[key][-1]['mttr_s'])} ms")
     model = _model(model_input, {v: statistics.median(r["median_step_s"] for r in rs)
                                  for v, rs in runs.items()})  # fmt: skip
@@ -393,24 +393,26 @@ def _throughput(run_dir: Path, *, faulted: bool) -> dict[str, Any]:
     step_s = statistics.median(window)
     return {"from_step": start, "median_step_s": step_s, "samples_per_s": batch / step_s,
             "world_after": metrics[-1]["world_size"], "series": series,
-            "mttr_s": _incident(run_dir)["mttr_s"] if faulted else None}  # fmt: skip
+            "mttr_s": migration_incident(run_dir)["mttr_s"] if faulted else None}  # fmt: skip
 
 
-def _incident(run_dir: Path) -> dict[str, Any]:
+def migration_incident(*run_dirs: Path) -> dict[str, Any]:
+    """The first incident of a stage loss, from a job's run directories (one per host): the
+    report's MTTR and phases, the bytes moved, and the fault (``fault_t``) to the full layout."""
     from elaswave.report import build_report
 
-    report = build_report(run_dir)
+    report = build_report(*run_dirs)
     if report["totals"]["missing_steps"] or report["totals"]["duplicate_steps"]:
-        raise BenchError(f"{run_dir}: steps lost or duplicated")
+        raise BenchError(f"{run_dirs[0]}: steps lost or duplicated")
     inc = report["incidents"][0]
-    events = read_jsonl(run_dir / "events.jsonl")
+    events = [e for d in run_dirs for e in read_jsonl(d / "events.jsonl")]
     t0 = min(e["t"] for e in events if e["kind"] == "fault_injected")
     done = [e["t"] for e in events if e["kind"] == "migration_done"]
     synced = [e["t"] for e in events if e["kind"] == "state_synced" and e["epoch"] == inc["epoch"]]
     # Fault → every replica back in service on the new layout (async: the switch-over).
     full = (min(done) if done else max(synced)) - t0
     keys = ("mttr_s", "migration_s", "state_s", "redo_s", "state_bytes")
-    return {**{k: inc.get(k) for k in keys}, "full_layout_s": round(full, 6)}
+    return {**{k: inc.get(k) for k in keys}, "full_layout_s": round(full, 6), "fault_t": t0}
 
 
 def show(result: dict[str, Any]) -> None:
