@@ -181,6 +181,8 @@ class WorkerChannel:
             self.unrecoverable = str(event.get("reason"))  # the first cause, not echoes
         if event.get("kind") == "preempted" and self.preempted is None:
             self.preempted = (int(event.get("step", 0)), str(event.get("signal")))
+        if event.get("kind") == "preempt_left":
+            w.unjoined = True
 
     def _on_heartbeat(self, w: WorkerProc, msg: wire.Heartbeat) -> None:
         w.heard(msg, time.monotonic())

@@ -78,6 +78,8 @@ class PoolHost(Protocol):
     @property
     def stopping(self) -> bool: ...
     @property
+    def preempting(self) -> int | None: ...
+    @property
     def unrecoverable(self) -> str | None: ...
     @property
     def conns(self) -> Mapping[str, WorkerConn]: ...
@@ -193,8 +195,11 @@ class WorkerPool:
         w.exit_code = await w.proc.wait()
         discard_unused(w)  # its stacks file, unless it wrote its stacks (killed as hung)
         # finished, stopped by us, or checkpointed and left for a preemption (every rank of the
-        # job leaves with it): no departure, no respawn
-        if w.done or w.stopping or d.stopping or w.exit_code == EXIT_PREEMPTED:
+        # job leaves with it): no departure, no respawn. A worker lost while its host is
+        # preempted is a departure (the survivors need a plan without it to reach the step that
+        # checkpoints), never respawned; so is one that left before it joined (it held nothing).
+        left = w.exit_code == EXIT_PREEMPTED and not w.unjoined
+        if w.done or w.stopping or left or (d.stopping and d.preempting is None):
             self.check_finished()
             return
         if w.spare:  # it never had a place: nothing to record or plan, and no new spare

@@ -342,6 +342,16 @@ class HostDaemon:
     def is_leader(self) -> bool:
         return self.leadership.held
 
+    def _leader_stops(self) -> bool:
+        """Whether this host stops leading (or standing for leader): when it stops, except that
+        a leader keeps leading while a preemption is under way. A fault that interrupted the
+        last step still needs a plan without its worker (no respawn joins it), so that the
+        survivors redo the step, read the preemption in its tail, checkpoint it and leave
+        (:meth:`Engine.leave_preempted`). A preempted host that does not lead never claims."""
+        if not self.stopping:
+            return False
+        return self.preempting is None or not self.leadership.held or self.finished.is_set()
+
     def _candidate(self) -> Candidate:
         """This host as a candidate for leader (once it joined: its store is up)."""
         return Candidate(
@@ -353,7 +363,7 @@ class HostDaemon:
             leadership=self.leadership,
             registered=self.cp.registered,
             lease=lambda: self.lease,
-            stopping=lambda: self.stopping,
+            stopping=self._leader_stops,
             turn=lambda: succession_turn(self.host_id, self.plan),
         )
 
@@ -416,6 +426,12 @@ class HostDaemon:
             raise JobPreempted(
                 f"job {self.cfg.job_id!r} preempted by {name}: step {step} is checkpointed in "
                 f"{self.cfg.resolved_durable_dir}; launch it again to resume"
+            )
+        if self.preempting is not None and any(w.unjoined for w in self.workers.values()):
+            raise JobPreempted(
+                f"job {self.cfg.job_id!r} preempted by {signal.Signals(self.preempting).name}: "
+                f"host {self.host_id}'s workers had not joined it yet and held no state; launch "
+                "it again to resume"
             )
         if self.signal_received is not None:
             return 128 + self.signal_received

@@ -32,6 +32,7 @@ class WorkerProc:
     done: bool = False
     stopping: bool = False
     evicted: bool = False  # the leader evicted it (a straggler, a miscomputing device)
+    unjoined: bool = False  # its host was preempted before any plan took it: it held nothing
     exit_code: int | None = None
     stacks_path: Path | None = None  # where it writes its stacks when killed as hung
     spare: bool = False  # a warm spare: built, never planned nor registered until activated

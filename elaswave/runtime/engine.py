@@ -86,6 +86,11 @@ class Stopped(RuntimeError):
     """The daemon asked us to stop (the job is over, or it is shutting down)."""
 
 
+class PreemptedUnjoined(RuntimeError):
+    """This rank's host is preempted before any plan took it: it holds no state to
+    checkpoint, and it leaves (the job's members checkpoint the newest step)."""
+
+
 @dataclass
 class StepResult:
     step: int
@@ -199,7 +204,8 @@ class Engine:
     # What ends a step or its recovery: the step is redone under the next plan (a lost peer),
     # or the worker leaves (:meth:`failed` says which).
     FAILURES = (
-        CommError, Interrupted, Miscomputed, NoPlan, Stopped, ShardLost, LayersLost, VerdictStop,
+        CommError, Interrupted, Miscomputed, NoPlan, Stopped, PreemptedUnjoined, ShardLost,
+        LayersLost, VerdictStop,
     )  # fmt: skip
 
     def run(self) -> int:
@@ -243,6 +249,10 @@ class Engine:
             return EXIT_NO_PLAN
         if isinstance(exc, Stopped):
             return EXIT_OK
+        if isinstance(exc, PreemptedUnjoined):  # a departure for the leader, never respawned
+            self.control.event("preempt_left", worker=self.me, signal=str(exc))
+            self.control.flush(timeout=5.0)
+            return EXIT_PREEMPTED
         if isinstance(exc, VerdictStop):  # every rank alike: the job stops, with the reason
             self.control.event(exc.event, worker=self.me, reason=str(exc))
             log.error("%s", exc)
@@ -433,11 +443,18 @@ class Engine:
             p = self.control.latest_plan
             return p is not None and p.epoch > current and self.me in p.workers
 
+        def unjoined_preempted() -> bool:  # a member waits: its state is the checkpoint's
+            return self.plan is None and self.control.preempt_requested is not None
+
         timeout = self.cfg.timeouts.plan_wait if self.plan else self.cfg.timeouts.rendezvous * 10
-        if not self.control.wait_for(lambda: ready() or self.control.stop_requested, timeout):
+        if not self.control.wait_for(
+            lambda: ready() or self.control.stop_requested or unjoined_preempted(), timeout
+        ):
             raise NoPlan(f"no plan newer than epoch {current} within {timeout:g}s")
         if self.control.stop_requested:
             raise Stopped("stop requested by the daemon")
+        if not ready() and unjoined_preempted():
+            raise PreemptedUnjoined(self.control.preempt_requested)
         plan = self.control.latest_plan
         assert plan is not None
         return plan

@@ -1,7 +1,8 @@
 """Preemption (``--preempt-signal``, SIGTERM by default): the job checkpoints its newest
 committed step whatever ``durable_every`` says, every launch exits 75 within the grace period,
 and launching the job again trains the steps after it, each once, bit for bit on the fault-free
-curve (float64 mode)."""
+curve (float64 mode). A preemption that comes while the job recovers from a fault waits for the
+recovery: the survivors redo the step under the next plan, checkpoint it and leave."""
 
 from __future__ import annotations
 
@@ -28,7 +29,9 @@ def _committed(run_dir: Path) -> int:
 
 # SIGTERM, the default, preempts three hosts at once in test_relaunch.py and a Slurm job in
 # test_slurm.py; here a signal of the job's choosing, and ZeRO-3's checkpoint (every rank writes
-# the pieces it owns), bit for bit.
+# the pieces it owns), bit for bit. The signal comes while rank 1 hangs in the step after
+# PREEMPT_AFTER: the step cannot commit (so it cannot carry the preemption to every rank) until
+# the hang detector kills rank 1 and the leader plans the three others, respawning nothing.
 @pytest.mark.parametrize(
     ("name", "args", "sig"),
     [("usr1-zero3", ("--preempt-signal", "USR1", "--zero", "3"), signal.SIGUSR1)],
@@ -42,9 +45,10 @@ def test_a_preempted_job_checkpoints_its_last_step_and_resumes_with_none_lost(
     run_dir, env = tmp_path / "run", {**state_env, **F64}
     common = ("--job-id", f"preempt-{name}", "--steps", str(STEPS), "--durable-every", "1000",
               "--preempt-grace", str(GRACE), *args)  # fmt: skip
-    proc = start(run_dir, env, *common)
+    hang = f"hang,rank=1,at_step={PREEMPT_AFTER + 1}"
+    proc = start(run_dir, env, *common, "--fault", hang)
     try:
-        wait_for(lambda: _committed(run_dir) >= PREEMPT_AFTER or proc.poll() is not None,
+        wait_for(lambda: Run(run_dir).of("fault_injected") or proc.poll() is not None,
                  timeout=120, interval=0.02)  # fmt: skip
         assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
         signalled = time.monotonic()
@@ -57,17 +61,24 @@ def test_a_preempted_job_checkpoints_its_last_step_and_resumes_with_none_lost(
     assert proc.returncode == EXIT_PREEMPTED, err[-3000:]
     assert took < GRACE, f"the launch took {took:.1f} s to leave"
     run = Run(run_dir)
+    (fault,) = run.of("fault_injected")
+    (hung,) = run.of("hang_detected")
+    assert hung["worker"] == fault["worker"]
+    assert not run.of("worker_respawned"), "a preempted host respawned a worker"
+    assert [e["worker"] for e in run.of("worker_exit")] == [fault["worker"]]
+    members = run.of("plan_published")[-1]["workers"]  # three, or fewer after a straggler
+    assert fault["worker"] not in members
     preempted = run.of("preempted")
-    assert len(preempted) == 4 and len({e["step"] for e in preempted}) == 1, preempted
+    assert sorted(e["worker"] for e in preempted) == sorted(members), preempted
+    assert len({e["step"] for e in preempted}) == 1, preempted
     step = preempted[0]["step"]
-    assert step == _committed(run_dir) >= PREEMPT_AFTER, "the checkpoint is not the last step"
+    assert step == _committed(run_dir) == PREEMPT_AFTER + 1, "the hung step is not redone"
     lines = [line for line in err.splitlines() if line.strip()]
     assert lines == [
         f"error: job 'preempt-{name}' preempted by {sig.name}: step {step} is checkpointed in "
         f"{run_dir / 'checkpoints'}; launch it again to resume"
     ], lines
     assert (run_dir / "checkpoints" / f"step-{step:08d}").is_dir()
-    assert not run.of("worker_exit") and not run.of("worker_respawned")
     assert_no_orphans(run)
 
     r = launch(run_dir, *common, env=env)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import subprocess
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -398,29 +399,46 @@ def test_hosts_stopped_and_relaunched_together_resume_once(
     checkpointed its newest step, whatever durable_every says, and launched again at the same
     moment (srun starts every node's launch at once): one of them decides that the job resumes
     from that step and starts it, the others join it; no step is trained again, the relaunch is
-    one incident, every step is recorded once."""
+    one incident, every step is recorded once. A fourth host, beyond ``--nnodes``' three, waits
+    as a standby: preempted, its worker (in no plan, holding nothing) leaves at once, and its
+    launch exits 75 too, without waiting out the grace period for a plan."""
     etcd = EmbeddedEtcd().start()
     hosts = ("h0", "h1", "h2")
     try:
         shared = tmp_path / "checkpoints"
         args = ("--job-id", "together", "--etcd", etcd.endpoint, "--nnodes", "3:3",
                 "--nproc-per-node", "1", "--steps", "30", "--durable-every", "5",
-                "--durable-dir", str(shared))  # fmt: skip
+                "--durable-dir", str(shared), "--preempt-grace", "30")  # fmt: skip
 
-        def start_all() -> dict[str, subprocess.Popen[str]]:
-            return {h: start(tmp_path / h, state_env, *args, "--host-id", h) for h in hosts}
+        def start_all(env: dict[str, str]) -> dict[str, subprocess.Popen[str]]:
+            return {h: start(tmp_path / h, env, *args, "--host-id", h) for h in hosts}
 
-        procs = start_all()
+        slow = paced(state_env, 0.05)  # 0.3 s a step: h3 has time to start
+        procs = start_all(slow)
         try:
-            wait_for(lambda: max(_committed(tmp_path / h) for h in hosts) >= 12, timeout=120,
+            wait_for(lambda: max(_committed(tmp_path / h) for h in hosts) >= 1, timeout=120,
                      interval=0.05)  # fmt: skip
+            procs["h3"] = start(tmp_path / "h3", slow, *args, "--host-id", "h3")
+            wait_for(lambda: Run(tmp_path / "h3").of("worker_ready"), timeout=60, interval=0.05)
+            assert max(_committed(tmp_path / h) for h in hosts) < 30, "the job ended first"
         finally:
+            signalled = time.monotonic()
             for proc in procs.values():
                 proc.send_signal(signal.SIGTERM)
-            for proc in procs.values():
-                proc.wait(timeout=60)
-        assert {h: p.returncode for h, p in procs.items()} == dict.fromkeys(hosts, EXIT_PREEMPTED)
-        procs = start_all()
+            errs = {h: proc.communicate(timeout=60)[1] for h, proc in procs.items()}
+        took = time.monotonic() - signalled
+        codes = {h: p.returncode for h, p in procs.items()}
+        assert codes == dict.fromkeys([*hosts, "h3"], EXIT_PREEMPTED), errs
+        assert took < 20, f"the launches took {took:.1f} s to leave"
+        assert errs["h3"].strip().splitlines() == [
+            "error: job 'together' preempted by SIGTERM: host h3's workers had not joined it "
+            "yet and held no state; launch it again to resume"
+        ], errs["h3"]
+        standby = Run(tmp_path / "h3")
+        assert [e["worker"] for e in standby.of("preempt_left")] == ["h3.w0"]
+        assert not standby.of("preempted") and not standby.of("worker_respawned")
+        assert_no_orphans(standby)
+        procs = start_all(state_env)
         outs = {h: p.communicate(timeout=180) for h, p in procs.items()}
         codes = {h: p.returncode for h, p in procs.items()}
         assert codes == dict.fromkeys(hosts, 0), {h: o[1][-2000:] for h, o in outs.items()}

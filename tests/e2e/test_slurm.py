@@ -332,8 +332,8 @@ def test_a_requeue_resumes_from_the_checkpoint(slurm: Any, reference: Run) -> No
     assert CHECKPOINT_EVERY > steps
     bed = slurm(steps=steps, nodes=4, device_time=0.03)
     job_id = submit(bed)
-    # Signalled once every node's worker trains: one still joining when the signal stops etcd
-    # never reaches a step boundary, and its launch waits out the grace period.
+    # Signalled once every node's worker trains, so that every node's launch checkpoints (a
+    # worker still joining would leave at once, holding nothing: test_relaunch's standby host).
     wait_for(lambda: len(planned(bed, job_id)) == 4, timeout=120, interval=0.1)
     done_before = wait_committed(bed, job_id, committed(bed, job_id) + 3, timeout=180)
     bed.requeue(job_id)
