@@ -11,7 +11,7 @@ result) over the variant's kinds, nine at most:
 
 - kill, hang, corrupt, slow, nan, gradsdc: ``inject-fault --rank R`` on the live job (R drawn
   at random; ``nan`` turns that rank's loss and gradient NaN in its next step, which every rank
-  skips; pipelines, which cannot skip a step, leave it out; ``gradsdc`` is ``--kind corrupt
+  skips; ``gradsdc`` is ``--kind corrupt
   --target grad``: the rank computes its next step's gradient with one bit wrong, a replay of
   every step (``--replay-every 1``) outvotes it and the rank is evicted for good, its slot empty
   until its host is launched again by a later host fault or preemption; ZeRO-3 and pipelines,
@@ -115,7 +115,6 @@ HOST_KINDS = ("host", "partition")
 # a replay needs a micro-batch's whole gradient on one rank: not under ZeRO-3 or pipelines
 KINDS = (*RANK_KINDS, *HOST_KINDS, "preempt")
 SHARDED_KINDS = tuple(k for k in KINDS if k != "gradsdc")
-PIPE_KINDS = tuple(k for k in SHARDED_KINDS if k != "nan")  # a pipeline stage cannot skip a step
 REPLAY = ("--replay-every", "1")  # every step, so that every gradsdc meets a replay
 ETCD_RESTART_AFTER = 4.0  # s a killed etcd member stays down
 PREEMPT_GRACE = 30.0
@@ -138,8 +137,8 @@ VARIANTS = {
         Variant("hier", KINDS, REPLAY, racks=("A", "A", "B")),
         Variant("zero", KINDS, ("--zero", "1", *REPLAY)),
         Variant("zero3", SHARDED_KINDS, ("--zero", "3")),
-        Variant("pipeline", PIPE_KINDS, ("--pp", "2", "--zero", "1")),
-        Variant("pipeline-zero3", PIPE_KINDS, ("--pp", "2", "--zero", "3")),
+        Variant("pipeline", SHARDED_KINDS, ("--pp", "2", "--zero", "1")),
+        Variant("pipeline-zero3", SHARDED_KINDS, ("--pp", "2", "--zero", "3")),
         Variant("leader", KINDS, REPLAY, at_leader=True),
         Variant("etcd", (*KINDS, "etcd"), REPLAY, etcd_members=3),
         Variant("recovery", ("kill", "hang", "host", "recovery")),

@@ -17,8 +17,8 @@ EXIT_STATE_LOST = 5
 # respawned; the job stops with the reason.
 EXIT_SCRIPT_FAILED = 6
 # A worker's exit code when the job stops on a step that is not finite (``train.nonfinite:
-# stop``, more skipped steps in a row than ``train.nonfinite_limit``, or a pipeline, which
-# cannot skip a step): every rank saw the same reduced values, so every rank stops alike.
+# stop``, or more skipped steps in a row than ``train.nonfinite_limit``): every rank saw the
+# same reduced values, so every rank stops alike.
 # Never respawned: a new worker would meet the same data.
 EXIT_NONFINITE = 7
 # A worker's exit code when a replay of a micro-batch (``replay_every``) finds three different

@@ -159,11 +159,6 @@ class JobConfig:
                 "train.grad_compress int8 compresses the reduction by tiers of data parallelism "
                 f"(replicated, ZeRO-1, ZeRO-3), not pipelines' holder groups (got pp: {self.pp})"
             )
-        if self.train.skip_steps and self.pp > 1:
-            raise ConfigError(
-                "train.skip_steps skips steps of data parallelism (replicated, ZeRO-1, ZeRO-3); "
-                f"a pipeline stage cannot skip a step yet (got pp: {self.pp})"
-            )
         if self.train.eval_every and not self.data.eval_samples:
             raise ConfigError("train.eval_every needs held-out samples: set data.eval_samples")
         if self.data.source == "text" and self.model.source == "module":

@@ -148,14 +148,14 @@ class TrainConfig:
     """A step whose reduced loss or gradient is not finite (NaN or Inf: bad data, an overflow) is
     never applied, on any rank: every rank sees the same reduced values, so every rank decides
     alike. skip (default): the step counts (its number, learning rate and samples are spent) and
-    training goes on with the next step's samples; stop: the job stops with one line. Pipelines
-    stop either way (a stage cannot skip a step yet)."""
+    training goes on with the next step's samples; stop: the job stops with one line. Every
+    mode, pipelines too (a migration under way skips the step's gradient as well)."""
     nonfinite_limit: int = 5
     """skip: this many non-finite steps in a row are skipped; the next one stops the job."""
     skip_steps: list[int] = field(default_factory=list)
     """Steps whose samples are drawn but never trained on (known-bad data, a loss spike to step
     over): each is computed and reduced like any step, then not applied, exactly as a
-    non-finite step is skipped. Data parallelism (replicated, ZeRO-1, ZeRO-3), not pipelines."""
+    non-finite step is skipped."""
     prune: PruneConfig | None = None
     """Structured pruning while training (OTOv2's DHSPG or OTOv3's HESSO; see
     elaswave.config.prune): None: off."""

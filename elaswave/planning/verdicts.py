@@ -442,7 +442,7 @@ def silence(now: float, last_beat: float, resumed: float) -> float:
 
 
 def nonfinite_verdict(
-    *, configured: bool, streak: int, mode: str, limit: int, pipeline: bool
+    *, configured: bool, streak: int, mode: str, limit: int
 ) -> tuple[str | None, int]:
     """What a skipped step means for the job, and the new count of non-finite steps in a row.
     Pure; every rank computes it from the same reduced tail. ``configured``: the step is one of
@@ -451,8 +451,6 @@ def nonfinite_verdict(
     if configured:
         return None, streak
     streak += 1
-    if pipeline:
-        return "a pipeline stage cannot skip a step", streak
     if mode == "stop":
         return "train.nonfinite is stop", streak
     if streak > limit:

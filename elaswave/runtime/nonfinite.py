@@ -47,7 +47,7 @@ class NonFiniteSteps:
         t = self.cfg.train
         stop, self.streak = nonfinite_verdict(
             configured=configured, streak=self.streak, mode=t.nonfinite,
-            limit=t.nonfinite_limit, pipeline=self.cfg.pp > 1,
+            limit=t.nonfinite_limit,
         )  # fmt: skip
         if reporter:
             self.event(

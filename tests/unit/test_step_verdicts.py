@@ -59,23 +59,21 @@ def test_the_reduced_tail_counts_the_ranks_that_saw_non_finite_values() -> None:
 
 
 @pytest.mark.parametrize(
-    ("configured", "streak", "mode", "limit", "pipeline", "stop", "after"),
+    ("configured", "streak", "mode", "limit", "stop", "after"),
     [
-        (False, 0, "skip", 5, False, None, 1),
-        (False, 4, "skip", 5, False, None, 5),  # the fifth in a row: skipped
-        (False, 5, "skip", 5, False, "6 non-finite steps in a row", 6),  # the sixth: stop
-        (False, 0, "stop", 5, False, "train.nonfinite is stop", 1),
-        (False, 0, "skip", 5, True, "a pipeline stage cannot skip a step", 1),
-        (True, 3, "skip", 5, False, None, 3),  # a configured skip is no fault: streak kept
-        (True, 0, "stop", 1, False, None, 0),
+        (False, 0, "skip", 5, None, 1),
+        (False, 4, "skip", 5, None, 5),  # the fifth in a row: skipped
+        (False, 5, "skip", 5, "6 non-finite steps in a row", 6),  # the sixth: stop
+        (False, 0, "stop", 5, "train.nonfinite is stop", 1),
+        (True, 3, "skip", 5, None, 3),  # a configured skip is no fault: streak kept
+        (True, 0, "stop", 1, None, 0),
     ],
 )
 def test_what_a_skipped_step_means_for_the_job(
-    configured: bool, streak: int, mode: str, limit: int, pipeline: bool, stop: str | None,
-    after: int,
-) -> None:  # fmt: skip
+    configured: bool, streak: int, mode: str, limit: int, stop: str | None, after: int
+) -> None:
     reason, streak_after = nonfinite_verdict(
-        configured=configured, streak=streak, mode=mode, limit=limit, pipeline=pipeline
+        configured=configured, streak=streak, mode=mode, limit=limit
     )
     assert streak_after == after
     if stop is None:
@@ -99,7 +97,6 @@ def test_the_config_names_skipped_steps_and_the_policy() -> None:
         ({"train.skip_steps": [0]}, "train.skip_steps: each must be a step in [1,"),
         ({"train.skip_steps": [41], "train.steps": 40}, "train.skip_steps: each must be"),
         ({"train.skip_steps": ["x"]}, "'train.skip_steps[0]' must be a number"),
-        ({"train.skip_steps": [3], "pp": 2}, "a pipeline stage cannot skip a step yet"),
     ],
 )
 def test_bad_nonfinite_settings_are_one_line_errors(

@@ -351,6 +351,14 @@ class Pipeline:
                 m.pending.append((step, [g.clone() for g in missed]))
         self._written(step)
 
+    def skip(self, step: int) -> None:
+        """Step ``step`` is not applied (its reduced values are not finite, or it is one of
+        ``train.skip_steps``): the held layers stand as they were, and that is what the step
+        wrote. ZeRO-3 frees its window as after an update (the next step gathers it again)."""
+        if self.zero3:
+            self.release()
+        self._written(step)
+
     def _written(self, step: int) -> None:
         """After an update: record what was written, for online verification."""
         if self.e.cfg.verify_every:

@@ -201,21 +201,25 @@ class PipelineStages(Strategy):
             )  # fmt: skip
         else:  # receivers replay every layer they take over: the whole model's gradient
             sumsq = reduce_over_everyone(ctx.comm, sums, broken, state=st, mine=self.my_grads)
-        if sums.tail.nonfinite:  # nothing applied; the engine stops the job: a stage cannot
-            return sums.tail.epoch  # skip a step (its layer moves would have to skip it too)
         self.forget_partial()  # reduced: every rank holds the step's sums of its layers
-        ctx.enter("compute")
-        clip = ctx.cfg.train.grad_clip
-        # the norm for the job's curves: a collective here (``sumsq``), so every rank asks for
-        # it or none (``logging`` is a section every host agrees on)
-        measure = ctx.cfg.logging.enabled
-        grad, loss, norm = mean_gradient(
-            sums, max_norm=clip, ties=st.ties, segments=st.segments, sumsq=sumsq, measure=measure
-        )
-        pipe.update(
-            step, grad, broken, before_gather=before_update, finish=self._pruning(step, broken)
-        )
-        st.step, st.last_loss, st.last_grad_norm = step, loss, norm
+        if sums.tail.nonfinite:  # every rank alike: the step counts, nothing is applied (a
+            pipe.skip(step)  # migration's replay misses it too: it never queued its gradient)
+            st.step, st.last_grad_norm = step, None
+            st.last_loss = sums.tail.loss / max(sums.tail.count, 1)
+        else:
+            ctx.enter("compute")
+            clip = ctx.cfg.train.grad_clip
+            # the norm for the job's curves: a collective here (``sumsq``), so every rank asks
+            # for it or none (``logging`` is a section every host agrees on)
+            measure = ctx.cfg.logging.enabled
+            grad, loss, norm = mean_gradient(
+                sums, max_norm=clip, ties=st.ties, segments=st.segments, sumsq=sumsq,
+                measure=measure,
+            )  # fmt: skip
+            pipe.update(
+                step, grad, broken, before_gather=before_update, finish=self._pruning(step, broken)
+            )
+            st.step, st.last_loss, st.last_grad_norm = step, loss, norm
         switched = pipe.after_step(step, sums.tail.flag)
         epochs = sums.tail.epoch
         if pipe.zero3:  # no gradient outlives the step: the next one allocates its buffers
