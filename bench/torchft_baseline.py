@@ -16,7 +16,10 @@ ElasWave's gradient; once a group is gone its shard is skipped, so the global ba
 
 The fault: group 1 SIGKILLs itself in the DDP communication hook of step 15, just before the
 gradient all-reduce. The survivors' step 15 fails (``should_commit`` is False), they form a new
-quorum without group 1 and redo step 15. The dead group is not restarted.
+quorum without group 1 and redo step 15. The dead group is not restarted. ``kills`` names other
+(step, group) faults (:mod:`bench.convergence`). ``rng="torch"``: each group seeds torch's
+generator once and runs the layers without ElasWave's keyed dropout, as a TorchFT user's loop
+does (its own random numbers).
 
 This file is also the worker: ``python bench/torchft_baseline.py --replica G ...`` (see
 :func:`run_torchft`). Each worker appends JSON lines to ``replica<G>.jsonl`` in the output folder.
@@ -78,12 +81,15 @@ def run_torchft(
     out_dir: Path,
     *,
     kill: bool,
+    kills: tuple[tuple[int, int], ...] = (),
+    rng: str = "keyed",
     world: int = 4,
     heartbeat_timeout_ms: int = HEARTBEAT_TIMEOUT_MS,
     pg_timeout_s: float = PG_TIMEOUT_S,
     timeout: float = 600.0,
 ) -> dict[str, Any]:
-    """Run one TorchFT job to completion; returns the measurements of :func:`analyse`."""
+    """Run one TorchFT job to completion; returns the measurements of :func:`analyse`.
+    ``kill``: group 1 dies at step 15; ``kills``: (step, group) deaths instead."""
     import torch.distributed as dist
 
     from bench.common import BenchError, free_port
@@ -96,7 +102,11 @@ def run_torchft(
     env["TORCHFT_LIGHTHOUSE"] = f"http://127.0.0.1:{port}"
     args = ["--config", str(config), "--out", str(out_dir), "--replicas", str(world),
             "--barrier-port", str(barrier.port), "--pg-timeout", str(pg_timeout_s)]  # fmt: skip
-    args += ["--kill-at", str(FAULT_STEP)] if kill else []
+    if kill:
+        kills = ((FAULT_STEP, VICTIM),)
+    if kills:
+        args += ["--kills", ",".join(f"{s}:{g}" for s, g in kills)]
+    args += ["--rng", rng]
     lighthouse = _start(lighthouse_command(port, heartbeat_timeout_ms), out_dir / "lighthouse.log",
                         env)  # fmt: skip
     procs = []
@@ -116,7 +126,8 @@ def run_torchft(
                 p.kill()
                 p.wait()
     end = time.time()
-    expected = [-signal.SIGKILL if kill and g == VICTIM else 0 for g in range(world)]
+    dead = {g for _, g in kills}
+    expected = [-signal.SIGKILL if g in dead else 0 for g in range(world)]
     if codes != expected:
         raise BenchError(f"torchft replica exit codes {codes}, expected {expected}; see {out_dir}")
     return analyse(out_dir, config, world=world, kill=kill, start=start, end=end)
@@ -186,12 +197,15 @@ def _die(out: Any, step: int) -> None:
 def main(argv: list[str] | None = None) -> None:
     global _ARMED
     p = argparse.ArgumentParser()
-    for name in ("--replica", "--replicas", "--barrier-port", "--kill-at"):
+    for name in ("--replica", "--replicas", "--barrier-port"):
         p.add_argument(name, type=int, default=None)
+    p.add_argument("--kills", default="", help="STEP:GROUP,... : those groups die then")
+    p.add_argument("--rng", choices=("keyed", "torch"), default="keyed")
     p.add_argument("--pg-timeout", type=float, default=PG_TIMEOUT_S)
     p.add_argument("--config", type=Path, required=True)
     p.add_argument("--out", type=Path, required=True)
     a = p.parse_args(argv)
+    kills = {tuple(int(x) for x in k.split(":")) for k in a.kills.split(",") if k}
     out = (a.out / f"replica{a.replica}.jsonl").open("a", buffering=1)
 
     def emit(kind: str, **fields: Any) -> None:
@@ -204,6 +218,7 @@ def main(argv: list[str] | None = None) -> None:
     from torchft import DistributedDataParallel, Manager, Optimizer, ProcessGroupGloo
 
     from elaswave.config import load_config
+    from elaswave.data.text import resolve_text
     from elaswave.runtime.workload.data import microbatches
     from elaswave.runtime.workload.gpt import per_sample_loss
     from elaswave.runtime.workload.load import build_model, load_workload
@@ -231,11 +246,26 @@ def main(argv: list[str] | None = None) -> None:
                 fut.set_result(bucket.buffer())
             return fut
 
-    cfg = load_config(a.config, env={})
+    class Unkeyed(torch.nn.Module):
+        """The layers in order, drawing from torch's generator as they come (no keys)."""
+
+        def __init__(self, layers: torch.nn.ModuleList) -> None:
+            super().__init__()
+            self.layers = layers
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    cfg = resolve_text(load_config(a.config, env={}))  # text: its tokens (launch's cache)
     t = cfg.train
     torch.set_num_threads(t.threads_per_worker)
     model = build_model(cfg)
     model.train()
+    keyed = a.rng == "keyed"
+    if not keyed:
+        torch.manual_seed(t.seed * 1000 + a.replica)  # after the weights: they stay the same
     inner = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
                               weight_decay=t.weight_decay)  # fmt: skip
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
@@ -253,7 +283,7 @@ def main(argv: list[str] | None = None) -> None:
         timeout=timedelta(seconds=MANAGER_TIMEOUT_S),
         init_sync=False,  # every group builds identical weights from the config's seed
     )  # fmt: skip
-    ddp = KillableDDP(manager, model)
+    ddp = KillableDDP(manager, model if keyed else Unkeyed(model.layers))
     optimizer = Optimizer(manager, inner)
     workload = load_workload(cfg)
     dataset = workload.dataset(t.seed)
@@ -282,9 +312,9 @@ def main(argv: list[str] | None = None) -> None:
             mb = every[i]
             tokens, targets = workload.collate([dataset[i] for i in mb.sample_ids])
             last = k == len(mine) - 1
-            _ARMED = last and a.kill_at == step and a.replica == VICTIM
+            _ARMED = last and (step, a.replica) in kills
             with contextlib.nullcontext() if last else ddp.no_sync():
-                logits = ddp(tokens, step, mb.id)
+                logits = ddp(tokens, step, mb.id) if keyed else ddp(tokens)
                 loss = per_sample_loss(logits, targets).sum()
                 (loss / share).backward()
             loss_sum += loss.item()

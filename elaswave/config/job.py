@@ -136,6 +136,7 @@ class JobConfig:
         if self.verify_every < 0:
             raise ConfigError(f"verify_every must be >= 0, got {self.verify_every}")
         self._check_replay()
+        self._check_ablations()
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ConfigError(f"metrics_port must be 0..65535, got {self.metrics_port}")
         if self.zero not in (0, 1, 3):
@@ -223,6 +224,22 @@ class JobConfig:
                 "replay_every: a script's own loop computes its micro-batches itself, so the "
                 "engine cannot recompute one on a peer (use a config job)"
             )
+
+    def _check_ablations(self) -> None:
+        """``train.rng: rank`` and ``train.batch: shrink`` (``bench convergence``): data
+        parallelism's whole-model path only."""
+        t = self.train
+        for name, on in (
+            ("train.rng: rank", t.rng == "rank"),
+            ("train.batch: shrink", t.batch == "shrink"),
+        ):
+            if not on:
+                continue
+            if self.pp > 1 or self.zero == 3 or self.script is not None or self.replay_every:
+                raise ConfigError(
+                    f"{name} is an ablation for data parallelism's whole-model path "
+                    "(replicated or ZeRO-1, a config job, no replay_every)"
+                )
 
     def _check_script(self) -> None:
         """What a user's own loop does not run, refused in one line each."""

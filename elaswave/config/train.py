@@ -24,6 +24,8 @@ Hpz = Literal["auto", "off"]
 Zero3Gather = Literal["flat", "tiers"]
 ShardScope = Literal["job", "host"]
 NonFinite = Literal["skip", "stop"]
+Rng = Literal["sample", "rank"]
+Batch = Literal["fixed", "shrink"]
 
 
 @dataclass(kw_only=True)
@@ -156,6 +158,19 @@ class TrainConfig:
     """Steps whose samples are drawn but never trained on (known-bad data, a loss spike to step
     over): each is computed and reduced like any step, then not applied, exactly as a
     non-finite step is skipped."""
+    rng: Rng = "sample"
+    """What a layer's random numbers (dropout) are keyed by: "sample" (default) keys them by
+    (seed, step, micro-batch, layer), so that a sample draws the same mask on whichever rank
+    computes it, in any world. "rank" keys them by the computing rank and the micro-batch's
+    place among that rank's: what a training loop that seeds each rank gets, where a change of
+    world changes the masks. An ablation switch (``bench convergence``), for data parallelism's
+    whole-model path (replicated, ZeRO-1) only."""
+    batch: Batch = "fixed"
+    """"fixed" (default): every step trains ``global_batch`` samples whatever the world.
+    "shrink": each rank keeps its share of the full world's micro-batches, and a smaller world
+    trains fewer of them (the gradient is their mean): what replica-dropping systems such as
+    TorchFT do. An ablation switch (``bench convergence``), for data parallelism without
+    ``partial_redo`` (a survivor's kept micro-batches may fall outside the smaller batch)."""
     prune: PruneConfig | None = None
     """Structured pruning while training (OTOv2's DHSPG or OTOv3's HESSO; see
     elaswave.config.prune): None: off."""
@@ -263,6 +278,15 @@ class TrainConfig:
         if self.nonfinite not in get_args(NonFinite):
             raise ConfigError(f"train.nonfinite must be skip or stop, got {self.nonfinite!r}")
         positive("train.nonfinite_limit", self.nonfinite_limit)
+        if self.rng not in get_args(Rng):
+            raise ConfigError(f"train.rng must be sample or rank, got {self.rng!r}")
+        if self.batch not in get_args(Batch):
+            raise ConfigError(f"train.batch must be fixed or shrink, got {self.batch!r}")
+        if self.batch == "shrink" and self.partial_redo:
+            raise ConfigError(
+                "train.batch: shrink needs train.partial_redo: false (a survivor's kept "
+                "micro-batches may fall outside the smaller batch)"
+            )
         for s in self.skip_steps:
             if not 1 <= s <= self.steps:
                 raise ConfigError(

@@ -305,6 +305,9 @@ class Planner:
             now=time.time(),
             cause=cause,
             epoch_floor=self.epoch_floor,
+            per_rank=(
+                self.num_microbatches // self.max_workers if cfg.train.batch == "shrink" else None
+            ),
         )
 
     @property

@@ -248,12 +248,15 @@ def next_plan(
     now: float,
     cause: str = "",
     epoch_floor: int = 0,
+    per_rank: int | None = None,
 ) -> Plan | None:
     """The plan that follows ``prev`` for this membership, or ``None`` if nothing changes.
 
     At most ``max_workers`` are admitted (extra workers wait as standbys). The reason string says
     what changed and why, for ``status`` and the report. A job relaunched under its id starts
-    past the epochs it recorded (``epoch_floor``), so that its epochs only grow.
+    past the epochs it recorded (``epoch_floor``), so that its epochs only grow. ``per_rank``
+    (``train.batch: shrink``): each rank trains that many micro-batches, and a smaller world
+    fewer of the step's ``num_microbatches``; else the world shares all of them.
     """
     ordered = by_host(order_members(prev, members)[: min(max_workers, num_microbatches)])
     if not ordered:
@@ -261,6 +264,8 @@ def next_plan(
     workers = tuple(m.worker_id for m in ordered)
     if prev is not None and workers == prev.workers:
         return None
+    if per_rank is not None:
+        num_microbatches = min(num_microbatches, per_rank * len(workers))
     counts = assign_microbatches(num_microbatches, [1.0] * len(workers))
     departed = gone(prev.workers if prev else (), workers)
     epoch = max(prev.epoch if prev else 0, epoch_floor) + 1

@@ -212,6 +212,14 @@ def test_missing_config_file(tmp_path: Path) -> None:
         ({"replay_every": -1}, "replay_every must be >= 0, got -1"),
         ({"replay_every": 1, "zero": 3}, "replay_every: zero: 3 reduce-scatters each layer's"),
         ({"replay_every": 1, "pp": 2}, "replay_every: pp=2 stages each hold part of the model"),
+        ({"train.rng": "device"}, "train.rng must be sample or rank, got 'device'"),
+        ({"train.batch": "grow"}, "train.batch must be fixed or shrink, got 'grow'"),
+        ({"train.batch": "shrink"}, "train.batch: shrink needs train.partial_redo: false"),
+        ({"train.rng": "rank", "pp": 2}, "train.rng: rank is an ablation for data parallelism"),
+        (
+            {"train.batch": "shrink", "train.partial_redo": False, "zero": 3},
+            "train.batch: shrink is an ablation for data parallelism's whole-model path",
+        ),
         (
             {"elastic.workers_per_device": 2, "dvfs": "nvml", "pp": 2},
             "dvfs=nvml clocks each worker's own device: it cannot be used with "

@@ -461,3 +461,23 @@ def test_a_moved_store_keeps_the_layout_under_the_next_epoch() -> None:
     assert planwire.decode(planwire.encode(moved)) == moved
     # a new leader's epochs only grow past those the job recorded
     assert moved_store(prev, "h1:2", leader="h1", now=3.0, epoch_floor=9).epoch == 10
+
+
+@pytest.mark.parametrize(
+    ("world", "per_rank", "counts"),
+    [
+        (4, None, (4, 4, 4, 4)),
+        (3, None, (6, 5, 5)),  # the fixed global batch: the survivors share all 16
+        (4, 4, (4, 4, 4, 4)),
+        (3, 4, (4, 4, 4)),  # train.batch: shrink: 12 of the 16 micro-batches
+        (1, 4, (4,)),
+        (5, 4, (4, 3, 3, 3, 3)),  # more ranks than the full world's: never over the step's 16
+    ],
+)
+def test_a_shrinking_batch_keeps_each_ranks_share(
+    world: int, per_rank: int | None, counts: tuple[int, ...]
+) -> None:
+    live = [member(f"w{i}", i) for i in range(world)]
+    plan = next_plan(None, live, num_microbatches=16, max_workers=8, store="", now=0.0,
+                     per_rank=per_rank)  # fmt: skip
+    assert plan is not None and plan.microbatches == counts

@@ -95,6 +95,16 @@ class Accumulation:
         return busy_since(self._mark) / len(self.mine)
 
 
+def rng_key(mode: str, microbatch: int, *, rank: int, first: int, count: int) -> int:
+    """What micro-batch ``microbatch``'s layers key their random numbers by (``train.rng``):
+    the micro-batch itself ("sample"), or the computing rank and the micro-batch's place among
+    that rank's, whose first is ``first`` ("rank"; ``count``: the step's micro-batches, so that
+    no two (rank, place) pairs share a key)."""
+    if mode == "sample":
+        return microbatch
+    return count * (1 + rank) + microbatch - first
+
+
 class WholeModel:
     """One rank's whole-model compute with partial redo (``ctx``: the rank's context)."""
 
@@ -120,10 +130,13 @@ class WholeModel:
         replay.begin(
             step, run.mine, redo=run.redo, compute=lambda i: self._aside(step, every[i], keep=False)
         )
+        rank = self.ctx.comm.rank(DP)
+        first = self.ctx.plan.microbatch_range(rank).start if self.ctx.plan else 0
         for i in run.mine:
             mb = every[i]
+            key = rng_key(t.rng, mb.id, rank=rank, first=first, count=len(every))
             inputs, targets = st.microbatch(mb.sample_ids)
-            loss, count = st.loss(st.model(inputs, step, mb.id), targets)
+            loss, count = st.loss(st.model(inputs, step, mb.id, rng=key), targets)
             loss.backward()
             if t.device_time:
                 time.sleep(t.device_time)  # emulated accelerator time (benchmarks)

@@ -321,21 +321,27 @@ class KeyedLayers(nn.Module):
         microbatch: int,
         start: int = 0,
         stop: int | None = None,
+        *,
+        rng: int | None = None,
     ) -> torch.Tensor:
-        """Layers ``start .. stop - 1`` on ``x`` for (step, micro-batch)."""
+        """Layers ``start .. stop - 1`` on ``x`` for (step, micro-batch); ``rng``: what the
+        random numbers are keyed by instead of the micro-batch (``train.rng: rank``)."""
         stop = len(self.layers) if stop is None else stop
         for index in range(start, stop):
-            x = self.run_layer(index, x, step, microbatch=microbatch)
+            x = self.run_layer(index, x, step, microbatch=microbatch, rng=rng)
         return x
 
-    def run_layer(self, index: int, x: torch.Tensor, step: int, *, microbatch: int) -> torch.Tensor:
+    def run_layer(
+        self, index: int, x: torch.Tensor, step: int, *, microbatch: int, rng: int | None = None
+    ) -> torch.Tensor:
         """Layer ``index`` alone on ``x`` for (step, micro-batch): keyed randomness and this
         model's autocast, as :meth:`forward` runs it (pipeline stages time layers one by one).
         In training, its norm layers' batch statistics go to ``stats`` (:class:`RunningStats`),
         keyed by (step, micro-batch)."""
         layer = self.layers[index]
+        key = microbatch if rng is None else rng
         run = functools.partial(
-            call_layer, layer, x, seed=self.seed, step=step, microbatch=microbatch, index=index,
+            call_layer, layer, x, seed=self.seed, step=step, microbatch=key, index=index,
             autocast=self.autocast,
         )  # fmt: skip
         if self.stats is None or not self.training:
