@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import print_table
+from bench.common import console, print_table
 from elaswave.planning.dvfs import frequency_plan
 from elaswave.planning.partition import moved_layers, partition_layers, takeover
 
@@ -92,8 +92,11 @@ def _shape(n_layers: int, n_stages: int, repeat: int) -> dict[str, Any]:
 
 
 def run(repeat: int, config: Path) -> dict[str, Any]:
+    from elaswave.runtime.strategies.pipeline.clocks import cpufreq_status
+
     del config  # pure planning: no job is launched
-    return {"repeat": repeat, "shapes": [_shape(n, s, repeat) for n, s in SHAPES]}
+    shapes = [_shape(n, s, repeat) for n, s in SHAPES]
+    return {"repeat": repeat, "shapes": shapes, "cpu_clocks": cpufreq_status()}
 
 
 def show(result: dict[str, Any]) -> None:
@@ -133,3 +136,7 @@ def show(result: dict[str, Any]) -> None:
          "lower-only clocks", "lower-only energy"),
         rows,
     )  # fmt: skip
+    console.print(  # no clock is set here: GPUs' through python -m bench.gpucheck
+        f"CPU clocks on this machine: {result.get('cpu_clocks', 'not read')}; the DVFS figures "
+        "are the policy's predictions, not measurements"
+    )

@@ -6,6 +6,7 @@ import random
 import sys
 import types
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -15,6 +16,7 @@ from elaswave.runtime.strategies.pipeline.clocks import (
     NvmlActuator,
     OffActuator,
     SimActuator,
+    cpufreq_status,
     make_actuator,
     snap_clock,
 )
@@ -286,3 +288,40 @@ def test_nvml_actuator_permission_error_is_one_line(monkeypatch: pytest.MonkeyPa
     with pytest.raises(DvfsError, match="cannot lock clocks on GPU 0: permission denied"):
         act.apply({0: 1410.0})
     assert act.locked == {}  # nothing to undo
+
+
+def _cpu(root: Path, index: int) -> None:
+    d = root / f"cpu{index}" / "cpufreq"
+    d.mkdir(parents=True)
+    for name, value in (
+        ("cpuinfo_min_freq", "800000"),
+        ("cpuinfo_max_freq", "3500000"),
+        ("scaling_governor", "schedutil"),
+        ("scaling_max_freq", "3500000"),
+    ):
+        (d / name).write_text(value + "\n")
+
+
+@pytest.mark.parametrize(
+    ("cpus", "writable", "line"),
+    [
+        (0, True, "no cpufreq: {root}/cpu0/cpufreq is absent (no CPU clock control here)"),
+        (2, True, "cpufreq writable (2 CPUs, 800–3500 MHz, governor schedutil)"),
+        (1, False, "cpufreq read-only (1 CPUs, 800–3500 MHz, governor schedutil): setting "
+                   "scaling_max_freq needs root"),
+    ],
+)  # fmt: skip
+def test_what_a_machine_offers_to_set_cpu_clocks_is_one_line(
+    tmp_path: Path, cpus: int, writable: bool, line: str
+) -> None:
+    for i in range(cpus):
+        _cpu(tmp_path, i)
+    (tmp_path / "cpuidle").mkdir()  # a neighbour that is no CPU
+    seen: list[Path] = []
+
+    def can_write(path: Path) -> bool:  # root may write anything: the test says who may
+        seen.append(path)
+        return writable
+
+    assert cpufreq_status(tmp_path, writable=can_write) == line.format(root=tmp_path)
+    assert seen == ([tmp_path / "cpu0" / "cpufreq" / "scaling_max_freq"] if cpus else [])

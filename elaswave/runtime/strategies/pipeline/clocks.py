@@ -12,9 +12,11 @@ from __future__ import annotations
 import importlib
 import logging
 import math
+import os
 import shutil
 import subprocess
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any, Protocol
 
 from elaswave.planning.dvfs import DvfsError
@@ -208,6 +210,35 @@ class NpuActuator:
         for device in sorted(self.changed):
             self._set(device, self.f_nominal)
             del self.changed[device]
+
+
+CPUFREQ = Path("/sys/devices/system/cpu")
+
+
+def _writable(path: Path) -> bool:
+    return os.access(path, os.W_OK)
+
+
+def cpufreq_status(root: Path = CPUFREQ, *, writable: Callable[[Path], bool] = _writable) -> str:
+    """One line on this machine's CPU clock control through Linux cpufreq (under ``root``):
+    absent, present but read-only for this process (``writable``), or writable (the CPUs, the
+    driver's range and governor). What a DVFS benchmark says beside predictions only."""
+    cpus = sorted(root.glob("cpu[0-9]*/cpufreq"), key=lambda p: int(p.parent.name[3:]))
+    if not cpus:
+        return f"no cpufreq: {root}/cpu0/cpufreq is absent (no CPU clock control here)"
+
+    def read(name: str) -> str:
+        try:
+            return (cpus[0] / name).read_text().strip()
+        except OSError:
+            return "?"
+
+    lo, hi = read("cpuinfo_min_freq"), read("cpuinfo_max_freq")
+    span = f"{int(lo) // 1000}–{int(hi) // 1000} MHz" if lo.isdigit() and hi.isdigit() else "?"
+    what = f"{len(cpus)} CPUs, {span}, governor {read('scaling_governor')}"
+    if not writable(cpus[0] / "scaling_max_freq"):
+        return f"cpufreq read-only ({what}): setting scaling_max_freq needs root"
+    return f"cpufreq writable ({what})"
 
 
 def make_actuator(kind: str, **kw: Any) -> Actuator:
