@@ -6,7 +6,9 @@ few steps later), rank 2 killed at step 500 and not respawned (``max_restarts: 1
 the end). Each system's faulted run is compared, step by step, with a fault-free run:
 
 * **ElasWave**: sample-keyed random numbers, the fixed global batch (its defaults), against its
-  fault-free run;
+  fault-free run; and the same in the float64 mode (``train.reduce_dtype: float64``), against its
+  own fault-free run, which shows how much of ElasWave's deviation is float32's summation order
+  (a sum over three ranks rounds unlike one over four);
 * **rank-keyed RNG** (``train.rng: rank``): dropout keyed by the computing rank and the
   micro-batch's place among its own, as a loop that seeds each rank draws; against its own
   fault-free run (the same world draws the same masks);
@@ -58,16 +60,23 @@ PAPER_REDUCTION = 0.78  # the ElasWave paper's "about 78 %" lower convergence de
 LAST = 200  # the tail the "late" deviation is averaged over
 SYSTEMS = {
     "elaswave": "ElasWave (sample-keyed RNG, fixed batch)",
+    "elaswave_f64": "ElasWave, float64 mode",
     "rank_rng": "ElasWave, rank-keyed RNG",
     "shrink": "ElasWave, shrinking batch",
     "torchft": "TorchFT, its own RNG",
 }
 SETTINGS = {  # ELASWAVE_* overrides of each ElasWave variant
     "elaswave": {},
+    "elaswave_f64": {"ELASWAVE_TRAIN__REDUCE_DTYPE": "float64"},
     "rank_rng": {"ELASWAVE_TRAIN__RNG": "rank"},
     "shrink": {"ELASWAVE_TRAIN__BATCH": "shrink", "ELASWAVE_TRAIN__PARTIAL_REDO": "false"},
 }
-REFERENCE = {"elaswave": "elaswave", "rank_rng": "rank_rng", "shrink": "elaswave"}
+REFERENCE = {
+    "elaswave": "elaswave",
+    "elaswave_f64": "elaswave_f64",
+    "rank_rng": "rank_rng",
+    "shrink": "elaswave",
+}
 
 
 def fault_steps(steps: int) -> tuple[int, int]:
@@ -101,6 +110,7 @@ def run(repeat: int, config: Path) -> dict[str, Any]:
     env = bench_env(tmp / "state")
     free = {
         "elaswave": _elaswave(job, tmp / "free-elaswave", env, "elaswave", faults=()),
+        "elaswave_f64": _elaswave(job, tmp / "free-f64", env, "elaswave_f64", faults=()),
         "rank_rng": _elaswave(job, tmp / "free-rank_rng", env, "rank_rng", faults=()),
         "torchft": _torchft(job, tmp / "free-torchft", kills=()),
     }
@@ -131,9 +141,9 @@ def run(repeat: int, config: Path) -> dict[str, Any]:
     }  # fmt: skip
     ours = summary["elaswave"]
     reduction = {
-        name: {k: 1 - ours[k] / summary[name][k] for k in ours}
+        name: {k: 1 - ours[k] / summary[name][k] if summary[name][k] else None for k in ours}
         for name in SYSTEMS
-        if name != "elaswave"
+        if not name.startswith("elaswave")
     }
     result: dict[str, Any] = {
         "scenario": "convergence",
@@ -185,8 +195,8 @@ def plot(result: dict[str, Any], out: Path) -> Path:
     steps = result["steps"]
     xs = list(range(1, steps + 1))
     first, second = fault_steps(steps)
-    colors = {"elaswave": "tab:blue", "rank_rng": "tab:orange", "shrink": "tab:purple",
-              "torchft": "tab:green"}  # fmt: skip
+    colors = {"elaswave": "tab:blue", "elaswave_f64": "tab:cyan", "rank_rng": "tab:orange",
+              "shrink": "tab:purple", "torchft": "tab:green"}  # fmt: skip
     refs = {**REFERENCE, "torchft": "torchft"}
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 7), sharex=True,
                                       gridspec_kw={"height_ratios": [3, 2]})  # fmt: skip

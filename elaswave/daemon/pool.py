@@ -211,15 +211,16 @@ class WorkerPool:
             await asyncio.sleep(w.detect_delay)  # meet the dead peer in the transport alone
         rank = d.plan.rank_of(w.worker_id) if d.plan else None
         reason = f"worker {w.worker_id} (rank {rank}) {w.describe_exit()}"
-        d.events.emit(
-            "worker_exit",
-            host=d.host_id,
-            worker=w.worker_id,
-            rank=rank,
-            pid=w.pid,
-            exit_code=w.exit_code,
-            reason=reason,
-        )
+        if not w.unjoined:  # one that left a preemption holding nothing is no incident
+            d.events.emit(
+                "worker_exit",
+                host=d.host_id,
+                worker=w.worker_id,
+                rank=rank,
+                pid=w.pid,
+                exit_code=w.exit_code,
+                reason=reason,
+            )
         spare = self.waiting_spare()
         verdict = replacement_verdict(
             w.exit_code,

@@ -437,6 +437,7 @@ def test_hosts_stopped_and_relaunched_together_resume_once(
         standby = Run(tmp_path / "h3")
         assert [e["worker"] for e in standby.of("preempt_left")] == ["h3.w0"]
         assert not standby.of("preempted") and not standby.of("worker_respawned")
+        assert not build_report(tmp_path / "h3")["incidents"], "a standby leaving is no incident"
         assert_no_orphans(standby)
         procs = start_all(state_env)
         outs = {h: p.communicate(timeout=180) for h, p in procs.items()}
