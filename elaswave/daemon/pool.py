@@ -78,8 +78,6 @@ class PoolHost(Protocol):
     @property
     def stopping(self) -> bool: ...
     @property
-    def preempting(self) -> int | None: ...
-    @property
     def unrecoverable(self) -> str | None: ...
     @property
     def conns(self) -> Mapping[str, WorkerConn]: ...
@@ -94,6 +92,7 @@ class WorkerPool:
         self.replacing = 0  # fenced workers whose replacements are being spawned
         self.expecting: dict[str, asyncio.Event] = {}  # worker ids being spawned
         self.spares_started = 0  # warm spares started so far (the next one's number)
+        self.preempted = False  # this host is preempted: a worker lost now is a departure
         self._spare_tasks: set[asyncio.Task[None]] = set()  # new spares being started
 
     @property
@@ -199,7 +198,7 @@ class WorkerPool:
         # preempted is a departure (the survivors need a plan without it to reach the step that
         # checkpoints), never respawned; so is one that left before it joined (it held nothing).
         left = w.exit_code == EXIT_PREEMPTED and not w.unjoined
-        if w.done or w.stopping or left or (d.stopping and d.preempting is None):
+        if w.done or w.stopping or left or (d.stopping and not self.preempted):
             self.check_finished()
             return
         if w.spare:  # it never had a place: nothing to record or plan, and no new spare

@@ -390,6 +390,7 @@ class HostDaemon:
             return  # the same signal again
         name = signal.Signals(signum).name
         self.preempting, self.signal_received, self.stopping = signum, signum, True
+        self.pool.preempted = True
         grace = self.cfg.timeouts.preempt_grace
         self.events.emit("preempt_requested", host=self.host_id, signal=name, grace=grace)
         self.channel.send_all(wire.Preempt(signal=name))
