@@ -87,7 +87,7 @@ class Replicated(Strategy):
         self.path.forget_partial()
         if sums.tail.nonfinite:  # every rank alike: the step counts, nothing is applied
             st.opt.step_count, st.step = step, step
-            st.last_loss, st.last_grad_norm = sums.tail.loss / max(sums.tail.count, 1), None
+            st.last_loss, st.last_grad_norm = sums.tail.mean_loss, None
             return sums.tail.epoch
         self.ctx.enter("compute")
         measure = self.ctx.cfg.logging.enabled and comm.rank(DP) == 0  # it reports

@@ -90,6 +90,11 @@ class StepTail:
         self.values[self.COUNT] = value
 
     @property
+    def mean_loss(self) -> float:
+        """The batch's mean loss, once reduced (a step that is not applied reports it too)."""
+        return self.loss / max(self.count, 1)
+
+    @property
     def nonfinite(self) -> int:
         return int(self.values[self.NONFINITE])
 

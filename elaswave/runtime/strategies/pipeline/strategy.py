@@ -204,8 +204,7 @@ class PipelineStages(Strategy):
         self.forget_partial()  # reduced: every rank holds the step's sums of its layers
         if sums.tail.nonfinite:  # every rank alike: the step counts, nothing is applied (a
             pipe.skip(step)  # migration's replay misses it too: it never queued its gradient)
-            st.step, st.last_grad_norm = step, None
-            st.last_loss = sums.tail.loss / max(sums.tail.count, 1)
+            st.step, st.last_loss, st.last_grad_norm = step, sums.tail.mean_loss, None
         else:
             ctx.enter("compute")
             clip = ctx.cfg.train.grad_clip

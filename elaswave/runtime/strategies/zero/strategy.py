@@ -154,7 +154,7 @@ class ZeroStrategy(Strategy):
         assert z.staged is not None
         z.staged.reached_barrier = True
         commit_barrier(comm, broken)
-        st.last_loss = tail.loss / count
+        st.last_loss = tail.mean_loss
         # as data parallelism has it: every rank when clipping took it, else rank 0 (it reports)
         st.last_grad_norm = norm if cfg.train.grad_clip or comm.rank(DP) == 0 else None
         z.commit(st.last_loss)  # every rank staged (and replicated) this step: committed
