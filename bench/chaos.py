@@ -11,11 +11,11 @@ result) over the variant's kinds, nine at most:
 
 - kill, hang, corrupt, slow, nan, gradsdc: ``inject-fault --rank R`` on the live job (R drawn
   at random; ``nan`` turns that rank's loss and gradient NaN in its next step, which every rank
-  skips; ``gradsdc`` is ``--kind corrupt
-  --target grad``: the rank computes its next step's gradient with one bit wrong, a replay of
-  every step (``--replay-every 1``) outvotes it and the rank is evicted for good, its slot empty
-  until its host is launched again by a later host fault or preemption; ZeRO-3 and pipelines,
-  where no rank holds a micro-batch's whole gradient, leave it out);
+  skips; ``gradsdc`` is ``--kind corrupt --target grad``: the rank computes its next step's
+  gradient with one bit wrong, a replay of every step (``--replay-every 1``) outvotes it and the
+  rank is evicted for good, its slot empty until its host is launched again by a later host
+  fault or preemption; ZeRO-3 and pipelines, where no rank holds a micro-batch's whole
+  gradient, leave it out);
 - preempt: SIGTERM to every launch (a scheduler's requeue): the job checkpoints its newest
   step and every launch exits 75; then every host is launched again and resumes from it;
 - host: ``inject-fault --kind host`` on a non-leader host, which is then relaunched (a new daemon
@@ -40,7 +40,7 @@ each bed's directory, the run directories of every host, under ``DIR``):
   lanes inside the racks, slices between them) whenever rack A has two hosts in the plan;
 - ``zero``: ZeRO-1 (``--zero 1``), every kind;
 - ``zero3``: ZeRO-3 (``--zero 3``: parameters, gradients and moments sharded), all but ``gradsdc``;
-- ``pipeline``: dp 3 × pp 2 with ZeRO-1 inside the stages, all but ``gradsdc`` and ``nan``;
+- ``pipeline``: dp 3 × pp 2 with ZeRO-1 inside the stages, all but ``gradsdc``;
 - ``pipeline-zero3``: dp 3 × pp 2 with ZeRO-3 inside the stages (between steps a rank keeps only
   its parts, parameters with their moments; each step gathers its stage), as ``pipeline``;
 - ``leader``: every host and partition fault hits the leader's host, every rank fault a worker
@@ -112,8 +112,8 @@ REL_TOL = 1e-6  # the per-step loss goal of the e2e tests
 REDUCE_DTYPE = os.environ.get("CHAOS_REDUCE_DTYPE", "float64")
 RANK_KINDS = ("kill", "hang", "corrupt", "slow", "nan", "gradsdc")
 HOST_KINDS = ("host", "partition")
-# a replay needs a micro-batch's whole gradient on one rank: not under ZeRO-3 or pipelines
 KINDS = (*RANK_KINDS, *HOST_KINDS, "preempt")
+# a replay needs a micro-batch's whole gradient on one rank: not under ZeRO-3 or pipelines
 SHARDED_KINDS = tuple(k for k in KINDS if k != "gradsdc")
 REPLAY = ("--replay-every", "1")  # every step, so that every gradsdc meets a replay
 ETCD_RESTART_AFTER = 4.0  # s a killed etcd member stays down

@@ -41,6 +41,11 @@ def summarize(values: Iterable[float | None]) -> dict[str, float | int | None]:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
 
 
+def relative_deviation(loss: Sequence[float], ref: Sequence[float]) -> list[float]:
+    """``|loss - ref| / |ref|`` step by step: how far a run's losses are from a reference's."""
+    return [abs(a - b) / abs(b) for a, b in zip(loss, ref, strict=True)]
+
+
 def diffs(values: Sequence[float]) -> list[float]:
     return [b - a for a, b in zip(values[:-1], values[1:], strict=True)]
 

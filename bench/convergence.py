@@ -48,6 +48,7 @@ from bench.common import (
     elaswave_launch,
     print_table,
     read_jsonl,
+    relative_deviation,
     write_config,
 )
 
@@ -87,7 +88,7 @@ def fault_steps(steps: int) -> tuple[int, int]:
 def deviation(loss: list[float], ref: list[float], *, since: int) -> dict[str, float]:
     """Relative per-step deviation from ``ref`` over the steps from ``since`` (1-based) on:
     mean, max, and the mean of the last :data:`LAST` steps."""
-    rel = [abs(a - b) / b for a, b in zip(loss[since - 1 :], ref[since - 1 :], strict=True)]
+    rel = relative_deviation(loss[since - 1 :], ref[since - 1 :])
     return {
         "mean": statistics.fmean(rel),
         "max": max(rel),
@@ -204,7 +205,7 @@ def plot(result: dict[str, Any], out: Path) -> Path:
     for name, label in result["systems"].items():
         loss, ref = result["runs"][name][0], result["fault_free"][refs[name]]
         top.plot(xs, _running_mean(loss, 20), color=colors[name], lw=1, label=label)
-        rel = [max(abs(a - b) / b, floor) for a, b in zip(loss, ref, strict=True)]
+        rel = [max(d, floor) for d in relative_deviation(loss, ref)]
         bottom.plot(xs, rel, color=colors[name], lw=0.6, alpha=0.8)
     for ax in (top, bottom):
         for s in (first, second):

@@ -39,6 +39,7 @@ from bench.common import (
     ms,
     print_table,
     read_jsonl,
+    relative_deviation,
     summarize,
 )
 
@@ -213,7 +214,7 @@ def _throughput_control(res: dict[str, Any]) -> dict[str, Any]:
 
 
 def _deviation(loss: list[float], ref: list[float], tag: str) -> dict[str, float]:
-    rel = [abs(a - b) / abs(b) for a, b in zip(loss, ref, strict=True)]
+    rel = relative_deviation(loss, ref)
     return {f"loss_dev_{tag}_max": max(rel), f"loss_dev_{tag}_mean": statistics.fmean(rel)}
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from bench.common import relative_deviation
+
 STYLE = {
     "elaswave": {"color": "tab:blue", "marker": "o"},
     "elaswave_script": {"color": "tab:purple", "marker": "D"},
@@ -50,7 +52,7 @@ def plot_losses(result: dict[str, Any], out: Path) -> Path:
         run = _median_run(result["runs"][name])
         kw = {**STYLE[name], "ms": 3, "lw": 1}
         top.plot(steps, run["loss"], label=f"{label}, crash", **kw)
-        rel = [max(abs(a - b) / b, floor) for a, b in zip(run["loss"], ref, strict=True)]
+        rel = [max(d, floor) for d in relative_deviation(run["loss"], ref)]
         bottom.plot(steps, rel, **kw)
     for ax in (top, bottom):
         ax.axvline(15, color="grey", ls="--", lw=1)
